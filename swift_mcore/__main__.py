@@ -1,0 +1,6 @@
+"""`python -m swift_mcore` (what torchrun starts on each rank)."""
+
+from .cli import entry_point
+
+if __name__ == "__main__":
+    entry_point()

@@ -1,0 +1,17 @@
+"""Arguments: one dataclass per concern, composed into PretrainArguments."""
+
+from .checkpoint import CheckpointArguments
+from .data import DataArguments
+from .fields import ArgumentError
+from .logging import LoggingArguments
+from .model import ModelArguments
+from .parallel import ParallelArguments
+from .parser import build_parser, parse_args
+from .pretrain import Derived, PretrainArguments, padded_vocab_size
+from .training import TrainingArguments
+
+__all__ = [
+    "ArgumentError", "CheckpointArguments", "DataArguments", "Derived", "LoggingArguments",
+    "ModelArguments", "ParallelArguments", "PretrainArguments", "TrainingArguments",
+    "build_parser", "padded_vocab_size", "parse_args",
+]

@@ -1,0 +1,24 @@
+"""Data and tokenizer flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from .fields import flag
+
+
+@dataclass
+class DataArguments:
+    data_path: Optional[List[str]] = flag(
+        None, "Preprocessed .bin/.idx prefixes, optionally weighted: '0.7 a 0.3 b'.")
+    dataset: Optional[List[str]] = flag(
+        None, "Raw files (.jsonl .json .parquet .csv .txt); tokenized once and cached.")
+    text_key: str = flag("text", "Column holding the text in --dataset files.")
+    split: str = flag("949,50,1", "Train,valid,test proportions of the data.")
+    data_cache_path: Optional[str] = flag(
+        None, "Where dataset index caches go; default output_dir/data_cache.")
+    tokenizer: Optional[str] = flag(
+        None, "Hugging Face tokenizer folder or tokenizer.json; default: the built-in "
+        "byte-level BPE trained on the embedded corpus.")
+    num_workers: int = flag(1, "Data loader worker processes per rank (0: in the main process).")

@@ -1,0 +1,88 @@
+"""Helpers to declare a flag once: its default, its help line and its accepted values."""
+
+from __future__ import annotations
+
+from dataclasses import field
+import typing
+from dataclasses import Field
+from typing import Any, List, Sequence
+
+
+def flag(default: Any, help: str, choices: Sequence[Any] | None = None, **kwargs) -> Any:
+    """A dataclass field that is also a command-line flag of the same name."""
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
+
+
+class ArgumentError(ValueError):
+    """Bad input from the user, reported before any work starts."""
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def base_type(f: Field):
+    """(python type, is_list) for a field annotated like Optional[List[int]]."""
+    hint = f.type
+    if isinstance(hint, str):  # postponed annotations: the groups use only these names
+        hint = eval(hint, {"Optional": typing.Optional, "List": List, "int": int,
+                           "float": float, "str": str, "bool": bool})
+    is_list = False
+    while True:
+        origin = typing.get_origin(hint)
+        if origin is typing.Union:
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        elif origin in (list, List):
+            is_list = True
+            hint = typing.get_args(hint)[0]
+        else:
+            return hint, is_list
+
+
+def _to_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ArgumentError(f"--{name} takes true or false, got {value!r}")
+
+
+def coerce(f: Field, value: Any) -> Any:
+    """Convert a value from YAML, the command line or Python into the field's type."""
+    if value is None:
+        return None
+    kind, is_list = base_type(f)
+    if is_list:
+        items = value if isinstance(value, (list, tuple)) else str(value).split()
+        return [_coerce_one(f.name, kind, v) for v in items]
+    return _coerce_one(f.name, kind, value)
+
+
+def _coerce_one(name: str, kind, value):
+    if kind is bool:
+        return _to_bool(name, value)
+    if kind is int:
+        if isinstance(value, bool):
+            raise ArgumentError(f"--{name} takes an integer, got {value!r}")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value))
+        except ValueError:
+            raise ArgumentError(f"--{name} takes an integer, got {value!r}") from None
+    if kind is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ArgumentError(f"--{name} takes a number, got {value!r}") from None
+    return str(value)
+
+

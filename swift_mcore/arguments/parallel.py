@@ -1,0 +1,29 @@
+"""Model/data parallel layout and gradient bucketing flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .fields import flag
+
+
+@dataclass
+class ParallelArguments:
+    tensor_model_parallel_size: int = flag(1, "Tensor-parallel ranks per model replica.")
+    pipeline_model_parallel_size: int = flag(1, "Pipeline stages per model replica.")
+    sequence_parallel: bool = flag(False, "Shard layer norms and dropout along the sequence "
+                                   "across tensor-parallel ranks.")
+    num_buckets: Optional[int] = flag(
+        None, "Split gradients into this many all-reduce buckets (sets bucket_size to "
+        "ceil(trainable parameters / num_buckets)); needs --overlap_grad_reduce.")
+    bucket_size: Optional[int] = flag(
+        None, "Parameters per gradient bucket (wins over --num_buckets); needs "
+        "--overlap_grad_reduce.")
+    overlap_grad_reduce: bool = flag(
+        False, "Start each bucket's all-reduce as soon as its gradients are ready.")
+    use_distributed_optimizer: bool = flag(
+        False, "Shard optimizer state across data-parallel ranks (ZeRO-1; CUDA only).")
+    distributed_backend: Optional[str] = flag(
+        None, "Process-group backend; default nccl with CUDA, gloo without.",
+        choices=("nccl", "gloo"))

@@ -1,0 +1,80 @@
+"""Command line and YAML -> PretrainArguments: a YAML file first, then flags override it."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import MISSING, Field, fields
+from typing import Any, List, Optional, Sequence
+
+import yaml
+
+from .fields import ArgumentError, base_type
+from .pretrain import _GROUP_TYPES, PretrainArguments
+
+def _describe_default(f: Field) -> str:
+    default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore
+    return "none" if default is None else str(default)
+
+
+def build_parser(prog: str = "swift-mcore pt", description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", help="YAML file of flags; flags given on the "
+                        "command line override it.")
+    for group_name, group_type in _GROUP_TYPES.items():
+        group = parser.add_argument_group(group_name)
+        for f in fields(group_type):
+            kind, is_list = base_type(f)
+            help_text = f"{f.metadata['help']} (default: {_describe_default(f)})"
+            if "choices" in f.metadata:
+                help_text += f" [choices: {', '.join(map(str, f.metadata['choices']))}]"
+            kwargs = dict(dest=f.name, help=help_text)
+            if kind is bool:
+                # `--flag` alone means true; `--flag false` is accepted too (ms-swift style).
+                kwargs.update(nargs="?", const="true", metavar="BOOL")
+            elif is_list:
+                kwargs.update(nargs="+", metavar=kind.__name__.upper())
+            else:
+                kwargs.update(metavar=kind.__name__.upper())
+            if f.name == "resume":
+                kwargs.update(nargs="?", const="auto", metavar="PATH")
+            group.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "swift-mcore pt",
+               cls=PretrainArguments) -> PretrainArguments:
+    parser = build_parser(prog)
+    try:
+        ns = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit:
+        raise
+    values = vars(ns)
+    config = values.pop("config", None)
+    flags = load_yaml(config) if config else {}
+    flags.update(values)
+    return cls.from_flags(**flags)
+
+
+def load_yaml(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except FileNotFoundError:
+        raise ArgumentError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as err:
+        raise ArgumentError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ArgumentError(f"config file {path} must map flag names to values")
+    known = {f.name for t in _GROUP_TYPES.values() for f in fields(t)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ArgumentError(f"config file {path}: unknown key(s) {', '.join(unknown)}; "
+                            f"see `swift-mcore pt --help`")
+    return data
+
+
+def all_flags() -> List[Field]:
+    return [f for t in _GROUP_TYPES.values() for f in fields(t)]

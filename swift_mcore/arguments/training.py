@@ -1,0 +1,31 @@
+"""Batch, schedule, optimizer and precision flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .fields import flag
+
+
+@dataclass
+class TrainingArguments:
+    micro_batch_size: int = flag(4, "Samples per forward pass per data-parallel rank.")
+    global_batch_size: int = flag(
+        16, "Samples per optimizer step over all ranks (micro-batches accumulate).")
+    train_iters: int = flag(300, "Optimizer steps to train for.")
+    lr: float = flag(1e-3, "Peak learning rate.")
+    min_lr: float = flag(1e-4, "Learning rate at the end of decay.")
+    lr_warmup_iters: int = flag(30, "Iterations of linear warmup from 0 to lr.")
+    lr_decay_iters: Optional[int] = flag(None, "Iterations of decay; default train_iters.")
+    lr_decay_style: str = flag(
+        "cosine", "Decay shape.", choices=("constant", "linear", "cosine",
+                                           "inverse-square-root"))
+    weight_decay: float = flag(0.1, "AdamW weight decay.")
+    clip_grad: float = flag(1.0, "Clip the global gradient norm to this; 0 disables.")
+    adam_beta1: float = flag(0.9, "Adam beta1.")
+    adam_beta2: float = flag(0.95, "Adam beta2.")
+    adam_eps: float = flag(1e-8, "Adam epsilon.")
+    seed: int = flag(42, "Seed for initialization, dropout and the data order.")
+    bf16: bool = flag(False, "Train in bfloat16 (GPU only).")
+    fp16: bool = flag(False, "Train in float16 with loss scaling (GPU only).")

@@ -1,0 +1,1 @@
+"""Models: the GPT builder (and, later, Hugging Face model families)."""

@@ -1,0 +1,105 @@
+"""Builds megatron-core's GPTModel (local layer spec, or Transformer Engine's on CUDA)."""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+
+def has_transformer_engine() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(args):
+    """The megatron TransformerConfig for these arguments (dtypes, parallel layout, shape)."""
+    from megatron.core.transformer import TransformerConfig
+
+    m, t, p = args.model, args.training, args.parallel
+    dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+    cuda = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        # Creating the full weight and slicing it makes the initial weights independent of
+        # the TP layout; megatron requires it without CUDA anyway.
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        # The fused kernels are CUDA-only; on GPU megatron picks them when TE is present.
+        bias_activation_fusion=cuda and m.swiglu and has_transformer_engine(),
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # Losses are summed over tokens and divided by the token count of the whole global
+        # batch (all micro-batches and DP ranks), not averaged per micro-batch.
+        calculate_per_token_loss=True,
+        # p2p without torch.cuda.synchronize (DESIGN.md: p2p_communication.py:398).
+        batch_p2p_sync=cuda,
+    )
+
+
+def layer_spec(args):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if has_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=args.model.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=args.model.qk_layernorm, normalization=args.model.normalization)
+
+
+def build_model(args, padded_vocab_size: int) -> List[torch.nn.Module]:
+    """One GPTModel chunk per rank holding this rank's pipeline stage and TP shard."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(args)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(args),
+        vocab_size=padded_vocab_size,
+        max_sequence_length=args.model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.model.untie_embeddings_and_output_weights,
+        position_embedding_type=args.model.position_embedding_type,
+        rotary_percent=args.model.rotary_percent,
+        rotary_base=args.model.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return [model]
+
+
+def count_parameters(chunks) -> int:
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())

@@ -1,0 +1,1 @@
+"""Runtime: process groups, seeds, and the CPU adaptation of megatron-core."""

@@ -1,0 +1,69 @@
+"""Wraps model chunks in megatron's bucketed DistributedDataParallel."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import List
+
+import torch
+
+
+def bucket_size_for(args, models) -> int | None:
+    """--bucket_size if given, else ceil(trainable parameters / --num_buckets), else None
+    (megatron's default)."""
+    p = args.parallel
+    if p.bucket_size is not None:
+        return p.bucket_size
+    if p.num_buckets is None:
+        return None
+    trainable = sum(q.numel() for m in models for q in m.parameters() if q.requires_grad)
+    return math.ceil(trainable / p.num_buckets)
+
+
+def wrap_model(args, models: List[torch.nn.Module], wrap_with_ddp: bool = True) -> list:
+    """Returns the list of model chunks, DDP-wrapped unless ``wrap_with_ddp`` is False.
+
+    Bucketing applies to the first chunk only (megatron itself turns it off on pipeline
+    stages after the first), so later chunks reduce their gradients in one piece.
+    """
+    if not isinstance(models, (list, tuple)):
+        models = [models]
+    models = list(models)
+    if not wrap_with_ddp:
+        return models
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    p = args.parallel
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.training.bf16 or args.training.fp16,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+        bucket_size=bucket_size_for(args, models),
+    )
+    cuda = torch.cuda.is_available()
+    # On GPU, DDP is built on a side stream (as Megatron-LM does) so that its buffer
+    # allocations do not serialize with work queued on the default stream.
+    stream = torch.cuda.Stream() if cuda else None
+    context = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
+    if cuda:
+        stream.wait_stream(torch.cuda.current_stream())
+    with context:
+        wrapped = [
+            DistributedDataParallel(
+                config=chunk.config,
+                ddp_config=ddp_config,
+                module=chunk,
+                disable_bucketing=index > 0,
+            )
+            for index, chunk in enumerate(models)
+        ]
+    if cuda:
+        torch.cuda.current_stream().wait_stream(stream)
+    return wrapped
+
+
+def num_grad_buckets(ddp_chunk) -> int:
+    """How many gradient buckets megatron really built for one DDP chunk."""
+    return sum(len(group.buckets) for group in ddp_chunk.bucket_groups)

@@ -1,0 +1,73 @@
+"""Process groups: torch.distributed (nccl with CUDA, gloo without) and megatron's parallel_state."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import cpu_compat
+
+
+def default_backend(requested: str | None = None) -> str:
+    if requested:
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(args) -> None:
+    """Create the process group and megatron's model-parallel groups (idempotent).
+
+    A single process started without torchrun gets a one-rank group on a free local port,
+    so `python -c 'Trainer(args).train()'` works as well as `swift-mcore pt`.
+    """
+    cpu_compat.activate()
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = default_backend(args.parallel.distributed_backend)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.parallel.pipeline_model_parallel_size,
+        )
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_last_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

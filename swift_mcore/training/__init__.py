@@ -1,0 +1,1 @@
+"""Training: the Trainer, its loop, optimizer setup, metrics and writers."""

@@ -1,0 +1,39 @@
+"""Model FLOPs per iteration and throughput figures (tokens/s, TFLOP/s)."""
+
+from __future__ import annotations
+
+
+def flops_per_token(args, padded_vocab_size: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + the attention score/value matmuls.
+
+    Forward is 2 FLOPs per multiply-add, backward twice the forward, hence the 6; attention
+    adds 2 matmuls of seq x head_dim per head and layer (not halved for the causal mask,
+    as in Megatron-LM's accounting).
+    """
+    m = args.model
+    h, layers, seq = m.hidden_size, m.num_layers, m.seq_length
+    heads = m.num_attention_heads
+    head_dim = m.kv_channels or h // heads
+    groups = m.num_query_groups or heads
+    attn_proj = h * head_dim * (heads + 2 * groups) + heads * head_dim * h
+    mlp = h * m.ffn_hidden_size * (3 if m.swiglu else 2)
+    logits = h * padded_vocab_size
+    matmul_params = layers * (attn_proj + mlp) + logits
+    attention = layers * 2 * seq * heads * head_dim
+    return 6.0 * matmul_params + 3.0 * attention
+
+
+class Throughput:
+    """Tokens/s and TFLOP/s (per rank, as Megatron reports) over a window of iterations."""
+
+    def __init__(self, tokens_per_iteration: int, flops_per_iteration: float, world_size: int):
+        self.tokens_per_iteration = tokens_per_iteration
+        self.flops_per_iteration = flops_per_iteration
+        self.world_size = world_size
+
+    def rates(self, iterations: int, seconds: float) -> dict:
+        seconds = max(seconds, 1e-9)
+        return {
+            "tokens_per_s": iterations * self.tokens_per_iteration / seconds,
+            "tflops": iterations * self.flops_per_iteration / seconds / self.world_size / 1e12,
+        }

@@ -1,0 +1,55 @@
+"""megatron-core's optimizer (Adam with decoupled weight decay) and its LR/WD scheduler."""
+
+from __future__ import annotations
+
+
+def build_optimizer(args, model_chunks):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    t = args.training
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        params_dtype=_params_dtype(t),
+        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, model_chunks)
+
+
+def build_scheduler(args, optimizer):
+    """Steps are counted in iterations: the scheduler is stepped once per optimizer step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = args.training
+    decay_iters = t.lr_decay_iters or t.train_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=min(t.lr_warmup_iters, decay_iters),
+        lr_decay_steps=decay_iters,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.train_iters,
+        wd_incr_style="constant",
+        # A resumed scheduler continues from its checkpointed state; lr flags must match
+        # (the resume check reports them otherwise).
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
+
+
+def _params_dtype(t):
+    import torch
+
+    return torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
