@@ -8,7 +8,8 @@ _MESSAGES = (
     "Transformer Engine",
     "transformer_engine",
     "TE is not installed",
-    ".*nvidia-modelopt.*",
+    "nvidia-modelopt",
+    "full scope is deprecated",
 )
 
 

@@ -201,6 +201,11 @@ class PretrainArguments:
 
         if t.lr_decay_iters is not None:
             _positive(t, "lr_decay_iters")
+        decay = t.lr_decay_iters or t.train_iters
+        if t.lr_warmup_iters >= decay:
+            raise ArgumentError(
+                f"--lr_warmup_iters ({t.lr_warmup_iters}) must be smaller than the decay "
+                f"length ({decay}, from --lr_decay_iters or else --train_iters)")
         if not str(lg.output_dir).strip():
             raise ArgumentError("--output_dir must not be empty")
 

@@ -35,7 +35,7 @@ def build_scheduler(args, optimizer):
         init_lr=0.0,
         max_lr=t.lr,
         min_lr=t.min_lr,
-        lr_warmup_steps=min(t.lr_warmup_iters, decay_iters),
+        lr_warmup_steps=t.lr_warmup_iters,
         lr_decay_steps=decay_iters,
         lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay,
