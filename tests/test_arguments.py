@@ -1,0 +1,131 @@
+"""Flags: parsing, YAML overrides, --help, and validation errors that name the flag."""
+
+import subprocess
+import sys
+
+import pytest
+
+from swift_mcore.arguments import ArgumentError, PretrainArguments, parse_args
+from swift_mcore.arguments.parser import all_flags, build_parser
+from swift_mcore.arguments.pretrain import flag_owners
+
+
+def validated(*argv, world_size=1, cuda=False):
+    args = parse_args(list(argv))
+    args.validate(world_size=world_size, cuda=cuda)
+    return args
+
+
+def test_defaults_validate_and_derive():
+    args = validated()
+    assert args.derived.data_parallel_size == 1
+    assert args.derived.num_microbatches == 16 // 4
+    assert args.model.ffn_hidden_size == 704  # 8/3 * 256 rounded up to 64
+    assert args.model.max_position_embeddings == args.model.seq_length
+
+
+def test_num_microbatches_uses_data_parallel_size():
+    args = validated("--global_batch_size", "32", "--micro_batch_size", "2",
+                     "--tensor_model_parallel_size", "2", world_size=8)
+    assert args.derived.data_parallel_size == 4
+    assert args.derived.num_microbatches == 4
+
+
+def test_flags_are_typed_and_yaml_is_overridden(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("lr: 3.0e-4\nnum_layers: 6\noverlap_grad_reduce: true\n")
+    args = parse_args([str(config), "--num_layers", "8", "--seed", "7"])
+    assert args.training.lr == pytest.approx(3e-4)
+    assert args.model.num_layers == 8  # the flag wins over the YAML file
+    assert args.training.seed == 7
+    assert args.parallel.overlap_grad_reduce is True
+
+
+def test_bool_flags_accept_bare_and_explicit_values():
+    assert parse_args(["--swiglu", "false"]).model.swiglu is False
+    assert parse_args(["--overlap_grad_reduce"]).parallel.overlap_grad_reduce is True
+    assert parse_args(["--resume"]).checkpoint.resume == "auto"
+    assert parse_args(["--resume", "/x/iter_0000010"]).checkpoint.resume == "/x/iter_0000010"
+
+
+def test_every_flag_is_defined_once_and_listed_in_help():
+    owners = flag_owners()  # raises if a name is defined in two groups
+    help_text = build_parser().format_help()
+    for f in all_flags():
+        assert f"--{f.name}" in help_text
+        assert f.metadata["help"], f.name
+    assert len(owners) == len(all_flags())
+    assert "(default: 1e-05)" in help_text or "(default: 1e-05" in help_text
+
+
+def test_python_api_and_from_flags_agree():
+    a = PretrainArguments.from_flags(lr=2e-4, num_layers=3)
+    b = parse_args(["--lr", "2e-4", "--num_layers", "3"])
+    assert a.to_dict() == b.to_dict()
+    with pytest.raises(ArgumentError, match="unknown flag 'nope'"):
+        PretrainArguments.from_flags(nope=1)
+
+
+@pytest.mark.parametrize("argv, world_size, message", [
+    (["--num_buckets", "0", "--overlap_grad_reduce"], 1, "--num_buckets must be a positive"),
+    (["--num_buckets", "-3", "--overlap_grad_reduce"], 1, "--num_buckets must be a positive"),
+    (["--bucket_size", "-1", "--overlap_grad_reduce"], 1, "--bucket_size must be a positive"),
+    (["--num_buckets", "4"], 1, "need --overlap_grad_reduce"),
+    (["--bf16"], 1, "--bf16 needs a CUDA GPU"),
+    (["--fp16"], 1, "--fp16 needs a CUDA GPU"),
+    (["--use_distributed_optimizer"], 1, "--use_distributed_optimizer needs CUDA"),
+    (["--global_batch_size", "10", "--micro_batch_size", "4"], 1, "--global_batch_size (10)"),
+    (["--global_batch_size", "12", "--micro_batch_size", "4"], 2, "data-parallel size (2)"),
+    (["--tensor_model_parallel_size", "3"], 3, "must divide --num_attention_heads"),
+    (["--tensor_model_parallel_size", "2"], 3, "world size (3 ranks)"),
+    (["--pipeline_model_parallel_size", "3"], 3, "must divide --num_layers"),
+    (["--hidden_size", "100"], 1, "divisible by --num_attention_heads"),
+    (["--num_query_groups", "3"], 1, "divisible by --num_query_groups"),
+    (["--lr_decay_style", "zigzag"], 1, "--lr_decay_style must be one of"),
+    (["--min_lr", "1", "--lr", "0.1"], 1, "--min_lr"),
+    (["--train_iters", "10"], 1, "--lr_warmup_iters (30)"),
+    (["--seq_length", "512", "--max_position_embeddings", "256"], 1,
+     "--max_position_embeddings"),
+    (["--finetune"], 1, "--finetune needs --load"),
+    (["--hidden_dropout", "1.5"], 1, "--hidden_dropout"),
+])
+def test_validation_errors_name_the_flag(argv, world_size, message):
+    with pytest.raises(ArgumentError) as err:
+        validated(*argv, world_size=world_size)
+    assert message in str(err.value)
+
+
+def test_type_errors_name_the_flag():
+    with pytest.raises(ArgumentError, match="--lr takes a number"):
+        parse_args(["--lr", "fast"])
+    with pytest.raises(ArgumentError, match="--num_layers takes an integer"):
+        parse_args(["--num_layers", "2.5"])
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rate: 1\n")
+    with pytest.raises(ArgumentError, match="unknown key\\(s\\) learning_rate"):
+        parse_args([str(bad)])
+    with pytest.raises(ArgumentError, match="does not exist"):
+        parse_args([str(tmp_path / "missing.yaml")])
+
+
+def test_cli_reports_bad_flags_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "swift_mcore", "pt", "--num_buckets", "0",
+         "--overlap_grad_reduce", "--output_dir", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--num_buckets must be a positive integer, got 0" in proc.stderr
+    assert not out.exists()  # nothing was created
+
+
+def test_cli_help_lists_flags_with_defaults():
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "pt", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "--global_batch_size INT" in proc.stdout
+    assert "(default: 16)" in proc.stdout
+
