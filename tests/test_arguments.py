@@ -129,3 +129,13 @@ def test_cli_help_lists_flags_with_defaults():
     assert "--global_batch_size INT" in proc.stdout
     assert "(default: 16)" in proc.stdout
 
+
+
+def test_cli_reference_in_docs_is_current():
+    from pathlib import Path
+
+    from swift_mcore.arguments.reference import render
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+    assert docs.read_text() == render(), (
+        "docs/cli.md is stale: python -m swift_mcore.arguments.reference > docs/cli.md")

@@ -1,0 +1,45 @@
+"""A custom trainer on the Python API: label-smoothed loss, without copying the loop.
+
+Run:  python examples/custom_trainer.py            (one process)
+      torchrun --nproc_per_node 2 examples/custom_trainer.py
+"""
+
+import torch
+
+from swift_mcore import PretrainArguments, Trainer
+
+
+class LabelSmoothingTrainer(Trainer):
+    """Overrides two hooks: the forward step asks for logits, the loss smooths labels."""
+
+    smoothing = 0.1
+
+    def forward_step(self, data_iterator, model):
+        batch = self.get_batch(data_iterator)
+        # Without labels megatron's GPTModel returns logits [batch, seq, vocab] (this
+        # rank's vocabulary shard under tensor parallelism: keep TP=1 for this loss).
+        logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                       attention_mask=None)
+        return logits, lambda output: self.compute_loss(batch, output)
+
+    def compute_loss(self, batch, output_tensor):
+        logits = output_tensor.float()
+        per_token = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1),
+            reduction="none", label_smoothing=self.smoothing).view_as(batch["labels"])
+        # Reuse the base class's token-sum bookkeeping (exact averaging over the batch).
+        return super().compute_loss(batch, per_token)
+
+
+def main():
+    args = PretrainArguments.from_flags(
+        num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+        seq_length=128, micro_batch_size=4, global_batch_size=8, train_iters=40,
+        lr=2e-3, lr_warmup_iters=4, log_interval=10, eval_steps=0,
+        output_dir="output/custom-trainer")
+    state = LabelSmoothingTrainer(args).train()
+    print(f"custom trainer finished at iteration {state.iteration}")
+
+
+if __name__ == "__main__":  # dist_checkpointing's writer processes re-import this file
+    main()
