@@ -1,0 +1,59 @@
+"""The data cache folder, and how concurrent ranks and processes fill it safely."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from typing import Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: atomic renames alone still keep readers safe
+    fcntl = None
+
+
+def cache_dir(*parts: str) -> str:
+    """``$SWIFT_MCORE_CACHE`` (default ``~/.cache/swift_mcore``) joined with ``parts``, created."""
+    root = os.environ.get("SWIFT_MCORE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "swift_mcore")
+    path = os.path.join(root, *parts)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def locked(folder: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` so one process builds while the others wait.
+
+    Without the lock every rank would build the same artifact at once; the later ones would
+    waste the time, and a non-deterministic builder could leave ranks holding different
+    in-memory copies.
+    """
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".lock"), "a+") as fh:
+        if fcntl is not None:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def temp_name(path: str) -> str:
+    """A sibling of ``path`` no other process will pick (same folder, so os.replace is atomic)."""
+    return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

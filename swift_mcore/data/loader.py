@@ -1,0 +1,76 @@
+"""Micro-batch iterators over a dataset, positioned by the consumed-samples counter."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from .datasets import dataset_fingerprint  # noqa: F401  (re-exported for the resume check)
+from .sampler import GlobalOrder, micro_batches
+
+FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+class _PositionedSamples(torch.utils.data.Dataset):
+    """Map-style view keyed by global position; the dataset index comes from the order.
+
+    Each item is a pure function of its position, so the number of workers (and which
+    worker reads what) cannot change a batch.
+    """
+
+    def __init__(self, dataset, order: GlobalOrder):
+        self.dataset = dataset
+        self.order = order
+
+    def __getitem__(self, position: int):
+        sample = self.dataset[self.order[position]]
+        return tuple(sample[k] for k in FIELDS), position
+
+
+def _collate(items) -> Dict[str, torch.Tensor]:
+    batch = {name: torch.stack([fields[i] for fields, _ in items])
+             for i, name in enumerate(FIELDS)}
+    for name in ("tokens", "labels", "position_ids"):
+        batch[name] = batch[name].long()
+    batch["loss_mask"] = batch["loss_mask"].float()
+    batch["sample_ids"] = torch.tensor([position for _, position in items], dtype=torch.int64)
+    return batch
+
+
+class _BatchPositions:
+    """The batch_sampler: an iterable over this rank's micro-batches of global positions."""
+
+    def __init__(self, *args):
+        micro_batches(*args)  # checks the arguments here, in the main process
+        self.args = args
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return micro_batches(*self.args)
+
+
+def build_data_iterator(dataset, consumed_samples: int, args, dp_rank: int = 0,
+                        dp_size: int = 1, seed_offset: int = 0) -> Optional[Iterator[dict]]:
+    """An endless iterator of micro-batch dicts, starting at ``consumed_samples``.
+
+    Each dict: ``tokens``, ``labels``, ``position_ids`` [mbs, seq] int64, ``loss_mask``
+    [mbs, seq] float32 and ``sample_ids`` [mbs] int64, the global positions (for audit logs).
+    Returns None for a missing or empty dataset (e.g. a split of size 0).
+    ``seed_offset`` gives another stream its own order (e.g. validation).
+    """
+    if dataset is None or len(dataset) == 0:
+        return None
+    order = GlobalOrder(len(dataset), args.training.seed + seed_offset)
+    workers = int(args.data.num_workers)
+    loader = torch.utils.data.DataLoader(
+        _PositionedSamples(dataset, order),
+        batch_sampler=_BatchPositions(consumed_samples, args.training.micro_batch_size,
+                                      args.training.global_batch_size, dp_rank, dp_size),
+        collate_fn=_collate,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=2 if workers > 0 else None,
+        pin_memory=torch.cuda.is_available(),
+    )
+    return iter(loader)
+

@@ -1,0 +1,20 @@
+"""Helpers shared by the data tests: generated documents and small argument sets."""
+
+import random
+
+from swift_mcore.arguments import PretrainArguments
+
+WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega def class return "
+         "import yield while for if else print self value data 0 1 2 42 ( ) : = + -").split()
+
+
+def make_documents(n_docs: int, seed: int, min_words: int = 20, max_words: int = 200):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))
+            for _ in range(n_docs)]
+
+
+def make_args(tmp_path, **flags):
+    defaults = dict(seq_length=32, micro_batch_size=2, global_batch_size=8, num_workers=0,
+                    output_dir=str(tmp_path / "out"), seed=1234)
+    return PretrainArguments.from_flags(**{**defaults, **flags})
