@@ -10,8 +10,6 @@ from .fields import flag
 
 @dataclass
 class ModelArguments:
-    model: Optional[str] = flag(
-        None, "Hugging Face model folder to start from (config, tokenizer and weights).")
     num_layers: int = flag(4, "Number of transformer layers.")
     hidden_size: int = flag(256, "Hidden size.")
     ffn_hidden_size: Optional[int] = flag(

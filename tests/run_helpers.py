@@ -1,0 +1,53 @@
+"""Runs `swift-mcore pt` in subprocesses (one rank or torchrun) and reads what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A model small enough that a run of a few iterations costs seconds on 2 cores.
+TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
+        "--num_query_groups", "2", "--seq_length", "32", "--micro_batch_size", "2",
+        "--global_batch_size", "8", "--lr", "1e-3", "--lr_warmup_iters", "0",
+        "--lr_decay_style", "constant", "--min_lr", "1e-3", "--log_interval", "1",
+        "--eval_steps", "0", "--progress_bar", "false", "--tensorboard", "false",
+        "--num_workers", "0"]
+
+
+def run_pt(output_dir, *flags, nproc: int = 1, timeout: int = 240, check: bool = True,
+           env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "swift_mcore", "pt", *TINY, "--output_dir", str(output_dir),
+           *map(str, flags)]
+    full_env = {**os.environ, **(env or {})}
+    if nproc > 1:
+        full_env["NPROC_PER_NODE"] = str(nproc)
+        full_env["MASTER_PORT"] = str(_free_port())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"swift-mcore pt failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def train_records(output_dir) -> List[dict]:
+    path = Path(output_dir) / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["split"] == "train"]
+
+
+def losses(output_dir) -> Dict[int, float]:
+    return {r["iteration"]: r["loss"] for r in train_records(output_dir)}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
