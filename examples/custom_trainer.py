@@ -1,12 +1,21 @@
 """A custom trainer on the Python API: label-smoothed loss, without copying the loop.
 
-Run:  python examples/custom_trainer.py            (one process)
+Run:  python examples/custom_trainer.py                    (one process)
       torchrun --nproc_per_node 2 examples/custom_trainer.py
+      python examples/custom_trainer.py --train_iters 10    (any `swift-mcore pt` flag)
 """
+
+import sys
 
 import torch
 
 from swift_mcore import PretrainArguments, Trainer
+from swift_mcore.arguments import build_parser
+
+DEFAULTS = dict(
+    num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+    seq_length=128, micro_batch_size=4, global_batch_size=8, train_iters=40, lr=2e-3,
+    lr_warmup_iters=4, log_interval=10, eval_steps=0, output_dir="output/custom-trainer")
 
 
 class LabelSmoothingTrainer(Trainer):
@@ -32,11 +41,9 @@ class LabelSmoothingTrainer(Trainer):
 
 
 def main():
-    args = PretrainArguments.from_flags(
-        num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-        seq_length=128, micro_batch_size=4, global_batch_size=8, train_iters=40,
-        lr=2e-3, lr_warmup_iters=4, log_interval=10, eval_steps=0,
-        output_dir="output/custom-trainer")
+    given = vars(build_parser("custom_trainer.py").parse_args(sys.argv[1:]))  # only flags given
+    given.pop("config", None)
+    args = PretrainArguments.from_flags(**{**DEFAULTS, **given})
     state = LabelSmoothingTrainer(args).train()
     print(f"custom trainer finished at iteration {state.iteration}")
 
