@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Dict, List
+
 
 def flops_per_token(args, padded_vocab_size: int) -> float:
     """Training FLOPs per token: 6 x matmul parameters + the attention score/value matmuls.
@@ -23,17 +26,31 @@ def flops_per_token(args, padded_vocab_size: int) -> float:
     return 6.0 * matmul_params + 3.0 * attention
 
 
-class Throughput:
-    """Tokens/s and TFLOP/s (per rank, as Megatron reports) over a window of iterations."""
+class LogWindow:
+    """Averages loss and grad norm over the iterations between two log lines, and times
+    them for tokens/s and TFLOP/s (per rank, as Megatron reports)."""
 
     def __init__(self, tokens_per_iteration: int, flops_per_iteration: float, world_size: int):
         self.tokens_per_iteration = tokens_per_iteration
         self.flops_per_iteration = flops_per_iteration
         self.world_size = world_size
+        self._reset()
 
-    def rates(self, iterations: int, seconds: float) -> dict:
-        seconds = max(seconds, 1e-9)
-        return {
-            "tokens_per_s": iterations * self.tokens_per_iteration / seconds,
-            "tflops": iterations * self.flops_per_iteration / seconds / self.world_size / 1e12,
-        }
+    def _reset(self) -> None:
+        self.start = time.perf_counter()
+        self.steps: List[Dict[str, float]] = []
+
+    def add(self, step: Dict[str, float]) -> None:
+        self.steps.append(step)
+
+    def flush(self) -> Dict[str, float]:
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        n = len(self.steps)
+        metrics = {"lr": self.steps[-1]["lr"], "skipped": sum(s["skipped"] for s in self.steps)}
+        for key in ("loss", "grad_norm"):
+            values = [s[key] for s in self.steps if s.get(key) is not None]
+            metrics[key] = sum(values) / len(values) if values else None
+        metrics["tokens_per_s"] = n * self.tokens_per_iteration / seconds
+        metrics["tflops"] = n * self.flops_per_iteration / seconds / self.world_size / 1e12
+        self._reset()
+        return metrics

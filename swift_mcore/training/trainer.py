@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..arguments import ArgumentError, PretrainArguments, padded_vocab_size
 from ..checkpoint.state import TrainState
 from ..runtime import distributed, seed
-from .metrics import Throughput, flops_per_token
+from .metrics import LogWindow, flops_per_token
 from .writers import MetricWriter, format_log_line
 
 logger = logging.getLogger("swift_mcore")
@@ -39,21 +39,14 @@ class Trainer:
         args, state = self.args, self.state
         total = args.training.train_iters
         exit_reason = None
-        window_start, window_iters = time.time(), 0
         while state.iteration < total:
             step = self.train_step()
             self.advance(step)
-            window_iters += 1
-            if state.iteration % args.logging.log_interval == 0 or state.iteration == total:
-                step.update(self.throughput.rates(window_iters, time.time() - window_start))
-                window_start, window_iters = time.time(), 0
-                self.report(step, log_line=True)
-            else:
-                self.report(step, log_line=False)
-            if args.logging.eval_steps and state.iteration % args.logging.eval_steps == 0:
+            self.report(step)
+            if self.due(args.logging.eval_steps):
                 self.evaluate()
             exit_reason = self.exit_reason()
-            if exit_reason or self.save_due():
+            if exit_reason or self.due(args.checkpoint.save_steps):
                 self.save_checkpoint()
             if exit_reason:
                 break
@@ -96,7 +89,7 @@ class Trainer:
         self.writer = self.build_writer()
         tokens = args.training.global_batch_size * args.model.seq_length
         self.flops_per_iteration = tokens * flops_per_token(args, self.padded_vocab_size)
-        self.throughput = Throughput(tokens, self.flops_per_iteration, args.derived.world_size)
+        self.log_window = LogWindow(tokens, self.flops_per_iteration, args.derived.world_size)
         self.install_signal_handlers()
         self.log_start()
 
@@ -227,12 +220,16 @@ class Trainer:
         return metrics
 
     # ---- reporting ----------------------------------------------------------------------
-    def report(self, step: Dict[str, float], log_line: bool) -> None:
-        it = self.state.iteration
+    def report(self, step: Dict[str, float]) -> None:
+        """Progress bar every iteration; a log line with the window's averages every
+        --log_interval iterations and at the last one."""
+        it, total = self.state.iteration, self.args.training.train_iters
         self.writer.step(it, step.get("loss"))
-        if log_line:
-            self.writer.record(it, step)
-            self.writer.print(format_log_line(it, self.args.training.train_iters, step))
+        self.log_window.add(step)
+        if it % self.args.logging.log_interval == 0 or it == total:
+            metrics = self.log_window.flush()
+            self.writer.record(it, metrics)
+            self.writer.print(format_log_line(it, total, metrics))
 
     def write_sample_ids(self) -> None:
         """Audit log: the global sample positions this iteration really fed the model."""
@@ -294,9 +291,8 @@ class Trainer:
         return {0: None, 1: "--exit_duration_in_mins reached", 2: "--exit_interval reached",
                 3: "stop signal received"}[int(flag.item())]
 
-    def save_due(self) -> bool:
-        steps = self.args.checkpoint.save_steps
-        return bool(steps) and self.state.iteration % steps == 0
+    def due(self, every: Optional[int]) -> bool:
+        return bool(every) and self.state.iteration % every == 0
 
     def saved_at_current(self) -> bool:
         return getattr(self, "_last_saved_iteration", None) == self.state.iteration
