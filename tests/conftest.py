@@ -30,6 +30,9 @@ def gloo_group():
 
     cpu_compat.activate()
     created = not dist.is_initialized()
+    # Put MASTER_ADDR/PORT back afterwards: subprocesses started later inherit os.environ,
+    # and a one-rank run would then try to bind this port, which may still be held here.
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     if created:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
@@ -38,3 +41,8 @@ def gloo_group():
     parallel_state.destroy_model_parallel()
     if created:
         dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

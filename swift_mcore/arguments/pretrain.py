@@ -198,6 +198,13 @@ class PretrainArguments:
         if c.resume and c.load:
             raise ArgumentError("--resume and --load are exclusive: --resume continues a "
                                 "run, --load --finetune starts a new one from its weights")
+        if c.load and not c.finetune:
+            raise ArgumentError("--load PATH takes weights for a new run and needs "
+                                "--finetune; to continue a run use --resume PATH")
+        for name in ("resume", "load"):
+            path = getattr(c, name)
+            if path and path != "auto" and not os.path.exists(os.path.expanduser(path)):
+                raise ArgumentError(f"--{name} {path}: no such checkpoint folder")
 
         if t.lr_decay_iters is not None:
             _positive(t, "lr_decay_iters")

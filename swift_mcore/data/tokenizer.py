@@ -135,11 +135,9 @@ class Tokenizer(MegatronTokenizerBase):
 # ---- building ---------------------------------------------------------------------------
 
 def build_tokenizer(args) -> Tokenizer:
-    """--tokenizer wins, then the tokenizer of --model, then the built-in default."""
+    """--tokenizer if given, else the built-in default."""
     if args.data.tokenizer:
         return load_tokenizer(args.data.tokenizer, flag="--tokenizer")
-    if getattr(args.model, "model", None):
-        return load_tokenizer(args.model.model, flag="--model")
     return default_tokenizer()
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..arguments import ArgumentError, PretrainArguments, padded_vocab_size
-from ..checkpoint.state import TrainState
+from ..checkpointing.state import TrainState
 from ..runtime import distributed, seed
 from .metrics import LogWindow, flops_per_token
 from .writers import MetricWriter, format_log_line
@@ -300,7 +300,7 @@ class Trainer:
     def save_checkpoint(self) -> Optional[str]:
         if self.args.checkpoint.no_save or self.saved_at_current():
             return None
-        from ..checkpoint import save_checkpoint
+        from ..checkpointing import save_checkpoint
 
         path = save_checkpoint(self.args, self.state, self.model, self.optimizer,
                                self.scheduler, self.data_fingerprint)
@@ -310,7 +310,7 @@ class Trainer:
         return path
 
     def load_checkpoint(self) -> TrainState:
-        from ..checkpoint import load_checkpoint
+        from ..checkpointing import load_checkpoint
 
         return load_checkpoint(self.args, self.model, self.optimizer, self.scheduler,
                                self.data_fingerprint, log=self.writer_print_early)

@@ -1,0 +1,129 @@
+"""Checkpoint save and load throughput (MB/s), with the time split into its parts.
+
+Builds a model with Adam state (one real step), then saves it ``--repeats`` times through
+``save_checkpoint`` (dist_checkpointing write, then the commit: CRC-32 + fsync of every
+file, manifest, rename, tracker) and resumes from it as often through
+``load_checkpoint`` (CRC verification, then the sharded load). One process, one rank.
+Loads read a checkpoint just written, so they run from the warm page cache.
+
+  python benchmarks/checkpoint_io.py                        # ~1 GB checkpoint
+  python benchmarks/checkpoint_io.py --tiny --repeats 1     # smoke test
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+BIG = dict(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=4)
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
+
+
+class Clock:
+    """Accumulates the time spent in chosen module functions."""
+
+    def __init__(self):
+        self.spent = {}
+
+    def wrap(self, module, name, label):
+        original = getattr(module, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.spent[label] = self.spent.get(label, 0.0) + time.perf_counter() - start
+
+        setattr(module, name, timed)
+
+    def take(self):
+        spent, self.spent = self.spent, {}
+        return spent
+
+
+def folder_bytes(folder):
+    return sum(os.path.getsize(os.path.join(base, f))
+               for base, _, files in os.walk(folder) for f in files)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--dir", help="where to write (default: a temporary folder)")
+    opts = parser.parse_args()
+
+    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.checkpointing import load, save
+    from swift_mcore.training.trainer import Trainer
+
+    clock = Clock()
+    clock.wrap(save.io, "save", "dist_checkpointing_save_s")
+    clock.wrap(save.commit, "seal", "seal_crc_fsync_s")
+    clock.wrap(load, "_verify", "verify_crc_s")
+    clock.wrap(load, "_load", "dist_checkpointing_load_s")
+
+    workdir = opts.dir or tempfile.mkdtemp(prefix="ckpt_io_")
+    flags = {**(TINY if opts.tiny else BIG), "seq_length": 32, "micro_batch_size": 2,
+             "global_batch_size": 2, "train_iters": 1000, "lr_warmup_iters": 1,
+             "eval_steps": 0, "tensorboard": False, "progress_bar": False,
+             "num_workers": 0, "output_dir": os.path.join(workdir, "run")}
+    try:
+        trainer = Trainer(PretrainArguments.from_flags(**flags))
+        trainer.setup()
+        trainer.train_step()
+        trainer.state.iteration = 1
+        trainer.state.consumed_train_samples = flags["global_batch_size"]
+        saves, loads = [], []
+        for _ in range(opts.repeats):
+            clock.take()
+            start = time.perf_counter()
+            path = trainer.save_checkpoint()
+            total = time.perf_counter() - start
+            trainer._last_saved_iteration = None  # allow saving the same iteration again
+            saves.append({"total_s": total, **clock.take()})
+        size = folder_bytes(path)
+        for _ in range(opts.repeats):
+            resumed = Trainer(PretrainArguments.from_flags(**flags, resume="auto"))
+            timings = {}
+            original = resumed.load_checkpoint
+
+            def timed_load(original=original, timings=timings):
+                start = time.perf_counter()
+                state = original()
+                timings["total_s"] = time.perf_counter() - start
+                return state
+
+            resumed.load_checkpoint = timed_load
+            clock.take()
+            resumed.setup()
+            loads.append({**timings, **clock.take()})
+            resumed.writer.close()
+        trainer.writer.close()
+    finally:
+        if not opts.dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def med(rows):
+        return {k: round(statistics.median(r[k] for r in rows), 4) for k in rows[0]}
+
+    mb = size / 1e6
+    s, l = med(saves), med(loads)
+    print(json.dumps({
+        "parameters_M": round(trainer.num_parameters / 1e6, 2), "checkpoint_MB": round(mb, 1),
+        "repeats": opts.repeats, "save": s, "load": l,
+        "save_MB_per_s": round(mb / s["total_s"], 1), "load_MB_per_s": round(mb / l["total_s"], 1),
+    }))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

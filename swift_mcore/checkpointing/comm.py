@@ -1,0 +1,73 @@
+"""Collective helpers for the checkpoint module that also work without a process group."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch.distributed as dist
+
+from ..runtime.distributed import rank
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if initialized() else 1
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank (over the wire only; nothing on disk)."""
+    if not initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather(obj: Any) -> List[Any]:
+    if not initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def decide(fn, *args, **kwargs) -> Any:
+    """Run ``fn`` on rank 0 and hand its result, or its CheckpointError, to every rank, so
+    all ranks take the same decision and raise the same error together (no hang)."""
+    from .errors import CheckpointError
+
+    result, error = None, None
+    if rank() == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except CheckpointError as err:
+            error = str(err)
+        except Exception as err:  # an OSError on rank 0 must not leave the others waiting
+            error = f"{type(err).__name__}: {err}"
+
+    result, error = broadcast((result, error))
+    if error is not None:
+        raise CheckpointError(error)
+    return result
+
+
+def attempt(fn, *args, **kwargs) -> str | None:
+    """Run ``fn`` on this rank; None if it worked, else the error as text (to hand to
+    ``raise_if_any``, so that a failure on one rank is raised on all of them)."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as err:
+        return f"rank {rank()}: {type(err).__name__}: {err}"
+    return None
+
+
+def raise_if_any(error: str | None) -> None:
+    """Raise a CheckpointError on every rank if any rank reports one."""
+    from .errors import CheckpointError
+
+    errors = [e for e in all_gather(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])

@@ -1,0 +1,82 @@
+"""Resume checks: what would silently change the run if it continued from a checkpoint.
+Each difference is one line naming the flag (or quantity) with both values."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+# (group, flag): the data order and the meaning of an iteration.
+RUN_FIELDS = [("training", "global_batch_size"), ("model", "seq_length"),
+              ("training", "seed")]
+# The model's architecture: shapes and the function it computes.
+MODEL_FIELDS = [("model", name) for name in (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "num_query_groups", "kv_channels", "max_position_embeddings", "vocab_size",
+    "normalization", "norm_epsilon", "swiglu", "position_embedding_type", "rotary_base",
+    "rotary_percent", "untie_embeddings_and_output_weights", "add_bias_linear",
+    "add_qkv_bias", "qk_layernorm")]
+# Optimizer settings restored from the checkpoint's state (they would silently win).
+OPTIMIZER_FIELDS = [("training", name) for name in (
+    "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "bf16", "fp16")]
+# The learning-rate / weight-decay schedule, compared on the scheduler's own state.
+SCHEDULER_FIELDS = {
+    "max_lr": "--lr", "min_lr": "--min_lr", "lr_warmup_steps": "--lr_warmup_iters",
+    "lr_decay_steps": "--lr_decay_iters (default --train_iters)",
+    "lr_decay_style": "--lr_decay_style", "start_wd": "--weight_decay",
+    "end_wd": "--weight_decay", "wd_incr_style": "weight decay schedule",
+}
+_MISSING = object()
+
+
+def _get(args_dict: Dict[str, Dict[str, Any]], group: str, name: str) -> Any:
+    return args_dict.get(group, {}).get(name, _MISSING)
+
+
+def _fmt(value: Any) -> str:
+    return "unset" if value is None else repr(value) if isinstance(value, str) else str(value)
+
+
+def field_differences(saved: Dict[str, Dict[str, Any]], current: Dict[str, Dict[str, Any]],
+                      fields) -> List[str]:
+    lines = []
+    for group, name in fields:
+        old, new = _get(saved, group, name), _get(current, group, name)
+        if old is _MISSING or new is _MISSING or old == new:
+            continue
+        lines.append(f"--{name}: checkpoint {_fmt(old)}, now {_fmt(new)}")
+    return lines
+
+
+def model_differences(saved_args, current_args) -> List[str]:
+    return field_differences(saved_args, current_args, MODEL_FIELDS)
+
+
+def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict[str, Any],
+                       saved_fingerprint: Any, fingerprint: Any,
+                       saved_scheduler: Optional[Dict[str, Any]],
+                       scheduler: Optional[Dict[str, Any]]) -> List[str]:
+    """Every difference that makes a resumed run not the continuation of the saved one."""
+    lines = field_differences(saved_args, current_args, RUN_FIELDS)
+    if saved_fingerprint != fingerprint:
+        lines.append(f"training data (content fingerprint): checkpoint "
+                     f"{_fmt(saved_fingerprint)}, now {_fmt(fingerprint)}")
+    lines += field_differences(saved_args, current_args, MODEL_FIELDS)
+    lines += field_differences(saved_args, current_args, OPTIMIZER_FIELDS)
+    if saved_scheduler is not None and scheduler is not None:
+        for key, flag in SCHEDULER_FIELDS.items():
+            old, new = saved_scheduler.get(key), scheduler.get(key)
+            if old is not None and new is not None and old != new:
+                lines.append(f"{key} ({flag}): checkpoint {_fmt(old)}, now {_fmt(new)}")
+        if saved_scheduler.get("wd_incr_style", "constant") != "constant" and (
+                saved_scheduler.get("wd_incr_steps") != scheduler.get("wd_incr_steps")):
+            lines.append(f"wd_incr_steps (--train_iters): checkpoint "
+                         f"{saved_scheduler.get('wd_incr_steps')}, now "
+                         f"{scheduler.get('wd_incr_steps')}")
+    return lines
+
+
+def refusal(folder: str, lines: List[str]) -> str:
+    body = "\n".join(f"  {line}" for line in lines)
+    return (f"refusing to resume from {folder}: the run would silently change.\n{body}\n"
+            f"Restore these flags, or pass --override_resume_check to resume anyway (the new "
+            f"values then apply from the next iteration).")

@@ -1,0 +1,49 @@
+"""The plain JSON files of a checkpoint folder, next to megatron's dist_checkpointing files."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .errors import CheckpointError
+
+TRAIN_STATE = "train_state.json"   # TrainState: iteration and sample counters
+ARGS = "args.json"                 # every flag of the run, grouped by concern
+SCHEDULER = "scheduler.json"       # megatron OptimizerParamScheduler.state_dict()
+RUN = "run.json"                   # data fingerprint, contents, layout, versions
+
+
+def write_json(folder: str, name: str, data: Any) -> None:
+    with open(os.path.join(folder, name), "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+
+
+def read_json(folder: str, name: str) -> Any:
+    path = os.path.join(folder, name)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder} has no {name}") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {folder}: {name} is unreadable ({err})") from None
+
+
+def versions() -> dict:
+    import torch
+
+    out = {"torch": torch.__version__}
+    try:
+        from megatron.core import package_info
+
+        out["megatron_core"] = package_info.__version__
+    except Exception:
+        pass
+    try:
+        from importlib.metadata import version
+
+        out["swift_mcore"] = version("swift-mcore")
+    except Exception:
+        pass
+    return out

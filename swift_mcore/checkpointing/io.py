@@ -1,0 +1,145 @@
+"""Model and optimizer through megatron ``dist_checkpointing`` (torch_dist): sharded
+state dicts, so a checkpoint saved at one TP/PP/DP layout loads at another."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import CheckpointError
+from .safe_load import read_dcp_metadata, safe_common_strategy, safe_loading
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside megatron's DDP / Float16Module wrappers (megatron-LM stores the
+    unwrapped keys: ``decoder.layers...``, not ``module.decoder...``)."""
+    while type(chunk).__name__ in ("DistributedDataParallel", "Float16Module",
+                                   "FullyShardedDataParallel") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def model_keys(model: List[torch.nn.Module]) -> List[str]:
+    """megatron-LM's names: ``model``, or ``model0``, ``model1``... for virtual pipelines."""
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
+def model_sharded_state_dict(model) -> Dict[str, Any]:
+    return {key: unwrap(chunk).sharded_state_dict()
+            for key, chunk in zip(model_keys(model), model)}
+
+
+def optimizer_has_state(optimizer) -> bool:
+    """Whether any (chained) optimizer holds per-parameter state, i.e. has stepped."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and len(inner.state) > 0:
+            return True
+    return False
+
+
+def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool
+                       ) -> Dict[str, Any]:
+    state = model_sharded_state_dict(model)
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    return state
+
+
+def save(state: Dict[str, Any], folder: str) -> None:
+    """Collective: write ``state`` (sharded tensors + plain common data) into ``folder``."""
+    from megatron.core import dist_checkpointing
+
+    with _in_process_results_queue():
+        dist_checkpointing.save(state, folder)
+
+
+@contextlib.contextmanager
+def _in_process_results_queue():
+    """A synchronous save collects its writers' results in this process, so a plain queue
+    does. megatron's default is a ``multiprocessing.Manager`` queue: a *spawned* server
+    process that re-imports ``__main__`` and outlives a killed trainer as an orphan."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    saved = filesystem_async._get_write_results_queue
+    filesystem_async._get_write_results_queue = queue.Queue
+    try:
+        yield
+    finally:
+        filesystem_async._get_write_results_queue = saved
+
+
+def tensor_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
+    """Global shape of every tensor stored in a torch_dist checkpoint (from .metadata)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_dcp_metadata(folder)
+    return {key: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)}
+
+
+def expected_shapes(state: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
+    """Global shape of every sharded tensor the current model (and optimizer) will load."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = {}
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor):
+            out[value.key] = tuple(value.global_shape)
+    return out
+
+
+def shape_mismatches(folder: str, state: Dict[str, Any], limit: int = 8) -> List[str]:
+    """What keeps ``state`` from loading out of ``folder``: missing tensors and tensors of
+    another global shape, one line each (at most ``limit``, then a count)."""
+    saved = tensor_shapes(folder)
+    wanted = expected_shapes(state)
+    lines = []
+    for key, shape in sorted(wanted.items()):
+        if key not in saved:
+            lines.append(f"{key}: not in the checkpoint (model expects shape {list(shape)})")
+        elif saved[key] != shape:
+            lines.append(f"{key}: checkpoint shape {list(saved[key])}, model {list(shape)}")
+    if len(lines) > limit:
+        lines = lines[:limit] + [f"... and {len(lines) - limit} more"]
+    return lines
+
+
+def load(state: Dict[str, Any], folder: str) -> Dict[str, Any]:
+    """Collective: fill ``state``'s sharded tensors from ``folder``, reading every pickled
+    part with safe loading."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    backend = _backend(folder)
+    if backend != "torch_dist":
+        raise CheckpointError(f"checkpoint {folder} uses the '{backend}' format; swift-mcore "
+                              f"loads torch_dist checkpoints")
+    with safe_loading(), warnings.catch_warnings():
+        # torch DCP's deprecation notices about ShardedTensor/load_state_dict, on each load
+        warnings.simplefilter("ignore", FutureWarning)
+        return dist_checkpointing.load(state, folder,
+                                       sharded_strategy=TorchDistLoadShardedStrategy(),
+                                       common_strategy=safe_common_strategy())
+
+
+def _backend(folder: str) -> Optional[str]:
+    import json
+
+    try:
+        with open(os.path.join(folder, "metadata.json"), encoding="utf-8") as fh:
+            return json.load(fh).get("sharded_backend")
+    except (OSError, ValueError):
+        raise CheckpointError(f"checkpoint {folder} has no readable metadata.json (not a "
+                              f"megatron dist_checkpointing folder)") from None
+
+
+def restore_model(model, loaded: Dict[str, Any]) -> None:
+    for key, chunk in zip(model_keys(model), model):
+        unwrap(chunk).load_state_dict(loaded[key], strict=True)

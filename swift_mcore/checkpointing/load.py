@@ -1,0 +1,240 @@
+"""load_checkpoint: decide what to resume from (rank 0 decides, every rank follows), check
+it, then restore model, optimizer, scheduler, RNG and the TrainState, logging exactly what
+was and was not restored."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Tuple
+
+from . import comm, commit, compat, files, io, locate, rng
+from .errors import CheckpointError
+from .save import set_parent
+from .state import TrainState
+from .tracker import checkpoint_root
+
+
+def load_checkpoint(args, model, optimizer, scheduler, data_fingerprint,
+                    log: Callable[[str], None] = print) -> TrainState:
+    """Collective; call after model, optimizer and scheduler exist and before data loaders.
+    Returns the TrainState to continue from (a fresh one when nothing is resumed)."""
+    c = args.checkpoint
+    root = checkpoint_root(args)
+    set_parent(None)
+    if c.load and not c.finetune:
+        raise CheckpointError("--load PATH takes weights for a new run and needs --finetune; "
+                              "to continue a run use --resume PATH")
+    if not c.resume and not c.no_save:
+        existing = comm.decide(locate.existing_checkpoints, root)
+        if existing:
+            raise CheckpointError(
+                f"{root} already holds checkpoints of another run (newest: {existing[-1]}); "
+                f"a fresh run would write over them. Pass --resume to continue that run, or "
+                f"choose another --output_dir.")
+    if c.finetune:
+        return _finetune(args, model, c.load, log)
+    if not c.resume:
+        return TrainState()
+
+    folder, warnings = comm.decide(locate.resolve, c.resume, root)
+    for line in warnings:
+        log(f"WARNING: {line}")
+    if folder is None:
+        log(f"--resume: no checkpoint under {root}; starting from scratch (iteration 0)")
+        return TrainState()
+    return _resume(args, folder, model, optimizer, scheduler, data_fingerprint, log)
+
+
+def _read_info(folder: str, args, data_fingerprint, scheduler) -> Dict[str, Any]:
+    """Rank 0: the checkpoint's JSON files and the resume check's findings."""
+    manifest, problem = commit.read_manifest(folder)
+    if problem:
+        raise CheckpointError(f"checkpoint {folder} cannot be used: {problem}")
+    info = {"manifest_iteration": manifest["iteration"], "id": manifest.get("id"),
+            "run": files.read_json(folder, files.RUN),
+            "train_state": files.read_json(folder, files.TRAIN_STATE),
+            "args": files.read_json(folder, files.ARGS),
+            "scheduler": files.read_json(folder, files.SCHEDULER)}
+    try:
+        TrainState.from_dict(info["train_state"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {folder}: {files.TRAIN_STATE} is invalid ({err})"
+                              ) from None
+    info["differences"] = compat.resume_differences(
+        info["args"], args.to_dict(), info["run"].get("data_fingerprint"), data_fingerprint,
+        info["scheduler"], scheduler.state_dict())
+    return info
+
+
+def _resume(args, folder, model, optimizer, scheduler, data_fingerprint, log) -> TrainState:
+    c = args.checkpoint
+    info = comm.decide(_read_info, folder, args, data_fingerprint, scheduler)
+    differences: List[str] = info["differences"]
+    if differences and not c.override_resume_check:
+        raise CheckpointError(compat.refusal(folder, differences))
+    contents = info["run"].get("contents", {})
+    load_optim = not c.no_load_optim
+    load_rng = not c.no_load_rng
+    if load_optim and not contents.get("optimizer"):
+        raise CheckpointError(
+            f"checkpoint {folder} has no optimizer state (it was saved with --no_save_optim); "
+            f"pass --no_load_optim to resume with a fresh optimizer")
+    if load_rng and not contents.get("rng"):
+        raise CheckpointError(
+            f"checkpoint {folder} has no RNG states (it was saved with --no_save_rng); pass "
+            f"--no_load_rng to resume with freshly seeded RNGs")
+
+    _verify(folder)
+    # A checkpoint saved before the first optimizer step holds no optimizer state: the
+    # fresh optimizer is then exactly what was saved.
+    stepped = load_optim and contents.get("optimizer_stepped", True)
+    state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=stepped,
+                                       is_loading=True)
+    _check_shapes(folder, state_dict)
+    loaded = _load(state_dict, folder)
+    io.restore_model(model, loaded)
+    restored = ["model"]
+    if stepped:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if load_optim:
+        restored.append("optimizer" if stepped else "optimizer (not yet stepped: empty)")
+    _restore_scheduler(scheduler, info["scheduler"], c.override_resume_check)
+    restored.append(f"LR scheduler (step {scheduler.num_steps}, "
+                    f"lr {optimizer.param_groups[0]['lr']:.6g})")
+    if c.override_resume_check and load_optim:
+        _apply_current_optimizer_settings(args, optimizer)
+
+    rng_restored, rng_note = False, ""
+    if load_rng:
+        rng_restored, rng_note = _restore_rng(folder, info["run"])
+        if rng_restored:
+            restored.append("RNG")
+    state = TrainState.from_dict(info["train_state"])
+    set_parent(info["id"])
+
+    if differences:
+        for line in differences:
+            log(f"--override_resume_check: resuming although {line}")
+    log(f"resumed from {folder}: iteration {state.iteration}, "
+        f"{state.consumed_train_samples} train samples and "
+        f"{state.consumed_valid_samples} validation samples consumed; restored "
+        f"{', '.join(restored)}")
+    if not load_optim:
+        log("--no_load_optim: optimizer state NOT restored (Adam moments and step count "
+            "start from zero); model weights, LR schedule, RNG and counters were restored")
+    if not load_rng:
+        log("--no_load_rng: RNG states NOT restored (python, numpy, torch, CUDA and "
+            "megatron's tracker keep the fresh --seed state; dropout draws differ from the "
+            "uninterrupted run)")
+    elif not rng_restored:
+        log(f"RNG states NOT restored: {rng_note}")
+    elif rng_note:
+        log(f"RNG states: {rng_note}")
+    _log_layout_change(info["run"], log)
+    return state
+
+
+def _finetune(args, model, spec: str, log) -> TrainState:
+    folder, warnings = comm.decide(locate.resolve, spec, None, "--load")
+    for line in warnings:
+        log(f"WARNING: {line}")
+
+    def differences():
+        return compat.model_differences(files.read_json(folder, files.ARGS), args.to_dict())
+
+    lines = comm.decide(differences)
+    if lines and not args.checkpoint.override_resume_check:
+        raise CheckpointError(
+            f"--load {spec}: the checkpoint's model differs from this one:\n"
+            + "\n".join(f"  {line}" for line in lines)
+            + "\nMatch the model flags, or pass --override_resume_check if the shapes "
+              "still agree.")
+    _verify(folder)
+    state_dict = io.sharded_state_dict(model, None, with_optimizer=False, is_loading=True)
+    _check_shapes(folder, state_dict)
+    io.restore_model(model, _load(state_dict, folder))
+    log(f"--finetune: model weights from {folder}; optimizer, LR schedule, RNG and counters "
+        f"start fresh (iteration 0)")
+    return TrainState()
+
+
+def _verify(folder: str) -> None:
+    """Checksums of every file; on a mismatch, name the other complete checkpoints."""
+    try:
+        commit.verify_checksums(folder)
+    except CheckpointError as err:
+        others = [p for _, p in commit.complete_checkpoints(os.path.dirname(folder))
+                  if p != folder]
+        hint = (f" Other complete checkpoints: {', '.join(others[-3:])}; pass --resume PATH "
+                f"to continue from one of them." if others else "")
+        raise CheckpointError(f"{err}.{hint} Nothing was changed on disk.") from None
+
+
+def _check_shapes(folder: str, state_dict) -> None:
+    error = None
+    try:
+        lines = io.shape_mismatches(folder, state_dict)
+        if lines:
+            error = (f"checkpoint {folder} does not fit this model (different shape or "
+                     f"architecture):\n" + "\n".join(f"  {line}" for line in lines))
+    except CheckpointError as err:
+        error = str(err)
+    comm.raise_if_any(error)
+
+
+def _load(state_dict, folder):
+    error, loaded = None, None
+    try:
+        loaded = io.load(state_dict, folder)
+    except Exception as err:  # unreadable, unsafe or not matching: one clear error per rank
+        error = f"checkpoint {folder} could not be loaded: {type(err).__name__}: {err}"
+    comm.raise_if_any(error)
+    return loaded
+
+
+def _restore_scheduler(scheduler, saved: Dict[str, Any], override: bool) -> None:
+    """megatron's scheduler takes the checkpoint's schedule; with the override the current
+    flags' schedule applies and only the step count is restored."""
+    previous = scheduler.override_opt_param_scheduler
+    scheduler.override_opt_param_scheduler = bool(override)
+    try:
+        scheduler.load_state_dict(dict(saved))
+    finally:
+        scheduler.override_opt_param_scheduler = previous
+
+
+def _apply_current_optimizer_settings(args, optimizer) -> None:
+    t = args.training
+    for group in optimizer.param_groups:
+        if "betas" in group:
+            group["betas"] = (t.adam_beta1, t.adam_beta2)
+        if "eps" in group:
+            group["eps"] = t.adam_eps
+
+
+def _restore_rng(folder: str, run: Dict[str, Any]) -> Tuple[bool, str]:
+    """Restore this rank's RNG states. Returns (whether every rank restored one, a note
+    from the first rank that has one: how its state was chosen, or why it was not)."""
+    layouts = {int(r): lay for r, lay in run.get("rng_layouts", {}).items()}
+    source, note = rng.choose(layouts, rng.layout())
+    error = None
+    if source is not None:
+        try:
+            rng.apply(rng.load(folder, source))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            error = f"checkpoint {folder}: RNG state of rank {source} is unreadable ({err})"
+    comm.raise_if_any(error)
+    results = comm.all_gather((source is not None, note))
+    notes = [n for _, n in results if n]
+    return all(ok for ok, _ in results), (notes[0] if notes else "")
+
+
+def _log_layout_change(run: Dict[str, Any], log) -> None:
+    saved = run.get("layout", {})
+    now = rng.layout()
+    pairs = [("tp_size", "TP"), ("pp_size", "PP"), ("dp_size", "DP")]
+    if any(saved.get(k) is not None and saved.get(k) != now[k] for k, _ in pairs):
+        before = " x ".join(f"{name} {saved.get(k)}" for k, name in pairs)
+        after = " x ".join(f"{name} {now[k]}" for k, name in pairs)
+        log(f"parallel layout changed since the checkpoint ({before} -> {after}): weights "
+            f"and optimizer state were resharded; the data position is global and unchanged")

@@ -1,0 +1,109 @@
+"""Which checkpoint a run resumes from: ``--resume`` (auto: under output_dir),
+``--resume PATH`` / ``--load PATH`` (a checkpoint folder, or a root holding the tracker).
+
+The tracker decides. Two exceptions, each logged as a warning:
+- it names a missing or incomplete folder, or is unreadable: the newest complete one;
+- the save after it was sealed and renamed but the tracker update was cut off: that
+  newer checkpoint (its manifest names the tracker's checkpoint as its parent). Newer
+  checkpoints of an abandoned branch (a run that resumed from an older one) are ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+from .commit import (MANIFEST_FILENAME, check_complete, complete_checkpoints,
+                     list_checkpoints, read_manifest)
+from .errors import CheckpointError
+from .tracker import TRACKER_FILENAME, iter_dir_name, parse_iter_dir, read_tracker
+
+Found = Tuple[Optional[str], List[str]]  # (checkpoint folder or None, warnings)
+
+
+def is_checkpoint_folder(path: str) -> bool:
+    return (parse_iter_dir(os.path.basename(os.path.normpath(path))) is not None
+            or os.path.exists(os.path.join(path, MANIFEST_FILENAME))
+            or os.path.exists(os.path.join(path, "metadata.json")))
+
+
+def resolve(spec: str, default_root: str, flag: str = "--resume") -> Found:
+    """``spec`` is 'auto' (look under ``default_root``) or a path. Raises CheckpointError
+    for an explicit path that is missing or unusable."""
+    if spec == "auto":
+        return in_root(default_root, explicit=None)
+    path = os.path.abspath(os.path.expanduser(spec))
+    if not os.path.exists(path):
+        raise CheckpointError(f"{flag} {spec}: {path} does not exist")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{flag} {spec}: {path} is not a folder (give a checkpoint "
+                              f"folder such as .../checkpoint/iter_0000100, or the "
+                              f"checkpoint folder holding {TRACKER_FILENAME})")
+    if is_checkpoint_folder(path):
+        problem = check_complete(path)
+        if problem:
+            others = [p for _, p in complete_checkpoints(os.path.dirname(path))]
+            hint = (f" Complete checkpoints next to it: {', '.join(others[-3:])}."
+                    if others else "")
+            raise CheckpointError(f"{flag} {spec}: {path} is not a usable checkpoint: "
+                                  f"{problem}.{hint}")
+        return path, []
+    return in_root(path, explicit=f"{flag} {spec}")
+
+
+def in_root(root: str, explicit: Optional[str]) -> Found:
+    tracked, why = read_tracker(root)
+    tracker_exists = os.path.exists(os.path.join(root, TRACKER_FILENAME))
+    folders = list_checkpoints(root)
+    complete = complete_checkpoints(root)
+    warnings: List[str] = []
+    if tracked is not None:
+        folder = os.path.join(root, iter_dir_name(tracked))
+        problem = check_complete(folder)
+        if problem is None:
+            successor = _unrecorded_successor(folder, complete)
+            if successor:
+                warnings.append(
+                    f"{successor} was sealed after the tracker's checkpoint {folder} but "
+                    f"the tracker update did not happen (interrupted); resuming from it")
+                return successor, warnings
+            return folder, warnings
+        reason = (f"{TRACKER_FILENAME} names iteration {tracked}, but {folder} is not "
+                  f"usable: {problem}")
+    elif tracker_exists:
+        reason = why
+    elif folders:
+        reason = f"{root} has checkpoint folders but no {TRACKER_FILENAME}"
+    else:
+        if explicit:
+            raise CheckpointError(f"{explicit}: {root} holds no checkpoint (no "
+                                  f"{TRACKER_FILENAME} and no iter_* folder)")
+        return None, warnings
+    if complete:
+        newest = complete[-1][1]
+        warnings.append(f"{reason}; falling back to the newest complete checkpoint {newest}")
+        return newest, warnings
+    raise CheckpointError(
+        f"{reason}, and no other complete checkpoint exists under {root}. Nothing was "
+        f"changed on disk. To start from scratch, move {root} away or choose another "
+        f"--output_dir; to resume from elsewhere, pass --resume PATH.")
+
+
+def _unrecorded_successor(tracked_folder: str, complete) -> Optional[str]:
+    manifest, _ = read_manifest(tracked_folder)
+    tracked_id = manifest.get("id") if manifest else None
+    if not tracked_id:
+        return None
+    newest = None
+    for iteration, path in complete:
+        if iteration <= manifest["iteration"]:
+            continue
+        other, _ = read_manifest(path)
+        if other and other.get("parent_id") == tracked_id:
+            newest = path
+    return newest
+
+
+def existing_checkpoints(root: str) -> List[str]:
+    """Complete checkpoints under ``root`` (a fresh run refuses to write over them)."""
+    return [path for _, path in complete_checkpoints(root)]

@@ -1,0 +1,92 @@
+"""save_checkpoint: every rank writes its shards into a hidden staging folder; the commit
+protocol (commit.py) seals, renames and tracks it; rotation runs last."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+from . import comm, commit, files, io, rng
+from .state import TrainState
+from .tracker import checkpoint_root, iter_dir_name, read_tracker, write_tracker
+
+# Id of the checkpoint this process's training state descends from (the one it resumed
+# from or saved last); sealed into each manifest as parent_id (see locate.py).
+_lineage = {"id": None}
+
+
+def set_parent(checkpoint_id: Optional[str]) -> None:
+    _lineage["id"] = checkpoint_id
+
+
+def save_checkpoint(args, state: TrainState, model, optimizer, scheduler,
+                    data_fingerprint) -> str:
+    """Collective. Returns the committed folder ``output_dir/checkpoint/iter_NNNNNNN``.
+    An error on any rank (a full disk, say) is raised on every rank; what was written
+    stays in the hidden staging folder, and the previous checkpoints are untouched."""
+    c = args.checkpoint
+    root = checkpoint_root(args)
+    iteration = state.iteration
+    final = os.path.join(root, iter_dir_name(iteration))
+    token = comm.broadcast(commit.new_token() if comm.rank() == 0 else None)
+    staging = commit.staging_dir(root, iteration, token)
+    comm.decide(_prepare, root, staging)
+
+    # Model and optimizer: sharded tensors (torch_dist). The plain extras mirror what
+    # megatron-LM keeps in common.pt; swift-mcore itself reads the JSON files below.
+    # An optimizer that has not stepped yet has no state to save (Adam creates it lazily).
+    with_optimizer = not c.no_save_optim and io.optimizer_has_state(optimizer)
+    state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=with_optimizer,
+                                       is_loading=False)
+    state_dict.update(iteration=iteration, checkpoint_version=3.0,
+                      opt_param_scheduler=scheduler.state_dict(),
+                      num_floating_point_operations_so_far=float(
+                          state.floating_point_operations_so_far))
+    io.save(state_dict, staging)
+
+    layouts = comm.all_gather(rng.layout())
+    if not c.no_save_rng:
+        comm.raise_if_any(comm.attempt(rng.save, staging, comm.rank()))
+    comm.decide(_write_json, staging, {
+        files.TRAIN_STATE: state.to_dict(),
+        files.ARGS: args.to_dict(),
+        files.SCHEDULER: scheduler.state_dict(),
+        files.RUN: {
+            "iteration": iteration,
+            "data_fingerprint": data_fingerprint,
+            "contents": {"model": True, "optimizer": not c.no_save_optim,
+                         "optimizer_stepped": with_optimizer, "rng": not c.no_save_rng},
+            "layout": {"world_size": comm.world_size(), **{
+                k: v for k, v in layouts[0].items() if k.endswith("_size")}},
+            "rng_layouts": {str(r): lay for r, lay in enumerate(layouts)},
+            "versions": files.versions(),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+    })
+
+    commit.seal(staging, iteration, extra={"id": token, "parent_id": _lineage["id"]})
+    comm.decide(_publish, staging, final, root, iteration, c.save_total_limit)
+    set_parent(token)
+    return final
+
+
+def _prepare(root: str, staging: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    commit.remove_stale(root)
+    os.makedirs(staging)
+
+
+def _write_json(staging: str, contents: dict) -> None:
+    for name, data in contents.items():
+        files.write_json(staging, name, data)
+
+
+def _publish(staging: str, final: str, root: str, iteration: int,
+             save_total_limit: Optional[int]) -> None:
+    """Rank 0: rename into place, then the tracker, then rotation."""
+    commit.publish(staging, final)
+    write_tracker(root, iteration)
+    if save_total_limit:
+        tracked, _ = read_tracker(root)
+        commit.rotate(root, save_total_limit, protect=tracked, newest=iteration)

@@ -1,0 +1,73 @@
+"""Checkpoint folder names and the tracker file (latest_checkpointed_iteration.txt), written
+atomically: temp file, fsync, rename, fsync of the folder."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional, Tuple
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CHECKPOINT_SUBDIR = "checkpoint"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+def checkpoint_root(args) -> str:
+    """``output_dir/checkpoint``: where a run's checkpoints and its tracker live."""
+    return os.path.join(os.path.abspath(args.logging.output_dir), CHECKPOINT_SUBDIR)
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def parse_iter_dir(name: str) -> Optional[int]:
+    match = _ITER_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def tracker_path(root: str) -> str:
+    return os.path.join(root, TRACKER_FILENAME)
+
+
+def read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
+    """(iteration, None), or (None, why not) when the tracker is absent or unreadable."""
+    path = tracker_path(root)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read().strip()
+    except FileNotFoundError:
+        return None, f"{path} does not exist"
+    except OSError as err:
+        return None, f"{path} cannot be read ({err})"
+    if text == "release":
+        return None, f"{path} names a 'release' checkpoint, which has no training state"
+    try:
+        value = int(text)
+    except ValueError:
+        return None, f"{path} does not hold an iteration number (it holds {text[:40]!r})"
+    if value < 0:
+        return None, f"{path} holds a negative iteration ({value})"
+    return value, None
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Replace the tracker atomically: readers see the old value or the new one, never a
+    partial file."""
+    path = tracker_path(root)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(f"{iteration}\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(root)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new entry in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,273 @@
+"""Launches training segments (1 or 2 ranks, one process each, as torchrun would) and
+reads what they recorded. Used by the checkpoint tests and benchmarks/kill_resume.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ckpt_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TINY = dict(
+    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=32,
+    micro_batch_size=2, global_batch_size=4, lr_warmup_iters=2, lr=1e-3, min_lr=1e-4,
+    hidden_dropout=0.1, attention_dropout=0.1, log_interval=1, eval_steps=0,
+    tensorboard=False, progress_bar=False, log_sample_ids=True, num_workers=0,
+)
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
+         "pi rho sigma tau upsilon phi chi psi omega river stone cloud light north south "
+         "garden window paper engine silver market winter summer").split()
+
+
+def write_corpus(path: str, n_docs: int = 48, seed: int = 7, words: int = 22) -> str:
+    """A small deterministic jsonl corpus (a few dozen training samples at seq 32)."""
+    rnd = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as fh:
+        for _ in range(n_docs):
+            text = " ".join(rnd.choice(WORDS) for _ in range(words)) + "."
+            fh.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Segment:
+    out: str
+    procs: List[subprocess.Popen]
+    logs: List[str]
+    started: float = field(default_factory=time.time)
+
+    def wait(self, timeout: float) -> List[int]:
+        deadline = time.time() + timeout
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(1.0, deadline - time.time())))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"segment in {self.out} timed out after {timeout}s\n"
+                                     + self.log_tail())
+        return codes
+
+    def signal(self, signum: int, ranks: Optional[List[int]] = None) -> None:
+        for r, p in enumerate(self.procs):
+            if ranks is None or r in ranks:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def kill(self) -> None:
+        """SIGKILL every process of this segment (each runs in its own process group,
+        which also holds the checkpoint writer processes it forked)."""
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def log_tail(self, chars: int = 4000) -> str:
+        parts = []
+        for path in self.logs:
+            try:
+                with open(path, encoding="utf-8", errors="replace") as fh:
+                    text = fh.read()
+            except OSError:
+                text = ""
+            lines = [ln for ln in text.splitlines() if "warn" not in ln.lower()]
+            parts.append(f"--- {path}\n" + "\n".join(lines)[-chars:])
+        for rank in range(len(self.procs)):
+            for err in records(self.out, "error", rank):
+                parts.append(f"--- rank {rank} raised {err['type']}: {err['message']}\n"
+                             f"{err['traceback'][-chars:]}")
+        return "\n".join(parts)
+
+
+def launch(out: str, flags: Dict, world_size: int = 1, tag: str = "seg") -> Segment:
+    os.makedirs(out, exist_ok=True)
+    spec_path = os.path.join(out, f"spec_{tag}_{time.time_ns()}.json")
+    with open(spec_path, "w", encoding="utf-8") as fh:
+        json.dump({"flags": {**flags, "output_dir": out}}, fh)
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                   PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
+        log = os.path.join(out, f"log_{tag}_r{rank}.txt")
+        with open(log, "a", encoding="utf-8") as fh:
+            procs.append(subprocess.Popen([sys.executable, WORKER, spec_path], env=env,
+                                          stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
+                                          start_new_session=True))
+        logs.append(log)
+    return Segment(out, procs, logs)
+
+
+def run(out: str, flags: Dict, world_size: int = 1, timeout: float = 180,
+        expect_error: bool = False, tag: str = "seg") -> Segment:
+    seg = launch(out, flags, world_size, tag)
+    codes = seg.wait(timeout)
+    seg.kill()  # reap anything left in the segment's process groups
+    if expect_error:
+        if all(c == 0 for c in codes):
+            raise AssertionError(f"expected the segment to fail, it exited {codes}\n"
+                                 + seg.log_tail())
+    elif any(c != 0 for c in codes):
+        raise AssertionError(f"segment exited {codes}\n" + seg.log_tail())
+    return seg
+
+
+# ---- reading records ------------------------------------------------------------------
+def read_jsonl(path: str) -> List[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass  # a line cut by SIGKILL
+    return out
+
+
+def records(out: str, name: str, rank: int = 0) -> List[dict]:
+    return read_jsonl(os.path.join(out, f"{name}_r{rank}.jsonl"))
+
+
+def trace(out: str, world_size: int = 1) -> Dict[int, dict]:
+    """iteration -> {loss, lr, consumed, samples: sorted [[id, crc]...] over all ranks}.
+    A later record of an iteration (written after a resume) replaces an earlier one: the
+    committed history."""
+    merged: Dict[int, dict] = {}
+    per_rank = [records(out, "trace", r) for r in range(world_size)]
+    for r, recs in enumerate(per_rank):
+        latest = {}
+        for rec in recs:
+            latest[rec["iteration"]] = rec
+        for it, rec in latest.items():
+            entry = merged.setdefault(it, {"loss": rec["loss"], "lr": rec["lr"],
+                                           "consumed": rec["consumed"], "samples": []})
+            entry["samples"].extend(rec["samples"])
+    for entry in merged.values():
+        entry["samples"].sort()
+    return dict(sorted(merged.items()))
+
+
+def error(out: str) -> Optional[dict]:
+    errs = records(out, "error", 0)
+    return errs[-1] if errs else None
+
+
+def sample_log(out: str) -> List[dict]:
+    """The trainer's own audit log (--log_sample_ids)."""
+    return read_jsonl(os.path.join(out, "sample_ids.jsonl"))
+
+
+def tree_snapshot(folder: str) -> Dict[str, tuple]:
+    """relative path -> (size, mtime_ns, crc) of every file under ``folder``."""
+    import zlib
+
+    snap = {}
+    for base, _dirs, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(base, name)
+            with open(path, "rb") as fh:
+                crc = zlib.crc32(fh.read())
+            st = os.stat(path)
+            snap[os.path.relpath(path, folder)] = (st.st_size, st.st_mtime_ns, crc)
+    return snap
+
+
+# ---- SIGKILL trials (tests/checkpointing/test_resume_signals.py, benchmarks/kill_resume.py) ---
+def wait_for(predicate, seg: Segment, timeout: float = 120.0, poll: float = 0.005) -> bool:
+    """True once ``predicate()`` holds; False if the segment exited first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        if all(p.poll() is not None for p in seg.procs):
+            return predicate()
+        time.sleep(poll)
+    seg.kill()
+    raise AssertionError("timed out waiting\n" + seg.log_tail())
+
+
+def staging_folders(out: str) -> set:
+    """Hidden staging folders of saves in progress (or cut off) under out/checkpoint."""
+    root = os.path.join(out, "checkpoint")
+    try:
+        return {name for name in os.listdir(root) if ".tmp-" in name}
+    except FileNotFoundError:
+        return set()
+
+
+def kill_trial(out: str, flags: Dict, mode: str, rnd: random.Random,
+               world_size: int = 1) -> dict:
+    """Start a segment that resumes (flags should hold resume='auto') and SIGKILL it.
+
+    mode 'mid-save': as soon as a save is being written; 'random': at a random moment once
+    training runs; 'launch': at a random moment from the launch (start-up and loading
+    included). Returns what happened: the iteration the newest complete checkpoint had
+    before the launch, the iteration the segment started from (None if killed before its
+    set-up finished) and whether the kill left a half-written save behind.
+    """
+    from swift_mcore.checkpointing import commit
+
+    root = os.path.join(out, "checkpoint")
+    complete = commit.complete_checkpoints(root)
+    newest = complete[-1][0] if complete else 0
+    before = len(records(out, "setup"))
+    stale = staging_folders(out)
+    seg = launch(out, flags, world_size, tag="kill")
+
+    def set_up():
+        return len(records(out, "setup")) > before
+
+    if mode == "mid-save":
+        wait_for(lambda: set_up() and bool(staging_folders(out) - stale), seg)
+    elif mode == "random":
+        wait_for(set_up, seg)
+        time.sleep(rnd.uniform(0.0, 1.0))
+    else:
+        time.sleep(rnd.uniform(0.0, 4.0))
+    finished = all(p.poll() is not None for p in seg.procs)
+    seg.kill()
+    setups = records(out, "setup")
+    started = setups[before]["state"] if len(setups) > before else None
+    return {"mode": mode, "newest_complete_before": newest,
+            "started_at": started["iteration"] if started else None,
+            "consumed_at_start": started["consumed_train_samples"] if started else None,
+            "mid_save": bool(staging_folders(out) - stale), "finished_before_kill": finished}
+
+
+def committed_history(out: str) -> Dict[int, List[int]]:
+    """The audit log (--log_sample_ids) as committed: the last record of each iteration."""
+    committed: Dict[int, List[int]] = {}
+    for rec in sample_log(out):
+        committed[rec["iteration"]] = rec["sample_ids"]
+    return dict(sorted(committed.items()))

@@ -1,0 +1,89 @@
+"""One rank of one training segment for the checkpoint tests: ``python ckpt_worker.py
+SPEC.json``. Trains with the real Trainer and records, per iteration, the loss, the
+learning rate, the counters and every sample's global position with a CRC of its tokens
+(``trace_r{rank}.jsonl`` under --output_dir, appended, flushed per line)."""
+
+import json
+import os
+import sys
+import time
+import traceback
+import zlib
+
+
+def main() -> None:
+    with open(sys.argv[1], encoding="utf-8") as fh:
+        spec = json.load(fh)
+    flags = spec["flags"]
+    out = flags["output_dir"]
+    rank = int(os.environ.get("RANK", "0"))
+    os.makedirs(out, exist_ok=True)
+
+    import torch.distributed as dist
+
+    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.training.trainer import Trainer, model_is_training
+
+    def append(name, record):
+        with open(os.path.join(out, f"{name}_r{rank}.jsonl"), "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+
+    class RecordingTrainer(Trainer):
+        _rows = None
+
+        def setup(self):
+            super().setup()
+            s = self.state
+            append("setup", {"state": s.to_dict(), "train_len": len(self.train_ds),
+                             "valid_len": len(self.valid_ds) if self.valid_ds else 0,
+                             "pid": os.getpid(), "time": time.time()})
+
+        def get_batch(self, data_iterator):
+            batch = super().get_batch(data_iterator)
+            if model_is_training(self.model):
+                tokens = batch["tokens"].cpu()
+                for sid, row in zip(batch["sample_ids"].tolist(), tokens):
+                    self._rows.append([sid, zlib.crc32(row.numpy().tobytes())])
+            return batch
+
+        def train_step(self):
+            self._rows = []
+            return super().train_step()
+
+        def advance(self, step):
+            super().advance(step)
+            s = self.state
+            append("trace", {"iteration": s.iteration, "loss": step.get("loss"),
+                             "lr": step.get("lr"), "consumed": s.consumed_train_samples,
+                             "consumed_valid": s.consumed_valid_samples,
+                             "samples": self._rows})
+
+        def evaluate(self):
+            metrics = super().evaluate()
+            if metrics is not None:
+                append("eval", {"iteration": self.state.iteration, **metrics,
+                                "consumed_valid": self.state.consumed_valid_samples})
+            return metrics
+
+    try:
+        args = PretrainArguments.from_flags(**flags)
+        trainer = RecordingTrainer(args)
+        state = trainer.train()
+        append("done", {"state": state.to_dict()})
+        dist.barrier()
+    except Exception as err:  # the test reads the message
+        append("error", {"type": type(err).__name__, "message": str(err),
+                         "traceback": traceback.format_exc()})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # End deliberately once everything is written: no process-group teardown, which under
+    # gloo rarely aborts a process after its work is done (DESIGN.md).
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Unit tests of the checkpoint module's parts that need no model: tracker, commit
+protocol, rotation, locating the checkpoint to resume, resume checks, RNG states and safe
+loading. One process, no process group (the collective helpers fall back to one rank)."""
+
+import io
+import json
+import os
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from swift_mcore.checkpointing import commit, compat, locate, rng, safe_load, tracker
+from swift_mcore.checkpointing.errors import CheckpointError
+
+
+def make_sealed(root, iteration, parent_id=None, checkpoint_id=None, payload=b"weights"):
+    """A sealed checkpoint folder with one data file, as save_checkpoint leaves it."""
+    staging = commit.staging_dir(root, iteration, commit.new_token())
+    os.makedirs(staging)
+    with open(os.path.join(staging, "data.bin"), "wb") as fh:
+        fh.write(payload)
+    commit.seal(staging, iteration, extra={"id": checkpoint_id or f"id{iteration}",
+                                           "parent_id": parent_id})
+    final = os.path.join(root, tracker.iter_dir_name(iteration))
+    commit.publish(staging, final)
+    return final
+
+
+# ---- tracker ------------------------------------------------------------------------------
+def test_tracker_roundtrip_and_atomic_replace(tmp_path):
+    root = str(tmp_path)
+    assert tracker.read_tracker(root)[0] is None
+    tracker.write_tracker(root, 100)
+    tracker.write_tracker(root, 200)
+    assert tracker.read_tracker(root) == (200, None)
+    assert os.listdir(root) == [tracker.TRACKER_FILENAME]  # no temp file left behind
+    (tmp_path / tracker.TRACKER_FILENAME).write_text("garbage")
+    value, why = tracker.read_tracker(root)
+    assert value is None and "does not hold an iteration number" in why
+
+
+def test_iter_dir_names():
+    assert tracker.iter_dir_name(100) == "iter_0000100"
+    assert tracker.parse_iter_dir("iter_0000100") == 100
+    assert tracker.parse_iter_dir(".iter_0000100.tmp-abc") is None
+    assert tracker.parse_iter_dir("iter_12") is None
+
+
+# ---- commit protocol ----------------------------------------------------------------------
+def test_seal_then_truncation_and_corruption_are_detected(tmp_path):
+    folder = make_sealed(str(tmp_path), 5, payload=b"x" * 1000)
+    assert commit.check_complete(folder) is None
+    commit.verify_checksums(folder)
+    data = os.path.join(folder, "data.bin")
+    with open(data, "r+b") as fh:            # same size, one byte flipped
+        fh.seek(10)
+        fh.write(b"y")
+    assert commit.check_complete(folder) is None  # the cheap check only stats
+    with pytest.raises(CheckpointError, match="corrupted: data.bin does not match"):
+        commit.verify_checksums(folder)
+    with open(data, "r+b") as fh:
+        fh.truncate(500)
+    assert "500 bytes, the manifest records 1000" in commit.check_complete(folder)
+
+
+def test_unsealed_and_foreign_folders_are_not_complete(tmp_path):
+    root = str(tmp_path)
+    os.makedirs(os.path.join(root, "iter_0000007"))
+    assert "no manifest.json" in commit.check_complete(os.path.join(root, "iter_0000007"))
+    assert commit.complete_checkpoints(root) == []
+    (tmp_path / "iter_0000007" / "manifest.json").write_text('{"format": "other"}')
+    assert "not a swift-mcore" in commit.check_complete(os.path.join(root, "iter_0000007"))
+
+
+def test_publish_replaces_a_folder_of_the_same_iteration(tmp_path):
+    root = str(tmp_path)
+    make_sealed(root, 3, payload=b"old")
+    final = make_sealed(root, 3, payload=b"new")
+    assert open(os.path.join(final, "data.bin"), "rb").read() == b"new"
+    assert sorted(os.listdir(root)) == ["iter_0000003"]
+
+
+def test_rotation_keeps_newest_and_the_tracked_one(tmp_path):
+    root = str(tmp_path)
+    for it in (1, 2, 3, 4, 5):
+        make_sealed(root, it)
+    os.makedirs(os.path.join(root, "iter_0000006"))       # unsealed: left alone
+    removed = commit.rotate(root, keep=2, protect=2, newest=5)
+    assert sorted(os.path.basename(p) for p in removed) == ["iter_0000001", "iter_0000003"]
+    assert sorted(n for n in os.listdir(root)) == [
+        "iter_0000002", "iter_0000004", "iter_0000005", "iter_0000006"]
+
+
+def test_rotation_leaves_an_abandoned_branch_alone(tmp_path):
+    root = str(tmp_path)
+    for it in (2, 4, 6, 8):
+        make_sealed(root, it)
+    # a run resumed from 4 and just saved 5: 6 and 8 belong to the abandoned future
+    make_sealed(root, 5)
+    commit.rotate(root, keep=1, protect=5, newest=5)
+    assert sorted(os.listdir(root)) == ["iter_0000005", "iter_0000006", "iter_0000008"]
+
+
+def test_stale_staging_folders_are_removed(tmp_path):
+    root = str(tmp_path)
+    for name in (".iter_0000001.tmp-aa", ".iter_0000002.old-bb", ".iter_0000003.deleting-cc",
+                 "iter_0000004"):
+        os.makedirs(os.path.join(root, name))
+    commit.remove_stale(root)
+    assert os.listdir(root) == ["iter_0000004"]
+
+
+# ---- locating the checkpoint to resume ------------------------------------------------------
+def test_locate_follows_the_tracker(tmp_path):
+    root = str(tmp_path)
+    make_sealed(root, 1, checkpoint_id="a")
+    make_sealed(root, 2, parent_id="a", checkpoint_id="b")
+    tracker.write_tracker(root, 1)
+    make_sealed(root, 9, parent_id="zzz", checkpoint_id="c")  # newer, another lineage
+    tracker.write_tracker(root, 2)
+    folder, warnings = locate.resolve("auto", root)
+    assert folder.endswith("iter_0000002") and warnings == []
+
+
+def test_locate_takes_a_sealed_successor_whose_tracker_update_was_cut(tmp_path):
+    root = str(tmp_path)
+    make_sealed(root, 2, checkpoint_id="b")
+    tracker.write_tracker(root, 2)
+    make_sealed(root, 3, parent_id="b", checkpoint_id="c")  # killed before the tracker
+    folder, warnings = locate.resolve("auto", root)
+    assert folder.endswith("iter_0000003")
+    assert "tracker update did not happen" in warnings[0]
+
+
+def test_locate_falls_back_when_the_tracker_points_nowhere(tmp_path):
+    root = str(tmp_path)
+    make_sealed(root, 2)
+    make_sealed(root, 4)
+    tracker.write_tracker(root, 99)
+    folder, warnings = locate.resolve("auto", root)
+    assert folder.endswith("iter_0000004")
+    assert "names iteration 99" in warnings[0] and "falling back" in warnings[0]
+
+
+def test_locate_errors_when_nothing_complete_is_left(tmp_path):
+    root = str(tmp_path)
+    tracker.write_tracker(root, 99)
+    before = sorted(os.listdir(root))
+    with pytest.raises(CheckpointError, match="no other complete checkpoint"):
+        locate.resolve("auto", root)
+    assert sorted(os.listdir(root)) == before
+
+
+def test_locate_empty_root_means_fresh_start(tmp_path):
+    assert locate.resolve("auto", str(tmp_path / "none")) == (None, [])
+    os.makedirs(tmp_path / "ck" / ".iter_0000001.tmp-x")   # a first save that was killed
+    assert locate.resolve("auto", str(tmp_path / "ck")) == (None, [])
+
+
+def test_locate_explicit_paths(tmp_path):
+    root = str(tmp_path)
+    good = make_sealed(root, 3)
+    assert locate.resolve(good, None) == (good, [])
+    assert locate.resolve(root, None)[0] == good  # a root without a tracker: newest complete
+    with pytest.raises(CheckpointError, match="does not exist"):
+        locate.resolve(str(tmp_path / "missing"), None)
+    os.makedirs(os.path.join(root, "iter_0000004"))
+    with pytest.raises(CheckpointError, match="not a usable checkpoint: it has no manifest"):
+        locate.resolve(os.path.join(root, "iter_0000004"), None)
+
+
+# ---- resume checks --------------------------------------------------------------------------
+def test_resume_differences_name_each_field_with_both_values():
+    saved = {"training": {"global_batch_size": 16, "seed": 1, "adam_beta2": 0.95},
+             "model": {"seq_length": 256, "hidden_size": 64}}
+    now = {"training": {"global_batch_size": 32, "seed": 1, "adam_beta2": 0.99},
+           "model": {"seq_length": 128, "hidden_size": 64}}
+    lines = compat.resume_differences(saved, now, "abc", "def",
+                                      {"max_lr": 1e-3, "lr_decay_steps": 300},
+                                      {"max_lr": 1e-3, "lr_decay_steps": 600})
+    assert "--global_batch_size: checkpoint 16, now 32" in lines
+    assert "--seq_length: checkpoint 256, now 128" in lines
+    assert "--adam_beta2: checkpoint 0.95, now 0.99" in lines
+    assert any(line.startswith("training data (content fingerprint): checkpoint 'abc', now "
+                               "'def'") for line in lines)
+    assert any(line.startswith("lr_decay_steps") and "300, now 600" in line for line in lines)
+    assert not any("seed" in line or "hidden_size" in line for line in lines)
+    assert "--override_resume_check" in compat.refusal("/ck", lines)
+
+
+# ---- RNG ------------------------------------------------------------------------------------
+def test_rng_roundtrip_through_json():
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.random(), np.random.rand(), torch.rand(3)
+    states = json.loads(json.dumps(rng.capture()))
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    assert set(rng.apply(states)) >= {"python", "numpy", "torch"}
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_rng_choice_by_layout():
+    def lay(tp, pp, dp, tps=1, pps=1, dps=2):
+        return {"tp_rank": tp, "pp_rank": pp, "dp_rank": dp, "tp_size": tps, "pp_size": pps,
+                "dp_size": dps}
+
+    saved = {0: lay(0, 0, 0), 1: lay(0, 0, 1)}
+    assert rng.choose(saved, lay(0, 0, 1)) == (1, "")
+    assert rng.choose({0: lay(0, 0, 0, dps=1)}, lay(0, 0, 1))[0] == 0  # DP 1 -> 2
+    source, note = rng.choose(saved, lay(0, 0, 0, tps=2, dps=1))
+    assert source is None and "tensor/pipeline-parallel sizes changed" in note
+
+
+# ---- safe loading ---------------------------------------------------------------------------
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_metadata_unpickler_refuses_arbitrary_globals():
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    good = pickle.dumps(Metadata(state_dict_metadata={}))
+    assert isinstance(safe_load.load_dcp_metadata(io.BytesIO(good)), Metadata)
+    with pytest.raises(pickle.UnpicklingError, match="refusing to build"):
+        safe_load.load_dcp_metadata(io.BytesIO(pickle.dumps(_Evil())))
+
+
+# ---- flag validation --------------------------------------------------------------------
+def test_resume_and_load_flags_are_checked_before_any_work(tmp_path):
+    from swift_mcore.arguments import ArgumentError, PretrainArguments
+
+    def validate(**flags):
+        PretrainArguments.from_flags(**flags).validate(world_size=1, cuda=False)
+
+    with pytest.raises(ArgumentError, match="--resume .*missing: no such checkpoint folder"):
+        validate(resume=str(tmp_path / "missing"))
+    with pytest.raises(ArgumentError, match="needs --finetune; to continue a run use --resume"):
+        validate(load=str(tmp_path))
+    validate(load=str(tmp_path), finetune=True)
+    validate(resume="auto")
