@@ -10,31 +10,31 @@ from typing import List, Optional
 USAGE = """usage: swift-mcore <command> [config.yaml] [--flag value ...]
 
 commands:
-  pt        pretrain a GPT model (default: a small Llama-style model on the embedded corpus)
+{commands}
 
-`swift-mcore pt --help` lists every flag with its default.
+`swift-mcore <command> --help` lists every flag with its default.
 Several ranks: NPROC_PER_NODE=2 swift-mcore pt ...  (also NNODES, NODE_RANK, MASTER_ADDR,
 MASTER_PORT), or torchrun --nproc_per_node 2 -m swift_mcore pt ...
 """
 
-COMMANDS = ("pt",)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = USAGE.format(commands="\n".join(
+        f"  {name:<10}{summary}" for name, (_, summary) in COMMANDS.items()))
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"swift-mcore: unknown command '{command}'; choose one of: "
-              f"{', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+              f"{', '.join(COMMANDS)}\n\n{usage}", file=sys.stderr)
         return 2
-    return run_pretrain(rest)
+    return COMMANDS[command][0](rest)
 
 
 def run_pretrain(argv: List[str]) -> int:
     from .arguments import ArgumentError, parse_args
+    from .checkpointing import CheckpointError
 
     launch = torchrun_launch()
     try:
@@ -53,7 +53,7 @@ def run_pretrain(argv: List[str]) -> int:
     quiet_third_party()
     try:
         Trainer(args).train()
-    except ArgumentError as err:
+    except (ArgumentError, CheckpointError) as err:
         print(f"swift-mcore pt: error: {err}", file=sys.stderr)
         return 2
     distributed.shutdown()
@@ -105,6 +105,13 @@ def torchrun_launch() -> Optional[TorchrunLaunch]:
         node_rank=env_int("NODE_RANK", "0"),
         master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         master_port=os.environ.get("MASTER_PORT", "29500"))
+
+
+# name -> (function taking the arguments after the name, one-line summary)
+COMMANDS = {
+    "pt": (run_pretrain, "pretrain a GPT model (default: a small Llama-style model on the "
+                         "embedded corpus)"),
+}
 
 
 def entry_point() -> None:
