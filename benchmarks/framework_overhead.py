@@ -1,8 +1,9 @@
 """Tokens/s of `swift-mcore pt` against a bare megatron-core loop on the same model.
 
 Both run in this one invocation, alternating, so machine noise hits both alike; the
-result is the ratio of medians. Steady state only: the first log window (warm-up) of the
-framework run and the first iterations of the bare loop are left out.
+result is the ratio of the best rounds (and of the medians). Steady state only: the first
+log window (warm-up) of the framework run and the first iterations of the bare loop are
+left out.
 
   python benchmarks/framework_overhead.py                 # the embedded default model
   python benchmarks/framework_overhead.py --rounds 1 --iters 6 --tiny   # smoke test
@@ -55,10 +56,13 @@ def main():
     for _ in range(opts.rounds):
         ours.append(framework_tokens_per_s(model_flags, opts.iters, window))
         bare.append(bare_tokens_per_s(model_flags, opts.iters - window, window))
+    # On a shared machine noise only ever slows a run down, so the best round is the
+    # steadiest estimate; the medians are printed too.
     result = {
-        "swift_mcore_tokens_per_s": statistics.median(ours),
-        "bare_megatron_tokens_per_s": statistics.median(bare),
-        "ratio": statistics.median(ours) / statistics.median(bare),
+        "swift_mcore_tokens_per_s": max(ours),
+        "bare_megatron_tokens_per_s": max(bare),
+        "ratio": max(ours) / max(bare),
+        "median_ratio": statistics.median(ours) / statistics.median(bare),
         "rounds": opts.rounds,
         "all_swift_mcore": [round(x) for x in ours],
         "all_bare": [round(x) for x in bare],

@@ -21,13 +21,18 @@ TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4"
 
 
 def run_pt(output_dir, *flags, nproc: int = 1, timeout: int = 240, check: bool = True,
-           env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "swift_mcore", "pt", *TINY, "--output_dir", str(output_dir),
-           *map(str, flags)]
+           env: Dict[str, str] | None = None, torchrun: bool = False
+           ) -> subprocess.CompletedProcess:
+    """NPROC_PER_NODE=nproc swift-mcore pt ..., or torchrun -m swift_mcore pt ... ."""
+    launcher = [sys.executable, "-m", "swift_mcore"]
     full_env = {**os.environ, **(env or {})}
-    if nproc > 1:
+    if torchrun:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    f"--master_port={_free_port()}", "-m", "swift_mcore"]
+    elif nproc > 1:
         full_env["NPROC_PER_NODE"] = str(nproc)
         full_env["MASTER_PORT"] = str(_free_port())
+    cmd = [*launcher, "pt", *TINY, "--output_dir", str(output_dir), *map(str, flags)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=ROOT)
     if check and proc.returncode != 0:
