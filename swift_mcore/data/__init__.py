@@ -1,4 +1,4 @@
-"""Data: embedded corpus, tokenizers, megatron indexed datasets, the resumable sampler, loaders."""
+"""Data: corpus, raw sources, tokenizers, megatron indexed datasets, the sampler, loaders."""
 
 import importlib
 
@@ -7,8 +7,9 @@ import importlib
 _EXPORTS = {
     "Tokenizer": "tokenizer", "build_tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
     "default_tokenizer": "tokenizer",
-    "write_indexed": "indexed", "default_corpus_prefix": "indexed",
-    "raw_files_prefix": "indexed",
+    "write_indexed": "indexed", "check_indexed": "indexed",
+    "default_corpus_prefix": "prepared", "raw_files_prefix": "prepared",
+    "expand_inputs": "sources", "encode_sources": "encoding",
     "build_datasets": "datasets", "parse_blend": "datasets", "dataset_fingerprint": "datasets",
     "GlobalOrder": "sampler", "micro_batches": "sampler",
     "build_data_iterator": "loader",

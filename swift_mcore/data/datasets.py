@@ -76,31 +76,45 @@ def _normalize_prefix(prefix: str) -> str:
 
 
 def check_prefixes(prefixes: Sequence[str], flag: str = "--data_path") -> List[str]:
+    """The prefixes without a .bin/.idx suffix, each pair checked whole (indexed.check_indexed)."""
+    from .indexed import check_indexed
+
     out = []
     for prefix in prefixes:
         prefix = _normalize_prefix(prefix)
-        for suffix in (".bin", ".idx"):
-            if not os.path.isfile(prefix + suffix):
-                raise ArgumentError(f"{flag}: {prefix + suffix} does not exist (each prefix needs "
-                                    f"a .bin and a .idx file, e.g. from `swift-mcore preprocess`)")
+        check_indexed(prefix, flag)
         out.append(prefix)
     return out
 
 
-def resolve_blend(args, tokenizer) -> Blend:
-    """--data_path, else --dataset (tokenized once, cached), else the embedded corpus."""
-    from . import indexed
+def check_data_arguments(data) -> None:
+    """What can be checked of the data flags before any process group exists: the blend
+    parses, its .bin/.idx pairs are whole, --dataset names readable kinds of input, --split
+    parses. Called by PretrainArguments.validate; the build checks the rest (file contents)."""
+    from .sources import expand_inputs
 
-    data = args.data
     if data.data_path and data.dataset:
         raise ArgumentError("--data_path and --dataset are exclusive: give preprocessed "
                             "prefixes or raw files, not both")
     if data.data_path:
+        check_prefixes(parse_blend(data.data_path)[0])
+    if data.dataset:
+        expand_inputs(data.dataset, flag="--dataset")
+    check_split(data.split)
+
+
+def resolve_blend(args, tokenizer) -> Blend:
+    """--data_path, else --dataset (tokenized once, cached), else the embedded corpus."""
+    from . import prepared
+
+    data = args.data
+    check_data_arguments(data)
+    if data.data_path:
         prefixes, weights = parse_blend(data.data_path)
         return check_prefixes(prefixes), weights
     if data.dataset:
-        return [indexed.raw_files_prefix(data.dataset, data.text_key, tokenizer)], None
-    return [indexed.default_corpus_prefix(tokenizer)], None
+        return [prepared.raw_files_prefix(data.dataset, data.text_key, tokenizer)], None
+    return [prepared.default_corpus_prefix(tokenizer)], None
 
 
 def check_split(split: str) -> str:
@@ -123,8 +137,7 @@ def gpt_config(args, tokenizer, blend: Blend):
         sequence_length=args.model.seq_length,
         blend=blend,
         split=check_split(args.data.split),
-        path_to_cache=args.data.data_cache_path or os.path.join(args.logging.output_dir,
-                                                                "data_cache"),
+        path_to_cache=index_cache_path(args, blend[0]),
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
@@ -132,6 +145,19 @@ def gpt_config(args, tokenizer, blend: Blend):
         # The model side builds the causal mask once; a [1, s, s] mask per sample is waste.
         create_attention_mask=False,
     )
+
+
+def index_cache_path(args, prefixes: Sequence[str]) -> str:
+    """--data_cache_path (default output_dir/data_cache), then a folder per data content.
+
+    megatron names its index files by a hash of the prefix *path*, split, seed, sequence
+    length and tokenizer, not of the data: a prefix rewritten in place with other documents
+    would reuse stale indices (samples cut at the old document boundaries, or indices past
+    the new end). A folder keyed by the content of the .idx files rules that out.
+    """
+    base = args.data.data_cache_path or os.path.join(args.logging.output_dir, "data_cache")
+    key = hashlib.sha256("\0".join(prefix_identity(p) for p in prefixes).encode())
+    return os.path.join(base, key.hexdigest()[:16])
 
 
 def build_datasets(args, tokenizer, is_built_on_rank: Optional[Callable[[], bool]] = None):
@@ -148,7 +174,11 @@ def build_datasets(args, tokenizer, is_built_on_rank: Optional[Callable[[], bool
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
+    from .indexed import check_token_range
+
     prefixes, weights = resolve_blend(args, tokenizer)
+    for prefix in prefixes:
+        check_token_range(prefix, tokenizer.vocab_size)
     config = gpt_config(args, tokenizer, (prefixes, weights))
     on_rank = is_built_on_rank or (lambda: True)
     epoch_samples = [samples_per_split(p, config) for p in prefixes]

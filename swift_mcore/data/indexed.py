@@ -1,165 +1,216 @@
-"""Tokenized documents on disk in megatron's .bin/.idx format, written atomically and cached."""
+"""megatron's .bin/.idx files: written atomically, and checked whole before a run reads them.
+
+Writing goes through megatron's IndexedDatasetBuilder; the checks (header, sizes, offsets,
+token range) read the .idx and a sample of the .bin without importing megatron.
+"""
 
 from __future__ import annotations
 
-import csv
-import glob
-import hashlib
 import itertools
-import json
 import os
-from typing import Iterable, Iterator, List, Sequence
+import struct
+from functools import lru_cache
+from typing import Iterable, Optional, Tuple
 
 import numpy as np
 
 from ..arguments import ArgumentError
-from . import corpus
-from .cache import cache_dir, locked, temp_name, write_atomic
+from .cache import temp_name
 
 BATCH_DOCUMENTS = 256  # enough per encode_batch call to keep every core busy
 
+# megatron.core.datasets.indexed_dataset's layout (version 1): the header, then the
+# sequence lengths (int32), the sequence pointers (int64, byte offsets into the .bin) and
+# the document indices (int64). Restated here so a check costs no megatron/torch import.
+_HEADER = b"MMIDIDX\x00\x00"
+_HEADER_BYTES = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
+_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+           7: np.float32, 8: np.uint16}
+_INTEGER_CODES = {1, 2, 3, 4, 5, 8}
 
-def write_indexed(documents: Iterable[str], tokenizer, prefix: str) -> dict:
-    """Tokenize ``documents`` (an EOD after each) into ``prefix``.bin/.idx; returns counts.
 
-    Both files are written under a temporary prefix and renamed into place, .idx last: the
-    .idx is the commit mark, so a crash leaves at worst a lone .bin, which readers treat as
-    missing, never a half-written pair.
-    """
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-    folder = os.path.dirname(os.path.abspath(prefix))
-    os.makedirs(folder, exist_ok=True)
-    tmp = temp_name(prefix)
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    eod = np.array([tokenizer.eod], dtype=dtype)
-    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
-    n_docs = n_tokens = 0
-    try:
-        docs = iter(documents)
-        while batch := list(itertools.islice(docs, BATCH_DOCUMENTS)):
-            for ids in tokenizer.encode_batch(batch):
-                if not ids:  # an empty document would be a lone EOD: noise, not data
-                    continue
-                tokens = np.concatenate([np.asarray(ids, dtype=dtype), eod])
-                builder.add_document(tokens, [tokens.size])
-                n_docs += 1
-                n_tokens += tokens.size
-        builder.finalize(tmp + ".idx")
-        if os.path.exists(prefix + ".idx"):
-            os.remove(prefix + ".idx")  # uncommit the old pair before its .bin is replaced
-        os.replace(tmp + ".bin", prefix + ".bin")
-        os.replace(tmp + ".idx", prefix + ".idx")
-    finally:
-        builder.data_file.close()
-        for leftover in (tmp + ".bin", tmp + ".idx"):
-            if os.path.exists(leftover):
-                os.remove(leftover)
-    if n_docs == 0:
-        raise ValueError(f"no non-empty documents to write to {prefix}")
-    return {"documents": n_docs, "tokens": n_tokens}
+def token_dtype(vocab_size: int):
+    """megatron's choice: uint16 below 65500 token ids, int32 above."""
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
 
 
 def exists(prefix: str) -> bool:
     return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
 
 
-def _cached_prefix(kind: str, key: str, name: str, documents, tokenizer) -> str:
-    """Tokenize once per key; concurrent callers wait on a lock and then find the files."""
-    folder = cache_dir(kind, hashlib.sha256(key.encode()).hexdigest()[:20])
-    prefix = os.path.join(folder, name)
+class IndexedWriter:
+    """``with IndexedWriter(prefix, dtype) as w: w.add_documents(...); w.commit()``.
+
+    Both files are written under a temporary prefix and renamed into place, .idx last: the
+    .idx is the commit mark, so a crash leaves at worst a lone .bin, which readers treat as
+    missing, never a half-written pair. Leaving the block without ``commit()`` (an error, a
+    KeyboardInterrupt) removes the temporary files and leaves any old pair untouched.
+    """
+
+    def __init__(self, prefix: str, dtype):
+        self.prefix = prefix
+        self.dtype = dtype
+        self.documents = 0
+        self.tokens = 0
+        self._tmp = None
+        self._builder = None
+
+    def __enter__(self) -> "IndexedWriter":
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
+        self._tmp = temp_name(self.prefix)
+        self._builder = IndexedDatasetBuilder(self._tmp + ".bin", dtype=self.dtype)
+        return self
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Documents given back to back in ``tokens``, one length each; one sequence each."""
+        start = 0
+        for length in lengths.tolist():
+            self._builder.add_document(tokens[start:start + length], [length])
+            start += length
+        self.documents += len(lengths)
+        self.tokens += start
+
+    def commit(self) -> None:
+        if self.documents == 0:
+            raise ValueError(f"no non-empty documents to write to {self.prefix}")
+        self._builder.finalize(self._tmp + ".idx")
+        if os.path.exists(self.prefix + ".idx"):
+            os.remove(self.prefix + ".idx")  # uncommit the old pair before its .bin is replaced
+        os.replace(self._tmp + ".bin", self.prefix + ".bin")
+        os.replace(self._tmp + ".idx", self.prefix + ".idx")
+
+    def __exit__(self, *exc) -> None:
+        self._builder.data_file.close()
+        for leftover in (self._tmp + ".bin", self._tmp + ".idx"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
+def write_indexed(documents: Iterable[str], tokenizer, prefix: str) -> dict:
+    """Tokenize ``documents`` (an EOD after each, empty ones skipped) into ``prefix``.bin/.idx
+    in this process (the tokenizer's own threads use every core); returns counts."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    with IndexedWriter(prefix, dtype) as writer:
+        docs = iter(documents)
+        while batch := list(itertools.islice(docs, BATCH_DOCUMENTS)):
+            ids = [row + [tokenizer.eod] for row in tokenizer.encode_batch(batch) if row]
+            lengths = np.array([len(row) for row in ids], dtype=np.int64)
+            writer.add_documents(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype,
+                                             count=int(lengths.sum())), lengths)
+        writer.commit()
+    return {"documents": writer.documents, "tokens": writer.tokens}
+
+
+# ---- checks -----------------------------------------------------------------------------
+
+def _bad(flag: str, path: str, what: str) -> ArgumentError:
+    return ArgumentError(f"{flag}: {path} {what}")
+
+
+def check_indexed(prefix: str, flag: str = "--data_path") -> dict:
+    """Check a .bin/.idx pair the way megatron will read it, from the .idx and the two file
+    sizes (cheap: ~20 bytes per document, the .bin is not read). Returns its counts; raises
+    ArgumentError naming the file for a missing, truncated, corrupted or empty pair."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    for path in (bin_, idx):
+        if not os.path.isfile(path):
+            raise _bad(flag, path, "does not exist (each prefix needs a .bin and a .idx file, "
+                                   "e.g. from `swift-mcore preprocess`)")
+    stat = os.stat(idx)
+    return dict(_check_indexed(prefix, flag, (stat.st_size, stat.st_mtime_ns,
+                                              os.path.getsize(bin_))))
+
+
+@lru_cache(maxsize=None)
+def _check_indexed(prefix: str, flag: str, stamp: Tuple[int, int, int]) -> tuple:
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    idx_size, _, bin_size = stamp
+    with open(idx, "rb") as fh:
+        head = fh.read(_HEADER_BYTES)
+    if not head.startswith(_HEADER) and not _HEADER.startswith(head):
+        raise _bad(flag, idx, "is not a megatron index file (it does not start with the "
+                              "MMIDIDX header)")
+    if len(head) < _HEADER_BYTES:
+        raise _bad(flag, idx, f"is truncated: {idx_size} bytes, shorter than the "
+                              f"{_HEADER_BYTES}-byte header")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[len(_HEADER):])
+    if version != 1:
+        raise _bad(flag, idx, f"has format version {version}; megatron-core reads version 1")
+    if code not in _INTEGER_CODES:
+        raise _bad(flag, idx, f"is corrupted: token dtype code {code} is not an integer type "
+                              f"of megatron's format")
+    expected = _HEADER_BYTES + 12 * n_seq + 8 * n_doc
+    if idx_size != expected:
+        extra = " (multimodal index files are not supported)" if idx_size == expected + n_seq \
+            else ""
+        raise _bad(flag, idx, f"is truncated or corrupted: {idx_size} bytes, but its header "
+                              f"describes {n_seq} sequences ({expected} bytes){extra}")
+    if n_seq == 0:
+        raise _bad(flag, idx, "holds no documents (an empty data set)")
+    lengths = np.fromfile(idx, dtype=np.int32, count=n_seq, offset=_HEADER_BYTES)
+    pointers = np.fromfile(idx, dtype=np.int64, count=n_seq, offset=_HEADER_BYTES + 4 * n_seq)
+    documents = np.fromfile(idx, dtype=np.int64, count=n_doc, offset=_HEADER_BYTES + 12 * n_seq)
+    itemsize = np.dtype(_DTYPES[code]).itemsize
+    ends = np.cumsum(lengths, dtype=np.int64) * itemsize
+    if (lengths < 0).any() or pointers[0] != 0 or not np.array_equal(pointers[1:], ends[:-1]):
+        raise _bad(flag, idx, "is corrupted: its sequence lengths and offsets disagree")
+    if n_doc < 2 or documents[0] != 0 or documents[-1] != n_seq or \
+            (np.diff(documents) < 0).any():
+        raise _bad(flag, idx, "is corrupted: its document boundaries are out of order")
+    if bin_size != ends[-1]:
+        how = "truncated" if bin_size < ends[-1] else "longer than its index says"
+        raise _bad(flag, bin_, f"is {how}: {bin_size} bytes, but {idx} describes {ends[-1]} "
+                               f"bytes of tokens (rewrite the pair, e.g. with `swift-mcore "
+                               f"preprocess`)")
+    return (("documents", int(n_doc - 1)), ("sequences", int(n_seq)),
+            ("tokens", int(ends[-1] // itemsize)), ("dtype", np.dtype(_DTYPES[code]).name))
+
+
+# Reading every token of a large .bin at each start would cost minutes; a spread of windows
+# this large catches data tokenized with another vocabulary (its ids are spread everywhere).
+TOKEN_CHECK_BYTES = 64 << 20
+_WINDOWS = 16
+
+
+def max_token_id(prefix: str, budget: int = TOKEN_CHECK_BYTES) -> int:
+    """The largest token id in the whole .bin if it fits ``budget``, else in _WINDOWS evenly
+    spaced windows of it (deterministic)."""
+    info = check_indexed(prefix)
+    dtype = np.dtype(info["dtype"])
+    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    try:
+        if data.nbytes <= budget:
+            return int(data.max())
+        window = budget // _WINDOWS // dtype.itemsize
+        starts = np.linspace(0, data.size - window, _WINDOWS).astype(np.int64)
+        return int(max(data[s:s + window].max() for s in starts))
+    finally:
+        del data
+
+
+def check_token_range(prefix: str, vocab_size: int, flag: str = "--data_path") -> None:
+    """Refuse data whose token ids do not fit the tokenizer: it was tokenized with another."""
+    stat = os.stat(prefix + ".bin")
+    top = _max_token_id(prefix, (stat.st_size, stat.st_mtime_ns))
+    if top >= vocab_size:
+        raise ArgumentError(
+            f"{flag}: {prefix}.bin holds token id {top}, but the tokenizer has only "
+            f"{vocab_size} tokens: the data was tokenized with another tokenizer; pass that "
+            f"one with --tokenizer (or re-run `swift-mcore preprocess` with this one)")
+
+
+@lru_cache(maxsize=None)
+def _max_token_id(prefix: str, stamp: Tuple[int, int]) -> int:
+    return max_token_id(prefix)
+
+
+def read_documents(prefix: str) -> Optional[list]:
+    """Every document's token ids (small data, tests and tools); None if the pair is missing."""
     if not exists(prefix):
-        with locked(folder):
-            if not exists(prefix):
-                stats = write_indexed(documents(), tokenizer, prefix)
-                write_atomic(os.path.join(folder, "info.json"),
-                             json.dumps({"key": key, **stats}, indent=1))
-    return prefix
+        return None
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-
-def default_corpus_prefix(tokenizer) -> str:
-    """The embedded corpus tokenized with ``tokenizer``, cached by (corpus, tokenizer)."""
-    key = f"stdlib corpus={corpus.fingerprint()} tokenizer={tokenizer.fingerprint}"
-    return _cached_prefix("corpus", key, "stdlib", corpus.iter_documents, tokenizer)
-
-
-# ---- raw files (--dataset) --------------------------------------------------------------
-
-RAW_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
-
-
-def expand_raw_files(patterns: Sequence[str]) -> List[str]:
-    """Files named by --dataset: paths, folders (their supported files) or glob patterns."""
-    files: List[str] = []
-    for pattern in patterns:
-        if os.path.isdir(pattern):
-            matches = sorted(p for p in glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
-                             if p.endswith(RAW_SUFFIXES))
-        else:
-            matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else (
-                [pattern] if os.path.isfile(pattern) else [])
-        if not matches:
-            raise ArgumentError(f"--dataset {pattern}: no such file (accepted: "
-                                f"{' '.join(RAW_SUFFIXES)} files, folders or glob patterns)")
-        for path in matches:
-            if not path.endswith(RAW_SUFFIXES):
-                raise ArgumentError(f"--dataset {path}: unsupported file type; accepted: "
-                                    f"{' '.join(RAW_SUFFIXES)}")
-        files.extend(matches)
-    return files
-
-
-def read_raw_documents(path: str, text_key: str = "text") -> Iterator[str]:
-    """The text of each record: a line of .txt, a row of .csv/.parquet, an object of .json(l)."""
-    def text_of(record, where):
-        if not isinstance(record, dict) or text_key not in record:
-            raise ArgumentError(f"--dataset {path} ({where}): no '{text_key}' field; choose the "
-                                f"column with --text_key")
-        return str(record[text_key] or "")
-
-    if path.endswith(".txt"):
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            yield from (line.rstrip("\n") for line in fh)
-    elif path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as fh:
-            for number, line in enumerate(fh, 1):
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ArgumentError(f"--dataset {path} line {number}: not JSON ({err})")
-                    yield text_of(record, f"line {number}")
-    elif path.endswith(".json"):
-        with open(path, encoding="utf-8") as fh:
-            try:
-                data = json.load(fh)
-            except json.JSONDecodeError as err:
-                raise ArgumentError(f"--dataset {path}: not JSON ({err})") from None
-        for number, record in enumerate(data if isinstance(data, list) else [data]):
-            yield text_of(record, f"record {number}")
-    elif path.endswith(".csv"):
-        with open(path, encoding="utf-8", newline="") as fh:
-            for number, row in enumerate(csv.DictReader(fh), 2):
-                yield text_of(row, f"line {number}")
-    else:
-        import pyarrow.parquet as pq
-
-        table = pq.ParquetFile(path)
-        if text_key not in table.schema_arrow.names:
-            raise ArgumentError(f"--dataset {path}: no '{text_key}' column; choose it with "
-                                f"--text_key")
-        for batch in table.iter_batches(columns=[text_key]):
-            yield from (str(t or "") for t in batch.column(0).to_pylist())
-
-
-def raw_files_prefix(patterns: Sequence[str], text_key: str, tokenizer) -> str:
-    """--dataset files tokenized into one cached prefix, keyed by the files' identity."""
-    files = expand_raw_files(patterns)
-    stamps = [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns) for p in files]
-    key = f"raw files={stamps} text_key={text_key} tokenizer={tokenizer.fingerprint}"
-
-    def documents():
-        for path in files:
-            yield from read_raw_documents(path, text_key)
-
-    return _cached_prefix("datasets", key, "data", documents, tokenizer)
+    dataset = IndexedDataset(prefix)  # held while copying: its arrays are views of its mmap
+    return [dataset[i].tolist() for i in range(len(dataset))]

@@ -135,9 +135,11 @@ class Tokenizer(MegatronTokenizerBase):
 # ---- building ---------------------------------------------------------------------------
 
 def build_tokenizer(args) -> Tokenizer:
-    """--tokenizer if given, else the built-in default."""
+    """--tokenizer wins, then the tokenizer of --model, then the built-in default."""
     if args.data.tokenizer:
         return load_tokenizer(args.data.tokenizer, flag="--tokenizer")
+    if args.model.model:
+        return load_tokenizer(args.model.model, flag="--model")
     return default_tokenizer()
 
 

@@ -33,7 +33,8 @@ def test_single_prefix_one_epoch_per_split(small_prefixes, tokenizer, tmp_path):
     # One epoch of the train split holds every train token once (minus the last partial one).
     n_tokens = len(train) * 32
     assert n_tokens <= train._get_num_tokens_per_epoch() < n_tokens + 33
-    cache = os.path.join(args.logging.output_dir, "data_cache")
+    cache = train.config.path_to_cache  # a folder per data content under output_dir/data_cache
+    assert os.path.dirname(cache) == os.path.join(args.logging.output_dir, "data_cache")
     assert any(name.endswith("shuffle_index.npy") for name in os.listdir(cache))
     # Rebuilt (from the cache) it is the same data, and train_iters plays no part.
     again = build_datasets(make_args(tmp_path, data_path=[small_prefixes["b"]], split="80,20,0",

@@ -9,7 +9,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from swift_mcore.arguments import ArgumentError
-from swift_mcore.data import corpus, indexed
+from swift_mcore.data import corpus, indexed, prepared, sources
 
 from data_helpers import make_documents
 
@@ -51,7 +51,7 @@ def test_nothing_to_write_is_an_error(tokenizer, tmp_path):
 
 def test_default_corpus_is_tokenized_once(tokenizer, fresh_cache, monkeypatch):
     start = time.perf_counter()
-    prefix = indexed.default_corpus_prefix(tokenizer)
+    prefix = prepared.default_corpus_prefix(tokenizer)
     elapsed = time.perf_counter() - start
     assert elapsed < 30, f"tokenizing the embedded corpus took {elapsed:.1f}s"
     assert prefix.startswith(str(fresh_cache))
@@ -62,7 +62,7 @@ def test_default_corpus_is_tokenized_once(tokenizer, fresh_cache, monkeypatch):
         raise AssertionError("the cached corpus should have been used")
 
     monkeypatch.setattr(indexed, "write_indexed", no_write)
-    assert indexed.default_corpus_prefix(tokenizer) == prefix
+    assert prepared.default_corpus_prefix(tokenizer) == prefix
     ds = IndexedDataset(prefix)
     first = next(d for d in corpus.iter_documents() if d)
     assert ds[0].tolist() == tokenizer.encode(first) + [tokenizer.eod]
@@ -82,23 +82,135 @@ def write_raw(folder):
 
 def test_raw_files_every_format(tokenizer, tmp_path, fresh_cache):
     write_raw(tmp_path / "raw")
-    files = indexed.expand_raw_files([str(tmp_path / "raw")])
-    texts = [t for f in files for t in indexed.read_raw_documents(f)]
+    found = sources.expand_inputs([str(tmp_path / "raw")], flag="--dataset")
+    assert [os.path.basename(s.path) for s in found] == ["a.jsonl", "b.json", "c.csv", "d.txt",
+                                                         "e.parquet"]
+    texts = [t for s in found for batch in sources.iter_texts(s, "text") for t in batch]
     assert texts == ["one", "two", "three", "four", "five, with comma", "six", "seven", "eight",
                      "nine", "ten"]
-    prefix = indexed.raw_files_prefix([str(tmp_path / "raw" / "*")], "text", tokenizer)
+    prefix = prepared.raw_files_prefix([str(tmp_path / "raw" / "*")], "text", tokenizer)
     ds = IndexedDataset(prefix)
     assert [tokenizer.decode(ds[i][:-1]) for i in range(len(ds))] == texts
-    assert indexed.raw_files_prefix([str(tmp_path / "raw")], "text", tokenizer) == prefix
+    assert prepared.raw_files_prefix([str(tmp_path / "raw")], "text", tokenizer) == prefix
 
 
 def test_raw_file_errors_name_the_flag(tokenizer, tmp_path, fresh_cache):
     with pytest.raises(ArgumentError, match=r"--dataset .*missing.jsonl: no such file"):
-        indexed.expand_raw_files([str(tmp_path / "missing.jsonl")])
+        sources.expand_inputs([str(tmp_path / "missing.jsonl")], flag="--dataset")
     (tmp_path / "data.xml").write_text("<a/>")
-    with pytest.raises(ArgumentError, match=r"--dataset .*data.xml: unsupported"):
-        indexed.expand_raw_files([str(tmp_path / "data.xml")])
+    with pytest.raises(ArgumentError, match=r"--dataset .*data.xml: unsupported file type"):
+        sources.expand_inputs([str(tmp_path / "data.xml")], flag="--dataset")
     (tmp_path / "data.jsonl").write_text('{"content": "x"}\n')
-    with pytest.raises(ArgumentError, match=r"no 'text' field.*--text_key"):
-        indexed.raw_files_prefix([str(tmp_path / "data.jsonl")], "text", tokenizer)
-    assert indexed.raw_files_prefix([str(tmp_path / "data.jsonl")], "content", tokenizer)
+    with pytest.raises(ArgumentError, match=r"data.jsonl: no 'text' column.*--text_key"):
+        prepared.raw_files_prefix([str(tmp_path / "data.jsonl")], "text", tokenizer)
+    assert prepared.raw_files_prefix([str(tmp_path / "data.jsonl")], "content", tokenizer)
+    # Refused at argument validation, before any process group or model exists.
+    from swift_mcore.arguments import PretrainArguments
+
+    (tmp_path / "empty.jsonl").write_text("")
+    for name, message in (("empty.jsonl", r"--dataset .*empty\.jsonl: is empty \(0 bytes\)"),
+                          ("data.xml", r"--dataset .*data\.xml: unsupported file type")):
+        args = PretrainArguments.from_flags(dataset=[str(tmp_path / name)])
+        with pytest.raises(ArgumentError, match=message):
+            args.validate(world_size=1, cuda=False)
+
+
+# ---- whole-pair checks ------------------------------------------------------------------
+
+def corrupt(prefix, how):
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    data = bytearray(open(idx, "rb").read())
+    if how == "idx cut":
+        data = data[:-8]
+    elif how == "idx empty":
+        data = b""
+    elif how == "bad header":
+        data[:7] = b"NOTIDX!"
+    elif how == "version":
+        data[9] = 2
+    elif how == "pointers":
+        n_seq = int.from_bytes(data[18:26], "little")
+        at = 34 + 4 * n_seq + 8  # the second sequence pointer
+        data[at:at + 8] = (10**6).to_bytes(8, "little")
+    elif how == "bin cut":
+        with open(bin_, "r+b") as fh:
+            fh.truncate(os.path.getsize(bin_) - 2)
+    elif how == "bin longer":
+        with open(bin_, "ab") as fh:
+            fh.write(b"\0\0")
+    if how.startswith(("idx", "bad", "version", "pointers")):
+        open(idx, "wb").write(bytes(data))
+
+
+CORRUPTIONS = {
+    "idx cut": r"data\.idx is truncated or corrupted: \d+ bytes, but its header describes",
+    "idx empty": r"data\.idx is truncated: 0 bytes",
+    "bad header": r"data\.idx is not a megatron index file",
+    "version": r"data\.idx has format version 2",
+    "pointers": r"data\.idx is corrupted: its sequence lengths and offsets disagree",
+    "bin cut": r"data\.bin is truncated: \d+ bytes, but .*data\.idx describes",
+    "bin longer": r"data\.bin is longer than its index says",
+}
+
+
+@pytest.mark.parametrize("how", sorted(CORRUPTIONS))
+def test_corrupted_pairs_are_refused_at_validation(how, tokenizer, tmp_path):
+    from swift_mcore.arguments import PretrainArguments
+
+    prefix = str(tmp_path / "data")
+    indexed.write_indexed(make_documents(5, seed=2), tokenizer, prefix)
+    assert indexed.check_indexed(prefix) == {"documents": 5, "sequences": 5, "dtype": "uint16",
+                                             "tokens": len(np.fromfile(prefix + ".bin",
+                                                                       np.uint16))}
+    corrupt(prefix, how)
+    with pytest.raises(ArgumentError, match=r"--data_path: .*" + CORRUPTIONS[how]):
+        indexed.check_indexed(prefix)
+    # PretrainArguments.validate refuses it: before any process group or model exists.
+    args = PretrainArguments.from_flags(data_path=["0.5", prefix, "0.5", prefix],
+                                        output_dir=str(tmp_path / "out"))
+    with pytest.raises(ArgumentError, match=CORRUPTIONS[how]):
+        args.validate(world_size=1, cuda=False)
+
+
+def test_a_pair_without_documents_is_refused(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "none")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    builder.finalize(prefix + ".idx")
+    with pytest.raises(ArgumentError, match=r"none\.idx holds no documents"):
+        indexed.check_indexed(prefix)
+
+
+def test_data_from_another_tokenizer_is_refused(tokenizer, tmp_path):
+    prefix = str(tmp_path / "big_vocab")
+    with indexed.IndexedWriter(prefix, np.int32) as writer:
+        writer.add_documents(np.array([5, 70000, 3], dtype=np.int32), np.array([2, 1]))
+        writer.commit()
+    with pytest.raises(ArgumentError, match=r"big_vocab\.bin holds token id 70000, but the "
+                                            r"tokenizer has only 4096 tokens.*--tokenizer"):
+        indexed.check_token_range(prefix, tokenizer.vocab_size)
+    # The sampled check of large files still sees ids spread through the data.
+    big = str(tmp_path / "big")
+    ids = np.arange(1 << 20, dtype=np.int32) % 5000
+    with indexed.IndexedWriter(big, np.int32) as writer:
+        writer.add_documents(ids, np.array([ids.size]))
+        writer.commit()
+    assert indexed.max_token_id(big, budget=1 << 16) >= 4096
+    assert indexed.max_token_id(big) == 4999
+
+
+def test_cli_refuses_a_truncated_pair_before_any_work(tokenizer, tmp_path):
+    import subprocess
+    import sys
+
+    prefix = str(tmp_path / "data")
+    indexed.write_indexed(make_documents(5, seed=2), tokenizer, prefix)
+    corrupt(prefix, "bin cut")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "swift_mcore", "pt", "--data_path", prefix, "--output_dir",
+         str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"--data_path: {prefix}.bin is truncated" in proc.stderr
+    assert not out.exists()

@@ -1,0 +1,183 @@
+"""`swift-mcore preprocess`: raw text files -> megatron .bin/.idx, with progress and a summary."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, fields
+from typing import List, Optional
+
+from .arguments.fields import ArgumentError, coerce, flag
+
+DESCRIPTION = """Tokenize text into megatron's .bin/.idx format (the files `swift-mcore pt
+--data_path PREFIX` and Megatron-LM read). One document per row (per line of a .txt file);
+empty documents are skipped. Writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx atomically: an
+error or Ctrl-C leaves an existing pair untouched."""
+
+
+@dataclass
+class PreprocessArguments:
+    input: Optional[List[str]] = flag(
+        None, "Files, folders or glob patterns (.jsonl .json .parquet .csv .txt), or a folder "
+        "saved by datasets' save_to_disk. Required.")
+    output_prefix: Optional[str] = flag(
+        None, "Writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx. Required.")
+    text_key: str = flag("text", "Column (JSON field) holding the text.")
+    tokenizer: Optional[str] = flag(
+        None, "Hugging Face tokenizer or model folder, or a tokenizer.json; default: the "
+        "built-in byte-level BPE (what `swift-mcore pt` uses without --tokenizer).")
+    workers: Optional[int] = flag(
+        None, "Tokenizer processes, one core each (1: in this process); the output is the same "
+        "for any number. Default: the usable CPU cores.")
+    append_eod: bool = flag(
+        True, "Append the tokenizer's end-of-document token to each document (GPT pretraining "
+        "separates documents with it); `--append_eod false` writes the bare tokens.")
+    progress_bar: bool = flag(True, "Show a progress bar (documents/s, tokens/s) on stderr.")
+
+    def validate(self) -> "PreprocessArguments":
+        """Check every flag; raises ArgumentError naming it. Fills the defaults."""
+        for f in fields(self):
+            setattr(self, f.name, coerce(f, getattr(self, f.name)))
+        if not self.input:
+            raise ArgumentError("--input is required: files, folders or glob patterns")
+        if not self.output_prefix or not str(self.output_prefix).strip():
+            raise ArgumentError("--output_prefix is required (writes PREFIX.bin and PREFIX.idx)")
+        for suffix in (".bin", ".idx"):
+            if self.output_prefix.endswith(suffix):
+                self.output_prefix = self.output_prefix[: -len(suffix)]
+        if os.path.isdir(self.output_prefix):
+            raise ArgumentError(f"--output_prefix {self.output_prefix} is a folder; give a "
+                                f"file prefix inside it, like {self.output_prefix}/data")
+        if self.workers is None:
+            self.workers = usable_cores()
+        if self.workers < 1:
+            raise ArgumentError(f"--workers must be a positive integer, got {self.workers}")
+        if not str(self.text_key).strip():
+            raise ArgumentError("--text_key must not be empty")
+        return self
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def parse(argv: List[str]) -> PreprocessArguments:
+    from .arguments.parser import add_flags
+
+    parser = argparse.ArgumentParser(prog="swift-mcore preprocess", description=DESCRIPTION,
+                                     argument_default=argparse.SUPPRESS)
+    add_flags(parser, PreprocessArguments)
+    return PreprocessArguments(**vars(parser.parse_args(argv))).validate()
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+class _Progress:
+    """tqdm over documents (its rate is documents/s), tokens/s alongside."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+        self.documents = 0
+
+    def __call__(self, stats) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:  # at the first chunk: input errors come before any bar
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit=" docs", dynamic_ncols=True, mininterval=0.5,
+                            file=sys.stderr, desc="tokenizing")
+        self.bar.update(stats.documents - self.documents)
+        self.documents = stats.documents
+        rate = stats.tokens / stats.seconds if stats.seconds else 0.0
+        self.bar.set_postfix_str(f"{stats.tokens / 1e6:.1f}M tokens, {rate / 1e3:,.0f}k tokens/s",
+                                 refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def preprocess(args: PreprocessArguments) -> dict:
+    """Run the whole command; returns the summary (also what it prints)."""
+    from .data.encoding import encode_sources
+    from .data.sources import expand_inputs, total_bytes
+    from .data.tokenizer import default_tokenizer, load_tokenizer
+
+    start = time.perf_counter()
+    sources = expand_inputs(args.input, flag="--input")
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else default_tokenizer()
+    progress = _Progress(args.progress_bar)
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    if args.workers == 1:
+        # One worker means one core: without this the tokenizer's own threads take them all.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        stats = encode_sources(sources, args.text_key, tokenizer, args.output_prefix,
+                               workers=args.workers, append_eod=args.append_eod,
+                               flag="--input", on_progress=progress)
+    finally:
+        progress.close()
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    prefix = args.output_prefix
+    return {
+        "output_prefix": prefix, "inputs": len(sources), "input_bytes": total_bytes(sources),
+        **stats.as_dict(),
+        "bin_bytes": os.path.getsize(prefix + ".bin"),
+        "idx_bytes": os.path.getsize(prefix + ".idx"),
+        "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
+        "documents_per_s": stats.documents / max(stats.seconds, 1e-9),
+        "workers": args.workers, "tokenizer": args.tokenizer or "built-in byte-level BPE",
+        "tokenizer_flag": args.tokenizer,
+        "vocab_size": tokenizer.vocab_size, "wall_seconds": time.perf_counter() - start,
+    }
+
+
+def format_summary(s: dict) -> str:
+    prefix = s["output_prefix"]
+    return "\n".join([
+        f"wrote {prefix}.bin ({s['bin_bytes'] / 1e6:,.1f} MB) and {prefix}.idx "
+        f"({s['idx_bytes'] / 1e6:,.2f} MB)",
+        f"  documents  {s['documents']:,} from {s['inputs']} input(s) of "
+        f"{s['input_bytes'] / 1e6:,.1f} MB ({s['empty_skipped']:,} empty, skipped)",
+        f"  tokens     {s['tokens']:,} (tokenizer {s['tokenizer']}, {s['vocab_size']:,} tokens)",
+        f"  time       {s['seconds']:,.1f} s with {s['workers']} worker(s): "
+        f"{s['documents_per_s']:,.0f} documents/s, {s['tokens_per_s']:,.0f} tokens/s "
+        f"({s['wall_seconds']:,.1f} s in all)",
+        f"  train on it: swift-mcore pt --data_path {prefix}"
+        + (f" --tokenizer {s['tokenizer_flag']}" if s["tokenizer_flag"] else ""),
+    ])
+
+
+def main(argv: List[str]) -> int:
+    try:
+        args = parse(argv)
+    except ArgumentError as err:
+        print(f"swift-mcore preprocess: error: {err}", file=sys.stderr)
+        return 2
+    from ._quiet import quiet_third_party
+
+    quiet_third_party()
+    try:
+        summary = preprocess(args)
+    except ArgumentError as err:
+        print(f"swift-mcore preprocess: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("swift-mcore preprocess: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(format_summary(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
