@@ -1,1 +1,1 @@
-"""Models: the GPT builder (and, later, Hugging Face model families)."""
+"""Models: the GPT builder, Hugging Face families, weight conversion, export and generation."""

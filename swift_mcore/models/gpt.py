@@ -18,8 +18,9 @@ def has_transformer_engine() -> bool:
     return True
 
 
-def transformer_config(args):
-    """The megatron TransformerConfig for these arguments (dtypes, parallel layout, shape)."""
+def transformer_config(args, initialize: bool = True):
+    """The megatron TransformerConfig for these arguments (dtypes, parallel layout, shape).
+    ``initialize=False`` leaves the weights unset, for a caller that loads every one."""
     from megatron.core.transformer import TransformerConfig
 
     m, t, p = args.model, args.training, args.parallel
@@ -52,7 +53,7 @@ def transformer_config(args):
         # Creating the full weight and slicing it makes the initial weights independent of
         # the TP layout; megatron requires it without CUDA anyway.
         use_cpu_initialization=True,
-        perform_initialization=True,
+        perform_initialization=initialize,
         # The fused kernels are CUDA-only; on GPU megatron picks them when TE is present.
         bias_activation_fusion=cuda and m.swiglu and has_transformer_engine(),
         bias_dropout_fusion=False,
@@ -74,16 +75,27 @@ def layer_spec(args):
     if has_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=args.model.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         qk_layernorm=args.model.qk_layernorm, normalization=args.model.normalization)
+    if args.model.attention_backend == "sdpa":
+        from .sdpa_attention import SdpaAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec
 
 
-def build_model(args, padded_vocab_size: int) -> List[torch.nn.Module]:
-    """One GPTModel chunk per rank holding this rank's pipeline stage and TP shard."""
+def build_model(args, padded_vocab_size: int, initialize: bool = True
+                ) -> List[torch.nn.Module]:
+    """One GPTModel chunk per rank holding this rank's pipeline stage and TP shard.
+
+    ``initialize=False`` skips the random initialization, for a one-process model whose
+    weights are all loaded next (export, infer). Not for training with TP > 1: megatron then
+    leaves out the ``tensor_model_parallel`` marks of the sharded weights, and the gradient
+    norm silently counts only TP rank 0's shards."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(args)
+    config = transformer_config(args, initialize)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args),
@@ -95,6 +107,8 @@ def build_model(args, padded_vocab_size: int) -> List[torch.nn.Module]:
         position_embedding_type=args.model.position_embedding_type,
         rotary_percent=args.model.rotary_percent,
         rotary_base=args.model.rotary_base,
+        rope_scaling=args.model.use_rope_scaling,
+        rope_scaling_factor=args.model.rope_scaling_factor,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -1,0 +1,71 @@
+"""Flags of `swift-mcore export`: checkpoint <-> Hugging Face folder, and the precision check."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from .fields import ArgumentError, coerce, flag
+
+
+@dataclass
+class ExportArguments:
+    model: Optional[str] = flag(
+        None, "What to convert: with --to_hf a swift-mcore checkpoint (an iter_NNNNNNN folder, "
+        "the checkpoint folder holding the tracker, or a run's output_dir); with --to_mcore a "
+        "Hugging Face model folder. Required.")
+    output_dir: Optional[str] = flag(
+        None, "Where to write: the Hugging Face folder (--to_hf), or the run folder whose "
+        "checkpoint/ receives iter_0000000 (--to_mcore). Must not exist or be empty. Required.")
+    to_hf: bool = flag(False, "Convert a swift-mcore checkpoint (any TP/PP layout) into a "
+                       "Hugging Face folder.")
+    to_mcore: bool = flag(False, "Convert a Hugging Face folder into a swift-mcore checkpoint "
+                          "(load it with `pt --load DIR --finetune`, or `infer`/`export`).")
+    test_convert_precision: bool = flag(
+        False, "After converting, run the source and the converted model on the same tokens "
+        "(float32, eager attention on the Hugging Face side) and print the largest logit "
+        "difference.")
+    tokenizer: Optional[str] = flag(
+        None, "Tokenizer folder or tokenizer.json written with --to_hf; default: the one the "
+        "checkpoint was trained with.")
+    dtype: Optional[str] = flag(
+        None, "Weight dtype of the Hugging Face files; default: the source config.json's, else "
+        "the checkpoint's.", choices=("float32", "bfloat16", "float16"))
+    max_shard_size: str = flag("5GB", "Largest safetensors file (KB, MB, GB, KiB, MiB, GiB).")
+
+    def validate(self) -> "ExportArguments":
+        """Check every flag before any model is built; raises ArgumentError naming it."""
+        from ..models.hf_folder import HFFolder, is_hf_folder
+        from ..models.hf_save import parse_size
+
+        for f in fields(self):
+            setattr(self, f.name, coerce(f, getattr(self, f.name)))
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise ArgumentError(f"--{f.name} must be one of {', '.join(choices)}; got "
+                                    f"{value!r}")
+        if self.to_hf == self.to_mcore:
+            raise ArgumentError("give exactly one of --to_hf (checkpoint -> Hugging Face) and "
+                                "--to_mcore (Hugging Face -> checkpoint)")
+        if not self.model:
+            raise ArgumentError("--model is required: the checkpoint (--to_hf) or Hugging Face "
+                                "folder (--to_mcore) to convert")
+        if not os.path.exists(os.path.expanduser(self.model)):
+            raise ArgumentError(f"--model {self.model}: no such file or folder")
+        if not self.output_dir or not str(self.output_dir).strip():
+            raise ArgumentError("--output_dir is required: where the converted model goes")
+        out = os.path.abspath(os.path.expanduser(self.output_dir))
+        if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out)):
+            raise ArgumentError(f"--output_dir {self.output_dir} already exists and is not "
+                                f"empty; choose a new folder (nothing is overwritten)")
+        if os.path.abspath(os.path.expanduser(self.model)) == out:
+            raise ArgumentError("--output_dir must differ from --model")
+        if self.to_hf and is_hf_folder(os.path.expanduser(self.model)):
+            raise ArgumentError(f"--to_hf converts a swift-mcore checkpoint, but --model "
+                                f"{self.model} is a Hugging Face folder (use --to_mcore)")
+        if self.to_mcore:
+            HFFolder(self.model, flag="--model")
+        parse_size(self.max_shard_size)
+        return self

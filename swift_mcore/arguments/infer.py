@@ -1,0 +1,46 @@
+"""Flags of `swift-mcore infer`: which model, which prompt, how to sample."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from .fields import ArgumentError, coerce, flag
+
+
+@dataclass
+class InferArguments:
+    model: Optional[str] = flag(
+        None, "A Hugging Face model folder, or a swift-mcore checkpoint (an iter_NNNNNNN "
+        "folder, the checkpoint folder holding the tracker, or a run's output_dir). Required.")
+    prompt: Optional[str] = flag(None, "Text to continue. Required.")
+    max_new_tokens: int = flag(64, "Tokens to generate at most (generation also stops at the "
+                               "end-of-document token).")
+    temperature: float = flag(0.0, "Sampling temperature; 0 picks the most likely token "
+                              "(greedy).")
+    top_p: float = flag(1.0, "Sample from the smallest set of tokens whose probability "
+                        "reaches this (nucleus sampling; needs --temperature > 0).")
+    seed: int = flag(42, "Seed of the sampling.")
+    tokenizer: Optional[str] = flag(
+        None, "Tokenizer folder or tokenizer.json; default: the model's.")
+
+    def validate(self) -> "InferArguments":
+        """Check every flag before any model is built; raises ArgumentError naming it."""
+        for f in fields(self):
+            setattr(self, f.name, coerce(f, getattr(self, f.name)))
+        if not self.model:
+            raise ArgumentError("--model is required: a Hugging Face folder or a swift-mcore "
+                                "checkpoint")
+        if not os.path.exists(os.path.expanduser(self.model)):
+            raise ArgumentError(f"--model {self.model}: no such file or folder")
+        if self.prompt is None or self.prompt == "":
+            raise ArgumentError("--prompt is required: the text to continue")
+        if self.max_new_tokens <= 0:
+            raise ArgumentError(f"--max_new_tokens must be a positive integer, got "
+                                f"{self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ArgumentError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ArgumentError(f"--top_p must be in (0, 1], got {self.top_p}")
+        return self

@@ -1,0 +1,71 @@
+"""`swift-mcore infer`: continue a prompt with a Hugging Face folder or a swift-mcore checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List
+
+from .arguments.infer import InferArguments
+
+DESCRIPTION = """Generate text from a model, to see what it learned: greedy by default, or
+sampled with --temperature and --top_p. Runs in one process (CPU, or one GPU when present)."""
+
+
+def parse(argv: List[str]) -> InferArguments:
+    from .arguments.parser import add_flags
+
+    parser = argparse.ArgumentParser(prog="swift-mcore infer", description=DESCRIPTION,
+                                     argument_default=argparse.SUPPRESS)
+    add_flags(parser, InferArguments)
+    return InferArguments(**vars(parser.parse_args(argv))).validate()
+
+
+def run(args: InferArguments) -> str:
+    """Prints the prompt and its continuation as they are generated; returns the continuation."""
+    from .models.generate import generate
+    from .models.source import forward_logits, load_model
+
+    loaded = load_model(args.model, tokenizer=args.tokenizer,
+                        log=lambda line: print(line, file=sys.stderr, flush=True))
+    tokenizer = loaded.tokenizer
+    # as transformers would tokenize it (with the BOS token a Llama tokenizer adds)
+    prompt = list(tokenizer.hf(args.prompt)["input_ids"])
+    m = loaded.args.model
+    # learned position embeddings end at max_position_embeddings; RoPE does not
+    limit = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
+    print(args.prompt, end="", flush=True)
+    new: List[int] = []
+    shown = ""
+    for token in generate(lambda t: forward_logits(loaded.model, t), prompt,
+                          args.max_new_tokens, loaded.vocab, eos=tokenizer.eod,
+                          temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                          max_length=limit):
+        new.append(token)
+        text = tokenizer.decode([t for t in new if t != tokenizer.eod])
+        print(text[len(shown):], end="", flush=True)  # decode whole: multi-byte characters
+        shown = text
+    print(flush=True)
+    return shown
+
+
+def main(argv: List[str]) -> int:
+    from .arguments import ArgumentError
+    from .checkpointing import CheckpointError
+
+    try:
+        args = parse(argv)
+    except ArgumentError as err:
+        print(f"swift-mcore infer: error: {err}", file=sys.stderr)
+        return 2
+    from ._quiet import quiet_third_party
+    from .runtime import distributed
+
+    quiet_third_party()
+    try:
+        run(args)
+    except (ArgumentError, CheckpointError) as err:
+        print(f"swift-mcore infer: error: {err}", file=sys.stderr)
+        return 2
+    distributed.shutdown()
+    return 0

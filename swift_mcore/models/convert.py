@@ -1,0 +1,224 @@
+"""The weight layout mapping between Hugging Face (Llama-style names) and megatron-core GPTModel,
+in both directions, one tensor at a time.
+
+megatron keeps q, k and v in one ``linear_qkv`` whose rows are grouped per query group:
+for each key/value head, its ``heads / groups`` query heads, then its key head, then its
+value head. Plain concatenation [q; k; v] gives wrong logits. ``linear_fc1`` is [gate; up].
+Tensor parallelism shards column-parallel layers (qkv, fc1, embedding, output) by rows and
+row-parallel layers (proj, fc2) by columns; a rank's qkv shard holds whole query groups and
+its fc1 shard is [its gate rows; its up rows].
+
+``to_mcore`` builds one rank's shard of a megatron parameter from slices read out of the HF
+files (never a whole model); ``to_hf`` builds one HF tensor from full (TP=1) megatron
+tensors. Parameter names are the global ones: ``decoder.layers.<global index>...``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, List, Tuple
+
+import torch
+
+# Transformer Engine fuses the pre-attention and pre-MLP norms into the next linear layer;
+# its names map to the local spec's.
+_TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# megatron per-layer suffix -> HF per-layer suffix, for tensors that are copied as they are.
+_SAME = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+# row-parallel layers: TP shards the input (column) dimension
+_ROW_PARALLEL = {
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+Read = Callable[..., torch.Tensor]   # read(hf_name, rows=None, cols=None)
+Get = Callable[[str], torch.Tensor]  # get(megatron_name) -> full tensor
+
+
+class ConversionError(ValueError):
+    """A parameter the mapping does not know (a layer type the families do not have)."""
+
+
+def canonical(name: str) -> str:
+    """A megatron parameter name in the local spec's spelling."""
+    match = _LAYER.match(name)
+    if match and match.group(2) in _TE_NAMES:
+        return f"decoder.layers.{match.group(1)}.{_TE_NAMES[match.group(2)]}"
+    return name
+
+
+@dataclass(frozen=True)
+class Layout:
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int           # rows of the HF embedding (config.json vocab_size)
+    padded_vocab: int    # rows of megatron's embedding (padded for tensor parallelism)
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_model_args(cls, m, padded_vocab: int) -> "Layout":
+        heads = m.num_attention_heads
+        return cls(num_layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size,
+                   heads=heads, groups=m.num_query_groups or heads,
+                   head_dim=m.kv_channels or m.hidden_size // heads,
+                   vocab=m.vocab_size or padded_vocab, padded_vocab=padded_vocab,
+                   tied=not m.untie_embeddings_and_output_weights,
+                   qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm)
+
+    @property
+    def per_group(self) -> int:
+        return self.heads // self.groups
+
+    # ---- the HF side -------------------------------------------------------------------
+    def hf_tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """Every HF tensor of the model with its shape, in file order."""
+        h, hd = self.hidden, self.head_dim
+        out = [("model.embed_tokens.weight", (self.vocab, h))]
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            out.append((p + "input_layernorm.weight", (h,)))
+            for proj, rows in (("q", self.heads * hd), ("k", self.groups * hd),
+                               ("v", self.groups * hd)):
+                out.append((p + f"self_attn.{proj}_proj.weight", (rows, h)))
+                if self.qkv_bias:
+                    out.append((p + f"self_attn.{proj}_proj.bias", (rows,)))
+            if self.qk_norm:
+                out += [(p + "self_attn.q_norm.weight", (hd,)),
+                        (p + "self_attn.k_norm.weight", (hd,))]
+            out += [(p + "self_attn.o_proj.weight", (h, self.heads * hd)),
+                    (p + "post_attention_layernorm.weight", (h,)),
+                    (p + "mlp.gate_proj.weight", (self.ffn, h)),
+                    (p + "mlp.up_proj.weight", (self.ffn, h)),
+                    (p + "mlp.down_proj.weight", (h, self.ffn))]
+        out.append(("model.norm.weight", (h,)))
+        if not self.tied:
+            out.append(("lm_head.weight", (self.vocab, h)))
+        return out
+
+    def to_hf(self, hf_name: str, get: Get) -> torch.Tensor:
+        """One HF tensor from full megatron tensors (``get(name)``, TP=1 layout)."""
+        if hf_name == "model.embed_tokens.weight":
+            return get("embedding.word_embeddings.weight")[: self.vocab]
+        if hf_name == "lm_head.weight":
+            return get("output_layer.weight")[: self.vocab]
+        if hf_name == "model.norm.weight":
+            return get("decoder.final_layernorm.weight")
+        match = _HF_LAYER.match(hf_name)
+        if not match:
+            raise ConversionError(f"no megatron counterpart for {hf_name}")
+        i, suffix = int(match.group(1)), match.group(2)
+        layer = f"decoder.layers.{i}."
+        for mc, hf in {**_SAME, **_ROW_PARALLEL}.items():
+            if suffix == hf:
+                return get(layer + mc)
+        qkv = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", suffix)
+        if qkv:
+            fused = get(layer + f"self_attention.linear_qkv.{qkv.group(2)}")
+            return self._split_qkv(fused)["qkv".index(qkv.group(1))]
+        mlp = re.match(r"^mlp\.(gate|up)_proj\.weight$", suffix)
+        if mlp:
+            gate, up = get(layer + "mlp.linear_fc1.weight").chunk(2, dim=0)
+            return gate if mlp.group(1) == "gate" else up
+        raise ConversionError(f"no megatron counterpart for {hf_name}")
+
+    def _split_qkv(self, fused: torch.Tensor):
+        hd, n = self.head_dim, self.per_group
+        grouped = fused.reshape(self.groups, (n + 2) * hd, *fused.shape[1:])
+        q, k, v = grouped.split([n * hd, hd, hd], dim=1)
+        return [t.reshape(-1, *fused.shape[1:]) for t in (q, k, v)]
+
+    # ---- the megatron side ---------------------------------------------------------------
+    def to_mcore(self, name: str, read: Read, tp_rank: int = 0, tp_size: int = 1
+                 ) -> torch.Tensor:
+        """Rank ``tp_rank``'s shard of megatron parameter ``name``, read from the HF files."""
+        name = canonical(name)
+        if name == "embedding.word_embeddings.weight":
+            return self._vocab_rows("model.embed_tokens.weight", read, tp_rank, tp_size)
+        if name == "output_layer.weight":
+            source = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
+            return self._vocab_rows(source, read, tp_rank, tp_size)
+        if name == "decoder.final_layernorm.weight":
+            return read("model.norm.weight")
+        match = _LAYER.match(name)
+        if not match:
+            raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
+        prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
+        if suffix in _SAME:
+            return read(prefix + _SAME[suffix])
+        if suffix in _ROW_PARALLEL:
+            width = self.heads * self.head_dim if "linear_proj" in suffix else self.ffn
+            return read(prefix + _ROW_PARALLEL[suffix], cols=_part(width, tp_rank, tp_size))
+        if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            kind = suffix.rsplit(".", 1)[1]
+            return self._qkv_shard(prefix, kind, read, tp_rank, tp_size)
+        if suffix == "mlp.linear_fc1.weight":
+            rows = _part(self.ffn, tp_rank, tp_size)
+            return torch.cat([read(prefix + "mlp.gate_proj.weight", rows=rows),
+                              read(prefix + "mlp.up_proj.weight", rows=rows)], dim=0)
+        raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
+
+    def _qkv_shard(self, prefix: str, kind: str, read: Read, tp_rank: int, tp_size: int):
+        hd, n = self.head_dim, self.per_group
+        local = self.groups // tp_size
+        first = tp_rank * local
+        q = read(prefix + f"self_attn.q_proj.{kind}",
+                 rows=slice(first * n * hd, (first + local) * n * hd))
+        k = read(prefix + f"self_attn.k_proj.{kind}", rows=slice(first * hd, (first + local) * hd))
+        v = read(prefix + f"self_attn.v_proj.{kind}", rows=slice(first * hd, (first + local) * hd))
+        tail = q.shape[1:]
+        fused = torch.cat([q.reshape(local, n * hd, *tail), k.reshape(local, hd, *tail),
+                           v.reshape(local, hd, *tail)], dim=1)
+        return fused.reshape(local * (n + 2) * hd, *tail)
+
+    def _vocab_rows(self, hf_name: str, read: Read, tp_rank: int, tp_size: int):
+        """This rank's rows of the (padded) vocabulary; padding rows are zero."""
+        per = self.padded_vocab // tp_size
+        start, stop = tp_rank * per, (tp_rank + 1) * per
+        real = read(hf_name, rows=slice(start, min(stop, self.vocab))) if start < self.vocab \
+            else None
+        if real is not None and real.shape[0] == per:
+            return real
+        out = torch.zeros(per, self.hidden, dtype=real.dtype if real is not None else
+                          torch.float32)
+        if real is not None:
+            out[: real.shape[0]] = real
+        return out
+
+
+def _part(size: int, rank: int, parts: int) -> slice:
+    step = size // parts
+    return slice(rank * step, (rank + 1) * step)
+
+
+def layer_offset(chunk) -> int:
+    """Global index of a model chunk's first transformer layer (pipeline stages)."""
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    if layers is None or len(layers) == 0:
+        return 0
+    return layers[0].layer_number - 1
+
+
+def global_name(local: str, offset: int) -> str:
+    match = _LAYER.match(local)
+    if not match or offset == 0:
+        return local
+    return f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
+

@@ -1,0 +1,160 @@
+"""A Hugging Face model folder on disk: config.json, its safetensors weights (read lazily,
+slice by slice) and what is wrong with it, named by file and key."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
+
+from ..arguments.fields import ArgumentError
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Buffers some exporters save that no model parameter corresponds to.
+IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG))
+
+
+class HFFolder:
+    """Checks on construction that the folder, config.json and the weight files exist (no
+    tensor is read). ``flag`` names the option the path came from in error messages."""
+
+    def __init__(self, path: str, flag: str = "--model"):
+        self.flag = flag
+        self.path = os.path.abspath(os.path.expanduser(path))
+        if not os.path.exists(self.path):
+            raise ArgumentError(f"{flag} {path}: no such folder (swift-mcore reads local "
+                                f"Hugging Face folders; download the model first)")
+        if not os.path.isdir(self.path):
+            raise ArgumentError(f"{flag} {path} is a file; give the Hugging Face model folder "
+                                f"that holds config.json and *.safetensors")
+        self.config_path = os.path.join(self.path, CONFIG)
+        if not os.path.isfile(self.config_path):
+            hint = (" (it looks like a swift-mcore checkpoint: train from it with --load PATH "
+                    "--finetune, or export it with `swift-mcore export --to_hf`)"
+                    if _looks_like_checkpoint(self.path) else "")
+            raise ArgumentError(f"{flag} {path}: no config.json in {self.path}; expected a "
+                                f"Hugging Face model folder{hint}")
+        try:
+            with open(self.config_path, encoding="utf-8") as fh:
+                self.config: Dict[str, Any] = json.load(fh)
+        except (OSError, ValueError) as err:
+            raise ArgumentError(f"{self.config_path} is not readable JSON: {err}") from None
+        if not isinstance(self.config, dict):
+            raise ArgumentError(f"{self.config_path} must hold a JSON object")
+        self.files = self._weight_files()
+        self._weight_map: Optional[Dict[str, str]] = None
+
+    # ---- which files hold the weights ----------------------------------------------------
+    def _weight_files(self) -> Tuple[str, ...]:
+        index = os.path.join(self.path, INDEX)
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as fh:
+                    weight_map = json.load(fh)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise ArgumentError(f"{index} is not a safetensors index ({err})") from None
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not os.path.isfile(os.path.join(self.path, f))]
+            if missing:
+                raise ArgumentError(f"{index} names weight files that are missing: "
+                                    f"{', '.join(missing)}")
+            self._index_map = {k: os.path.join(self.path, v) for k, v in weight_map.items()}
+            return tuple(os.path.join(self.path, f) for f in files)
+        self._index_map = None
+        files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
+        if files:
+            return tuple(files)
+        others = sorted(os.path.basename(p) for ext in ("bin", "pt", "pth", "gguf")
+                        for p in glob.glob(os.path.join(self.path, f"*.{ext}")))
+        if others:
+            raise ArgumentError(
+                f"{self.flag} {self.path} has weights only as {', '.join(others[:3])}; "
+                f"swift-mcore reads safetensors (convert once with transformers: "
+                f"AutoModelForCausalLM.from_pretrained(p).save_pretrained(p))")
+        raise ArgumentError(f"{self.flag} {self.path} has config.json but no weights (no "
+                            f"{SINGLE}, {INDEX} or *.safetensors)")
+
+    @property
+    def weight_map(self) -> Dict[str, str]:
+        """tensor name -> file; reads only the safetensors headers."""
+        if self._weight_map is None:
+            if self._index_map is not None:
+                self._weight_map = dict(self._index_map)
+            else:
+                from safetensors import safe_open
+
+                self._weight_map = {}
+                for path in self.files:
+                    with safe_open(path, framework="pt") as fh:
+                        for key in fh.keys():
+                            self._weight_map[key] = path
+        return self._weight_map
+
+    def shapes(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """tensor name -> (shape, file), from the headers only."""
+        from safetensors import safe_open
+
+        out = {}
+        by_file: Dict[str, list] = {}
+        for name, path in self.weight_map.items():
+            by_file.setdefault(path, []).append(name)
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt") as fh:
+                present = set(fh.keys())
+                for name in names:
+                    if name not in present:
+                        raise ArgumentError(f"{os.path.join(self.path, INDEX)} places {name} in "
+                                            f"{os.path.basename(path)}, which does not hold it")
+                    out[name] = (tuple(fh.get_slice(name).get_shape()), path)
+        return out
+
+    def reader(self) -> "Reader":
+        return Reader(self)
+
+
+class Reader:
+    """``read(name, rows, cols)``: a slice of one tensor, read from disk without loading the
+    rest (safetensors memory-maps the file). Use as a context manager."""
+
+    def __init__(self, folder: HFFolder):
+        self.folder = folder
+        self._handles: Dict[str, Any] = {}
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def read(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None):
+        from safetensors import safe_open
+
+        path = self.folder.weight_map.get(name)
+        if path is None:
+            raise ArgumentError(f"{self.folder.flag} {self.folder.path}: the weights have no "
+                                f"tensor {name}")
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = safe_open(path, framework="pt").__enter__()
+            self._handles[path] = handle
+        part = handle.get_slice(name)
+        if rows is None and cols is None:
+            return part[:]
+        if cols is None:
+            return part[rows]
+        return part[rows if rows is not None else slice(None), cols]
+
+
+def _looks_like_checkpoint(path: str) -> bool:
+    names = set(os.listdir(path))
+    return bool(names & {"latest_checkpointed_iteration.txt", "metadata.json", "manifest.json",
+                         "checkpoint"}) or any(n.startswith("iter_") for n in names)

@@ -1,0 +1,101 @@
+"""Loads a Hugging Face folder's safetensors weights into this rank's megatron model chunks.
+
+Each rank reads only the slices of its own tensor-parallel shard and pipeline stage
+(safetensors memory-maps the files), so a node never holds more than one full copy of the
+model: the ranks' shards together. Before any tensor is read, the files' shapes are checked
+against transformers' own model for the config, built on the meta device (no memory).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from ..arguments.fields import ArgumentError
+from .convert import Layout, global_name, layer_offset
+from .hf_folder import IGNORABLE_SUFFIXES, HFFolder
+
+
+def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
+    """Every tensor transformers' model for ``folder``'s config.json has, with its shape
+    (built on the meta device: no memory)."""
+    import warnings
+
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(hf_config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
+    """Raise ArgumentError naming file and key for every tensor that is missing, has a shape
+    other than config.json implies, or is not used by the model."""
+    expected = expected_hf_shapes(folder.path)
+    ours = dict(layout.hf_tensors())
+    if set(ours) != set(expected):  # a family/mapping bug, not bad input
+        raise AssertionError(f"swift-mcore's layout and transformers disagree on the tensors "
+                             f"of {folder.config_path}: only ours "
+                             f"{sorted(set(ours) - set(expected))[:4]}, only transformers' "
+                             f"{sorted(set(expected) - set(ours))[:4]}")
+    found = folder.shapes()
+    problems: List[str] = []
+    for name, shape in expected.items():
+        if name not in found:
+            problems.append(f"{name}: missing from the weights")
+        elif found[name][0] != shape:
+            problems.append(f"{os.path.basename(found[name][1])}: {name} has shape "
+                            f"{list(found[name][0])}, config.json implies {list(shape)}")
+    tied_head = "lm_head.weight" if layout.tied else None
+    for name in sorted(set(found) - set(expected)):
+        if name.endswith(IGNORABLE_SUFFIXES) or name == tied_head:
+            continue
+        problems.append(f"{os.path.basename(found[name][1])}: {name} is not part of this "
+                        f"model (config.json describes no such tensor)")
+    if problems:
+        shown = problems[:limit] + ([f"... and {len(problems) - limit} more"]
+                                    if len(problems) > limit else [])
+        raise ArgumentError(f"--model {folder.path}: the weights do not fit "
+                            f"{folder.config_path}:\n" + "\n".join(f"  {p}" for p in shown))
+
+
+def load_hf_weights(args, model_chunks, padded_vocab: int,
+                    log: Callable[[str], None] = print) -> int:
+    """Copy --model's weights into this rank's chunks (DDP-wrapped or not). Every parameter
+    must be filled. Returns the number of parameters this rank loaded."""
+    from megatron.core import parallel_state
+
+    from ..checkpointing.io import unwrap
+
+    start = time.time()
+    folder = HFFolder(args.model.model, flag="--model")
+    layout = Layout.from_model_args(args.model, padded_vocab)
+    check_shapes(folder, layout)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    loaded = 0
+    with folder.reader() as reader, torch.no_grad():
+        for chunk in model_chunks:
+            module = unwrap(chunk)
+            offset = layer_offset(module)
+            for local, param in module.named_parameters():
+                name = global_name(local, offset)
+                value = layout.to_mcore(name, reader.read, tp_rank, tp_size)
+                if tuple(value.shape) != tuple(param.shape):
+                    raise AssertionError(f"{name}: converted shape {list(value.shape)}, "
+                                         f"model shape {list(param.shape)}")
+                param.data.copy_(value)
+                loaded += param.numel()
+    log(f"loaded Hugging Face weights from {folder.path} ({len(folder.files)} file(s), "
+        f"{loaded / 1e6:.2f}M parameters on this rank) in {time.time() - start:.1f}s")
+    return loaded

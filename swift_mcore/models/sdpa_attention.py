@@ -1,0 +1,90 @@
+"""Core attention through torch's scaled_dot_product_attention, for megatron's local layer spec.
+
+megatron-core's local ``DotProductAttention`` materialises the [b, heads, sq, sk] scores
+(baddbmm, masked_fill, softmax, bmm) and keeps them for the backward pass. On CPU that is
+most of the attention time at seq 512+ and a large share of activation memory.
+``SdpaAttention`` computes the same softmax(Q K^T * scale + causal mask) V with
+``torch.nn.functional.scaled_dot_product_attention``, whose kernels (flash attention on CPU
+and GPU) never store the scores. It is selected with ``--attention_backend sdpa``
+(``models/gpt.py:layer_spec``); ``tests/test_sdpa_attention.py`` holds outputs and
+gradients to within 1e-5 of the local module and of the whole model.
+
+It subclasses ``DotProductAttention`` for the constructor, the attributes megatron reads
+and ``sharded_state_dict`` (no parameters: checkpoints are interchangeable with the local
+spec). One difference by construction: masked scores are -inf here and -10000 in megatron,
+which is the same after softmax unless a row is masked entirely (padding masks only; a
+causal row always sees itself).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+class SdpaAttention(DotProductAttention):
+    """DotProductAttention's interface (query [sq, b, np, hn], key/value [sk, b, ng, hn]
+    -> context [sq, b, np * hn]) on ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if self.config.softmax_type != "vanilla":
+            raise ValueError(f"SdpaAttention supports softmax_type 'vanilla' only, not "
+                             f"{self.config.softmax_type!r}")
+        if self.scale_mask_softmax.window_size is not None:
+            raise ValueError("SdpaAttention does not support sliding-window attention")
+        # DotProductAttention divides its scale by the layer number under
+        # apply_query_key_layer_scaling and multiplies it back inside the softmax; SDPA
+        # takes the product in one go.
+        coeff = self.scale_mask_softmax.scale
+        self.sdpa_scale = self.softmax_scale * (coeff if coeff is not None else 1.0)
+        self.dropout_p = self.attention_dropout.p
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("SdpaAttention does not take packed sequences")
+        if attention_bias is not None:
+            raise NotImplementedError("SdpaAttention does not take an attention bias")
+        sq, b, heads, head_dim = query.shape
+        sk, groups = key.shape[0], key.shape[2]
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+
+        mask, is_causal = None, False
+        if attention_mask is not None:
+            # megatron's mask marks the positions to hide; SDPA's boolean mask the ones to keep.
+            mask = ~attention_mask
+        elif mask_type == AttnMaskType.causal and sq > 1:
+            # As megatron's softmax (fused_softmax.py, "causal mask is only for self
+            # attention"): SDPA's is_causal aligns the triangle top-left, which is only the
+            # causal mask when sq == sk.
+            if sq != sk:
+                raise ValueError(f"causal attention needs sq == sk, got {sq} and {sk}")
+            is_causal = True
+
+        # [s, b, n, h] -> [b, n, s, h]: SDPA's layout, a view for q, k and v alike.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def attend():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                scale=self.sdpa_scale, enable_gqa=groups != heads)
+
+        if dropout_p and not self.config.sequence_parallel:
+            # The same RNG stream as megatron's attention dropout (the TP-rank-specific one).
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = attend()
+        else:
+            context = attend()
+        # [b, n, sq, h] -> [sq, b, n * h]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)

@@ -1,0 +1,73 @@
+"""One rank of a TP or PP run (started by torchrun): load an HF folder into the sharded
+model, write the full logits of fixed tokens, and save a weights-only checkpoint."""
+
+import argparse
+import os
+
+import torch
+
+
+def forward_logits(model_chunks, ids):
+    """Logits [batch, seq, padded vocab] through megatron's pipeline schedule, gathered over
+    tensor-parallel ranks; None off the last pipeline stage."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    batch, length = ids.shape
+    position_ids = torch.arange(length).unsqueeze(0).expand(batch, length)
+
+    def step(data_iterator, model):
+        output = model(input_ids=next(data_iterator), position_ids=position_ids,
+                       attention_mask=None)
+        return output, None  # no loss function: megatron keeps the output
+
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter([ids]), model=model_chunks,
+            num_microbatches=1, seq_length=length, micro_batch_size=batch,
+            decoder_seq_length=length, forward_only=True)
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    return gather_from_tensor_model_parallel_region(outputs[0])
+
+
+def main():
+    from swift_mcore.arguments import PretrainArguments, padded_vocab_size
+    from swift_mcore.checkpointing import TrainState, save_checkpoint
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.models.hf_load import load_hf_weights
+    from swift_mcore.runtime import distributed, seed
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    parser.add_argument("--out")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--tokens")
+    cli = parser.parse_args()
+    ids = torch.load(cli.tokens)
+    args = PretrainArguments.from_flags(
+        model=cli.model, tensor_model_parallel_size=cli.tp, pipeline_model_parallel_size=cli.pp,
+        seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
+        global_batch_size=ids.shape[0] * int(os.environ["WORLD_SIZE"]) // (cli.tp * cli.pp),
+        output_dir=cli.out, no_save_optim=True)
+    args.validate()
+    distributed.initialize(args)
+    seed.set_seed(args.training.seed)
+    padded = padded_vocab_size(args.model.vocab_size, args.model.make_vocab_size_divisible_by,
+                               cli.tp)
+    chunks = build_model(args, padded)
+    load_hf_weights(args, chunks, padded, log=lambda line: None)
+    logits = forward_logits(chunks, ids)
+    last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    if logits is not None and last:
+        torch.save(logits[..., : args.model.vocab_size].contiguous(),
+                   os.path.join(cli.out, "logits.pt"))
+    save_checkpoint(args, TrainState(), chunks, None, None, None)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)  # gloo's threads may abort during interpreter teardown (DESIGN.md)

@@ -1,0 +1,84 @@
+"""The family registry: config.json -> model flags (both RoPE spellings), flags -> config.json,
+and which family a checkpoint trained from scratch exports as."""
+
+import pytest
+
+import hf_helpers as H
+from swift_mcore.arguments import ArgumentError, PretrainArguments
+from swift_mcore.models import families
+
+
+def flags_from(path, **extra):
+    args = PretrainArguments.from_flags(model=str(path), **extra)
+    args.validate(world_size=1, cuda=False)
+    return args.model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    for family in H.FAMILIES:
+        H.make_family(str(root / family), family, tokenizer=False)
+    return root
+
+
+def test_every_family_is_registered_from_its_own_file():
+    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(families.families())
+
+
+def test_config_values_reach_the_model_flags(folders):
+    llama = flags_from(folders / "llama")
+    assert (llama.model_type, llama.num_layers, llama.hidden_size, llama.ffn_hidden_size,
+            llama.num_attention_heads, llama.num_query_groups, llama.kv_channels,
+            llama.vocab_size, llama.max_position_embeddings) == (
+        "llama", 2, 64, 96, 4, 2, 16, 320, 256)
+    assert llama.norm_epsilon == 1e-6  # transformers' default, not megatron's 1e-5
+    assert llama.untie_embeddings_and_output_weights and not llama.use_rope_scaling
+    assert llama.make_vocab_size_divisible_by == 1  # the embedding keeps the config's rows
+    assert flags_from(folders / "qwen2").add_qkv_bias
+    assert not flags_from(folders / "qwen2").untie_embeddings_and_output_weights
+    qwen3 = flags_from(folders / "qwen3")
+    assert qwen3.qk_layernorm and qwen3.kv_channels == 32 and not qwen3.add_qkv_bias
+    assert flags_from(folders / "mistral").norm_epsilon == 1e-5
+    llama3 = flags_from(folders / "llama3")
+    assert (llama3.use_rope_scaling, llama3.rope_scaling_factor, llama3.rotary_base) == (
+        True, 8.0, 500000)
+
+
+def test_older_rope_spelling_and_architectures_fallback(folders, tmp_path):
+    import shutil
+
+    legacy = tmp_path / "legacy"
+    shutil.copytree(folders / "llama3", legacy)
+    H.edit_config(str(legacy), rope_parameters=None, rope_theta=500000.0, model_type=None,
+                  rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192})
+    m = flags_from(legacy)
+    assert (m.model_type, m.use_rope_scaling, m.rotary_base) == ("llama", True, 500000)
+
+
+@pytest.mark.parametrize("family", list(H.FAMILIES))
+def test_exported_config_reads_back_to_the_same_flags(folders, family):
+    m = flags_from(folders / family)
+    fam = families.for_model_args(m)
+    assert fam.name == m.model_type
+    config = {"model_type": fam.model_types[0], **fam.hf_config(m, m.vocab_size)}
+    again = fam.model_values(config, m)
+    assert all(getattr(m, k) == v for k, v in again.items()), family
+
+
+def test_family_of_a_model_trained_from_scratch():
+    def family(**flags):
+        args = PretrainArguments.from_flags(**flags)
+        args.validate(world_size=1, cuda=False)
+        return families.for_model_args(args.model).name
+
+    assert family() == "llama"
+    assert family(add_qkv_bias=True) == "qwen2"
+    assert family(qk_layernorm=True) == "qwen3"
+    assert family(model_type="mistral") == "mistral"
+    with pytest.raises(ArgumentError, match="--normalization 'LayerNorm'"):
+        family(normalization="LayerNorm")
+    with pytest.raises(ArgumentError, match="--add_qkv_bias True \\(a qwen3 model has False\\)"):
+        family(model_type="qwen3", add_qkv_bias=True)

@@ -1,0 +1,186 @@
+"""Bad input to --model, export and infer: a clear error naming the file, key or flag, raised
+before any process group exists (and, for the weights, before any tensor is read)."""
+
+import os
+import shutil
+
+import pytest
+
+import hf_helpers as H
+from swift_mcore.arguments import ArgumentError, PretrainArguments
+
+
+def validate(**flags):
+    world = flags.pop("world_size", 1)
+    args = PretrainArguments.from_flags(**flags)
+    args.validate(world_size=world, cuda=False)
+    return args
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bad") / "llama"
+    H.make_family(str(path), "llama")
+    return path
+
+
+@pytest.fixture
+def copy(llama, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(llama, target)
+    return target
+
+
+def test_missing_folder_config_and_weights(tmp_path, copy):
+    with pytest.raises(ArgumentError, match=r"--model .*nope: no such folder"):
+        validate(model=str(tmp_path / "nope"))
+    os.remove(copy / "config.json")
+    with pytest.raises(ArgumentError, match=r"no config.json in .*model"):
+        validate(model=str(copy))
+
+
+def test_weights_missing_or_not_safetensors(llama, tmp_path):
+    folder = tmp_path / "noweights"
+    shutil.copytree(llama, folder)
+    os.remove(folder / "model.safetensors")
+    with pytest.raises(ArgumentError, match=r"has config.json but no weights"):
+        validate(model=str(folder))
+    (folder / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ArgumentError, match=r"only as pytorch_model.bin; swift-mcore reads "
+                                            r"safetensors"):
+        validate(model=str(folder))
+    (folder / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}')
+    with pytest.raises(ArgumentError, match=r"missing: model-00001-of-00002.safetensors"):
+        validate(model=str(folder))
+
+
+def test_a_checkpoint_given_as_model_gets_a_hint(tmp_path):
+    folder = tmp_path / "run" / "checkpoint"
+    folder.mkdir(parents=True)
+    (folder / "latest_checkpointed_iteration.txt").write_text("3\n")
+    with pytest.raises(ArgumentError, match=r"swift-mcore checkpoint: train from it with "
+                                            r"--load PATH --finetune"):
+        validate(model=str(folder))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+     r"model_type 'gpt2' \(architectures \['GPT2LMHeadModel'\]\) is not supported; supported "
+     r"families: llama \(LlamaForCausalLM\), mistral"),
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' \(only 'silu'"),
+    ({"attention_bias": True}, r"attention_bias True \(only False\)"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}},
+     r"rope_parameters.rope_type 'yarn' \(supported: 'default', 'llama3'\)"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                          "rope_theta": 10000.0}},
+     r"rope_parameters.low_freq_factor 2.0 \(megatron-core's Llama-3 scaling uses 1\)"),
+    ({"quantization_config": {"quant_method": "gptq"}}, r"quantization_config"),
+    ({"hidden_size": None}, r"config.json lacks hidden_size"),
+])
+def test_unsupported_configs_name_the_key(copy, changes, message):
+    H.edit_config(str(copy), **changes)
+    with pytest.raises(ArgumentError, match=message):
+        validate(model=str(copy))
+
+
+def test_mistral_sliding_window_shorter_than_the_sequence(tmp_path):
+    path = tmp_path / "mistral"
+    H.make_model(str(path), "mistral", tokenizer=False, sliding_window=16)
+    with pytest.raises(ArgumentError, match=r"sliding_window 16 is shorter than --seq_length "
+                                            r"32"):
+        validate(model=str(path), seq_length=32)
+    validate(model=str(path), seq_length=16)
+
+
+def test_explicit_flags_that_disagree_with_config_json(llama):
+    with pytest.raises(ArgumentError, match=r"config.json \(--model\) sets the model's shape, "
+                                            r"and these flags disagree with it: --num_layers 3 "
+                                            r"\(the config says 2\); --hidden_size 128 \(the "
+                                            r"config says 64\)"):
+        validate(model=str(llama), hidden_size=128, num_layers=3)
+    with pytest.raises(ArgumentError, match=r"--model_type 'qwen2' disagrees"):
+        validate(model=str(llama), model_type="qwen2")
+    assert validate(model=str(llama), hidden_size=64).model.hidden_size == 64  # agreeing: fine
+
+
+def test_parallel_sizes_that_do_not_divide_the_config(llama):
+    with pytest.raises(ArgumentError, match=r"--tensor_model_parallel_size \(4\) must divide "
+                                            r"--num_query_groups \(2\) \(from .*config.json\)"):
+        validate(model=str(llama), tensor_model_parallel_size=4, world_size=4)
+    with pytest.raises(ArgumentError, match=r"--pipeline_model_parallel_size \(3\) must divide "
+                                            r"--num_layers \(2\) \(from .*config.json\)"):
+        validate(model=str(llama), pipeline_model_parallel_size=3, world_size=3)
+
+
+def test_weight_shapes_that_disagree_with_the_config(copy):
+    from swift_mcore.models.convert import Layout
+    from swift_mcore.models.hf_folder import HFFolder
+    from swift_mcore.models.hf_load import check_shapes
+
+    H.edit_config(str(copy), intermediate_size=128)
+    args = validate(model=str(copy))
+    with pytest.raises(ArgumentError, match=r"model.safetensors: model.layers.0.mlp.gate_proj"
+                                            r".weight has shape \[96, 64\], config.json implies "
+                                            r"\[128, 64\]"):
+        check_shapes(HFFolder(str(copy)), Layout.from_model_args(args.model, 320))
+
+
+def test_missing_and_unexpected_tensors(copy):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from swift_mcore.models.convert import Layout
+    from swift_mcore.models.hf_folder import HFFolder
+    from swift_mcore.models.hf_load import check_shapes
+
+    state = load_file(copy / "model.safetensors")
+    del state["model.norm.weight"]
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    save_file(state, copy / "model.safetensors", metadata={"format": "pt"})
+    args = validate(model=str(copy))
+    with pytest.raises(ArgumentError) as info:
+        check_shapes(HFFolder(str(copy)), Layout.from_model_args(args.model, 320))
+    assert "model.norm.weight: missing from the weights" in str(info.value)
+    assert "model.layers.0.self_attn.q_proj.bias is not part of this model" in str(info.value)
+
+
+def test_save_safetensors_needs_a_checkpoint_and_an_hf_family():
+    with pytest.raises(ArgumentError, match="cannot be combined with --no_save"):
+        validate(save_safetensors=True, no_save=True)
+    with pytest.raises(ArgumentError, match=r"--save_safetensors: .*--swiglu False"):
+        validate(save_safetensors=True, swiglu=False)
+
+
+def test_export_and_infer_flags(llama, tmp_path):
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.arguments.infer import InferArguments
+
+    def export(**flags):
+        return ExportArguments(**flags).validate()
+
+    with pytest.raises(ArgumentError, match="exactly one of --to_hf"):
+        export(model=str(llama), output_dir=str(tmp_path / "o"))
+    with pytest.raises(ArgumentError, match="is a Hugging Face folder \\(use --to_mcore\\)"):
+        export(model=str(llama), output_dir=str(tmp_path / "o"), to_hf=True)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(ArgumentError, match="already exists and is not empty"):
+        export(model=str(llama), output_dir=str(tmp_path / "full"), to_mcore=True)
+    with pytest.raises(ArgumentError, match="--max_shard_size '5 parsecs'"):
+        export(model=str(llama), output_dir=str(tmp_path / "o"), to_mcore=True,
+               max_shard_size="5 parsecs")
+    with pytest.raises(ArgumentError, match="--prompt is required"):
+        InferArguments(model=str(llama)).validate()
+    with pytest.raises(ArgumentError, match=r"--top_p must be in \(0, 1\]"):
+        InferArguments(model=str(llama), prompt="x", top_p=0).validate()
+
+
+def test_cli_reports_bad_model_with_exit_code_2(tmp_path, capsys):
+    from swift_mcore.cli import main
+
+    assert main(["pt", "--model", str(tmp_path / "nope")]) == 2
+    assert "swift-mcore pt: error: --model" in capsys.readouterr().err
+    assert main(["export", "--model", str(tmp_path / "nope"), "--to_hf",
+                 "--output_dir", str(tmp_path / "o")]) == 2
+    assert "swift-mcore export: error: --model" in capsys.readouterr().err
