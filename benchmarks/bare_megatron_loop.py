@@ -1,14 +1,18 @@
 """Baseline: the same GPT model trained by a bare megatron-core loop (no swift-mcore trainer).
 
-Uses megatron's GPTModel, DDP, optimizer and forward/backward schedule directly on random
-tokens held in memory, so the only difference to `swift-mcore pt` is the framework around
-them (data loading, logging, metrics, checkpoint bookkeeping). Prints one JSON line.
+Uses megatron's GPTModel, DDP, optimizer and forward/backward schedule directly on tokens
+held in memory, so the only difference to `swift-mcore pt` is the framework around them
+(data loading, logging, metrics, checkpoint bookkeeping). The tokens are random, or with
+``--data_file`` the rows another benchmark saved (``{"tokens", "labels"}``, [rows, seq]
+int64, read in order, ``mbs`` rows per micro-batch). Prints one JSON line: tokens/s over
+the timed iterations, each iteration's seconds and the process's peak RSS.
 
   python benchmarks/bare_megatron_loop.py --iters 30 --warmup 5 [swift-mcore pt flags...]
 """
 
 import argparse
 import json
+import resource
 import sys
 import time
 
@@ -17,12 +21,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--data_file", help="rows of tokens/labels to train on (torch.save)")
     ours, rest = parser.parse_known_args(argv)
 
     import torch
 
+    from swift_mcore._quiet import quiet_third_party
+
+    quiet_third_party()
     from swift_mcore.arguments import padded_vocab_size, parse_args
-    from swift_mcore.models.gpt import build_model
+    from swift_mcore.models.gpt import build_model, count_parameters
     from swift_mcore.runtime import distributed, seed
 
     args = parse_args(rest)
@@ -36,30 +44,45 @@ def main(argv=None):
 
     vocab = padded_vocab_size(args.model.vocab_size or 4096, 128, 1)
     model = build_model(args, vocab)[0]
-    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    parameters = count_parameters([model])
+    # As swift_mcore/runtime/ddp.py: bf16 gradients are reduced in fp32.
+    model = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=args.training.bf16),
+        model)
     model.config.finalize_model_grads_func = finalize_model_grads
     t = args.training
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=t.lr, weight_decay=t.weight_decay,
-                        clip_grad=t.clip_grad), [model])
+                        clip_grad=t.clip_grad, bf16=t.bf16,
+                        params_dtype=torch.bfloat16 if t.bf16 else torch.float32), [model])
     seq, mbs = args.model.seq_length, t.micro_batch_size
-    data = torch.randint(0, vocab, (64, mbs, seq + 1))
+    cuda = torch.cuda.is_available()
+    if ours.data_file:
+        rows = torch.load(ours.data_file)
+        tokens, labels = rows["tokens"], rows["labels"]
+    else:
+        tokens = torch.randint(0, vocab, (64 * mbs, seq))
+        labels = torch.randint(0, vocab, (64 * mbs, seq))
+    if cuda:
+        tokens, labels = tokens.cuda(), labels.cuda()
+    position_ids = torch.arange(seq, device=tokens.device).expand(mbs, -1)
 
     def forward_step(iterator, chunk):
-        rows = next(iterator)
-        output = chunk(rows[:, :-1], torch.arange(seq).expand(mbs, -1), None,
-                       labels=rows[:, 1:])
+        batch_tokens, batch_labels = next(iterator)
+        output = chunk(batch_tokens, position_ids, None, labels=batch_labels)
 
         def loss(out):
             total = out.float().sum()
-            return total, torch.tensor(out.numel(), dtype=torch.int), {"lm loss": total}
+            return total, torch.tensor(out.numel(), dtype=torch.int, device=out.device), \
+                {"lm loss": total}
 
         return output, loss
 
     def batches():
-        i = 0
+        i, n = 0, tokens.shape[0] // mbs
         while True:
-            yield data[i % len(data)]
+            j = (i % n) * mbs
+            yield tokens[j:j + mbs], labels[j:j + mbs]
             i += 1
 
     iterator = batches()
@@ -73,10 +96,15 @@ def main(argv=None):
              num_microbatches=args.derived.num_microbatches, seq_length=seq,
              micro_batch_size=mbs, forward_only=False)
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
         if it >= ours.warmup:
             times.append(time.perf_counter() - start)
-    tokens = t.global_batch_size * seq
-    result = {"tokens_per_s": tokens * len(times) / sum(times), "iters": len(times)}
+    tokens_per_step = t.global_batch_size * seq
+    result = {"tokens_per_s": tokens_per_step * len(times) / sum(times), "iters": len(times),
+              "step_s": [round(x, 4) for x in times], "parameters": parameters,
+              "torch_threads": torch.get_num_threads(),
+              "rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if distributed.is_last_rank():
         print(json.dumps(result), flush=True)
     distributed.shutdown()

@@ -6,6 +6,12 @@ file, manifest, rename, tracker) and resumes from it as often through
 ``load_checkpoint`` (CRC verification, then the sharded load). One process, one rank.
 Loads read a checkpoint just written, so they run from the warm page cache.
 
+The baseline, alternating with them: the same state (every model chunk's state_dict and
+the optimizer's state_dict) through a plain ``torch.save`` into one file, flushed and
+fsynced as the commit does, and a ``torch.load`` of it applied with ``load_state_dict`` to
+the model and the optimizer. No checksums, no atomic rename, no sharding: the floor of what
+a save and a load can cost here.
+
   python benchmarks/checkpoint_io.py                        # ~1 GB checkpoint
   python benchmarks/checkpoint_io.py --tiny --repeats 1     # smoke test
 """
@@ -54,6 +60,36 @@ def folder_bytes(folder):
                for base, _, files in os.walk(folder) for f in files)
 
 
+def torch_save(trainer, path):
+    """The trainer's model and optimizer state in one torch.save file, fsynced."""
+    import torch
+
+    start = time.perf_counter()
+    state = {"model": [chunk.state_dict() for chunk in trainer.model],
+             "optimizer": trainer.optimizer.state_dict()}
+    with open(path, "wb") as fh:
+        torch.save(state, fh)
+        written = time.perf_counter()
+        fh.flush()
+        os.fsync(fh.fileno())
+    end = time.perf_counter()
+    return {"total_s": end - start, "torch_save_s": written - start, "fsync_s": end - written}
+
+
+def torch_load(trainer, path):
+    """Reads the file and applies it to the trainer's model and optimizer."""
+    import torch
+
+    start = time.perf_counter()
+    state = torch.load(path, weights_only=True)
+    read = time.perf_counter()
+    for chunk, chunk_state in zip(trainer.model, state["model"]):
+        chunk.load_state_dict(chunk_state)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    end = time.perf_counter()
+    return {"total_s": end - start, "torch_load_s": read - start, "apply_s": end - read}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -82,14 +118,16 @@ def main():
         trainer.train_step()
         trainer.state.iteration = 1
         trainer.state.consumed_train_samples = flags["global_batch_size"]
-        saves, loads = [], []
-        for _ in range(opts.repeats):
+        saves, loads, plain_saves, plain_loads = [], [], [], []
+        plain = os.path.join(workdir, "plain.pt")
+        for _ in range(opts.repeats):  # alternating with the baseline
             clock.take()
             start = time.perf_counter()
             path = trainer.save_checkpoint()
             total = time.perf_counter() - start
             trainer._last_saved_iteration = None  # allow saving the same iteration again
             saves.append({"total_s": total, **clock.take()})
+            plain_saves.append(torch_save(trainer, plain))
         size = folder_bytes(path)
         for _ in range(opts.repeats):
             resumed = Trainer(PretrainArguments.from_flags(**flags, resume="auto"))
@@ -106,7 +144,9 @@ def main():
             clock.take()
             resumed.setup()
             loads.append({**timings, **clock.take()})
+            plain_loads.append(torch_load(resumed, plain))
             resumed.writer.close()
+        plain_mb = os.path.getsize(plain) / 1e6
         trainer.writer.close()
     finally:
         if not opts.dir:
@@ -117,10 +157,17 @@ def main():
 
     mb = size / 1e6
     s, l = med(saves), med(loads)
+    ps, pl = med(plain_saves), med(plain_loads)
     print(json.dumps({
         "parameters_M": round(trainer.num_parameters / 1e6, 2), "checkpoint_MB": round(mb, 1),
         "repeats": opts.repeats, "save": s, "load": l,
         "save_MB_per_s": round(mb / s["total_s"], 1), "load_MB_per_s": round(mb / l["total_s"], 1),
+        "torch_MB": round(plain_mb, 1), "torch_save": ps, "torch_load": pl,
+        "torch_save_MB_per_s": round(plain_mb / ps["total_s"], 1),
+        "torch_load_MB_per_s": round(plain_mb / pl["total_s"], 1),
+        # swift-mcore's time over the baseline's, for the same state.
+        "save_time_ratio": round(s["total_s"] / ps["total_s"], 3),
+        "load_time_ratio": round(l["total_s"] / pl["total_s"], 3),
     }))
     os._exit(0)
 
