@@ -20,7 +20,7 @@ MASTER_PORT), or torchrun --nproc_per_node 2 -m swift_mcore pt ...
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = USAGE.format(commands="\n".join(
-        f"  {name:<10}{summary}" for name, (_, summary) in COMMANDS.items()))
+        f"  {name:<12}{summary}" for name, (_, summary) in COMMANDS.items()))
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -107,10 +107,27 @@ def torchrun_launch() -> Optional[TorchrunLaunch]:
         master_port=os.environ.get("MASTER_PORT", "29500"))
 
 
+def _lazy(module: str):
+    """A command's main(argv), imported only when that command runs (imports cost seconds)."""
+
+    def run(argv: List[str]) -> int:
+        import importlib
+
+        return importlib.import_module(module).main(argv)
+
+    return run
+
+
 # name -> (function taking the arguments after the name, one-line summary)
 COMMANDS = {
     "pt": (run_pretrain, "pretrain a GPT model (default: a small Llama-style model on the "
                          "embedded corpus)"),
+    "preprocess": (_lazy("swift_mcore.preprocess"),
+                   "tokenize text files (jsonl, parquet, csv, txt, datasets) into .bin/.idx"),
+    "export": (_lazy("swift_mcore.export"),
+               "convert a checkpoint to a Hugging Face folder (--to_hf) or back (--to_mcore)"),
+    "infer": (_lazy("swift_mcore.infer"),
+              "generate text from a Hugging Face folder or a checkpoint"),
 }
 
 

@@ -28,6 +28,9 @@ class CheckpointArguments:
     override_resume_check: bool = flag(
         False, "Resume even if batch size, sequence length, data, seed or model shape "
         "changed since the checkpoint.")
+    save_safetensors: bool = flag(
+        False, "After training, also write the final checkpoint as a Hugging Face folder "
+        "(config.json, safetensors, tokenizer) next to it: checkpoint/iter_NNNNNNN-hf.")
     exit_interval: Optional[int] = flag(
         None, "Save and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: Optional[float] = flag(

@@ -13,11 +13,13 @@ class DataArguments:
     data_path: Optional[List[str]] = flag(
         None, "Preprocessed .bin/.idx prefixes, optionally weighted: '0.7 a 0.3 b'.")
     dataset: Optional[List[str]] = flag(
-        None, "Raw files (.jsonl .json .parquet .csv .txt); tokenized once and cached.")
-    text_key: str = flag("text", "Column holding the text in --dataset files.")
+        None, "Raw files, folders or globs (.jsonl .json .parquet .csv .txt) or a folder saved "
+        "by datasets' save_to_disk; tokenized once and cached by content (docs/data.md).")
+    text_key: str = flag("text", "Column holding the text in --dataset inputs.")
     split: str = flag("949,50,1", "Train,valid,test proportions of the data.")
     data_cache_path: Optional[str] = flag(
-        None, "Where dataset index caches go; default output_dir/data_cache.")
+        None, "Where megatron's dataset index files go (a folder per data content); default "
+        "output_dir/data_cache.")
     tokenizer: Optional[str] = flag(
         None, "Hugging Face tokenizer folder or tokenizer.json; default: the built-in "
         "byte-level BPE trained on the embedded corpus.")

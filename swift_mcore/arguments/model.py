@@ -10,6 +10,14 @@ from .fields import flag
 
 @dataclass
 class ModelArguments:
+    model: Optional[str] = flag(
+        None, "Hugging Face model folder to start from: its config.json sets the model flags "
+        "(an explicit flag that disagrees is an error), its tokenizer and safetensors weights "
+        "are loaded.")
+    model_type: Optional[str] = flag(
+        None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral; "
+        "docs/models.md); set from --model's config.json; default: the family that fits the "
+        "flags.")
     num_layers: int = flag(4, "Number of transformer layers.")
     hidden_size: int = flag(256, "Hidden size.")
     ffn_hidden_size: Optional[int] = flag(
@@ -32,6 +40,10 @@ class ModelArguments:
         "rope", "Position embedding.", choices=("rope", "learned_absolute", "none"))
     rotary_base: int = flag(10000, "RoPE base (theta).")
     rotary_percent: float = flag(1.0, "Fraction of each head's channels that RoPE rotates.")
+    use_rope_scaling: bool = flag(
+        False, "Llama-3 RoPE frequency scaling (low/high frequency factors 1 and 4 over 8192 "
+        "original positions).")
+    rope_scaling_factor: float = flag(8.0, "Factor of the Llama-3 RoPE scaling.")
     untie_embeddings_and_output_weights: bool = flag(
         True, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = flag(False, "Bias in the linear layers.")
@@ -40,3 +52,8 @@ class ModelArguments:
     hidden_dropout: float = flag(0.0, "Dropout after attention and MLP.")
     attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.")
     init_method_std: float = flag(0.02, "Standard deviation of the weight initialization.")
+    attention_backend: str = flag(
+        "local", "Core attention of megatron's local layer spec (used without Transformer "
+        "Engine, as on CPU): local = megatron's DotProductAttention, sdpa = torch's "
+        "scaled_dot_product_attention (the same result within 1e-5, faster, less memory; "
+        "benchmarks/README.md).", choices=("local", "sdpa"))

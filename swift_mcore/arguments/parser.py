@@ -24,24 +24,28 @@ def build_parser(prog: str = "swift-mcore pt", description: str = "") -> argpars
     parser.add_argument("config", nargs="?", help="YAML file of flags; flags given on the "
                         "command line override it.")
     for group_name, group_type in _GROUP_TYPES.items():
-        group = parser.add_argument_group(group_name)
-        for f in fields(group_type):
-            kind, is_list = base_type(f)
-            help_text = f"{f.metadata['help']} (default: {_describe_default(f)})"
-            if "choices" in f.metadata:
-                help_text += f" [choices: {', '.join(map(str, f.metadata['choices']))}]"
-            kwargs = dict(dest=f.name, help=help_text)
-            if kind is bool:
-                # `--flag` alone means true; `--flag false` is accepted too (ms-swift style).
-                kwargs.update(nargs="?", const="true", metavar="BOOL")
-            elif is_list:
-                kwargs.update(nargs="+", metavar=kind.__name__.upper())
-            else:
-                kwargs.update(metavar=kind.__name__.upper())
-            if f.name == "resume":
-                kwargs.update(nargs="?", const="auto", metavar="PATH")
-            group.add_argument(f"--{f.name}", **kwargs)
+        add_flags(parser.add_argument_group(group_name), group_type)
     return parser
+
+
+def add_flags(group, dataclass_type) -> None:
+    """One ``--name`` per field of ``dataclass_type``, typed and documented from its metadata."""
+    for f in fields(dataclass_type):
+        kind, is_list = base_type(f)
+        help_text = f"{f.metadata['help']} (default: {_describe_default(f)})"
+        if "choices" in f.metadata:
+            help_text += f" [choices: {', '.join(map(str, f.metadata['choices']))}]"
+        kwargs = dict(dest=f.name, help=help_text)
+        if kind is bool:
+            # `--flag` alone means true; `--flag false` is accepted too (ms-swift style).
+            kwargs.update(nargs="?", const="true", metavar="BOOL")
+        elif is_list:
+            kwargs.update(nargs="+", metavar=kind.__name__.upper())
+        else:
+            kwargs.update(metavar=kind.__name__.upper())
+        if f.name == "resume":
+            kwargs.update(nargs="?", const="auto", metavar="PATH")
+        group.add_argument(f"--{f.name}", **kwargs)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "swift-mcore pt",

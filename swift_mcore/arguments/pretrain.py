@@ -6,7 +6,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Set
 
 from .checkpoint import CheckpointArguments
 from .data import DataArguments
@@ -35,6 +35,9 @@ class PretrainArguments:
     checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
     logging: LoggingArguments = field(default_factory=LoggingArguments)
     derived: Optional[Derived] = field(default=None, repr=False)
+    # Flags set explicitly (command line, YAML, from_flags): --model's config.json may not
+    # silently overrule them.
+    explicit: Set[str] = field(default_factory=set, repr=False, compare=False)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -51,6 +54,7 @@ class PretrainArguments:
                 raise ArgumentError(f"unknown flag '{name}'; see `swift-mcore pt --help`")
             group = getattr(self, owner[name])
             setattr(group, name, coerce(_FIELDS[name], value))
+            self.explicit.add(name)
         self.derived = None
         return self
 
@@ -83,6 +87,11 @@ class PretrainArguments:
             _check_types(group)
             _check_choices(group)
 
+        # --model's config.json (or --model_type) sets the model flags before they are checked.
+        from ..models.families import apply_hf_config
+
+        apply_hf_config(self)
+
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "make_vocab_size_divisible_by"):
             _positive(m, name)
@@ -111,7 +120,7 @@ class PretrainArguments:
             raise ArgumentError(f"--min_lr ({t.min_lr}) must not exceed --lr ({t.lr})")
 
         # Model shape.
-        if m.hidden_size % m.num_attention_heads:
+        if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
             raise ArgumentError(
                 f"--hidden_size ({m.hidden_size}) must be divisible by --num_attention_heads "
                 f"({m.num_attention_heads})")
@@ -135,18 +144,20 @@ class PretrainArguments:
             raise ArgumentError(
                 f"the world size ({world_size} ranks) must be divisible by "
                 f"--tensor_model_parallel_size ({tp}) x --pipeline_model_parallel_size ({pp})")
+        source = f" (from {m.model}/config.json)" if m.model else ""
         if m.num_attention_heads % tp:
             raise ArgumentError(
                 f"--tensor_model_parallel_size ({tp}) must divide --num_attention_heads "
-                f"({m.num_attention_heads})")
+                f"({m.num_attention_heads}){source}")
         groups = m.num_query_groups or m.num_attention_heads
         if groups % tp:
             raise ArgumentError(
-                f"--tensor_model_parallel_size ({tp}) must divide --num_query_groups ({groups})")
+                f"--tensor_model_parallel_size ({tp}) must divide --num_query_groups "
+                f"({groups}){source}")
         if m.num_layers % pp:
             raise ArgumentError(
                 f"--pipeline_model_parallel_size ({pp}) must divide --num_layers "
-                f"({m.num_layers})")
+                f"({m.num_layers}){source}")
         if p.sequence_parallel and tp == 1:
             raise ArgumentError("--sequence_parallel needs --tensor_model_parallel_size > 1")
         if p.sequence_parallel and not cuda:
@@ -185,6 +196,15 @@ class PretrainArguments:
                 "optimizer is used (drop the flag)")
         if p.distributed_backend == "nccl" and not cuda:
             raise ArgumentError("--distributed_backend nccl needs CUDA; use gloo on CPU")
+        if m.attention_backend == "sdpa" and cuda:
+            from ..models.gpt import has_transformer_engine
+
+            # Not silently ignored: with TE the model takes TE's layer spec and its attention.
+            if has_transformer_engine():
+                raise ArgumentError(
+                    "--attention_backend sdpa sets the attention of megatron's local layer "
+                    "spec, but Transformer Engine is installed, so its layer spec and fused "
+                    "attention are used; drop --attention_backend")
 
         # Checkpoint flags.
         for name in ("save_steps", "save_total_limit", "exit_interval"):
@@ -206,6 +226,20 @@ class PretrainArguments:
             if path and path != "auto" and not os.path.exists(os.path.expanduser(path)):
                 raise ArgumentError(f"--{name} {path}: no such checkpoint folder")
 
+        if c.save_safetensors:
+            if c.no_save:
+                raise ArgumentError("--save_safetensors converts the final checkpoint; it "
+                                    "cannot be combined with --no_save")
+            from ..models.families import for_model_args
+
+            try:
+                for_model_args(m)
+            except ArgumentError as err:
+                raise ArgumentError(f"--save_safetensors: {err}") from None
+        if m.rope_scaling_factor <= 0:
+            raise ArgumentError(f"--rope_scaling_factor must be positive, got "
+                                f"{m.rope_scaling_factor}")
+
         if t.lr_decay_iters is not None:
             _positive(t, "lr_decay_iters")
         decay = t.lr_decay_iters or t.train_iters
@@ -215,6 +249,12 @@ class PretrainArguments:
                 f"length ({decay}, from --lr_decay_iters or else --train_iters)")
         if not str(lg.output_dir).strip():
             raise ArgumentError("--output_dir must not be empty")
+
+        # Data files: named inputs exist, blends parse, .bin/.idx pairs are whole (headers and
+        # sizes only), so bad data stops here rather than after the model is built.
+        from ..data.datasets import check_data_arguments
+
+        check_data_arguments(self.data)
 
         self.derived = Derived(
             world_size=world_size,

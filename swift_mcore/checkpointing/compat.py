@@ -13,8 +13,8 @@ MODEL_FIELDS = [("model", name) for name in (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
     "num_query_groups", "kv_channels", "max_position_embeddings", "vocab_size",
     "normalization", "norm_epsilon", "swiglu", "position_embedding_type", "rotary_base",
-    "rotary_percent", "untie_embeddings_and_output_weights", "add_bias_linear",
-    "add_qkv_bias", "qk_layernorm")]
+    "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
+    "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm")]
 # Optimizer settings restored from the checkpoint's state (they would silently win).
 OPTIMIZER_FIELDS = [("training", name) for name in (
     "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "bf16", "fp16")]

@@ -37,10 +37,12 @@ def save_checkpoint(args, state: TrainState, model, optimizer, scheduler,
     # megatron-LM keeps in common.pt; swift-mcore itself reads the JSON files below.
     # An optimizer that has not stepped yet has no state to save (Adam creates it lazily).
     with_optimizer = not c.no_save_optim and io.optimizer_has_state(optimizer)
+    # No scheduler: a weights-only checkpoint (export --to_mcore), loadable with --finetune.
+    scheduler_state = scheduler.state_dict() if scheduler is not None else None
     state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=with_optimizer,
                                        is_loading=False)
     state_dict.update(iteration=iteration, checkpoint_version=3.0,
-                      opt_param_scheduler=scheduler.state_dict(),
+                      opt_param_scheduler=scheduler_state,
                       num_floating_point_operations_so_far=float(
                           state.floating_point_operations_so_far))
     io.save(state_dict, staging)
@@ -51,7 +53,7 @@ def save_checkpoint(args, state: TrainState, model, optimizer, scheduler,
     comm.decide(_write_json, staging, {
         files.TRAIN_STATE: state.to_dict(),
         files.ARGS: args.to_dict(),
-        files.SCHEDULER: scheduler.state_dict(),
+        **({files.SCHEDULER: scheduler_state} if scheduler_state is not None else {}),
         files.RUN: {
             "iteration": iteration,
             "data_fingerprint": data_fingerprint,

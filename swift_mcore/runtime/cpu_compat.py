@@ -184,6 +184,7 @@ def activate() -> bool:
         module = importlib.import_module(name)
         module.torch = proxy
     _patch_clip_grads()
+    _patch_shared_embedding_setup()
     _ACTIVE = True
     return True
 
@@ -209,6 +210,30 @@ def _patch_clip_grads():
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+
+
+def _patch_shared_embedding_setup():
+    """Tied embeddings with pipeline stages: megatron moves the last stage's copy of the
+    embedding with ``weight.data.cuda()`` before all-reducing it over the first and last
+    stage (language_module.py:244), a tensor method the module proxy cannot reach. During
+    that one call, ``Tensor.cuda`` returns the CPU tensor itself."""
+    from megatron.core.models.common.language_module import language_module
+
+    cls = language_module.LanguageModule
+    original = cls.setup_embeddings_and_output_layer
+    if getattr(original, "_swift_mcore_cpu", False):
+        return
+
+    def setup_embeddings_and_output_layer(self):
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            return original(self)
+        finally:
+            torch.Tensor.cuda = saved
+
+    setup_embeddings_and_output_layer._swift_mcore_cpu = True
+    cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
 def is_active() -> bool:

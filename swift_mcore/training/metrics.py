@@ -10,8 +10,9 @@ def flops_per_token(args, padded_vocab_size: int) -> float:
     """Training FLOPs per token: 6 x matmul parameters + the attention score/value matmuls.
 
     Forward is 2 FLOPs per multiply-add, backward twice the forward, hence the 6; attention
-    adds 2 matmuls of seq x head_dim per head and layer (not halved for the causal mask,
-    as in Megatron-LM's accounting).
+    adds 2 matmuls of seq x head_dim per head and layer (Q K^T and scores x V), not halved
+    for the causal mask: 12 x layers x seq x heads x head_dim per token, the count of
+    PaLM's appendix B and Megatron-LM's classic formula.
     """
     m = args.model
     h, layers, seq = m.hidden_size, m.num_layers, m.seq_length
@@ -22,8 +23,9 @@ def flops_per_token(args, padded_vocab_size: int) -> float:
     mlp = h * m.ffn_hidden_size * (3 if m.swiglu else 2)
     logits = h * padded_vocab_size
     matmul_params = layers * (attn_proj + mlp) + logits
-    attention = layers * 2 * seq * heads * head_dim
-    return 6.0 * matmul_params + 3.0 * attention
+    # Forward multiply-adds per token: seq x head_dim per head for each of the 2 matmuls.
+    attention_macs = layers * 2 * seq * heads * head_dim
+    return 6.0 * matmul_params + 6.0 * attention_macs
 
 
 class LogWindow:

@@ -52,6 +52,8 @@ class Trainer:
                 break
         if not exit_reason and state.iteration == total and not self.saved_at_current():
             self.save_checkpoint()
+        if not exit_reason and args.checkpoint.save_safetensors:
+            self.save_hf_folder()
         self.finish(exit_reason)
         return state
 
@@ -68,6 +70,7 @@ class Trainer:
         distributed.initialize(args)
         seed.set_seed(args.training.seed)
         self.model = wrap_model(args, build_model(args, self.padded_vocab_size))
+        self.load_pretrained_weights()
         self.num_parameters = self.count_all_parameters(count_parameters(self.model))
         config = self.model[0].config
         from megatron.core.distributed import finalize_model_grads
@@ -92,6 +95,15 @@ class Trainer:
         self.log_window = LogWindow(tokens, self.flops_per_iteration, args.derived.world_size)
         self.install_signal_handlers()
         self.log_start()
+
+    def load_pretrained_weights(self) -> None:
+        """--model: the Hugging Face weights, after the model is built and before the optimizer
+        takes its copy of the parameters (a resumed checkpoint then replaces them)."""
+        if self.args.model.model:
+            from ..models.hf_load import load_hf_weights
+
+            load_hf_weights(self.args, self.model, self.padded_vocab_size,
+                            log=self.writer_print_early)
 
     def resolve_vocab(self, tokenizer) -> int:
         m, tp = self.args.model, self.args.parallel.tensor_model_parallel_size
@@ -308,6 +320,25 @@ class Trainer:
         self.writer.print(f"saved checkpoint {path} (iteration {self.state.iteration}, "
                           f"{self.state.consumed_train_samples} samples consumed)")
         return path
+
+    def save_hf_folder(self) -> str:
+        """--save_safetensors: the final checkpoint as a Hugging Face folder next to it
+        (iter_NNNNNNN-hf), converted by `swift-mcore export --to_hf` in a child process."""
+        import shutil
+
+        from ..checkpointing import checkpoint_root, comm, iter_dir_name
+        from ..export import export_in_subprocess
+
+        checkpoint = os.path.join(checkpoint_root(self.args), iter_dir_name(self.state.iteration))
+        out = f"{checkpoint}-hf"
+
+        def export() -> str:
+            shutil.rmtree(out, ignore_errors=True)  # an earlier export of this iteration
+            return export_in_subprocess(checkpoint, out)
+
+        line = comm.decide(export)
+        self.writer.print(f"--save_safetensors: {line}")
+        return out
 
     def load_checkpoint(self) -> TrainState:
         from ..checkpointing import load_checkpoint
