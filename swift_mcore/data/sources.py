@@ -56,6 +56,23 @@ def _source(path: str, flag: str) -> Source:
     return Source(path, BUILDERS[suffix])
 
 
+def _walk(folder: str) -> List[str]:
+    """Supported files and saved datasets folders under ``folder``, sorted by path. A saved
+    folder is one input: its own .json files (state, info) are not documents."""
+    found = []
+    for base, dirs, files in os.walk(folder):
+        # Hidden entries (.git, .ipynb_checkpoints) are skipped, as a shell glob would.
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files = [f for f in files if not f.startswith(".")]
+        for name in list(dirs):
+            if is_saved_dataset(os.path.join(base, name)):
+                found.append(os.path.join(base, name))
+                dirs.remove(name)
+        found.extend(os.path.join(base, f) for f in files
+                     if os.path.splitext(f)[1].lower() in BUILDERS)
+    return sorted(found)
+
+
 def expand_inputs(patterns: Sequence[str], flag: str = "--input") -> List[Source]:
     """The sources named by paths, folders (a saved datasets folder, or the supported files
     under it) and glob patterns, in the order given; each pattern's matches sorted."""
@@ -65,9 +82,7 @@ def expand_inputs(patterns: Sequence[str], flag: str = "--input") -> List[Source
     for pattern in patterns:
         pattern = os.path.expanduser(str(pattern))
         if os.path.isdir(pattern) and not is_saved_dataset(pattern):
-            matches = sorted(p for p in glob.glob(os.path.join(pattern, "**", "*"),
-                                                   recursive=True)
-                             if os.path.isfile(p) and os.path.splitext(p)[1].lower() in BUILDERS)
+            matches = _walk(pattern)
             if not matches:
                 raise ArgumentError(f"{flag} {pattern}: the folder holds no {' '.join(BUILDERS)} "
                                     f"files and is not a saved datasets folder")

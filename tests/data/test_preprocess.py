@@ -83,6 +83,23 @@ def test_globs_folders_and_a_hf_tokenizer_folder(inputs, tokenizer, tmp_path):
     assert read_documents(str(tmp_path / "data")) == expected_ids(tokenizer, TEXTS * 3, False)
 
 
+def test_a_folder_holds_files_and_saved_datasets(inputs, tokenizer, tmp_path):
+    import shutil
+
+    folder, _ = inputs
+    tree = tmp_path / "tree"
+    shutil.copytree(folder / "saved", tree / "b_saved")
+    shutil.copy(folder / "a.jsonl", tree / "a.jsonl")
+    (tree / ".hidden").mkdir()
+    (tree / ".hidden" / "x.json").write_text("not json")
+    (tree / "notes.md").write_text("ignored")
+    found = sources.expand_inputs([str(tree)])
+    assert [(os.path.basename(s.path), s.kind) for s in found] == [("a.jsonl", "json"),
+                                                                  ("b_saved", "saved")]
+    run("--input", tree, "--output_prefix", tmp_path / "data", "--workers", 1)
+    assert read_documents(str(tmp_path / "data")) == expected_ids(tokenizer, TEXTS * 2)
+
+
 def test_any_worker_count_writes_the_same_bytes(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(encoding, "CHUNK_DOCUMENTS", 7)  # many chunks, in flight out of order
     docs = make_documents(300, seed=3, min_words=1, max_words=60) + [""] * 5
