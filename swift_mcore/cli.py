@@ -1,4 +1,4 @@
-"""`swift-mcore pt ...`: parses flags (YAML first), validates, relaunches under torchrun."""
+"""`swift-mcore pt|sft ...`: parses flags (YAML first), validates, relaunches under torchrun."""
 
 from __future__ import annotations
 
@@ -33,18 +33,32 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run_pretrain(argv: List[str]) -> int:
+    from .arguments import PretrainArguments
+
+    return run_training(argv, PretrainArguments)
+
+
+def run_sft(argv: List[str]) -> int:
+    from .arguments import SftArguments
+
+    return run_training(argv, SftArguments)
+
+
+def run_training(argv: List[str], cls) -> int:
+    """pt and sft: the same Trainer; the arguments class decides the data."""
     from .arguments import ArgumentError, parse_args
     from .checkpointing import CheckpointError
 
+    prog = f"swift-mcore {cls.COMMAND}"
     launch = torchrun_launch()
     try:
-        args = parse_args(argv, prog="swift-mcore pt")
+        args = parse_args(argv, prog=prog, cls=cls)
         args.validate(world_size=launch.world_size if launch else None)
     except ArgumentError as err:
-        print(f"swift-mcore pt: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     if launch:
-        return launch.run(["pt", *argv])
+        return launch.run([cls.COMMAND, *argv])
 
     from ._quiet import quiet_third_party
     from .runtime import distributed
@@ -54,7 +68,7 @@ def run_pretrain(argv: List[str]) -> int:
     try:
         Trainer(args).train()
     except (ArgumentError, CheckpointError) as err:
-        print(f"swift-mcore pt: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     distributed.shutdown()
     return 0
@@ -122,6 +136,8 @@ def _lazy(module: str):
 COMMANDS = {
     "pt": (run_pretrain, "pretrain a GPT model (default: a small Llama-style model on the "
                          "embedded corpus)"),
+    "sft": (run_sft, "finetune on conversations (messages or query/response; jsonl, json, "
+                     "parquet, datasets folders)"),
     "preprocess": (_lazy("swift_mcore.preprocess"),
                    "tokenize text files (jsonl, parquet, csv, txt, datasets) into .bin/.idx"),
     "export": (_lazy("swift_mcore.export"),

@@ -29,12 +29,20 @@ def run(args: InferArguments) -> str:
     loaded = load_model(args.model, tokenizer=args.tokenizer,
                         log=lambda line: print(line, file=sys.stderr, flush=True))
     tokenizer = loaded.tokenizer
-    # as transformers would tokenize it (with the BOS token a Llama tokenizer adds)
-    prompt = list(tokenizer.hf(args.prompt)["input_ids"])
+    template = None
+    if args.template:
+        from .data.templates import Template
+
+        template = Template(args.template, tokenizer, system=args.system)
+        prompt = template.prompt([{"role": "user", "content": args.prompt}])
+    else:
+        # as transformers would tokenize it (with the BOS token a Llama tokenizer adds)
+        prompt = list(tokenizer.hf(args.prompt)["input_ids"])
     m = loaded.args.model
     # learned position embeddings end at max_position_embeddings; RoPE does not
     limit = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
-    print(args.prompt, end="", flush=True)
+    if template is None:
+        print(args.prompt, end="", flush=True)
     new: List[int] = []
     shown = ""
     for token in generate(lambda t: forward_logits(loaded.model, t), prompt,
@@ -43,8 +51,14 @@ def run(args: InferArguments) -> str:
                           max_length=limit):
         new.append(token)
         text = tokenizer.decode([t for t in new if t != tokenizer.eod])
-        print(text[len(shown):], end="", flush=True)  # decode whole: multi-byte characters
+        if template is None:  # streamed; a templated answer is printed whole, marker cut
+            print(text[len(shown):], end="", flush=True)  # decode whole: multi-byte chars
         shown = text
+    if template is not None:
+        # the answer's end-of-turn marker (chatml's <|im_end|>) is not part of the answer
+        answer = template.answer_text(shown)
+        print(answer, flush=True)
+        return answer
     print(flush=True)
     return shown
 

@@ -1,4 +1,4 @@
-"""Arguments: one dataclass per concern, composed into PretrainArguments."""
+"""Arguments: one dataclass per concern, composed into PretrainArguments and SftArguments."""
 
 from .checkpoint import CheckpointArguments
 from .data import DataArguments
@@ -8,10 +8,12 @@ from .model import ModelArguments
 from .parallel import ParallelArguments
 from .parser import build_parser, parse_args
 from .pretrain import Derived, PretrainArguments, padded_vocab_size
+from .sft import SftArguments, SftDataArguments
 from .training import TrainingArguments
 
 __all__ = [
     "ArgumentError", "CheckpointArguments", "DataArguments", "Derived", "LoggingArguments",
-    "ModelArguments", "ParallelArguments", "PretrainArguments", "TrainingArguments",
+    "ModelArguments", "ParallelArguments", "PretrainArguments", "SftArguments",
+    "SftDataArguments", "TrainingArguments",
     "build_parser", "padded_vocab_size", "parse_args",
 ]

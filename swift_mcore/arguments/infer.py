@@ -14,7 +14,13 @@ class InferArguments:
     model: Optional[str] = flag(
         None, "A Hugging Face model folder, or a swift-mcore checkpoint (an iter_NNNNNNN "
         "folder, the checkpoint folder holding the tracker, or a run's output_dir). Required.")
-    prompt: Optional[str] = flag(None, "Text to continue. Required.")
+    prompt: Optional[str] = flag(
+        None, "Text to continue; with --template, the user's message to answer. Required.")
+    template: Optional[str] = flag(
+        None, "Treat --prompt as a user message in this chat template (as `swift-mcore sft "
+        "--template`) and print the assistant's answer; default: continue the raw text.",
+        choices=("auto", "tokenizer", "chatml", "plain"))
+    system: Optional[str] = flag(None, "System prompt, with --template.")
     max_new_tokens: int = flag(64, "Tokens to generate at most (generation also stops at the "
                                "end-of-document token).")
     temperature: float = flag(0.0, "Sampling temperature; 0 picks the most likely token "
@@ -29,6 +35,11 @@ class InferArguments:
         """Check every flag before any model is built; raises ArgumentError naming it."""
         for f in fields(self):
             setattr(self, f.name, coerce(f, getattr(self, f.name)))
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise ArgumentError(f"--{f.name} must be one of {', '.join(choices)}; got "
+                                    f"{value!r}")
         if not self.model:
             raise ArgumentError("--model is required: a Hugging Face folder or a swift-mcore "
                                 "checkpoint")
@@ -36,6 +47,8 @@ class InferArguments:
             raise ArgumentError(f"--model {self.model}: no such file or folder")
         if self.prompt is None or self.prompt == "":
             raise ArgumentError("--prompt is required: the text to continue")
+        if self.system is not None and self.template is None:
+            raise ArgumentError("--system needs --template (a raw prompt has no roles)")
         if self.max_new_tokens <= 0:
             raise ArgumentError(f"--max_new_tokens must be a positive integer, got "
                                 f"{self.max_new_tokens}")

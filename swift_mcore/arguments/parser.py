@@ -10,29 +10,35 @@ from typing import Any, List, Optional, Sequence
 import yaml
 
 from .fields import ArgumentError, base_type
-from .pretrain import _GROUP_TYPES, PretrainArguments
+from .pretrain import PretrainArguments, flag_default
 
-def _describe_default(f: Field) -> str:
-    default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore
+
+def _describe_default(f: Field, cls=None) -> str:
+    if cls is not None:
+        default = flag_default(cls, f)
+    else:
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore
     return "none" if default is None else str(default)
 
 
-def build_parser(prog: str = "swift-mcore pt", description: str = "") -> argparse.ArgumentParser:
+def build_parser(prog: str = "swift-mcore pt", description: str = "",
+                 cls=PretrainArguments) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=description, argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", help="YAML file of flags; flags given on the "
                         "command line override it.")
-    for group_name, group_type in _GROUP_TYPES.items():
-        add_flags(parser.add_argument_group(group_name), group_type)
+    for group_name, group_type in cls.GROUPS.items():
+        add_flags(parser.add_argument_group(group_name), group_type, cls)
     return parser
 
 
-def add_flags(group, dataclass_type) -> None:
-    """One ``--name`` per field of ``dataclass_type``, typed and documented from its metadata."""
+def add_flags(group, dataclass_type, cls=None) -> None:
+    """One ``--name`` per field of ``dataclass_type``, typed and documented from its metadata
+    (defaults as the command ``cls`` sets them)."""
     for f in fields(dataclass_type):
         kind, is_list = base_type(f)
-        help_text = f"{f.metadata['help']} (default: {_describe_default(f)})"
+        help_text = f"{f.metadata['help']} (default: {_describe_default(f, cls)})"
         if "choices" in f.metadata:
             help_text += f" [choices: {', '.join(map(str, f.metadata['choices']))}]"
         kwargs = dict(dest=f.name, help=help_text)
@@ -50,19 +56,16 @@ def add_flags(group, dataclass_type) -> None:
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "swift-mcore pt",
                cls=PretrainArguments) -> PretrainArguments:
-    parser = build_parser(prog)
-    try:
-        ns = parser.parse_args(list(argv) if argv is not None else None)
-    except SystemExit:
-        raise
+    parser = build_parser(prog, cls=cls)
+    ns = parser.parse_args(list(argv) if argv is not None else None)
     values = vars(ns)
     config = values.pop("config", None)
-    flags = load_yaml(config) if config else {}
+    flags = load_yaml(config, cls) if config else {}
     flags.update(values)
     return cls.from_flags(**flags)
 
 
-def load_yaml(path: str) -> dict:
+def load_yaml(path: str, cls=PretrainArguments) -> dict:
     try:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
@@ -72,13 +75,13 @@ def load_yaml(path: str) -> dict:
         raise ArgumentError(f"config file {path} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ArgumentError(f"config file {path} must map flag names to values")
-    known = {f.name for t in _GROUP_TYPES.values() for f in fields(t)}
+    known = {f.name for t in cls.GROUPS.values() for f in fields(t)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ArgumentError(f"config file {path}: unknown key(s) {', '.join(unknown)}; "
-                            f"see `swift-mcore pt --help`")
+                            f"see `swift-mcore {cls.COMMAND} --help`")
     return data
 
 
-def all_flags() -> List[Field]:
-    return [f for t in _GROUP_TYPES.values() for f in fields(t)]
+def all_flags(cls=PretrainArguments) -> List[Field]:
+    return [f for t in cls.GROUPS.values() for f in fields(t)]

@@ -6,7 +6,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, Optional, Set
+from typing import Any, ClassVar, Dict, Optional, Set
 
 from .checkpoint import CheckpointArguments
 from .data import DataArguments
@@ -39,6 +39,17 @@ class PretrainArguments:
     # silently overrule them.
     explicit: Set[str] = field(default_factory=set, repr=False, compare=False)
 
+    # The command's flag groups (name -> dataclass) and its defaults where they differ from
+    # the groups' own (sft finetunes with a smaller learning rate than pt pretrains).
+    COMMAND: ClassVar[str] = "pt"
+    GROUPS: ClassVar[Dict[str, type]] = {}
+    DEFAULTS: ClassVar[Dict[str, Any]] = {}
+
+    def __post_init__(self):
+        owner = flag_owners(type(self))
+        for name, value in self.DEFAULTS.items():
+            setattr(getattr(self, owner[name]), name, value)
+
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_flags(cls, **flags: Any) -> "PretrainArguments":
@@ -51,16 +62,17 @@ class PretrainArguments:
         owner = flag_owners(type(self))
         for name, value in flags.items():
             if name not in owner:
-                raise ArgumentError(f"unknown flag '{name}'; see `swift-mcore pt --help`")
+                raise ArgumentError(f"unknown flag '{name}'; see `swift-mcore {self.COMMAND} "
+                                    f"--help`")
             group = getattr(self, owner[name])
-            setattr(group, name, coerce(_FIELDS[name], value))
+            setattr(group, name, coerce(flag_field(type(self), name), value))
             self.explicit.add(name)
         self.derived = None
         return self
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
         """Plain JSON-ready data, grouped by concern (saved in checkpoints)."""
-        return {name: asdict(getattr(self, name)) for name in _GROUP_TYPES}
+        return {name: asdict(getattr(self, name)) for name in self.GROUPS}
 
     def flat(self) -> Dict[str, Any]:
         return {k: v for group in self.to_dict().values() for k, v in group.items()}
@@ -83,9 +95,9 @@ class PretrainArguments:
             cuda = torch.cuda.is_available()
         m, t, p, c, lg = self.model, self.training, self.parallel, self.checkpoint, self.logging
 
-        for group in (m, t, p, c, lg, self.data):
-            _check_types(group)
-            _check_choices(group)
+        for name in self.GROUPS:
+            _check_types(getattr(self, name))
+            _check_choices(getattr(self, name))
 
         # --model's config.json (or --model_type) sets the model flags before they are checked.
         from ..models.families import apply_hf_config
@@ -101,6 +113,15 @@ class PretrainArguments:
                 _positive(m, name)
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
             _positive(t, name)
+        if t.num_train_epochs is not None:
+            if "train_iters" in self.explicit and "num_train_epochs" in self.explicit:
+                raise ArgumentError("--train_iters and --num_train_epochs are alternatives; "
+                                    "give one of them")
+            if "train_iters" in self.explicit:
+                t.num_train_epochs = None  # the command's default epochs yield to the flag
+            elif not t.num_train_epochs > 0:
+                raise ArgumentError(f"--num_train_epochs must be positive, got "
+                                    f"{t.num_train_epochs}")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             _positive(p, name)
         for name in ("log_interval", "eval_iters"):
@@ -242,19 +263,12 @@ class PretrainArguments:
 
         if t.lr_decay_iters is not None:
             _positive(t, "lr_decay_iters")
-        decay = t.lr_decay_iters or t.train_iters
-        if t.lr_warmup_iters >= decay:
-            raise ArgumentError(
-                f"--lr_warmup_iters ({t.lr_warmup_iters}) must be smaller than the decay "
-                f"length ({decay}, from --lr_decay_iters or else --train_iters)")
+        if t.num_train_epochs is None:
+            self.check_schedule_length()
         if not str(lg.output_dir).strip():
             raise ArgumentError("--output_dir must not be empty")
 
-        # Data files: named inputs exist, blends parse, .bin/.idx pairs are whole (headers and
-        # sizes only), so bad data stops here rather than after the model is built.
-        from ..data.datasets import check_data_arguments
-
-        check_data_arguments(self.data)
+        self.validate_command(cuda)
 
         self.derived = Derived(
             world_size=world_size,
@@ -263,6 +277,31 @@ class PretrainArguments:
         )
         return self.derived
 
+    def validate_command(self, cuda: bool) -> None:
+        """The command's own checks. pt's: named inputs exist, blends parse, .bin/.idx pairs
+        are whole (headers and sizes only), so bad data stops here, before the model is built."""
+        from ..data.datasets import check_data_arguments
+
+        check_data_arguments(self.data)
+
+    def check_schedule_length(self) -> None:
+        t = self.training
+        decay = t.lr_decay_iters or t.train_iters
+        if t.lr_warmup_iters >= decay:
+            raise ArgumentError(
+                f"--lr_warmup_iters ({t.lr_warmup_iters}) must be smaller than the decay "
+                f"length ({decay}, from --lr_decay_iters or else --train_iters)")
+
+    def resolve_train_iters(self, train_samples: int) -> int:
+        """--num_train_epochs -> --train_iters, once the training set's size is known
+        (samples, or packed rows with --packing): whole global batches, rounded up."""
+        t = self.training
+        if t.num_train_epochs is not None:
+            t.train_iters = max(1, math.ceil(
+                t.num_train_epochs * train_samples / t.global_batch_size))
+            self.check_schedule_length()
+        return t.train_iters
+
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's rule: pad to a multiple of divisible_by * TP."""
@@ -270,7 +309,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return _round_up(vocab_size, multiple)
 
 
-_GROUP_TYPES = {
+PretrainArguments.GROUPS = {
     "model": ModelArguments,
     "data": DataArguments,
     "training": TrainingArguments,
@@ -283,7 +322,7 @@ _GROUP_TYPES = {
 def flag_owners(cls=PretrainArguments) -> Dict[str, str]:
     """flag name -> the group that defines it. Each flag is defined in exactly one group."""
     owners: Dict[str, str] = {}
-    for group_name, group_type in _GROUP_TYPES.items():
+    for group_name, group_type in cls.GROUPS.items():
         for f in fields(group_type):
             if f.name in owners:
                 raise AssertionError(f"flag {f.name} defined in {owners[f.name]} and "
@@ -292,7 +331,18 @@ def flag_owners(cls=PretrainArguments) -> Dict[str, str]:
     return owners
 
 
-_FIELDS = {f.name: f for t in _GROUP_TYPES.values() for f in fields(t)}
+def flag_field(cls, name: str):
+    """The dataclass field that defines flag ``name`` for the command ``cls``."""
+    return next(f for t in cls.GROUPS.values() for f in fields(t) if f.name == name)
+
+
+def flag_default(cls, f) -> Any:
+    """A flag's default for the command ``cls``: its DEFAULTS entry, else the field's."""
+    from dataclasses import MISSING
+
+    if f.name in cls.DEFAULTS:
+        return cls.DEFAULTS[f.name]
+    return f.default if f.default is not MISSING else f.default_factory()
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -5,28 +5,40 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 from typing import List
 
-from .pretrain import _GROUP_TYPES
+from .pretrain import PretrainArguments
 
-HEADER = """# CLI reference: `swift-mcore pt`
+HEADER = """# CLI reference: `swift-mcore pt` and `swift-mcore sft`
 
 Generated from the argument dataclasses in `swift_mcore/arguments/` by
 `python -m swift_mcore.arguments.reference > docs/cli.md`; a test fails when it is stale.
 
 Flags are snake_case. A YAML file given as the first argument sets any of them; flags on
 the command line override it. Boolean flags take `--flag` alone (true) or `--flag false`.
-From Python: `PretrainArguments.from_flags(lr=1e-4, num_layers=8)`.
+From Python: `PretrainArguments.from_flags(lr=1e-4, num_layers=8)`, or
+`SftArguments.from_flags(dataset=["train.jsonl"], packing=True)`.
 """
 
 
 def render() -> str:
     lines = [HEADER]
-    for group_name, group_type in _GROUP_TYPES.items():
+    for group_name, group_type in PretrainArguments.GROUPS.items():
         lines.append(f"\n## {group_name} (`{group_type.__name__}`)\n")
         lines.extend(flag_table(group_type))
+    lines.extend(sft_section())
     for command, dataclass_type in other_commands():
         lines.append(f"\n## `swift-mcore {command}` (`{dataclass_type.__name__}`)\n")
         lines.extend(flag_table(dataclass_type))
     return "\n".join(lines) + "\n"
+
+
+def sft_section() -> List[str]:
+    from .sft import SftArguments, SftDataArguments
+
+    changed = ", ".join(f"`--{name}` {value}" for name, value in SftArguments.DEFAULTS.items())
+    lines = ["\n## `swift-mcore sft` (`SftArguments`)\n",
+             f"Every flag above, with these defaults changed: {changed}; and the finetuning "
+             f"data flags (`SftDataArguments`, docs/sft.md):\n"]
+    return lines + flag_table(SftDataArguments)
 
 
 def other_commands():

@@ -14,6 +14,9 @@ class TrainingArguments:
     global_batch_size: int = flag(
         16, "Samples per optimizer step over all ranks (micro-batches accumulate).")
     train_iters: int = flag(300, "Optimizer steps to train for.")
+    num_train_epochs: Optional[float] = flag(
+        None, "Train for this many passes over the training set instead of --train_iters "
+        "(whole global batches, rounded up; with --packing a pass is over the packed rows).")
     lr: float = flag(1e-3, "Peak learning rate.")
     min_lr: float = flag(1e-4, "Learning rate at the end of decay.")
     lr_warmup_iters: int = flag(30, "Iterations of linear warmup from 0 to lr.")

@@ -307,6 +307,8 @@ def dataset_fingerprint(dataset_or_args, tokenizer=None) -> str:
     arguments (then the tokenizer is built unless given). --seq_length and --seed are left
     out on purpose: the resume check compares them itself and can then name the right flag.
     """
+    if isinstance(getattr(dataset_or_args, "fingerprint", None), str):
+        return dataset_or_args.fingerprint  # a finetuning dataset (data/sft.py) knows its own
     config = getattr(dataset_or_args, "config", None)
     if config is None and hasattr(dataset_or_args, "blend"):
         config = dataset_or_args

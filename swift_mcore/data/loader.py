@@ -24,18 +24,29 @@ class _PositionedSamples(torch.utils.data.Dataset):
         self.order = order
 
     def __getitem__(self, position: int):
-        sample = self.dataset[self.order[position]]
-        return tuple(sample[k] for k in FIELDS), position
+        return self.dataset[self.order[position]], position
 
 
-def _collate(items) -> Dict[str, torch.Tensor]:
-    batch = {name: torch.stack([fields[i] for fields, _ in items])
-             for i, name in enumerate(FIELDS)}
-    for name in ("tokens", "labels", "position_ids"):
-        batch[name] = batch[name].long()
-    batch["loss_mask"] = batch["loss_mask"].float()
-    batch["sample_ids"] = torch.tensor([position for _, position in items], dtype=torch.int64)
-    return batch
+class _Collate:
+    """Stacks fixed-length pretraining samples, or hands rows to the dataset's own
+    ``collate`` (finetuning rows differ in length); adds the global positions."""
+
+    def __init__(self, dataset):
+        self.collate = getattr(dataset, "collate", None)
+
+    def __call__(self, items) -> Dict[str, torch.Tensor]:
+        samples = [sample for sample, _ in items]
+        if self.collate is not None:
+            batch = self.collate(samples)
+        else:
+            batch = {name: torch.stack([torch.as_tensor(s[name]) for s in samples])
+                     for name in FIELDS}
+            for name in ("tokens", "labels", "position_ids"):
+                batch[name] = batch[name].long()
+            batch["loss_mask"] = batch["loss_mask"].float()
+        batch["sample_ids"] = torch.tensor([position for _, position in items],
+                                           dtype=torch.int64)
+        return batch
 
 
 class _BatchPositions:
@@ -66,7 +77,7 @@ def build_data_iterator(dataset, consumed_samples: int, args, dp_rank: int = 0,
         _PositionedSamples(dataset, order),
         batch_sampler=_BatchPositions(consumed_samples, args.training.micro_batch_size,
                                       args.training.global_batch_size, dp_rank, dp_size),
-        collate_fn=_collate,
+        collate_fn=_Collate(dataset),
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=2 if workers > 0 else None,

@@ -114,7 +114,7 @@ def _open_saved(source: Source, flag: str):
     return data
 
 
-def _open(source: Source, flag: str):
+def open_source(source: Source, flag: str):
     """A `datasets` Dataset (saved folders: memory-mapped) or IterableDataset (files:
     streamed, so nothing is copied into the datasets cache)."""
     if source.kind == SAVED:
@@ -127,7 +127,7 @@ def _open(source: Source, flag: str):
                                  split="train", streaming=True)
 
 
-def _unreadable(source: Source, flag: str, err: Exception) -> ArgumentError:
+def unreadable(source: Source, flag: str, err: Exception) -> ArgumentError:
     text = str(err).strip().splitlines()
     reason = f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__
     return ArgumentError(f"{flag} {source.path}: cannot be read as {source.describe()} "
@@ -139,7 +139,7 @@ def iter_texts(source: Source, text_key: str, flag: str = "--input",
     """Batches of the ``text_key`` column of ``source``, in file order; None for a missing
     value. Every problem is an ArgumentError naming the file."""
     try:
-        data = _open(source, flag)
+        data = open_source(source, flag)
         columns = data.column_names  # None for streamed json/csv/text until a row is read
         if columns is not None and text_key not in columns:
             raise _no_column(source, text_key, flag, columns)
@@ -164,7 +164,7 @@ def iter_texts(source: Source, text_key: str, flag: str = "--input",
     except StopIteration:  # raised inside datasets when a file has no record to infer from
         raise ArgumentError(f"{flag} {source.path}: is empty (no rows)") from None
     except Exception as err:  # datasets and pyarrow raise many types for unreadable input
-        raise _unreadable(source, flag, err) from err
+        raise unreadable(source, flag, err) from err
 
 
 def _no_column(source: Source, text_key: str, flag: str, columns) -> ArgumentError:

@@ -22,6 +22,8 @@ _SINGLE_PROCESS = {
     "global_batch_size": 1, "tensorboard": False, "progress_bar": False,
     # the model needs no data (and the run's files may be gone)
     "data_path": None, "dataset": None,
+    # a resolved run saved both; its train_iters already holds the epochs' length
+    "num_train_epochs": None,
 }
 
 

@@ -32,9 +32,8 @@ class LogWindow:
     """Averages loss and grad norm over the iterations between two log lines, and times
     them for tokens/s and TFLOP/s (per rank, as Megatron reports)."""
 
-    def __init__(self, tokens_per_iteration: int, flops_per_iteration: float, world_size: int):
-        self.tokens_per_iteration = tokens_per_iteration
-        self.flops_per_iteration = flops_per_iteration
+    def __init__(self, flops_per_token: float, world_size: int):
+        self.flops_per_token = flops_per_token
         self.world_size = world_size
         self._reset()
 
@@ -52,7 +51,9 @@ class LogWindow:
         for key in ("loss", "grad_norm"):
             values = [s[key] for s in self.steps if s.get(key) is not None]
             metrics[key] = sum(values) / len(values) if values else None
-        metrics["tokens_per_s"] = n * self.tokens_per_iteration / seconds
-        metrics["tflops"] = n * self.flops_per_iteration / seconds / self.world_size / 1e12
+        # Real input tokens (padding left out), as counted on the last pipeline stage.
+        tokens = sum(s.get("tokens") or 0.0 for s in self.steps)
+        metrics["tokens_per_s"] = tokens / seconds
+        metrics["tflops"] = tokens * self.flops_per_token / seconds / self.world_size / 1e12
         self._reset()
         return metrics

@@ -69,6 +69,11 @@ class Trainer:
         self.padded_vocab_size = self.resolve_vocab(self.tokenizer)
         distributed.initialize(args)
         seed.set_seed(args.training.seed)
+        # The datasets (not their iterators) come first: bad data stops the run before the
+        # model is built, and --num_train_epochs needs the training set's size.
+        self.train_ds, self.valid_ds, self.test_ds = self.build_datasets()
+        self.data_fingerprint = data.dataset_fingerprint(self.train_ds)
+        args.resolve_train_iters(len(self.train_ds))
         self.model = wrap_model(args, build_model(args, self.padded_vocab_size))
         self.load_pretrained_weights()
         self.num_parameters = self.count_all_parameters(count_parameters(self.model))
@@ -82,19 +87,26 @@ class Trainer:
         self.optimizer = build_optimizer(args, self.model)
         config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = build_scheduler(args, self.optimizer)
-        self.train_ds, self.valid_ds, self.test_ds = data.build_datasets(args, self.tokenizer)
-        self.data_fingerprint = data.dataset_fingerprint(self.train_ds)
         self.state = self.load_checkpoint()
         self.train_iterator = self.build_iterator(self.train_ds,
                                                   self.state.consumed_train_samples)
         self.valid_iterator = self.build_iterator(self.valid_ds,
                                                   self.state.consumed_valid_samples)
         self.writer = self.build_writer()
-        tokens = args.training.global_batch_size * args.model.seq_length
-        self.flops_per_iteration = tokens * flops_per_token(args, self.padded_vocab_size)
-        self.log_window = LogWindow(tokens, self.flops_per_iteration, args.derived.world_size)
+        self.flops_per_token = flops_per_token(args, self.padded_vocab_size)
+        self.log_window = LogWindow(self.flops_per_token, args.derived.world_size)
         self.install_signal_handlers()
         self.log_start()
+
+    def build_datasets(self):
+        """(train, valid, test): megatron's GPT datasets for pt, conversation rows for sft."""
+        from .. import data
+
+        if self.args.COMMAND == "sft":
+            from ..data.sft import build_sft_datasets
+
+            return build_sft_datasets(self.args, self.tokenizer, log=self.writer_print_early)
+        return data.build_datasets(self.args, self.tokenizer)
 
     def load_pretrained_weights(self) -> None:
         """--model: the Hugging Face weights, after the model is built and before the optimizer
@@ -139,12 +151,13 @@ class Trainer:
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=1)
-        loss_sum, tokens = self.reduce_losses(losses)
+        loss_sum, targets, tokens = self.reduce_losses(losses)
         return {
-            "loss": loss_sum / max(tokens, 1.0) if tokens is not None else None,
+            "loss": loss_sum / max(targets, 1.0) if targets is not None else None,
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm,
             "skipped": 0.0 if update_successful else 1.0,
+            "tokens": tokens,
         }
 
     def forward_backward(self, data_iterator, forward_only: bool):
@@ -166,36 +179,54 @@ class Trainer:
         """One micro-batch through one model chunk: returns (output, loss function)."""
         batch = self.get_batch(data_iterator)
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=None, labels=batch["labels"])
+                       attention_mask=batch.get("attention_mask"), labels=batch["labels"],
+                       packed_seq_params=batch.get("packed_seq_params"))
         return output, partial(self.compute_loss, batch)
 
     def get_batch(self, data_iterator) -> Dict[str, torch.Tensor]:
+        """The next micro-batch on this rank's device. Packed rows (sft --packing) get the
+        mask that keeps their conversations apart: a block-diagonal causal mask for
+        megatron's local attention, variable-length parameters for Transformer Engine's."""
         batch = next(data_iterator)
         if model_is_training(self.model):
             self._sample_ids.append(batch["sample_ids"])
         if torch.cuda.is_available():
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+        if "segment_ids" in batch:
+            from ..data.packing import block_causal_mask, packed_seq_params
+            from ..models.gpt import has_transformer_engine
+
+            if has_transformer_engine():
+                batch["packed_seq_params"] = packed_seq_params(batch["segment_ids"])
+            else:
+                batch["attention_mask"] = block_causal_mask(batch["segment_ids"])
         return batch
 
     def compute_loss(self, batch, output_tensor):
-        """Per-token losses -> (loss sum, token count, report); megatron divides the
-        gradients by the token count of the whole global batch."""
+        """Per-token losses -> (loss sum, target count, report); megatron divides the
+        gradients by the target count of the whole global batch (all micro-batches and
+        data-parallel ranks), so the loss is a mean over real target tokens."""
         loss_mask = batch["loss_mask"].float()
         loss_sum = (output_tensor.float() * loss_mask).sum()
-        num_tokens = loss_mask.sum().to(torch.int)
-        report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
-        return loss_sum, num_tokens, {"lm loss": report}
+        num_targets = loss_mask.sum().to(torch.int)
+        tokens = batch.get("num_tokens", batch["tokens"].numel())  # padding left out
+        report = torch.stack([loss_sum.detach(), num_targets.detach().float(),
+                              torch.as_tensor(tokens, dtype=torch.float,
+                                              device=loss_sum.device)])
+        return loss_sum, num_targets, {"lm loss": report}
 
     def reduce_losses(self, losses) -> tuple:
-        """(loss sum, tokens) over micro-batches and data-parallel ranks; None off the last
-        pipeline stage."""
+        """(loss sum, target tokens, input tokens) over micro-batches and data-parallel
+        ranks; Nones off the last pipeline stage."""
         from megatron.core import parallel_state
 
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            return None, None
+            return None, None, None
         total = torch.stack([entry["lm loss"] for entry in losses]).sum(0)
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        return float(total[0]), float(total[1])
+        # A custom compute_loss may report (loss sum, targets) only: tokens then unknown.
+        tokens = float(total[2]) if total.numel() > 2 else None
+        return float(total[0]), float(total[1]), tokens
 
     def advance(self, step: Dict[str, float]) -> None:
         state, gbs = self.state, self.args.training.global_batch_size
@@ -203,7 +234,11 @@ class Trainer:
         state.consumed_train_samples += gbs
         if step.get("skipped"):
             state.skipped_train_samples += gbs
-        state.floating_point_operations_so_far += self.flops_per_iteration
+        # Real tokens where this rank knows them (the last pipeline stage), else a full batch.
+        tokens = step.get("tokens")
+        if tokens is None:
+            tokens = gbs * self.args.model.seq_length
+        state.floating_point_operations_so_far += tokens * self.flops_per_token
         if self.args.logging.log_sample_ids:
             self.write_sample_ids()
 
@@ -216,7 +251,8 @@ class Trainer:
         loss_sum = tokens = 0.0
         with torch.no_grad():
             for _ in range(self.args.logging.eval_iters):
-                s, n = self.reduce_losses(self.forward_backward(self.valid_iterator, True))
+                s, n, _ = self.reduce_losses(
+                    self.forward_backward(self.valid_iterator, True))
                 if s is not None:
                     loss_sum, tokens = loss_sum + s, tokens + n
                 self.state.consumed_valid_samples += self.args.training.global_batch_size

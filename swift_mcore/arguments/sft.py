@@ -1,0 +1,110 @@
+"""SftArguments: pt's flag groups plus the finetuning data flags (templates, loss, packing)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .fields import ArgumentError, flag
+from .pretrain import PretrainArguments
+
+TEMPLATES = ("auto", "tokenizer", "chatml", "plain")
+# The columns a row can hold after --columns renames it (docs/sft.md, "Data formats").
+COLUMN_TARGETS = ("messages", "query", "response", "system", "history")
+
+
+@dataclass
+class SftDataArguments:
+    template: str = flag(
+        "auto", "How a conversation becomes tokens: 'tokenizer' (its chat template), 'chatml' "
+        "or 'plain' (built in), or 'auto': the tokenizer's template when it has one, else "
+        "chatml when <|im_start|> and <|im_end|> are tokens, else plain.", choices=TEMPLATES)
+    system: Optional[str] = flag(
+        None, "System prompt for conversations that have none.")
+    loss_on: str = flag(
+        "all_turns", "Which assistant turns are trained on; every other token is masked from "
+        "the loss.", choices=("all_turns", "last_turn"))
+    truncation_strategy: str = flag(
+        "drop", "A conversation longer than --seq_length + 1 tokens: dropped, or cut on the "
+        "left or on the right (counted in the log).", choices=("drop", "left", "right"))
+    packing: bool = flag(
+        False, "Pack several conversations into each --seq_length row (attention never "
+        "crosses one; position ids restart) instead of padding each micro-batch.")
+    columns: Optional[List[str]] = flag(
+        None, "Rename columns before reading: 'instruction=query output=response', or a "
+        "JSON object. Read columns: " + ", ".join(COLUMN_TARGETS) + ".")
+    val_dataset: Optional[List[str]] = flag(
+        None, "Validation conversations (files, folders or globs, as --dataset).")
+    split_dataset_ratio: float = flag(
+        0.0, "Hold out this fraction of --dataset for validation (a fixed draw from --seed).")
+
+
+@dataclass
+class SftArguments(PretrainArguments):
+    sft: SftDataArguments = field(default_factory=SftDataArguments)
+
+    COMMAND = "sft"
+    # Finetuning defaults: a small learning rate, no warmup, one pass over the data.
+    DEFAULTS = {"lr": 1e-5, "min_lr": 0.0, "lr_warmup_iters": 0, "num_train_epochs": 1.0,
+                "output_dir": "output/swift-mcore-sft"}
+
+    def validate_command(self, cuda: bool) -> None:
+        d, s = self.data, self.sft
+        if d.data_path:
+            raise ArgumentError("--data_path holds pretraining .bin/.idx files; sft reads "
+                                "conversations from --dataset (jsonl, json, parquet, or a "
+                                "saved datasets folder)")
+        if not d.dataset:
+            raise ArgumentError("sft needs --dataset: conversation files (jsonl, json, "
+                                "parquet) or a saved datasets folder (docs/sft.md)")
+        column_map(s.columns)
+        if not 0.0 <= s.split_dataset_ratio < 1.0:
+            raise ArgumentError(f"--split_dataset_ratio must be in [0, 1), got "
+                                f"{s.split_dataset_ratio}")
+        if s.val_dataset and s.split_dataset_ratio:
+            raise ArgumentError("--val_dataset and --split_dataset_ratio are alternatives; "
+                                "give one of them")
+        if s.packing and cuda:
+            from ..models.gpt import has_transformer_engine
+
+            if has_transformer_engine() and self.training.micro_batch_size != 1:
+                raise ArgumentError(
+                    "--packing with Transformer Engine passes each packed row as one "
+                    "variable-length batch (THD); set --micro_batch_size 1 and raise "
+                    "--seq_length instead")
+        from ..data.sources import expand_inputs
+
+        expand_inputs(d.dataset, "--dataset")
+        if s.val_dataset:
+            expand_inputs(s.val_dataset, "--val_dataset")
+
+
+def column_map(columns: Optional[List[str]]) -> Dict[str, str]:
+    """--columns as {source column: column read}; raises ArgumentError naming the flag."""
+    if not columns:
+        return {}
+    text = " ".join(columns).strip()
+    if text.startswith("{"):
+        try:
+            pairs = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ArgumentError(f"--columns: not a valid JSON object ({err})") from None
+        if not isinstance(pairs, dict):
+            raise ArgumentError("--columns: the JSON must be an object {\"from\": \"to\"}")
+    else:
+        pairs = {}
+        for item in text.split():
+            source, sep, target = item.partition("=")
+            if not sep or not source or not target:
+                raise ArgumentError(f"--columns: '{item}' is not of the form from=to "
+                                    f"(e.g. --columns instruction=query output=response)")
+            pairs[source] = target
+    for source, target in pairs.items():
+        if target not in COLUMN_TARGETS:
+            raise ArgumentError(f"--columns: '{source}' is mapped to '{target}'; map columns "
+                                f"to one of {', '.join(COLUMN_TARGETS)}")
+    return {str(k): str(v) for k, v in pairs.items()}
+
+
+SftArguments.GROUPS = {**PretrainArguments.GROUPS, "sft": SftDataArguments}

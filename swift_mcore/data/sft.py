@@ -1,0 +1,237 @@
+"""Finetuning datasets: conversations encoded, truncated, split, packed, and batched.
+
+A training item is a row: one conversation (padded per micro-batch) or, with --packing,
+several conversations laid end to end in --seq_length positions. Rows are fixed by the data
+and the flags alone; the sampler (sampler.py) orders them per (seed, epoch), so a resumed
+run finds its next row from the consumed-samples counter, as in pretraining.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..arguments import ArgumentError
+from .packing import pack
+from .templates import CONTEXT, Template
+
+# Part of the fingerprint: change it whenever encoding changes what a conversation becomes.
+ENCODING_VERSION = 1
+
+
+@dataclass
+class Encoded:
+    """Conversations as flat arrays: conversation k is ids[offsets[k]:offsets[k+1]];
+    ``targets`` marks the tokens trained on (as labels)."""
+
+    ids: np.ndarray
+    targets: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def positions(self) -> np.ndarray:
+        """Training positions per conversation: n tokens predict n - 1 labels."""
+        return np.diff(self.offsets) - 1
+
+    def take(self, keep: Sequence[int]) -> "Encoded":
+        parts = [(self.ids[self.offsets[k]:self.offsets[k + 1]],
+                  self.targets[self.offsets[k]:self.offsets[k + 1]]) for k in keep]
+        return _flat(parts)
+
+
+def _flat(parts) -> Encoded:
+    lengths = [len(ids) for ids, _ in parts]
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(lengths)
+    ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32)
+    targets = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, bool)
+    return Encoded(ids.astype(np.int32), targets.astype(bool), offsets)
+
+
+@dataclass
+class EncodingReport:
+    conversations: int = 0
+    truncated: int = 0
+    dropped_long: int = 0
+    dropped_empty: int = 0  # no trained token left after truncation
+
+    def describe(self, strategy: str, seq_length: int) -> str:
+        kept = self.conversations - self.dropped_long - self.dropped_empty
+        text = f"{kept} of {self.conversations} conversations kept"
+        if self.truncated:
+            text += f"; {self.truncated} cut on the {strategy} to --seq_length {seq_length}"
+        if self.dropped_long:
+            text += (f"; {self.dropped_long} dropped as longer than --seq_length {seq_length} "
+                     f"(--truncation_strategy drop)")
+        if self.dropped_empty:
+            text += f"; {self.dropped_empty} dropped with no answer token left after the cut"
+        return text
+
+
+def encode_conversations(conversations, template: Template, seq_length: int,
+                         truncation: str, loss_on: str,
+                         report: Optional[EncodingReport] = None,
+                         chunk: int = 1024) -> Encoded:
+    """Token ids and label targets of each conversation, fitted to ``seq_length`` training
+    positions (``seq_length + 1`` tokens). Dropped conversations are left out and counted."""
+    report = report if report is not None else EncodingReport()
+    parts: List[Tuple[np.ndarray, np.ndarray]] = []
+    for start in range(0, len(conversations), chunk):
+        for ids, turns in template.encode_many(conversations[start:start + chunk]):
+            report.conversations += 1
+            if loss_on == "last_turn":
+                targets = turns == turns.max()
+            else:
+                targets = turns != CONTEXT
+            if len(ids) > seq_length + 1:
+                if truncation == "drop":
+                    report.dropped_long += 1
+                    continue
+                cut = slice(0, seq_length + 1) if truncation == "right" else slice(
+                    len(ids) - seq_length - 1, None)
+                ids, targets = ids[cut], targets[cut]
+                report.truncated += 1
+            # The first token is never a label: it has no token before it.
+            if len(ids) < 2 or not targets[1:].any():
+                report.dropped_empty += 1
+                continue
+            parts.append((ids, targets))
+    return _flat(parts)
+
+
+class SftDataset(torch.utils.data.Dataset):
+    """Rows of conversations; ``collate`` pads a micro-batch of rows."""
+
+    def __init__(self, encoded: Encoded, rows: List[List[int]], seq_length: int, pad_id: int,
+                 packed: bool, pad_to_seq_length: bool, fingerprint: str):
+        self.encoded = encoded
+        self.row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        self.row_offsets[1:] = np.cumsum([len(r) for r in rows])
+        self.members = np.asarray([k for row in rows for k in row], dtype=np.int64)
+        self.seq_length = seq_length
+        self.pad_id = pad_id
+        self.packed = packed
+        # Pipeline stages exchange activations of one fixed shape.
+        self.pad_to_seq_length = pad_to_seq_length
+        self.fingerprint = fingerprint
+
+    def __len__(self) -> int:
+        return len(self.row_offsets) - 1
+
+    def conversations(self, row: int) -> np.ndarray:
+        return self.members[self.row_offsets[row]:self.row_offsets[row + 1]]
+
+    def __getitem__(self, row: int) -> Dict[str, np.ndarray]:
+        e = self.encoded
+        tokens, labels, mask, positions, segments = [], [], [], [], []
+        for segment, k in enumerate(self.conversations(row)):
+            ids = e.ids[e.offsets[k]:e.offsets[k + 1]]
+            targets = e.targets[e.offsets[k]:e.offsets[k + 1]]
+            tokens.append(ids[:-1])
+            labels.append(ids[1:])
+            mask.append(targets[1:])
+            positions.append(np.arange(len(ids) - 1))
+            segments.append(np.full(len(ids) - 1, segment))
+        return {"tokens": np.concatenate(tokens), "labels": np.concatenate(labels),
+                "loss_mask": np.concatenate(mask), "position_ids": np.concatenate(positions),
+                "segment_ids": np.concatenate(segments)}
+
+    def collate(self, rows: List[Dict[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
+        """Right-pads to the longest row (to --seq_length under pipeline parallelism).
+        Padding is masked from the loss, and forms its own segment when packed, so no real
+        token attends to it."""
+        lengths = [len(r["tokens"]) for r in rows]
+        width = self.seq_length if self.pad_to_seq_length else max(lengths)
+        batch = {
+            "tokens": torch.full((len(rows), width), self.pad_id, dtype=torch.long),
+            "labels": torch.full((len(rows), width), self.pad_id, dtype=torch.long),
+            "loss_mask": torch.zeros(len(rows), width, dtype=torch.float),
+            "position_ids": torch.zeros(len(rows), width, dtype=torch.long),
+        }
+        if self.packed:
+            batch["segment_ids"] = torch.full((len(rows), width), -1, dtype=torch.long)
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            for name in batch:
+                batch[name][i, :n] = torch.from_numpy(row[name].astype(np.int64)
+                                                      if name != "loss_mask"
+                                                      else row[name].astype(np.float32))
+        batch["num_tokens"] = torch.tensor(sum(lengths), dtype=torch.long)
+        return batch
+
+
+def build_sft_datasets(args, tokenizer, log: Callable[[str], None] = print):
+    """(train, valid, None) SftDatasets from --dataset (and --val_dataset or
+    --split_dataset_ratio). Raises ArgumentError naming the file, row and flag."""
+    from ..arguments.sft import column_map
+    from .conversations import read_conversations
+    from .sources import content_fingerprint, expand_inputs
+
+    s, seq = args.sft, args.model.seq_length
+    template = Template(s.template, tokenizer, system=s.system)
+    columns = column_map(s.columns)
+    train_sources = expand_inputs(args.data.dataset, "--dataset")
+    val_sources = expand_inputs(s.val_dataset, "--val_dataset") if s.val_dataset else []
+
+    def encode(sources, flag):
+        report = EncodingReport()
+        encoded = encode_conversations(read_conversations(sources, columns, flag), template,
+                                       seq, s.truncation_strategy, s.loss_on, report)
+        log(f"sft data {flag}: {report.describe(s.truncation_strategy, seq)} "
+            f"(template: {template.describe()})")
+        if len(encoded) == 0:
+            raise ArgumentError(f"{flag}: no conversation is left to train on; raise "
+                                f"--seq_length or use --truncation_strategy left|right")
+        return encoded
+
+    train = encode(train_sources, "--dataset")
+    valid = encode(val_sources, "--val_dataset") if val_sources else None
+    if s.split_dataset_ratio:
+        train, valid = split(train, s.split_dataset_ratio, args.training.seed)
+
+    identity = {
+        "version": ENCODING_VERSION,
+        "train": content_fingerprint(train_sources),
+        "valid": content_fingerprint(val_sources) if val_sources else None,
+        "tokenizer": tokenizer.fingerprint,
+        "sft": {k: getattr(s, k) for k in ("template", "system", "loss_on",
+                                           "truncation_strategy", "packing", "columns",
+                                           "split_dataset_ratio")},
+        "template": template.name,
+    }
+    fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
+    pad_fixed = args.parallel.pipeline_model_parallel_size > 1
+
+    def dataset(encoded, name):
+        if encoded is None:
+            return None
+        positions = encoded.positions()
+        rows = pack(positions, seq) if s.packing else [[k] for k in range(len(encoded))]
+        if s.packing:
+            fill = positions.sum() / (len(rows) * seq)
+            log(f"sft data {name}: {len(encoded)} conversations packed into {len(rows)} rows "
+                f"of {seq} positions ({fill:.1%} filled)")
+        return SftDataset(encoded, rows, seq, pad_id, s.packing, pad_fixed,
+                          f"{fingerprint}:{name}")
+
+    return dataset(train, "train"), dataset(valid, "valid"), None
+
+
+def split(encoded: Encoded, ratio: float, seed: int) -> Tuple[Encoded, Encoded]:
+    """A fixed draw of ``ratio`` of the conversations (at least one) for validation."""
+    n = len(encoded)
+    held = max(1, int(round(ratio * n)))
+    if held >= n:
+        raise ArgumentError(f"--split_dataset_ratio {ratio} leaves no training conversation "
+                            f"of {n}")
+    order = np.random.default_rng([seed, 0x5F7]).permutation(n)
+    valid = np.sort(order[:held])
+    train = np.sort(order[held:])
+    return encoded.take(train), encoded.take(valid)
