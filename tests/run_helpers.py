@@ -1,4 +1,4 @@
-"""Runs `swift-mcore pt` in subprocesses (one rank or torchrun) and reads what it wrote."""
+"""Runs `swift-mcore pt` and `sft` in subprocesses (one rank or torchrun) and reads what it wrote."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4"
 
 
 def run_pt(output_dir, *flags, nproc: int = 1, timeout: int = 240, check: bool = True,
-           env: Dict[str, str] | None = None, torchrun: bool = False
+           env: Dict[str, str] | None = None, torchrun: bool = False, command: str = "pt"
            ) -> subprocess.CompletedProcess:
     """NPROC_PER_NODE=nproc swift-mcore pt ..., or torchrun -m swift_mcore pt ... ."""
     launcher = [sys.executable, "-m", "swift_mcore"]
@@ -32,13 +32,18 @@ def run_pt(output_dir, *flags, nproc: int = 1, timeout: int = 240, check: bool =
     elif nproc > 1:
         full_env["NPROC_PER_NODE"] = str(nproc)
         full_env["MASTER_PORT"] = str(_free_port())
-    cmd = [*launcher, "pt", *TINY, "--output_dir", str(output_dir), *map(str, flags)]
+    cmd = [*launcher, command, *TINY, "--output_dir", str(output_dir), *map(str, flags)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=ROOT)
     if check and proc.returncode != 0:
-        raise AssertionError(f"swift-mcore pt failed ({proc.returncode}):\n"
+        raise AssertionError(f"swift-mcore {command} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def run_sft(output_dir, *flags, **kwargs) -> subprocess.CompletedProcess:
+    """swift-mcore sft with the TINY model (the data flags come from the caller)."""
+    return run_pt(output_dir, *flags, command="sft", **kwargs)
 
 
 def train_records(output_dir) -> List[dict]:

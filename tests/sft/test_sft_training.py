@@ -1,0 +1,124 @@
+"""swift-mcore sft runs: exact token averaging across layouts, exact resume, epochs, custom loss."""
+
+import json
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+
+from run_helpers import ROOT, _free_port, losses, run_sft, train_records
+
+WORDS = ("alpha beta gamma delta river stone cloud paper orange silver seven north winter "
+         "garden quiet simple").split()
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    """40 conversations of very different lengths (1 to 3 turns), so micro-batches hold
+    different numbers of answer tokens: a mean of per-batch means would not be the token
+    mean."""
+    rng = random.Random(3)
+    path = tmp_path_factory.mktemp("sft") / "train.jsonl"
+
+    def text(lo, hi):
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    with open(path, "w") as fh:
+        for _ in range(40):
+            messages = []
+            for _ in range(rng.randint(1, 3)):
+                messages += [{"role": "user", "content": text(1, 6)},
+                             {"role": "assistant", "content": text(1, 8)}]
+            fh.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def sft(out, data, *flags, **kwargs):
+    return run_sft(out, "--dataset", data, "--seq_length", "128", "--template", "plain",
+                   *flags, **kwargs)
+
+
+def assert_close(a, b, tol=1e-5):
+    assert sorted(a) == sorted(b)
+    for it in a:
+        assert abs(a[it] - b[it]) <= tol, (it, a[it], b[it])
+
+
+@pytest.mark.parametrize("packing", ["false", "true"])
+def test_loss_is_the_token_mean_whatever_the_layout(tmp_path, conversations, packing):
+    """DP=1 with 2 micro-batches, DP=1 with 8 and DP=2 give the same losses: the loss is
+    summed over answer tokens and divided by the global batch's count, on every layout."""
+    common = ["--train_iters", "3", "--no_save", "--packing", packing,
+              "--global_batch_size", "8"]
+    sft(tmp_path / "mb4", conversations, *common, "--micro_batch_size", "4")
+    sft(tmp_path / "mb1", conversations, *common, "--micro_batch_size", "1")
+    sft(tmp_path / "dp2", conversations, *common, "--micro_batch_size", "2", nproc=2)
+    reference = losses(tmp_path / "mb4")
+    assert sorted(reference) == [1, 2, 3]
+    assert_close(reference, losses(tmp_path / "mb1"))
+    assert_close(reference, losses(tmp_path / "dp2"))
+    # tokens/s counts real tokens: the same count on every layout, below the padded size
+    rates = [train_records(tmp_path / d)[-1]["tokens_per_s"] for d in ("mb4", "dp2")]
+    assert all(r > 0 for r in rates)
+
+
+def test_resume_is_bit_exact(tmp_path, conversations):
+    flags = ["--train_iters", "6", "--packing", "--num_workers", "1", "--log_sample_ids",
+             "--micro_batch_size", "2", "--global_batch_size", "4", "--hidden_dropout", "0.1"]
+    sft(tmp_path / "whole", conversations, *flags, env={"MASTER_PORT": str(_free_port())})
+    split = tmp_path / "split"
+    sft(split, conversations, *flags, "--exit_interval", "3")
+    assert sorted(losses(split)) == [1, 2, 3]
+    proc = sft(split, conversations, *flags, "--resume")
+    assert "starting at iteration 3" in proc.stdout
+    whole = losses(tmp_path / "whole")
+    assert losses(split) == whole  # bit-equal, dropout included
+
+    def ids(out):
+        return [json.loads(line) for line in (out / "sample_ids.jsonl").read_text().splitlines()]
+
+    assert ids(split) == ids(tmp_path / "whole")
+
+
+def test_num_train_epochs_sets_the_length(tmp_path, conversations):
+    proc = sft(tmp_path / "unpacked", conversations, "--num_train_epochs", "1.5",
+               "--no_save", "--global_batch_size", "8")
+    assert "40 of 40 conversations kept" in proc.stdout
+    assert max(losses(tmp_path / "unpacked")) == 8  # ceil(1.5 * 40 / 8)
+    proc = sft(tmp_path / "packed", conversations, "--num_train_epochs", "2", "--packing",
+               "--no_save", "--global_batch_size", "4")
+    rows = int(re.search(r"packed into (\d+) rows", proc.stdout).group(1))
+    assert rows < 40
+    assert max(losses(tmp_path / "packed")) == -(-2 * rows // 4)
+
+
+def test_custom_trainer_overrides_the_loss(tmp_path, conversations):
+    def custom(out, smoothing):
+        cmd = [sys.executable, "examples/sft/custom_loss.py", "--smoothing", str(smoothing),
+               "--dataset", str(conversations), "--seq_length", "128", "--template", "plain",
+               "--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
+               "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size",
+               "8", "--lr", "1e-3", "--min_lr", "1e-3", "--lr_decay_style", "constant",
+               "--train_iters", "2", "--no_save", "--log_interval", "1", "--progress_bar",
+               "false", "--tensorboard", "false", "--num_workers", "0", "--output_dir",
+               str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "custom sft trainer finished at iteration 2" in proc.stdout
+        return losses(out)
+
+    sft(tmp_path / "plain", conversations, "--train_iters", "2", "--no_save")
+    assert_close(custom(tmp_path / "s0", 0.0), losses(tmp_path / "plain"))
+    smoothed = custom(tmp_path / "s1", 0.1)
+    assert all(abs(smoothed[i] - losses(tmp_path / "plain")[i]) > 1e-3 for i in (1, 2))
+
+
+def test_end_to_end_example_reproduces_the_answers(tmp_path):
+    proc = subprocess.run(["bash", "examples/sft/run.sh", str(tmp_path / "example")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "24/24 answers reproduced" in proc.stdout
+    hf = next((tmp_path / "example" / "run" / "checkpoint").glob("iter_*-hf"))
+    assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
