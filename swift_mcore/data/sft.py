@@ -58,7 +58,7 @@ def _flat(parts) -> Encoded:
 @dataclass
 class EncodingReport:
     conversations: int = 0
-    truncated: int = 0
+    truncated: int = 0  # cut and kept
     dropped_long: int = 0
     dropped_empty: int = 0  # no trained token left after truncation
 
@@ -90,18 +90,21 @@ def encode_conversations(conversations, template: Template, seq_length: int,
                 targets = turns == turns.max()
             else:
                 targets = turns != CONTEXT
-            if len(ids) > seq_length + 1:
+            cut = len(ids) > seq_length + 1
+            if cut:
                 if truncation == "drop":
                     report.dropped_long += 1
                     continue
-                cut = slice(0, seq_length + 1) if truncation == "right" else slice(
+                keep = slice(0, seq_length + 1) if truncation == "right" else slice(
                     len(ids) - seq_length - 1, None)
-                ids, targets = ids[cut], targets[cut]
-                report.truncated += 1
+                ids, targets = ids[keep], targets[keep]
             # The first token is never a label: it has no token before it.
             if len(ids) < 2 or not targets[1:].any():
                 report.dropped_empty += 1
                 continue
+            # Counted once: a cut conversation left with no answer counts as dropped only.
+            if cut:
+                report.truncated += 1
             parts.append((ids, targets))
     return _flat(parts)
 

@@ -105,9 +105,9 @@ class Template:
         if self.default_system is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.default_system}, *messages]
         if self.name == "tokenizer":
-            text = self.tokenizer.hf.apply_chat_template(list(messages), tokenize=False,
-                                                         add_generation_prompt=True)
-            return self.tokenizer.encode(text)
+            # Piece by piece, as in training: earlier answers get the same tokens.
+            texts = [text for text, _ in self._rendered_pieces(messages, prompt=True) if text]
+            return [i for ids in self.tokenizer.encode_batch(texts) for i in ids]
         ids, _ = self.encode_many([messages])[0]  # the user format ends with the cue
         return ids.tolist()
 
@@ -139,29 +139,31 @@ class Template:
             out.append((np.asarray(ids, dtype=np.int32), np.asarray(turns, dtype=np.int32)))
         return out
 
-    def _rendered_pieces(self, messages) -> List[Piece]:
+    def _rendered_pieces(self, messages, prompt: bool = False) -> List[Piece]:
+        """The conversation's pieces; with ``prompt``, the last one ends with the assistant's
+        cue (the generation prompt)."""
         hf = self.tokenizer.hf
 
-        def render(upto: int, prompt: bool) -> str:
+        def render(upto: int, cue: bool) -> str:
             return hf.apply_chat_template(list(messages[:upto]), tokenize=False,
-                                          add_generation_prompt=prompt)
+                                          add_generation_prompt=cue)
 
         pieces: List[Piece] = []
         done, turn = "", 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt, full = render(i, True), render(i + 1, False)
-            if not (prompt.startswith(done) and full.startswith(prompt)):
+            before, full = render(i, True), render(i + 1, False)
+            if not (before.startswith(done) and full.startswith(before)):
                 raise ArgumentError(
                     f"--template tokenizer: the chat template of {self.tokenizer.source} does "
                     f"not render a conversation as a growing prefix (it rewrites earlier "
                     f"turns), so the answer tokens cannot be located; use --template "
                     f"chatml or plain")
-            pieces.append((prompt[len(done):], CONTEXT))
-            pieces.append((full[len(prompt):], turn))
+            pieces.append((before[len(done):], CONTEXT))
+            pieces.append((full[len(before):], turn))
             done, turn = full, turn + 1
-        rest = render(len(messages), False)
+        rest = render(len(messages), prompt)
         if not rest.startswith(done):
             raise ArgumentError(f"--template tokenizer: the chat template of "
                                 f"{self.tokenizer.source} rewrites earlier turns; use "
