@@ -29,12 +29,13 @@ def run(args: InferArguments) -> str:
     loaded = load_model(args.model, tokenizer=args.tokenizer,
                         log=lambda line: print(line, file=sys.stderr, flush=True))
     tokenizer = loaded.tokenizer
-    template = None
+    template, end_marker = None, ""
     if args.template:
         from .data.templates import Template
 
         template = Template(args.template, tokenizer, system=args.system)
         prompt = template.prompt([{"role": "user", "content": args.prompt}])
+        end_marker = template.end_marker()
     else:
         # as transformers would tokenize it (with the BOS token a Llama tokenizer adds)
         prompt = list(tokenizer.hf(args.prompt)["input_ids"])
@@ -54,6 +55,8 @@ def run(args: InferArguments) -> str:
         if template is None:  # streamed; a templated answer is printed whole, marker cut
             print(text[len(shown):], end="", flush=True)  # decode whole: multi-byte chars
         shown = text
+        if end_marker and end_marker in text:  # the answer is over, EOD or not
+            break
     if template is not None:
         # the answer's end-of-turn marker (chatml's <|im_end|>) is not part of the answer
         answer = template.answer_text(shown)

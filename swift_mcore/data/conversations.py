@@ -47,7 +47,7 @@ def to_messages(row: Dict[str, Any], where: str) -> List[Message]:
     elif row.get("query") is not None or row.get("response") is not None:
         messages = _from_pairs(row, where)
     else:
-        present = ", ".join(repr(k) for k in row) or "none"
+        present = ", ".join(repr(k) for k, v in row.items() if v is not None) or "none"
         raise ArgumentError(
             f"{where}: no 'messages' column and no 'query'/'response' columns (it has "
             f"{present}); rename yours with --columns, e.g. --columns instruction=query "

@@ -113,7 +113,8 @@ class SftDataset(torch.utils.data.Dataset):
     """Rows of conversations; ``collate`` pads a micro-batch of rows."""
 
     def __init__(self, encoded: Encoded, rows: List[List[int]], seq_length: int, pad_id: int,
-                 packed: bool, pad_to_seq_length: bool, fingerprint: str):
+                 packed: bool, pad_to_seq_length: bool, fingerprint: str,
+                 pad_multiple: int = 1):
         self.encoded = encoded
         self.row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         self.row_offsets[1:] = np.cumsum([len(r) for r in rows])
@@ -123,6 +124,8 @@ class SftDataset(torch.utils.data.Dataset):
         self.packed = packed
         # Pipeline stages exchange activations of one fixed shape.
         self.pad_to_seq_length = pad_to_seq_length
+        # Sequence parallelism splits the sequence over the tensor-parallel ranks.
+        self.pad_multiple = pad_multiple
         self.fingerprint = fingerprint
 
     def __len__(self) -> int:
@@ -152,6 +155,7 @@ class SftDataset(torch.utils.data.Dataset):
         token attends to it."""
         lengths = [len(r["tokens"]) for r in rows]
         width = self.seq_length if self.pad_to_seq_length else max(lengths)
+        width = -(-width // self.pad_multiple) * self.pad_multiple
         batch = {
             "tokens": torch.full((len(rows), width), self.pad_id, dtype=torch.long),
             "labels": torch.full((len(rows), width), self.pad_id, dtype=torch.long),
@@ -207,10 +211,14 @@ def build_sft_datasets(args, tokenizer, log: Callable[[str], None] = print):
                                            "truncation_strategy", "packing", "columns",
                                            "split_dataset_ratio")},
         "template": template.name,
+        # the Jinja text decides the tokens; the tokenizer's fingerprint covers its vocabulary
+        "chat_template": tokenizer.hf.chat_template if template.name == "tokenizer" else None,
     }
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
     pad_fixed = args.parallel.pipeline_model_parallel_size > 1
+    pad_multiple = (args.parallel.tensor_model_parallel_size
+                    if args.parallel.sequence_parallel else 1)
 
     def dataset(encoded, name):
         if encoded is None:
@@ -222,7 +230,7 @@ def build_sft_datasets(args, tokenizer, log: Callable[[str], None] = print):
             log(f"sft data {name}: {len(encoded)} conversations packed into {len(rows)} rows "
                 f"of {seq} positions ({fill:.1%} filled)")
         return SftDataset(encoded, rows, seq, pad_id, s.packing, pad_fixed,
-                          f"{fingerprint}:{name}")
+                          f"{fingerprint}:{name}", pad_multiple)
 
     return dataset(train, "train"), dataset(valid, "valid"), None
 

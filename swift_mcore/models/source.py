@@ -89,6 +89,10 @@ def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log) -
     args = saved_run_args(saved)
     hf_folder = saved.get("model", {}).get("model")
     tokenizer = _checkpoint_tokenizer(args, saved, tokenizer_path, folder)
+    from ..data.templates import attach_chat_template
+
+    # A model finetuned with a built-in template is exported with it as its chat template.
+    attach_chat_template(tokenizer, saved.get("sft"))
     shapes = io.tensor_shapes(folder)
     if "embedding.word_embeddings.weight" not in shapes:
         raise CheckpointError(f"{folder} holds no embedding.word_embeddings.weight: not a GPT "

@@ -122,3 +122,15 @@ def test_end_to_end_example_reproduces_the_answers(tmp_path):
     assert "24/24 answers reproduced" in proc.stdout
     hf = next((tmp_path / "example" / "run" / "checkpoint").glob("iter_*-hf"))
     assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
+    # The exported tokenizer carries the training template as its chat template.
+    from swift_mcore.data.templates import Template
+    from swift_mcore.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(hf))
+    conversation = [{"role": "user", "content": "Which planet does Ada live on?"},
+                    {"role": "assistant", "content": "Jupiter"}]
+    exported = Template("auto", tokenizer)
+    assert exported.name == "tokenizer"
+    for got, want in zip(exported.encode(conversation),
+                         Template("plain", tokenizer).encode(conversation)):
+        assert got.tolist() == want.tolist()

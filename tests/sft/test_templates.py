@@ -2,8 +2,10 @@
 tokenizer's own chat template; prompts, answer markers, and the errors of unusable templates.
 
 Expected ids are built here from literal text pieces (not from the template's own format
-strings), each piece tokenized on its own, so any change in rendering or in where an answer
-starts or ends fails a whole-array comparison.
+strings): the whole text tokenized at once, as Hugging Face tokenizes a rendered chat, and
+each token's turn found by decoding the ids one by one (a token that takes in answer text is
+the answer's). Any change in rendering or in where an answer starts or ends fails a
+whole-array comparison.
 """
 
 import numpy as np
@@ -67,13 +69,21 @@ def chat_tok():
 
 
 def expected(tokenizer, pieces):
-    """(ids, turns) from (text or EOD, turn) pieces, each tokenized alone."""
-    ids, turns = [], []
-    for text, turn in pieces:
-        piece = [tokenizer.eod] if text is EOD else tokenizer.encode(text)
-        assert piece, f"piece {text!r} encodes to nothing"
-        ids += piece
-        turns += [turn] * len(piece)
+    """(ids, turns) from (text or EOD, turn) pieces: the concatenated text tokenized whole;
+    a token's turn is the highest turn among the pieces its characters fall in."""
+    eod_text = tokenizer.decode([tokenizer.eod])
+    text, spans = "", []
+    for piece, turn in pieces:
+        piece = eod_text if piece is EOD else piece
+        spans.append((len(text), len(text) + len(piece), turn))
+        text += piece
+    ids = tokenizer.encode(text)
+    turns, start = [], 0
+    for k in range(len(ids)):
+        end = len(tokenizer.decode(ids[:k + 1]))
+        turns.append(max(t for s, e, t in spans if s < max(end, start + 1) and e > start))
+        start = end
+    assert tokenizer.decode(ids) == text
     return np.asarray(ids, np.int32), np.asarray(turns, np.int32)
 
 
@@ -237,8 +247,11 @@ def test_tokenizer_template_single_turn(chat_tok):
         ("User: What is 2+2?\nAssistant: ", CONTEXT), ("It is 4.<|endoftext|>\n", 0)]))
     assert ids[-2] == chat_tok.eod and turns[-2] == 0  # the template's eos_token is trained
     assert (ids == chat_tok.eod).sum() == 1  # and no second EOD is added after the newline
-    assert template.prompt(SINGLE[:1]) == ids[turns == CONTEXT].tolist()
-    assert chat_tok.decode(template.prompt(SINGLE[:1])).endswith("Assistant: ")
+    # The prompt is what HF tokenizes from the rendered generation prompt: this template's
+    # cue ends with a space, a token of its own there, while training merged it into " It".
+    prompt = template.prompt(SINGLE[:1])
+    assert prompt[:-1] == ids[turns == CONTEXT].tolist()
+    assert chat_tok.decode(prompt) == "User: What is 2+2?\nAssistant: "
 
 
 def test_tokenizer_template_multi_turn_with_system(chat_tok):
@@ -248,11 +261,11 @@ def test_tokenizer_template_multi_turn_with_system(chat_tok):
         ("Hello!<|endoftext|>\n", 0),
         ("User: Name a color.\nAssistant: ", CONTEXT),
         ("Blue.<|endoftext|>\n", 1)]))
-    # The prompt of a follow-up is tokenized as in training, piece by piece: the earlier
-    # answer keeps its trained tokens (the whole text would merge " Hello" differently).
+    # The prompt of a follow-up is tokenized as in training: the earlier answer keeps its
+    # trained tokens.
     ids, turns = template.encode(MULTI)
     prompt = template.prompt(MULTI[:-1])
-    assert prompt == ids[:np.flatnonzero(turns == 1)[0]].tolist()
+    assert prompt[:-1] == ids[:np.flatnonzero(turns == 1)[0]].tolist()  # but the cue's space
     assert chat_tok.decode(prompt).endswith("User: Name a color.\nAssistant: ")
     # A trailing user message (no answer) renders as context.
     ids, turns = template.encode(MULTI[:4])
@@ -261,6 +274,24 @@ def test_tokenizer_template_multi_turn_with_system(chat_tok):
         ("Hello!<|endoftext|>\n", 0), ("User: Name a color.\n", CONTEXT)])
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(turns, want_turns)
+
+
+def test_ids_are_what_hugging_face_tokenizes_from_the_rendered_chat(chat_tok):
+    """Training sees the ids a user's apply_chat_template + tokenizer gives at inference,
+    including tokens that straddle the cue and the answer (" It" after "Assistant:")."""
+    template = Template("tokenizer", chat_tok)
+    ids, turns = template.encode(MULTI)
+    hf_ids = chat_tok.hf(chat_tok.hf.apply_chat_template(MULTI, tokenize=False),
+                         add_special_tokens=False)["input_ids"]
+    assert ids.tolist() == hf_ids
+    at = np.flatnonzero(turns == 0)[0]
+    # the answer's first token carries the cue's space and is trained
+    assert chat_tok.decode([ids[at]]).startswith(" H") and turns[at - 1] == CONTEXT
+    assert chat_tok.decode(ids[:at]).endswith("Assistant:")
+    prompt = template.prompt(MULTI[:2])
+    assert prompt == chat_tok.hf(chat_tok.hf.apply_chat_template(
+        MULTI[:2], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False)["input_ids"]
 
 
 def test_tokenizer_template_default_system(chat_tok):
@@ -294,3 +325,27 @@ def test_template_that_rewrites_earlier_turns_is_refused(jinja):
     message = str(err.value)
     assert message.startswith("--template tokenizer: the chat template of test-chat-tokenizer")
     assert "rewrites earlier turns" in message and "--template chatml or plain" in message
+
+
+# ---- built-in templates exported as Hugging Face chat templates ---------------------------
+
+@pytest.mark.parametrize("name", ["plain", "chatml"])
+@pytest.mark.parametrize("system", [None, "You are terse."])
+def test_builtin_template_as_jinja_renders_what_training_saw(name, system):
+    from swift_mcore.data import default_tokenizer
+    from swift_mcore.data.templates import attach_chat_template
+
+    tokenizer = default_tokenizer()
+    assert attach_chat_template(tokenizer, {"template": name, "system": system}) == name
+    builtin, jinja = Template(name, tokenizer, system=system), Template("auto", tokenizer)
+    assert jinja.name == "tokenizer"
+    for messages in (SINGLE, MULTI, MULTI[1:]):
+        want_ids, want_turns = builtin.encode(messages)
+        ids, turns = jinja.encode(messages)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(turns, want_turns)
+        assert tokenizer.hf.apply_chat_template(messages, tokenize=False) == tokenizer.decode(ids)
+        assert jinja.prompt(messages[:-1]) == builtin.prompt(messages[:-1])
+    assert jinja.end_marker() == builtin.end_marker()
+    # A tokenizer with its own template keeps it.
+    assert attach_chat_template(tokenizer, {"template": "chatml"}) is None
