@@ -53,6 +53,7 @@ class LogWindow:
             metrics[key] = sum(values) / len(values) if values else None
         # Real input tokens (padding left out), as counted on the last pipeline stage.
         tokens = sum(s.get("tokens") or 0.0 for s in self.steps)
+        metrics["tokens"] = tokens
         metrics["tokens_per_s"] = tokens / seconds
         metrics["tflops"] = tokens * self.flops_per_token / seconds / self.world_size / 1e12
         self._reset()
