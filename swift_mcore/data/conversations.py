@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Sequence
 
 from ..arguments import ArgumentError
-from .sources import Source, open_source, unreadable
+from .sources import Source, read_batches
 
 Message = Dict[str, str]
 ROLES = ("system", "user", "assistant")
@@ -26,18 +26,10 @@ def read_conversations(sources: Sequence[Source], columns: Dict[str, str],
 
 
 def _rows(source: Source, flag: str) -> Iterator[Dict[str, Any]]:
-    try:
-        data = open_source(source, flag)
-        for batch in data.iter(batch_size=256):
-            names = list(batch)
-            for values in zip(*(batch[n] for n in names)):
-                yield dict(zip(names, values))
-    except ArgumentError:
-        raise
-    except StopIteration:  # raised inside datasets when a file has no record to infer from
-        raise ArgumentError(f"{flag} {source.path}: is empty (no rows)") from None
-    except Exception as err:  # datasets and pyarrow raise many types for unreadable input
-        raise unreadable(source, flag, err) from err
+    for batch in read_batches(source, flag, batch_size=256):
+        names = list(batch)
+        for values in zip(*(batch[n] for n in names)):
+            yield dict(zip(names, values))
 
 
 def to_messages(row: Dict[str, Any], where: str) -> List[Message]:

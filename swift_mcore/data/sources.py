@@ -11,7 +11,7 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from ..arguments import ArgumentError
 
@@ -114,7 +114,7 @@ def _open_saved(source: Source, flag: str):
     return data
 
 
-def open_source(source: Source, flag: str):
+def _open(source: Source, flag: str):
     """A `datasets` Dataset (saved folders: memory-mapped) or IterableDataset (files:
     streamed, so nothing is copied into the datasets cache)."""
     if source.kind == SAVED:
@@ -127,44 +127,48 @@ def open_source(source: Source, flag: str):
                                  split="train", streaming=True)
 
 
-def unreadable(source: Source, flag: str, err: Exception) -> ArgumentError:
+def _unreadable(source: Source, flag: str, err: Exception) -> ArgumentError:
     text = str(err).strip().splitlines()
     reason = f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__
     return ArgumentError(f"{flag} {source.path}: cannot be read as {source.describe()} "
                          f"({reason})")
 
 
-def iter_texts(source: Source, text_key: str, flag: str = "--input",
-               batch_size: int = 512) -> Iterator[List[Optional[str]]]:
-    """Batches of the ``text_key`` column of ``source``, in file order; None for a missing
-    value. Every problem is an ArgumentError naming the file."""
+def read_batches(source: Source, flag: str = "--input",
+                 batch_size: int = 512) -> Iterator[Dict[str, list]]:
+    """Batches of rows of ``source`` ({column: values}), in file order. A file that cannot
+    be read is an ArgumentError naming it (problems of the caller's own are not caught)."""
     try:
-        data = open_source(source, flag)
-        columns = data.column_names  # None for streamed json/csv/text until a row is read
-        if columns is not None and text_key not in columns:
-            raise _no_column(source, text_key, flag, columns)
-        rows = data.iter(batch_size=batch_size)
+        rows = _open(source, flag).iter(batch_size=batch_size)
         while True:
             try:
                 batch = next(rows)
             except StopIteration:
                 return
-            if text_key not in batch:
-                raise _no_column(source, text_key, flag, list(batch))
-            texts = batch[text_key]
-            for value in texts:
-                if value is not None and not isinstance(value, str):
-                    raise ArgumentError(
-                        f"{flag} {source.path}: column '{text_key}' holds "
-                        f"{type(value).__name__} values, not text; choose the text column "
-                        f"with --text_key")
-            yield texts
+            yield batch
     except ArgumentError:
         raise
     except StopIteration:  # raised inside datasets when a file has no record to infer from
         raise ArgumentError(f"{flag} {source.path}: is empty (no rows)") from None
     except Exception as err:  # datasets and pyarrow raise many types for unreadable input
-        raise unreadable(source, flag, err) from err
+        raise _unreadable(source, flag, err) from err
+
+
+def iter_texts(source: Source, text_key: str, flag: str = "--input",
+               batch_size: int = 512) -> Iterator[List[Optional[str]]]:
+    """Batches of the ``text_key`` column of ``source``, in file order; None for a missing
+    value. Every problem is an ArgumentError naming the file."""
+    for batch in read_batches(source, flag, batch_size):
+        if text_key not in batch:
+            raise _no_column(source, text_key, flag, list(batch))
+        texts = batch[text_key]
+        for value in texts:
+            if value is not None and not isinstance(value, str):
+                raise ArgumentError(
+                    f"{flag} {source.path}: column '{text_key}' holds "
+                    f"{type(value).__name__} values, not text; choose the text column "
+                    f"with --text_key")
+        yield texts
 
 
 def _no_column(source: Source, text_key: str, flag: str, columns) -> ArgumentError:
