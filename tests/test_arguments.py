@@ -139,3 +139,23 @@ def test_cli_reference_in_docs_is_current():
     docs = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
     assert docs.read_text() == render(), (
         "docs/cli.md is stale: python -m swift_mcore.arguments.reference > docs/cli.md")
+
+
+def test_num_train_epochs_resolves_train_iters_once_the_data_size_is_known():
+    args = PretrainArguments.from_flags(num_train_epochs=2.5, global_batch_size=16,
+                                        lr_warmup_iters=5)
+    args.validate()  # the schedule check waits for the length
+    assert args.resolve_train_iters(100) == 16  # ceil(2.5 * 100 / 16)
+    assert args.training.train_iters == 16
+    short = PretrainArguments.from_flags(num_train_epochs=0.1, global_batch_size=16,
+                                         lr_warmup_iters=5)
+    short.validate()
+    with pytest.raises(ArgumentError, match=r"--lr_warmup_iters \(5\) must be smaller than "
+                                            r"the decay length \(1,"):
+        short.resolve_train_iters(100)
+    with pytest.raises(ArgumentError, match="--num_train_epochs must be positive"):
+        PretrainArguments.from_flags(num_train_epochs=0).validate()
+    # Without epochs, --train_iters stands.
+    plain = PretrainArguments.from_flags(train_iters=7, lr_warmup_iters=1)
+    plain.validate()
+    assert plain.resolve_train_iters(100) == 7

@@ -64,6 +64,19 @@ def test_loss_is_the_token_mean_whatever_the_layout(tmp_path, conversations, pac
     assert all(r > 0 for r in rates)
 
 
+def test_pipeline_parallel_packed_rows_match_one_stage(tmp_path, conversations):
+    """PP=2 pads to --seq_length and gives every stage the packed mask: from the same
+    weights (a PP=1 checkpoint) it trains as PP=1 does."""
+    common = ["--packing", "--micro_batch_size", "2", "--global_batch_size", "4"]
+    sft(tmp_path / "base", conversations, *common, "--train_iters", "1")
+    load = ["--load", tmp_path / "base" / "checkpoint", "--finetune", "--train_iters", "2",
+            "--no_save"]
+    sft(tmp_path / "pp1", conversations, *common, *load)
+    sft(tmp_path / "pp2", conversations, *common, *load, "--pipeline_model_parallel_size",
+        "2", nproc=2)
+    assert_close(losses(tmp_path / "pp1"), losses(tmp_path / "pp2"))
+
+
 def test_resume_is_bit_exact(tmp_path, conversations):
     flags = ["--train_iters", "6", "--packing", "--num_workers", "1", "--log_sample_ids",
              "--micro_batch_size", "2", "--global_batch_size", "4", "--hidden_dropout", "0.1"]
