@@ -121,6 +121,32 @@ def torchrun_launch() -> Optional[TorchrunLaunch]:
         master_port=os.environ.get("MASTER_PORT", "29500"))
 
 
+def run_command(name: str, argv: List[str], parse, work, shutdown: bool = True) -> int:
+    """A one-process command (preprocess, export, infer): ``work(parse(argv))``. Bad input,
+    an ArgumentError or a CheckpointError, is one line on stderr and exit code 2."""
+    from .arguments import ArgumentError
+    from .checkpointing.errors import CheckpointError
+
+    try:
+        args = parse(argv)
+    except ArgumentError as err:
+        print(f"swift-mcore {name}: error: {err}", file=sys.stderr)
+        return 2
+    from ._quiet import quiet_third_party
+
+    quiet_third_party()
+    try:
+        work(args)
+    except (ArgumentError, CheckpointError) as err:
+        print(f"swift-mcore {name}: error: {err}", file=sys.stderr)
+        return 2
+    if shutdown:
+        from .runtime import distributed
+
+        distributed.shutdown()
+    return 0
+
+
 def _lazy(module: str):
     """A command's main(argv), imported only when that command runs (imports cost seconds)."""
 

@@ -67,22 +67,6 @@ def run(args: InferArguments) -> str:
 
 
 def main(argv: List[str]) -> int:
-    from .arguments import ArgumentError
-    from .checkpointing import CheckpointError
+    from .cli import run_command
 
-    try:
-        args = parse(argv)
-    except ArgumentError as err:
-        print(f"swift-mcore infer: error: {err}", file=sys.stderr)
-        return 2
-    from ._quiet import quiet_third_party
-    from .runtime import distributed
-
-    quiet_third_party()
-    try:
-        run(args)
-    except (ArgumentError, CheckpointError) as err:
-        print(f"swift-mcore infer: error: {err}", file=sys.stderr)
-        return 2
-    distributed.shutdown()
-    return 0
+    return run_command("infer", argv, parse, run)

@@ -159,24 +159,18 @@ def format_summary(s: dict) -> str:
 
 
 def main(argv: List[str]) -> int:
-    try:
-        args = parse(argv)
-    except ArgumentError as err:
-        print(f"swift-mcore preprocess: error: {err}", file=sys.stderr)
-        return 2
-    from ._quiet import quiet_third_party
+    from .cli import run_command
 
-    quiet_third_party()
+    return run_command("preprocess", argv, parse, _preprocess_and_report, shutdown=False)
+
+
+def _preprocess_and_report(args) -> None:
     try:
         summary = preprocess(args)
-    except ArgumentError as err:
-        print(f"swift-mcore preprocess: error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("swift-mcore preprocess: interrupted; nothing was written", file=sys.stderr)
-        return 130
+        raise SystemExit(130) from None
     print(format_summary(summary), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
-"""Command line and YAML -> PretrainArguments: a YAML file first, then flags override it."""
+"""Command line and YAML -> PretrainArguments or SftArguments: YAML first, flags override it."""
 
 from __future__ import annotations
 
 import argparse
-import typing
 from dataclasses import MISSING, Field, fields
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import yaml
 

@@ -46,7 +46,6 @@ class LogWindow:
 
     def flush(self) -> Dict[str, float]:
         seconds = max(time.perf_counter() - self.start, 1e-9)
-        n = len(self.steps)
         metrics = {"lr": self.steps[-1]["lr"], "skipped": sum(s["skipped"] for s in self.steps)}
         for key in ("loss", "grad_norm"):
             values = [s[key] for s in self.steps if s.get(key) is not None]
