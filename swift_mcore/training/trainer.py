@@ -57,7 +57,7 @@ class Trainer:
         self.finish(exit_reason)
         return state
 
-    # ---- setup (DESIGN.md's order: model, ddp, optimizer, checkpoint, then data) ---------
+    # ---- setup (DESIGN.md: model, ddp, optimizer, checkpoint, then the data iterators) ----
     def setup(self) -> None:
         from .. import data
         from ..models.gpt import build_model, count_parameters
