@@ -13,6 +13,7 @@ the model and the optimizer. No checksums, no atomic rename, no sharding: the fl
 a save and a load can cost here.
 
   python benchmarks/checkpoint_io.py                        # ~1 GB checkpoint
+  python benchmarks/checkpoint_io.py --repeats 1 --profile  # where a save's time goes
   python benchmarks/checkpoint_io.py --tiny --repeats 1     # smoke test
 """
 
@@ -90,11 +91,31 @@ def torch_load(trainer, path):
     return {"total_s": end - start, "torch_load_s": read - start, "apply_s": end - read}
 
 
+def profile_saves(trainer, path, plain):
+    """Where a save's time goes: cumulative time of the top functions, swift-mcore's save
+    then torch.save, to stderr."""
+    import cProfile
+    import pstats
+
+    shutil.rmtree(path)
+    os.remove(plain)
+    for label, call in (("save_checkpoint", trainer.save_checkpoint),
+                        ("torch_save", lambda: torch_save(trainer, plain))):
+        trainer._last_saved_iteration = None
+        profiler = cProfile.Profile()
+        profiler.runcall(call)
+        print(f"---- {label}", file=sys.stderr)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--dir", help="where to write (default: a temporary folder)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile one more save and one torch.save; top functions to "
+                             "stderr")
     opts = parser.parse_args()
 
     from swift_mcore.arguments import PretrainArguments
@@ -120,7 +141,15 @@ def main():
         trainer.state.consumed_train_samples = flags["global_batch_size"]
         saves, loads, plain_saves, plain_loads = [], [], [], []
         plain = os.path.join(workdir, "plain.pt")
+        path = None
         for _ in range(opts.repeats):  # alternating with the baseline
+            # Each save writes the same iteration again: remove the last one first (untimed),
+            # as a run's save writes a new folder (and the baseline a new file) rather than
+            # replacing and deleting a 1 GB one.
+            if path:
+                shutil.rmtree(path)
+            if os.path.exists(plain):
+                os.remove(plain)
             clock.take()
             start = time.perf_counter()
             path = trainer.save_checkpoint()
@@ -129,6 +158,8 @@ def main():
             saves.append({"total_s": total, **clock.take()})
             plain_saves.append(torch_save(trainer, plain))
         size = folder_bytes(path)
+        if opts.profile:
+            profile_saves(trainer, path, plain)
         for _ in range(opts.repeats):
             resumed = Trainer(PretrainArguments.from_flags(**flags, resume="auto"))
             timings = {}

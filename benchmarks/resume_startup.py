@@ -11,21 +11,25 @@ The peer (benchmarks/hf_peer.py: the equivalent LlamaForCausalLM, same rows, sam
 and global batch) resumes from a checkpoint at global step C / GBS through
 ``Trainer.train(resume_from_checkpoint=...)`` with ``ignore_data_skip=False`` (the default,
 the exact-resume path): it skips whole epochs for free, then walks ``skip_first_batches``
-(accelerate's SkipBatchSampler) over the batches already seen in the current epoch. Two
-datasets, both the rows of swift-mcore's training split:
+(accelerate's SkipBatchSampler) over the batches already seen in the current epoch. Three
+datasets, all the rows of swift-mcore's training split:
 
 * ``hf_same_data``: those rows as they are (the embedded corpus: ~6.7k samples per epoch,
   so 10^7 samples is epoch ~1490 and at most one epoch is skipped);
 * ``hf_one_epoch``: the same rows repeated to one epoch longer than C, the case of a
-  pretraining corpus that is not yet through its first epoch.
+  pretraining corpus that is not yet through its first epoch;
+* ``hf_streaming``: that one epoch as an IterableDataset (a streamed corpus), where
+  skipping means reading every sample before C.
 
 Every run is timed from its first line (interpreter start-up is not counted, for either):
-imports, set-up, the first batch and the first step. --hf_cap C skips HF runs above C
-(the skipping is linear in C, see the README for the slope).
+imports, set-up, the first batch and the first step. Streaming runs above
+--hf_streaming_cap samples are not run but extrapolated (the skipping is linear in C:
+seconds per sample of the largest run). --hf_variants picks the HF datasets.
 
   python benchmarks/resume_startup.py                      # default model, 0, 1e5, 1e7
   python benchmarks/resume_startup.py --no_hf              # swift-mcore only
-  python benchmarks/resume_startup.py --tiny --repeats 1   # smoke test
+  python benchmarks/resume_startup.py --tiny --repeats 1 --consumed 400 \\
+      --hf_variants hf_streaming                           # smoke test
 """
 
 import argparse
@@ -199,7 +203,7 @@ def make_hf_checkpoints(opts, workdir, flags, counts):
             "variant": "hf_same_data", "consumed": 0, "out": os.path.join(workdir, "hf_make")}
     run_child("hf_make", base)
     specs = {}
-    for variant in HF_VARIANTS:
+    for variant in opts.hf_variants:
         for consumed in hf_counts(variant, counts, opts.hf_streaming_cap):
             step = consumed // gbs
             out = os.path.join(workdir, f"{variant}_{consumed}")
@@ -257,6 +261,8 @@ def main():
     parser.add_argument("--no_hf", action="store_true", help="skip the HF Trainer peer")
     parser.add_argument("--hf_streaming_cap", type=int, default=10**6,
                         help="streaming HF runs above this many samples are extrapolated")
+    parser.add_argument("--hf_variants", nargs="+", default=list(HF_VARIANTS),
+                        choices=HF_VARIANTS, help="the HF datasets to resume on")
     for mode in ("make", "resume", "hf_make", "hf_resume"):
         parser.add_argument(f"--{mode}", help=argparse.SUPPRESS)
     opts = parser.parse_args()
