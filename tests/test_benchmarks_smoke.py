@@ -76,3 +76,8 @@ def test_profile_step_smoke():
     assert [r["contender"] for r in results] == ["megatron-local", "hf-sdpa"]
     for r in results:
         assert r["micro_step_s"] > 0 and r["by_kind_s"]["matmul"] > 0 and r["top_ops"]
+
+
+def test_kill_resume_smoke():
+    result = run_script("benchmarks/kill_resume.py", "--trials", "2", "--iters", "6")
+    assert result["trials"] == 2 and result["ok"], result["problems"]
