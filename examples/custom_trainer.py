@@ -11,6 +11,7 @@ import torch
 
 from swift_mcore import PretrainArguments, Trainer
 from swift_mcore.arguments import build_parser
+from swift_mcore.runtime.distributed import exit_process
 
 DEFAULTS = dict(
     num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
@@ -46,6 +47,7 @@ def main():
     args = PretrainArguments.from_flags(**{**DEFAULTS, **given})
     state = LabelSmoothingTrainer(args).train()
     print(f"custom trainer finished at iteration {state.iteration}")
+    exit_process(0)  # shuts the process groups down and ends without gloo's teardown
 
 
 if __name__ == "__main__":  # dist_checkpointing's writer processes re-import this file

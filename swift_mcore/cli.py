@@ -174,13 +174,8 @@ COMMANDS = {
 
 
 def entry_point() -> None:
-    """Console script: flush and leave without running interpreter teardown.
-
-    gloo's worker threads occasionally abort the process ("terminate called without an
-    active exception") while C++ statics are destroyed after destroy_process_group has
-    returned (DESIGN.md). By then every output is written and flushed, so the process ends
-    deliberately with its real exit code instead.
-    """
+    """Console script: flush and leave without running interpreter teardown (commands shut
+    their process groups down themselves; see runtime.distributed.exit_process)."""
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

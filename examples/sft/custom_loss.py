@@ -14,6 +14,7 @@ import torch
 
 from swift_mcore import SftArguments, Trainer
 from swift_mcore.arguments import build_parser
+from swift_mcore.runtime.distributed import exit_process
 
 
 class LabelSmoothingSftTrainer(Trainer):
@@ -43,6 +44,7 @@ def main():
     LabelSmoothingSftTrainer.smoothing = opts.smoothing
     state = LabelSmoothingSftTrainer(SftArguments.from_flags(**given)).train()
     print(f"custom sft trainer finished at iteration {state.iteration}")
+    exit_process(0)  # shuts the process groups down and ends without gloo's teardown
 
 
 if __name__ == "__main__":

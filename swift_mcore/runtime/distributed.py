@@ -52,6 +52,24 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def exit_process(code: int = 0) -> None:
+    """Ends a script that trained: process groups shut down, output flushed, then the
+    process leaves without interpreter teardown.
+
+    gloo's worker threads occasionally abort the process ("terminate called without an
+    active exception") while C++ statics are destroyed at exit, after every output is
+    written (DESIGN.md). Ending deliberately keeps the real exit code. The CLI ends this
+    way; a script on the Python API should too (examples/custom_trainer.py).
+    """
+    import os
+    import sys
+
+    shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
