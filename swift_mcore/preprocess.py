@@ -6,10 +6,10 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import List, Optional
 
-from .arguments.fields import ArgumentError, coerce, flag
+from .arguments.fields import ArgumentError, check_flags, flag
 
 DESCRIPTION = """Tokenize text into megatron's .bin/.idx format (the files `swift-mcore pt
 --data_path PREFIX` and Megatron-LM read). One document per row (per line of a .txt file);
@@ -38,8 +38,7 @@ class PreprocessArguments:
 
     def validate(self) -> "PreprocessArguments":
         """Check every flag; raises ArgumentError naming it. Fills the defaults."""
-        for f in fields(self):
-            setattr(self, f.name, coerce(f, getattr(self, f.name)))
+        check_flags(self)
         if not self.input:
             raise ArgumentError("--input is required: files, folders or glob patterns")
         if not self.output_prefix or not str(self.output_prefix).strip():

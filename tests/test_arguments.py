@@ -159,3 +159,17 @@ def test_num_train_epochs_resolves_train_iters_once_the_data_size_is_known():
     plain = PretrainArguments.from_flags(train_iters=7, lr_warmup_iters=1)
     plain.validate()
     assert plain.resolve_train_iters(100) == 7
+
+
+def test_infer_and_export_check_their_choices():
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.arguments.infer import InferArguments
+
+    with pytest.raises(ArgumentError, match="--template must be one of auto, tokenizer, "
+                                            "chatml, plain; got 'nope'"):
+        InferArguments(model="m", prompt="hi", template="nope").validate()
+    with pytest.raises(ArgumentError, match="--dtype must be one of float32, bfloat16, "
+                                            "float16; got 'int8'"):
+        ExportArguments(model="m", to_hf=True, output_dir="o", dtype="int8").validate()
+    with pytest.raises(ArgumentError, match="--system needs --template"):
+        InferArguments(model=".", prompt="hi", system="be brief").validate()

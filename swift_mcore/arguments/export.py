@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
-from .fields import ArgumentError, coerce, flag
+from .fields import ArgumentError, check_flags, flag
 
 
 @dataclass
@@ -39,13 +39,7 @@ class ExportArguments:
         from ..models.hf_folder import HFFolder, is_hf_folder
         from ..models.hf_save import parse_size
 
-        for f in fields(self):
-            setattr(self, f.name, coerce(f, getattr(self, f.name)))
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if choices and value is not None and value not in choices:
-                raise ArgumentError(f"--{f.name} must be one of {', '.join(choices)}; got "
-                                    f"{value!r}")
+        check_flags(self)
         if self.to_hf == self.to_mcore:
             raise ArgumentError("give exactly one of --to_hf (checkpoint -> Hugging Face) and "
                                 "--to_mcore (Hugging Face -> checkpoint)")

@@ -66,6 +66,20 @@ def coerce(f: Field, value: Any) -> Any:
     return _coerce_one(f.name, kind, value)
 
 
+def check_flags(group) -> None:
+    """Converts every field of a flag dataclass to its type, in place, and checks the values
+    of fields declared with choices. Raises ArgumentError naming the flag."""
+    from dataclasses import fields
+
+    for f in fields(group):
+        value = coerce(f, getattr(group, f.name))
+        setattr(group, f.name, value)
+        choices = f.metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            raise ArgumentError(
+                f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
 def _coerce_one(name: str, kind, value):
     if kind is bool:
         return _to_bool(name, value)

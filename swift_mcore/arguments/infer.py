@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
-from .fields import ArgumentError, coerce, flag
+from .fields import ArgumentError, check_flags, flag
 
 
 @dataclass
@@ -33,13 +33,7 @@ class InferArguments:
 
     def validate(self) -> "InferArguments":
         """Check every flag before any model is built; raises ArgumentError naming it."""
-        for f in fields(self):
-            setattr(self, f.name, coerce(f, getattr(self, f.name)))
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if choices and value is not None and value not in choices:
-                raise ArgumentError(f"--{f.name} must be one of {', '.join(choices)}; got "
-                                    f"{value!r}")
+        check_flags(self)
         if not self.model:
             raise ArgumentError("--model is required: a Hugging Face folder or a swift-mcore "
                                 "checkpoint")

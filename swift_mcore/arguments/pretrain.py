@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Dict, Optional, Set
 
 from .checkpoint import CheckpointArguments
 from .data import DataArguments
-from .fields import ArgumentError, coerce
+from .fields import ArgumentError, check_flags, coerce
 from .logging import LoggingArguments
 from .model import ModelArguments
 from .parallel import ParallelArguments
@@ -96,8 +96,7 @@ class PretrainArguments:
         m, t, p, c, lg = self.model, self.training, self.parallel, self.checkpoint, self.logging
 
         for name in self.GROUPS:
-            _check_types(getattr(self, name))
-            _check_choices(getattr(self, name))
+            check_flags(getattr(self, name))
 
         # --model's config.json (or --model_type) sets the model flags before they are checked.
         from ..models.families import apply_hf_config
@@ -359,18 +358,3 @@ def _non_negative(group, name):
     value = getattr(group, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ArgumentError(f"--{name} must be a non-negative number, got {value!r}")
-
-
-def _check_choices(group):
-    for f in fields(group):
-        choices = f.metadata.get("choices")
-        value = getattr(group, f.name)
-        if choices and value is not None and value not in choices:
-            raise ArgumentError(
-                f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
-
-
-def _check_types(group):
-    for f in fields(group):
-        value = getattr(group, f.name)
-        setattr(group, f.name, coerce(f, value))
