@@ -1,15 +1,22 @@
 """A custom trainer on the Python API: label-smoothed loss, without copying the loop.
 
-Run:  python examples/custom_trainer.py                    (one process)
+Run:  python examples/custom_trainer.py                    (pretraining, one process)
       torchrun --nproc_per_node 2 examples/custom_trainer.py
       python examples/custom_trainer.py --train_iters 10    (any `swift-mcore pt` flag)
+      python examples/custom_trainer.py sft --dataset train.jsonl   (finetuning: any
+                                                    `swift-mcore sft` flag; answers only)
+      python examples/custom_trainer.py --smoothing 0 ...   (the plain loss)
+
+The loss mask (for sft: the answer tokens) and the exact token average over the global
+batch stay the base class's: compute_loss returns sums, megatron divides by the count.
 """
 
+import argparse
 import sys
 
 import torch
 
-from swift_mcore import PretrainArguments, Trainer
+from swift_mcore import PretrainArguments, SftArguments, Trainer
 from swift_mcore.arguments import build_parser
 from swift_mcore.runtime.distributed import exit_process
 
@@ -28,8 +35,9 @@ class LabelSmoothingTrainer(Trainer):
         batch = self.get_batch(data_iterator)
         # Without labels megatron's GPTModel returns logits [batch, seq, vocab] (this
         # rank's vocabulary shard under tensor parallelism: keep TP=1 for this loss).
+        # attention_mask: set for packed sft rows (keeps their conversations apart).
         logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=None)
+                       attention_mask=batch.get("attention_mask"))
         return logits, lambda output: self.compute_loss(batch, output)
 
     def compute_loss(self, batch, output_tensor):
@@ -42,10 +50,17 @@ class LabelSmoothingTrainer(Trainer):
 
 
 def main():
-    given = vars(build_parser("custom_trainer.py").parse_args(sys.argv[1:]))  # only flags given
+    argv = sys.argv[1:]
+    cls = PretrainArguments
+    if argv[:1] == ["sft"]:
+        cls, argv = SftArguments, argv[1:]
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--smoothing", type=float, default=LabelSmoothingTrainer.smoothing)
+    opts, argv = own.parse_known_args(argv)
+    given = vars(build_parser("custom_trainer.py", cls=cls).parse_args(argv))  # flags given
     given.pop("config", None)
-    args = PretrainArguments.from_flags(**{**DEFAULTS, **given})
-    state = LabelSmoothingTrainer(args).train()
+    LabelSmoothingTrainer.smoothing = opts.smoothing
+    state = LabelSmoothingTrainer(cls.from_flags(**{**DEFAULTS, **given})).train()
     print(f"custom trainer finished at iteration {state.iteration}")
     exit_process(0)  # shuts the process groups down and ends without gloo's teardown
 

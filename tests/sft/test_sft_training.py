@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from run_helpers import ROOT, _free_port, losses, run_sft, train_records
+from run_helpers import ROOT, TINY, _free_port, losses, run_sft, train_records
 
 WORDS = ("alpha beta gamma delta river stone cloud paper orange silver seven north winter "
          "garden quiet simple").split()
@@ -109,17 +109,14 @@ def test_num_train_epochs_sets_the_length(tmp_path, conversations):
 
 def test_custom_trainer_overrides_the_loss(tmp_path, conversations):
     def custom(out, smoothing):
-        cmd = [sys.executable, "examples/sft/custom_loss.py", "--smoothing", str(smoothing),
-               "--dataset", str(conversations), "--seq_length", "192", "--template", "plain",
-               "--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-               "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size",
-               "8", "--lr", "1e-3", "--min_lr", "1e-3", "--lr_decay_style", "constant",
-               "--train_iters", "2", "--no_save", "--log_interval", "1", "--progress_bar",
-               "false", "--tensorboard", "false", "--num_workers", "0", "--output_dir",
+        # The same flags as sft() below: TINY, this data, plain template.
+        cmd = [sys.executable, "examples/custom_trainer.py", "sft", "--smoothing",
+               str(smoothing), *TINY, "--dataset", str(conversations), "--seq_length", "192",
+               "--template", "plain", "--train_iters", "2", "--no_save", "--output_dir",
                str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "custom sft trainer finished at iteration 2" in proc.stdout
+        assert "custom trainer finished at iteration 2" in proc.stdout
         return losses(out)
 
     sft(tmp_path / "plain", conversations, "--train_iters", "2", "--no_save")
