@@ -212,7 +212,7 @@ def build_sft_datasets(args, tokenizer, log: Callable[[str], None] = print):
                                            "split_dataset_ratio")},
         "template": template.name,
         # the Jinja text decides the tokens; the tokenizer's fingerprint covers its vocabulary
-        "chat_template": tokenizer.hf.chat_template if template.name == "tokenizer" else None,
+        "chat_template": tokenizer.chat_template if template.name == "tokenizer" else None,
     }
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod

@@ -22,7 +22,8 @@ import numpy as np
 from ..arguments import ArgumentError
 
 CONTEXT = -1  # turn index of a context token
-Piece = Tuple[str, int]  # (text, CONTEXT or the assistant turn it answers)
+# (text, CONTEXT or the assistant turn it answers); text None: the end-of-document token
+Piece = Tuple[Optional[str], int]
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def attach_chat_template(tokenizer, sft_flags: Optional[dict]) -> Optional[str]:
     """Gives the tokenizer of a run finetuned with a built-in template that template as its
     Hugging Face chat template (export writes it to tokenizer_config.json). Returns the
     template's name, or None when there is nothing to attach."""
-    if not sft_flags or getattr(tokenizer.hf, "chat_template", None):
+    if not sft_flags or tokenizer.chat_template:
         return None
     name = sft_flags.get("template", "auto")
     if name == "auto":
@@ -126,7 +127,7 @@ class Template:
     def __init__(self, name: str, tokenizer, system: Optional[str] = None):
         self.tokenizer = tokenizer
         self.default_system = system
-        has_own = bool(getattr(getattr(tokenizer, "_hf", None), "chat_template", None))
+        has_own = bool(tokenizer.chat_template)
         if name == "auto":
             name = "tokenizer" if has_own else "chatml" if has_chatml_tokens(
                 tokenizer) else "plain"

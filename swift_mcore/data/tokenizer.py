@@ -81,6 +81,12 @@ class Tokenizer(MegatronTokenizerBase):
 
     # ---- ours -------------------------------------------------------------------------
     @property
+    def chat_template(self):
+        """The Hugging Face chat template (Jinja text), or None; a bare tokenizer.json has
+        none."""
+        return getattr(self._hf, "chat_template", None)
+
+    @property
     def hf(self):
         """The Hugging Face tokenizer (built on first use: importing transformers costs ~2 s)."""
         if self._hf is None:
