@@ -46,8 +46,9 @@ def run_sft(argv: List[str]) -> int:
 
 def run_training(argv: List[str], cls) -> int:
     """pt and sft: the same Trainer; the arguments class decides the data."""
-    from .arguments import ArgumentError, parse_args
-    from .checkpointing import CheckpointError
+    from .errors import ArgumentError
+    from .arguments import parse_args
+    from .errors import CheckpointError
 
     prog = f"swift-mcore {cls.COMMAND}"
     launch = torchrun_launch()
@@ -124,8 +125,7 @@ def torchrun_launch() -> Optional[TorchrunLaunch]:
 def run_command(name: str, argv: List[str], parse, work, shutdown: bool = True) -> int:
     """A one-process command (preprocess, export, infer): ``work(parse(argv))``. Bad input,
     an ArgumentError or a CheckpointError, is one line on stderr and exit code 2."""
-    from .arguments import ArgumentError
-    from .checkpointing.errors import CheckpointError
+    from .errors import ArgumentError, CheckpointError
 
     try:
         args = parse(argv)

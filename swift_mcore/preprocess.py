@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .arguments.fields import ArgumentError, check_flags, flag
+from .errors import ArgumentError
+from .arguments.fields import check_flags, flag
 
 DESCRIPTION = """Tokenize text into megatron's .bin/.idx format (the files `swift-mcore pt
 --data_path PREFIX` and Megatron-LM read). One document per row (per line of a .txt file);

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from swift_mcore.arguments import ArgumentError, PretrainArguments, parse_args
+from swift_mcore.errors import ArgumentError
+from swift_mcore.arguments import PretrainArguments, parse_args
 from swift_mcore.arguments.parser import all_flags, build_parser
 from swift_mcore.arguments.pretrain import flag_owners
 

@@ -131,7 +131,8 @@ def test_training_run_matches_local(tmp_path):
 
 
 def test_flag_is_validated():
-    from swift_mcore.arguments import ArgumentError, PretrainArguments
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.arguments import PretrainArguments
 
     assert PretrainArguments().model.attention_backend == "local"
     with pytest.raises(ArgumentError, match="--attention_backend must be one of local, sdpa"):

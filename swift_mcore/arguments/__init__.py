@@ -2,7 +2,6 @@
 
 from .checkpoint import CheckpointArguments
 from .data import DataArguments
-from .fields import ArgumentError
 from .logging import LoggingArguments
 from .model import ModelArguments
 from .parallel import ParallelArguments
@@ -12,7 +11,7 @@ from .sft import SftArguments, SftDataArguments
 from .training import TrainingArguments
 
 __all__ = [
-    "ArgumentError", "CheckpointArguments", "DataArguments", "Derived", "LoggingArguments",
+    "CheckpointArguments", "DataArguments", "Derived", "LoggingArguments",
     "ModelArguments", "ParallelArguments", "PretrainArguments", "SftArguments",
     "SftDataArguments", "TrainingArguments",
     "build_parser", "padded_vocab_size", "parse_args",

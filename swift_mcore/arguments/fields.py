@@ -7,6 +7,8 @@ import typing
 from dataclasses import Field
 from typing import Any, List, Sequence
 
+from ..errors import ArgumentError
+
 
 def flag(default: Any, help: str, choices: Sequence[Any] | None = None, **kwargs) -> Any:
     """A dataclass field that is also a command-line flag of the same name."""
@@ -16,10 +18,6 @@ def flag(default: Any, help: str, choices: Sequence[Any] | None = None, **kwargs
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
     return field(default=default, metadata=metadata, **kwargs)
-
-
-class ArgumentError(ValueError):
-    """Bad input from the user, reported before any work starts."""
 
 
 _TRUE = {"true", "1", "yes", "on"}

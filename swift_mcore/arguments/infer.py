@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .fields import ArgumentError, check_flags, flag
+from ..errors import ArgumentError
+from .fields import check_flags, flag
 
 
 @dataclass

@@ -8,7 +8,8 @@ from typing import List, Optional, Sequence
 
 import yaml
 
-from .fields import ArgumentError, base_type
+from ..errors import ArgumentError
+from .fields import base_type
 from .pretrain import PretrainArguments, flag_default
 
 

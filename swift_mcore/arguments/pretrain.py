@@ -10,7 +10,8 @@ from typing import Any, ClassVar, Dict, Optional, Set
 
 from .checkpoint import CheckpointArguments
 from .data import DataArguments
-from .fields import ArgumentError, check_flags, coerce
+from ..errors import ArgumentError
+from .fields import check_flags, coerce
 from .logging import LoggingArguments
 from .model import ModelArguments
 from .parallel import ParallelArguments
@@ -279,7 +280,7 @@ class PretrainArguments:
     def validate_command(self, cuda: bool) -> None:
         """The command's own checks. pt's: named inputs exist, blends parse, .bin/.idx pairs
         are whole (headers and sizes only), so bad data stops here, before the model is built."""
-        from ..data.datasets import check_data_arguments
+        from ..data.gpt_datasets import check_data_arguments
 
         check_data_arguments(self.data)
 

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .fields import ArgumentError, flag
+from ..errors import ArgumentError
+from .fields import flag
 from .pretrain import PretrainArguments
 
 TEMPLATES = ("auto", "tokenizer", "chatml", "plain")

@@ -8,7 +8,7 @@ Both are collective (call them on every rank). See docs/resume.md for what a che
 holds and what a resume guarantees.
 """
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .load import load_checkpoint
 from .save import save_checkpoint
 from .state import TrainState

@@ -37,7 +37,7 @@ def all_gather(obj: Any) -> List[Any]:
 def decide(fn, *args, **kwargs) -> Any:
     """Run ``fn`` on rank 0 and hand its result, or its CheckpointError, to every rank, so
     all ranks take the same decision and raise the same error together (no hang)."""
-    from .errors import CheckpointError
+    from ..errors import CheckpointError
 
     result, error = None, None
     if rank() == 0:
@@ -66,7 +66,7 @@ def attempt(fn, *args, **kwargs) -> str | None:
 
 def raise_if_any(error: str | None) -> None:
     """Raise a CheckpointError on every rank if any rank reports one."""
-    from .errors import CheckpointError
+    from ..errors import CheckpointError
 
     errors = [e for e in all_gather(error) if e]
     if errors:

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 TRAIN_STATE = "train_state.json"   # TrainState: iteration and sample counters
 ARGS = "args.json"                 # every flag of the run, grouped by concern

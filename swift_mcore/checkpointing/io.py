@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .safe_load import read_dcp_metadata, safe_common_strategy, safe_loading
 
 

@@ -8,7 +8,7 @@ import os
 from typing import Any, Callable, Dict, List, Tuple
 
 from . import comm, commit, compat, files, io, locate, rng
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .save import set_parent
 from .state import TrainState
 from .tracker import checkpoint_root

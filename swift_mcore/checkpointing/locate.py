@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 from .commit import (MANIFEST_FILENAME, check_complete, complete_checkpoints,
                      list_checkpoints, read_manifest)
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .tracker import TRACKER_FILENAME, iter_dir_name, parse_iter_dir, read_tracker
 
 Found = Tuple[Optional[str], List[str]]  # (checkpoint folder or None, warnings)

@@ -8,9 +8,9 @@ _EXPORTS = {
     "Tokenizer": "tokenizer", "build_tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
     "default_tokenizer": "tokenizer",
     "write_indexed": "indexed", "check_indexed": "indexed",
-    "default_corpus_prefix": "prepared", "raw_files_prefix": "prepared",
+    "default_corpus_prefix": "token_cache", "raw_files_prefix": "token_cache",
     "expand_inputs": "sources", "encode_sources": "encoding",
-    "build_datasets": "datasets", "parse_blend": "datasets", "dataset_fingerprint": "datasets",
+    "build_datasets": "gpt_datasets", "parse_blend": "gpt_datasets", "dataset_fingerprint": "gpt_datasets",
     "GlobalOrder": "sampler", "micro_batches": "sampler",
     "build_data_iterator": "loader",
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Sequence
 
-from ..arguments import ArgumentError
+from ..errors import ArgumentError
 from .sources import Source, read_batches
 
 Message = Dict[str, str]

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..arguments import ArgumentError
+from ..errors import ArgumentError
 from .indexed import IndexedWriter, token_dtype
 from .sources import Source, iter_texts, probe
 

@@ -14,7 +14,7 @@ from typing import Iterable, Optional, Tuple
 
 import numpy as np
 
-from ..arguments import ArgumentError
+from ..errors import ArgumentError
 from .cache import temp_name
 
 BATCH_DOCUMENTS = 256  # enough per encode_batch call to keep every core busy

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence
 
-from ..arguments import ArgumentError
+from ..errors import ArgumentError
 
 # suffix -> the `datasets` builder that reads it. A .txt file holds one document per line.
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv",

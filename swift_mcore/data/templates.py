@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..arguments import ArgumentError
+from ..errors import ArgumentError
 
 CONTEXT = -1  # turn index of a context token
 # (text, CONTEXT or the assistant turn it answers); text None: the end-of-document token

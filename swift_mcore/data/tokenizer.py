@@ -9,7 +9,7 @@ from typing import Any, Iterable, List, Optional, Sequence
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from ..arguments import ArgumentError
+from ..errors import ArgumentError
 from . import corpus
 from .cache import cache_dir, locked, write_atomic
 

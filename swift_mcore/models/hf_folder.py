@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any, Dict, Optional, Tuple
 
-from ..arguments.fields import ArgumentError
+from ..errors import ArgumentError
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

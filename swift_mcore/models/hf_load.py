@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from ..arguments.fields import ArgumentError
+from ..errors import ArgumentError
 from .convert import Layout, global_name, layer_offset
 from .hf_folder import IGNORABLE_SUFFIXES, HFFolder
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..arguments.fields import ArgumentError
+from ..errors import ArgumentError
 from .convert import Layout
 
 INDEX = "model.safetensors.index.json"

@@ -9,7 +9,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from ..arguments import ArgumentError, PretrainArguments
+from ..errors import ArgumentError
+from ..arguments import PretrainArguments
 from ..arguments.pretrain import flag_owners, padded_vocab_size
 from .hf_folder import is_hf_folder
 
@@ -82,7 +83,8 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log) -> LoadedModel:
 
 
 def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log) -> LoadedModel:
-    from ..checkpointing import CheckpointError, commit, files, io
+    from ..errors import CheckpointError
+    from ..checkpointing import commit, files, io
 
     folder = checkpoint_folder(path, flag)
     saved = files.read_json(folder, files.ARGS)

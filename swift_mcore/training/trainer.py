@@ -12,7 +12,8 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..arguments import ArgumentError, PretrainArguments, padded_vocab_size
+from ..errors import ArgumentError
+from ..arguments import PretrainArguments, padded_vocab_size
 from ..checkpointing.state import TrainState
 from ..runtime import distributed, seed
 from .metrics import LogWindow, flops_per_token
@@ -103,7 +104,7 @@ class Trainer:
         from .. import data
 
         if self.args.COMMAND == "sft":
-            from ..data.sft import build_sft_datasets
+            from ..data.sft_datasets import build_sft_datasets
 
             return build_sft_datasets(self.args, self.tokenizer, log=self.writer_print_early)
         return data.build_datasets(self.args, self.tokenizer)

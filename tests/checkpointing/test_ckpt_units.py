@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from swift_mcore.checkpointing import commit, compat, locate, rng, safe_load, tracker
-from swift_mcore.checkpointing.errors import CheckpointError
+from swift_mcore.errors import CheckpointError
 
 
 def make_sealed(root, iteration, parent_id=None, checkpoint_id=None, payload=b"weights"):
@@ -232,7 +232,8 @@ def test_metadata_unpickler_refuses_arbitrary_globals():
 
 # ---- flag validation --------------------------------------------------------------------
 def test_resume_and_load_flags_are_checked_before_any_work(tmp_path):
-    from swift_mcore.arguments import ArgumentError, PretrainArguments
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.arguments import PretrainArguments
 
     def validate(**flags):
         PretrainArguments.from_flags(**flags).validate(world_size=1, cuda=False)

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 import ckpt_harness as H
-from swift_mcore.arguments import ArgumentError, PretrainArguments
-from swift_mcore.checkpointing import CheckpointError, commit
+from swift_mcore.errors import ArgumentError
+from swift_mcore.arguments import PretrainArguments
+from swift_mcore.errors import CheckpointError
+from swift_mcore.checkpointing import commit
 from swift_mcore.checkpointing.tracker import TRACKER_FILENAME, write_tracker
 
 GBS = H.TINY["global_batch_size"]

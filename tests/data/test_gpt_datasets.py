@@ -6,8 +6,8 @@ import shutil
 import numpy as np
 import pytest
 
-from swift_mcore.arguments import ArgumentError
-from swift_mcore.data.datasets import (build_datasets, dataset_fingerprint, parse_blend,
+from swift_mcore.errors import ArgumentError
+from swift_mcore.data.gpt_datasets import (build_datasets, dataset_fingerprint, parse_blend,
                                        samples_per_split)
 
 from data_helpers import make_args

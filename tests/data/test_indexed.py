@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from swift_mcore.arguments import ArgumentError
-from swift_mcore.data import corpus, indexed, prepared, sources
+from swift_mcore.errors import ArgumentError
+from swift_mcore.data import corpus, indexed, token_cache, sources
 
 from data_helpers import make_documents
 
@@ -51,7 +51,7 @@ def test_nothing_to_write_is_an_error(tokenizer, tmp_path):
 
 def test_default_corpus_is_tokenized_once(tokenizer, fresh_cache, monkeypatch):
     start = time.perf_counter()
-    prefix = prepared.default_corpus_prefix(tokenizer)
+    prefix = token_cache.default_corpus_prefix(tokenizer)
     elapsed = time.perf_counter() - start
     assert elapsed < 30, f"tokenizing the embedded corpus took {elapsed:.1f}s"
     assert prefix.startswith(str(fresh_cache))
@@ -62,7 +62,7 @@ def test_default_corpus_is_tokenized_once(tokenizer, fresh_cache, monkeypatch):
         raise AssertionError("the cached corpus should have been used")
 
     monkeypatch.setattr(indexed, "write_indexed", no_write)
-    assert prepared.default_corpus_prefix(tokenizer) == prefix
+    assert token_cache.default_corpus_prefix(tokenizer) == prefix
     ds = IndexedDataset(prefix)
     first = next(d for d in corpus.iter_documents() if d)
     assert ds[0].tolist() == tokenizer.encode(first) + [tokenizer.eod]
@@ -88,10 +88,10 @@ def test_raw_files_every_format(tokenizer, tmp_path, fresh_cache):
     texts = [t for s in found for batch in sources.iter_texts(s, "text") for t in batch]
     assert texts == ["one", "two", "three", "four", "five, with comma", "six", "seven", "eight",
                      "nine", "ten"]
-    prefix = prepared.raw_files_prefix([str(tmp_path / "raw" / "*")], "text", tokenizer)
+    prefix = token_cache.raw_files_prefix([str(tmp_path / "raw" / "*")], "text", tokenizer)
     ds = IndexedDataset(prefix)
     assert [tokenizer.decode(ds[i][:-1]) for i in range(len(ds))] == texts
-    assert prepared.raw_files_prefix([str(tmp_path / "raw")], "text", tokenizer) == prefix
+    assert token_cache.raw_files_prefix([str(tmp_path / "raw")], "text", tokenizer) == prefix
 
 
 def test_raw_file_errors_name_the_flag(tokenizer, tmp_path, fresh_cache):
@@ -102,8 +102,8 @@ def test_raw_file_errors_name_the_flag(tokenizer, tmp_path, fresh_cache):
         sources.expand_inputs([str(tmp_path / "data.xml")], flag="--dataset")
     (tmp_path / "data.jsonl").write_text('{"content": "x"}\n')
     with pytest.raises(ArgumentError, match=r"data.jsonl: no 'text' column.*--text_key"):
-        prepared.raw_files_prefix([str(tmp_path / "data.jsonl")], "text", tokenizer)
-    assert prepared.raw_files_prefix([str(tmp_path / "data.jsonl")], "content", tokenizer)
+        token_cache.raw_files_prefix([str(tmp_path / "data.jsonl")], "text", tokenizer)
+    assert token_cache.raw_files_prefix([str(tmp_path / "data.jsonl")], "content", tokenizer)
     # Refused at argument validation, before any process group or model exists.
     from swift_mcore.arguments import PretrainArguments
 

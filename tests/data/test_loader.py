@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from swift_mcore.data.datasets import build_datasets
+from swift_mcore.data.gpt_datasets import build_datasets
 from swift_mcore.data.loader import build_data_iterator
 from swift_mcore.data.sampler import GlobalOrder
 

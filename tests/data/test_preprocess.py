@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from swift_mcore.arguments import ArgumentError
+from swift_mcore.errors import ArgumentError
 from swift_mcore.data import encoding, sources
 from swift_mcore.data.indexed import check_indexed, read_documents
 from swift_mcore.preprocess import PreprocessArguments, parse, preprocess

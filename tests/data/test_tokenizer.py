@@ -5,7 +5,8 @@ import multiprocessing
 
 import pytest
 
-from swift_mcore.arguments import ArgumentError, PretrainArguments
+from swift_mcore.errors import ArgumentError
+from swift_mcore.arguments import PretrainArguments
 from swift_mcore.data import tokenizer as tok_mod
 from swift_mcore.data.tokenizer import EOD_TOKEN, PAD_TOKEN, build_tokenizer, load_tokenizer
 

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from swift_mcore.data.datasets import build_datasets, dataset_fingerprint
+from swift_mcore.data.gpt_datasets import build_datasets, dataset_fingerprint
 from swift_mcore.data.loader import build_data_iterator
 
 from data_helpers import make_args

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from swift_mcore.arguments import ArgumentError, PretrainArguments, padded_vocab_size
+from swift_mcore.errors import ArgumentError
+from swift_mcore.arguments import PretrainArguments, padded_vocab_size
 from swift_mcore.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,8 @@ and which family a checkpoint trained from scratch exports as."""
 import pytest
 
 import hf_helpers as H
-from swift_mcore.arguments import ArgumentError, PretrainArguments
+from swift_mcore.errors import ArgumentError
+from swift_mcore.arguments import PretrainArguments
 from swift_mcore.models import families
 
 

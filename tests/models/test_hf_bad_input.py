@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 import hf_helpers as H
-from swift_mcore.arguments import ArgumentError, PretrainArguments
+from swift_mcore.errors import ArgumentError
+from swift_mcore.arguments import PretrainArguments
 
 
 def validate(**flags):

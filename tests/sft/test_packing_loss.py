@@ -27,7 +27,7 @@ def packed_row(lengths):
     """One SftDataset row holding conversations of these token counts (random ids, every
     token after the first few trained on), padded to SEQ by collate."""
     from swift_mcore.data.packing import pack
-    from swift_mcore.data.sft import SftDataset, _flat
+    from swift_mcore.data.sft_datasets import SftDataset, _flat
 
     g = np.random.default_rng(5)
     parts = []

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from swift_mcore.arguments import ArgumentError, SftArguments
+from swift_mcore.errors import ArgumentError
+from swift_mcore.arguments import SftArguments
 from swift_mcore.arguments.sft import column_map
 from swift_mcore.data.conversations import read_conversations, to_messages
 from swift_mcore.data.packing import block_causal_mask, pack
-from swift_mcore.data.sft import (EncodingReport, SftDataset, _flat, build_sft_datasets,
+from swift_mcore.data.sft_datasets import (EncodingReport, SftDataset, _flat, build_sft_datasets,
                                   encode_conversations, split)
 from swift_mcore.data.sources import expand_inputs
 from swift_mcore.data.templates import CONTEXT, Template

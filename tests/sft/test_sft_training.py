@@ -153,7 +153,7 @@ def test_tokens_count_real_tokens_not_padding(tmp_path, conversations):
     from swift_mcore.arguments import SftArguments
     from swift_mcore.data import default_tokenizer
     from swift_mcore.data.sampler import GlobalOrder
-    from swift_mcore.data.sft import build_sft_datasets
+    from swift_mcore.data.sft_datasets import build_sft_datasets
 
     sft(tmp_path / "run", conversations, "--train_iters", "2", "--no_save",
         "--log_sample_ids", "--micro_batch_size", "4", "--global_batch_size", "8")

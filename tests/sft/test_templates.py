@@ -11,7 +11,7 @@ whole-array comparison.
 import numpy as np
 import pytest
 
-from swift_mcore.arguments import ArgumentError
+from swift_mcore.errors import ArgumentError
 from swift_mcore.data.templates import CONTEXT, Template, has_chatml_tokens
 
 EOD = object()  # stands for the tokenizer's end-of-document token in a list of pieces

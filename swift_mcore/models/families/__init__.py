@@ -13,7 +13,7 @@ import logging
 import pkgutil
 from typing import Any, Dict, List, Optional
 
-from ...arguments.fields import ArgumentError
+from ...errors import ArgumentError
 from .base import Family, UnsupportedConfig
 
 logger = logging.getLogger("swift_mcore")

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..arguments import ArgumentError
+from ..errors import ArgumentError
 from .packing import pack
 from .templates import CONTEXT, Template
 

@@ -31,7 +31,7 @@ import os
 from functools import lru_cache
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from ..arguments import ArgumentError
+from ..errors import ArgumentError
 
 Blend = Tuple[List[str], Optional[List[float]]]
 
@@ -105,7 +105,7 @@ def check_data_arguments(data) -> None:
 
 def resolve_blend(args, tokenizer) -> Blend:
     """--data_path, else --dataset (tokenized once, cached), else the embedded corpus."""
-    from . import prepared
+    from . import token_cache
 
     data = args.data
     check_data_arguments(data)
@@ -113,8 +113,8 @@ def resolve_blend(args, tokenizer) -> Blend:
         prefixes, weights = parse_blend(data.data_path)
         return check_prefixes(prefixes), weights
     if data.dataset:
-        return [prepared.raw_files_prefix(data.dataset, data.text_key, tokenizer)], None
-    return [prepared.default_corpus_prefix(tokenizer)], None
+        return [token_cache.raw_files_prefix(data.dataset, data.text_key, tokenizer)], None
+    return [token_cache.default_corpus_prefix(tokenizer)], None
 
 
 def check_split(split: str) -> str:
@@ -308,7 +308,7 @@ def dataset_fingerprint(dataset_or_args, tokenizer=None) -> str:
     out on purpose: the resume check compares them itself and can then name the right flag.
     """
     if isinstance(getattr(dataset_or_args, "fingerprint", None), str):
-        return dataset_or_args.fingerprint  # a finetuning dataset (data/sft.py) knows its own
+        return dataset_or_args.fingerprint  # a finetuning dataset (data/sft_datasets.py) knows its own
     config = getattr(dataset_or_args, "config", None)
     if config is None and hasattr(dataset_or_args, "blend"):
         config = dataset_or_args

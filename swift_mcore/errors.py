@@ -1,0 +1,14 @@
+"""The errors swift-mcore reports to users: one line, exit code 2, no traceback (a leaf module).
+
+Every layer raises these; the CLI catches them. Nothing here imports anything of swift-mcore,
+so the arguments, the data and the checkpoint modules can all depend on it.
+"""
+
+
+class ArgumentError(ValueError):
+    """Bad input from the user (a flag, a file, a folder), reported before any work starts."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used as asked. The message names the path, what is wrong, and
+    the flag that changes the decision; nothing on disk has been modified."""
