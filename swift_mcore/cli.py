@@ -1,9 +1,9 @@
-"""`swift-mcore pt|sft ...`: parses flags (YAML first), validates, relaunches under torchrun."""
+"""`swift-mcore <command>`: the command table; pt and sft parse, resolve, then train (or
+relaunch under torchrun)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from typing import List, Optional
 
@@ -45,16 +45,18 @@ def run_sft(argv: List[str]) -> int:
 
 
 def run_training(argv: List[str], cls) -> int:
-    """pt and sft: the same Trainer; the arguments class decides the data."""
-    from .errors import ArgumentError
+    """pt and sft: the same Trainer; the arguments class decides the data. Under a launcher
+    (NPROC_PER_NODE...) this process checks the flags, then starts the ranks."""
     from .arguments import parse_args
-    from .errors import CheckpointError
+    from .errors import ArgumentError, CheckpointError
+    from .launch import torchrun_launch
+    from .run_config import resolve
 
     prog = f"swift-mcore {cls.COMMAND}"
     launch = torchrun_launch()
     try:
-        args = parse_args(argv, prog=prog, cls=cls)
-        args.validate(world_size=launch.world_size if launch else None)
+        config = resolve(parse_args(argv, prog=prog, cls=cls),
+                         world_size=launch.world_size if launch else None)
     except ArgumentError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
@@ -67,83 +69,11 @@ def run_training(argv: List[str], cls) -> int:
 
     quiet_third_party()
     try:
-        Trainer(args).train()
+        Trainer(config).train()
     except (ArgumentError, CheckpointError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     distributed.shutdown()
-    return 0
-
-
-class TorchrunLaunch:
-    """ms-swift's convention: NPROC_PER_NODE (and NNODES, NODE_RANK, MASTER_ADDR,
-    MASTER_PORT) in the environment means "run me under torchrun"."""
-
-    def __init__(self, nproc: int, nnodes: int, node_rank: int, master_addr: str,
-                 master_port: str):
-        self.nproc, self.nnodes, self.node_rank = nproc, nnodes, node_rank
-        self.master_addr, self.master_port = master_addr, master_port
-        self.world_size = nproc * nnodes
-
-    def command(self, subcommand_argv: List[str]) -> List[str]:
-        return [
-            sys.executable, "-m", "torch.distributed.run",
-            f"--nproc_per_node={self.nproc}", f"--nnodes={self.nnodes}",
-            f"--node_rank={self.node_rank}", f"--master_addr={self.master_addr}",
-            f"--master_port={self.master_port}",
-            "-m", "swift_mcore", *subcommand_argv,
-        ]
-
-    def run(self, subcommand_argv: List[str]) -> int:
-        env = dict(os.environ)
-        for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK"):
-            env.pop(name, None)  # the children are the ranks; they must not relaunch
-        return subprocess.call(self.command(subcommand_argv), env=env)
-
-
-def torchrun_launch() -> Optional[TorchrunLaunch]:
-    if "NPROC_PER_NODE" not in os.environ or "LOCAL_RANK" in os.environ:
-        return None
-
-    def env_int(name, default):
-        value = os.environ.get(name, default)
-        try:
-            number = int(value)
-        except ValueError:
-            number = 0
-        if number <= 0 and name != "NODE_RANK" or number < 0:
-            raise SystemExit(f"swift-mcore: error: {name}={value!r} must be a positive integer")
-        return number
-
-    return TorchrunLaunch(
-        nproc=env_int("NPROC_PER_NODE", "1"), nnodes=env_int("NNODES", "1"),
-        node_rank=env_int("NODE_RANK", "0"),
-        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=os.environ.get("MASTER_PORT", "29500"))
-
-
-def run_command(name: str, argv: List[str], parse, work, shutdown: bool = True) -> int:
-    """A one-process command (preprocess, export, infer): ``work(parse(argv))``. Bad input,
-    an ArgumentError or a CheckpointError, is one line on stderr and exit code 2."""
-    from .errors import ArgumentError, CheckpointError
-
-    try:
-        args = parse(argv)
-    except ArgumentError as err:
-        print(f"swift-mcore {name}: error: {err}", file=sys.stderr)
-        return 2
-    from ._quiet import quiet_third_party
-
-    quiet_third_party()
-    try:
-        work(args)
-    except (ArgumentError, CheckpointError) as err:
-        print(f"swift-mcore {name}: error: {err}", file=sys.stderr)
-        return 2
-    if shutdown:
-        from .runtime import distributed
-
-        distributed.shutdown()
     return 0
 
 

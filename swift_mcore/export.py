@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 
@@ -40,14 +38,14 @@ def run(args: ExportArguments, log: Callable[[str], None] = print) -> Dict[str, 
 def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     from .models.convert import Layout, canonical
     from .models.hf_save import DTYPES, parse_size, save_hf_folder
-    from .models.source import load_model
+    from .loaded_model import load_model
 
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
-    layout = Layout.from_model_args(loaded.args.model, loaded.padded_vocab)
+    layout = Layout.from_model_args(loaded.config.model, loaded.config.padded_vocab_size)
     state = {canonical(k): v for k, v in loaded.model.state_dict().items()
              if not k.endswith("_extra_state")}
     dtype = DTYPES[args.dtype] if args.dtype else _source_dtype(loaded)
-    result = save_hf_folder(args.output_dir, loaded.args.model, layout, state.__getitem__,
+    result = save_hf_folder(args.output_dir, loaded.config.model, layout, state.__getitem__,
                             loaded.tokenizer, dtype, base_folder=loaded.hf_folder,
                             max_shard_bytes=parse_size(args.max_shard_size))
     log(f"wrote {result['path']}: a {result['family']} model, {result['tensors']} tensors in "
@@ -60,15 +58,16 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
 
 def to_mcore(args: ExportArguments, log) -> Dict[str, object]:
     from .checkpointing import TrainState, save_checkpoint
-    from .models.source import load_model
+    from .loaded_model import load_model, with_flags
+    from .run_config import resolve
 
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
-    run_args = loaded.args
-    run_args.logging.output_dir = os.path.abspath(args.output_dir)
     # A weights-only checkpoint: no optimizer state, iteration 0.
-    run_args.checkpoint.no_save = False
-    run_args.checkpoint.no_save_optim = True
-    path = save_checkpoint(run_args, TrainState(), [loaded.model], None, None, None)
+    flags = with_flags(loaded.flags, output_dir=os.path.abspath(args.output_dir),
+                       no_save_optim=True)
+    config = resolve(flags, world_size=1).complete(
+        loaded.tokenizer.vocab_size, None, padded_vocab_size=loaded.config.padded_vocab_size)
+    path, _ = save_checkpoint(config, TrainState(), [loaded.model], None, None, None)
     log(f"wrote {path}: a swift-mcore checkpoint (weights only, iteration 0); train from it "
         f"with `swift-mcore pt --model {loaded.path} --load {path} --finetune`")
     result: Dict[str, object] = {"path": path}
@@ -83,13 +82,13 @@ def compare_logits(loaded, hf_path: str, log) -> float:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from .models.source import forward_logits
+    from .loaded_model import forward_logits
 
     hf_logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32,
                                               attn_implementation="eager").eval()
     generator = torch.Generator().manual_seed(0)
-    length = min(PRECISION_LENGTH, loaded.args.model.max_position_embeddings)
+    length = min(PRECISION_LENGTH, loaded.config.model.max_position_embeddings)
     tokens = torch.randint(0, loaded.vocab, (PRECISION_BATCH, length), generator=generator)
     ours = forward_logits(loaded.model.float(), tokens)[..., : loaded.vocab].cpu()
     with torch.no_grad():
@@ -117,27 +116,6 @@ def _source_dtype(loaded) -> torch.dtype:
 
 
 def main(argv: List[str]) -> int:
-    from .cli import run_command
+    from .launch import run_command
 
     return run_command("export", argv, parse, run)
-
-
-# torchrun's variables: a child export must build its own one-rank process group.
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
-                "MASTER_PORT", "NPROC_PER_NODE", "NNODES", "NODE_RANK")
-
-
-def export_in_subprocess(checkpoint: str, out_dir: str, timeout: Optional[float] = None) -> str:
-    """`swift-mcore export --to_hf` in a fresh process (its own one-rank process group, so a
-    training run of any layout can call it); returns its last output line."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")}
-    cmd = [sys.executable, "-m", "swift_mcore", "export", "--to_hf", "--model", checkpoint,
-           "--output_dir", out_dir]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd[2:])}` failed ({proc.returncode}): "
-                           f"{proc.stderr.strip()[-2000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    return lines[-1] if lines else f"wrote {out_dir}"

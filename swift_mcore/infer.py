@@ -24,7 +24,7 @@ def parse(argv: List[str]) -> InferArguments:
 def run(args: InferArguments) -> str:
     """Prints the prompt and its continuation as they are generated; returns the continuation."""
     from .models.generate import generate
-    from .models.source import forward_logits, load_model
+    from .loaded_model import forward_logits, load_model
 
     loaded = load_model(args.model, tokenizer=args.tokenizer,
                         log=lambda line: print(line, file=sys.stderr, flush=True))
@@ -39,7 +39,7 @@ def run(args: InferArguments) -> str:
     else:
         # as transformers would tokenize it (with the BOS token a Llama tokenizer adds)
         prompt = list(tokenizer.hf(args.prompt)["input_ids"])
-    m = loaded.args.model
+    m = loaded.config.model
     # learned position embeddings end at max_position_embeddings; RoPE does not
     limit = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
     if template is None:
@@ -67,6 +67,6 @@ def run(args: InferArguments) -> str:
 
 
 def main(argv: List[str]) -> int:
-    from .cli import run_command
+    from .launch import run_command
 
     return run_command("infer", argv, parse, run)

@@ -159,7 +159,7 @@ def format_summary(s: dict) -> str:
 
 
 def main(argv: List[str]) -> int:
-    from .cli import run_command
+    from .launch import run_command
 
     return run_command("preprocess", argv, parse, _preprocess_and_report, shutdown=False)
 

@@ -6,13 +6,13 @@ from .logging import LoggingArguments
 from .model import ModelArguments
 from .parallel import ParallelArguments
 from .parser import build_parser, parse_args
-from .pretrain import Derived, PretrainArguments, padded_vocab_size
+from .pretrain import PretrainArguments
 from .sft import SftArguments, SftDataArguments
 from .training import TrainingArguments
 
 __all__ = [
-    "CheckpointArguments", "DataArguments", "Derived", "LoggingArguments",
+    "CheckpointArguments", "DataArguments", "LoggingArguments",
     "ModelArguments", "ParallelArguments", "PretrainArguments", "SftArguments",
     "SftDataArguments", "TrainingArguments",
-    "build_parser", "padded_vocab_size", "parse_args",
+    "build_parser", "parse_args",
 ]

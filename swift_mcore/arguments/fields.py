@@ -1,10 +1,10 @@
-"""Helpers to declare a flag once: its default, its help line and its accepted values."""
+"""Helpers to declare a flag once (default, help line, accepted values), convert its values
+and freeze a group of them."""
 
 from __future__ import annotations
 
-from dataclasses import field
 import typing
-from dataclasses import Field
+from dataclasses import MISSING, Field, FrozenInstanceError, field, fields
 from typing import Any, List, Sequence
 
 from ..errors import ArgumentError
@@ -64,11 +64,14 @@ def coerce(f: Field, value: Any) -> Any:
     return _coerce_one(f.name, kind, value)
 
 
+def field_default(f: Field) -> Any:
+    """The default a flag's dataclass field declares."""
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore
+
+
 def check_flags(group) -> None:
     """Converts every field of a flag dataclass to its type, in place, and checks the values
     of fields declared with choices. Raises ArgumentError naming the flag."""
-    from dataclasses import fields
-
     for f in fields(group):
         value = coerce(f, getattr(group, f.name))
         setattr(group, f.name, value)
@@ -98,3 +101,34 @@ def _coerce_one(name: str, kind, value):
     return str(value)
 
 
+
+
+_FROZEN_TYPES: dict = {}
+
+
+def _refuse(self, name, value=None):
+    raise FrozenInstanceError(
+        f"cannot set {type(self).__name__}.{name}: a resolved run's flags are read-only "
+        f"(change the arguments and resolve again)")
+
+
+def freeze(obj, nested=()):
+    """Make the dataclass ``obj`` (and its attributes named in ``nested``) read-only in place:
+    assignments raise FrozenInstanceError, lists become tuples. Returns ``obj``."""
+    for name in nested:
+        freeze(getattr(obj, name))
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, list):
+            object.__setattr__(obj, f.name, tuple(value))
+        elif isinstance(value, (set, dict)):
+            object.__setattr__(obj, f.name, frozenset(value) if isinstance(value, set)
+                               else dict(value))
+    cls = type(obj)
+    if cls not in _FROZEN_TYPES.values():
+        if cls not in _FROZEN_TYPES:
+            _FROZEN_TYPES[cls] = type(cls.__name__, (cls,), {
+                "__setattr__": _refuse, "__delattr__": _refuse, "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__})
+        obj.__class__ = _FROZEN_TYPES[cls]
+    return obj

@@ -8,6 +8,7 @@ from typing import Optional
 
 from ..errors import ArgumentError
 from .fields import check_flags, flag
+from .sft import TEMPLATES
 
 
 @dataclass
@@ -20,7 +21,7 @@ class InferArguments:
     template: Optional[str] = flag(
         None, "Treat --prompt as a user message in this chat template (as `swift-mcore sft "
         "--template`) and print the assistant's answer; default: continue the raw text.",
-        choices=("auto", "tokenizer", "chatml", "plain"))
+        choices=TEMPLATES)
     system: Optional[str] = flag(None, "System prompt, with --template.")
     max_new_tokens: int = flag(64, "Tokens to generate at most (generation also stops at the "
                                "end-of-document token).")

@@ -53,7 +53,9 @@ class ModelArguments:
     attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.")
     init_method_std: float = flag(0.02, "Standard deviation of the weight initialization.")
     attention_backend: str = flag(
-        "local", "Core attention of megatron's local layer spec (used without Transformer "
-        "Engine, as on CPU): local = megatron's DotProductAttention, sdpa = torch's "
-        "scaled_dot_product_attention (the same result within 1e-5, faster, less memory; "
-        "benchmarks/README.md).", choices=("local", "sdpa"))
+        "auto", "Core attention: transformer_engine = Transformer Engine's layer spec and fused "
+        "attention (CUDA); local = megatron's local spec with its DotProductAttention; sdpa = "
+        "the local spec with torch's scaled_dot_product_attention (the same result within "
+        "1e-5, faster, less memory; benchmarks/README.md); auto = transformer_engine when it "
+        "is installed with CUDA, else local. The start-up line says what runs.",
+        choices=("auto", "local", "sdpa", "transformer_engine"))

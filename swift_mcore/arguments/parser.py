@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, Field, fields
+from dataclasses import Field, fields
 from typing import List, Optional, Sequence
 
 import yaml
@@ -14,10 +14,7 @@ from .pretrain import PretrainArguments, flag_default
 
 
 def _describe_default(f: Field, cls=None) -> str:
-    if cls is not None:
-        default = flag_default(cls, f)
-    else:
-        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore
+    default = flag_default(cls, f)
     return "none" if default is None else str(default)
 
 

@@ -1,41 +1,33 @@
-"""PretrainArguments: the per-concern dataclasses composed, validated once, derived once."""
+"""PretrainArguments: pt's flag groups composed, and the checks that need only the flags."""
 
 from __future__ import annotations
 
-import json
+import copy
 import math
-import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, Dict, Optional, Set
+from typing import Any, ClassVar, Dict, Set
 
+from ..errors import ArgumentError
 from .checkpoint import CheckpointArguments
 from .data import DataArguments
-from ..errors import ArgumentError
-from .fields import check_flags, coerce
+from .fields import check_flags, coerce, field_default, freeze
 from .logging import LoggingArguments
 from .model import ModelArguments
 from .parallel import ParallelArguments
 from .training import TrainingArguments
 
 
-@dataclass(frozen=True)
-class Derived:
-    """Values computed from the flags and the launch, once, in ``validate``."""
-
-    world_size: int
-    data_parallel_size: int
-    num_microbatches: int
-
-
 @dataclass
 class PretrainArguments:
+    """The flags of one command, grouped by concern. Checks here read nothing but the flags;
+    what needs files, a Hugging Face config or the hardware is ``run_config.resolve``'s."""
+
     model: ModelArguments = field(default_factory=ModelArguments)
     data: DataArguments = field(default_factory=DataArguments)
     training: TrainingArguments = field(default_factory=TrainingArguments)
     parallel: ParallelArguments = field(default_factory=ParallelArguments)
     checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
     logging: LoggingArguments = field(default_factory=LoggingArguments)
-    derived: Optional[Derived] = field(default=None, repr=False)
     # Flags set explicitly (command line, YAML, from_flags): --model's config.json may not
     # silently overrule them.
     explicit: Set[str] = field(default_factory=set, repr=False, compare=False)
@@ -68,42 +60,43 @@ class PretrainArguments:
             group = getattr(self, owner[name])
             setattr(group, name, coerce(flag_field(type(self), name), value))
             self.explicit.add(name)
-        self.derived = None
         return self
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
         """Plain JSON-ready data, grouped by concern (saved in checkpoints)."""
-        return {name: asdict(getattr(self, name)) for name in self.GROUPS}
+        return {name: _plain(asdict(getattr(self, name))) for name in self.GROUPS}
 
-    def flat(self) -> Dict[str, Any]:
-        return {k: v for group in self.to_dict().values() for k, v in group.items()}
+    def groups(self):
+        return [getattr(self, name) for name in self.GROUPS]
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+    def frozen(self) -> "PretrainArguments":
+        """A deep copy in which every assignment raises (what the resolved run holds)."""
+        return freeze(copy.deepcopy(self), nested=self.GROUPS)
 
-    # ---- validation ---------------------------------------------------------------------
-    def validate(self, world_size: Optional[int] = None, cuda: Optional[bool] = None) -> Derived:
-        """Check every flag and compute derived values. Raises ArgumentError naming the flag.
+    # ---- the checks that need only the flags ---------------------------------------------
+    def coerce(self) -> None:
+        """Every value to its flag's type; choices and ranges declared on the flags."""
+        for group in self.groups():
+            check_flags(group)
 
-        Runs before any process group exists: the world size comes from the launcher's
-        environment (WORLD_SIZE) unless given.
-        """
-        if world_size is None:
-            world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if cuda is None:
-            import torch
+    def fill_defaults(self) -> None:
+        """Defaults that follow from other flags (the model's from its config, first)."""
+        m, t = self.model, self.training
+        if m.ffn_hidden_size is None:
+            m.ffn_hidden_size = (
+                _round_up(int(8 * m.hidden_size / 3), 64) if m.swiglu else 4 * m.hidden_size)
+        if m.max_position_embeddings is None:
+            m.max_position_embeddings = m.seq_length
+        if t.num_train_epochs is not None and "train_iters" in self.explicit:
+            if "num_train_epochs" in self.explicit:
+                raise ArgumentError("--train_iters and --num_train_epochs are alternatives; "
+                                    "give one of them")
+            t.num_train_epochs = None  # the command's default epochs yield to the flag
 
-            cuda = torch.cuda.is_available()
+    def check(self, world_size: int) -> None:
+        """Ranges and combinations of the flags, and the layout over ``world_size`` ranks.
+        Raises ArgumentError naming the flag and what it accepts."""
         m, t, p, c, lg = self.model, self.training, self.parallel, self.checkpoint, self.logging
-
-        for name in self.GROUPS:
-            check_flags(getattr(self, name))
-
-        # --model's config.json (or --model_type) sets the model flags before they are checked.
-        from ..models.families import apply_hf_config
-
-        apply_hf_config(self)
-
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "make_vocab_size_divisible_by"):
             _positive(m, name)
@@ -113,15 +106,9 @@ class PretrainArguments:
                 _positive(m, name)
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
             _positive(t, name)
-        if t.num_train_epochs is not None:
-            if "train_iters" in self.explicit and "num_train_epochs" in self.explicit:
-                raise ArgumentError("--train_iters and --num_train_epochs are alternatives; "
-                                    "give one of them")
-            if "train_iters" in self.explicit:
-                t.num_train_epochs = None  # the command's default epochs yield to the flag
-            elif not t.num_train_epochs > 0:
-                raise ArgumentError(f"--num_train_epochs must be positive, got "
-                                    f"{t.num_train_epochs}")
+        if t.num_train_epochs is not None and not t.num_train_epochs > 0:
+            raise ArgumentError(f"--num_train_epochs must be positive, got "
+                                f"{t.num_train_epochs}")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             _positive(p, name)
         for name in ("log_interval", "eval_iters"):
@@ -139,8 +126,22 @@ class PretrainArguments:
                 raise ArgumentError(f"--{name} must be in [0, 1), got {getattr(t, name)}")
         if t.min_lr > t.lr:
             raise ArgumentError(f"--min_lr ({t.min_lr}) must not exceed --lr ({t.lr})")
+        if m.rope_scaling_factor <= 0:
+            raise ArgumentError(f"--rope_scaling_factor must be positive, got "
+                                f"{m.rope_scaling_factor}")
+        if t.lr_decay_iters is not None:
+            _positive(t, "lr_decay_iters")
+        if t.num_train_epochs is None:
+            check_schedule_length(t, t.train_iters)
+        if not str(lg.output_dir).strip():
+            raise ArgumentError("--output_dir must not be empty")
+        self.check_model_shape(world_size)
+        self.check_parallel(world_size)
+        self.check_checkpoint_flags()
+        self.check_command()
 
-        # Model shape.
+    def check_model_shape(self, world_size: int) -> None:
+        m, p = self.model, self.parallel
         if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
             raise ArgumentError(
                 f"--hidden_size ({m.hidden_size}) must be divisible by --num_attention_heads "
@@ -149,22 +150,11 @@ class PretrainArguments:
             raise ArgumentError(
                 f"--num_attention_heads ({m.num_attention_heads}) must be divisible by "
                 f"--num_query_groups ({m.num_query_groups})")
-        if m.ffn_hidden_size is None:
-            m.ffn_hidden_size = (
-                _round_up(int(8 * m.hidden_size / 3), 64) if m.swiglu else 4 * m.hidden_size)
-        if m.max_position_embeddings is None:
-            m.max_position_embeddings = m.seq_length
         if m.max_position_embeddings < m.seq_length:
             raise ArgumentError(
                 f"--max_position_embeddings ({m.max_position_embeddings}) must be at least "
                 f"--seq_length ({m.seq_length})")
-
-        # Parallel layout.
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        if world_size % (tp * pp):
-            raise ArgumentError(
-                f"the world size ({world_size} ranks) must be divisible by "
-                f"--tensor_model_parallel_size ({tp}) x --pipeline_model_parallel_size ({pp})")
         source = f" (from {m.model}/config.json)" if m.model else ""
         if m.num_attention_heads % tp:
             raise ArgumentError(
@@ -179,55 +169,33 @@ class PretrainArguments:
             raise ArgumentError(
                 f"--pipeline_model_parallel_size ({pp}) must divide --num_layers "
                 f"({m.num_layers}){source}")
+
+    def check_parallel(self, world_size: int) -> None:
+        p, t = self.parallel, self.training
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        if world_size % (tp * pp):
+            raise ArgumentError(
+                f"the world size ({world_size} ranks) must be divisible by "
+                f"--tensor_model_parallel_size ({tp}) x --pipeline_model_parallel_size ({pp})")
         if p.sequence_parallel and tp == 1:
             raise ArgumentError("--sequence_parallel needs --tensor_model_parallel_size > 1")
-        if p.sequence_parallel and not cuda:
-            raise ArgumentError("--sequence_parallel is supported on CUDA only (the local "
-                                "torch norms do not reduce their gradients across TP ranks)")
         dp = world_size // (tp * pp)
-        per_step = t.micro_batch_size * dp
-        if t.global_batch_size % per_step:
+        if t.global_batch_size % (t.micro_batch_size * dp):
             raise ArgumentError(
                 f"--global_batch_size ({t.global_batch_size}) must be a multiple of "
                 f"--micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})")
-
-        # Gradient buckets.
-        if p.num_buckets is not None and p.num_buckets <= 0:
-            raise ArgumentError(
-                f"--num_buckets must be a positive integer, got {p.num_buckets}")
-        if p.bucket_size is not None and p.bucket_size <= 0:
-            raise ArgumentError(
-                f"--bucket_size must be a positive integer, got {p.bucket_size}")
+        for name in ("num_buckets", "bucket_size"):
+            if getattr(p, name) is not None:
+                _positive(p, name)
         if (p.num_buckets or p.bucket_size) and not p.overlap_grad_reduce:
             raise ArgumentError(
                 "--num_buckets/--bucket_size need --overlap_grad_reduce: without overlap "
                 "megatron-core reduces all gradients in one bucket")
-
-        # Precision and device.
         if t.bf16 and t.fp16:
             raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
-        if (t.bf16 or t.fp16) and not cuda:
-            which = "--bf16" if t.bf16 else "--fp16"
-            raise ArgumentError(
-                f"{which} needs a CUDA GPU; on CPU swift-mcore trains in float32 "
-                f"(drop {which})")
-        if p.use_distributed_optimizer and not cuda:
-            raise ArgumentError(
-                "--use_distributed_optimizer needs CUDA; on CPU the plain data-parallel "
-                "optimizer is used (drop the flag)")
-        if p.distributed_backend == "nccl" and not cuda:
-            raise ArgumentError("--distributed_backend nccl needs CUDA; use gloo on CPU")
-        if m.attention_backend == "sdpa" and cuda:
-            from ..models.gpt import has_transformer_engine
 
-            # Not silently ignored: with TE the model takes TE's layer spec and its attention.
-            if has_transformer_engine():
-                raise ArgumentError(
-                    "--attention_backend sdpa sets the attention of megatron's local layer "
-                    "spec, but Transformer Engine is installed, so its layer spec and fused "
-                    "attention are used; drop --attention_backend")
-
-        # Checkpoint flags.
+    def check_checkpoint_flags(self) -> None:
+        c = self.checkpoint
         for name in ("save_steps", "save_total_limit", "exit_interval"):
             if getattr(c, name) is not None:
                 _positive(c, name)
@@ -242,71 +210,23 @@ class PretrainArguments:
         if c.load and not c.finetune:
             raise ArgumentError("--load PATH takes weights for a new run and needs "
                                 "--finetune; to continue a run use --resume PATH")
-        for name in ("resume", "load"):
-            path = getattr(c, name)
-            if path and path != "auto" and not os.path.exists(os.path.expanduser(path)):
-                raise ArgumentError(f"--{name} {path}: no such checkpoint folder")
+        if c.save_safetensors and c.no_save:
+            raise ArgumentError("--save_safetensors converts the final checkpoint; it "
+                                "cannot be combined with --no_save")
 
-        if c.save_safetensors:
-            if c.no_save:
-                raise ArgumentError("--save_safetensors converts the final checkpoint; it "
-                                    "cannot be combined with --no_save")
-            from ..models.families import for_model_args
-
-            try:
-                for_model_args(m)
-            except ArgumentError as err:
-                raise ArgumentError(f"--save_safetensors: {err}") from None
-        if m.rope_scaling_factor <= 0:
-            raise ArgumentError(f"--rope_scaling_factor must be positive, got "
-                                f"{m.rope_scaling_factor}")
-
-        if t.lr_decay_iters is not None:
-            _positive(t, "lr_decay_iters")
-        if t.num_train_epochs is None:
-            self.check_schedule_length()
-        if not str(lg.output_dir).strip():
-            raise ArgumentError("--output_dir must not be empty")
-
-        self.validate_command(cuda)
-
-        self.derived = Derived(
-            world_size=world_size,
-            data_parallel_size=dp,
-            num_microbatches=t.global_batch_size // per_step,
-        )
-        return self.derived
-
-    def validate_command(self, cuda: bool) -> None:
-        """The command's own checks. pt's: named inputs exist, blends parse, .bin/.idx pairs
-        are whole (headers and sizes only), so bad data stops here, before the model is built."""
-        from ..data.gpt_datasets import check_data_arguments
-
-        check_data_arguments(self.data)
-
-    def check_schedule_length(self) -> None:
-        t = self.training
-        decay = t.lr_decay_iters or t.train_iters
-        if t.lr_warmup_iters >= decay:
-            raise ArgumentError(
-                f"--lr_warmup_iters ({t.lr_warmup_iters}) must be smaller than the decay "
-                f"length ({decay}, from --lr_decay_iters or else --train_iters)")
-
-    def resolve_train_iters(self, train_samples: int) -> int:
-        """--num_train_epochs -> --train_iters, once the training set's size is known
-        (samples, or packed rows with --packing): whole global batches, rounded up."""
-        t = self.training
-        if t.num_train_epochs is not None:
-            t.train_iters = max(1, math.ceil(
-                t.num_train_epochs * train_samples / t.global_batch_size))
-            self.check_schedule_length()
-        return t.train_iters
+    def check_command(self) -> None:
+        """The command's own flag checks (sft: its data flags); pt has none beyond these."""
+        if self.data.data_path and self.data.dataset:
+            raise ArgumentError("--data_path and --dataset are exclusive: give preprocessed "
+                                "prefixes or raw files, not both")
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's rule: pad to a multiple of divisible_by * TP."""
-    multiple = divisible_by * tp
-    return _round_up(vocab_size, multiple)
+def check_schedule_length(t, train_iters: int) -> None:
+    decay = t.lr_decay_iters or train_iters
+    if t.lr_warmup_iters >= decay:
+        raise ArgumentError(
+            f"--lr_warmup_iters ({t.lr_warmup_iters}) must be smaller than the decay "
+            f"length ({decay}, from --lr_decay_iters or else --train_iters)")
 
 
 PretrainArguments.GROUPS = {
@@ -337,12 +257,20 @@ def flag_field(cls, name: str):
 
 
 def flag_default(cls, f) -> Any:
-    """A flag's default for the command ``cls``: its DEFAULTS entry, else the field's."""
-    from dataclasses import MISSING
-
-    if f.name in cls.DEFAULTS:
+    """A flag's default for the command ``cls`` (None: the group's own): its DEFAULTS
+    entry, else the field's."""
+    if cls is not None and f.name in cls.DEFAULTS:
         return cls.DEFAULTS[f.name]
-    return f.default if f.default is not MISSING else f.default_factory()
+    return field_default(f)
+
+
+def _plain(value):
+    """Tuples of a frozen copy back to JSON's lists."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _round_up(value: int, multiple: int) -> int:

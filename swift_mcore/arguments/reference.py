@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from typing import List
 
+from .fields import field_default
 from .pretrain import PretrainArguments
 
 HEADER = """# CLI reference: `swift-mcore pt` and `swift-mcore sft`
@@ -53,7 +54,7 @@ def flag_table(dataclass_type) -> List[str]:
     """The markdown table (flag, default, description) of one argument dataclass."""
     lines = ["| flag | default | description |", "| --- | --- | --- |"]
     for f in fields(dataclass_type):
-        default = f.default if f.default is not MISSING else f.default_factory()
+        default = field_default(f)
         shown = "none" if default is None else f"`{default}`"
         text = f.metadata["help"]
         if "choices" in f.metadata:

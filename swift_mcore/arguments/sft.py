@@ -50,7 +50,7 @@ class SftArguments(PretrainArguments):
     DEFAULTS = {"lr": 1e-5, "min_lr": 0.0, "lr_warmup_iters": 0, "num_train_epochs": 1.0,
                 "output_dir": "output/swift-mcore-sft"}
 
-    def validate_command(self, cuda: bool) -> None:
+    def check_command(self) -> None:
         d, s = self.data, self.sft
         if d.data_path:
             raise ArgumentError("--data_path holds pretraining .bin/.idx files; sft reads "
@@ -66,19 +66,6 @@ class SftArguments(PretrainArguments):
         if s.val_dataset and s.split_dataset_ratio:
             raise ArgumentError("--val_dataset and --split_dataset_ratio are alternatives; "
                                 "give one of them")
-        if s.packing and cuda:
-            from ..models.gpt import has_transformer_engine
-
-            if has_transformer_engine() and self.training.micro_batch_size != 1:
-                raise ArgumentError(
-                    "--packing with Transformer Engine passes each packed row as one "
-                    "variable-length batch (THD); set --micro_batch_size 1 and raise "
-                    "--seq_length instead")
-        from ..data.sources import expand_inputs
-
-        expand_inputs(d.dataset, "--dataset")
-        if s.val_dataset:
-            expand_inputs(s.val_dataset, "--val_dataset")
 
 
 def column_map(columns: Optional[List[str]]) -> Dict[str, str]:

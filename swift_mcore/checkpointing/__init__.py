@@ -1,18 +1,21 @@
 """Checkpoints: TrainState, save/load with dist_checkpointing, tracker and commit protocol.
 
-- ``save_checkpoint(args, state, model, optimizer, scheduler, data_fingerprint) -> str``
-- ``load_checkpoint(args, model, optimizer, scheduler, data_fingerprint, log=print)
-  -> TrainState``
+- ``CheckpointManager(config)``: the trainer's handle (plan the load, restore, save).
+- ``load_weights(folder, model)``, ``find_checkpoint(path, ...)``, ``read_run_flags(folder)``:
+  what export and infer need to rebuild a trained model.
+- ``save_checkpoint(...)``: one save (a weights-only checkpoint for export --to_mcore).
 
-Both are collective (call them on every rank). See docs/resume.md for what a checkpoint
-holds and what a resume guarantees.
+All loads and saves are collective (call them on every rank). See docs/resume.md for what a
+checkpoint holds and what a resume guarantees.
 """
 
-from ..errors import CheckpointError
-from .load import load_checkpoint
+from .io import tensor_shapes
+from .load import find_checkpoint, load_weights, read_run_flags
+from .manager import CheckpointManager
 from .save import save_checkpoint
 from .state import TrainState
-from .tracker import TRACKER_FILENAME, checkpoint_root, iter_dir_name
+from .tracker import CHECKPOINT_SUBDIR, TRACKER_FILENAME, checkpoint_root, iter_dir_name
 
-__all__ = ["CheckpointError", "TRACKER_FILENAME", "TrainState", "checkpoint_root",
-           "iter_dir_name", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_SUBDIR", "CheckpointManager", "TRACKER_FILENAME", "TrainState",
+           "checkpoint_root", "find_checkpoint", "iter_dir_name", "load_weights",
+           "read_run_flags", "save_checkpoint", "tensor_shapes"]

@@ -12,7 +12,7 @@ import uuid
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import comm
+from ..runtime import collectives as comm
 from .tracker import fsync_dir, iter_dir_name, parse_iter_dir
 
 MANIFEST_FILENAME = "manifest.json"
@@ -66,7 +66,7 @@ def checksum(path: str, fsync: bool = False) -> Tuple[int, int]:
     return size, crc
 
 
-def seal(folder: str, iteration: int, extra: Optional[dict] = None) -> Dict[str, dict]:
+def seal(folder: str, extra: Optional[dict] = None) -> Dict[str, dict]:
     """Collective: checksum (and fsync) every file, the work shared over ranks; rank 0 then
     writes the manifest and fsyncs it and the folder. Returns the file table. A failure on
     any rank (a full disk, say) is raised on every rank."""
@@ -83,7 +83,7 @@ def seal(folder: str, iteration: int, extra: Optional[dict] = None) -> Dict[str,
     for piece in comm.all_gather(part):
         for rel, (size, crc) in piece.items():
             table[rel] = {"size": size, "crc32": crc}
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": iteration,
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION,
                 "files": dict(sorted(table.items())), **(extra or {})}
     comm.decide(write_manifest, folder, manifest)
     return table
@@ -112,9 +112,8 @@ def read_manifest(folder: str) -> Tuple[Optional[dict], Optional[str]]:
     if manifest.get("version", 0) > FORMAT_VERSION:
         return None, (f"it was written in checkpoint format version {manifest['version']}; "
                       f"this swift-mcore reads up to {FORMAT_VERSION}")
-    if not isinstance(manifest.get("files"), dict) or not isinstance(
-            manifest.get("iteration"), int):
-        return None, f"its {MANIFEST_FILENAME} lacks the file table or the iteration"
+    if not isinstance(manifest.get("files"), dict):
+        return None, f"its {MANIFEST_FILENAME} lacks the file table"
     return manifest, None
 
 

@@ -52,26 +52,32 @@ def model_differences(saved_args, current_args) -> List[str]:
 
 
 def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict[str, Any],
-                       saved_fingerprint: Any, fingerprint: Any,
-                       saved_scheduler: Optional[Dict[str, Any]],
-                       scheduler: Optional[Dict[str, Any]]) -> List[str]:
-    """Every difference that makes a resumed run not the continuation of the saved one."""
+                       saved_fingerprint: Any, fingerprint: Any) -> List[str]:
+    """Every difference in flags and data that makes a resumed run not the continuation of
+    the saved one (the schedule is compared on the scheduler: ``scheduler_differences``)."""
     lines = field_differences(saved_args, current_args, RUN_FIELDS)
     if saved_fingerprint != fingerprint:
         lines.append(f"training data (content fingerprint): checkpoint "
                      f"{_fmt(saved_fingerprint)}, now {_fmt(fingerprint)}")
     lines += field_differences(saved_args, current_args, MODEL_FIELDS)
     lines += field_differences(saved_args, current_args, OPTIMIZER_FIELDS)
-    if saved_scheduler is not None and scheduler is not None:
-        for key, flag in SCHEDULER_FIELDS.items():
-            old, new = saved_scheduler.get(key), scheduler.get(key)
-            if old is not None and new is not None and old != new:
-                lines.append(f"{key} ({flag}): checkpoint {_fmt(old)}, now {_fmt(new)}")
-        if saved_scheduler.get("wd_incr_style", "constant") != "constant" and (
-                saved_scheduler.get("wd_incr_steps") != scheduler.get("wd_incr_steps")):
-            lines.append(f"wd_incr_steps (--train_iters): checkpoint "
-                         f"{saved_scheduler.get('wd_incr_steps')}, now "
-                         f"{scheduler.get('wd_incr_steps')}")
+    return lines
+
+
+def scheduler_differences(saved: Optional[Dict[str, Any]], current: Optional[Dict[str, Any]]
+                          ) -> List[str]:
+    """The learning-rate / weight-decay schedule, saved against the one the flags give."""
+    lines: List[str] = []
+    if saved is None or current is None:
+        return lines
+    for key, flag in SCHEDULER_FIELDS.items():
+        old, new = saved.get(key), current.get(key)
+        if old is not None and new is not None and old != new:
+            lines.append(f"{key} ({flag}): checkpoint {_fmt(old)}, now {_fmt(new)}")
+    if saved.get("wd_incr_style", "constant") != "constant" and (
+            saved.get("wd_incr_steps") != current.get("wd_incr_steps")):
+        lines.append(f"wd_incr_steps (--train_iters): checkpoint {saved.get('wd_incr_steps')}, "
+                     f"now {current.get('wd_incr_steps')}")
     return lines
 
 

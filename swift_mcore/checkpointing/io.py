@@ -51,6 +51,26 @@ def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool
     return state
 
 
+def megatron_lm_common(state, scheduler) -> Dict[str, Any]:
+    """The plain entries Megatron-LM keeps next to the sharded tensors (in common.pt): its
+    loader reads the iteration, the scheduler and the FLOPs there. swift-mcore reads only
+    the scheduler back (``read_common``); its counters come from train_state.json."""
+    return {"iteration": state.iteration, "checkpoint_version": 3.0,
+            "opt_param_scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "num_floating_point_operations_so_far": float(
+                state.floating_point_operations_so_far)}
+
+
+def read_common(folder: str) -> Dict[str, Any]:
+    """common.pt of a checkpoint, read safely (weights_only: plain types and tensors)."""
+    try:
+        return safe_common_strategy().load_common(folder)
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {folder}: common.pt cannot be read safely "
+                              f"({type(err).__name__}: {str(err).splitlines()[0][:300]})"
+                              ) from None
+
+
 def save(state: Dict[str, Any], folder: str) -> None:
     """Collective: write ``state`` (sharded tensors + plain common data) into ``folder``."""
     from megatron.core import dist_checkpointing

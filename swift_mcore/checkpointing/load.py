@@ -1,29 +1,39 @@
-"""load_checkpoint: decide what to resume from (rank 0 decides, every rank follows), check
-it, then restore model, optimizer, scheduler, RNG and the TrainState, logging exactly what
-was and was not restored."""
+"""Loading: which checkpoint a run continues from and whether it may (``plan_load``, before
+anything is written), then restoring model, optimizer, scheduler, RNG and the TrainState
+(``restore``), logging exactly what was and was not restored; ``load_weights`` for the
+model alone (--finetune, export, infer)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import comm, commit, compat, files, io, locate, rng
 from ..errors import CheckpointError
-from .save import set_parent
+from ..runtime import collectives as comm
+from . import commit, compat, files, io, locate, rng
 from .state import TrainState
 from .tracker import checkpoint_root
 
+Log = Callable[[str], None]
 
-def load_checkpoint(args, model, optimizer, scheduler, data_fingerprint,
-                    log: Callable[[str], None] = print) -> TrainState:
-    """Collective; call after model, optimizer and scheduler exist and before data loaders.
-    Returns the TrainState to continue from (a fresh one when nothing is resumed)."""
-    c = args.checkpoint
-    root = checkpoint_root(args)
-    set_parent(None)
-    if c.load and not c.finetune:
-        raise CheckpointError("--load PATH takes weights for a new run and needs --finetune; "
-                              "to continue a run use --resume PATH")
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What ``restore`` will do: resume a run, or take a checkpoint's weights (finetune)."""
+
+    kind: str                    # "resume" | "finetune"
+    folder: str
+    info: Dict[str, Any] = field(default_factory=dict)   # rank 0's read of the JSON files
+    differences: Tuple[str, ...] = ()                    # accepted with the override
+
+
+def plan_load(config, data_fingerprint, log: Log = print) -> Optional[LoadPlan]:
+    """Collective; before the data cache, the model or anything else is written. Refuses a
+    fresh run over existing checkpoints, locates the checkpoint to resume (or --load), and
+    checks that resuming would not silently change the run. None: start from scratch."""
+    c = config.checkpoint
+    root = checkpoint_root(config)
     if not c.resume and not c.no_save:
         existing = comm.decide(locate.existing_checkpoints, root)
         if existing:
@@ -32,65 +42,76 @@ def load_checkpoint(args, model, optimizer, scheduler, data_fingerprint,
                 f"a fresh run would write over them. Pass --resume to continue that run, or "
                 f"choose another --output_dir.")
     if c.finetune:
-        return _finetune(args, model, c.load, log)
+        folder = find_checkpoint(c.load, None, "--load", log)
+        lines = comm.decide(_model_differences, folder, config)
+        if lines and not c.override_resume_check:
+            raise CheckpointError(
+                f"--load {c.load}: the checkpoint's model differs from this one:\n"
+                + "\n".join(f"  {line}" for line in lines)
+                + "\nMatch the model flags, or pass --override_resume_check if the shapes "
+                  "still agree.")
+        return LoadPlan("finetune", folder)
     if not c.resume:
-        return TrainState()
-
-    folder, warnings = comm.decide(locate.resolve, c.resume, root)
-    for line in warnings:
-        log(f"WARNING: {line}")
+        return None
+    folder = find_checkpoint(c.resume, root, "--resume", log)
     if folder is None:
         log(f"--resume: no checkpoint under {root}; starting from scratch (iteration 0)")
-        return TrainState()
-    return _resume(args, folder, model, optimizer, scheduler, data_fingerprint, log)
-
-
-def _read_info(folder: str, args, data_fingerprint, scheduler) -> Dict[str, Any]:
-    """Rank 0: the checkpoint's JSON files and the resume check's findings."""
-    manifest, problem = commit.read_manifest(folder)
-    if problem:
-        raise CheckpointError(f"checkpoint {folder} cannot be used: {problem}")
-    info = {"manifest_iteration": manifest["iteration"], "id": manifest.get("id"),
-            "run": files.read_json(folder, files.RUN),
-            "train_state": files.read_json(folder, files.TRAIN_STATE),
-            "args": files.read_json(folder, files.ARGS),
-            "scheduler": files.read_json(folder, files.SCHEDULER)}
-    try:
-        TrainState.from_dict(info["train_state"])
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {folder}: {files.TRAIN_STATE} is invalid ({err})"
-                              ) from None
-    info["differences"] = compat.resume_differences(
-        info["args"], args.to_dict(), info["run"].get("data_fingerprint"), data_fingerprint,
-        info["scheduler"], scheduler.state_dict())
-    return info
-
-
-def _resume(args, folder, model, optimizer, scheduler, data_fingerprint, log) -> TrainState:
-    c = args.checkpoint
-    info = comm.decide(_read_info, folder, args, data_fingerprint, scheduler)
-    differences: List[str] = info["differences"]
+        return None
+    info = comm.decide(_read_info, folder, config, data_fingerprint)
+    differences = info.pop("differences")
     if differences and not c.override_resume_check:
         raise CheckpointError(compat.refusal(folder, differences))
     contents = info["run"].get("contents", {})
-    load_optim = not c.no_load_optim
-    load_rng = not c.no_load_rng
-    if load_optim and not contents.get("optimizer"):
+    if not c.no_load_optim and not contents.get("optimizer"):
         raise CheckpointError(
             f"checkpoint {folder} has no optimizer state (it was saved with --no_save_optim); "
             f"pass --no_load_optim to resume with a fresh optimizer")
-    if load_rng and not contents.get("rng"):
+    if not c.no_load_rng and not contents.get("rng"):
         raise CheckpointError(
             f"checkpoint {folder} has no RNG states (it was saved with --no_save_rng); pass "
             f"--no_load_rng to resume with freshly seeded RNGs")
+    return LoadPlan("resume", folder, info, tuple(differences))
 
-    _verify(folder)
+
+def find_checkpoint(spec: str, default_root: Optional[str], flag: str,
+                    log: Log = print) -> Optional[str]:
+    """Collective: the folder ``spec`` names ('auto': the newest under ``default_root``; a
+    run's output_dir, a checkpoint root or an iter_ folder), decided on rank 0. Every
+    fallback to another checkpoint than the tracker's is logged as a warning, here."""
+    folder, warnings = comm.decide(locate.resolve, spec, default_root, flag)
+    for line in warnings:
+        log(f"WARNING: {line}")
+    return folder
+
+
+def restore(plan: LoadPlan, config, model, optimizer, scheduler,
+            log: Log = print) -> Tuple[TrainState, Optional[str]]:
+    """Collective; after model, optimizer and scheduler exist and before the data loaders.
+    Returns the TrainState to continue from and the id of the checkpoint it came from."""
+    if plan.kind == "finetune":
+        load_weights(plan.folder, model)
+        log(f"--finetune: model weights from {plan.folder}; optimizer, LR schedule, RNG and "
+            f"counters start fresh (iteration 0)")
+        return TrainState(), None
+    c, folder, info = config.checkpoint, plan.folder, plan.info
+    saved_scheduler = comm.decide(lambda: io.read_common(folder).get("opt_param_scheduler"))
+    if saved_scheduler is None:
+        raise CheckpointError(f"checkpoint {folder} holds no LR scheduler state (a weights-only "
+                              f"checkpoint): start from it with --load PATH --finetune")
+    differences = list(plan.differences) + compat.scheduler_differences(
+        saved_scheduler, scheduler.state_dict())
+    if differences and not c.override_resume_check:
+        raise CheckpointError(compat.refusal(folder, differences))
+    contents = info["run"].get("contents", {})
+    load_optim, load_rng = not c.no_load_optim, not c.no_load_rng
+
+    verify(folder)
     # A checkpoint saved before the first optimizer step holds no optimizer state: the
     # fresh optimizer is then exactly what was saved.
     stepped = load_optim and contents.get("optimizer_stepped", True)
     state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=stepped,
                                        is_loading=True)
-    _check_shapes(folder, state_dict)
+    check_shapes(folder, state_dict)
     loaded = _load(state_dict, folder)
     io.restore_model(model, loaded)
     restored = ["model"]
@@ -98,11 +119,11 @@ def _resume(args, folder, model, optimizer, scheduler, data_fingerprint, log) ->
         optimizer.load_state_dict(loaded["optimizer"])
     if load_optim:
         restored.append("optimizer" if stepped else "optimizer (not yet stepped: empty)")
-    _restore_scheduler(scheduler, info["scheduler"], c.override_resume_check)
+    _restore_scheduler(scheduler, saved_scheduler, c.override_resume_check)
     restored.append(f"LR scheduler (step {scheduler.num_steps}, "
                     f"lr {optimizer.param_groups[0]['lr']:.6g})")
     if c.override_resume_check and load_optim:
-        _apply_current_optimizer_settings(args, optimizer)
+        _apply_current_optimizer_settings(config, optimizer)
 
     rng_restored, rng_note = False, ""
     if load_rng:
@@ -110,11 +131,9 @@ def _resume(args, folder, model, optimizer, scheduler, data_fingerprint, log) ->
         if rng_restored:
             restored.append("RNG")
     state = TrainState.from_dict(info["train_state"])
-    set_parent(info["id"])
 
-    if differences:
-        for line in differences:
-            log(f"--override_resume_check: resuming although {line}")
+    for line in differences:
+        log(f"--override_resume_check: resuming although {line}")
     log(f"resumed from {folder}: iteration {state.iteration}, "
         f"{state.consumed_train_samples} train samples and "
         f"{state.consumed_valid_samples} validation samples consumed; restored "
@@ -131,34 +150,48 @@ def _resume(args, folder, model, optimizer, scheduler, data_fingerprint, log) ->
     elif rng_note:
         log(f"RNG states: {rng_note}")
     _log_layout_change(info["run"], log)
-    return state
+    return state, info["id"]
 
 
-def _finetune(args, model, spec: str, log) -> TrainState:
-    folder, warnings = comm.decide(locate.resolve, spec, None, "--load")
-    for line in warnings:
-        log(f"WARNING: {line}")
-
-    def differences():
-        return compat.model_differences(files.read_json(folder, files.ARGS), args.to_dict())
-
-    lines = comm.decide(differences)
-    if lines and not args.checkpoint.override_resume_check:
-        raise CheckpointError(
-            f"--load {spec}: the checkpoint's model differs from this one:\n"
-            + "\n".join(f"  {line}" for line in lines)
-            + "\nMatch the model flags, or pass --override_resume_check if the shapes "
-              "still agree.")
-    _verify(folder)
+def load_weights(folder: str, model) -> None:
+    """Collective: the model weights of checkpoint ``folder`` into ``model`` (a list of
+    chunks, DDP-wrapped or not): checksums verified, shapes checked, then loaded with
+    resharding to this run's layout. Raises CheckpointError naming what does not fit."""
+    verify(folder)
     state_dict = io.sharded_state_dict(model, None, with_optimizer=False, is_loading=True)
-    _check_shapes(folder, state_dict)
+    check_shapes(folder, state_dict)
     io.restore_model(model, _load(state_dict, folder))
-    log(f"--finetune: model weights from {folder}; optimizer, LR schedule, RNG and counters "
-        f"start fresh (iteration 0)")
-    return TrainState()
 
 
-def _verify(folder: str) -> None:
+def read_run_flags(folder: str) -> Dict[str, Dict[str, Any]]:
+    """The flags a checkpoint was trained with (args.json), grouped by concern."""
+    return files.read_json(folder, files.ARGS)
+
+
+def _read_info(folder: str, config, data_fingerprint) -> Dict[str, Any]:
+    """Rank 0: the checkpoint's JSON files and the resume check's findings."""
+    manifest, problem = commit.read_manifest(folder)
+    if problem:
+        raise CheckpointError(f"checkpoint {folder} cannot be used: {problem}")
+    info = {"id": manifest.get("id"),
+            "run": files.read_json(folder, files.RUN),
+            "train_state": files.read_json(folder, files.TRAIN_STATE),
+            "args": files.read_json(folder, files.ARGS)}
+    try:
+        TrainState.from_dict(info["train_state"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {folder}: {files.TRAIN_STATE} is invalid ({err})"
+                              ) from None
+    info["differences"] = compat.resume_differences(
+        info["args"], config.to_dict(), info["run"].get("data_fingerprint"), data_fingerprint)
+    return info
+
+
+def _model_differences(folder: str, config) -> List[str]:
+    return compat.model_differences(read_run_flags(folder), config.to_dict())
+
+
+def verify(folder: str) -> None:
     """Checksums of every file; on a mismatch, name the other complete checkpoints."""
     try:
         commit.verify_checksums(folder)
@@ -170,7 +203,7 @@ def _verify(folder: str) -> None:
         raise CheckpointError(f"{err}.{hint} Nothing was changed on disk.") from None
 
 
-def _check_shapes(folder: str, state_dict) -> None:
+def check_shapes(folder: str, state_dict) -> None:
     error = None
     try:
         lines = io.shape_mismatches(folder, state_dict)
@@ -203,8 +236,8 @@ def _restore_scheduler(scheduler, saved: Dict[str, Any], override: bool) -> None
         scheduler.override_opt_param_scheduler = previous
 
 
-def _apply_current_optimizer_settings(args, optimizer) -> None:
-    t = args.training
+def _apply_current_optimizer_settings(config, optimizer) -> None:
+    t = config.training
     for group in optimizer.param_groups:
         if "betas" in group:
             group["betas"] = (t.adam_beta1, t.adam_beta2)

@@ -1,5 +1,6 @@
 """Which checkpoint a run resumes from: ``--resume`` (auto: under output_dir),
-``--resume PATH`` / ``--load PATH`` (a checkpoint folder, or a root holding the tracker).
+``--resume PATH`` / ``--load PATH`` / export's and infer's ``--model PATH`` (a checkpoint
+folder, a root holding the tracker, or a run's output_dir).
 
 The tracker decides. Two exceptions, each logged as a warning:
 - it names a missing or incomplete folder, or is unreadable: the newest complete one;
@@ -16,7 +17,8 @@ from typing import List, Optional, Tuple
 from .commit import (MANIFEST_FILENAME, check_complete, complete_checkpoints,
                      list_checkpoints, read_manifest)
 from ..errors import CheckpointError
-from .tracker import TRACKER_FILENAME, iter_dir_name, parse_iter_dir, read_tracker
+from .tracker import (CHECKPOINT_SUBDIR, TRACKER_FILENAME, iter_dir_name, parse_iter_dir,
+                      read_tracker)
 
 Found = Tuple[Optional[str], List[str]]  # (checkpoint folder or None, warnings)
 
@@ -39,6 +41,9 @@ def resolve(spec: str, default_root: str, flag: str = "--resume") -> Found:
         raise CheckpointError(f"{flag} {spec}: {path} is not a folder (give a checkpoint "
                               f"folder such as .../checkpoint/iter_0000100, or the "
                               f"checkpoint folder holding {TRACKER_FILENAME})")
+    run_root = os.path.join(path, CHECKPOINT_SUBDIR)
+    if os.path.isdir(run_root) and not is_checkpoint_folder(path):
+        path = run_root  # a run's output_dir: its checkpoint folder holds the tracker
     if is_checkpoint_folder(path):
         problem = check_complete(path)
         if problem:
@@ -95,8 +100,9 @@ def _unrecorded_successor(tracked_folder: str, complete) -> Optional[str]:
     if not tracked_id:
         return None
     newest = None
+    tracked_iteration = parse_iter_dir(os.path.basename(tracked_folder))
     for iteration, path in complete:
-        if iteration <= manifest["iteration"]:
+        if iteration <= tracked_iteration:
             continue
         other, _ = read_manifest(path)
         if other and other.get("parent_id") == tracked_id:

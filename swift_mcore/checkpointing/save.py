@@ -5,46 +5,41 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
-from . import comm, commit, files, io, rng
+from ..runtime import collectives as comm
+from . import commit, files, io, rng
 from .state import TrainState
 from .tracker import checkpoint_root, iter_dir_name, read_tracker, write_tracker
 
-# Id of the checkpoint this process's training state descends from (the one it resumed
-# from or saved last); sealed into each manifest as parent_id (see locate.py).
-_lineage = {"id": None}
 
+def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
+                    data_fingerprint, parent_id: Optional[str] = None) -> Tuple[str, str]:
+    """Collective. Returns (the committed folder ``output_dir/checkpoint/iter_NNNNNNN``, its
+    id). ``parent_id`` is the id of the checkpoint this training state descends from (the
+    one resumed from or saved last), sealed into the manifest (locate.py reads it). An
+    error on any rank (a full disk, say) is raised on every rank; the previous checkpoints
+    are untouched.
 
-def set_parent(checkpoint_id: Optional[str]) -> None:
-    _lineage["id"] = checkpoint_id
-
-
-def save_checkpoint(args, state: TrainState, model, optimizer, scheduler,
-                    data_fingerprint) -> str:
-    """Collective. Returns the committed folder ``output_dir/checkpoint/iter_NNNNNNN``.
-    An error on any rank (a full disk, say) is raised on every rank; what was written
-    stays in the hidden staging folder, and the previous checkpoints are untouched."""
-    c = args.checkpoint
-    root = checkpoint_root(args)
+    Each fact is written once: counters in train_state.json, the flags in args.json, the
+    rest of swift-mcore's facts in run.json; common.pt holds Megatron-LM's copies of the
+    iteration, scheduler and FLOPs (its loader reads them there; the scheduler is read back
+    from there too)."""
+    c = config.checkpoint
+    root = checkpoint_root(config)
     iteration = state.iteration
     final = os.path.join(root, iter_dir_name(iteration))
     token = comm.broadcast(commit.new_token() if comm.rank() == 0 else None)
     staging = commit.staging_dir(root, iteration, token)
     comm.decide(_prepare, root, staging)
 
-    # Model and optimizer: sharded tensors (torch_dist). The plain extras mirror what
-    # megatron-LM keeps in common.pt; swift-mcore itself reads the JSON files below.
-    # An optimizer that has not stepped yet has no state to save (Adam creates it lazily).
+    # Model and optimizer: sharded tensors (torch_dist). An optimizer that has not stepped
+    # yet has no state to save (Adam creates it lazily).
     with_optimizer = not c.no_save_optim and io.optimizer_has_state(optimizer)
     # No scheduler: a weights-only checkpoint (export --to_mcore), loadable with --finetune.
-    scheduler_state = scheduler.state_dict() if scheduler is not None else None
     state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=with_optimizer,
                                        is_loading=False)
-    state_dict.update(iteration=iteration, checkpoint_version=3.0,
-                      opt_param_scheduler=scheduler_state,
-                      num_floating_point_operations_so_far=float(
-                          state.floating_point_operations_so_far))
+    state_dict.update(io.megatron_lm_common(state, scheduler))
     io.save(state_dict, staging)
 
     layouts = comm.all_gather(rng.layout())
@@ -52,13 +47,12 @@ def save_checkpoint(args, state: TrainState, model, optimizer, scheduler,
         comm.raise_if_any(comm.attempt(rng.save, staging, comm.rank()))
     comm.decide(_write_json, staging, {
         files.TRAIN_STATE: state.to_dict(),
-        files.ARGS: args.to_dict(),
-        **({files.SCHEDULER: scheduler_state} if scheduler_state is not None else {}),
+        files.ARGS: config.to_dict(),
         files.RUN: {
-            "iteration": iteration,
             "data_fingerprint": data_fingerprint,
             "contents": {"model": True, "optimizer": not c.no_save_optim,
-                         "optimizer_stepped": with_optimizer, "rng": not c.no_save_rng},
+                         "optimizer_stepped": with_optimizer, "rng": not c.no_save_rng,
+                         "scheduler": scheduler is not None},
             "layout": {"world_size": comm.world_size(), **{
                 k: v for k, v in layouts[0].items() if k.endswith("_size")}},
             "rng_layouts": {str(r): lay for r, lay in enumerate(layouts)},
@@ -67,10 +61,9 @@ def save_checkpoint(args, state: TrainState, model, optimizer, scheduler,
         },
     })
 
-    commit.seal(staging, iteration, extra={"id": token, "parent_id": _lineage["id"]})
+    commit.seal(staging, extra={"id": token, "parent_id": parent_id})
     comm.decide(_publish, staging, final, root, iteration, c.save_total_limit)
-    set_parent(token)
-    return final
+    return final, token
 
 
 def _prepare(root: str, staging: str) -> None:

@@ -88,32 +88,26 @@ def check_prefixes(prefixes: Sequence[str], flag: str = "--data_path") -> List[s
 
 
 def check_data_arguments(data) -> None:
-    """What can be checked of the data flags before any process group exists: the blend
-    parses, its .bin/.idx pairs are whole, --dataset names readable kinds of input, --split
-    parses. Called by PretrainArguments.validate; the build checks the rest (file contents)."""
-    from .sources import expand_inputs
-
-    if data.data_path and data.dataset:
-        raise ArgumentError("--data_path and --dataset are exclusive: give preprocessed "
-                            "prefixes or raw files, not both")
+    """What can be checked of the pretraining data flags before any process group exists:
+    the blend parses, its .bin/.idx pairs are whole, --split parses. Called once, by
+    run_config.resolve; the build checks the rest (file contents)."""
     if data.data_path:
         check_prefixes(parse_blend(data.data_path)[0])
-    if data.dataset:
-        expand_inputs(data.dataset, flag="--dataset")
     check_split(data.split)
 
 
-def resolve_blend(args, tokenizer) -> Blend:
-    """--data_path, else --dataset (tokenized once, cached), else the embedded corpus."""
+def resolve_blend(config, tokenizer) -> Blend:
+    """--data_path, else --dataset (tokenized once, cached), else the embedded corpus.
+    ``config`` is a RunConfig (its data flags checked, --dataset expanded)."""
     from . import token_cache
 
-    data = args.data
-    check_data_arguments(data)
+    data = config.data
     if data.data_path:
         prefixes, weights = parse_blend(data.data_path)
-        return check_prefixes(prefixes), weights
+        return [_normalize_prefix(p) for p in prefixes], weights
     if data.dataset:
-        return [token_cache.raw_files_prefix(data.dataset, data.text_key, tokenizer)], None
+        return [token_cache.raw_files_prefix(config.dataset_sources, data.text_key,
+                                             tokenizer)], None
     return [token_cache.default_corpus_prefix(tokenizer)], None
 
 
@@ -160,15 +154,14 @@ def index_cache_path(args, prefixes: Sequence[str]) -> str:
     return os.path.join(base, key.hexdigest()[:16])
 
 
-def build_datasets(args, tokenizer, is_built_on_rank: Optional[Callable[[], bool]] = None):
+def build_datasets(args, tokenizer):
     """(train, valid, test) datasets; an empty split is None.
 
     Call on every rank after torch.distributed is initialized: rank 0 builds the index caches,
     the others wait at a barrier and load them (so the cache folder must be shared by all
     ranks, as megatron requires). By default every rank builds its datasets: our loaders are
     deterministic, so tensor- and pipeline-parallel peers read identical batches on their own
-    instead of needing a broadcast. Pass ``is_built_on_rank`` to narrow that (megatron's
-    convention: datasets only where they are consumed); other ranks then get None.
+    instead of needing a broadcast. ``args`` is a RunConfig.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder)
@@ -180,7 +173,7 @@ def build_datasets(args, tokenizer, is_built_on_rank: Optional[Callable[[], bool
     for prefix in prefixes:
         check_token_range(prefix, tokenizer.vocab_size)
     config = gpt_config(args, tokenizer, (prefixes, weights))
-    on_rank = is_built_on_rank or (lambda: True)
+    on_rank = lambda: True  # noqa: E731  (every rank: see above)
     epoch_samples = [samples_per_split(p, config) for p in prefixes]
     if sum(per_split[0] for per_split in epoch_samples) == 0:
         raise ArgumentError(

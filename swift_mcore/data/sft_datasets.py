@@ -175,16 +175,14 @@ class SftDataset(torch.utils.data.Dataset):
 
 def build_sft_datasets(args, tokenizer, log: Callable[[str], None] = print):
     """(train, valid, None) SftDatasets from --dataset (and --val_dataset or
-    --split_dataset_ratio). Raises ArgumentError naming the file, row and flag."""
+    --split_dataset_ratio); ``args`` is a RunConfig. Raises ArgumentError naming the file,
+    row and flag."""
     from ..arguments.sft import column_map
     from .conversations import read_conversations
-    from .sources import content_fingerprint, expand_inputs
-
     s, seq = args.sft, args.model.seq_length
     template = Template(s.template, tokenizer, system=s.system)
     columns = column_map(s.columns)
-    train_sources = expand_inputs(args.data.dataset, "--dataset")
-    val_sources = expand_inputs(s.val_dataset, "--val_dataset") if s.val_dataset else []
+    train_sources, val_sources = list(args.dataset_sources), list(args.val_dataset_sources)
 
     def encode(sources, flag):
         report = EncodingReport()
@@ -202,19 +200,7 @@ def build_sft_datasets(args, tokenizer, log: Callable[[str], None] = print):
     if s.split_dataset_ratio:
         train, valid = split(train, s.split_dataset_ratio, args.training.seed)
 
-    identity = {
-        "version": ENCODING_VERSION,
-        "train": content_fingerprint(train_sources),
-        "valid": content_fingerprint(val_sources) if val_sources else None,
-        "tokenizer": tokenizer.fingerprint,
-        "sft": {k: getattr(s, k) for k in ("template", "system", "loss_on",
-                                           "truncation_strategy", "packing", "columns",
-                                           "split_dataset_ratio")},
-        "template": template.name,
-        # the Jinja text decides the tokens; the tokenizer's fingerprint covers its vocabulary
-        "chat_template": tokenizer.chat_template if template.name == "tokenizer" else None,
-    }
-    fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    fingerprint = sft_fingerprint(args, tokenizer, template)
     pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
     pad_fixed = args.parallel.pipeline_model_parallel_size > 1
     pad_multiple = (args.parallel.tensor_model_parallel_size
@@ -233,6 +219,33 @@ def build_sft_datasets(args, tokenizer, log: Callable[[str], None] = print):
                           f"{fingerprint}:{name}", pad_multiple)
 
     return dataset(train, "train"), dataset(valid, "valid"), None
+
+
+def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> str:
+    """Identity of a run's finetuning data, from the files alone (no encoding): their
+    content, the tokenizer, the chat template and the flags that change the rows."""
+    from .sources import content_fingerprint
+
+    s = config.sft
+    template = template or Template(s.template, tokenizer, system=s.system)
+    identity = {
+        "version": ENCODING_VERSION,
+        "train": content_fingerprint(config.dataset_sources),
+        "valid": (content_fingerprint(config.val_dataset_sources)
+                  if config.val_dataset_sources else None),
+        "tokenizer": tokenizer.fingerprint,
+        "sft": {k: _plain(getattr(s, k)) for k in (
+            "template", "system", "loss_on", "truncation_strategy", "packing", "columns",
+            "split_dataset_ratio")},
+        "template": template.name,
+        # the Jinja text decides the tokens; the tokenizer's fingerprint covers its vocabulary
+        "chat_template": tokenizer.chat_template if template.name == "tokenizer" else None,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def split(encoded: Encoded, ratio: float, seed: int) -> Tuple[Encoded, Encoded]:

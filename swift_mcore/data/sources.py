@@ -11,7 +11,8 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence
+from functools import lru_cache
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError
 
@@ -197,7 +198,15 @@ def _files_of(source: Source) -> List[str]:
 
 def content_fingerprint(sources: Sequence[Source]) -> str:
     """sha256 over every source's kind and bytes, in order; paths and timestamps play no part,
-    so copies and touched files hit the same cache, and any edit misses it."""
+    so copies and touched files hit the same cache, and any edit misses it. Remembered per
+    process while no file changes (size and mtime), so asking twice reads the data once."""
+    stamp = tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns)
+                  for s in sources for p in _files_of(s))
+    return _content_fingerprint(tuple(sources), stamp)
+
+
+@lru_cache(maxsize=32)
+def _content_fingerprint(sources: Tuple[Source, ...], stamp) -> str:
     digest = hashlib.sha256(f"sources v{READER_VERSION}".encode())
     for source in sources:
         digest.update(f"\0{source.kind}\0".encode())

@@ -36,7 +36,7 @@ def default_corpus_prefix(tokenizer) -> str:
                                                               tokenizer, prefix))
 
 
-def raw_files_prefix(patterns: Sequence[str], text_key: str, tokenizer) -> str:
+def raw_files_prefix(sources: Sequence, text_key: str, tokenizer) -> str:
     """--dataset inputs tokenized into one cached prefix, keyed by their content (not their
     paths or timestamps), the text column and the tokenizer.
 
@@ -44,9 +44,8 @@ def raw_files_prefix(patterns: Sequence[str], text_key: str, tokenizer) -> str:
     process holds threads of its own (gloo, pyarrow) that make forking workers unsafe.
     """
     from .encoding import encode_sources
-    from .sources import content_fingerprint, expand_inputs
+    from .sources import content_fingerprint
 
-    sources = expand_inputs(patterns, flag="--dataset")
     key = (f"raw sources={content_fingerprint(sources)} text_key={text_key} "
            f"tokenizer={tokenizer.fingerprint} eod=1")
 

@@ -1,4 +1,4 @@
-"""Builds megatron-core's GPTModel (local layer spec, or Transformer Engine's on CUDA)."""
+"""Builds megatron-core's GPTModel from a RunConfig (the layer spec and attention it chose)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,15 @@ import torch
 import torch.nn.functional as F
 
 
-def has_transformer_engine() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def transformer_config(args, initialize: bool = True):
-    """The megatron TransformerConfig for these arguments (dtypes, parallel layout, shape).
+def transformer_config(config, initialize: bool = True):
+    """The megatron TransformerConfig of a RunConfig (dtypes, parallel layout, shape).
     ``initialize=False`` leaves the weights unset, for a caller that loads every one."""
     from megatron.core.transformer import TransformerConfig
 
-    m, t, p = args.model, args.training, args.parallel
+    m, t, p = config.model, config.training, config.parallel
     dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
-    cuda = torch.cuda.is_available()
+    cuda = config.cuda
+    te = config.layer_spec == "transformer_engine"
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -55,7 +46,7 @@ def transformer_config(args, initialize: bool = True):
         use_cpu_initialization=True,
         perform_initialization=initialize,
         # The fused kernels are CUDA-only; on GPU megatron picks them when TE is present.
-        bias_activation_fusion=cuda and m.swiglu and has_transformer_engine(),
+        bias_activation_fusion=cuda and m.swiglu and te,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
@@ -69,23 +60,23 @@ def transformer_config(args, initialize: bool = True):
     )
 
 
-def layer_spec(args):
+def layer_spec(config):
+    """The layer spec and core attention ``config`` chose (run_config.choose_attention)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if has_transformer_engine():
+    if config.layer_spec == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=args.model.qk_layernorm)
+            qk_layernorm=config.model.qk_layernorm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=args.model.qk_layernorm, normalization=args.model.normalization)
-    if args.model.attention_backend == "sdpa":
+        qk_layernorm=config.model.qk_layernorm, normalization=config.model.normalization)
+    if config.attention == "sdpa":
         from .sdpa_attention import SdpaAttention
 
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     return spec
 
 
-def build_model(args, padded_vocab_size: int, initialize: bool = True
-                ) -> List[torch.nn.Module]:
+def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
     """One GPTModel chunk per rank holding this rank's pipeline stage and TP shard.
 
     ``initialize=False`` skips the random initialization, for a one-process model whose
@@ -95,22 +86,22 @@ def build_model(args, padded_vocab_size: int, initialize: bool = True
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(args, initialize)
+    m = config.model
     model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(args),
-        vocab_size=padded_vocab_size,
-        max_sequence_length=args.model.max_position_embeddings,
+        config=transformer_config(config, initialize),
+        transformer_layer_spec=layer_spec(config),
+        vocab_size=config.padded_vocab_size,
+        max_sequence_length=m.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not args.model.untie_embeddings_and_output_weights,
-        position_embedding_type=args.model.position_embedding_type,
-        rotary_percent=args.model.rotary_percent,
-        rotary_base=args.model.rotary_base,
-        rope_scaling=args.model.use_rope_scaling,
-        rope_scaling_factor=args.model.rope_scaling_factor,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type,
+        rotary_percent=m.rotary_percent,
+        rotary_base=m.rotary_base,
+        rope_scaling=m.use_rope_scaling,
+        rope_scaling_factor=m.rope_scaling_factor,
     )
-    if torch.cuda.is_available():
+    if config.cuda:
         model.cuda(torch.cuda.current_device())
     return [model]
 

@@ -69,8 +69,7 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                             f"{folder.config_path}:\n" + "\n".join(f"  {p}" for p in shown))
 
 
-def load_hf_weights(args, model_chunks, padded_vocab: int,
-                    log: Callable[[str], None] = print) -> int:
+def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) -> int:
     """Copy --model's weights into this rank's chunks (DDP-wrapped or not). Every parameter
     must be filled. Returns the number of parameters this rank loaded."""
     from megatron.core import parallel_state
@@ -78,8 +77,8 @@ def load_hf_weights(args, model_chunks, padded_vocab: int,
     from ..checkpointing.io import unwrap
 
     start = time.time()
-    folder = HFFolder(args.model.model, flag="--model")
-    layout = Layout.from_model_args(args.model, padded_vocab)
+    folder = HFFolder(config.model.model, flag="--model")
+    layout = Layout.from_model_args(config.model, config.padded_vocab_size)
     check_shapes(folder, layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()

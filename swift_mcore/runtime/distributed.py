@@ -11,13 +11,7 @@ import torch.distributed as dist
 from . import cpu_compat
 
 
-def default_backend(requested: str | None = None) -> str:
-    if requested:
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def initialize(args) -> None:
+def initialize(config) -> None:
     """Create the process group and megatron's model-parallel groups (idempotent).
 
     A single process started without torchrun gets a one-rank group on a free local port,
@@ -31,14 +25,14 @@ def initialize(args) -> None:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        backend = default_backend(args.parallel.distributed_backend)
+        backend = config.backend
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=args.parallel.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.parallel.pipeline_model_parallel_size,
+            tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
         )
 
 

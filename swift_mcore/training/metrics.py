@@ -6,7 +6,7 @@ import time
 from typing import Dict, List
 
 
-def flops_per_token(args, padded_vocab_size: int) -> float:
+def flops_per_token(config) -> float:
     """Training FLOPs per token: 6 x matmul parameters + the attention score/value matmuls.
 
     Forward is 2 FLOPs per multiply-add, backward twice the forward, hence the 6; attention
@@ -14,14 +14,14 @@ def flops_per_token(args, padded_vocab_size: int) -> float:
     for the causal mask: 12 x layers x seq x heads x head_dim per token, the count of
     PaLM's appendix B and Megatron-LM's classic formula.
     """
-    m = args.model
+    m = config.model
     h, layers, seq = m.hidden_size, m.num_layers, m.seq_length
     heads = m.num_attention_heads
     head_dim = m.kv_channels or h // heads
     groups = m.num_query_groups or heads
     attn_proj = h * head_dim * (heads + 2 * groups) + heads * head_dim * h
     mlp = h * m.ffn_hidden_size * (3 if m.swiglu else 2)
-    logits = h * padded_vocab_size
+    logits = h * config.padded_vocab_size
     matmul_params = layers * (attn_proj + mlp) + logits
     # Forward multiply-adds per token: seq x head_dim per head for each of the 2 matmuls.
     attention_macs = layers * 2 * seq * heads * head_dim

@@ -1,4 +1,4 @@
-"""The Trainer: builds every part in DESIGN.md's order, then runs the training loop."""
+"""The Trainer: builds every part of a run in order (docs/architecture.md), then runs the loop."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import ArgumentError
-from ..arguments import PretrainArguments, padded_vocab_size
+from ..arguments import PretrainArguments
 from ..checkpointing.state import TrainState
+from ..run_config import RunConfig, check_vocab, resolve
 from ..runtime import distributed, seed
 from .metrics import LogWindow, flops_per_token
 from .writers import MetricWriter, format_log_line
@@ -23,12 +23,14 @@ logger = logging.getLogger("swift_mcore")
 
 
 class Trainer:
-    """``Trainer(args).train()``. Subclasses override ``forward_step`` or ``compute_loss``."""
+    """``Trainer(args).train()``. Subclasses override ``forward_step`` or ``compute_loss``.
 
-    def __init__(self, args: PretrainArguments):
-        if args.derived is None:
-            args.validate()
-        self.args = args
+    ``self.args`` are the arguments as given (never changed); everything reads
+    ``self.config``, the RunConfig resolved from them (complete once the data is read)."""
+
+    def __init__(self, args: PretrainArguments | RunConfig):
+        self.config = args if isinstance(args, RunConfig) else resolve(args)
+        self.args = args.args if isinstance(args, RunConfig) else args
         self.start_time = time.time()
         self.state = TrainState()
         self._stop_signal: Optional[int] = None
@@ -37,108 +39,115 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------
     def train(self) -> TrainState:
         self.setup()
-        args, state = self.args, self.state
-        total = args.training.train_iters
+        config, state = self.config, self.state
+        total = config.training.train_iters
         exit_reason = None
         while state.iteration < total:
             step = self.train_step()
             self.advance(step)
             self.report(step)
-            if self.due(args.logging.eval_steps):
+            if self.due(config.logging.eval_steps):
                 self.evaluate()
             exit_reason = self.exit_reason()
-            if exit_reason or self.due(args.checkpoint.save_steps):
+            if exit_reason or self.due(config.checkpoint.save_steps):
                 self.save_checkpoint()
             if exit_reason:
                 break
-        if not exit_reason and state.iteration == total and not self.saved_at_current():
+        if not exit_reason and state.iteration == total:
             self.save_checkpoint()
-        if not exit_reason and args.checkpoint.save_safetensors:
+        if not exit_reason and config.checkpoint.save_safetensors:
             self.save_hf_folder()
         self.finish(exit_reason)
         return state
 
-    # ---- setup (DESIGN.md: model, ddp, optimizer, checkpoint, then the data iterators) ----
+    # ---- setup: the order of docs/architecture.md -------------------------------------
     def setup(self) -> None:
         from .. import data
+        from ..checkpointing import CheckpointManager
+        from ..checkpointing.load import plan_load
         from ..models.gpt import build_model, count_parameters
         from ..runtime.ddp import wrap_model
         from .optimizer import build_optimizer, build_scheduler
 
-        args = self.args
-        self.tokenizer = data.build_tokenizer(args)
-        self.padded_vocab_size = self.resolve_vocab(self.tokenizer)
-        distributed.initialize(args)
-        seed.set_seed(args.training.seed)
-        # The datasets (not their iterators) come first: bad data stops the run before the
-        # model is built, and --num_train_epochs needs the training set's size.
+        plan = self.config  # resolved from the flags; the data completes it below
+        self.tokenizer = data.build_tokenizer(plan)
+        check_vocab(plan.model, self.tokenizer.vocab_size)
+        distributed.initialize(plan)
+        seed.set_seed(plan.training.seed)
+        # What would be resumed, and whether it may be, is settled before anything is
+        # written (megatron's index cache, the model, the logs).
+        self.data_fingerprint = self.fingerprint_data()
+        load_plan = plan_load(plan, self.data_fingerprint, log=self.writer_print_early)
+        # The datasets (not their iterators) come before the model: bad data stops the run
+        # first, and --num_train_epochs needs the training set's size.
         self.train_ds, self.valid_ds, self.test_ds = self.build_datasets()
-        self.data_fingerprint = data.dataset_fingerprint(self.train_ds)
-        args.resolve_train_iters(len(self.train_ds))
-        self.model = wrap_model(args, build_model(args, self.padded_vocab_size))
+        self.config = config = plan.complete(self.tokenizer.vocab_size, len(self.train_ds))
+        self.checkpoints = CheckpointManager(config, load_plan, log=self.writer_print_early)
+        self.model = wrap_model(config, build_model(config))
         self.load_pretrained_weights()
         self.num_parameters = self.count_all_parameters(count_parameters(self.model))
-        config = self.model[0].config
+        megatron_config = self.model[0].config
         from megatron.core.distributed import finalize_model_grads
 
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = [chunk.no_sync for chunk in self.model]
+        megatron_config.finalize_model_grads_func = finalize_model_grads
+        megatron_config.no_sync_func = [chunk.no_sync for chunk in self.model]
         if len(self.model) == 1:
-            config.no_sync_func = config.no_sync_func[0]
-        self.optimizer = build_optimizer(args, self.model)
-        config.grad_scale_func = self.optimizer.scale_loss
-        self.scheduler = build_scheduler(args, self.optimizer)
-        self.state = self.load_checkpoint()
+            megatron_config.no_sync_func = megatron_config.no_sync_func[0]
+        self.optimizer = build_optimizer(config, self.model)
+        megatron_config.grad_scale_func = self.optimizer.scale_loss
+        self.scheduler = build_scheduler(config, self.optimizer)
+        self.state = self.checkpoints.restore(self.model, self.optimizer, self.scheduler)
         self.train_iterator = self.build_iterator(self.train_ds,
                                                   self.state.consumed_train_samples)
         self.valid_iterator = self.build_iterator(self.valid_ds,
                                                   self.state.consumed_valid_samples)
         self.writer = self.build_writer()
-        self.flops_per_token = flops_per_token(args, self.padded_vocab_size)
-        self.log_window = LogWindow(self.flops_per_token, args.derived.world_size)
+        self.flops_per_token = flops_per_token(config)
+        self.log_window = LogWindow(self.flops_per_token, config.world.world_size)
         self.install_signal_handlers()
         self.log_start()
 
+    def fingerprint_data(self) -> str:
+        """The identity of the training data (content, blend, split, tokenizer, sft flags),
+        from the files alone: known before any dataset or cache is built."""
+        if self.config.COMMAND == "sft":
+            from ..data.sft_datasets import sft_fingerprint
+
+            return sft_fingerprint(self.config, self.tokenizer)
+        from ..data.gpt_datasets import dataset_fingerprint
+
+        return dataset_fingerprint(self.config, self.tokenizer)
+
     def build_datasets(self):
         """(train, valid, test): megatron's GPT datasets for pt, conversation rows for sft."""
-        from .. import data
-
-        if self.args.COMMAND == "sft":
+        if self.config.COMMAND == "sft":
             from ..data.sft_datasets import build_sft_datasets
 
-            return build_sft_datasets(self.args, self.tokenizer, log=self.writer_print_early)
-        return data.build_datasets(self.args, self.tokenizer)
+            return build_sft_datasets(self.config, self.tokenizer, log=self.writer_print_early)
+        from ..data.gpt_datasets import build_datasets
+
+        return build_datasets(self.config, self.tokenizer)
 
     def load_pretrained_weights(self) -> None:
         """--model: the Hugging Face weights, after the model is built and before the optimizer
         takes its copy of the parameters (a resumed checkpoint then replaces them)."""
-        if self.args.model.model:
+        if self.config.model.model:
             from ..models.hf_load import load_hf_weights
 
-            load_hf_weights(self.args, self.model, self.padded_vocab_size,
-                            log=self.writer_print_early)
-
-    def resolve_vocab(self, tokenizer) -> int:
-        m, tp = self.args.model, self.args.parallel.tensor_model_parallel_size
-        if m.vocab_size is not None and tokenizer.vocab_size > m.vocab_size:
-            raise ArgumentError(
-                f"the tokenizer has {tokenizer.vocab_size} tokens but --vocab_size is "
-                f"{m.vocab_size}; raise --vocab_size or leave it unset")
-        return padded_vocab_size(m.vocab_size or tokenizer.vocab_size,
-                                 m.make_vocab_size_divisible_by, tp)
+            load_hf_weights(self.config, self.model, log=self.writer_print_early)
 
     def build_iterator(self, dataset, consumed_samples: int) -> Optional[Iterator]:
         from megatron.core import parallel_state
         from ..data import build_data_iterator
 
         return build_data_iterator(
-            dataset, consumed_samples, self.args,
+            dataset, consumed_samples, self.config,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size())
 
     def build_writer(self) -> MetricWriter:
-        lg = self.args.logging
-        return MetricWriter(lg.output_dir, self.args.training.train_iters, self.state.iteration,
+        lg = self.config.logging
+        return MetricWriter(lg.output_dir, self.config.training.train_iters, self.state.iteration,
                             active=distributed.is_last_rank(), tensorboard=lg.tensorboard,
                             progress_bar=lg.progress_bar)
 
@@ -164,15 +173,15 @@ class Trainer:
     def forward_backward(self, data_iterator, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        args = self.args
+        config = self.config
         return get_forward_backward_func()(
             forward_step_func=self.forward_step,
             data_iterator=data_iterator,
             model=self.model,
-            num_microbatches=args.derived.num_microbatches,
-            seq_length=args.model.seq_length,
-            micro_batch_size=args.training.micro_batch_size,
-            decoder_seq_length=args.model.seq_length,
+            num_microbatches=config.world.num_microbatches,
+            seq_length=config.model.seq_length,
+            micro_batch_size=config.training.micro_batch_size,
+            decoder_seq_length=config.model.seq_length,
             forward_only=forward_only,
         )
 
@@ -186,18 +195,17 @@ class Trainer:
 
     def get_batch(self, data_iterator) -> Dict[str, torch.Tensor]:
         """The next micro-batch on this rank's device. Packed rows (sft --packing) get the
-        mask that keeps their conversations apart: a block-diagonal causal mask for
-        megatron's local attention, variable-length parameters for Transformer Engine's."""
+        mask that keeps their conversations apart, as ``config.packed_rows`` decided: a
+        block-diagonal causal mask, or variable-length parameters for Transformer Engine."""
         batch = next(data_iterator)
         if model_is_training(self.model):
             self._sample_ids.append(batch["sample_ids"])
-        if torch.cuda.is_available():
+        if self.config.cuda:
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
         if "segment_ids" in batch:
             from ..data.packing import block_causal_mask, packed_seq_params
-            from ..models.gpt import has_transformer_engine
 
-            if has_transformer_engine():
+            if self.config.packed_rows == "thd":
                 batch["packed_seq_params"] = packed_seq_params(batch["segment_ids"])
             else:
                 batch["attention_mask"] = block_causal_mask(batch["segment_ids"])
@@ -230,7 +238,7 @@ class Trainer:
         return float(total[0]), float(total[1]), tokens
 
     def advance(self, step: Dict[str, float]) -> None:
-        state, gbs = self.state, self.args.training.global_batch_size
+        state, gbs = self.state, self.config.training.global_batch_size
         state.iteration += 1
         state.consumed_train_samples += gbs
         if step.get("skipped"):
@@ -238,9 +246,9 @@ class Trainer:
         # Real tokens where this rank knows them (the last pipeline stage), else a full batch.
         tokens = step.get("tokens")
         if tokens is None:
-            tokens = gbs * self.args.model.seq_length
+            tokens = gbs * self.config.model.seq_length
         state.floating_point_operations_so_far += tokens * self.flops_per_token
-        if self.args.logging.log_sample_ids:
+        if self.config.logging.log_sample_ids:
             self.write_sample_ids()
 
     # ---- validation ---------------------------------------------------------------------
@@ -251,12 +259,12 @@ class Trainer:
             chunk.eval()
         loss_sum = tokens = 0.0
         with torch.no_grad():
-            for _ in range(self.args.logging.eval_iters):
+            for _ in range(self.config.logging.eval_iters):
                 s, n, _ = self.reduce_losses(
                     self.forward_backward(self.valid_iterator, True))
                 if s is not None:
                     loss_sum, tokens = loss_sum + s, tokens + n
-                self.state.consumed_valid_samples += self.args.training.global_batch_size
+                self.state.consumed_valid_samples += self.config.training.global_batch_size
         for chunk in self.model:
             chunk.train()
         if not self.writer.active:
@@ -265,17 +273,17 @@ class Trainer:
         metrics = {"val_loss": val_loss, "val_ppl": float(torch.tensor(val_loss).exp())}
         self.writer.record(self.state.iteration, metrics, prefix="valid")
         self.writer.print(format_log_line(self.state.iteration,
-                                          self.args.training.train_iters, metrics))
+                                          self.config.training.train_iters, metrics))
         return metrics
 
     # ---- reporting ----------------------------------------------------------------------
     def report(self, step: Dict[str, float]) -> None:
         """Progress bar every iteration; a log line with the window's averages every
         --log_interval iterations and at the last one."""
-        it, total = self.state.iteration, self.args.training.train_iters
+        it, total = self.state.iteration, self.config.training.train_iters
         self.writer.step(it, step.get("loss"))
         self.log_window.add(step)
-        if it % self.args.logging.log_interval == 0 or it == total:
+        if it % self.config.logging.log_interval == 0 or it == total:
             metrics = self.log_window.flush()
             self.writer.record(it, metrics)
             self.writer.print(format_log_line(it, total, metrics))
@@ -290,21 +298,21 @@ class Trainer:
         dist.all_gather_object(gathered, mine.tolist(), group=group)
         if self.writer.active:
             ids = sorted(i for part in gathered for i in part)
-            path = os.path.join(self.args.logging.output_dir, "sample_ids.jsonl")
+            path = os.path.join(self.config.logging.output_dir, "sample_ids.jsonl")
             with open(path, "a", encoding="utf-8") as fh:
                 fh.write(f'{{"iteration": {self.state.iteration}, "sample_ids": {ids}}}\n')
 
     def log_start(self) -> None:
-        a, d = self.args, self.args.derived
+        c, w = self.config, self.config.world
         self.writer.print(
             f"swift-mcore: {self.num_parameters / 1e6:.2f}M parameters, "
-            f"vocab {self.tokenizer.vocab_size} (padded {self.padded_vocab_size}), "
-            f"world {d.world_size} = TP {a.parallel.tensor_model_parallel_size} x "
-            f"PP {a.parallel.pipeline_model_parallel_size} x DP {d.data_parallel_size}, "
-            f"global batch {a.training.global_batch_size} = micro {a.training.micro_batch_size}"
-            f" x {d.num_microbatches} micro-batches x DP {d.data_parallel_size}, "
-            f"seq {a.model.seq_length}, starting at iteration {self.state.iteration} "
-            f"({self.state.consumed_train_samples} samples consumed)")
+            f"vocab {c.vocab_size} (padded {c.padded_vocab_size}), "
+            f"world {w.world_size} = TP {w.tensor_parallel} x PP {w.pipeline_parallel} x "
+            f"DP {w.data_parallel}, global batch {c.training.global_batch_size} = micro "
+            f"{c.training.micro_batch_size} x {w.num_microbatches} micro-batches x DP "
+            f"{w.data_parallel}, seq {c.model.seq_length}; {c.describe()}; starting at "
+            f"iteration {self.state.iteration} ({self.state.consumed_train_samples} samples "
+            f"consumed)")
 
     def count_all_parameters(self, local: int) -> int:
         """Parameters of the whole model: summed over TP and PP ranks of one replica."""
@@ -326,7 +334,7 @@ class Trainer:
 
     def exit_reason(self) -> Optional[str]:
         """Why to stop after this iteration, agreed by all ranks (a signal may reach one)."""
-        c = self.args.checkpoint
+        c = self.config.checkpoint
         code = 0
         if self._stop_signal is not None:
             code = 3
@@ -343,17 +351,12 @@ class Trainer:
     def due(self, every: Optional[int]) -> bool:
         return bool(every) and self.state.iteration % every == 0
 
-    def saved_at_current(self) -> bool:
-        return getattr(self, "_last_saved_iteration", None) == self.state.iteration
-
     def save_checkpoint(self) -> Optional[str]:
-        if self.args.checkpoint.no_save or self.saved_at_current():
+        """Saves the current iteration unless --no_save, or it was saved already."""
+        if self.config.checkpoint.no_save or self.checkpoints.saved_at(self.state.iteration):
             return None
-        from ..checkpointing import save_checkpoint
-
-        path = save_checkpoint(self.args, self.state, self.model, self.optimizer,
-                               self.scheduler, self.data_fingerprint)
-        self._last_saved_iteration = self.state.iteration
+        path = self.checkpoints.save(self.state, self.model, self.optimizer, self.scheduler,
+                                     self.data_fingerprint)
         self.writer.print(f"saved checkpoint {path} (iteration {self.state.iteration}, "
                           f"{self.state.consumed_train_samples} samples consumed)")
         return path
@@ -363,36 +366,32 @@ class Trainer:
         (iter_NNNNNNN-hf), converted by `swift-mcore export --to_hf` in a child process."""
         import shutil
 
-        from ..checkpointing import checkpoint_root, comm, iter_dir_name
-        from ..export import export_in_subprocess
+        from ..checkpointing import checkpoint_root, iter_dir_name
+        from ..launch import export_in_subprocess
+        from ..runtime import collectives
 
-        checkpoint = os.path.join(checkpoint_root(self.args), iter_dir_name(self.state.iteration))
+        checkpoint = os.path.join(checkpoint_root(self.config),
+                                  iter_dir_name(self.state.iteration))
         out = f"{checkpoint}-hf"
 
         def export() -> str:
             shutil.rmtree(out, ignore_errors=True)  # an earlier export of this iteration
             return export_in_subprocess(checkpoint, out)
 
-        line = comm.decide(export)
+        line = collectives.decide(export)
         self.writer.print(f"--save_safetensors: {line}")
         return out
-
-    def load_checkpoint(self) -> TrainState:
-        from ..checkpointing import load_checkpoint
-
-        return load_checkpoint(self.args, self.model, self.optimizer, self.scheduler,
-                               self.data_fingerprint, log=self.writer_print_early)
 
     def writer_print_early(self, text: str) -> None:
         if distributed.is_last_rank():
             print(text, flush=True)
 
     def finish(self, exit_reason: Optional[str]) -> None:
-        lg = self.args.logging
+        lg = self.config.logging
         out = os.path.abspath(lg.output_dir)
         lines = [f"finished at iteration {self.state.iteration}"
                  + (f" ({exit_reason})" if exit_reason else "")]
-        if not self.args.checkpoint.no_save:
+        if not self.config.checkpoint.no_save:
             lines.append(f"  checkpoints:  {os.path.join(out, 'checkpoint')}")
         lines.append(f"  metrics:      {os.path.join(out, 'metrics.jsonl')}")
         if lg.tensorboard:

@@ -1,4 +1,5 @@
-"""Collective helpers for the checkpoint module that also work without a process group."""
+"""Collectives that also work without a process group: broadcast, gather, and one rank's
+decision or error handed to all (so ranks fail together instead of hanging)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any, List
 
 import torch.distributed as dist
 
-from ..runtime.distributed import rank
+from .distributed import rank
 
 
 def initialized() -> bool:

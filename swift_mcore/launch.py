@@ -1,0 +1,102 @@
+"""Starting processes: swift-mcore's torchrun launcher (NPROC_PER_NODE...), a one-process
+command's error handling, and child commands with a clean environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import List, Optional
+
+
+class TorchrunLaunch:
+    """ms-swift's convention: NPROC_PER_NODE (and NNODES, NODE_RANK, MASTER_ADDR,
+    MASTER_PORT) in the environment means "run me under torchrun"."""
+
+    def __init__(self, nproc: int, nnodes: int, node_rank: int, master_addr: str,
+                 master_port: str):
+        self.nproc, self.nnodes, self.node_rank = nproc, nnodes, node_rank
+        self.master_addr, self.master_port = master_addr, master_port
+        self.world_size = nproc * nnodes
+
+    def command(self, subcommand_argv: List[str]) -> List[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nproc_per_node={self.nproc}", f"--nnodes={self.nnodes}",
+            f"--node_rank={self.node_rank}", f"--master_addr={self.master_addr}",
+            f"--master_port={self.master_port}",
+            "-m", "swift_mcore", *subcommand_argv,
+        ]
+
+    def run(self, subcommand_argv: List[str]) -> int:
+        env = dict(os.environ)
+        for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK"):
+            env.pop(name, None)  # the children are the ranks; they must not relaunch
+        return subprocess.call(self.command(subcommand_argv), env=env)
+
+
+def torchrun_launch() -> Optional[TorchrunLaunch]:
+    if "NPROC_PER_NODE" not in os.environ or "LOCAL_RANK" in os.environ:
+        return None
+
+    def env_int(name, default):
+        value = os.environ.get(name, default)
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+        if number <= 0 and name != "NODE_RANK" or number < 0:
+            raise SystemExit(f"swift-mcore: error: {name}={value!r} must be a positive integer")
+        return number
+
+    return TorchrunLaunch(
+        nproc=env_int("NPROC_PER_NODE", "1"), nnodes=env_int("NNODES", "1"),
+        node_rank=env_int("NODE_RANK", "0"),
+        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=os.environ.get("MASTER_PORT", "29500"))
+
+
+def run_command(name: str, argv: List[str], parse, work, shutdown: bool = True) -> int:
+    """A one-process command (preprocess, export, infer): ``work(parse(argv))``. Bad input,
+    an ArgumentError or a CheckpointError, is one line on stderr and exit code 2."""
+    from .errors import ArgumentError, CheckpointError
+
+    try:
+        args = parse(argv)
+    except ArgumentError as err:
+        print(f"swift-mcore {name}: error: {err}", file=sys.stderr)
+        return 2
+    from ._quiet import quiet_third_party
+
+    quiet_third_party()
+    try:
+        work(args)
+    except (ArgumentError, CheckpointError) as err:
+        print(f"swift-mcore {name}: error: {err}", file=sys.stderr)
+        return 2
+    if shutdown:
+        from .runtime import distributed
+
+        distributed.shutdown()
+    return 0
+
+
+# torchrun's variables: a child command must build its own one-rank process group.
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                "MASTER_PORT", "NPROC_PER_NODE", "NNODES", "NODE_RANK")
+
+
+def export_in_subprocess(checkpoint: str, out_dir: str, timeout: Optional[float] = None) -> str:
+    """`swift-mcore export --to_hf` in a fresh process (its own one-rank process group, so a
+    training run of any layout can call it); returns its last output line."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")}
+    cmd = [sys.executable, "-m", "swift_mcore", "export", "--to_hf", "--model", checkpoint,
+           "--output_dir", out_dir]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd[2:])}` failed ({proc.returncode}): "
+                           f"{proc.stderr.strip()[-2000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return lines[-1] if lines else f"wrote {out_dir}"

@@ -1,0 +1,138 @@
+"""One whole model (TP=PP=1, one process) from a Hugging Face folder or a swift-mcore
+checkpoint, with its tokenizer: what export and infer work on."""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .arguments import PretrainArguments
+from .errors import ArgumentError, CheckpointError
+from .run_config import RunConfig, resolve
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class LoadedModel:
+    flags: PretrainArguments    # what the model was resolved from (one process)
+    config: RunConfig           # complete: the padded vocabulary is the embedding's rows
+    model: torch.nn.Module      # megatron GPTModel, eval mode
+    tokenizer: object
+    kind: str                   # "hf" or "checkpoint"
+    path: str                   # the HF folder or the checkpoint folder
+    hf_folder: Optional[str]    # the HF folder the config/tokenizer came from, if known
+
+    @property
+    def vocab(self) -> int:
+        return self.config.model.vocab_size or self.config.padded_vocab_size
+
+
+def load_model(path: str, tokenizer: Optional[str] = None, flag: str = "--model",
+               log: Log = print) -> LoadedModel:
+    """Collective over a one-rank process group it creates when none exists."""
+    from .models.hf_folder import is_hf_folder
+
+    if is_hf_folder(path):
+        return _from_hf(path, tokenizer, log)
+    return _from_checkpoint(path, tokenizer, flag, log)
+
+
+def _from_hf(path: str, tokenizer_path: Optional[str], log: Log) -> LoadedModel:
+    from .data import build_tokenizer
+    from .models.hf_folder import HFFolder
+    from .models.hf_load import load_hf_weights
+
+    # Only the model matters; a sequence length its positions allow keeps the checks happy.
+    positions = HFFolder(path, flag="--model").config.get("max_position_embeddings") or 256
+    flags = PretrainArguments.from_flags(model=path, tokenizer=tokenizer_path,
+                                         seq_length=min(256, int(positions)))
+    tokenizer = build_tokenizer(flags)
+    config = resolve(flags, world_size=1).complete(tokenizer.vocab_size, None)
+    model = _build(config)
+    load_hf_weights(config, [model], log=log)
+    return LoadedModel(flags, config, model.eval(), tokenizer, "hf", os.path.abspath(path),
+                       os.path.abspath(path))
+
+
+def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str,
+                     log: Log) -> LoadedModel:
+    from .checkpointing import find_checkpoint, load_weights, read_run_flags, tensor_shapes
+    from .data.templates import attach_chat_template
+    from .models.hf_folder import is_hf_folder
+
+    folder = find_checkpoint(path, None, flag, log)
+    saved = read_run_flags(folder)
+    flags = one_process_flags(saved)
+    hf_folder = saved.get("model", {}).get("model")
+    tokenizer = _checkpoint_tokenizer(flags, saved, tokenizer_path, folder)
+    # A model finetuned with a built-in template is exported with it as its chat template.
+    attach_chat_template(tokenizer, saved.get("sft"))
+    rows = tensor_shapes(folder).get("embedding.word_embeddings.weight")
+    if rows is None:
+        raise CheckpointError(f"{folder} holds no embedding.word_embeddings.weight: not a GPT "
+                              f"checkpoint of swift-mcore")
+    config = resolve(flags, world_size=1).complete(tokenizer.vocab_size, None,
+                                                   padded_vocab_size=rows[0])
+    model = _build(config)
+    load_weights(folder, [model])
+    log(f"loaded checkpoint {folder}")
+    return LoadedModel(flags, config, model.eval(), tokenizer, "checkpoint", folder,
+                       hf_folder if hf_folder and is_hf_folder(hf_folder) else None)
+
+
+def one_process_flags(saved) -> PretrainArguments:
+    """The model a checkpoint was trained with, to rebuild in one process: its model flags
+    (``--model`` dropped: they already hold its config, and the folder may be gone), and its
+    precision on CUDA (float32 on CPU); everything else at its default."""
+    flags = PretrainArguments()
+    known = {name for name in vars(flags.model)}
+    model = {k: v for k, v in saved.get("model", {}).items() if k in known and k != "model"}
+    flags.update(**model)
+    training = saved.get("training", {})
+    if torch.cuda.is_available():
+        flags.update(bf16=bool(training.get("bf16")), fp16=bool(training.get("fp16")))
+    return flags
+
+
+def with_flags(flags: PretrainArguments, **changes) -> PretrainArguments:
+    """A copy of ``flags`` with ``changes`` applied (the original is left as it is)."""
+    return copy.deepcopy(flags).update(**changes)
+
+
+def _checkpoint_tokenizer(flags, saved, explicit: Optional[str], folder: str):
+    from .data import build_tokenizer, load_tokenizer
+
+    if explicit:
+        return load_tokenizer(explicit, flag="--tokenizer")
+    source = saved.get("data", {}).get("tokenizer") or saved.get("model", {}).get("model")
+    if not source:
+        return build_tokenizer(flags)
+    if not os.path.exists(source):
+        raise ArgumentError(f"checkpoint {folder} was trained with the tokenizer of {source}, "
+                            f"which no longer exists; pass --tokenizer PATH")
+    return load_tokenizer(source, flag="--tokenizer")
+
+
+def _build(config: RunConfig):
+    """The model with its weights unset: the caller loads every one of them."""
+    from .models.gpt import build_model
+    from .runtime import distributed, seed
+
+    distributed.initialize(config)
+    seed.set_seed(config.training.seed)
+    return build_model(config, initialize=False)[0]
+
+
+@torch.no_grad()
+def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [batch, sequence, padded vocab] of a whole (TP=PP=1) GPTModel."""
+    batch, length = tokens.shape
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    position_ids = torch.arange(length, device=device).unsqueeze(0).expand(batch, length)
+    return model(input_ids=tokens, position_ids=position_ids, attention_mask=None).float()
