@@ -10,6 +10,7 @@ from typing import Callable, Dict, List
 import torch
 
 from .arguments.export import ExportArguments
+from .errors import ArgumentError
 
 DESCRIPTION = """Convert between swift-mcore checkpoints and Hugging Face folders, in one process.
 A checkpoint saved at any tensor/pipeline-parallel layout is read whole (dist_checkpointing
@@ -25,7 +26,20 @@ def parse(argv: List[str]) -> ExportArguments:
     parser = argparse.ArgumentParser(prog="swift-mcore export", description=DESCRIPTION,
                                      argument_default=argparse.SUPPRESS)
     add_flags(parser, ExportArguments)
-    return ExportArguments(**vars(parser.parse_args(argv))).validate()
+    return check_source(ExportArguments(**vars(parser.parse_args(argv))).validate())
+
+
+def check_source(args: ExportArguments) -> ExportArguments:
+    """--model holds what the direction converts: a checkpoint for --to_hf, a Hugging Face
+    folder (config.json and safetensors) for --to_mcore."""
+    from .models.hf_folder import HFFolder, is_hf_folder
+
+    if args.to_hf and is_hf_folder(os.path.expanduser(args.model)):
+        raise ArgumentError(f"--to_hf converts a swift-mcore checkpoint, but --model "
+                            f"{args.model} is a Hugging Face folder (use --to_mcore)")
+    if args.to_mcore:
+        HFFolder(args.model, flag="--model")
+    return args
 
 
 def run(args: ExportArguments, log: Callable[[str], None] = print) -> Dict[str, object]:
@@ -37,7 +51,8 @@ def run(args: ExportArguments, log: Callable[[str], None] = print) -> Dict[str, 
 
 def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     from .models.convert import Layout, canonical
-    from .models.hf_save import DTYPES, parse_size, save_hf_folder
+    from .arguments.export import parse_size
+    from .models.hf_save import DTYPES, save_hf_folder
     from .loaded_model import load_model
 
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from .errors import ArgumentError
+from .arguments.data import text_key_flag, tokenizer_flag
 from .arguments.fields import check_flags, flag
 
 DESCRIPTION = """Tokenize text into megatron's .bin/.idx format (the files `swift-mcore pt
@@ -25,10 +26,8 @@ class PreprocessArguments:
         "saved by datasets' save_to_disk. Required.")
     output_prefix: Optional[str] = flag(
         None, "Writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx. Required.")
-    text_key: str = flag("text", "Column (JSON field) holding the text.")
-    tokenizer: Optional[str] = flag(
-        None, "Hugging Face tokenizer or model folder, or a tokenizer.json; default: the "
-        "built-in byte-level BPE (what `swift-mcore pt` uses without --tokenizer).")
+    text_key: str = text_key_flag()
+    tokenizer: Optional[str] = tokenizer_flag()
     workers: Optional[int] = flag(
         None, "Tokenizer processes, one core each (1: in this process); the output is the same "
         "for any number. Default: the usable CPU cores.")

@@ -51,35 +51,8 @@ class RunConfig:
     vocab_size: Optional[int] = None         # the tokenizer's (complete() sets both)
     padded_vocab_size: Optional[int] = None  # the embedding's rows: megatron's padding rule
 
-    # The flag groups, read as on the arguments: config.model.hidden_size.
-    @property
-    def model(self):
-        return self.args.model
-
-    @property
-    def data(self):
-        return self.args.data
-
-    @property
-    def training(self):
-        return self.args.training
-
-    @property
-    def parallel(self):
-        return self.args.parallel
-
-    @property
-    def checkpoint(self):
-        return self.args.checkpoint
-
-    @property
-    def logging(self):
-        return self.args.logging
-
-    @property
-    def sft(self):
-        return self.args.sft
-
+    # The flag groups (model, data, training, parallel, checkpoint, logging, sft) read as on
+    # the arguments: config.model.hidden_size; properties made below the class.
     @property
     def COMMAND(self) -> str:
         return self.args.COMMAND
@@ -116,6 +89,14 @@ class RunConfig:
             what = f"megatron local layer spec, attention {LOCAL_ATTENTION[self.attention]}"
         precision = "bf16" if self.training.bf16 else "fp16" if self.training.fp16 else "fp32"
         return f"{what}, {precision}, {self.backend} on {'CUDA' if self.cuda else 'CPU'}"
+
+
+def _group(name: str) -> property:
+    return property(lambda self: getattr(self.args, name), doc=f"The {name} flags.")
+
+
+for _name in ("model", "data", "training", "parallel", "checkpoint", "logging", "sft"):
+    setattr(RunConfig, _name, _group(_name))
 
 
 def resolve(args: PretrainArguments, world_size: Optional[int] = None,

@@ -8,6 +8,17 @@ from typing import List, Optional
 from .fields import flag
 
 
+def text_key_flag():
+    """--text_key, as pt (for --dataset) and preprocess (for --input) declare it."""
+    return flag("text", "Column (JSON field) holding the text of raw inputs.")
+
+
+def tokenizer_flag():
+    """--tokenizer, as pt, sft and preprocess declare it."""
+    return flag(None, "Hugging Face tokenizer or model folder, or a tokenizer.json; default: "
+                "--model's, else the built-in byte-level BPE trained on the embedded corpus.")
+
+
 @dataclass
 class DataArguments:
     data_path: Optional[List[str]] = flag(
@@ -15,12 +26,10 @@ class DataArguments:
     dataset: Optional[List[str]] = flag(
         None, "Raw files, folders or globs (.jsonl .json .parquet .csv .txt) or a folder saved "
         "by datasets' save_to_disk; tokenized once and cached by content (docs/data.md).")
-    text_key: str = flag("text", "Column holding the text in --dataset inputs.")
+    text_key: str = text_key_flag()
     split: str = flag("949,50,1", "Train,valid,test proportions of the data.")
     data_cache_path: Optional[str] = flag(
         None, "Where megatron's dataset index files go (a folder per data content); default "
         "output_dir/data_cache.")
-    tokenizer: Optional[str] = flag(
-        None, "Hugging Face tokenizer folder or tokenizer.json; default: the built-in "
-        "byte-level BPE trained on the embedded corpus.")
+    tokenizer: Optional[str] = tokenizer_flag()
     num_workers: int = flag(1, "Data loader worker processes per rank (0: in the main process).")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,10 +37,8 @@ class ExportArguments:
     max_shard_size: str = flag("5GB", "Largest safetensors file (KB, MB, GB, KiB, MiB, GiB).")
 
     def validate(self) -> "ExportArguments":
-        """Check every flag before any model is built; raises ArgumentError naming it."""
-        from ..models.hf_folder import HFFolder, is_hf_folder
-        from ..models.hf_save import parse_size
-
+        """Check every flag before any model is built; raises ArgumentError naming it. (What
+        --model holds is the command's to check: export.check_source.)"""
         check_flags(self)
         if self.to_hf == self.to_mcore:
             raise ArgumentError("give exactly one of --to_hf (checkpoint -> Hugging Face) and "
@@ -57,10 +56,18 @@ class ExportArguments:
                                 f"empty; choose a new folder (nothing is overwritten)")
         if os.path.abspath(os.path.expanduser(self.model)) == out:
             raise ArgumentError("--output_dir must differ from --model")
-        if self.to_hf and is_hf_folder(os.path.expanduser(self.model)):
-            raise ArgumentError(f"--to_hf converts a swift-mcore checkpoint, but --model "
-                                f"{self.model} is a Hugging Face folder (use --to_mcore)")
-        if self.to_mcore:
-            HFFolder(self.model, flag="--model")
         parse_size(self.max_shard_size)
         return self
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30}
+
+
+def parse_size(text: str, flag: str = "--max_shard_size") -> int:
+    """'5GB', '500MB', '2GiB' or a byte count -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ArgumentError(f"{flag} {text!r}: give a positive size like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[unit])

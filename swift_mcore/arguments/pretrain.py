@@ -201,18 +201,22 @@ class PretrainArguments:
                 _positive(c, name)
         if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
             raise ArgumentError("--exit_duration_in_mins must be positive")
-        if c.finetune and not c.load:
-            raise ArgumentError("--finetune needs --load PATH (the checkpoint to take "
-                                "weights from)")
-        if c.resume and c.load:
-            raise ArgumentError("--resume and --load are exclusive: --resume continues a "
-                                "run, --load --finetune starts a new one from its weights")
-        if c.load and not c.finetune:
-            raise ArgumentError("--load PATH takes weights for a new run and needs "
-                                "--finetune; to continue a run use --resume PATH")
-        if c.save_safetensors and c.no_save:
-            raise ArgumentError("--save_safetensors converts the final checkpoint; it "
-                                "cannot be combined with --no_save")
+        combinations = [  # (the flags break the rule, the message)
+            (c.finetune and not c.load,
+             "--finetune needs --load PATH (the checkpoint to take weights from)"),
+            (c.resume and c.load,
+             "--resume and --load are exclusive: --resume continues a run, --load --finetune "
+             "starts a new one from its weights"),
+            (c.load and not c.finetune,
+             "--load PATH takes weights for a new run and needs --finetune; to continue a run "
+             "use --resume PATH"),
+            (c.save_safetensors and c.no_save,
+             "--save_safetensors converts the final checkpoint; it cannot be combined with "
+             "--no_save"),
+        ]
+        for broken, message in combinations:
+            if broken:
+                raise ArgumentError(message)
 
     def check_command(self) -> None:
         """The command's own flag checks (sft: its data flags); pt has none beyond these."""

@@ -6,7 +6,6 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from .gpt_datasets import dataset_fingerprint  # noqa: F401  (re-exported for the resume check)
 from .sampler import GlobalOrder, micro_batches
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")

@@ -47,9 +47,6 @@ class GlobalOrder:
         epoch, offset = divmod(int(position), self.dataset_len)
         return int(self.permutation(epoch)[offset])
 
-    def epoch_of(self, position: int) -> int:
-        return int(position) // self.dataset_len
-
     def __getstate__(self):
         # DataLoader workers rebuild the permutations they need rather than receive copies.
         return {"dataset_len": self.dataset_len, "seed": self.seed}

@@ -55,7 +55,7 @@ def transformer_config(config, initialize: bool = True):
         # Losses are summed over tokens and divided by the token count of the whole global
         # batch (all micro-batches and DP ranks), not averaged per micro-batch.
         calculate_per_token_loss=True,
-        # p2p without torch.cuda.synchronize (DESIGN.md: p2p_communication.py:398).
+        # p2p without torch.cuda.synchronize (megatron p2p_communication.py:398).
         batch_p2p_sync=cuda,
     )
 

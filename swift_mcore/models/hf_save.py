@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -21,17 +20,6 @@ from .convert import Layout
 
 INDEX = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30}
-
-
-def parse_size(text: str, flag: str = "--max_shard_size") -> int:
-    """'5GB', '500MB', '2GiB' or a byte count -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = match.group(2).upper() if match else None
-    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ArgumentError(f"{flag} {text!r}: give a positive size like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def plan_shards(tensors: List[Tuple[str, Tuple[int, ...]]], itemsize: int, max_bytes: int

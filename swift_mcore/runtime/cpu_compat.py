@@ -1,7 +1,7 @@
 """Adapts megatron-core 0.16.1 to run on CPU (gloo); the only place that does so.
 
-megatron-core hard-codes CUDA in a handful of spots (see ../shared/DESIGN.md, "Platform
-facts"): factory calls with ``device='cuda'`` or ``device=torch.cuda.current_device()``,
+megatron-core hard-codes CUDA in a handful of spots (PATCHED_MODULES lists each with its
+file:line; docs/architecture.md, "megatron-core on CPU"): factory calls with ``device='cuda'`` or ``device=torch.cuda.current_device()``,
 ``torch.cuda.synchronize()``/streams, and one ``'torch.cuda.FloatTensor'`` assert. Rather
 than copying megatron functions, each affected megatron module gets a private ``torch``
 name that points to a thin proxy: identical to ``torch`` except that CUDA devices become
@@ -235,6 +235,3 @@ def _patch_shared_embedding_setup():
     setup_embeddings_and_output_layer._swift_mcore_cpu = True
     cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
-
-def is_active() -> bool:
-    return _ACTIVE

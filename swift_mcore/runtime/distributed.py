@@ -52,7 +52,7 @@ def exit_process(code: int = 0) -> None:
 
     gloo's worker threads occasionally abort the process ("terminate called without an
     active exception") while C++ statics are destroyed at exit, after every output is
-    written (DESIGN.md). Ending deliberately keeps the real exit code. The CLI ends this
+    written (docs/architecture.md, "Platform facts"). Ending deliberately keeps the real exit code. The CLI ends this
     way; a script on the Python API should too (examples/custom_trainer.py).
     """
     import os

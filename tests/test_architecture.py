@@ -1,0 +1,175 @@
+"""The shape of the package: its import graph has no cycle, the arguments and the runtime are
+the ground floor, and a run's resolved configuration is immutable and resolved the same way
+every time."""
+
+import ast
+import copy
+import dataclasses
+import signal
+from pathlib import Path
+from typing import Dict, Set
+
+import pytest
+
+from swift_mcore import PretrainArguments, SftArguments
+from swift_mcore.run_config import RunConfig, resolve
+
+PACKAGE = Path(__file__).resolve().parents[1] / "swift_mcore"
+# Layers that import nothing of swift-mcore above them (besides the leaf errors module).
+GROUND_FLOOR = ("arguments", "runtime")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    """module -> the swift_mcore modules it imports anywhere (module level or inside a
+    function: a lazy import is still a dependency)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: Dict[str, Set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found: Set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    as_module = f"{target}.{alias.name}"
+                    found.add(as_module if as_module in modules else target)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def cycles(graph: Dict[str, Set[str]]):
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack, on_stack, found = [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_lazy_imports():
+    graph = import_graph()
+    # run_config imports the family registry inside resolve(); the test must see it.
+    assert "swift_mcore.models.families" in graph["swift_mcore.run_config"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+@pytest.mark.parametrize("layer", GROUND_FLOOR)
+def test_ground_floor_imports_nothing_above_it(layer):
+    upward = {m: sorted(d for d in deps if d.split(".")[1] not in (layer, "errors"))
+              for m, deps in import_graph().items() if m.split(".")[1:2] == [layer]}
+    assert {m: d for m, d in upward.items() if d} == {}
+
+
+def test_every_module_says_its_concern_first():
+    for path in PACKAGE.rglob("*.py"):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith('"""') and len(first) > 12, path
+
+
+FLAGS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+             seq_length=32, micro_batch_size=2, global_batch_size=8, train_iters=2,
+             lr_warmup_iters=0, eval_steps=0, log_interval=1, tensorboard=False,
+             progress_bar=False, num_workers=0, no_save=True)
+
+
+def test_resolving_twice_gives_equal_configs_and_leaves_the_arguments():
+    args = PretrainArguments.from_flags(**FLAGS)
+    before = copy.deepcopy(args)
+    first, second = resolve(args, world_size=2), resolve(args, world_size=2)
+    assert first == second and isinstance(first, RunConfig)
+    assert args == before and args.model.ffn_hidden_size is None  # filled in the copy only
+    assert first.model.ffn_hidden_size == 192 and first.world.data_parallel == 2
+    assert first.world.num_microbatches == 2
+
+
+def test_a_resolved_config_cannot_be_changed(tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"query": "hi", "response": "hello"}\n')
+    config = resolve(SftArguments.from_flags(dataset=[str(data)]), world_size=1)
+    for group, name, value in (("model", "hidden_size", 8), ("training", "lr", 1.0),
+                               ("data", "data_path", ["x"]), ("checkpoint", "resume", "auto")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(getattr(config, group), name, value)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.world = None
+    with pytest.raises(AttributeError):  # lists are frozen into tuples
+        config.data.dataset.append("x")
+    assert [s.path for s in config.dataset_sources] == [str(data)]
+
+
+def test_completing_with_epochs_resolves_train_iters_once():
+    args = PretrainArguments.from_flags(num_train_epochs=2.5, lr_warmup_iters=0)
+    plan = resolve(args, world_size=1)
+    done = plan.complete(4000, 100)
+    assert done.training.train_iters == 16  # ceil(2.5 * 100 / 16)
+    assert done.padded_vocab_size == 4096 and done.vocab_size == 4000
+    assert plan.padded_vocab_size is None and args.training.train_iters == 300
+
+
+def test_the_attention_is_decided_once():
+    cpu = resolve(PretrainArguments(), world_size=1, cuda=False)
+    assert (cpu.attention, cpu.layer_spec, cpu.packed_rows) == ("local", "local",
+                                                                "block_causal_mask")
+    te = resolve(PretrainArguments(), world_size=1, cuda=True, transformer_engine=True)
+    assert (te.attention, te.layer_spec, te.packed_rows) == (
+        "transformer_engine", "transformer_engine", "thd")
+    chosen = resolve(PretrainArguments.from_flags(attention_backend="sdpa"), world_size=1,
+                     cuda=True, transformer_engine=True)
+    assert (chosen.attention, chosen.layer_spec) == ("sdpa", "local")  # the flag is obeyed
+    assert "Transformer Engine" in te.describe() and "scaled_dot_product" in chosen.describe()
+
+
+def test_training_leaves_the_arguments_as_they_were(gloo_group, tmp_path):
+    from swift_mcore.training.trainer import Trainer
+
+    args = PretrainArguments.from_flags(**FLAGS, output_dir=str(tmp_path / "run"))
+    before = copy.deepcopy(args)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        trainer = Trainer(args)
+        state = trainer.train()
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert state.iteration == 2
+    assert args == before and trainer.args is args
+    assert trainer.config.padded_vocab_size == 4096
