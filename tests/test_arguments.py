@@ -1,5 +1,6 @@
 """Flags: parsing, YAML overrides, --help, and validation errors that name the flag."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -9,27 +10,32 @@ from swift_mcore.errors import ArgumentError
 from swift_mcore.arguments import PretrainArguments, parse_args
 from swift_mcore.arguments.parser import all_flags, build_parser
 from swift_mcore.arguments.pretrain import flag_owners
+from swift_mcore.run_config import resolve
 
 
 def validated(*argv, world_size=1, cuda=False):
-    args = parse_args(list(argv))
-    args.validate(world_size=world_size, cuda=cuda)
-    return args
+    return resolve(parse_args(list(argv)), world_size=world_size, cuda=cuda)
 
 
 def test_defaults_validate_and_derive():
-    args = validated()
-    assert args.derived.data_parallel_size == 1
-    assert args.derived.num_microbatches == 16 // 4
-    assert args.model.ffn_hidden_size == 704  # 8/3 * 256 rounded up to 64
-    assert args.model.max_position_embeddings == args.model.seq_length
+    args = parse_args([])
+    config = resolve(args, world_size=1, cuda=False)
+    assert config.world.data_parallel == 1
+    assert config.world.num_microbatches == 16 // 4
+    assert config.model.ffn_hidden_size == 704  # 8/3 * 256 rounded up to 64
+    assert config.model.max_position_embeddings == config.model.seq_length
+    # The arguments are left as given; the resolved flags are read-only.
+    assert args.model.ffn_hidden_size is None
+    assert args.model.max_position_embeddings is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.model.hidden_size = 8
 
 
 def test_num_microbatches_uses_data_parallel_size():
-    args = validated("--global_batch_size", "32", "--micro_batch_size", "2",
-                     "--tensor_model_parallel_size", "2", world_size=8)
-    assert args.derived.data_parallel_size == 4
-    assert args.derived.num_microbatches == 4
+    config = validated("--global_batch_size", "32", "--micro_batch_size", "2",
+                       "--tensor_model_parallel_size", "2", world_size=8)
+    assert config.world.data_parallel == 4
+    assert config.world.num_microbatches == 4
 
 
 def test_flags_are_typed_and_yaml_is_overridden(tmp_path):
@@ -145,21 +151,21 @@ def test_cli_reference_in_docs_is_current():
 def test_num_train_epochs_resolves_train_iters_once_the_data_size_is_known():
     args = PretrainArguments.from_flags(num_train_epochs=2.5, global_batch_size=16,
                                         lr_warmup_iters=5)
-    args.validate()  # the schedule check waits for the length
-    assert args.resolve_train_iters(100) == 16  # ceil(2.5 * 100 / 16)
-    assert args.training.train_iters == 16
+    config = resolve(args, world_size=1, cuda=False)  # the schedule check waits for the length
+    done = config.complete(1000, 100)
+    assert done.training.train_iters == 16  # ceil(2.5 * 100 / 16)
+    assert config.training.train_iters != 16  # complete returns a new config
     short = PretrainArguments.from_flags(num_train_epochs=0.1, global_batch_size=16,
                                          lr_warmup_iters=5)
-    short.validate()
+    short_config = resolve(short, world_size=1, cuda=False)
     with pytest.raises(ArgumentError, match=r"--lr_warmup_iters \(5\) must be smaller than "
                                             r"the decay length \(1,"):
-        short.resolve_train_iters(100)
+        short_config.complete(1000, 100)
     with pytest.raises(ArgumentError, match="--num_train_epochs must be positive"):
-        PretrainArguments.from_flags(num_train_epochs=0).validate()
+        resolve(PretrainArguments.from_flags(num_train_epochs=0), world_size=1, cuda=False)
     # Without epochs, --train_iters stands.
     plain = PretrainArguments.from_flags(train_iters=7, lr_warmup_iters=1)
-    plain.validate()
-    assert plain.resolve_train_iters(100) == 7
+    assert resolve(plain, world_size=1, cuda=False).complete(1000, 100).training.train_iters == 7
 
 
 def test_infer_and_export_check_their_choices():

@@ -7,21 +7,23 @@ import torch
 
 from swift_mcore.arguments import PretrainArguments
 from swift_mcore.models.gpt import build_model
+from swift_mcore.run_config import resolve
 from swift_mcore.runtime.ddp import bucket_size_for, num_grad_buckets, wrap_model
 
 TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
             seq_length=32, vocab_size=256, lr_warmup_iters=1, train_iters=2)
 
 
-def tiny_args(**flags):
+def tiny_args(padded_vocab=256, **flags):
+    """A complete RunConfig whose embedding has ``padded_vocab`` rows."""
     args = PretrainArguments.from_flags(**{**TINY, **flags})
-    args.validate(world_size=1, cuda=False)
-    return args
+    config = resolve(args, world_size=1, cuda=False)
+    return config.complete(args.model.vocab_size, None, padded_vocab_size=padded_vocab)
 
 
 def test_unwrapped_is_still_a_list(gloo_group):
     args = tiny_args()
-    model = build_model(args, 256)[0]
+    model = build_model(args)[0]
     chunks = wrap_model(args, model, wrap_with_ddp=False)
     assert chunks == [model]
 
@@ -40,8 +42,8 @@ def expected_buckets(params, bucket_size):
 @pytest.mark.parametrize("num_buckets", [1, 2, 3, 4, 5, 8])
 def test_bucket_count_follows_num_buckets(gloo_group, num_buckets):
     args = tiny_args(num_buckets=num_buckets, overlap_grad_reduce=True, num_layers=8,
-                     vocab_size=128, make_vocab_size_divisible_by=64)
-    models = build_model(args, 128)
+                     vocab_size=128, make_vocab_size_divisible_by=64, padded_vocab=128)
+    models = build_model(args)
     params = list(models[0].parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     bucket_size = bucket_size_for(args, models)
@@ -60,7 +62,7 @@ def test_bucket_count_follows_num_buckets(gloo_group, num_buckets):
 
 def test_bucket_size_wins_and_later_chunks_are_not_bucketed(gloo_group):
     args = tiny_args(bucket_size=5_000, overlap_grad_reduce=True, num_buckets=2)
-    first, second = build_model(args, 256)[0], build_model(args, 256)[0]
+    first, second = build_model(args)[0], build_model(args)[0]
     assert bucket_size_for(args, [first]) == 5_000
     ddp = wrap_model(args, [first, second])
     assert num_grad_buckets(ddp[0]) > 2
@@ -68,5 +70,5 @@ def test_bucket_size_wins_and_later_chunks_are_not_bucketed(gloo_group):
 
 
 def test_without_overlap_one_bucket(gloo_group):
-    ddp = wrap_model(tiny_args(), build_model(tiny_args(), 256))
+    ddp = wrap_model(tiny_args(), build_model(tiny_args()))
     assert num_grad_buckets(ddp[0]) == 1

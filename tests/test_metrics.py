@@ -11,13 +11,14 @@ import pytest
 def test_flops_per_token_counts_the_built_models_matmuls(gloo_group, flags):
     from swift_mcore.arguments import PretrainArguments
     from swift_mcore.models.gpt import build_model
+    from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
     from swift_mcore.training.metrics import flops_per_token
 
-    args = PretrainArguments.from_flags(**flags)
-    args.validate()
+    args = resolve(PretrainArguments.from_flags(**flags), world_size=1, cuda=False).complete(
+        256, None, padded_vocab_size=256)
     seed.set_seed(0)
-    model = build_model(args, 256)[0]
+    model = build_model(args)[0]
     # Every 2-D weight but the input embedding (a lookup, not a matmul) is one multiply-add
     # per token and entry.
     matmul = sum(p.numel() for name, p in model.named_parameters()
@@ -25,4 +26,4 @@ def test_flops_per_token_counts_the_built_models_matmuls(gloo_group, flags):
     m = args.model
     width = m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
     expected = 6 * matmul + 12 * m.num_layers * m.seq_length * width
-    assert flops_per_token(args, 256) == pytest.approx(expected, rel=1e-12)
+    assert flops_per_token(args) == pytest.approx(expected, rel=1e-12)

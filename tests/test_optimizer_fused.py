@@ -6,15 +6,17 @@ import torch
 def build(fused: bool):
     from swift_mcore.arguments import PretrainArguments
     from swift_mcore.models.gpt import build_model
+    from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
     from swift_mcore.runtime.ddp import wrap_model
     from swift_mcore.training import optimizer as opt
 
-    args = PretrainArguments.from_flags(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                        num_query_groups=2, seq_length=32)
-    args.validate()
+    args = resolve(PretrainArguments.from_flags(num_layers=2, hidden_size=64,
+                                                num_attention_heads=4, num_query_groups=2,
+                                                seq_length=32), world_size=1
+                   ).complete(256, None, padded_vocab_size=256)
     seed.set_seed(0)
-    model = wrap_model(args, build_model(args, 256))
+    model = wrap_model(args, build_model(args))
     if fused:
         optimizer = opt.build_optimizer(args, model)
     else:  # megatron's own choice, untouched

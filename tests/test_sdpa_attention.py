@@ -79,14 +79,16 @@ def test_dropout_is_applied_in_training_only(gloo_group):
 def build(backend, seq=64):
     from swift_mcore.arguments import PretrainArguments
     from swift_mcore.models.gpt import build_model
+    from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
 
     args = PretrainArguments.from_flags(num_layers=2, hidden_size=64, num_attention_heads=4,
                                         num_query_groups=2, seq_length=seq,
                                         attention_backend=backend)
-    args.validate()
+    config = resolve(args, world_size=1).complete(256, None, padded_vocab_size=256)
+    assert config.attention == backend and config.layer_spec == "local"
     seed.set_seed(7)
-    return build_model(args, 256)[0]
+    return build_model(config)[0]
 
 
 def test_whole_model_matches_local_spec(gloo_group):
@@ -134,6 +136,16 @@ def test_flag_is_validated():
     from swift_mcore.errors import ArgumentError
     from swift_mcore.arguments import PretrainArguments
 
-    assert PretrainArguments().model.attention_backend == "local"
-    with pytest.raises(ArgumentError, match="--attention_backend must be one of local, sdpa"):
-        PretrainArguments.from_flags(attention_backend="flash").validate()
+    from swift_mcore.run_config import resolve
+
+    assert PretrainArguments().model.attention_backend == "auto"
+    # auto without Transformer Engine (as on CPU) is megatron's local attention.
+    cpu = resolve(PretrainArguments(), world_size=1, cuda=False)
+    assert (cpu.attention, cpu.layer_spec) == ("local", "local")
+    with pytest.raises(ArgumentError, match="--attention_backend must be one of auto, local, "
+                                            "sdpa, transformer_engine"):
+        resolve(PretrainArguments.from_flags(attention_backend="flash"), world_size=1)
+    with pytest.raises(ArgumentError, match="--attention_backend transformer_engine needs CUDA "
+                                            "and Transformer Engine"):
+        resolve(PretrainArguments.from_flags(attention_backend="transformer_engine"),
+                world_size=1, cuda=False)

@@ -22,8 +22,8 @@ def make_sealed(root, iteration, parent_id=None, checkpoint_id=None, payload=b"w
     os.makedirs(staging)
     with open(os.path.join(staging, "data.bin"), "wb") as fh:
         fh.write(payload)
-    commit.seal(staging, iteration, extra={"id": checkpoint_id or f"id{iteration}",
-                                           "parent_id": parent_id})
+    commit.seal(staging, extra={"id": checkpoint_id or f"id{iteration}",
+                                "parent_id": parent_id})
     final = os.path.join(root, tracker.iter_dir_name(iteration))
     commit.publish(staging, final)
     return final
@@ -178,9 +178,9 @@ def test_resume_differences_name_each_field_with_both_values():
              "model": {"seq_length": 256, "hidden_size": 64}}
     now = {"training": {"global_batch_size": 32, "seed": 1, "adam_beta2": 0.99},
            "model": {"seq_length": 128, "hidden_size": 64}}
-    lines = compat.resume_differences(saved, now, "abc", "def",
-                                      {"max_lr": 1e-3, "lr_decay_steps": 300},
-                                      {"max_lr": 1e-3, "lr_decay_steps": 600})
+    lines = compat.resume_differences(saved, now, "abc", "def")
+    lines += compat.scheduler_differences({"max_lr": 1e-3, "lr_decay_steps": 300},
+                                          {"max_lr": 1e-3, "lr_decay_steps": 600})
     assert "--global_batch_size: checkpoint 16, now 32" in lines
     assert "--seq_length: checkpoint 256, now 128" in lines
     assert "--adam_beta2: checkpoint 0.95, now 0.99" in lines
@@ -234,9 +234,10 @@ def test_metadata_unpickler_refuses_arbitrary_globals():
 def test_resume_and_load_flags_are_checked_before_any_work(tmp_path):
     from swift_mcore.errors import ArgumentError
     from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.run_config import resolve
 
     def validate(**flags):
-        PretrainArguments.from_flags(**flags).validate(world_size=1, cuda=False)
+        resolve(PretrainArguments.from_flags(**flags), world_size=1, cuda=False)
 
     with pytest.raises(ArgumentError, match="--resume .*missing: no such checkpoint folder"):
         validate(resume=str(tmp_path / "missing"))

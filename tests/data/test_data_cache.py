@@ -13,7 +13,7 @@ from swift_mcore.data import encoding, indexed, token_cache
 from swift_mcore.data.gpt_datasets import build_datasets
 from swift_mcore.data.loader import build_data_iterator
 
-from data_helpers import make_args, make_documents
+from data_helpers import make_args, make_documents, raw_prefix
 
 
 def write_jsonl(path, texts):
@@ -25,7 +25,7 @@ def write_jsonl(path, texts):
 def test_dataset_files_are_tokenized_once_per_content(tokenizer, tmp_path, fresh_cache,
                                                       monkeypatch):
     path = write_jsonl(tmp_path / "a.jsonl", ["first document", "second one"])
-    prefix = token_cache.raw_files_prefix([path], "text", tokenizer)
+    prefix = raw_prefix([path], "text", tokenizer)
     info = json.loads(open(os.path.join(os.path.dirname(prefix), "info.json")).read())
     assert info["documents"] == 2 and info["sources"] == [path]
 
@@ -34,20 +34,20 @@ def test_dataset_files_are_tokenized_once_per_content(tokenizer, tmp_path, fresh
 
     with monkeypatch.context() as m:
         m.setattr(encoding, "encode_sources", no_tokenizing)
-        assert token_cache.raw_files_prefix([path], "text", tokenizer) == prefix
+        assert raw_prefix([path], "text", tokenizer) == prefix
         os.utime(path, (1, 1))  # a new timestamp, same bytes
-        assert token_cache.raw_files_prefix([path], "text", tokenizer) == prefix
+        assert raw_prefix([path], "text", tokenizer) == prefix
         copy = shutil.copy(path, tmp_path / "copy.jsonl")  # same bytes elsewhere
-        assert token_cache.raw_files_prefix([copy], "text", tokenizer) == prefix
+        assert raw_prefix([copy], "text", tokenizer) == prefix
     write_jsonl(path, ["first document", "an edited second one"])
-    edited = token_cache.raw_files_prefix([path], "text", tokenizer)
+    edited = raw_prefix([path], "text", tokenizer)
     assert edited != prefix
     assert [tokenizer.decode(d[:-1]) for d in indexed.read_documents(edited)] == [
         "first document", "an edited second one"]
     # Another column or tokenizer of the same files is another cache entry too.
     write_jsonl(path, [""])
     with pytest.raises(Exception, match="holds no text"):
-        token_cache.raw_files_prefix([path], "text", tokenizer)
+        raw_prefix([path], "text", tokenizer)
     assert sorted(p.name for p in (fresh_cache / "datasets").iterdir()
                   for p in p.iterdir() if ".tmp-" in p.name) == []
 

@@ -11,7 +11,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from swift_mcore.errors import ArgumentError
 from swift_mcore.data import corpus, indexed, token_cache, sources
 
-from data_helpers import make_documents
+from data_helpers import make_documents, raw_prefix
 
 
 def test_round_trip_through_megatron(tokenizer, tmp_path):
@@ -88,10 +88,10 @@ def test_raw_files_every_format(tokenizer, tmp_path, fresh_cache):
     texts = [t for s in found for batch in sources.iter_texts(s, "text") for t in batch]
     assert texts == ["one", "two", "three", "four", "five, with comma", "six", "seven", "eight",
                      "nine", "ten"]
-    prefix = token_cache.raw_files_prefix([str(tmp_path / "raw" / "*")], "text", tokenizer)
+    prefix = raw_prefix([str(tmp_path / "raw" / "*")], "text", tokenizer)
     ds = IndexedDataset(prefix)
     assert [tokenizer.decode(ds[i][:-1]) for i in range(len(ds))] == texts
-    assert token_cache.raw_files_prefix([str(tmp_path / "raw")], "text", tokenizer) == prefix
+    assert raw_prefix([str(tmp_path / "raw")], "text", tokenizer) == prefix
 
 
 def test_raw_file_errors_name_the_flag(tokenizer, tmp_path, fresh_cache):
@@ -102,17 +102,18 @@ def test_raw_file_errors_name_the_flag(tokenizer, tmp_path, fresh_cache):
         sources.expand_inputs([str(tmp_path / "data.xml")], flag="--dataset")
     (tmp_path / "data.jsonl").write_text('{"content": "x"}\n')
     with pytest.raises(ArgumentError, match=r"data.jsonl: no 'text' column.*--text_key"):
-        token_cache.raw_files_prefix([str(tmp_path / "data.jsonl")], "text", tokenizer)
-    assert token_cache.raw_files_prefix([str(tmp_path / "data.jsonl")], "content", tokenizer)
-    # Refused at argument validation, before any process group or model exists.
+        raw_prefix([str(tmp_path / "data.jsonl")], "text", tokenizer)
+    assert raw_prefix([str(tmp_path / "data.jsonl")], "content", tokenizer)
+    # Refused when the run is resolved, before any process group or model exists.
     from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.run_config import resolve
 
     (tmp_path / "empty.jsonl").write_text("")
     for name, message in (("empty.jsonl", r"--dataset .*empty\.jsonl: is empty \(0 bytes\)"),
                           ("data.xml", r"--dataset .*data\.xml: unsupported file type")):
         args = PretrainArguments.from_flags(dataset=[str(tmp_path / name)])
         with pytest.raises(ArgumentError, match=message):
-            args.validate(world_size=1, cuda=False)
+            resolve(args, world_size=1, cuda=False)
 
 
 # ---- whole-pair checks ------------------------------------------------------------------
@@ -156,6 +157,7 @@ CORRUPTIONS = {
 @pytest.mark.parametrize("how", sorted(CORRUPTIONS))
 def test_corrupted_pairs_are_refused_at_validation(how, tokenizer, tmp_path):
     from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.run_config import resolve
 
     prefix = str(tmp_path / "data")
     indexed.write_indexed(make_documents(5, seed=2), tokenizer, prefix)
@@ -165,11 +167,11 @@ def test_corrupted_pairs_are_refused_at_validation(how, tokenizer, tmp_path):
     corrupt(prefix, how)
     with pytest.raises(ArgumentError, match=r"--data_path: .*" + CORRUPTIONS[how]):
         indexed.check_indexed(prefix)
-    # PretrainArguments.validate refuses it: before any process group or model exists.
+    # resolve refuses it: before any process group or model exists.
     args = PretrainArguments.from_flags(data_path=["0.5", prefix, "0.5", prefix],
                                         output_dir=str(tmp_path / "out"))
     with pytest.raises(ArgumentError, match=CORRUPTIONS[how]):
-        args.validate(world_size=1, cuda=False)
+        resolve(args, world_size=1, cuda=False)
 
 
 def test_a_pair_without_documents_is_refused(tmp_path):

@@ -72,14 +72,15 @@ def test_two_dp_ranks_read_the_same_global_batches(setup):
         assert torch.equal(got, expected)
 
 
-def test_workers_do_not_change_batches(setup):
+def test_workers_do_not_change_batches(setup, small_prefixes, tmp_path):
     args, train, _ = setup
     in_process = take(build_data_iterator(train, GBS, args), 10)
-    args.data.num_workers = 2
-    try:
-        with_workers = take(build_data_iterator(train, GBS, args), 10)
-    finally:
-        args.data.num_workers = 0
+    assert args.data.num_workers == 0
+    # The same run with two loader workers (a resolved config is read-only: resolve again).
+    workers = make_args(tmp_path, data_path=[small_prefixes["a"]], micro_batch_size=MBS,
+                        global_batch_size=GBS, num_workers=2)
+    assert workers.data.num_workers == 2
+    with_workers = take(build_data_iterator(train, GBS, workers), 10)
     for x, y in zip(in_process, with_workers):
         assert all(torch.equal(x[k], y[k]) for k in x)
 

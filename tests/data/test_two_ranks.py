@@ -22,14 +22,15 @@ WORKER = textwrap.dedent("""
     from swift_mcore.arguments import PretrainArguments
     from swift_mcore.data import build_tokenizer, build_datasets, build_data_iterator
     from swift_mcore.data import dataset_fingerprint
+    from swift_mcore.run_config import resolve
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
     parallel_state.initialize_model_parallel()
     out_dir, data_path, n_batches = sys.argv[1], sys.argv[2:-1], int(sys.argv[-1])
-    args = PretrainArguments.from_flags(
+    args = resolve(PretrainArguments.from_flags(
         data_path=data_path, seq_length=32, micro_batch_size=2, global_batch_size=8,
-        num_workers=1, seed=1234, output_dir=out_dir)
+        num_workers=1, seed=1234, output_dir=out_dir), world_size=2)
     tokenizer = build_tokenizer(args)
     train, valid, test = build_datasets(args, tokenizer)
     it = build_data_iterator(train, 8, args, dp_rank=rank, dp_size=2)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from swift_mcore.errors import ArgumentError
-from swift_mcore.arguments import PretrainArguments, padded_vocab_size
-from swift_mcore.training.trainer import Trainer
+from swift_mcore.arguments import PretrainArguments
+from swift_mcore.run_config import padded_vocab, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,13 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
     (50257, 128, 1, 50304), (50257, 128, 8, 51200), (100, 1, 1, 100),
 ])
 def test_padding_rule(vocab, divisible_by, tp, padded):
-    assert padded_vocab_size(vocab, divisible_by, tp) == padded
+    assert padded_vocab(vocab, divisible_by, tp) == padded
 
 
 def resolved(tokenizer, world_size=1, **flags):
     args = PretrainArguments.from_flags(**flags)
-    args.validate(world_size=world_size, cuda=False)
-    return Trainer(args).resolve_vocab(tokenizer)
+    config = resolve(args, world_size=world_size, cuda=False)
+    return config.complete(tokenizer.vocab_size, None).padded_vocab_size
 
 
 def test_model_vocabulary_comes_from_the_tokenizer_or_the_flag(tokenizer):

@@ -33,10 +33,12 @@ def forward_logits(model_chunks, ids):
 
 
 def main():
-    from swift_mcore.arguments import PretrainArguments, padded_vocab_size
+    from swift_mcore.arguments import PretrainArguments
     from swift_mcore.checkpointing import TrainState, save_checkpoint
+    from swift_mcore.data import build_tokenizer
     from swift_mcore.models.gpt import build_model
     from swift_mcore.models.hf_load import load_hf_weights
+    from swift_mcore.run_config import resolve
     from swift_mcore.runtime import distributed, seed
 
     parser = argparse.ArgumentParser()
@@ -52,19 +54,19 @@ def main():
         seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
         global_batch_size=ids.shape[0] * int(os.environ["WORLD_SIZE"]) // (cli.tp * cli.pp),
         output_dir=cli.out, no_save_optim=True)
-    args.validate()
-    distributed.initialize(args)
-    seed.set_seed(args.training.seed)
-    padded = padded_vocab_size(args.model.vocab_size, args.model.make_vocab_size_divisible_by,
-                               cli.tp)
-    chunks = build_model(args, padded)
-    load_hf_weights(args, chunks, padded, log=lambda line: None)
+    config = resolve(args)  # the world size from torchrun's WORLD_SIZE
+    distributed.initialize(config)
+    seed.set_seed(config.training.seed)
+    # The padded vocabulary follows the model's (config.json's vocab_size) and the TP size.
+    config = config.complete(build_tokenizer(config).vocab_size, None)
+    chunks = build_model(config)
+    load_hf_weights(config, chunks, log=lambda line: None)
     logits = forward_logits(chunks, ids)
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     if logits is not None and last:
-        torch.save(logits[..., : args.model.vocab_size].contiguous(),
+        torch.save(logits[..., : config.model.vocab_size].contiguous(),
                    os.path.join(cli.out, "logits.pt"))
-    save_checkpoint(args, TrainState(), chunks, None, None, None)
+    save_checkpoint(config, TrainState(), chunks, None, None, None)
     distributed.shutdown()
 
 

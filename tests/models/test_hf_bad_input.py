@@ -9,13 +9,13 @@ import pytest
 import hf_helpers as H
 from swift_mcore.errors import ArgumentError
 from swift_mcore.arguments import PretrainArguments
+from swift_mcore.run_config import resolve
 
 
 def validate(**flags):
+    """The RunConfig these flags resolve to (ArgumentError naming the flag, else)."""
     world = flags.pop("world_size", 1)
-    args = PretrainArguments.from_flags(**flags)
-    args.validate(world_size=world, cuda=False)
-    return args
+    return resolve(PretrainArguments.from_flags(**flags), world_size=world, cuda=False)
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +156,11 @@ def test_save_safetensors_needs_a_checkpoint_and_an_hf_family():
 def test_export_and_infer_flags(llama, tmp_path):
     from swift_mcore.arguments.export import ExportArguments
     from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.export import check_source
 
     def export(**flags):
-        return ExportArguments(**flags).validate()
+        # the flags, then what --model holds (the command's check), as `export` parses them
+        return check_source(ExportArguments(**flags).validate())
 
     with pytest.raises(ArgumentError, match="exactly one of --to_hf"):
         export(model=str(llama), output_dir=str(tmp_path / "o"))

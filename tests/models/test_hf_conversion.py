@@ -18,7 +18,7 @@ def convert(source, out, direction, **flags):
 
 
 def megatron_logits(path, ids):
-    from swift_mcore.models.source import forward_logits, load_model
+    from swift_mcore.loaded_model import forward_logits, load_model
 
     loaded = load_model(str(path), log=lambda line: None)
     return forward_logits(loaded.model, ids)[..., : loaded.vocab], loaded
@@ -33,7 +33,7 @@ def test_logits_match_and_round_trip_is_bit_identical(tmp_path, gloo_group, fami
     theirs = H.hf_logits(str(source), ids)
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() <= 1e-4, family
-    assert loaded.args.model.model_type == H.FAMILIES[family][0]
+    assert loaded.config.model.model_type == H.FAMILIES[family][0]
 
     checkpoint = tmp_path / "mcore"
     convert(source, checkpoint, "to_mcore")
@@ -89,7 +89,7 @@ def test_llama3_rope_scaling_frequencies_match_transformers(tmp_path, gloo_group
     source = tmp_path / "hf"
     hf = H.make_family(str(source), "llama3")
     _, loaded = megatron_logits(source, H.tokens(length=8))
-    assert loaded.args.model.use_rope_scaling and loaded.args.model.rotary_base == 500000
+    assert loaded.config.model.use_rope_scaling and loaded.config.model.rotary_base == 500000
     ours = loaded.model.rotary_pos_emb.inv_freq
     theirs = hf.model.rotary_emb.inv_freq
     assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)

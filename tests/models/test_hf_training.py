@@ -50,7 +50,7 @@ def trained(tmp_path_factory):
 def test_continue_pretraining_exports_a_folder_transformers_loads(trained, gloo_group):
     from transformers import AutoModelForCausalLM
 
-    from swift_mcore.models.source import forward_logits, load_model
+    from swift_mcore.loaded_model import forward_logits, load_model
 
     source, out, stdout, _ = trained
     assert "loaded Hugging Face weights from" in stdout

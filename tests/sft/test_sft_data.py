@@ -21,6 +21,7 @@ from swift_mcore.data.sft_datasets import (EncodingReport, SftDataset, _flat, bu
                                   encode_conversations, split)
 from swift_mcore.data.sources import expand_inputs
 from swift_mcore.data.templates import CONTEXT, Template
+from swift_mcore.run_config import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,9 +67,7 @@ def write_jsonl(path, rows):
 def sft_args(**flags):
     flags.setdefault("seq_length", 64)
     flags.setdefault("template", "plain")
-    args = SftArguments.from_flags(**flags)
-    args.validate(world_size=1, cuda=False)
-    return args
+    return resolve(SftArguments.from_flags(**flags), world_size=1, cuda=False)
 
 
 def encoded_rows(encoded):
@@ -484,7 +483,7 @@ def test_bad_flags_are_refused_by_validate(chat_file, flags, message):
     flags = {"dataset": [chat_file], **flags}
     flags = {k: ([chat_file] if v == ["VAL"] else v) for k, v in flags.items()}
     with pytest.raises(ArgumentError) as err:
-        SftArguments.from_flags(**flags).validate(world_size=1, cuda=False)
+        resolve(SftArguments.from_flags(**flags), world_size=1, cuda=False)
     assert message in str(err.value)
 
 
