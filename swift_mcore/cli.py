@@ -48,7 +48,7 @@ def run_training(argv: List[str], cls) -> int:
     """pt and sft: the same Trainer; the arguments class decides the data."""
     from .errors import ArgumentError
     from .arguments import parse_args
-    from .errors import CheckpointError
+    from .errors import CheckpointError, NonFiniteError
 
     prog = f"swift-mcore {cls.COMMAND}"
     launch = torchrun_launch()
@@ -68,7 +68,7 @@ def run_training(argv: List[str], cls) -> int:
     quiet_third_party()
     try:
         Trainer(args).train()
-    except (ArgumentError, CheckpointError) as err:
+    except (ArgumentError, CheckpointError, NonFiniteError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     distributed.shutdown()

@@ -236,6 +236,8 @@ def test_every_float_flag_refuses_non_finite_values(value):
     (["--num_train_epochs", "0"], "--num_train_epochs must be > 0 (a positive number)"),
     (["--exit_duration_in_mins", "0"], "--exit_duration_in_mins must be > 0"),
     (["--lr", "1e-3", "--min_lr", "-0.0001"], "--min_lr must be >= 0"),
+    (["--nonfinite_policy", "ignore"], "--nonfinite_policy must be one of stop, skip"),
+    (["--nonfinite_skip_limit", "0"], "--nonfinite_skip_limit must be a positive integer"),
 ])
 def test_float_flags_out_of_range_name_the_flag_the_range_and_the_value(argv, message):
     with pytest.raises(ArgumentError) as err:

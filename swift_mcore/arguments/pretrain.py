@@ -116,7 +116,8 @@ class PretrainArguments:
                      "max_position_embeddings"):
             if getattr(m, name) is not None:
                 _positive(m, name)
-        for name in ("micro_batch_size", "global_batch_size", "train_iters"):
+        for name in ("micro_batch_size", "global_batch_size", "train_iters",
+                     "nonfinite_skip_limit"):
             _positive(t, name)
         if t.num_train_epochs is not None:
             if "train_iters" in self.explicit and "num_train_epochs" in self.explicit:

@@ -35,5 +35,14 @@ class TrainingArguments:
     adam_eps: float = flag(1e-8, "Adam epsilon (added to the update's denominator).",
                            range=POSITIVE)
     seed: int = flag(42, "Seed for initialization, dropout and the data order.")
+    nonfinite_policy: str = flag(
+        "stop", "A step whose loss or gradient norm is nan or inf (checked on every rank before "
+        "the optimizer step): 'stop' ends the run with an error naming the iteration (exit "
+        "code 2; no checkpoint holding nan is written); 'skip' drops the step's gradients "
+        "(weights, optimizer state and learning rate unchanged), counts it as skipped and "
+        "continues (docs/resume.md, 'NaN and Inf').", choices=("stop", "skip"))
+    nonfinite_skip_limit: int = flag(
+        10, "With --nonfinite_policy skip: the most non-finite steps skipped in a row; one more "
+        "stops the run as 'stop' does.")
     bf16: bool = flag(False, "Train in bfloat16 (GPU only).")
     fp16: bool = flag(False, "Train in float16 with loss scaling (GPU only).")

@@ -149,17 +149,32 @@ class Trainer:
         self.optimizer.zero_grad()
         self._sample_ids = []
         losses = self.forward_backward(self.train_iterator, forward_only=False)
-        update_successful, grad_norm, _ = self.optimizer.step()
+        loss_sum, targets, tokens = self.reduce_losses(losses)
+        loss = loss_sum / max(targets, 1.0) if targets is not None else None
+        update_successful, grad_norm = self.optimizer_step(loss)
         if update_successful:
             self.scheduler.step(increment=1)
-        loss_sum, targets, tokens = self.reduce_losses(losses)
         return {
-            "loss": loss_sum / max(targets, 1.0) if targets is not None else None,
+            "loss": loss,
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm,
             "skipped": 0.0 if update_successful else 1.0,
             "tokens": tokens,
         }
+
+    def optimizer_step(self, loss: Optional[float]) -> tuple:
+        """(update applied, gradient norm): megatron's optimizer step, unless the loss or the
+        gradient norm is nan/inf on any rank (training/nonfinite.py, --nonfinite_policy)."""
+        from .nonfinite import NonFiniteGuard
+        from ..errors import NonFiniteError
+
+        if getattr(self, "_nonfinite", None) is None:
+            self._nonfinite = NonFiniteGuard.for_args(self.args, log=self.writer.print)
+        try:
+            return self._nonfinite.step(self.optimizer, loss, self.state.iteration + 1)
+        except NonFiniteError:
+            self.writer.close()  # what was logged so far stays; the loop ends unsaved
+            raise
 
     def forward_backward(self, data_iterator, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
