@@ -48,7 +48,7 @@ def run_training(argv: List[str], cls) -> int:
     """pt and sft: the same Trainer; the arguments class decides the data. Under a launcher
     (NPROC_PER_NODE...) this process checks the flags, then starts the ranks."""
     from .arguments import parse_args
-    from .errors import ArgumentError, CheckpointError
+    from .errors import ArgumentError, CheckpointError, NonFiniteError
     from .launch import torchrun_launch
     from .run_config import resolve
 
@@ -70,7 +70,7 @@ def run_training(argv: List[str], cls) -> int:
     quiet_third_party()
     try:
         Trainer(config).train()
-    except (ArgumentError, CheckpointError) as err:
+    except (ArgumentError, CheckpointError, NonFiniteError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     distributed.shutdown()

@@ -12,3 +12,9 @@ class ArgumentError(ValueError):
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used as asked. The message names the path, what is wrong, and
     the flag that changes the decision; nothing on disk has been modified."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training met a nan or inf loss or gradient norm and stopped before the optimizer step
+    (on every rank, at the same iteration). The message names the iteration and the newest
+    good checkpoint; no checkpoint holding nan or inf was written."""

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
+from .arguments.fields import check_flags
 from .arguments.pretrain import PretrainArguments, check_schedule_length
 from .errors import ArgumentError
 
@@ -119,6 +120,11 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     from .models.families import apply_hf_config
 
     apply_hf_config(flags)  # --model's config.json sets the model flags before any check
+    if flags.model.model:  # its values are checked as the flags were (ranges, finite numbers)
+        try:
+            check_flags(flags.model)
+        except ArgumentError as err:
+            raise ArgumentError(f"{err} (from {flags.model.model}/config.json)") from None
     flags.fill_defaults()
     flags.check(world_size)
     backend = check_hardware(flags, cuda)

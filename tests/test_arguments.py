@@ -161,7 +161,8 @@ def test_num_train_epochs_resolves_train_iters_once_the_data_size_is_known():
     with pytest.raises(ArgumentError, match=r"--lr_warmup_iters \(5\) must be smaller than "
                                             r"the decay length \(1,"):
         short_config.complete(1000, 100)
-    with pytest.raises(ArgumentError, match="--num_train_epochs must be positive"):
+    with pytest.raises(ArgumentError, match=r"--num_train_epochs must be > 0 \(a positive "
+                                            r"number\), got 0.0"):
         resolve(PretrainArguments.from_flags(num_train_epochs=0), world_size=1, cuda=False)
     # Without epochs, --train_iters stands.
     plain = PretrainArguments.from_flags(train_iters=7, lr_warmup_iters=1)
@@ -180,3 +181,129 @@ def test_infer_and_export_check_their_choices():
         ExportArguments(model="m", to_hf=True, output_dir="o", dtype="int8").validate()
     with pytest.raises(ArgumentError, match="--system needs --template"):
         InferArguments(model=".", prompt="hi", system="be brief").validate()
+
+
+# ---- float flags: finite and in range (fields.Range, checked by check_flags) -------------
+def float_flags():
+    """(command, argument class, field) of every float flag of every command."""
+    from dataclasses import fields
+
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.arguments.fields import base_type
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.arguments.sft import SftArguments
+    from swift_mcore.preprocess import PreprocessArguments
+
+    found = []
+    for command, cls in (("pt", PretrainArguments), ("sft", SftArguments)):
+        seen = {f.name for c, _, f in found if c == "pt"}
+        found += [(command, cls, f) for f in all_flags(cls)
+                  if base_type(f)[0] is float and f.name not in seen]
+    for command, cls in (("export", ExportArguments), ("infer", InferArguments),
+                         ("preprocess", PreprocessArguments)):
+        found += [(command, cls, f) for f in fields(cls) if base_type(f)[0] is float]
+    return found
+
+
+def test_every_float_flag_declares_its_range():
+    names = {f.name for _, _, f in float_flags()}
+    assert {"lr", "adam_eps", "norm_epsilon", "clip_grad", "split_dataset_ratio",
+            "temperature", "top_p", "exit_duration_in_mins"} <= names
+    for _, _, f in float_flags():
+        assert "range" in f.metadata, f"--{f.name}: declare flag(..., range=...)"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_flag_refuses_non_finite_values(value):
+    for command, cls, f in float_flags():
+        with pytest.raises(ArgumentError, match=rf"^--{f.name} must be a finite number"
+                                                rf".*, got {value}$"):
+            if command in ("pt", "sft"):
+                resolve(cls.from_flags(**{f.name: value}), world_size=1, cuda=False)
+            else:
+                from swift_mcore.arguments.fields import check_flags
+
+                check_flags(cls(**{f.name: value}))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--adam_eps", "0"], "--adam_eps must be > 0 (a positive number), got 0.0"),
+    (["--norm_epsilon", "0"], "--norm_epsilon must be > 0 (a positive number), got 0.0"),
+    (["--init_method_std", "-0.02"], "--init_method_std must be > 0"),
+    (["--lr", "-0.001"], "--lr must be >= 0 (zero or a positive number), got -0.001"),
+    (["--clip_grad", "-1"], "--clip_grad must be >= 0"),
+    (["--weight_decay", "-0.1"], "--weight_decay must be >= 0"),
+    (["--adam_beta1", "1"], "--adam_beta1 must be in [0, 1), got 1.0"),
+    (["--adam_beta2", "-0.5"], "--adam_beta2 must be in [0, 1), got -0.5"),
+    (["--attention_dropout", "1"], "--attention_dropout must be in [0, 1), got 1.0"),
+    (["--rotary_percent", "0"], "--rotary_percent must be in (0, 1], got 0.0"),
+    (["--rotary_percent", "1.5"], "--rotary_percent must be in (0, 1], got 1.5"),
+    (["--rope_scaling_factor", "0"], "--rope_scaling_factor must be > 0"),
+    (["--num_train_epochs", "0"], "--num_train_epochs must be > 0 (a positive number)"),
+    (["--exit_duration_in_mins", "0"], "--exit_duration_in_mins must be > 0"),
+    (["--lr", "1e-3", "--min_lr", "-0.0001"], "--min_lr must be >= 0"),
+    (["--nonfinite_policy", "ignore"], "--nonfinite_policy must be one of stop, skip"),
+    (["--nonfinite_skip_limit", "0"], "--nonfinite_skip_limit must be a positive integer"),
+])
+def test_float_flags_out_of_range_name_the_flag_the_range_and_the_value(argv, message):
+    with pytest.raises(ArgumentError) as err:
+        validated(*argv)
+    assert str(err.value) == message or str(err.value).startswith(message), str(err.value)
+
+
+def test_float_ranges_accept_their_bounds():
+    validated("--lr", "0", "--min_lr", "0", "--clip_grad", "0", "--weight_decay", "0",
+              "--adam_beta1", "0", "--hidden_dropout", "0", "--rotary_percent", "1",
+              "--lr", "1e30", "--min_lr", "0")
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.arguments.fields import check_flags
+
+    check_flags(InferArguments(temperature=0.0, top_p=1.0))
+
+
+def test_a_flag_may_opt_in_to_infinity():
+    from dataclasses import dataclass
+
+    from swift_mcore.arguments.fields import NON_NEGATIVE, check_flags, flag
+
+    @dataclass
+    class Group:
+        budget: float = flag(1.0, "A limit; inf: none.", range=NON_NEGATIVE, allow_inf=True)
+
+    check_flags(Group(budget="inf"))
+    with pytest.raises(ArgumentError, match=r"--budget must be a finite number >= 0, got nan"):
+        check_flags(Group(budget="nan"))
+    with pytest.raises(ArgumentError, match=r"--budget must be >= 0 .*got -inf"):
+        check_flags(Group(budget="-inf"))
+
+
+@pytest.mark.parametrize("command, argv, message", [
+    ("pt", ["--lr", "inf"], "--lr must be a finite number >= 0, got inf"),
+    ("pt", ["--adam_eps", "0"], "--adam_eps must be > 0 (a positive number), got 0.0"),
+    ("pt", ["--norm_epsilon", "nan"], "--norm_epsilon must be a finite number > 0, got nan"),
+    ("pt", ["--clip_grad", "nan"], "--clip_grad must be a finite number >= 0, got nan"),
+    ("pt", ["YAML"], "--hidden_dropout must be a finite number in [0, 1), got nan"),
+    ("sft", ["--split_dataset_ratio", "nan", "--dataset", "none.jsonl"],
+     "--split_dataset_ratio must be a finite number in [0, 1), got nan"),
+    ("sft", ["YAML", "--dataset", "none.jsonl"],
+     "--lr must be a finite number >= 0, got inf"),
+    ("infer", ["--temperature", "nan", "--model", "nowhere", "--prompt", "hi"],
+     "--temperature must be a finite number >= 0, got nan"),
+    ("infer", ["--top_p", "inf", "--model", "nowhere", "--prompt", "hi"],
+     "--top_p must be a finite number in (0, 1], got inf"),
+])
+def test_cli_refuses_non_finite_and_out_of_range_floats_before_any_work(
+        tmp_path, command, argv, message):
+    out = tmp_path / "out"
+    if argv[0] == "YAML":  # YAML's own spellings of nan and inf
+        config = tmp_path / "run.yaml"
+        config.write_text("hidden_dropout: .nan\n" if command == "pt" else "lr: .inf\n")
+        argv = [str(config), *argv[1:]]
+    if command != "infer":
+        argv = [*argv, "--output_dir", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", command, *argv],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"swift-mcore {command}: error: {message}"
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) in (
+        [], ["run.yaml"])

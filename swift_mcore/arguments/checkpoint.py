@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .fields import flag
+from .fields import POSITIVE, flag
 
 
 @dataclass
@@ -34,4 +34,4 @@ class CheckpointArguments:
     exit_interval: Optional[int] = flag(
         None, "Save and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: Optional[float] = flag(
-        None, "Save and exit once the run has lasted this many minutes.")
+        None, "Save and exit once the run has lasted this many minutes.", range=POSITIVE)

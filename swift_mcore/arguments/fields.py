@@ -3,18 +3,70 @@ and freeze a group of them."""
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import MISSING, Field, FrozenInstanceError, field, fields
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ..errors import ArgumentError
 
 
-def flag(default: Any, help: str, choices: Sequence[Any] | None = None, **kwargs) -> Any:
-    """A dataclass field that is also a command-line flag of the same name."""
+class Range:
+    """The values a number flag accepts: a lower and an upper bound, each included or not.
+    Every float flag is also finite (nan, inf and -inf are refused) unless declared with
+    ``flag(..., allow_inf=True)``."""
+
+    def __init__(self, low: Optional[float] = None, high: Optional[float] = None, *,
+                 low_open: bool = False, high_open: bool = False, words: str = ""):
+        self.low, self.high = low, high
+        self.low_open, self.high_open = low_open, high_open
+        self.words = words
+
+    def __contains__(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is not None and (
+                value >= self.high if self.high_open else value > self.high):
+            return False
+        return True
+
+    def bound(self) -> str:
+        """'> 0', '>= 0', 'in [0, 1)', ..."""
+        if self.low is not None and self.high is not None:
+            return (f"in {'(' if self.low_open else '['}{_num(self.low)}, "
+                    f"{_num(self.high)}{')' if self.high_open else ']'}")
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {_num(self.low)}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {_num(self.high)}"
+        return "any number"
+
+    def __str__(self) -> str:
+        return f"{self.bound()} ({self.words})" if self.words else self.bound()
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+POSITIVE = Range(0, low_open=True, words="a positive number")
+NON_NEGATIVE = Range(0, words="zero or a positive number")
+FRACTION = Range(0, 1, high_open=True)  # [0, 1): dropout, Adam's betas, a held-out share
+NONZERO_FRACTION = Range(0, 1, low_open=True)  # (0, 1]
+
+
+def flag(default: Any, help: str, choices: Sequence[Any] | None = None,
+         range: Range | None = None, allow_inf: bool = False, **kwargs) -> Any:
+    """A dataclass field that is also a command-line flag of the same name. ``choices``:
+    the accepted values; ``range``: the accepted numbers (checked by check_flags, shown in
+    --help and docs/cli.md); ``allow_inf``: a float flag that accepts inf and -inf."""
     metadata = {"help": help}
     if choices is not None:
         metadata["choices"] = tuple(choices)
+    if range is not None:
+        metadata["range"] = range
+    if allow_inf:
+        metadata["allow_inf"] = True
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
     return field(default=default, metadata=metadata, **kwargs)
@@ -71,7 +123,8 @@ def field_default(f: Field) -> Any:
 
 def check_flags(group) -> None:
     """Converts every field of a flag dataclass to its type, in place, and checks the values
-    of fields declared with choices. Raises ArgumentError naming the flag."""
+    of fields declared with choices, the range of numbers, and that every float is finite.
+    Raises ArgumentError naming the flag, what it accepts and the value."""
     for f in fields(group):
         value = coerce(f, getattr(group, f.name))
         setattr(group, f.name, value)
@@ -79,6 +132,23 @@ def check_flags(group) -> None:
         if choices and value is not None and value not in choices:
             raise ArgumentError(
                 f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        check_number(f, value)
+
+
+def check_number(f: Field, value: Any) -> None:
+    """A float flag's value (each item of a list) is finite and in the flag's range."""
+    kind, _ = base_type(f)
+    accepted: Optional[Range] = f.metadata.get("range")
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if item is None or not isinstance(item, (int, float)) or isinstance(item, bool):
+            continue
+        if kind is float and not math.isfinite(item) and not (
+                f.metadata.get("allow_inf") and math.isinf(item)):
+            where = f" {accepted.bound()}" if accepted is not None else ""
+            raise ArgumentError(f"--{f.name} must be a finite number{where}, got {item!r}")
+        if accepted is not None and item not in accepted:
+            raise ArgumentError(f"--{f.name} must be {accepted}, got {item!r}")
 
 
 def _coerce_one(name: str, kind, value):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ArgumentError
-from .fields import check_flags, flag
+from .fields import NON_NEGATIVE, NONZERO_FRACTION, check_flags, flag
 from .sft import TEMPLATES
 
 
@@ -26,9 +26,10 @@ class InferArguments:
     max_new_tokens: int = flag(64, "Tokens to generate at most (generation also stops at the "
                                "end-of-document token).")
     temperature: float = flag(0.0, "Sampling temperature; 0 picks the most likely token "
-                              "(greedy).")
+                              "(greedy).", range=NON_NEGATIVE)
     top_p: float = flag(1.0, "Sample from the smallest set of tokens whose probability "
-                        "reaches this (nucleus sampling; needs --temperature > 0).")
+                        "reaches this (nucleus sampling; needs --temperature > 0).",
+                        range=NONZERO_FRACTION)
     seed: int = flag(42, "Seed of the sampling.")
     tokenizer: Optional[str] = flag(
         None, "Tokenizer folder or tokenizer.json; default: the model's.")
@@ -48,8 +49,4 @@ class InferArguments:
         if self.max_new_tokens <= 0:
             raise ArgumentError(f"--max_new_tokens must be a positive integer, got "
                                 f"{self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ArgumentError(f"--temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ArgumentError(f"--top_p must be in (0, 1], got {self.top_p}")
         return self

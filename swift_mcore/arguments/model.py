@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .fields import flag
+from .fields import FRACTION, NONZERO_FRACTION, POSITIVE, flag
 
 
 @dataclass
@@ -34,24 +34,28 @@ class ModelArguments:
     make_vocab_size_divisible_by: int = flag(
         128, "Pad the model vocabulary to a multiple of this times the TP size.")
     normalization: str = flag("RMSNorm", "Normalization layer.", choices=("RMSNorm", "LayerNorm"))
-    norm_epsilon: float = flag(1e-5, "Epsilon of the normalization layers.")
+    norm_epsilon: float = flag(1e-5, "Epsilon of the normalization layers.", range=POSITIVE)
     swiglu: bool = flag(True, "Gated SiLU MLP (SwiGLU) instead of a plain GeLU MLP.")
     position_embedding_type: str = flag(
         "rope", "Position embedding.", choices=("rope", "learned_absolute", "none"))
     rotary_base: int = flag(10000, "RoPE base (theta).")
-    rotary_percent: float = flag(1.0, "Fraction of each head's channels that RoPE rotates.")
+    rotary_percent: float = flag(1.0, "Fraction of each head's channels that RoPE rotates.",
+                                 range=NONZERO_FRACTION)
     use_rope_scaling: bool = flag(
         False, "Llama-3 RoPE frequency scaling (low/high frequency factors 1 and 4 over 8192 "
         "original positions).")
-    rope_scaling_factor: float = flag(8.0, "Factor of the Llama-3 RoPE scaling.")
+    rope_scaling_factor: float = flag(8.0, "Factor of the Llama-3 RoPE scaling.",
+                                      range=POSITIVE)
     untie_embeddings_and_output_weights: bool = flag(
         True, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = flag(False, "Bias in the linear layers.")
     add_qkv_bias: bool = flag(False, "Bias in the query/key/value projection only (Qwen2).")
     qk_layernorm: bool = flag(False, "Normalize queries and keys per head (Qwen3).")
-    hidden_dropout: float = flag(0.0, "Dropout after attention and MLP.")
-    attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.")
-    init_method_std: float = flag(0.02, "Standard deviation of the weight initialization.")
+    hidden_dropout: float = flag(0.0, "Dropout after attention and MLP.", range=FRACTION)
+    attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.",
+                                    range=FRACTION)
+    init_method_std: float = flag(0.02, "Standard deviation of the weight initialization.",
+                                  range=POSITIVE)
     attention_backend: str = flag(
         "auto", "Core attention: transformer_engine = Transformer Engine's layer spec and fused "
         "attention (CUDA); local = megatron's local spec with its DotProductAttention; sdpa = "

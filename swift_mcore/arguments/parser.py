@@ -38,6 +38,8 @@ def add_flags(group, dataclass_type, cls=None) -> None:
         help_text = f"{f.metadata['help']} (default: {_describe_default(f, cls)})"
         if "choices" in f.metadata:
             help_text += f" [choices: {', '.join(map(str, f.metadata['choices']))}]"
+        if "range" in f.metadata:
+            help_text += f" [{f.metadata['range'].bound()}]"
         kwargs = dict(dest=f.name, help=help_text)
         if kind is bool:
             # `--flag` alone means true; `--flag false` is accepted too (ms-swift style).

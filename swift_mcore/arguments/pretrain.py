@@ -104,31 +104,19 @@ class PretrainArguments:
                      "max_position_embeddings"):
             if getattr(m, name) is not None:
                 _positive(m, name)
-        for name in ("micro_batch_size", "global_batch_size", "train_iters"):
+        for name in ("micro_batch_size", "global_batch_size", "train_iters",
+                     "nonfinite_skip_limit"):
             _positive(t, name)
-        if t.num_train_epochs is not None and not t.num_train_epochs > 0:
-            raise ArgumentError(f"--num_train_epochs must be positive, got "
-                                f"{t.num_train_epochs}")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             _positive(p, name)
         for name in ("log_interval", "eval_iters"):
             _positive(lg, name)
-        for name in ("lr", "min_lr", "weight_decay", "clip_grad", "lr_warmup_iters",
-                     "adam_eps"):
-            _non_negative(t, name)
+        # Float flags: finite and in their declared range, checked by check_flags above.
+        _non_negative(t, "lr_warmup_iters")
         _non_negative(lg, "eval_steps")
         _non_negative(self.data, "num_workers")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(m, name) < 1.0:
-                raise ArgumentError(f"--{name} must be in [0, 1), got {getattr(m, name)}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(t, name) < 1.0:
-                raise ArgumentError(f"--{name} must be in [0, 1), got {getattr(t, name)}")
         if t.min_lr > t.lr:
             raise ArgumentError(f"--min_lr ({t.min_lr}) must not exceed --lr ({t.lr})")
-        if m.rope_scaling_factor <= 0:
-            raise ArgumentError(f"--rope_scaling_factor must be positive, got "
-                                f"{m.rope_scaling_factor}")
         if t.lr_decay_iters is not None:
             _positive(t, "lr_decay_iters")
         if t.num_train_epochs is None:
@@ -199,8 +187,6 @@ class PretrainArguments:
         for name in ("save_steps", "save_total_limit", "exit_interval"):
             if getattr(c, name) is not None:
                 _positive(c, name)
-        if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
-            raise ArgumentError("--exit_duration_in_mins must be positive")
         combinations = [  # (the flags break the rule, the message)
             (c.finetune and not c.load,
              "--finetune needs --load PATH (the checkpoint to take weights from)"),

@@ -17,6 +17,11 @@ Flags are snake_case. A YAML file given as the first argument sets any of them; 
 the command line override it. Boolean flags take `--flag` alone (true) or `--flag false`.
 From Python: `PretrainArguments.from_flags(lr=1e-4, num_layers=8)`, or
 `SftArguments.from_flags(dataset=["train.jsonl"], packing=True)`.
+
+Flags are checked before any work starts. A float flag takes a finite number
+(`nan`, `inf`, `-inf`, and YAML's `.nan`/`.inf`, are refused) in the range its row names
+("Accepts: ..."); a value outside it stops the command with exit code 2 and a line naming
+the flag, the range and the value.
 """
 
 
@@ -50,6 +55,13 @@ def other_commands():
     return [("export", ExportArguments), ("infer", InferArguments)]
 
 
+def accepted(f) -> str:
+    """A float flag's accepted values, as docs/cli.md and --help show them."""
+    bound = f.metadata["range"].bound()
+    kind = "a number (inf too)" if f.metadata.get("allow_inf") else "a finite number"
+    return f"{kind} {bound}" if bound != "any number" else kind
+
+
 def flag_table(dataclass_type) -> List[str]:
     """The markdown table (flag, default, description) of one argument dataclass."""
     lines = ["| flag | default | description |", "| --- | --- | --- |"]
@@ -59,6 +71,8 @@ def flag_table(dataclass_type) -> List[str]:
         text = f.metadata["help"]
         if "choices" in f.metadata:
             text += " One of: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
+        if "range" in f.metadata:
+            text += f" Accepts: {accepted(f)}."
         lines.append(f"| `--{f.name}` | {shown} | {text.replace('|', '/')} |")
     return lines
 

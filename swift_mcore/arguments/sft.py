@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ..errors import ArgumentError
-from .fields import flag
+from .fields import FRACTION, flag
 from .pretrain import PretrainArguments
 
 TEMPLATES = ("auto", "tokenizer", "chatml", "plain")
@@ -38,7 +38,8 @@ class SftDataArguments:
     val_dataset: Optional[List[str]] = flag(
         None, "Validation conversations (files, folders or globs, as --dataset).")
     split_dataset_ratio: float = flag(
-        0.0, "Hold out this fraction of --dataset for validation (a fixed draw from --seed).")
+        0.0, "Hold out this fraction of --dataset for validation (a fixed draw from --seed).",
+        range=FRACTION)
 
 
 @dataclass
@@ -60,9 +61,6 @@ class SftArguments(PretrainArguments):
             raise ArgumentError("sft needs --dataset: conversation files (jsonl, json, "
                                 "parquet) or a saved datasets folder (docs/sft.md)")
         column_map(s.columns)
-        if not 0.0 <= s.split_dataset_ratio < 1.0:
-            raise ArgumentError(f"--split_dataset_ratio must be in [0, 1), got "
-                                f"{s.split_dataset_ratio}")
         if s.val_dataset and s.split_dataset_ratio:
             raise ArgumentError("--val_dataset and --split_dataset_ratio are alternatives; "
                                 "give one of them")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .fields import flag
+from .fields import FRACTION, NON_NEGATIVE, POSITIVE, flag
 
 
 @dataclass
@@ -16,19 +16,33 @@ class TrainingArguments:
     train_iters: int = flag(300, "Optimizer steps to train for.")
     num_train_epochs: Optional[float] = flag(
         None, "Train for this many passes over the training set instead of --train_iters "
-        "(whole global batches, rounded up; with --packing a pass is over the packed rows).")
-    lr: float = flag(1e-3, "Peak learning rate.")
-    min_lr: float = flag(1e-4, "Learning rate at the end of decay.")
+        "(whole global batches, rounded up; with --packing a pass is over the packed rows).",
+        range=POSITIVE)
+    lr: float = flag(1e-3, "Peak learning rate (0 trains nothing: the weights stay as they "
+                     "are).", range=NON_NEGATIVE)
+    min_lr: float = flag(1e-4, "Learning rate at the end of decay; at most --lr.",
+                         range=NON_NEGATIVE)
     lr_warmup_iters: int = flag(30, "Iterations of linear warmup from 0 to lr.")
     lr_decay_iters: Optional[int] = flag(None, "Iterations of decay; default train_iters.")
     lr_decay_style: str = flag(
         "cosine", "Decay shape.", choices=("constant", "linear", "cosine",
                                            "inverse-square-root"))
-    weight_decay: float = flag(0.1, "AdamW weight decay.")
-    clip_grad: float = flag(1.0, "Clip the global gradient norm to this; 0 disables.")
-    adam_beta1: float = flag(0.9, "Adam beta1.")
-    adam_beta2: float = flag(0.95, "Adam beta2.")
-    adam_eps: float = flag(1e-8, "Adam epsilon.")
+    weight_decay: float = flag(0.1, "AdamW weight decay.", range=NON_NEGATIVE)
+    clip_grad: float = flag(1.0, "Clip the global gradient norm to this; 0 disables.",
+                            range=NON_NEGATIVE)
+    adam_beta1: float = flag(0.9, "Adam beta1.", range=FRACTION)
+    adam_beta2: float = flag(0.95, "Adam beta2.", range=FRACTION)
+    adam_eps: float = flag(1e-8, "Adam epsilon (added to the update's denominator).",
+                           range=POSITIVE)
     seed: int = flag(42, "Seed for initialization, dropout and the data order.")
+    nonfinite_policy: str = flag(
+        "stop", "A step whose loss or gradient norm is nan or inf (checked on every rank before "
+        "the optimizer step): 'stop' ends the run with an error naming the iteration (exit "
+        "code 2; no checkpoint holding nan is written); 'skip' drops the step's gradients "
+        "(weights, optimizer state and learning rate unchanged), counts it as skipped and "
+        "continues (docs/resume.md, 'NaN and Inf').", choices=("stop", "skip"))
+    nonfinite_skip_limit: int = flag(
+        10, "With --nonfinite_policy skip: the most non-finite steps skipped in a row; one more "
+        "stops the run as 'stop' does.")
     bf16: bool = flag(False, "Train in bfloat16 (GPU only).")
     fp16: bool = flag(False, "Train in float16 with loss scaling (GPU only).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Dict, List
 
@@ -47,8 +48,9 @@ class LogWindow:
     def flush(self) -> Dict[str, float]:
         seconds = max(time.perf_counter() - self.start, 1e-9)
         metrics = {"lr": self.steps[-1]["lr"], "skipped": sum(s["skipped"] for s in self.steps)}
-        for key in ("loss", "grad_norm"):
-            values = [s[key] for s in self.steps if s.get(key) is not None]
+        for key in ("loss", "grad_norm"):  # a skipped non-finite step is left out
+            values = [s[key] for s in self.steps
+                      if s.get(key) is not None and math.isfinite(s[key])]
             metrics[key] = sum(values) / len(values) if values else None
         # Real input tokens (padding left out), as counted on the last pipeline stage.
         tokens = sum(s.get("tokens") or 0.0 for s in self.steps)

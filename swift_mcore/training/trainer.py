@@ -17,6 +17,7 @@ from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
 from ..runtime import distributed, seed
 from .metrics import LogWindow, flops_per_token
+from .nonfinite import NonFiniteGuard
 from .writers import MetricWriter, format_log_line
 
 logger = logging.getLogger("swift_mcore")
@@ -102,6 +103,7 @@ class Trainer:
         self.valid_iterator = self.build_iterator(self.valid_ds,
                                                   self.state.consumed_valid_samples)
         self.writer = self.build_writer()
+        self.nonfinite_guard = NonFiniteGuard.for_args(config, log=self.writer.print)
         self.flops_per_token = flops_per_token(config)
         self.log_window = LogWindow(self.flops_per_token, config.world.world_size)
         self.install_signal_handlers()
@@ -158,17 +160,29 @@ class Trainer:
         self.optimizer.zero_grad()
         self._sample_ids = []
         losses = self.forward_backward(self.train_iterator, forward_only=False)
-        update_successful, grad_norm, _ = self.optimizer.step()
+        loss_sum, targets, tokens = self.reduce_losses(losses)
+        loss = loss_sum / max(targets, 1.0) if targets is not None else None
+        update_successful, grad_norm = self.optimizer_step(loss)
         if update_successful:
             self.scheduler.step(increment=1)
-        loss_sum, targets, tokens = self.reduce_losses(losses)
         return {
-            "loss": loss_sum / max(targets, 1.0) if targets is not None else None,
+            "loss": loss,
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm,
             "skipped": 0.0 if update_successful else 1.0,
             "tokens": tokens,
         }
+
+    def optimizer_step(self, loss: Optional[float]) -> tuple:
+        """(update applied, gradient norm): megatron's optimizer step, unless the loss or the
+        gradient norm is nan/inf on any rank (training/nonfinite.py, --nonfinite_policy)."""
+        from ..errors import NonFiniteError
+
+        try:
+            return self.nonfinite_guard.step(self.optimizer, loss, self.state.iteration + 1)
+        except NonFiniteError:
+            self.writer.close()  # what was logged so far stays; the loop ends unsaved
+            raise
 
     def forward_backward(self, data_iterator, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -103,11 +103,13 @@ class Segment:
         return "\n".join(parts)
 
 
-def launch(out: str, flags: Dict, world_size: int = 1, tag: str = "seg") -> Segment:
+def launch(out: str, flags: Dict, world_size: int = 1, tag: str = "seg",
+           extra: Optional[Dict] = None) -> Segment:
+    """``extra``: more spec keys for the worker (e.g. "poison", see ckpt_worker.py)."""
     os.makedirs(out, exist_ok=True)
     spec_path = os.path.join(out, f"spec_{tag}_{time.time_ns()}.json")
     with open(spec_path, "w", encoding="utf-8") as fh:
-        json.dump({"flags": {**flags, "output_dir": out}}, fh)
+        json.dump({**(extra or {}), "flags": {**flags, "output_dir": out}}, fh)
     port = free_port()
     procs, logs = [], []
     for rank in range(world_size):
@@ -126,8 +128,8 @@ def launch(out: str, flags: Dict, world_size: int = 1, tag: str = "seg") -> Segm
 
 
 def run(out: str, flags: Dict, world_size: int = 1, timeout: float = 180,
-        expect_error: bool = False, tag: str = "seg") -> Segment:
-    seg = launch(out, flags, world_size, tag)
+        expect_error: bool = False, tag: str = "seg", extra: Optional[Dict] = None) -> Segment:
+    seg = launch(out, flags, world_size, tag, extra)
     codes = seg.wait(timeout)
     seg.kill()  # reap anything left in the segment's process groups
     if expect_error:

@@ -19,6 +19,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(out, exist_ok=True)
 
+    import torch
     import torch.distributed as dist
 
     from swift_mcore.arguments import PretrainArguments
@@ -58,6 +59,22 @@ def main() -> None:
                              "lr": step.get("lr"), "consumed": s.consumed_train_samples,
                              "consumed_valid": s.consumed_valid_samples,
                              "samples": self._rows})
+
+        def compute_loss(self, batch, output_tensor):
+            # spec "poison": {"iterations": [...], "ranks": [...] (default all), "what": "loss"
+            # (the reported loss is nan, the gradients finite), "grad" (the gradients are
+            # nan, the reported loss finite) or "both"}: a non-finite step on demand.
+            loss, targets, report = super().compute_loss(batch, output_tensor)
+            poison = spec.get("poison")
+            if (poison and model_is_training(self.model)
+                    and self.state.iteration + 1 in poison["iterations"]
+                    and rank in poison.get("ranks", [rank])):
+                nan = float("nan")
+                if poison["what"] in ("loss", "both"):
+                    report = {"lm loss": report["lm loss"] * torch.tensor([nan, 1.0, 1.0])}
+                if poison["what"] in ("grad", "both"):
+                    loss = loss * nan
+            return loss, targets, report
 
         def evaluate(self):
             metrics = super().evaluate()

@@ -85,6 +85,18 @@ def test_unsupported_configs_name_the_key(copy, changes, message):
         validate(model=str(copy))
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"rms_norm_eps": 0.0}, r"^--norm_epsilon must be > 0 \(a positive number\), got 0.0 "
+                            r"\(from .*model/config.json\)$"),
+    ({"rms_norm_eps": float("nan")}, r"^--norm_epsilon must be a finite number > 0, got nan "
+                                     r"\(from .*model/config.json\)$"),
+])
+def test_config_values_are_checked_as_the_flags_are(copy, changes, message):
+    H.edit_config(str(copy), **changes)  # json writes nan as NaN, and reads it back
+    with pytest.raises(ArgumentError, match=message):
+        validate(model=str(copy))
+
+
 def test_mistral_sliding_window_shorter_than_the_sequence(tmp_path):
     path = tmp_path / "mistral"
     H.make_model(str(path), "mistral", tokenizer=False, sliding_window=16)
