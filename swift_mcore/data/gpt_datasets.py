@@ -174,12 +174,15 @@ def build_datasets(args, tokenizer, is_built_on_rank: Optional[Callable[[], bool
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
+    from . import safe_index_cache
     from .indexed import check_token_range
 
+    safe_index_cache.activate()  # megatron's index caches: never unpickled, checked on load
     prefixes, weights = resolve_blend(args, tokenizer)
     for prefix in prefixes:
         check_token_range(prefix, tokenizer.vocab_size)
     config = gpt_config(args, tokenizer, (prefixes, weights))
+    safe_index_cache.check_folder(config.path_to_cache)
     on_rank = is_built_on_rank or (lambda: True)
     epoch_samples = [samples_per_split(p, config) for p in prefixes]
     if sum(per_split[0] for per_split in epoch_samples) == 0:

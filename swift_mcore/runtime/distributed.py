@@ -24,6 +24,9 @@ def initialize(args) -> None:
     so `python -c 'Trainer(args).train()'` works as well as `swift-mcore pt`.
     """
     cpu_compat.activate()
+    from ..data import safe_index_cache
+
+    safe_index_cache.activate()  # for any megatron dataset built in this process
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
