@@ -51,13 +51,20 @@ def model_differences(saved_args, current_args) -> List[str]:
     return field_differences(saved_args, current_args, MODEL_FIELDS)
 
 
+def _same_data(saved: Any, current: Any) -> bool:
+    """A GPT data fingerprint (data/gpt_datasets.DataFingerprint) knows which of its parts
+    to compare with a saved one; any other fingerprint must be equal."""
+    matches = getattr(current, "matches", None)
+    return matches(saved) if matches is not None else saved == current
+
+
 def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict[str, Any],
                        saved_fingerprint: Any, fingerprint: Any,
                        saved_scheduler: Optional[Dict[str, Any]],
                        scheduler: Optional[Dict[str, Any]]) -> List[str]:
     """Every difference that makes a resumed run not the continuation of the saved one."""
     lines = field_differences(saved_args, current_args, RUN_FIELDS)
-    if saved_fingerprint != fingerprint:
+    if not _same_data(saved_fingerprint, fingerprint):
         lines.append(f"training data (content fingerprint): checkpoint "
                      f"{_fmt(saved_fingerprint)}, now {_fmt(fingerprint)}")
     lines += field_differences(saved_args, current_args, MODEL_FIELDS)

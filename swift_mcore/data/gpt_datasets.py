@@ -156,7 +156,7 @@ def index_cache_path(args, prefixes: Sequence[str]) -> str:
     the new end). A folder keyed by the content of the .idx files rules that out.
     """
     base = args.data.data_cache_path or os.path.join(args.logging.output_dir, "data_cache")
-    key = hashlib.sha256("\0".join(prefix_identity(p) for p in prefixes).encode())
+    key = hashlib.sha256("\0".join(index_identity(p) for p in prefixes).encode())
     return os.path.join(base, key.hexdigest()[:16])
 
 
@@ -291,8 +291,9 @@ def _file_identity(prefix: str, stamp: Tuple[int, int, int]) -> str:
     return f"{digest.hexdigest()}:{os.path.getsize(prefix + '.bin')}"
 
 
-def prefix_identity(prefix: str) -> str:
-    """sha256 of the .idx (lengths and offsets of every document) plus the .bin size.
+def index_identity(prefix: str) -> str:
+    """sha256 of the .idx (lengths and offsets of every document) plus the .bin size: what
+    megatron's index arrays depend on (the cache folder's key), not the tokens.
 
     Cheap (the .idx is ~16 bytes per document) and independent of where the files live.
     """
@@ -302,9 +303,53 @@ def prefix_identity(prefix: str) -> str:
     return _file_identity(prefix, (stat.st_size, stat.st_mtime_ns, bin_size))
 
 
+def prefix_identity(prefix: str) -> Tuple[str, Optional[str]]:
+    """(index identity + sampled hash of the .bin, index identity + the .bin's full sha256
+    from a valid PREFIX.hash.json or None): see indexed.bin_content and docs/data.md."""
+    from .indexed import bin_content
+
+    base = index_identity(prefix)
+    sampled, full = bin_content(prefix)
+    return f"{base}:sampled:{sampled}", f"{base}:sha256:{full}" if full else None
+
+
+class DataFingerprint(str):
+    """``"2:<sampled>:<full or ->"``: the data's identity at two strengths, compared by
+    ``matches`` (the resume check, checkpointing/compat.py).
+
+    *sampled* hashes the .idx of every prefix and sampled blocks of its .bin; *full* hashes
+    the .idx and the sha256 of every whole .bin, and exists only when every prefix has a
+    valid PREFIX.hash.json. Two fingerprints compare on *full* when both have it, else on
+    *sampled*, so a copy of a prefix without its hash record still matches. ``legacy`` is
+    the fingerprint of swift-mcore before the .bin was covered (version 1: .idx and .bin
+    size), which a checkpoint saved then holds.
+    """
+
+    def __new__(cls, sampled: str, full: Optional[str], legacy: str):
+        self = super().__new__(cls, f"2:{sampled}:{full or '-'}")
+        self.sampled, self.full, self.legacy = sampled, full, legacy
+        return self
+
+    def __reduce__(self):
+        return DataFingerprint, (self.sampled, self.full, self.legacy)
+
+    def matches(self, saved) -> bool:
+        if not isinstance(saved, str):
+            return False
+        if saved in (str(self), self.legacy):
+            return True
+        parts = saved.split(":")
+        if len(parts) != 3 or parts[0] != "2":
+            return False
+        if parts[2] != "-" and self.full:
+            return parts[2] == self.full
+        return parts[1] == self.sampled
+
+
 def dataset_fingerprint(dataset_or_args, tokenizer=None) -> str:
-    """Identity of the data a run trains on: the prefixes' content, the blend weights, the
-    split and the tokenizer; a run resumed on different data shows a different value.
+    """Identity of the data a run trains on: the prefixes' content (the .idx and the .bin
+    tokens), the blend weights, the split and the tokenizer; a run resumed on different
+    data shows a different value (a DataFingerprint; see its ``matches``).
 
     Accepts a dataset from ``build_datasets`` (any split), a GPTDatasetConfig, or the
     arguments (then the tokenizer is built unless given). --seq_length and --seed are left
@@ -323,11 +368,20 @@ def dataset_fingerprint(dataset_or_args, tokenizer=None) -> str:
         config = gpt_config(args, tokenizer, resolve_blend(args, tokenizer))
     prefixes, weights = config.blend
     total = sum(weights) if weights else None
-    description = {
-        "version": 1,
-        "data": [prefix_identity(p) for p in prefixes],
-        "weights": [w / total for w in weights] if weights else None,
-        "split": config.split_matrix,
-        "tokenizer": config.tokenizer.fingerprint,
-    }
-    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+    def digest(version: int, data: List[str]) -> str:
+        description = {
+            "version": version,
+            "data": data,
+            "weights": [w / total for w in weights] if weights else None,
+            "split": config.split_matrix,
+            "tokenizer": config.tokenizer.fingerprint,
+        }
+        return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+    identities = [prefix_identity(p) for p in prefixes]
+    full = None
+    if all(f is not None for _, f in identities):
+        full = digest(2, [f for _, f in identities])[:32]
+    return DataFingerprint(digest(2, [s for s, _ in identities])[:32], full,
+                           legacy=digest(1, [index_identity(p) for p in prefixes]))
