@@ -52,10 +52,11 @@ def model_differences(saved_args, current_args) -> List[str]:
 
 
 def _same_data(saved: Any, current: Any) -> bool:
-    """A GPT data fingerprint (data/gpt_datasets.DataFingerprint) knows which of its parts
-    to compare with a saved one; any other fingerprint must be equal."""
-    matches = getattr(current, "matches", None)
-    return matches(saved) if matches is not None else saved == current
+    """A GPT data fingerprint has parts of several strengths (data/gpt_datasets.py says
+    which are compared); any other fingerprint must be equal."""
+    from ..data.gpt_datasets import fingerprints_match
+
+    return fingerprints_match(saved, current)
 
 
 def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict[str, Any],

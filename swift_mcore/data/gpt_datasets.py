@@ -313,43 +313,38 @@ def prefix_identity(prefix: str) -> Tuple[str, Optional[str]]:
     return f"{base}:sampled:{sampled}", f"{base}:sha256:{full}" if full else None
 
 
-class DataFingerprint(str):
-    """``"2:<sampled>:<full or ->"``: the data's identity at two strengths, compared by
-    ``matches`` (the resume check, checkpointing/compat.py).
+def fingerprints_match(saved, current) -> bool:
+    """Whether a saved data fingerprint names the same data as the current one.
 
+    A GPT data fingerprint (``dataset_fingerprint``) is ``2:<sampled>:<full>:<legacy>``:
     *sampled* hashes the .idx of every prefix and sampled blocks of its .bin; *full* hashes
-    the .idx and the sha256 of every whole .bin, and exists only when every prefix has a
-    valid PREFIX.hash.json. Two fingerprints compare on *full* when both have it, else on
-    *sampled*, so a copy of a prefix without its hash record still matches. ``legacy`` is
-    the fingerprint of swift-mcore before the .bin was covered (version 1: .idx and .bin
-    size), which a checkpoint saved then holds.
+    the .idx and the sha256 of every whole .bin, and is ``-`` unless every prefix has a
+    valid PREFIX.hash.json; *legacy* is (the first half of) the fingerprint swift-mcore
+    computed before the .bin was covered (.idx and .bin size), which a checkpoint saved
+    then holds. Two fingerprints compare on *full* when both have it, else on *sampled*,
+    so a copy of a prefix without its hash record still matches. Any other kind of
+    fingerprint (finetuning data) must be equal.
     """
-
-    def __new__(cls, sampled: str, full: Optional[str], legacy: str):
-        self = super().__new__(cls, f"2:{sampled}:{full or '-'}")
-        self.sampled, self.full, self.legacy = sampled, full, legacy
-        return self
-
-    def __reduce__(self):
-        return DataFingerprint, (self.sampled, self.full, self.legacy)
-
-    def matches(self, saved) -> bool:
-        if not isinstance(saved, str):
-            return False
-        if saved in (str(self), self.legacy):
-            return True
-        parts = saved.split(":")
-        if len(parts) != 3 or parts[0] != "2":
-            return False
-        if parts[2] != "-" and self.full:
-            return parts[2] == self.full
-        return parts[1] == self.sampled
+    if saved == current:
+        return True
+    parts = current.split(":") if isinstance(current, str) else []
+    if not isinstance(saved, str) or len(parts) != 4 or parts[0] != "2":
+        return False
+    _, sampled, full, legacy = parts
+    if len(saved) == 64 and ":" not in saved:
+        return saved[:len(legacy)] == legacy
+    then = saved.split(":")
+    if len(then) != 4 or then[0] != "2":
+        return False
+    if then[2] != "-" and full != "-":
+        return then[2] == full
+    return then[1] == sampled
 
 
 def dataset_fingerprint(dataset_or_args, tokenizer=None) -> str:
     """Identity of the data a run trains on: the prefixes' content (the .idx and the .bin
     tokens), the blend weights, the split and the tokenizer; a run resumed on different
-    data shows a different value (a DataFingerprint; see its ``matches``).
+    data shows a value that does not match (``fingerprints_match``, which says how).
 
     Accepts a dataset from ``build_datasets`` (any split), a GPTDatasetConfig, or the
     arguments (then the tokenizer is built unless given). --seq_length and --seed are left
@@ -380,8 +375,9 @@ def dataset_fingerprint(dataset_or_args, tokenizer=None) -> str:
         return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
     identities = [prefix_identity(p) for p in prefixes]
-    full = None
+    sampled = digest(2, [s for s, _ in identities])[:32]
+    full = "-"
     if all(f is not None for _, f in identities):
         full = digest(2, [f for _, f in identities])[:32]
-    return DataFingerprint(digest(2, [s for s, _ in identities])[:32], full,
-                           legacy=digest(1, [index_identity(p) for p in prefixes]))
+    legacy = digest(1, [index_identity(p) for p in prefixes])[:32]
+    return f"2:{sampled}:{full}:{legacy}"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from swift_mcore.data import indexed
-from swift_mcore.data.gpt_datasets import (DataFingerprint, dataset_fingerprint,
+from swift_mcore.data.gpt_datasets import (dataset_fingerprint, fingerprints_match,
                                            index_cache_path, index_identity)
 
 from data_helpers import make_args, make_documents
@@ -100,18 +100,23 @@ def test_a_stale_or_broken_record_is_not_trusted(prefix, caplog):
         assert indexed.bin_content(prefix) == (sampled, None), broken
 
 
+def parts(fingerprint):
+    version, sampled, full, legacy = fingerprint.split(":")
+    return sampled, None if full == "-" else full
+
+
 def test_fingerprint_follows_the_tokens(prefix, tokenizer, tmp_path):
     args = make_args(tmp_path, data_path=[prefix])
     before = dataset_fingerprint(args, tokenizer)
-    assert isinstance(before, DataFingerprint) and before.full is not None
+    assert type(before) is str and parts(before)[1] is not None
     idx, size, cache = (open(prefix + ".idx", "rb").read(), os.path.getsize(prefix + ".bin"),
                         index_cache_path(args, [prefix]))
 
     replace_tokens(prefix)  # rewritten by the writer: same lengths, a new sha256 recorded
     assert open(prefix + ".idx", "rb").read() == idx and os.path.getsize(prefix + ".bin") == size
     after = dataset_fingerprint(args, tokenizer)
-    assert after.full is not None and after.full != before.full
-    assert not after.matches(before) and not before.matches(after)
+    assert parts(after)[1] is not None and parts(after)[1] != parts(before)[1]
+    assert not fingerprints_match(before, after) and not fingerprints_match(after, before)
     assert index_cache_path(args, [prefix]) == cache  # the index arrays depend on lengths only
 
     # The same files elsewhere without their record: compared on the sampled part.
@@ -120,24 +125,25 @@ def test_fingerprint_follows_the_tokens(prefix, tokenizer, tmp_path):
     for suffix in (".bin", ".idx"):
         shutil.copy(prefix + suffix, copy + suffix)
     copied = dataset_fingerprint(make_args(tmp_path, data_path=[copy]), tokenizer)
-    assert copied.full is None and copied.matches(after) and after.matches(copied)
-    assert not copied.matches(before)
+    assert parts(copied)[1] is None
+    assert fingerprints_match(after, copied) and fingerprints_match(copied, after)
+    assert not fingerprints_match(before, copied)
 
 
-def test_matches_compares_the_strongest_common_part():
-    fp = DataFingerprint("s" * 32, "f" * 32, legacy="l" * 64)
-    assert str(fp) == f"2:{'s' * 32}:{'f' * 32}" and fp.matches(str(fp))
-    assert not fp.matches(f"2:{'s' * 32}:{'e' * 32}")  # an edit between sampled blocks
-    assert fp.matches(f"2:{'s' * 32}:-")  # saved without a record: the sampled part
-    assert not fp.matches(f"2:{'t' * 32}:-")
-    assert fp.matches("l" * 64)  # a checkpoint of the version that did not cover tokens
-    for other in ("m" * 64, None, 3, "2:x", "3:" + "s" * 32 + ":-"):
-        assert not fp.matches(other), other
-    unrecorded = DataFingerprint("s" * 32, None, legacy="l" * 64)
-    assert str(unrecorded).endswith(":-") and unrecorded.matches(str(fp))
-    import pickle
-
-    assert pickle.loads(pickle.dumps(fp)).matches(str(fp))  # through broadcast_object_list
+def test_matching_compares_the_strongest_common_part():
+    s, f, legacy = "s" * 32, "f" * 32, "l" * 32
+    now = f"2:{s}:{f}:{legacy}"
+    assert fingerprints_match(now, now)
+    assert not fingerprints_match(f"2:{s}:{'e' * 32}:{legacy}", now)  # edit between samples
+    assert fingerprints_match(f"2:{s}:-:{legacy}", now)  # saved without a record: sampled
+    assert not fingerprints_match(f"2:{'t' * 32}:-:{legacy}", now)
+    assert fingerprints_match(legacy + "0" * 32, now)  # saved by the version before
+    for saved in ("m" * 64, None, 3, "2:x", f"3:{s}:-:{legacy}", f"2:{s}:-"):
+        assert not fingerprints_match(saved, now), saved
+    assert fingerprints_match(now, f"2:{s}:-:{legacy}")  # now without a record
+    # Other fingerprints (finetuning data) must be equal.
+    assert fingerprints_match("abc:train", "abc:train")
+    assert not fingerprints_match("abc:train", "abd:train")
 
 
 def test_legacy_part_is_the_fingerprint_of_the_version_before(prefix, tokenizer, tmp_path):
@@ -151,6 +157,8 @@ def test_legacy_part_is_the_fingerprint_of_the_version_before(prefix, tokenizer,
     identity = f"{sha256_file(prefix + '.idx')}:{os.path.getsize(prefix + '.bin')}"
     assert index_identity(prefix) == identity
     old = {"version": 1, "data": [identity, identity], "weights": [0.25, 0.75],
-           "split": split,
-           "tokenizer": tokenizer.fingerprint}
-    assert fp.legacy == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()
+           "split": split, "tokenizer": tokenizer.fingerprint}
+    saved_then = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()
+    assert fingerprints_match(saved_then, fp)
+    replace_tokens(prefix)  # what the version before could not see
+    assert fingerprints_match(saved_then, dataset_fingerprint(args, tokenizer))
