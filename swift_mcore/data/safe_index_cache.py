@@ -1,4 +1,4 @@
-"""Makes megatron's dataset index caches load without unpickling, only as the arrays megatron writes.
+"""Makes megatron's dataset index caches load without unpickling, and only as integer arrays.
 
 megatron-core 0.16.1 writes and reads its dataset index caches with
 ``numpy.save/load(..., allow_pickle=True)``: GPTDataset's document, sample and shuffle
@@ -57,7 +57,7 @@ INDEX_KINDS: Dict[str, Tuple[int, Tuple[numpy.dtype, ...]]] = {
 
 def _kind(path: str) -> str:
     name = os.path.basename(path)
-    parts = name.split("-", 3)  # <md5 hex>-<class>-<split>-<kind>: none of the first three holds "-"
+    parts = name.split("-", 3)  # <md5 hex>-<class>-<split>-<kind>; only <kind> may hold "-"
     return parts[3] if len(parts) == 4 else name
 
 
