@@ -58,7 +58,7 @@ def main(argv=None):
     seq, mbs = args.model.seq_length, t.micro_batch_size
     cuda = torch.cuda.is_available()
     if ours.data_file:
-        rows = torch.load(ours.data_file)
+        rows = torch.load(ours.data_file, weights_only=True)
         tokens, labels = rows["tokens"], rows["labels"]
     else:
         tokens = torch.randint(0, vocab, (64 * mbs, seq))

@@ -154,7 +154,7 @@ def main(argv=None):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    rows = torch.load(ours.data_file)
+    rows = torch.load(ours.data_file, weights_only=True)
     model = build_model(args, rows["vocab_size"], ours.hf_attention)
     clock = step_clock()
     with tempfile.TemporaryDirectory(prefix="hf_peer_") as out:

@@ -169,7 +169,8 @@ def child_hf_resume(spec):
 
     t_import = time.perf_counter()
     clock = step_clock()
-    trainer = hf_trainer(spec, torch.load(spec["rows"]), spec["step"] + 1, clock)
+    trainer = hf_trainer(spec, torch.load(spec["rows"], weights_only=True), spec["step"] + 1,
+                         clock)
     t_setup = time.perf_counter()
     trainer.train(resume_from_checkpoint=spec["checkpoint"])
     assert trainer.state.global_step == spec["step"] + 1, trainer.state.global_step

@@ -51,12 +51,20 @@ def model_differences(saved_args, current_args) -> List[str]:
     return field_differences(saved_args, current_args, MODEL_FIELDS)
 
 
+def _same_data(saved: Any, current: Any) -> bool:
+    """A GPT data fingerprint has parts of several strengths (data/gpt_datasets.py says
+    which are compared); any other fingerprint must be equal."""
+    from ..data.gpt_datasets import fingerprints_match
+
+    return fingerprints_match(saved, current)
+
+
 def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict[str, Any],
                        saved_fingerprint: Any, fingerprint: Any) -> List[str]:
     """Every difference in flags and data that makes a resumed run not the continuation of
     the saved one (the schedule is compared on the scheduler: ``scheduler_differences``)."""
     lines = field_differences(saved_args, current_args, RUN_FIELDS)
-    if saved_fingerprint != fingerprint:
+    if not _same_data(saved_fingerprint, fingerprint):
         lines.append(f"training data (content fingerprint): checkpoint "
                      f"{_fmt(saved_fingerprint)}, now {_fmt(fingerprint)}")
     lines += field_differences(saved_args, current_args, MODEL_FIELDS)

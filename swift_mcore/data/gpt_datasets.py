@@ -150,7 +150,7 @@ def index_cache_path(args, prefixes: Sequence[str]) -> str:
     the new end). A folder keyed by the content of the .idx files rules that out.
     """
     base = args.data.data_cache_path or os.path.join(args.logging.output_dir, "data_cache")
-    key = hashlib.sha256("\0".join(prefix_identity(p) for p in prefixes).encode())
+    key = hashlib.sha256("\0".join(index_identity(p) for p in prefixes).encode())
     return os.path.join(base, key.hexdigest()[:16])
 
 
@@ -167,12 +167,15 @@ def build_datasets(args, tokenizer):
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
+    from . import safe_index_cache
     from .indexed import check_token_range
 
+    safe_index_cache.activate()  # megatron's index caches: never unpickled, checked on load
     prefixes, weights = resolve_blend(args, tokenizer)
     for prefix in prefixes:
         check_token_range(prefix, tokenizer.vocab_size)
     config = gpt_config(args, tokenizer, (prefixes, weights))
+    safe_index_cache.check_folder(config.path_to_cache)
     on_rank = lambda: True  # noqa: E731  (every rank: see above)
     epoch_samples = [samples_per_split(p, config) for p in prefixes]
     if sum(per_split[0] for per_split in epoch_samples) == 0:
@@ -281,8 +284,9 @@ def _file_identity(prefix: str, stamp: Tuple[int, int, int]) -> str:
     return f"{digest.hexdigest()}:{os.path.getsize(prefix + '.bin')}"
 
 
-def prefix_identity(prefix: str) -> str:
-    """sha256 of the .idx (lengths and offsets of every document) plus the .bin size.
+def index_identity(prefix: str) -> str:
+    """sha256 of the .idx (lengths and offsets of every document) plus the .bin size: what
+    megatron's index arrays depend on (the cache folder's key), not the tokens.
 
     Cheap (the .idx is ~16 bytes per document) and independent of where the files live.
     """
@@ -292,9 +296,48 @@ def prefix_identity(prefix: str) -> str:
     return _file_identity(prefix, (stat.st_size, stat.st_mtime_ns, bin_size))
 
 
+def prefix_identity(prefix: str) -> Tuple[str, Optional[str]]:
+    """(index identity + sampled hash of the .bin, index identity + the .bin's full sha256
+    from a valid PREFIX.hash.json or None): see indexed.bin_content and docs/data.md."""
+    from .indexed import bin_content
+
+    base = index_identity(prefix)
+    sampled, full = bin_content(prefix)
+    return f"{base}:sampled:{sampled}", f"{base}:sha256:{full}" if full else None
+
+
+def fingerprints_match(saved, current) -> bool:
+    """Whether a saved data fingerprint names the same data as the current one.
+
+    A GPT data fingerprint (``dataset_fingerprint``) is ``2:<sampled>:<full>:<legacy>``:
+    *sampled* hashes the .idx of every prefix and sampled blocks of its .bin; *full* hashes
+    the .idx and the sha256 of every whole .bin, and is ``-`` unless every prefix has a
+    valid PREFIX.hash.json; *legacy* is (the first half of) the fingerprint swift-mcore
+    computed before the .bin was covered (.idx and .bin size), which a checkpoint saved
+    then holds. Two fingerprints compare on *full* when both have it, else on *sampled*,
+    so a copy of a prefix without its hash record still matches. Any other kind of
+    fingerprint (finetuning data) must be equal.
+    """
+    if saved == current:
+        return True
+    parts = current.split(":") if isinstance(current, str) else []
+    if not isinstance(saved, str) or len(parts) != 4 or parts[0] != "2":
+        return False
+    _, sampled, full, legacy = parts
+    if len(saved) == 64 and ":" not in saved:
+        return saved[:len(legacy)] == legacy
+    then = saved.split(":")
+    if len(then) != 4 or then[0] != "2":
+        return False
+    if then[2] != "-" and full != "-":
+        return then[2] == full
+    return then[1] == sampled
+
+
 def dataset_fingerprint(dataset_or_args, tokenizer=None) -> str:
-    """Identity of the data a run trains on: the prefixes' content, the blend weights, the
-    split and the tokenizer; a run resumed on different data shows a different value.
+    """Identity of the data a run trains on: the prefixes' content (the .idx and the .bin
+    tokens), the blend weights, the split and the tokenizer; a run resumed on different
+    data shows a value that does not match (``fingerprints_match``, which says how).
 
     Accepts a dataset from ``build_datasets`` (any split), a GPTDatasetConfig, or the
     arguments (then the tokenizer is built unless given). --seq_length and --seed are left
@@ -313,11 +356,21 @@ def dataset_fingerprint(dataset_or_args, tokenizer=None) -> str:
         config = gpt_config(args, tokenizer, resolve_blend(args, tokenizer))
     prefixes, weights = config.blend
     total = sum(weights) if weights else None
-    description = {
-        "version": 1,
-        "data": [prefix_identity(p) for p in prefixes],
-        "weights": [w / total for w in weights] if weights else None,
-        "split": config.split_matrix,
-        "tokenizer": config.tokenizer.fingerprint,
-    }
-    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+    def digest(version: int, data: List[str]) -> str:
+        description = {
+            "version": version,
+            "data": data,
+            "weights": [w / total for w in weights] if weights else None,
+            "split": config.split_matrix,
+            "tokenizer": config.tokenizer.fingerprint,
+        }
+        return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+    identities = [prefix_identity(p) for p in prefixes]
+    sampled = digest(2, [s for s, _ in identities])[:32]
+    full = "-"
+    if all(f is not None for _, f in identities):
+        full = digest(2, [f for _, f in identities])[:32]
+    legacy = digest(1, [index_identity(p) for p in prefixes])[:32]
+    return f"2:{sampled}:{full}:{legacy}"

@@ -1,13 +1,19 @@
 """megatron's .bin/.idx files: written atomically, and checked whole before a run reads them.
 
-Writing goes through megatron's IndexedDatasetBuilder; the checks (header, sizes, offsets,
-token range) read the .idx and a sample of the .bin without importing megatron.
+Writing goes through megatron's IndexedDatasetBuilder (the pair stays byte-identical to
+Megatron-LM's); alongside, PREFIX.hash.json records the sha256 of the .bin, computed while
+it is written. The checks (header, sizes, offsets, token range) and the content hash used
+by the data fingerprint read the .idx and the .bin without importing megatron.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import logging
 import os
+import re
 import struct
 from functools import lru_cache
 from typing import Iterable, Optional, Tuple
@@ -15,7 +21,7 @@ from typing import Iterable, Optional, Tuple
 import numpy as np
 
 from ..errors import ArgumentError
-from .cache import temp_name
+from .cache import temp_name, write_atomic
 
 BATCH_DOCUMENTS = 256  # enough per encode_batch call to keep every core busy
 
@@ -38,13 +44,30 @@ def exists(prefix: str) -> bool:
     return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
 
 
+class _HashingFile:
+    """The builder's .bin file, hashing exactly the bytes megatron writes to it."""
+
+    def __init__(self, fh):
+        self._fh = fh
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self._fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+
 class IndexedWriter:
     """``with IndexedWriter(prefix, dtype) as w: w.add_documents(...); w.commit()``.
 
     Both files are written under a temporary prefix and renamed into place, .idx last: the
     .idx is the commit mark, so a crash leaves at worst a lone .bin, which readers treat as
     missing, never a half-written pair. Leaving the block without ``commit()`` (an error, a
-    KeyboardInterrupt) removes the temporary files and leaves any old pair untouched.
+    KeyboardInterrupt) removes the temporary files and leaves any old pair untouched. The
+    .bin's sha256 is computed as it is written and recorded in PREFIX.hash.json (before the
+    .idx is renamed, so a committed pair always has its record).
     """
 
     def __init__(self, prefix: str, dtype):
@@ -61,6 +84,7 @@ class IndexedWriter:
         os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
         self._tmp = temp_name(self.prefix)
         self._builder = IndexedDatasetBuilder(self._tmp + ".bin", dtype=self.dtype)
+        self._builder.data_file = _HashingFile(self._builder.data_file)
         return self
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
@@ -76,9 +100,12 @@ class IndexedWriter:
         if self.documents == 0:
             raise ValueError(f"no non-empty documents to write to {self.prefix}")
         self._builder.finalize(self._tmp + ".idx")
-        if os.path.exists(self.prefix + ".idx"):
-            os.remove(self.prefix + ".idx")  # uncommit the old pair before its .bin is replaced
+        # Uncommit the old pair (and its hash record) before its .bin is replaced.
+        for old in (self.prefix + ".idx", self.prefix + HASH_SUFFIX):
+            if os.path.exists(old):
+                os.remove(old)
         os.replace(self._tmp + ".bin", self.prefix + ".bin")
+        write_bin_hash(self.prefix, self._builder.data_file.sha256.hexdigest())
         os.replace(self._tmp + ".idx", self.prefix + ".idx")
 
     def __exit__(self, *exc) -> None:
@@ -101,6 +128,109 @@ def write_indexed(documents: Iterable[str], tokenizer, prefix: str) -> dict:
                                              count=int(lengths.sum())), lengths)
         writer.commit()
     return {"documents": writer.documents, "tokens": writer.tokens}
+
+
+# ---- what the .bin holds: its recorded sha256, and sampled blocks ------------------------
+
+HASH_SUFFIX = ".hash.json"
+# The sampled hash reads SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes at fixed offsets (the
+# first and the last block, the others evenly spaced between), or the whole file if it is
+# no larger: 64 MiB at most, whatever the size of the .bin.
+SAMPLE_BLOCK = 1 << 20
+SAMPLE_BLOCKS = 64
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+logger = logging.getLogger("swift_mcore")
+
+
+def write_bin_hash(prefix: str, sha256: str) -> None:
+    """Record ``sha256`` as the content of PREFIX.bin as it is now (its size and mtime)."""
+    stat = os.stat(prefix + ".bin")
+    write_atomic(prefix + HASH_SUFFIX, json.dumps({
+        "file": os.path.basename(prefix) + ".bin", "bytes": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns, "sha256": sha256}, indent=1) + "\n")
+
+
+def record_bin_hash(prefix: str) -> str:
+    """Hash an existing PREFIX.bin in full (one pass) and record it in PREFIX.hash.json: for
+    a prefix made by another tool, so that its fingerprint covers every token."""
+    path = prefix + ".bin"
+    before = os.stat(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(16 << 20), b""):
+            digest.update(chunk)
+    after = os.stat(path)
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+        raise ArgumentError(f"{path} changed while it was being hashed; try again")
+    write_bin_hash(prefix, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def sampled_bin_hash(path: str, size: int, block: int = SAMPLE_BLOCK,
+                     blocks: int = SAMPLE_BLOCKS) -> str:
+    """sha256 of the size and of ``blocks`` blocks at fixed offsets (the whole file if it
+    fits them). Misses an edit that falls between the blocks of a larger file."""
+    digest = hashlib.sha256(f"sampled size={size} block={block} blocks={blocks}\n".encode())
+    with open(path, "rb") as fh:
+        if size <= block * blocks:
+            for chunk in iter(lambda: fh.read(16 << 20), b""):
+                digest.update(chunk)
+        else:
+            for i in range(blocks):
+                fh.seek(i * (size - block) // (blocks - 1))
+                digest.update(fh.read(block))
+    return digest.hexdigest()
+
+
+def _recorded_sha256(prefix: str, size: int, mtime_ns: int) -> Optional[str]:
+    """The sha256 in PREFIX.hash.json if it still describes the .bin (same size and mtime),
+    else None: a stale or unreadable record is never trusted."""
+    path = prefix + HASH_SUFFIX
+    try:
+        with open(path, encoding="utf-8") as fh:
+            record = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        _warn(f"{path} cannot be read ({err}); the data fingerprint covers sampled blocks "
+              f"of {prefix}.bin only")
+        return None
+    sha256 = record.get("sha256") if isinstance(record, dict) else None
+    if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+        _warn(f"{path} holds no sha256; the data fingerprint covers sampled blocks of "
+              f"{prefix}.bin only")
+        return None
+    if (record.get("bytes"), record.get("mtime_ns")) != (size, mtime_ns):
+        _warn(f"{prefix}.bin changed after {path} was written (its size or modification time "
+              f"differs), so the recorded sha256 is not used and the data fingerprint covers "
+              f"sampled blocks only; re-run `swift-mcore preprocess` (or "
+              f"swift_mcore.data.indexed.record_bin_hash) to cover every token again")
+        return None
+    return sha256
+
+
+@lru_cache(maxsize=None)
+def _warn(message: str) -> None:  # once per message, from the first rank only
+    if os.environ.get("RANK", "0") == "0":
+        logger.warning("warning: %s", message)
+
+
+def bin_content(prefix: str) -> Tuple[str, Optional[str]]:
+    """(sampled hash of PREFIX.bin, its full sha256 from a valid PREFIX.hash.json or None)."""
+    stat = os.stat(prefix + ".bin")
+    try:
+        record = os.stat(prefix + HASH_SUFFIX)
+        record_stamp = (record.st_size, record.st_mtime_ns, record.st_ino)
+    except FileNotFoundError:
+        record_stamp = None
+    return _bin_content(prefix, (stat.st_size, stat.st_mtime_ns, stat.st_ino), record_stamp)
+
+
+@lru_cache(maxsize=None)
+def _bin_content(prefix: str, stamp: tuple, record_stamp) -> Tuple[str, Optional[str]]:
+    size, mtime_ns, _ = stamp
+    sampled = sampled_bin_hash(prefix + ".bin", size)
+    return sampled, _recorded_sha256(prefix, size, mtime_ns) if record_stamp else None
 
 
 # ---- checks -----------------------------------------------------------------------------

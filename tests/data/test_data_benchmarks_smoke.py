@@ -34,3 +34,11 @@ def test_loader_throughput_smoke():
                  "0.5", "--iters", "3")
     assert result["trainer_samples_per_s"] > 0
     assert result["loader_samples_per_s_workers0"] > 0 and result["ratio_workers1"] > 0
+
+
+@pytest.mark.slow
+def test_data_fingerprint_smoke():
+    result = run("benchmarks/data_fingerprint.py", "--gb", "0.08", "--repeats", "1")
+    assert result["bin_bytes"] > result["sampled_MiB"] * 2 ** 20  # the sampled path runs
+    assert result["fingerprint_without_record_s"] > 0 and result["fingerprint_with_record_s"] > 0
+    assert result["full_sha256_GB_per_s"] > 0

@@ -26,7 +26,7 @@ def test_round_trip_through_megatron(tokenizer, tmp_path):
     for i, ids in enumerate(expected):
         assert ds[i].tolist() == ids
     assert tokenizer.decode(ds[len(ds) - 1][:-1]) == docs[-1]
-    assert sorted(os.listdir(tmp_path)) == ["data.bin", "data.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["data.bin", "data.hash.json", "data.idx"]
 
 
 def test_failed_rewrite_keeps_the_old_pair(tokenizer, tmp_path):
@@ -39,7 +39,7 @@ def test_failed_rewrite_keeps_the_old_pair(tokenizer, tmp_path):
 
     with pytest.raises(RuntimeError, match="halfway"):
         indexed.write_indexed(broken(), tokenizer, prefix)
-    assert sorted(os.listdir(tmp_path)) == ["data.bin", "data.idx"]  # no temp files left
+    assert sorted(os.listdir(tmp_path)) == ["data.bin", "data.hash.json", "data.idx"]  # no temps
     ds = IndexedDataset(prefix)  # held: megatron's arrays are views that die with it (segfault)
     assert ds[0].tolist() == tokenizer.encode("first version") + [tokenizer.eod]
 

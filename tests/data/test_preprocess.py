@@ -70,7 +70,7 @@ def test_every_format_round_trips(name, inputs, tokenizer, tmp_path):
     assert check_indexed(str(prefix))["documents"] == len(want)
     assert summary["documents"] == len(want) and summary["tokens"] == sum(map(len, want))
     assert summary["empty_skipped"] == len(texts) - len(want)
-    assert sorted(os.listdir(prefix.parent)) == ["data.bin", "data.idx"]
+    assert sorted(os.listdir(prefix.parent)) == ["data.bin", "data.hash.json", "data.idx"]
 
 
 def test_globs_folders_and_a_hf_tokenizer_folder(inputs, tokenizer, tmp_path):
@@ -154,7 +154,7 @@ def test_bad_input_names_the_file_and_keeps_the_old_output(name, tokenizer, tmp_
         run("--input", tmp_path / "good.jsonl", path, "--output_prefix", prefix, "--workers", 2)
     after = {s: (prefix.parent / f"data{s}").read_bytes() for s in (".bin", ".idx")}
     assert after == before
-    assert sorted(os.listdir(prefix.parent)) == ["data.bin", "data.idx"]
+    assert sorted(os.listdir(prefix.parent)) == ["data.bin", "data.hash.json", "data.idx"]
 
 
 def test_missing_column_in_a_saved_dataset_and_a_parquet_file(tokenizer, tmp_path):
@@ -186,7 +186,7 @@ def test_interrupted_run_keeps_the_old_output(tokenizer, tmp_path):
         encoding.encode_sources(sources.expand_inputs([str(tmp_path / "big.jsonl")]), "text",
                                 tokenizer, str(prefix), workers=2, on_progress=interrupt)
     assert {s: (prefix.parent / f"data{s}").read_bytes() for s in (".bin", ".idx")} == before
-    assert sorted(os.listdir(prefix.parent)) == ["data.bin", "data.idx"]
+    assert sorted(os.listdir(prefix.parent)) == ["data.bin", "data.hash.json", "data.idx"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,0 +1,70 @@
+"""--resume on a prefix whose .bin tokens were replaced (same lengths, byte-identical .idx) is
+refused naming the data fingerprint: for a prefix made by `swift-mcore preprocess` (its
+recorded sha256) and for one made elsewhere, without a record (the sampled blocks; the change
+sits in the first one)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import ckpt_harness as H
+from run_helpers import run_pt
+
+from swift_mcore.data import indexed
+
+
+def make_prefix(folder):
+    from swift_mcore.preprocess import parse, preprocess
+
+    jsonl = H.write_corpus(str(folder / "corpus.jsonl"), n_docs=30, seed=5)
+    prefix = str(folder / "corpus")
+    preprocess(parse(["--input", jsonl, "--output_prefix", prefix, "--workers", "1",
+                      "--progress_bar", "false"]))
+    return prefix
+
+
+def saved_fingerprint(out):
+    with open(os.path.join(out, "checkpoint", "iter_0000002", "run.json")) as fh:
+        return json.load(fh)["data_fingerprint"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("made_by", ["preprocess", "elsewhere"])
+def test_resume_refuses_replaced_tokens(tmp_path, made_by):
+    prefix = make_prefix(tmp_path)
+    record = prefix + ".hash.json"  # indexed.HASH_SUFFIX
+    if made_by == "elsewhere" and os.path.exists(record):
+        os.remove(record)  # as Megatron-LM's tool leaves it
+    out = tmp_path / "run"
+    flags = ["--data_path", prefix, "--split", "90,10,0", "--train_iters", 3]
+    run_pt(out, *flags, "--exit_interval", 2)
+    saved = saved_fingerprint(out)
+
+    idx, size = open(prefix + ".idx", "rb").read(), os.path.getsize(prefix + ".bin")
+    if made_by == "preprocess":  # rewritten through the writer: a new sha256 recorded
+        docs = indexed.read_documents(prefix)
+        tokens = np.array([t for d in docs for t in d], dtype=np.uint16)
+        tokens[:64] = tokens[:64][::-1].copy()
+        with indexed.IndexedWriter(prefix, np.uint16) as writer:
+            writer.add_documents(tokens, np.array([len(d) for d in docs]))
+            writer.commit()
+    else:  # edited in place, inside the first sampled block
+        data = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
+        data[:64] = data[:64][::-1].copy()
+        data.flush()
+        del data
+    assert open(prefix + ".idx", "rb").read() == idx and os.path.getsize(prefix + ".bin") == size
+
+    proc = run_pt(out, *flags, "--resume", "auto", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert f"refusing to resume from {out}/checkpoint/iter_0000002" in proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if "training data" in x).strip()
+    assert line.startswith(f"training data (content fingerprint): checkpoint {saved!r}, now "
+                           f"'2:"), line
+    assert not (out / "checkpoint" / "iter_0000003").exists()
+    # What was compared: the recorded sha256's part, or only the sampled one.
+    version, sampled, full, legacy = saved.split(":")
+    assert version == "2" and (full == "-") == (made_by == "elsewhere")
