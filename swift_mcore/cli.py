@@ -48,7 +48,6 @@ def run_training(argv: List[str], cls) -> int:
     """pt and sft: the same Trainer; the arguments class decides the data."""
     from .errors import ArgumentError
     from .arguments import parse_args
-    from .errors import CheckpointError
 
     prog = f"swift-mcore {cls.COMMAND}"
     launch = torchrun_launch()
@@ -58,10 +57,25 @@ def run_training(argv: List[str], cls) -> int:
     except ArgumentError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-    if launch:
-        return launch.run([cls.COMMAND, *argv])
+    from .runtime import run_lock
 
+    try:  # one run per --output_dir, before any work (docs/resume.md)
+        lock = run_lock.acquire_for_cli(args.logging.output_dir, prog, launching=bool(launch),
+                                        node_rank=launch.node_rank if launch else 0)
+    except ArgumentError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        if launch:
+            return launch.run([cls.COMMAND, *argv], lock)
+        return _train(prog, args)
+    finally:
+        run_lock.release_all()
+
+
+def _train(prog: str, args) -> int:
     from ._quiet import quiet_third_party
+    from .errors import ArgumentError, CheckpointError
     from .runtime import distributed
     from .training.trainer import Trainer
 
@@ -94,11 +108,17 @@ class TorchrunLaunch:
             "-m", "swift_mcore", *subcommand_argv,
         ]
 
-    def run(self, subcommand_argv: List[str]) -> int:
+    def run(self, subcommand_argv: List[str], lock=None) -> int:
+        """torchrun; ``lock`` (this launcher's run lock) is handed to the ranks, and torchrun
+        keeps it open too, so it stays held while any part of the run lives."""
+        from .runtime import run_lock
+
         env = dict(os.environ)
         for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK"):
             env.pop(name, None)  # the children are the ranks; they must not relaunch
-        return subprocess.call(self.command(subcommand_argv), env=env)
+        env.update(run_lock.child_env(lock))
+        fds = (lock.fd,) if lock is not None and lock.fd is not None else ()
+        return subprocess.call(self.command(subcommand_argv), env=env, pass_fds=fds)
 
 
 def torchrun_launch() -> Optional[TorchrunLaunch]:

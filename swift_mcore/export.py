@@ -61,14 +61,20 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
 def to_mcore(args: ExportArguments, log) -> Dict[str, object]:
     from .checkpointing import TrainState, save_checkpoint
     from .models.source import load_model
+    from .runtime import run_lock
 
-    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
-    run_args = loaded.args
-    run_args.logging.output_dir = os.path.abspath(args.output_dir)
-    # A weights-only checkpoint: no optimizer state, iteration 0.
-    run_args.checkpoint.no_save = False
-    run_args.checkpoint.no_save_optim = True
-    path = save_checkpoint(run_args, TrainState(), [loaded.model], None, None, None)
+    # It writes a checkpoint into --output_dir: never while a run works in that folder.
+    run_lock.acquire(args.output_dir, "swift-mcore export --to_mcore")
+    try:
+        loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
+        run_args = loaded.args
+        run_args.logging.output_dir = os.path.abspath(args.output_dir)
+        # A weights-only checkpoint: no optimizer state, iteration 0.
+        run_args.checkpoint.no_save = False
+        run_args.checkpoint.no_save_optim = True
+        path = save_checkpoint(run_args, TrainState(), [loaded.model], None, None, None)
+    finally:
+        run_lock.release(args.output_dir)
     log(f"wrote {path}: a swift-mcore checkpoint (weights only, iteration 0); train from it "
         f"with `swift-mcore pt --model {loaded.path} --load {path} --finetune`")
     result: Dict[str, object] = {"path": path}

@@ -8,6 +8,7 @@ import time
 from typing import Optional
 
 from . import comm, commit, files, io, rng
+from ..runtime import run_lock
 from .state import TrainState
 from .tracker import checkpoint_root, iter_dir_name, read_tracker, write_tracker
 
@@ -30,7 +31,8 @@ def save_checkpoint(args, state: TrainState, model, optimizer, scheduler,
     iteration = state.iteration
     final = os.path.join(root, iter_dir_name(iteration))
     token = comm.broadcast(commit.new_token() if comm.rank() == 0 else None)
-    staging = commit.staging_dir(root, iteration, token)
+    staging = comm.broadcast(commit.staging_dir(root, iteration, token)
+                             if comm.rank() == 0 else None)  # named for rank 0's process
     comm.decide(_prepare, root, staging)
 
     # Model and optimizer: sharded tensors (torch_dist). The plain extras mirror what
@@ -75,7 +77,7 @@ def save_checkpoint(args, state: TrainState, model, optimizer, scheduler,
 
 def _prepare(root: str, staging: str) -> None:
     os.makedirs(root, exist_ok=True)
-    commit.remove_stale(root)
+    commit.remove_stale(root, locked=run_lock.holds(os.path.dirname(root)))
     os.makedirs(staging)
 
 

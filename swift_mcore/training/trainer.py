@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..errors import ArgumentError
 from ..arguments import PretrainArguments, padded_vocab_size
 from ..checkpointing.state import TrainState
-from ..runtime import distributed, seed
+from ..runtime import distributed, run_lock, seed
 from .metrics import LogWindow, flops_per_token
 from .writers import MetricWriter, format_log_line
 
@@ -66,9 +66,11 @@ class Trainer:
         from .optimizer import build_optimizer, build_scheduler
 
         args = self.args
+        distributed.initialize(args)
+        # Before any work: one run per --output_dir (runtime/run_lock.py).
+        run_lock.acquire_for_run(args.logging.output_dir, f"swift-mcore {args.COMMAND}")
         self.tokenizer = data.build_tokenizer(args)
         self.padded_vocab_size = self.resolve_vocab(self.tokenizer)
-        distributed.initialize(args)
         seed.set_seed(args.training.seed)
         # The datasets (not their iterators) come first: bad data stops the run before the
         # model is built, and --num_train_epochs needs the training set's size.
@@ -402,6 +404,8 @@ class Trainer:
         self.writer.close()
         if self.writer.active:
             print("\n".join(lines), flush=True)
+        distributed.barrier()  # every rank is done with output_dir
+        run_lock.release(lg.output_dir)
 
 
 def model_is_training(model_chunks) -> bool:
