@@ -7,7 +7,7 @@ import os
 import time
 from typing import Optional
 
-from . import comm, commit, files, io, rng
+from . import comm, commit, files, io, rng, space
 from ..runtime import run_lock
 from .state import TrainState
 from .tracker import checkpoint_root, iter_dir_name, read_tracker, write_tracker
@@ -21,11 +21,13 @@ def set_parent(checkpoint_id: Optional[str]) -> None:
     _lineage["id"] = checkpoint_id
 
 
+@space.guarded  # a failed save: one clear error, its staging folder removed
 def save_checkpoint(args, state: TrainState, model, optimizer, scheduler,
                     data_fingerprint) -> str:
     """Collective. Returns the committed folder ``output_dir/checkpoint/iter_NNNNNNN``.
-    An error on any rank (a full disk, say) is raised on every rank; what was written
-    stays in the hidden staging folder, and the previous checkpoints are untouched."""
+    An error on any rank (a full disk, say) is raised on every rank as one CheckpointError
+    line; the hidden staging folder is removed, and the previous checkpoints are untouched
+    (space.py)."""
     c = args.checkpoint
     root = checkpoint_root(args)
     iteration = state.iteration
@@ -47,6 +49,7 @@ def save_checkpoint(args, state: TrainState, model, optimizer, scheduler,
                       opt_param_scheduler=scheduler_state,
                       num_floating_point_operations_so_far=float(
                           state.floating_point_operations_so_far))
+    space.check_free(root, iteration, state_dict)
     io.save(state_dict, staging)
 
     layouts = comm.all_gather(rng.layout())
