@@ -48,7 +48,7 @@ def run_training(argv: List[str], cls) -> int:
     """pt and sft: the same Trainer; the arguments class decides the data. Under a launcher
     (NPROC_PER_NODE...) this process checks the flags, then starts the ranks."""
     from .arguments import parse_args
-    from .errors import ArgumentError, CheckpointError, NonFiniteError
+    from .errors import ArgumentError
     from .launch import torchrun_launch
     from .run_config import resolve
 
@@ -60,10 +60,25 @@ def run_training(argv: List[str], cls) -> int:
     except ArgumentError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-    if launch:
-        return launch.run([cls.COMMAND, *argv])
+    from .runtime import run_lock
 
+    try:  # one run per --output_dir, before any work (docs/resume.md)
+        lock = run_lock.acquire_for_cli(config.logging.output_dir, prog, launching=bool(launch),
+                                        node_rank=launch.node_rank if launch else 0)
+    except ArgumentError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        if launch:
+            return launch.run([cls.COMMAND, *argv], lock)
+        return _train(prog, config)
+    finally:
+        run_lock.release_all()
+
+
+def _train(prog: str, config) -> int:
     from ._quiet import quiet_third_party
+    from .errors import ArgumentError, CheckpointError, NonFiniteError
     from .runtime import distributed
     from .training.trainer import Trainer
 

@@ -75,14 +75,21 @@ def to_mcore(args: ExportArguments, log) -> Dict[str, object]:
     from .checkpointing import TrainState, save_checkpoint
     from .loaded_model import load_model, with_flags
     from .run_config import resolve
+    from .runtime import run_lock
 
-    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
-    # A weights-only checkpoint: no optimizer state, iteration 0.
-    flags = with_flags(loaded.flags, output_dir=os.path.abspath(args.output_dir),
-                       no_save_optim=True)
-    config = resolve(flags, world_size=1).complete(
-        loaded.tokenizer.vocab_size, None, padded_vocab_size=loaded.config.padded_vocab_size)
-    path, _ = save_checkpoint(config, TrainState(), [loaded.model], None, None, None)
+    # It writes a checkpoint into --output_dir: never while a run works in that folder.
+    run_lock.acquire(args.output_dir, "swift-mcore export --to_mcore")
+    try:
+        loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
+        # A weights-only checkpoint: no optimizer state, iteration 0.
+        flags = with_flags(loaded.flags, output_dir=os.path.abspath(args.output_dir),
+                           no_save_optim=True)
+        config = resolve(flags, world_size=1).complete(
+            loaded.tokenizer.vocab_size, None,
+            padded_vocab_size=loaded.config.padded_vocab_size)
+        path, _ = save_checkpoint(config, TrainState(), [loaded.model], None, None, None)
+    finally:
+        run_lock.release(args.output_dir)
     log(f"wrote {path}: a swift-mcore checkpoint (weights only, iteration 0); train from it "
         f"with `swift-mcore pt --model {loaded.path} --load {path} --finetune`")
     result: Dict[str, object] = {"path": path}

@@ -28,11 +28,17 @@ class TorchrunLaunch:
             "-m", "swift_mcore", *subcommand_argv,
         ]
 
-    def run(self, subcommand_argv: List[str]) -> int:
+    def run(self, subcommand_argv: List[str], lock=None) -> int:
+        """torchrun; ``lock`` (this launcher's run lock) is handed to the ranks, and torchrun
+        keeps it open too, so it stays held while any part of the run lives."""
+        from .runtime import run_lock
+
         env = dict(os.environ)
         for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK"):
             env.pop(name, None)  # the children are the ranks; they must not relaunch
-        return subprocess.call(self.command(subcommand_argv), env=env)
+        env.update(run_lock.child_env(lock))
+        fds = (lock.fd,) if lock is not None and lock.fd is not None else ()
+        return subprocess.call(self.command(subcommand_argv), env=env, pass_fds=fds)
 
 
 def torchrun_launch() -> Optional[TorchrunLaunch]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import uuid
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -19,6 +21,7 @@ MANIFEST_FILENAME = "manifest.json"
 FORMAT = "swift-mcore-checkpoint"
 FORMAT_VERSION = 1
 _CHUNK = 16 << 20
+_OWNER_RE = re.compile(r"\.tmp-[0-9a-f]+-p(\d+)-(.+)$")
 
 
 # ---- staging ----------------------------------------------------------------------------
@@ -28,17 +31,58 @@ def new_token() -> str:
 
 
 def staging_dir(root: str, iteration: int, token: str) -> str:
-    return os.path.join(root, f".{iter_dir_name(iteration)}.tmp-{token}")
+    """``.iter_0000200.tmp-<token>-p<pid>-<host>``: named for the process that writes it
+    (rank 0), so that a later save can tell a dead process's leftover from a live save."""
+    return os.path.join(root, f".{iter_dir_name(iteration)}.tmp-{token}-p{os.getpid()}-"
+                              f"{_host()}")
 
 
-def remove_stale(root: str, keep: Sequence[str] = ()) -> None:
-    """Delete hidden leftovers of interrupted saves, replacements and rotations."""
+def staging_owner(name: str) -> Optional[Tuple[int, str]]:
+    """(pid, host) of the process a staging folder's name names; None for an older name."""
+    match = _OWNER_RE.search(name)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def remove_stale(root: str, keep: Sequence[str] = (), locked: bool = False) -> List[str]:
+    """Delete hidden leftovers of interrupted saves, replacements and rotations; returns
+    what was removed. A staging folder of a live run is never deleted: with ``locked`` (the
+    caller holds the run lock on the output folder, runtime/run_lock.py) no other run can
+    be writing here, and every staging folder is a leftover; without it, only one whose
+    owner (in its name) was a process of this host that has ended."""
+    removed = []
     for name in os.listdir(root):
         if name.startswith(".iter_") and any(tag in name for tag in
                                              (".tmp-", ".old-", ".deleting-")):
             path = os.path.join(root, name)
-            if path not in keep and os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
+            if path in keep or not os.path.isdir(path):
+                continue
+            if ".tmp-" in name and not _staging_is_leftover(name, locked):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _staging_is_leftover(name: str, locked: bool) -> bool:
+    if locked:
+        return True
+    owner = staging_owner(name)
+    return owner is not None and owner[1] == _host() and (
+        owner[0] == os.getpid() or not _pid_alive(owner[0]))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname() or "host")[:64]
 
 
 # ---- manifest ---------------------------------------------------------------------------

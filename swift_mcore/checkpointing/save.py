@@ -8,18 +8,19 @@ import time
 from typing import Optional, Tuple
 
 from ..runtime import collectives as comm
-from . import commit, files, io, rng
+from . import commit, files, io, rng, space
 from .state import TrainState
 from .tracker import checkpoint_root, iter_dir_name, read_tracker, write_tracker
 
 
+@space.guarded  # a failed save: one clear error, its staging folder removed
 def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
                     data_fingerprint, parent_id: Optional[str] = None) -> Tuple[str, str]:
     """Collective. Returns (the committed folder ``output_dir/checkpoint/iter_NNNNNNN``, its
     id). ``parent_id`` is the id of the checkpoint this training state descends from (the
     one resumed from or saved last), sealed into the manifest (locate.py reads it). An
     error on any rank (a full disk, say) is raised on every rank; the previous checkpoints
-    are untouched.
+    are untouched, the hidden staging folder removed (space.py).
 
     Each fact is written once: counters in train_state.json, the flags in args.json, the
     rest of swift-mcore's facts in run.json; common.pt holds Megatron-LM's copies of the
@@ -30,7 +31,8 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
     iteration = state.iteration
     final = os.path.join(root, iter_dir_name(iteration))
     token = comm.broadcast(commit.new_token() if comm.rank() == 0 else None)
-    staging = commit.staging_dir(root, iteration, token)
+    staging = comm.broadcast(commit.staging_dir(root, iteration, token)
+                             if comm.rank() == 0 else None)  # named for rank 0's process
     comm.decide(_prepare, root, staging)
 
     # Model and optimizer: sharded tensors (torch_dist). An optimizer that has not stepped
@@ -40,6 +42,7 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
     state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=with_optimizer,
                                        is_loading=False)
     state_dict.update(io.megatron_lm_common(state, scheduler))
+    space.check_free(root, iteration, state_dict)
     io.save(state_dict, staging)
 
     layouts = comm.all_gather(rng.layout())
@@ -68,7 +71,7 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
 
 def _prepare(root: str, staging: str) -> None:
     os.makedirs(root, exist_ok=True)
-    commit.remove_stale(root)
+    commit.remove_stale(root, locked=run_lock.holds(os.path.dirname(root)))
     os.makedirs(staging)
 
 

@@ -56,11 +56,15 @@ def write_tracker(root: str, iteration: int) -> None:
     partial file."""
     path = tracker_path(root)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(f"{iteration}\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(f"{iteration}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # a failed write (a full disk) leaves no temp file
+            os.remove(tmp)
     fsync_dir(root)
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..arguments import PretrainArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
-from ..runtime import distributed, seed
+from ..runtime import distributed, run_lock, seed
 from .metrics import LogWindow, flops_per_token
 from .nonfinite import NonFiniteGuard
 from .writers import MetricWriter, format_log_line
@@ -71,9 +71,11 @@ class Trainer:
         from .optimizer import build_optimizer, build_scheduler
 
         plan = self.config  # resolved from the flags; the data completes it below
+        distributed.initialize(plan)
+        # Before any work: one run per --output_dir (runtime/run_lock.py).
+        run_lock.acquire_for_run(plan.logging.output_dir, f"swift-mcore {plan.COMMAND}")
         self.tokenizer = data.build_tokenizer(plan)
         check_vocab(plan.model, self.tokenizer.vocab_size)
-        distributed.initialize(plan)
         seed.set_seed(plan.training.seed)
         # What would be resumed, and whether it may be, is settled before anything is
         # written (megatron's index cache, the model, the logs).
@@ -415,6 +417,8 @@ class Trainer:
         self.writer.close()
         if self.writer.active:
             print("\n".join(lines), flush=True)
+        distributed.barrier()  # every rank is done with output_dir
+        run_lock.release(lg.output_dir)
 
 
 def model_is_training(model_chunks) -> bool:

@@ -273,3 +273,37 @@ def committed_history(out: str) -> Dict[int, List[int]]:
     for rec in sample_log(out):
         committed[rec["iteration"]] = rec["sample_ids"]
     return dict(sorted(committed.items()))
+
+
+# ---- `swift-mcore pt` itself (tests/checkpointing/test_run_lock.py, test_resume_disk_full.py) ---
+CLI_FLAGS = ["--train_iters", "6", "--save_steps", "2", "--log_sample_ids", "true"]
+
+
+def start_cli(out, *flags, nproc: int = 1, env: Optional[Dict[str, str]] = None
+              ) -> subprocess.Popen:
+    """`swift-mcore pt` with run_helpers.TINY, in its own session (so that os.killpg reaches
+    torchrun and the ranks too); stdout and stderr go to out.stdout / out.stderr."""
+    from run_helpers import ROOT, TINY
+
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    if nproc > 1:
+        full_env.update(NPROC_PER_NODE=str(nproc), MASTER_PORT=str(free_port()))
+    cmd = [sys.executable, "-m", "swift_mcore", "pt", *TINY, "--output_dir", str(out),
+           *map(str, flags)]
+    base = str(out).rstrip("/")
+    return subprocess.Popen(cmd, cwd=ROOT, env=full_env, start_new_session=True,
+                            stdout=open(base + ".stdout", "w"), stderr=open(base + ".stderr", "w"))
+
+
+def cli_iterations(out) -> int:
+    """Training iterations metrics.jsonl records so far (0 before the first)."""
+    return sum(1 for r in read_jsonl(os.path.join(str(out), "metrics.jsonl"))
+               if r.get("split") == "train")
+
+
+def wait_until(predicate, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None or time.time() > deadline:
+            raise AssertionError(f"the run exited ({proc.poll()}) or timed out first")
+        time.sleep(0.05)

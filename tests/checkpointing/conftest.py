@@ -17,3 +17,14 @@ def corpus(tmp_path_factory):
 def flags(corpus):
     return {**H.TINY, "dataset": [corpus], "split": "90,10,0"}
 
+
+
+@pytest.fixture(scope="session")
+def straight_cli(tmp_path_factory):
+    """`swift-mcore pt` for 6 iterations, saved at 2, 4 and 6, never interrupted: what the
+    interrupted runs of the lock and disk-full tests must equal."""
+    from run_helpers import run_pt
+
+    out = tmp_path_factory.mktemp("straight_cli") / "run"
+    run_pt(out, *H.CLI_FLAGS)
+    return out

@@ -104,13 +104,34 @@ def test_rotation_leaves_an_abandoned_branch_alone(tmp_path):
     assert sorted(os.listdir(root)) == ["iter_0000005", "iter_0000006", "iter_0000008"]
 
 
-def test_stale_staging_folders_are_removed(tmp_path):
+def test_stale_staging_folders_are_removed_under_the_run_lock(tmp_path):
     root = str(tmp_path)
     for name in (".iter_0000001.tmp-aa", ".iter_0000002.old-bb", ".iter_0000003.deleting-cc",
                  "iter_0000004"):
         os.makedirs(os.path.join(root, name))
-    commit.remove_stale(root)
+    commit.remove_stale(root, locked=True)
     assert os.listdir(root) == ["iter_0000004"]
+
+
+def test_without_the_lock_only_a_dead_owners_staging_is_removed(tmp_path):
+    """A live process's staging folder is never deleted; a dead one's is (same host)."""
+    import subprocess
+    import sys
+
+    root = str(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.path.basename(commit.staging_dir(root, 2, "ab12")).replace(
+        f"-p{os.getpid()}-", f"-p{os.getppid()}-")   # the parent: alive
+    gone = os.path.basename(commit.staging_dir(root, 3, "cd34")).replace(
+        f"-p{os.getpid()}-", f"-p{dead.pid}-")
+    other_host = ".iter_0000004.tmp-ef56-p1-some-other-host"
+    for name in (live, gone, other_host, ".iter_0000005.tmp-aa"):
+        os.makedirs(os.path.join(root, name))
+    assert commit.staging_owner(gone) == (dead.pid, commit._host())
+    removed = commit.remove_stale(root)
+    assert [os.path.basename(p) for p in removed] == [gone]
+    assert sorted(os.listdir(root)) == sorted([live, other_host, ".iter_0000005.tmp-aa"])
 
 
 # ---- locating the checkpoint to resume ------------------------------------------------------

@@ -273,9 +273,10 @@ def test_checkpoint_before_the_first_step(made, tmp_path, in_process, capsys):
 
 def test_failed_save_changes_nothing_visible(made, tmp_path, in_process, monkeypatch):
     """A save that fails half-way (here: a full disk while writing the RNG files) raises
-    a clear error; the tracker and the existing checkpoints are untouched and the partial
-    write stays hidden until the next save removes it."""
-    from swift_mcore.checkpointing import rng
+    one clear error; its staging folder is removed, and the tracker and the existing
+    checkpoints are untouched. A save the disk clearly has no room for is refused before
+    anything is written."""
+    from swift_mcore.checkpointing import rng, space
 
     out = copy_run(made, tmp_path)
     trainer = in_process(**made["flags"], output_dir=out, resume="auto")
@@ -287,11 +288,23 @@ def test_failed_save_changes_nothing_visible(made, tmp_path, in_process, monkeyp
 
     monkeypatch.setattr(rng, "save", full_disk)
     trainer.state.iteration = 5
-    with pytest.raises(CheckpointError, match="No space left on device"):
+    with pytest.raises(CheckpointError) as failed:
         trainer.save_checkpoint()
-    visible = {k: v for k, v in H.tree_snapshot(root).items() if not k.startswith(".")}
-    assert visible == before
-    assert any(".iter_0000005.tmp-" in name for name in os.listdir(root))
+    text = str(failed.value)
+    assert f"saving checkpoint iteration 5 failed: out of disk space in {root}" in text
+    assert "No space left on device" in text and "needs about" in text
+    assert "The partial save was removed; the tracker still names iteration 4" in text
+    assert "\n" not in text
+    assert H.tree_snapshot(root) == before  # no staging folder left either
+
+    monkeypatch.undo()
+    monkeypatch.setattr(space, "free_bytes", lambda path: 1000)
+    with pytest.raises(space.DiskSpaceError,
+                       match=f"not enough disk space to save checkpoint iteration 5 in {root}: "
+                             f"it needs about [0-9,]+ bytes .*, 1,000 bytes .* are free. "
+                             f"Nothing was written; the tracker still names iteration 4"):
+        trainer.save_checkpoint()
+    assert H.tree_snapshot(root) == before
     monkeypatch.undo()
     assert trainer.save_checkpoint().endswith("iter_0000005")
     assert not any(name.startswith(".") for name in os.listdir(root))

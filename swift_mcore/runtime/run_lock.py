@@ -1,0 +1,255 @@
+"""One run per --output_dir: an exclusive lock on the folder, held for the run's whole life.
+
+A second run (or `export --to_mcore`) on a folder in use refuses at start, before any work,
+with one line naming the folder and the process that holds it (pid, host, start time).
+
+- The lock is ``fcntl.flock`` on ``output_dir/.run.lock``. The OS releases it when its
+  holder ends, however it ends: a SIGKILLed run never blocks the next ``--resume``.
+- One process of a run holds it: the `swift-mcore` launcher of node 0 (NPROC_PER_NODE),
+  or else global rank 0. A launcher hands it to its ranks through ``SWIFT_MCORE_RUN_LOCK``
+  (the token written in the lock file), so the ranks of one run never lock each other out.
+- Only the holder keeps the lock file open: processes it forks (data loader workers,
+  checkpoint writers) close their copy at once, so none of them outlives the holder with
+  the lock. Within one process the lock is re-entrant (a second Trainer on the same folder,
+  e.g. train, then resume, in one Python session).
+- The file holds who took it, as JSON, for the refusal message. A clean release deletes it
+  (a run stopped by bad input leaves its folder as it found it); one left by a killed run
+  is taken over by the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from ..errors import ArgumentError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock (documented in docs/resume.md)
+    fcntl = None
+
+LOCK_FILENAME = ".run.lock"
+ENV = "SWIFT_MCORE_RUN_LOCK"  # "<token> <lock file>": a launcher's lock, handed to its ranks
+
+
+@dataclass
+class RunLock:
+    path: str                # the lock file (real path)
+    fd: Optional[int]        # None: held for this process by the launcher that started it
+    info: dict               # pid, host, started, command, token
+    created_folder: bool     # the folder did not exist before (removed again if left empty)
+    locked: bool = True      # False where the file system offers no lock (nothing detected)
+
+
+_held: Dict[str, RunLock] = {}  # real path of the lock file -> lock held by this process
+_fork_hook = {"installed": False}
+
+
+def lock_file(folder: str) -> str:
+    return os.path.join(os.path.abspath(os.path.expanduser(folder)), LOCK_FILENAME)
+
+
+def hostname() -> str:
+    return socket.gethostname() or "unknown-host"
+
+
+def describe(info: Optional[dict]) -> str:
+    """'pid 123 on host h (swift-mcore pt, started 2025-01-01T10:00:00+0000)'."""
+    if not info:
+        return "a process whose details cannot be read"
+    what = f"{info['command']}, " if info.get("command") else ""
+    text = (f"pid {info.get('pid', '?')} on host {info.get('host', '?')} ({what}started "
+            f"{info.get('started', '?')})")
+    if info.get("host") == hostname() and isinstance(info.get("pid"), int) and not \
+            pid_alive(info["pid"]):
+        text += "; that process has ended, but a process it started still holds the lock"
+    return text
+
+
+def acquire(folder: str, command: str) -> RunLock:
+    """Take the lock on ``folder`` (created if missing), or raise ArgumentError naming the
+    process that holds it. Re-entrant in one process."""
+    folder = os.path.abspath(os.path.expanduser(folder))
+    created = not os.path.isdir(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise ArgumentError(f"--output_dir {folder} cannot be created ({err.strerror or err})"
+                            ) from None
+    path = os.path.realpath(lock_file(folder))
+    if path in _held:
+        return _held[path]
+    if fcntl is None:
+        return _register(RunLock(path, None, {}, created, locked=False))
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise ArgumentError(f"--output_dir {folder}: cannot open its lock file {path} "
+                                f"({err.strerror or err})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info = _read_info(fd)
+            os.close(fd)
+            handed = _handed_over(path, info)
+            if handed:
+                return _register(RunLock(path, None, info, created))
+            raise ArgumentError(
+                f"--output_dir {folder} is in use by another run: {describe(info)} holds "
+                f"its lock file {path}. Wait for that run to end or stop it, or choose "
+                f"another --output_dir.") from None
+        except OSError as err:  # a file system without flock: run, but say so
+            os.close(fd)
+            print(f"WARNING: cannot lock {path} ({err.strerror or err}); a second run on "
+                  f"{folder} would not be detected", file=sys.stderr, flush=True)
+            return _register(RunLock(path, None, {}, created, locked=False))
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # a holder deleted this file while we waited for it: lock the new one
+    info = {"pid": os.getpid(), "host": hostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command,
+            "token": uuid.uuid4().hex}
+    data = (json.dumps(info) + "\n").encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+    return _register(RunLock(path, fd, info, created))
+
+
+def acquire_for_run(folder: str, command: str) -> None:
+    """Collective (or on one process): global rank 0 takes the lock; a refusal is raised on
+    every rank, so all ranks stop together."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        acquire(folder, command)
+        return
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            acquire(folder, command)
+        except ArgumentError as err:
+            error = str(err)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ArgumentError(box[0])
+
+
+def acquire_for_cli(folder: str, command: str, launching: bool, node_rank: int = 0
+                    ) -> Optional[RunLock]:
+    """The CLI, before any heavy import: a launcher of node 0 takes the lock for its ranks,
+    a plain one-process run for itself. A rank started by torchrun leaves it to the
+    Trainer (collective, so that every rank stops on a refusal)."""
+    if launching:
+        return acquire(folder, command) if node_rank == 0 else None
+    if os.environ.get("RANK", "0") != "0" or "LOCAL_RANK" in os.environ:
+        return None
+    return acquire(folder, command)
+
+
+def child_env(lock: Optional[RunLock]) -> Dict[str, str]:
+    """Environment for the processes a launcher starts: they find the lock held for them."""
+    if lock is None or not lock.info.get("token"):
+        return {}
+    return {ENV: f"{lock.info['token']} {lock.path}"}
+
+
+def holds(folder: str) -> bool:
+    """Whether this process (or the launcher that started it) holds the lock on ``folder``."""
+    lock = _held.get(os.path.realpath(lock_file(folder)))
+    return lock is not None and lock.locked
+
+
+def release(folder: str) -> None:
+    """Give the lock on ``folder`` up (and delete the file) if this process holds it."""
+    lock = _held.pop(os.path.realpath(lock_file(folder)), None)
+    if lock is not None:
+        _close(lock)
+
+
+def release_all() -> None:
+    for path in list(_held):
+        _close(_held.pop(path))
+
+
+# ---- internals --------------------------------------------------------------------------
+def _register(lock: RunLock) -> RunLock:
+    _held[lock.path] = lock
+    if not _fork_hook["installed"] and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forget_in_child)
+        _fork_hook["installed"] = True
+    return lock
+
+
+def _forget_in_child() -> None:
+    """A forked child (a data loader worker, a checkpoint writer) must not keep the lock
+    alive after its parent ends: close its copy of the descriptor (not LOCK_UN, which would
+    release the parent's lock too)."""
+    for lock in _held.values():
+        if lock.fd is not None:
+            try:
+                os.close(lock.fd)
+            except OSError:
+                pass
+    _held.clear()
+
+
+def _close(lock: RunLock) -> None:
+    if lock.fd is not None:
+        try:
+            if _same_file(lock.fd, lock.path):
+                os.unlink(lock.path)  # while still holding it: nobody can lock it meanwhile
+        except OSError:
+            pass
+        os.close(lock.fd)
+    if lock.created_folder:
+        try:
+            os.rmdir(os.path.dirname(lock.path))  # only if the run left it empty
+        except OSError:
+            pass
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _read_info(fd: int) -> Optional[dict]:
+    """The holder's JSON; retried briefly, as the holder may be writing it just now."""
+    for _ in range(20):
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+            if isinstance(info, dict):
+                return info
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    return None
+
+
+def _handed_over(path: str, info: Optional[dict]) -> bool:
+    """The lock is held by the launcher that started this process (SWIFT_MCORE_RUN_LOCK)."""
+    token, _, handed_path = os.environ.get(ENV, "").partition(" ")
+    return bool(token and info and info.get("token") == token
+                and os.path.realpath(handed_path) == path)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True

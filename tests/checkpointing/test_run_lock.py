@@ -1,0 +1,171 @@
+"""One run per --output_dir (swift_mcore/runtime/run_lock.py): a second run on a live
+folder exits 2 at start with one line naming the folder and the holder (pid, host, start
+time), changing nothing; the first finishes with intact, resumable checkpoints. A SIGKILLed
+run (its forked children still alive) does not block --resume. A two-rank run holds one
+lock for all its ranks."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ckpt_harness as H
+from run_helpers import ROOT, losses, run_pt
+from swift_mcore.checkpointing import commit, tracker
+from swift_mcore.errors import ArgumentError
+from swift_mcore.runtime import run_lock
+
+
+def holder_pid(out):
+    try:
+        with open(os.path.join(out, run_lock.LOCK_FILENAME), encoding="utf-8") as fh:
+            return json.load(fh).get("pid")
+    except (OSError, ValueError):
+        return None
+
+
+def check_refusal(proc, out, pid):
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"swift-mcore pt: error: --output_dir {out} is in use by another "
+                           f"run: pid {pid} on host {socket.gethostname()} (swift-mcore pt, "
+                           f"started 20"), line
+    assert f"{out}/{run_lock.LOCK_FILENAME}" in line
+
+
+# ---- the lock itself, between processes ----------------------------------------------------
+HOLDER = textwrap.dedent("""
+    import json, os, sys, time
+    from swift_mcore.runtime import run_lock
+    run_lock.acquire(sys.argv[1], "holder")
+    child = os.fork()
+    if child == 0:          # a forked child (a data loader worker, say) outlives the holder
+        time.sleep(120)
+        os._exit(0)
+    print(json.dumps({"pid": os.getpid(), "child": child}), flush=True)
+    sys.stdin.readline()
+    os._exit(0)             # ends without releasing, like a crash
+""")
+
+HANDED = textwrap.dedent("""
+    import os, sys
+    from swift_mcore.runtime import run_lock
+    lock = run_lock.acquire(sys.argv[1], "rank 0")
+    print("handed over" if lock.fd is None and run_lock.holds(sys.argv[1]) else "other")
+    run_lock.release(sys.argv[1])
+    os.environ[run_lock.ENV] = "wrongtoken " + os.environ[run_lock.ENV].split(" ", 1)[1]
+    try:
+        run_lock.acquire(sys.argv[1], "rank 0")
+    except Exception as err:
+        print("refused:", err)
+""")
+
+
+def test_lock_between_processes(tmp_path):
+    out = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, out], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    pids = json.loads(holder.stdout.readline())
+    try:
+        with pytest.raises(ArgumentError) as refused:
+            run_lock.acquire(out, "test")
+        assert f"is in use by another run: pid {pids['pid']} on host " in str(refused.value)
+        assert not run_lock.holds(out)
+        holder.stdin.write("end\n")
+        holder.stdin.flush()
+        holder.wait(30)
+        assert run_lock.pid_alive(pids["child"])   # its forked child lives on ...
+        lock = run_lock.acquire(out, "test")       # ... but does not hold the lock
+        assert run_lock.acquire(out, "again") is lock and run_lock.holds(out)  # re-entrant
+        assert json.load(open(lock.path))["pid"] == os.getpid()
+
+        # A launcher hands its lock to the ranks it starts; a wrong token is refused.
+        env = {**os.environ, **run_lock.child_env(lock)}
+        text = subprocess.run([sys.executable, "-c", HANDED, out], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120).stdout
+        assert text.startswith("handed over\nrefused: --output_dir "), text
+        assert f"pid {os.getpid()}" in text
+    finally:
+        os.kill(pids["child"], signal.SIGKILL)
+        holder.kill()
+        run_lock.release(out)
+    assert not os.path.exists(os.path.join(out, run_lock.LOCK_FILENAME))
+
+
+# ---- real runs -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_second_run_on_a_live_output_dir_exits_2_and_the_first_is_intact(tmp_path,
+                                                                         straight_cli):
+    out = str(tmp_path / "run")
+    first = H.start_cli(out, *H.CLI_FLAGS, "--exit_interval", "4")
+    try:
+        H.wait_until(lambda: holder_pid(out) == first.pid and H.cli_iterations(out) >= 1,
+                     first)
+        os.killpg(first.pid, signal.SIGSTOP)  # hold the first run still, mid-training
+        before = H.tree_snapshot(out)
+        second = run_pt(out, *H.CLI_FLAGS, check=False, timeout=180)
+        third = run_pt(out, *H.CLI_FLAGS, "--resume", check=False, timeout=180)
+        assert H.tree_snapshot(out) == before, "a refused run changed files"
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    check_refusal(second, out, first.pid)
+    check_refusal(third, out, first.pid)
+    assert first.wait(240) == 0, open(out + ".stderr").read()[-3000:]
+
+    root = os.path.join(out, "checkpoint")
+    assert tracker.read_tracker(root)[0] == 4
+    assert [it for it, _ in commit.complete_checkpoints(root)] == [2, 4]
+    for _, folder in commit.complete_checkpoints(root):
+        commit.verify_checksums(folder)
+    assert not H.staging_folders(out)
+    assert not os.path.exists(os.path.join(out, run_lock.LOCK_FILENAME))  # released
+
+    run_pt(out, *H.CLI_FLAGS, "--resume")  # and it continues exactly
+    assert losses(out) == losses(straight_cli)
+    assert H.committed_history(out) == H.committed_history(str(straight_cli))
+
+
+@pytest.mark.slow
+def test_sigkilled_run_does_not_block_resume(tmp_path, straight_cli):
+    """Killed with a data loader worker (forked) still alive: the lock is free at once."""
+    out = str(tmp_path / "run")
+    run = H.start_cli(out, *H.CLI_FLAGS, "--num_workers", "1")
+    try:
+        H.wait_until(lambda: H.cli_iterations(out) >= 3, run)
+        os.kill(run.pid, signal.SIGKILL)  # the trainer only, not its worker
+        run.wait(30)
+        assert holder_pid(out) == run.pid  # the lock file is left behind, naming it
+        resumed = run_pt(out, *H.CLI_FLAGS, "--num_workers", "1", "--resume", check=False)
+    finally:
+        try:
+            os.killpg(run.pid, signal.SIGKILL)  # the orphaned worker
+        except ProcessLookupError:
+            pass
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert losses(out) == losses(straight_cli)
+    assert H.committed_history(out) == H.committed_history(str(straight_cli))
+
+
+@pytest.mark.slow
+def test_two_rank_run_holds_one_lock_for_its_ranks(tmp_path):
+    out = str(tmp_path / "run")
+    run = H.start_cli(out, "--train_iters", "3", "--save_steps", "1", nproc=2)
+    try:
+        H.wait_until(lambda: H.cli_iterations(out) >= 1, run, timeout=240)
+        assert holder_pid(out) == run.pid  # the launcher holds it for both ranks
+        os.killpg(run.pid, signal.SIGSTOP)
+        second = run_pt(out, "--train_iters", "3", check=False, timeout=180)
+    finally:
+        os.killpg(run.pid, signal.SIGCONT)
+    check_refusal(second, out, run.pid)
+    assert run.wait(240) == 0, open(out + ".stderr").read()[-3000:]
+    root = os.path.join(out, "checkpoint")
+    assert [it for it, _ in commit.complete_checkpoints(root)] == [1, 2, 3]
+    assert not os.path.exists(os.path.join(out, run_lock.LOCK_FILENAME))
