@@ -29,12 +29,12 @@ def main(argv=None):
     from swift_mcore._quiet import quiet_third_party
 
     quiet_third_party()
-    from swift_mcore.arguments import padded_vocab_size, parse_args
+    from swift_mcore.arguments import parse_args
     from swift_mcore.models.gpt import build_model, count_parameters
+    from swift_mcore.run_config import padded_vocab, resolve
     from swift_mcore.runtime import distributed, seed
 
-    args = parse_args(rest)
-    args.validate()
+    args = resolve(parse_args(rest))
     distributed.initialize(args)
     seed.set_seed(args.training.seed)
     from megatron.core.distributed import (DistributedDataParallel,
@@ -42,8 +42,11 @@ def main(argv=None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    vocab = padded_vocab_size(args.model.vocab_size or 4096, 128, 1)
-    model = build_model(args, vocab)[0]
+    # No tokenizer here: the model's vocabulary is --vocab_size, else the default tokenizer's.
+    tokens_vocab = args.model.vocab_size or 4096
+    vocab = padded_vocab(tokens_vocab, 128, 1)
+    args = args.complete(tokens_vocab, None, padded_vocab_size=vocab)
+    model = build_model(args)[0]
     parameters = count_parameters([model])
     # As swift_mcore/runtime/ddp.py: bf16 gradients are reduced in fp32.
     model = DistributedDataParallel(
@@ -93,7 +96,7 @@ def main(argv=None):
         model.zero_grad_buffer()
         optimizer.zero_grad()
         step(forward_step_func=forward_step, data_iterator=iterator, model=[model],
-             num_microbatches=args.derived.num_microbatches, seq_length=seq,
+             num_microbatches=args.world.num_microbatches, seq_length=seq,
              micro_batch_size=mbs, forward_only=False)
         optimizer.step()
         if cuda:

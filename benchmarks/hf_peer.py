@@ -64,7 +64,8 @@ class StreamedRows(torch.utils.data.IterableDataset):
 
 
 def llama_config(args, vocab_size: int, attention: str = "sdpa"):
-    """The LlamaConfig of swift-mcore's model for these (validated) arguments."""
+    """The LlamaConfig of swift-mcore's model for this resolved run (a RunConfig: the
+    defaults that follow from other flags, such as --ffn_hidden_size, are filled)."""
     from transformers import LlamaConfig
 
     m = args.model
@@ -147,9 +148,9 @@ def main(argv=None):
     ours, rest = parser.parse_known_args(argv)
 
     from swift_mcore.arguments import parse_args
+    from swift_mcore.run_config import resolve
 
-    args = parse_args(rest)
-    args.validate()
+    args = resolve(parse_args(rest))
     from transformers import Trainer
     from transformers.utils import logging as hf_logging
 

@@ -51,11 +51,11 @@ def trainer_samples_per_s(model_flags, iters: int, window: int, out: str) -> flo
     return statistics.median(rates) / seq
 
 
-def loader_samples_per_s(args, dataset, workers: int, seconds: float) -> float:
+def loader_samples_per_s(config, dataset, seconds: float) -> float:
+    """The loader of ``config`` (its --num_workers) over ``dataset``."""
     from swift_mcore.data import build_data_iterator
 
-    args.data.num_workers = workers
-    iterator = build_data_iterator(dataset, 0, args)
+    iterator = build_data_iterator(dataset, 0, config)
     next(iterator)  # worker start-up and the first batch are not steady state
     samples, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -78,18 +78,23 @@ def main() -> None:
     quiet_third_party()  # before megatron is imported: its import warns
     from swift_mcore.arguments import parse_args
     from swift_mcore.data import build_datasets, build_tokenizer
+    from swift_mcore.run_config import resolve
     from swift_mcore.runtime import distributed
 
     with tempfile.TemporaryDirectory(prefix="loader_bench_") as out:
-        args = parse_args([*model_flags, "--output_dir", out])
-        args.validate()
+        loader = {0: [], 1: []}
+        # One resolved run per --num_workers (a RunConfig is read-only); the same datasets.
+        configs = {workers: resolve(parse_args([*model_flags, "--output_dir", out,
+                                                "--num_workers", str(workers)]))
+                   for workers in loader}
+        args = configs[0]
         distributed.initialize(args)
         train, _, _ = build_datasets(args, build_tokenizer(args))
-        loader = {0: [], 1: []}
         trainer = []
         for r in range(opts.repeats):  # alternated, so drifting machine load hits all alike
             for workers in loader:
-                loader[workers].append(loader_samples_per_s(args, train, workers, opts.seconds))
+                loader[workers].append(loader_samples_per_s(configs[workers], train,
+                                                            opts.seconds))
             trainer.append(trainer_samples_per_s(model_flags, opts.iters, window,
                                                  os.path.join(out, f"train{r}")))
         distributed.shutdown()

@@ -53,18 +53,19 @@ def main():
     quiet_third_party()
     from swift_mcore.arguments import PretrainArguments
     from swift_mcore.models.gpt import build_model, count_parameters
+    from swift_mcore.run_config import resolve
     from swift_mcore.runtime import distributed, seed
     from swift_mcore.runtime.ddp import wrap_model
     from swift_mcore.training.optimizer import build_optimizer
 
-    args = PretrainArguments.from_flags(**(TINY if opts.tiny else BIG), **LLAMA,
-                                        seq_length=32, micro_batch_size=1,
-                                        global_batch_size=1)
-    args.validate()
+    vocab = 4096
+    args = resolve(PretrainArguments.from_flags(**(TINY if opts.tiny else BIG), **LLAMA,
+                                                seq_length=32, micro_batch_size=1,
+                                                global_batch_size=1)
+                   ).complete(vocab, None, padded_vocab_size=vocab)
     distributed.initialize(args)
     seed.set_seed(0)
-    vocab = 4096
-    model = wrap_model(args, build_model(args, vocab))
+    model = wrap_model(args, build_model(args))
     optimizer = build_optimizer(args, model)
     tokens = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
     model[0].zero_grad_buffer()

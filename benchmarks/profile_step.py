@@ -58,26 +58,26 @@ def child(contender, flags, warmup, steps):
 
     quiet_third_party()
     from swift_mcore.arguments import parse_args
+    from swift_mcore.run_config import resolve
 
     vocab = 4096
     if contender.startswith("megatron"):
-        backend = ["--attention_backend", "sdpa"] if contender.endswith("sdpa") else []
-        args = parse_args([*flags, *backend])
-        args.validate()
+        backend = ["--attention_backend", contender.split("-")[1]]  # local | sdpa
+        args = resolve(parse_args([*flags, *backend])).complete(vocab, None,
+                                                                 padded_vocab_size=vocab)
         from swift_mcore.models.gpt import build_model
         from swift_mcore.runtime import distributed, seed
 
         distributed.initialize(args)
         seed.set_seed(0)
-        model = build_model(args, vocab)[0]
+        model = build_model(args)[0]
         seq, mbs = args.model.seq_length, args.training.micro_batch_size
         position_ids = torch.arange(seq).expand(mbs, -1)
 
         def micro_step(tokens):
             model(tokens, position_ids, None, labels=tokens).float().mean().backward()
     else:
-        args = parse_args(flags)
-        args.validate()
+        args = resolve(parse_args(flags))
         from hf_peer import build_model as hf_model
 
         model = hf_model(args, vocab, contender.split("-")[1])

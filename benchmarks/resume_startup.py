@@ -3,8 +3,8 @@ side by side with the Hugging Face Trainer's batch skipping.
 
 For each consumed count C a checkpoint is made at iteration C / GBS (a real save through
 the Trainer, counters set to C); then fresh processes resume from it, alternating between
-the counts, and time ``Trainer.setup()`` (model, optimizer, load_checkpoint, data loader
-positioned at C) and the first training step (whose batch is the one at position C).
+the counts, and time ``Trainer.setup()`` (model, optimizer, the checkpoint load: plan_load
+then restore, data loader positioned at C) and the first training step (whose batch is the one at position C).
 Positioning is O(1) in C: a replay of skipped batches would show up here.
 
 The peer (benchmarks/hf_peer.py: the equivalent LlamaForCausalLM, same rows, same micro
@@ -72,21 +72,34 @@ def child_make(spec):
     print(json.dumps({"made": spec["consumed"]}), flush=True)
 
 
+def timed(module, name, timings, key):
+    """Wrap ``module.name`` so that each call adds its seconds to ``timings[key]``."""
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+    setattr(module, name, wrapper)
+
+
 def child_resume(spec):
     t0 = time.perf_counter()
     from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.checkpointing import load
     from swift_mcore.training.trainer import Trainer
 
     t_import = time.perf_counter()
     timings = {}
+    # The checkpoint load: which checkpoint and whether it may be resumed (plan_load, before
+    # the data), then model, optimizer, scheduler, RNG and counters (restore).
+    timed(load, "plan_load", timings, "plan_load_s")
+    timed(load, "restore", timings, "restore_s")
 
     class Timed(Trainer):
-        def load_checkpoint(self):
-            start = time.perf_counter()
-            state = super().load_checkpoint()
-            timings["load_checkpoint_s"] = time.perf_counter() - start
-            return state
-
         def build_iterator(self, dataset, consumed_samples):
             start = time.perf_counter()
             it = super().build_iterator(dataset, consumed_samples)
@@ -96,11 +109,13 @@ def child_resume(spec):
     trainer = Timed(PretrainArguments.from_flags(**spec["flags"], resume="auto"))
     trainer.setup()
     t_setup = time.perf_counter()
+    assert "restore_s" in timings, "setup did not restore the checkpoint"
+    timings["load_checkpoint_s"] = timings["plan_load_s"] + timings["restore_s"]
     trainer._sample_ids = []
     batch = trainer.get_batch(trainer.train_iterator)
     t_batch = time.perf_counter()
     rest = [next(trainer.train_iterator)
-            for _ in range(trainer.args.derived.num_microbatches - 1)]
+            for _ in range(trainer.config.world.num_microbatches - 1)]
     trainer.train_iterator = iter([batch] + rest)  # the step trains on the batch just read
     trainer.train_step()
     t_step = time.perf_counter()
@@ -121,10 +136,10 @@ def hf_trainer(spec, rows, max_steps, clock=None, **overrides):
 
     from hf_peer import Rows, StreamedRows, build_model, training_arguments
     from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.run_config import resolve
 
     hf_logging.set_verbosity_error()
-    args = PretrainArguments.from_flags(**spec["flags"])
-    args.validate()
+    args = resolve(PretrainArguments.from_flags(**spec["flags"]))
     # One epoch that outlasts the resume point (plus the step to train), or the rows as they
     # are (hf_same_data: many epochs).
     length = spec["consumed"] + 4 * args.training.global_batch_size
@@ -143,17 +158,17 @@ def child_hf_make(spec):
 
     from swift_mcore.arguments import PretrainArguments
     from swift_mcore.data import build_datasets, build_tokenizer
+    from swift_mcore.run_config import resolve
     from swift_mcore.runtime import distributed
-    from swift_mcore.training.trainer import Trainer
 
-    args = PretrainArguments.from_flags(**spec["flags"])
-    args.validate()
+    args = resolve(PretrainArguments.from_flags(**spec["flags"]))
     distributed.initialize(args)
     tokenizer = build_tokenizer(args)
     train, _, _ = build_datasets(args, tokenizer)
+    args = args.complete(tokenizer.vocab_size, len(train))
     rows = {"tokens": torch.stack([torch.as_tensor(train[i]["tokens"])
                                    for i in range(len(train))]).long(),
-            "vocab_size": Trainer(args).resolve_vocab(tokenizer)}
+            "vocab_size": args.padded_vocab_size}
     torch.save(rows, spec["rows"])
     hf_trainer(spec, rows, 1, save_strategy="steps", save_steps=1).train()
     print(json.dumps({"rows": len(train)}), flush=True)

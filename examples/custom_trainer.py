@@ -35,9 +35,11 @@ class LabelSmoothingTrainer(Trainer):
         batch = self.get_batch(data_iterator)
         # Without labels megatron's GPTModel returns logits [batch, seq, vocab] (this
         # rank's vocabulary shard under tensor parallelism: keep TP=1 for this loss).
-        # attention_mask: set for packed sft rows (keeps their conversations apart).
+        # attention_mask / packed_seq_params: set for packed sft rows (keep their
+        # conversations apart; which one, the run's config.packed_rows decided).
         logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=batch.get("attention_mask"))
+                       attention_mask=batch.get("attention_mask"),
+                       packed_seq_params=batch.get("packed_seq_params"))
         return logits, lambda output: self.compute_loss(batch, output)
 
     def compute_loss(self, batch, output_tensor):

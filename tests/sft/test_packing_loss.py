@@ -12,15 +12,16 @@ VOCAB = 256
 def build(backend, position_embedding):
     from swift_mcore.arguments import PretrainArguments
     from swift_mcore.models.gpt import build_model
+    from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
 
     args = PretrainArguments.from_flags(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
         seq_length=SEQ, attention_backend=backend,
         position_embedding_type=position_embedding)
-    args.validate()
+    config = resolve(args, world_size=1).complete(VOCAB, None, padded_vocab_size=VOCAB)
     seed.set_seed(11)
-    return build_model(args, VOCAB)[0].eval()
+    return build_model(config)[0].eval()
 
 
 def packed_row(lengths):

@@ -154,12 +154,13 @@ def test_tokens_count_real_tokens_not_padding(tmp_path, conversations):
     from swift_mcore.data import default_tokenizer
     from swift_mcore.data.sampler import GlobalOrder
     from swift_mcore.data.sft_datasets import build_sft_datasets
+    from swift_mcore.run_config import resolve
 
     sft(tmp_path / "run", conversations, "--train_iters", "2", "--no_save",
         "--log_sample_ids", "--micro_batch_size", "4", "--global_batch_size", "8")
     args = SftArguments.from_flags(dataset=[str(conversations)], seq_length=192,
                                    template="plain")
-    args.validate()
+    args = resolve(args, world_size=1)
     train, _, _ = build_sft_datasets(args, default_tokenizer(), log=lambda line: None)
     order = GlobalOrder(len(train), args.training.seed)
     logged = [json.loads(line) for line in
