@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..arguments import PretrainArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
-from ..runtime import distributed, seed
+from ..runtime import collectives, distributed, seed
 from .metrics import LogWindow, flops_per_token
 from .nonfinite import NonFiniteGuard
 from .writers import MetricWriter, format_log_line
@@ -246,9 +246,10 @@ class Trainer:
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None, None, None
         total = torch.stack([entry["lm loss"] for entry in losses]).sum(0)
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        total = collectives.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        total = total.tolist()  # one host sync for the three numbers
         # A custom compute_loss may report (loss sum, targets) only: tokens then unknown.
-        tokens = float(total[2]) if total.numel() > 2 else None
+        tokens = float(total[2]) if len(total) > 2 else None
         return float(total[0]), float(total[1]), tokens
 
     def advance(self, step: Dict[str, float]) -> None:
@@ -332,8 +333,8 @@ class Trainer:
         """Parameters of the whole model: summed over TP and PP ranks of one replica."""
         from megatron.core import parallel_state
 
-        total = torch.tensor([float(local)])
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+        total = collectives.all_reduce(torch.tensor([local], dtype=torch.int64),
+                                       group=parallel_state.get_model_parallel_group())
         return int(total.item())
 
     # ---- stopping and saving ------------------------------------------------------------
@@ -357,8 +358,8 @@ class Trainer:
         elif c.exit_duration_in_mins and (
                 time.time() - self.start_time) / 60 >= c.exit_duration_in_mins:
             code = 1
-        flag = torch.tensor([code], dtype=torch.int)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = collectives.all_reduce(torch.tensor([code], dtype=torch.int),
+                                      op=dist.ReduceOp.MAX)
         return {0: None, 1: "--exit_duration_in_mins reached", 2: "--exit_interval reached",
                 3: "stop signal received"}[int(flag.item())]
 
