@@ -76,6 +76,24 @@ def layer_spec(config):
     return spec
 
 
+def block_spec(config, transformer_config):
+    """The decoder block of this rank's layers. With the local spec the final norm is the
+    spec's own (megatron's torch or apex norm): megatron would make it Transformer Engine's
+    whenever TE is importable, so a local-spec model on a machine with TE (a conversion
+    child on the CPU, --attention_backend sdpa on a GPU) would hold one TE module."""
+    spec = layer_spec(config)
+    if config.layer_spec == "transformer_engine":
+        return spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layers = get_num_layers_to_build(transformer_config)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers,
+                                      layer_norm=spec.submodules.input_layernorm)
+
+
 def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
     """One GPTModel chunk per rank holding this rank's pipeline stage and TP shard.
 
@@ -87,9 +105,10 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
     from megatron.core.models.gpt import GPTModel
 
     m = config.model
+    tc = transformer_config(config, initialize)
     model = GPTModel(
-        config=transformer_config(config, initialize),
-        transformer_layer_spec=layer_spec(config),
+        config=tc,
+        transformer_layer_spec=block_spec(config, tc),
         vocab_size=config.padded_vocab_size,
         max_sequence_length=m.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
