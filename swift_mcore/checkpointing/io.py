@@ -71,12 +71,28 @@ def read_common(folder: str) -> Dict[str, Any]:
                               ) from None
 
 
-def save(state: Dict[str, Any], folder: str) -> None:
-    """Collective: write ``state`` (sharded tensors + plain common data) into ``folder``."""
+def save(state: Dict[str, Any], folder: str, fully_parallel: bool = False) -> None:
+    """Collective: write ``state`` (sharded tensors + plain common data) into ``folder``.
+    ``fully_parallel`` (RunConfig.fully_parallel_save): the data-parallel replicas share the
+    writes (megatron's FullyParallelSaveStrategyWrapper, Megatron-LM's default) instead of
+    data-parallel rank 0 writing every replicated shard."""
     from megatron.core import dist_checkpointing
 
+    strategy = None
+    if fully_parallel:
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy("torch_dist"),
+            parallel_state.get_data_parallel_group(with_context_parallel=True))
     with _in_process_results_queue():
-        dist_checkpointing.save(state, folder)
+        dist_checkpointing.save(state, folder, sharded_strategy=strategy)
 
 
 @contextlib.contextmanager

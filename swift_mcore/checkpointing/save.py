@@ -40,7 +40,7 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
     state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=with_optimizer,
                                        is_loading=False)
     state_dict.update(io.megatron_lm_common(state, scheduler))
-    io.save(state_dict, staging)
+    io.save(state_dict, staging, fully_parallel=config.fully_parallel_save)
 
     layouts = comm.all_gather(rng.layout())
     if not c.no_save_rng:

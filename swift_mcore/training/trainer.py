@@ -214,16 +214,28 @@ class Trainer:
         batch = next(data_iterator)
         if model_is_training(self.model):
             self._sample_ids.append(batch["sample_ids"])
-        if self.config.cuda:
-            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-        if "segment_ids" in batch:
-            from ..data.packing import block_causal_mask, packed_seq_params
+        device = self.device()
+        packed = None
+        if "segment_ids" in batch and self.config.packed_rows == "thd":
+            from ..data.packing import packed_seq_params
 
-            if self.config.packed_rows == "thd":
-                batch["packed_seq_params"] = packed_seq_params(batch["segment_ids"])
-            else:
-                batch["attention_mask"] = block_causal_mask(batch["segment_ids"])
+            # From the loader's CPU copy: the segment lengths never wait for the GPU.
+            packed = packed_seq_params(batch["segment_ids"], device=device)
+        if device.type != "cpu":
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if packed is not None:
+            batch["packed_seq_params"] = packed
+        elif "segment_ids" in batch:
+            from ..data.packing import block_causal_mask
+
+            batch["attention_mask"] = block_causal_mask(batch["segment_ids"])
         return batch
+
+    def device(self) -> torch.device:
+        """Where this rank's model runs: its GPU (set by runtime.distributed), or the CPU."""
+        if self.config.cuda:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def compute_loss(self, batch, output_tensor):
         """Per-token losses -> (loss sum, target count, report); megatron divides the
@@ -383,15 +395,19 @@ class Trainer:
 
         from ..checkpointing import checkpoint_root, iter_dir_name
         from ..launch import export_in_subprocess
-        from ..runtime import collectives
 
         checkpoint = os.path.join(checkpoint_root(self.config),
                                   iter_dir_name(self.state.iteration))
         out = f"{checkpoint}-hf"
 
+        # The child converts on the CPU (launch.py), where it would build float32: the folder
+        # keeps the training precision unless --model's config.json names a dtype.
+        dtype = None if self.config.model.model else {
+            "bf16": "bfloat16", "fp16": "float16"}.get(self.config.precision)
+
         def export() -> str:
             shutil.rmtree(out, ignore_errors=True)  # an earlier export of this iteration
-            return export_in_subprocess(checkpoint, out)
+            return export_in_subprocess(checkpoint, out, dtype=dtype)
 
         line = collectives.decide(export)
         self.writer.print(f"--save_safetensors: {line}")
