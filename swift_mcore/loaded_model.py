@@ -49,8 +49,9 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log: Log) -> LoadedModel:
 
     # Only the model matters; a sequence length its positions allow keeps the checks happy.
     positions = HFFolder(path, flag="--model").config.get("max_position_embeddings") or 256
+    # float32, on a GPU too (--precision auto would be bf16 there): the weights as stored.
     flags = PretrainArguments.from_flags(model=path, tokenizer=tokenizer_path,
-                                         seq_length=min(256, int(positions)))
+                                         seq_length=min(256, int(positions)), precision="fp32")
     tokenizer = build_tokenizer(flags)
     config = resolve(flags, world_size=1).complete(tokenizer.vocab_size, None)
     model = _build(config)
@@ -93,9 +94,11 @@ def one_process_flags(saved) -> PretrainArguments:
     known = {name for name in vars(flags.model)}
     model = {k: v for k, v in saved.get("model", {}).items() if k in known and k != "model"}
     flags.update(**model)
+    from .runtime import hardware
+
     training = saved.get("training", {})
-    if torch.cuda.is_available():
-        flags.update(bf16=bool(training.get("bf16")), fp16=bool(training.get("fp16")))
+    precision = "bf16" if training.get("bf16") else "fp16" if training.get("fp16") else "fp32"
+    flags.update(precision=precision if hardware.cuda_available() else "fp32")
     return flags
 
 

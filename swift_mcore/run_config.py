@@ -46,6 +46,14 @@ class RunConfig:
     attention: str               # core attention: local | sdpa | transformer_engine
     packed_rows: str             # how packed sft rows keep conversations apart:
                                  # block_causal_mask (local/sdpa) | thd (TE variable length)
+    # What --precision auto and the hardware gave (GPU defaults as Megatron-LM's); the CPU
+    # values are the CPU path as it always was. ``choose_gpu_defaults``.
+    precision: str = "fp32"      # bf16 | fp16 | fp32 (args.training.bf16/fp16 agree)
+    cpu_initialization: bool = True   # weights created on the CPU, then sliced per TP rank
+    rope_fusion: bool = False    # Transformer Engine's fused RoPE (no host sync per layer)
+    fully_parallel_save: bool = False  # the data-parallel ranks share the checkpoint writes
+    # environment variables every rank gets before CUDA starts (setdefault: the user's win)
+    environment: Tuple[Tuple[str, str], ...] = ()
     # --dataset (and sft's --val_dataset) expanded into the files they name, once
     dataset_sources: Tuple[Any, ...] = ()
     val_dataset_sources: Tuple[Any, ...] = ()
@@ -83,13 +91,24 @@ class RunConfig:
                        padded_vocab_size=padded)
 
     def describe(self) -> str:
-        """What runs, for the start-up log line."""
+        """What runs, for the start-up log line: the layer spec and attention, the precision
+        (and whether --precision auto chose it), and on CUDA the GPU defaults taken."""
         if self.layer_spec == "transformer_engine":
             what = "Transformer Engine layer spec and fused attention"
         else:
             what = f"megatron local layer spec, attention {LOCAL_ATTENTION[self.attention]}"
-        precision = "bf16" if self.training.bf16 else "fp16" if self.training.fp16 else "fp32"
-        return f"{what}, {precision}, {self.backend} on {'CUDA' if self.cuda else 'CPU'}"
+        precision = self.precision
+        if not {"precision", "bf16", "fp16"} & self.args.explicit:
+            precision += " (--precision auto)"
+        text = f"{what}, {precision}, {self.backend} on {'CUDA' if self.cuda else 'CPU'}"
+        if self.cuda:
+            on = {True: "on", False: "off"}
+            chosen = [f"weights initialised on the {'CPU' if self.cpu_initialization else 'GPU'}",
+                      f"RoPE fusion {on[self.rope_fusion]}",
+                      f"fully parallel checkpoint save {on[self.fully_parallel_save]}"]
+            chosen += [f"{name}={value}" for name, value in self.environment]
+            text += " (" + ", ".join(chosen) + ")"
+        return text
 
 
 def _group(name: str) -> property:
@@ -101,12 +120,13 @@ for _name in ("model", "data", "training", "parallel", "checkpoint", "logging", 
 
 
 def resolve(args: PretrainArguments, world_size: Optional[int] = None,
-            cuda: Optional[bool] = None, transformer_engine: Optional[bool] = None
-            ) -> RunConfig:
+            cuda: Optional[bool] = None, transformer_engine: Optional[bool] = None,
+            apex: Optional[bool] = None) -> RunConfig:
     """Check ``args`` and decide the run. Reads config.json, the data files' headers and the
     hardware; creates nothing, writes nothing, and leaves ``args`` untouched. Raises
     ArgumentError naming the flag. Runs before any process group exists: the world size
-    comes from the launcher's environment (WORLD_SIZE) unless given."""
+    comes from the launcher's environment (WORLD_SIZE) unless given. ``cuda``,
+    ``transformer_engine`` and ``apex`` stand in for the hardware (tests simulate a GPU)."""
     from .runtime import hardware
 
     if world_size is None:
@@ -115,6 +135,8 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
         cuda = hardware.cuda_available()
     if transformer_engine is None:
         transformer_engine = cuda and hardware.transformer_engine_available()
+    if apex is None:
+        apex = cuda and hardware.apex_available()
     flags = copy.deepcopy(args)
     flags.coerce()
     from .models.families import apply_hf_config
@@ -127,10 +149,12 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
             raise ArgumentError(f"{err} (from {flags.model.model}/config.json)") from None
     flags.fill_defaults()
     flags.check(world_size)
+    precision = choose_precision(flags, cuda)
     backend = check_hardware(flags, cuda)
     sources, val_sources = check_inputs(flags)
     attention = choose_attention(flags.model.attention_backend, transformer_engine)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
+    check_sequence_parallel(flags, cuda, layer_spec, apex)
     packed_rows = "thd" if attention == "transformer_engine" else "block_causal_mask"
     if flags.COMMAND == "sft" and flags.sft.packing and packed_rows == "thd" \
             and flags.training.micro_batch_size != 1:
@@ -145,7 +169,51 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
                   num_microbatches=t.global_batch_size // (t.micro_batch_size * dp))
     return RunConfig(args=flags.frozen(), world=world, cuda=cuda, backend=backend,
                      layer_spec=layer_spec, attention=attention, packed_rows=packed_rows,
-                     dataset_sources=sources, val_dataset_sources=val_sources)
+                     dataset_sources=sources, val_dataset_sources=val_sources,
+                     precision=precision,
+                     **choose_gpu_defaults(flags, world, cuda, transformer_engine))
+
+
+def choose_precision(flags: PretrainArguments, cuda: bool) -> str:
+    """--precision (auto: bf16 on CUDA, as Megatron-LM's and Megatron-Bridge's GPU recipes
+    train, fp32 on CPU), or --bf16/--fp16. Writes the choice back into ``flags`` (a private
+    copy), so args.json records what ran and ``training.bf16/fp16`` agree with it."""
+    t = flags.training
+    named = "bf16" if t.bf16 else "fp16" if t.fp16 else None
+    if named and t.precision not in ("auto", named):
+        raise ArgumentError(f"--{named} and --precision {t.precision} disagree; give one")
+    precision = named or t.precision
+    if precision == "auto":
+        precision = "bf16" if cuda else "fp32"
+    elif precision != "fp32" and not cuda:
+        which = f"--{precision}" if named else f"--precision {precision}"
+        raise ArgumentError(f"{which} needs a CUDA GPU; on CPU swift-mcore trains in float32 "
+                            f"(drop {which})")
+    t.precision, t.bf16, t.fp16 = precision, precision == "bf16", precision == "fp16"
+    return precision
+
+
+def choose_gpu_defaults(flags: PretrainArguments, world: World, cuda: bool,
+                        transformer_engine: bool) -> Dict[str, Any]:
+    """The settings that differ on a GPU, chosen as Megatron-LM's defaults are: weights
+    initialised on the GPU (its --use-cpu-initialization is off), Transformer Engine's fused
+    RoPE (--no-rope-fusion is off; with packed rows the unfused path syncs the host every
+    layer), the data-parallel ranks sharing the checkpoint writes (--no-ckpt-fully-parallel-
+    save is off) and CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism (which Megatron-LM
+    asserts before Blackwell, so that TP communication overlaps compute in launch order). On
+    CPU each is what the CPU path always did."""
+    if not cuda:
+        return {}
+    environment = ()
+    if world.tensor_parallel > 1:
+        environment = (("CUDA_DEVICE_MAX_CONNECTIONS",
+                        os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")),)
+    return {
+        "cpu_initialization": False,
+        "rope_fusion": transformer_engine and flags.model.position_embedding_type == "rope",
+        "fully_parallel_save": world.data_parallel > 1,
+        "environment": environment,
+    }
 
 
 def choose_attention(flag: str, transformer_engine: bool) -> str:
@@ -162,20 +230,39 @@ def choose_attention(flag: str, transformer_engine: bool) -> str:
 
 def check_hardware(flags: PretrainArguments, cuda: bool) -> str:
     """Flags this machine cannot run; returns the process-group backend."""
-    t, p = flags.training, flags.parallel
-    if (t.bf16 or t.fp16) and not cuda:
-        which = "--bf16" if t.bf16 else "--fp16"
-        raise ArgumentError(f"{which} needs a CUDA GPU; on CPU swift-mcore trains in float32 "
-                            f"(drop {which})")
+    p = flags.parallel
     if p.use_distributed_optimizer and not cuda:
         raise ArgumentError("--use_distributed_optimizer needs CUDA; on CPU the plain "
                             "data-parallel optimizer is used (drop the flag)")
     if p.distributed_backend == "nccl" and not cuda:
         raise ArgumentError("--distributed_backend nccl needs CUDA; use gloo on CPU")
+    if p.distributed_backend == "gloo" and cuda:
+        raise ArgumentError("--distributed_backend gloo with CUDA: the model's tensors live on "
+                            "the GPU and megatron's collectives on them (reduce-scatter, "
+                            "all-gather) need nccl; drop the flag (nccl is the default with "
+                            "CUDA), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU")
     if p.sequence_parallel and not cuda:
         raise ArgumentError("--sequence_parallel is supported on CUDA only (the local torch "
                             "norms do not reduce their gradients across TP ranks)")
     return p.distributed_backend or ("nccl" if cuda else "gloo")
+
+
+def check_sequence_parallel(flags: PretrainArguments, cuda: bool, layer_spec: str,
+                            apex: bool) -> None:
+    """--sequence_parallel needs norms that support it: Transformer Engine's (its layer spec)
+    or apex's fused LayerNorm. megatron's torch norms (the local spec without apex, and every
+    RMSNorm of the local spec) assert 'sequence parallel not supported by torch LayerNorm'."""
+    if not flags.parallel.sequence_parallel or not cuda:
+        return
+    if layer_spec == "transformer_engine":
+        return
+    if apex and flags.model.normalization == "LayerNorm":
+        return
+    raise ArgumentError(
+        "--sequence_parallel needs Transformer Engine's layer spec (--attention_backend auto or "
+        "transformer_engine, with transformer-engine installed: pip install "
+        "--no-build-isolation -r requirements/gpu.txt), or apex with --normalization "
+        "LayerNorm: megatron's torch norms of the local spec do not support it")
 
 
 def check_inputs(flags: PretrainArguments) -> Tuple[tuple, tuple]:

@@ -13,7 +13,8 @@ class ParallelArguments:
     tensor_model_parallel_size: int = flag(1, "Tensor-parallel ranks per model replica.")
     pipeline_model_parallel_size: int = flag(1, "Pipeline stages per model replica.")
     sequence_parallel: bool = flag(False, "Shard layer norms and dropout along the sequence "
-                                   "across tensor-parallel ranks.")
+                                   "across tensor-parallel ranks (CUDA, with Transformer "
+                                   "Engine's layer spec or apex; docs/gpu.md).")
     num_buckets: Optional[int] = flag(
         None, "Split gradients into this many all-reduce buckets (sets bucket_size to "
         "ceil(trainable parameters / num_buckets)); needs --overlap_grad_reduce.")
@@ -25,5 +26,6 @@ class ParallelArguments:
     use_distributed_optimizer: bool = flag(
         False, "Shard optimizer state across data-parallel ranks (ZeRO-1; CUDA only).")
     distributed_backend: Optional[str] = flag(
-        None, "Process-group backend; default nccl with CUDA, gloo without.",
+        None, "Process-group backend; default nccl with CUDA, gloo without (nccl without CUDA "
+        "and gloo with CUDA are refused).",
         choices=("nccl", "gloo"))

@@ -44,5 +44,11 @@ class TrainingArguments:
     nonfinite_skip_limit: int = flag(
         10, "With --nonfinite_policy skip: the most non-finite steps skipped in a row; one more "
         "stops the run as 'stop' does.")
-    bf16: bool = flag(False, "Train in bfloat16 (GPU only).")
-    fp16: bool = flag(False, "Train in float16 with loss scaling (GPU only).")
+    precision: str = flag(
+        "auto", "Training precision: auto = bf16 on CUDA (what Megatron-LM's and "
+        "Megatron-Bridge's GPU recipes train in), fp32 on CPU; bf16 and fp16 need CUDA. The "
+        "start-up line and the checkpoint's args.json say what ran.",
+        choices=("auto", "bf16", "fp16", "fp32"))
+    bf16: bool = flag(False, "Train in bfloat16 (GPU only): the same as --precision bf16.")
+    fp16: bool = flag(False, "Train in float16 with loss scaling (GPU only): the same as "
+                      "--precision fp16.")

@@ -71,12 +71,28 @@ def read_common(folder: str) -> Dict[str, Any]:
                               ) from None
 
 
-def save(state: Dict[str, Any], folder: str) -> None:
-    """Collective: write ``state`` (sharded tensors + plain common data) into ``folder``."""
+def save(state: Dict[str, Any], folder: str, fully_parallel: bool = False) -> None:
+    """Collective: write ``state`` (sharded tensors + plain common data) into ``folder``.
+    ``fully_parallel`` (RunConfig.fully_parallel_save): the data-parallel replicas share the
+    writes (megatron's FullyParallelSaveStrategyWrapper, Megatron-LM's default) instead of
+    data-parallel rank 0 writing every replicated shard."""
     from megatron.core import dist_checkpointing
 
+    strategy = None
+    if fully_parallel:
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy("torch_dist"),
+            parallel_state.get_data_parallel_group(with_context_parallel=True))
     with _in_process_results_queue():
-        dist_checkpointing.save(state, folder)
+        dist_checkpointing.save(state, folder, sharded_strategy=strategy)
 
 
 @contextlib.contextmanager
@@ -141,6 +157,7 @@ def load(state: Dict[str, Any], folder: str) -> Dict[str, Any]:
     if backend != "torch_dist":
         raise CheckpointError(f"checkpoint {folder} uses the '{backend}' format; swift-mcore "
                               f"loads torch_dist checkpoints")
+    state = without_absent_extra_state(state, folder)
     with safe_loading(), warnings.catch_warnings():
         # torch DCP's deprecation notices about ShardedTensor/load_state_dict, on each load
         warnings.simplefilter("ignore", FutureWarning)
@@ -160,6 +177,65 @@ def _backend(folder: str) -> Optional[str]:
                               f"megatron dist_checkpointing folder)") from None
 
 
+EXTRA_STATE = "_extra_state"
+
+
+def saved_extra_states(folder: str) -> set:
+    """The ``_extra_state`` objects a torch_dist checkpoint holds, by megatron key (DCP stores
+    each as ``KEY/shard_OFFSETS_SHAPE``)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = read_dcp_metadata(folder)
+    return {key.split("/shard_")[0] for key, md in metadata.state_dict_metadata.items()
+            if isinstance(md, BytesStorageMetadata) and EXTRA_STATE in key}
+
+
+def without_absent_extra_state(state: Dict[str, Any], folder: str) -> Dict[str, Any]:
+    """``state`` less the ``_extra_state`` objects ``folder`` does not hold, so that DCP (which
+    refuses a key it cannot find) loads the rest. Transformer Engine's modules carry such an
+    entry (FP8 metadata; empty without FP8) that megatron's local modules lack: a checkpoint
+    saved on CPU, or with the local spec, has none for TE's norms. Those modules keep their
+    fresh state; ``restore_model`` accepts exactly these keys as missing."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    saved = None
+
+    def keep(value) -> bool:
+        nonlocal saved
+        if not (isinstance(value, ShardedObject) and value.key.endswith(EXTRA_STATE)):
+            return True
+        if saved is None:
+            saved = saved_extra_states(folder)
+        return value.key in saved
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items() if keep(v)}
+        if isinstance(node, list):
+            return [walk(v) for v in node if keep(v)]
+        return node
+
+    return walk(state)
+
+
 def restore_model(model, loaded: Dict[str, Any]) -> None:
+    """Load each chunk's weights strictly, except that a module's ``_extra_state`` may be
+    missing (Transformer Engine's, absent from megatron's sharded state dict for core
+    attention, or from a checkpoint saved without TE). Any other missing or unexpected key
+    is a CheckpointError naming it."""
     for key, chunk in zip(model_keys(model), model):
-        unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        result = unwrap(chunk).load_state_dict(loaded[key], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+        problems = []
+        if missing:
+            problems.append(f"missing {_listed(missing)}")
+        if result.unexpected_keys:
+            problems.append(f"unexpected {_listed(result.unexpected_keys)}")
+        if problems:
+            raise CheckpointError(f"the checkpoint's {key!r} state does not fit this model: "
+                                  + "; ".join(problems))
+
+
+def _listed(keys: List[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

@@ -65,7 +65,10 @@ def capture() -> Dict[str, Any]:
     tracker = {name: _b64(state) for name, state in _tracker().get_states().items()}
     cuda = None
     if torch.cuda.is_available():
-        cuda = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+        # This rank's own GPU only: the other devices' generators are other ranks' (or
+        # unused), and touching them all would restore them all.
+        cuda = {"device": torch.cuda.current_device(),
+                "state": _b64(torch.cuda.get_rng_state(torch.cuda.current_device()))}
     return {
         "python": {"version": version, "state": list(py_state), "gauss": gauss},
         "numpy": {"bit_generator": np_state["bit_generator"],
@@ -93,18 +96,28 @@ def apply(states: Dict[str, Any]) -> List[str]:
     restored.append("numpy")
     torch.set_rng_state(_bytes_tensor(states["torch"]))
     restored.append("torch")
-    if states.get("cuda") and torch.cuda.is_available():
-        saved = [_bytes_tensor(s) for s in states["cuda"]]
-        if len(saved) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(saved)
-        else:
-            torch.cuda.set_rng_state(saved[0])
+    state = _cuda_state(states.get("cuda"))
+    if state is not None and torch.cuda.is_available():
+        # The saved rank's GPU state goes to this rank's GPU (the device index may differ:
+        # another node, another number of GPUs per node).
+        torch.cuda.set_rng_state(_bytes_tensor(state), torch.cuda.current_device())
         restored.append("cuda")
     tracker = states.get("megatron_tracker") or {}
     if tracker:
         _tracker().set_states({name: _bytes_tensor(s) for name, s in tracker.items()})
         restored.append("megatron tracker")
     return restored
+
+
+def _cuda_state(saved: Any) -> Optional[str]:
+    """The saved rank's own CUDA generator state, from ``{"device", "state"}``. An older
+    file holds a list of every device's states: its entry at this rank's device index."""
+    if not saved:
+        return None
+    if isinstance(saved, dict):
+        return saved.get("state")
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return saved[index] if index < len(saved) else None
 
 
 def save(folder: str, rank: int) -> str:

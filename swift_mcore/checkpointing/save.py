@@ -44,7 +44,7 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
                                        is_loading=False)
     state_dict.update(io.megatron_lm_common(state, scheduler))
     space.check_free(root, iteration, state_dict)
-    io.save(state_dict, staging)
+    io.save(state_dict, staging, fully_parallel=config.fully_parallel_save)
 
     layouts = comm.all_gather(rng.layout())
     if not c.no_save_rng:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -41,9 +41,13 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (other | future).unsqueeze(1)
 
 
-def packed_seq_params(segment_ids: torch.Tensor):
+def packed_seq_params(segment_ids: torch.Tensor, device: Optional[torch.device] = None):
     """megatron's PackedSeqParams (THD) for one packed row, for Transformer Engine's
-    variable-length attention: cumulative segment lengths, padding counted as a segment."""
+    variable-length attention: cumulative segment lengths, padding counted as a segment.
+
+    Computed where ``segment_ids`` are (give the loader's CPU copy: the lengths and the
+    longest one are host numbers, so a GPU copy would make the host wait for the GPU every
+    micro-batch); ``device``: where the cumulative lengths go, copied without waiting."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if segment_ids.shape[0] != 1:
@@ -52,5 +56,9 @@ def packed_seq_params(segment_ids: torch.Tensor):
     cu = torch.zeros(len(counts) + 1, dtype=torch.int32, device=segment_ids.device)
     cu[1:] = torch.cumsum(counts, 0)
     longest = int(counts.max())
+    if device is not None and device != cu.device:
+        if device.type == "cuda":
+            cu = cu.pin_memory()  # an asynchronous copy needs page-locked memory
+        cu = cu.to(device, non_blocking=True)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            max_seqlen_q=longest, max_seqlen_kv=longest)

@@ -13,8 +13,8 @@ def transformer_config(config, initialize: bool = True):
     ``initialize=False`` leaves the weights unset, for a caller that loads every one."""
     from megatron.core.transformer import TransformerConfig
 
-    m, t, p = config.model, config.training, config.parallel
-    dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+    m, p = config.model, config.parallel
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision, torch.float32)
     cuda = config.cuda
     te = config.layer_spec == "transformer_engine"
     return TransformerConfig(
@@ -39,16 +39,18 @@ def transformer_config(config, initialize: bool = True):
         sequence_parallel=p.sequence_parallel,
         pipeline_dtype=dtype,
         params_dtype=dtype,
-        bf16=t.bf16,
-        fp16=t.fp16,
-        # Creating the full weight and slicing it makes the initial weights independent of
-        # the TP layout; megatron requires it without CUDA anyway.
-        use_cpu_initialization=True,
+        bf16=config.precision == "bf16",
+        fp16=config.precision == "fp16",
+        # On CPU the full weight is created and sliced, so the initial weights do not depend
+        # on the TP layout (megatron requires it without CUDA anyway). On CUDA each rank
+        # creates its own shard on its GPU, as Megatron-LM does (run_config.choose_gpu_defaults).
+        use_cpu_initialization=config.cpu_initialization,
         perform_initialization=initialize,
         # The fused kernels are CUDA-only; on GPU megatron picks them when TE is present.
         bias_activation_fusion=cuda and m.swiglu and te,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        # Transformer Engine's fused RoPE on CUDA (run_config decides: it needs TE).
+        apply_rope_fusion=config.rope_fusion,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -76,6 +78,24 @@ def layer_spec(config):
     return spec
 
 
+def block_spec(config, transformer_config):
+    """The decoder block of this rank's layers. With the local spec the final norm is the
+    spec's own (megatron's torch or apex norm): megatron would make it Transformer Engine's
+    whenever TE is importable, so a local-spec model on a machine with TE (a conversion
+    child on the CPU, --attention_backend sdpa on a GPU) would hold one TE module."""
+    spec = layer_spec(config)
+    if config.layer_spec == "transformer_engine":
+        return spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layers = get_num_layers_to_build(transformer_config)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers,
+                                      layer_norm=spec.submodules.input_layernorm)
+
+
 def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
     """One GPTModel chunk per rank holding this rank's pipeline stage and TP shard.
 
@@ -87,9 +107,10 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
     from megatron.core.models.gpt import GPTModel
 
     m = config.model
+    tc = transformer_config(config, initialize)
     model = GPTModel(
-        config=transformer_config(config, initialize),
-        transformer_layer_spec=layer_spec(config),
+        config=tc,
+        transformer_layer_spec=block_spec(config, tc),
         vocab_size=config.padded_vocab_size,
         max_sequence_length=m.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -1,10 +1,12 @@
-"""Collectives that also work without a process group: broadcast, gather, and one rank's
-decision or error handed to all (so ranks fail together instead of hanging)."""
+"""Collectives that also work without a process group: broadcast, gather, a tensor reduced
+on the backend's device, and one rank's decision or error handed to all (so ranks fail
+together instead of hanging)."""
 
 from __future__ import annotations
 
 from typing import Any, List
 
+import torch
 import torch.distributed as dist
 
 from .distributed import rank
@@ -16,6 +18,24 @@ def initialized() -> bool:
 
 def world_size() -> int:
     return dist.get_world_size() if initialized() else 1
+
+
+def backend_device(group=None) -> torch.device:
+    """Where a tensor must live for a collective over ``group``: this rank's GPU under NCCL
+    (which refuses CPU tensors), the CPU under gloo or without a process group."""
+    if initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(tensor: torch.Tensor, op=None, group=None) -> torch.Tensor:
+    """``tensor`` reduced over ``group`` (SUM unless ``op``), on the backend's device: the
+    result is a new tensor there (the input is left as it is when it had to move)."""
+    if not initialized():
+        return tensor
+    tensor = tensor.to(backend_device(group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return tensor
 
 
 def broadcast(obj: Any, src: int = 0) -> Any:

@@ -10,6 +10,9 @@ import torch.distributed as dist
 
 from . import cpu_compat
 
+# How long a collective waits for the other ranks before torch.distributed gives up.
+TIMEOUT = datetime.timedelta(minutes=30)
+
 
 def initialize(config) -> None:
     """Create the process group and megatron's model-parallel groups (idempotent).
@@ -25,10 +28,11 @@ def initialize(config) -> None:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        backend = config.backend
-        if backend == "nccl":
+        for name, value in config.environment:  # before this rank's CUDA context exists
+            os.environ.setdefault(name, value)
+        if config.cuda:  # each rank on its own GPU, whatever the backend
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+        dist.init_process_group(backend=config.backend, timeout=TIMEOUT)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,

@@ -1,4 +1,4 @@
-"""What this machine offers the run: CUDA, Transformer Engine (asked once, by run_config)."""
+"""What this machine offers the run: CUDA, Transformer Engine, apex (asked once, by run_config)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,21 @@ def transformer_engine_available() -> bool:
         return False
     try:
         import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def apex_available() -> bool:
+    """apex is importable, as megatron-core decides it (its HAVE_APEX, gpt_layer_specs.py):
+    then the local spec's LayerNorm is apex's FusedLayerNorm, which supports sequence
+    parallelism."""
+    if not cuda_available():
+        return False
+    try:
+        import apex  # noqa: F401
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm  # noqa: F401
     except Exception:
         return False
     return True

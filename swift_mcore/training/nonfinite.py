@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import NonFiniteError
+from ..runtime import collectives
 
 POLICIES = ("stop", "skip")
 _KINDS = {0: "finite", 1: "nan", 2: "inf", 3: "-inf"}
@@ -48,10 +49,10 @@ def kind(value: Optional[float]) -> int:
 def agree(loss: Optional[float], grad_norm: Optional[float]) -> Tuple[int, int]:
     """(loss kind, gradient-norm kind), the same on every rank: the loss is known on the last
     pipeline stage only, and a rank's view of the norm must not decide alone."""
-    flags = torch.tensor([kind(loss), kind(grad_norm)], dtype=torch.int)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return int(flags[0]), int(flags[1])
+    flags = collectives.all_reduce(torch.tensor([kind(loss), kind(grad_norm)], dtype=torch.int),
+                                   op=dist.ReduceOp.MAX)
+    loss_kind, norm_kind = flags.tolist()
+    return loss_kind, norm_kind
 
 
 def describe(loss_kind: int, norm_kind: int) -> str:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..arguments import PretrainArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
-from ..runtime import distributed, run_lock, seed
+from ..runtime import collectives, distributed, run_lock, seed
 from .metrics import LogWindow, flops_per_token
 from .nonfinite import NonFiniteGuard
 from .writers import MetricWriter, format_log_line
@@ -216,16 +216,28 @@ class Trainer:
         batch = next(data_iterator)
         if model_is_training(self.model):
             self._sample_ids.append(batch["sample_ids"])
-        if self.config.cuda:
-            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-        if "segment_ids" in batch:
-            from ..data.packing import block_causal_mask, packed_seq_params
+        device = self.device()
+        packed = None
+        if "segment_ids" in batch and self.config.packed_rows == "thd":
+            from ..data.packing import packed_seq_params
 
-            if self.config.packed_rows == "thd":
-                batch["packed_seq_params"] = packed_seq_params(batch["segment_ids"])
-            else:
-                batch["attention_mask"] = block_causal_mask(batch["segment_ids"])
+            # From the loader's CPU copy: the segment lengths never wait for the GPU.
+            packed = packed_seq_params(batch["segment_ids"], device=device)
+        if device.type != "cpu":
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if packed is not None:
+            batch["packed_seq_params"] = packed
+        elif "segment_ids" in batch:
+            from ..data.packing import block_causal_mask
+
+            batch["attention_mask"] = block_causal_mask(batch["segment_ids"])
         return batch
+
+    def device(self) -> torch.device:
+        """Where this rank's model runs: its GPU (set by runtime.distributed), or the CPU."""
+        if self.config.cuda:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def compute_loss(self, batch, output_tensor):
         """Per-token losses -> (loss sum, target count, report); megatron divides the
@@ -248,9 +260,10 @@ class Trainer:
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None, None, None
         total = torch.stack([entry["lm loss"] for entry in losses]).sum(0)
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        total = collectives.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        total = total.tolist()  # one host sync for the three numbers
         # A custom compute_loss may report (loss sum, targets) only: tokens then unknown.
-        tokens = float(total[2]) if total.numel() > 2 else None
+        tokens = float(total[2]) if len(total) > 2 else None
         return float(total[0]), float(total[1]), tokens
 
     def advance(self, step: Dict[str, float]) -> None:
@@ -334,8 +347,8 @@ class Trainer:
         """Parameters of the whole model: summed over TP and PP ranks of one replica."""
         from megatron.core import parallel_state
 
-        total = torch.tensor([float(local)])
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+        total = collectives.all_reduce(torch.tensor([local], dtype=torch.int64),
+                                       group=parallel_state.get_model_parallel_group())
         return int(total.item())
 
     # ---- stopping and saving ------------------------------------------------------------
@@ -359,8 +372,8 @@ class Trainer:
         elif c.exit_duration_in_mins and (
                 time.time() - self.start_time) / 60 >= c.exit_duration_in_mins:
             code = 1
-        flag = torch.tensor([code], dtype=torch.int)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = collectives.all_reduce(torch.tensor([code], dtype=torch.int),
+                                      op=dist.ReduceOp.MAX)
         return {0: None, 1: "--exit_duration_in_mins reached", 2: "--exit_interval reached",
                 3: "stop signal received"}[int(flag.item())]
 
@@ -384,15 +397,19 @@ class Trainer:
 
         from ..checkpointing import checkpoint_root, iter_dir_name
         from ..launch import export_in_subprocess
-        from ..runtime import collectives
 
         checkpoint = os.path.join(checkpoint_root(self.config),
                                   iter_dir_name(self.state.iteration))
         out = f"{checkpoint}-hf"
 
+        # The child converts on the CPU (launch.py), where it would build float32: the folder
+        # keeps the training precision unless --model's config.json names a dtype.
+        dtype = None if self.config.model.model else {
+            "bf16": "bfloat16", "fp16": "float16"}.get(self.config.precision)
+
         def export() -> str:
             shutil.rmtree(out, ignore_errors=True)  # an earlier export of this iteration
-            return export_in_subprocess(checkpoint, out)
+            return export_in_subprocess(checkpoint, out, dtype=dtype)
 
         line = collectives.decide(export)
         self.writer.print(f"--save_safetensors: {line}")
