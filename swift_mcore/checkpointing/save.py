@@ -8,6 +8,7 @@ import time
 from typing import Optional, Tuple
 
 from ..runtime import collectives as comm
+from ..runtime import run_lock
 from . import commit, files, io, rng, space
 from .state import TrainState
 from .tracker import checkpoint_root, iter_dir_name, read_tracker, write_tracker
