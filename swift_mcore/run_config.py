@@ -128,6 +128,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     flags.fill_defaults()
     flags.check(world_size)
     backend = check_hardware(flags, cuda)
+    check_trackers(flags)
     sources, val_sources = check_inputs(flags)
     attention = choose_attention(flags.model.attention_backend, transformer_engine)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
@@ -176,6 +177,22 @@ def check_hardware(flags: PretrainArguments, cuda: bool) -> str:
         raise ArgumentError("--sequence_parallel is supported on CUDA only (the local torch "
                             "norms do not reduce their gradients across TP ranks)")
     return p.distributed_backend or ("nccl" if cuda else "gloo")
+
+
+def check_trackers(flags: PretrainArguments) -> None:
+    """Every --report_to tracker is installed (whether it starts is known only when it
+    does: Trainer.setup, before the first iteration)."""
+    import importlib.util
+
+    from .arguments.logging import TRACKERS
+
+    for name in flags.logging.report_to:
+        module = TRACKERS[name]
+        if importlib.util.find_spec(module) is None:
+            pins = ("requirements/base.txt" if name == "tensorboard" else
+                    "requirements/trackers.txt (or pip install 'swift-mcore[trackers]')")
+            raise ArgumentError(f"--report_to {name}: the {module} package is not installed; "
+                                f"pip install -r {pins}, or drop {name} from --report_to")
 
 
 def check_inputs(flags: PretrainArguments) -> Tuple[tuple, tuple]:
