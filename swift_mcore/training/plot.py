@@ -115,6 +115,11 @@ def write_plot(output_dir: str, path: Optional[str] = None) -> str:
         if start > 0:  # a run resumed from elsewhere: tokens counted from its first record
             tokens[0] = 0.0
         if np.all(np.diff(its) > 0):
+            # Continued past the last record at the last window's rate, so that ticks beyond
+            # the data land beyond the axis instead of piling up at its end.
+            far = (its[-1] - its[0] + 1) * 10
+            rate = (tokens[-1] - tokens[-2]) / (its[-1] - its[-2])
+            its, tokens = np.append(its, its[-1] + far), np.append(tokens, tokens[-1] + rate * far)
             top = loss_ax.secondary_xaxis(
                 "top", functions=(lambda x: np.interp(x, its, tokens),
                                   lambda t: np.interp(t, tokens, its)))
