@@ -115,6 +115,8 @@ COMMANDS = {
                "convert a checkpoint to a Hugging Face folder (--to_hf) or back (--to_mcore)"),
     "infer": (_lazy("swift_mcore.infer"),
               "generate text from a Hugging Face folder or a checkpoint"),
+    "plot": (_lazy("swift_mcore.plot"),
+             "draw a run's loss curves (train, validation, learning rate) into loss.png"),
 }
 
 

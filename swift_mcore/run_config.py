@@ -151,6 +151,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     flags.check(world_size)
     precision = choose_precision(flags, cuda)
     backend = check_hardware(flags, cuda)
+    check_trackers(flags)
     sources, val_sources = check_inputs(flags)
     attention = choose_attention(flags.model.attention_backend, transformer_engine)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
@@ -263,6 +264,22 @@ def check_sequence_parallel(flags: PretrainArguments, cuda: bool, layer_spec: st
         "transformer_engine, with transformer-engine installed: pip install "
         "--no-build-isolation -r requirements/gpu.txt), or apex with --normalization "
         "LayerNorm: megatron's torch norms of the local spec do not support it")
+
+
+def check_trackers(flags: PretrainArguments) -> None:
+    """Every --report_to tracker is installed (whether it starts is known only when it
+    does: Trainer.setup, before the first iteration)."""
+    import importlib.util
+
+    from .arguments.logging import TRACKERS
+
+    for name in flags.logging.report_to:
+        module = TRACKERS[name]
+        if importlib.util.find_spec(module) is None:
+            pins = ("requirements/base.txt" if name == "tensorboard" else
+                    "requirements/trackers.txt (or pip install 'swift-mcore[trackers]')")
+            raise ArgumentError(f"--report_to {name}: the {module} package is not installed; "
+                                f"pip install -r {pins}, or drop {name} from --report_to")
 
 
 def check_inputs(flags: PretrainArguments) -> Tuple[tuple, tuple]:

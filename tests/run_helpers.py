@@ -17,7 +17,7 @@ TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4"
         "--global_batch_size", "8", "--lr", "1e-3", "--lr_warmup_iters", "0",
         "--lr_decay_style", "constant", "--min_lr", "1e-3", "--log_interval", "1",
         "--eval_steps", "0", "--progress_bar", "false", "--tensorboard", "false",
-        "--num_workers", "0"]
+        "--plot", "false", "--num_workers", "0"]
 
 
 def run_pt(output_dir, *flags, nproc: int = 1, timeout: int = 240, check: bool = True,

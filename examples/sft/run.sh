@@ -14,7 +14,8 @@ rm -rf "$OUT/run"
 "$PY" examples/sft/make_tiny_model_and_data.py "$OUT"
 
 # 2. Finetune: loss on the answers only, 40 passes over 24 conversations (120 steps);
-#    --save_safetensors writes the final checkpoint as a Hugging Face folder too.
+#    --save_safetensors writes each checkpoint (here only the final one) as a Hugging Face
+#    folder too.
 "$PY" -m swift_mcore sft --model "$OUT/base-model" --dataset "$OUT/train.jsonl" \
     --template plain --seq_length 64 --micro_batch_size 4 --global_batch_size 8 \
     --lr 3e-3 --lr_warmup_iters 5 --num_train_epochs 40 --log_interval 20 \

@@ -29,8 +29,20 @@ class CheckpointArguments:
         False, "Resume even if batch size, sequence length, data, seed or model shape "
         "changed since the checkpoint.")
     save_safetensors: bool = flag(
-        False, "After training, also write the final checkpoint as a Hugging Face folder "
-        "(config.json, safetensors, tokenizer) next to it: checkpoint/iter_NNNNNNN-hf.")
+        False, "Also write every checkpoint saved as a Hugging Face folder next to it "
+        "(config.json, safetensors, tokenizer and chat template): checkpoint/"
+        "iter_NNNNNNN-hf, committed as the checkpoint is and rotated with it.")
+    metric_for_best: Optional[str] = flag(
+        None, "Keep the checkpoint of the best evaluation of this validation metric "
+        "(checkpoint/best and best.json; never rotated away): an evaluation that improves "
+        "it saves a checkpoint. Needs --eval_steps and validation data.",
+        choices=("val_loss", "val_ppl"))
+    greater_is_better: Optional[bool] = flag(
+        None, "Whether a larger --metric_for_best is better; default: false for val_loss "
+        "and val_ppl.")
+    early_stopping_patience: Optional[int] = flag(
+        None, "Stop (saving first) after this many evaluations in a row without improvement "
+        "of --metric_for_best (default val_loss).")
     exit_interval: Optional[int] = flag(
         None, "Save and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: Optional[float] = flag(

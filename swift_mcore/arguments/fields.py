@@ -56,11 +56,16 @@ NONZERO_FRACTION = Range(0, 1, low_open=True)  # (0, 1]
 
 
 def flag(default: Any, help: str, choices: Sequence[Any] | None = None,
-         range: Range | None = None, allow_inf: bool = False, **kwargs) -> Any:
+         range: Range | None = None, allow_inf: bool = False, comma_separated: bool = False,
+         **kwargs) -> Any:
     """A dataclass field that is also a command-line flag of the same name. ``choices``:
-    the accepted values; ``range``: the accepted numbers (checked by check_flags, shown in
-    --help and docs/cli.md); ``allow_inf``: a float flag that accepts inf and -inf."""
+    the accepted values (of each item, for a list flag); ``range``: the accepted numbers
+    (checked by check_flags, shown in --help and docs/cli.md); ``allow_inf``: a float flag
+    that accepts inf and -inf; ``comma_separated``: a list flag whose items may also be
+    given as 'a,b,c'."""
     metadata = {"help": help}
+    if comma_separated:
+        metadata["comma_separated"] = True
     if choices is not None:
         metadata["choices"] = tuple(choices)
     if range is not None:
@@ -112,6 +117,8 @@ def coerce(f: Field, value: Any) -> Any:
     kind, is_list = base_type(f)
     if is_list:
         items = value if isinstance(value, (list, tuple)) else str(value).split()
+        if f.metadata.get("comma_separated"):
+            items = [part for item in items for part in str(item).replace(",", " ").split()]
         return [_coerce_one(f.name, kind, v) for v in items]
     return _coerce_one(f.name, kind, value)
 
@@ -129,9 +136,11 @@ def check_flags(group) -> None:
         value = coerce(f, getattr(group, f.name))
         setattr(group, f.name, value)
         choices = f.metadata.get("choices")
-        if choices and value is not None and value not in choices:
-            raise ArgumentError(
-                f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if choices and item is not None and item not in choices:
+                raise ArgumentError(
+                    f"--{f.name} must be one of {', '.join(map(str, choices))}; got {item!r}")
         check_number(f, value)
 
 

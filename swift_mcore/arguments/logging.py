@@ -1,10 +1,15 @@
-"""Output folder, logging and progress flags."""
+"""Output folder, logging, experiment tracking and progress flags."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Optional
 
 from .fields import flag
+
+# --report_to: where metrics go besides metrics.jsonl (training/trackers.py), and the Python
+# module each one needs.
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
 
 
 @dataclass
@@ -13,7 +18,21 @@ class LoggingArguments:
     log_interval: int = flag(10, "Print a log line every this many iterations.")
     eval_steps: int = flag(100, "Validate every this many iterations; 0 disables.")
     eval_iters: int = flag(4, "Validation batches per validation.")
-    tensorboard: bool = flag(True, "Write tensorboard events to output_dir/runs.")
+    report_to: List[str] = flag(
+        ["tensorboard"], "Experiment trackers that receive every metric of metrics.jsonl, "
+        "grouped train/ and valid/, with the run's flags as config: any of tensorboard "
+        "(output_dir/runs), wandb (output_dir/wandb; WANDB_MODE=offline logs locally), "
+        "swanlab (output_dir/swanlog; SWANLAB_MODE=offline or local), comma- or "
+        "space-separated; 'none' for none (docs/tracking.md).",
+        choices=("none", *TRACKERS), comma_separated=True)
+    run_name: Optional[str] = flag(
+        None, "The run's name in W&B and SwanLab; default: output_dir's folder name. The "
+        "project is WANDB_PROJECT / SWANLAB_PROJECT, else swift-mcore.")
+    tensorboard: bool = flag(
+        True, "Alias kept for older commands: --tensorboard false drops tensorboard from "
+        "--report_to, --tensorboard true adds it.")
+    plot: bool = flag(True, "At the end of the run write output_dir/loss.png (train and "
+                      "validation loss, learning rate; `swift-mcore plot`).")
     progress_bar: bool = flag(True, "Show a tqdm progress bar on the last rank.")
     log_sample_ids: bool = flag(
         False, "Write the global sample indices of every iteration to sample_ids.jsonl.")

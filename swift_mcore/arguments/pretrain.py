@@ -92,6 +92,32 @@ class PretrainArguments:
                 raise ArgumentError("--train_iters and --num_train_epochs are alternatives; "
                                     "give one of them")
             t.num_train_epochs = None  # the command's default epochs yield to the flag
+        self.fill_tracking_defaults()
+
+    def fill_tracking_defaults(self) -> None:
+        """--report_to without 'none' or repeats, --tensorboard (an alias) folded into it;
+        early stopping judges val_loss unless --metric_for_best names another metric."""
+        lg, c = self.logging, self.checkpoint
+        names = list(dict.fromkeys(lg.report_to or []))
+        if "none" in names:
+            if len(names) > 1:
+                raise ArgumentError(f"--report_to none cannot be combined with other trackers "
+                                    f"(got {','.join(names)})")
+            names = []
+        if "tensorboard" in self.explicit:
+            if "report_to" in self.explicit and lg.tensorboard != ("tensorboard" in names):
+                raise ArgumentError(
+                    f"--tensorboard {str(lg.tensorboard).lower()} contradicts --report_to "
+                    f"{','.join(names) or 'none'}; give --report_to alone (--tensorboard is "
+                    f"its older alias)")
+            if lg.tensorboard and "tensorboard" not in names:
+                names.insert(0, "tensorboard")
+            elif not lg.tensorboard:
+                names = [n for n in names if n != "tensorboard"]
+        lg.report_to = names
+        lg.tensorboard = "tensorboard" in names
+        if c.early_stopping_patience is not None and c.metric_for_best is None:
+            c.metric_for_best = "val_loss"
 
     def check(self, world_size: int) -> None:
         """Ranges and combinations of the flags, and the layout over ``world_size`` ranks.
@@ -126,6 +152,7 @@ class PretrainArguments:
         self.check_model_shape(world_size)
         self.check_parallel(world_size)
         self.check_checkpoint_flags()
+        self.check_best_flags()
         self.check_command()
 
     def check_model_shape(self, world_size: int) -> None:
@@ -203,6 +230,42 @@ class PretrainArguments:
         for broken, message in combinations:
             if broken:
                 raise ArgumentError(message)
+
+    def check_best_flags(self) -> None:
+        """--metric_for_best, --greater_is_better, --early_stopping_patience: they judge
+        evaluations, so they need some (and a checkpoint to keep, for the best)."""
+        c, lg = self.checkpoint, self.logging
+        if c.early_stopping_patience is not None:
+            _positive(c, "early_stopping_patience")
+        if c.metric_for_best is None:
+            if c.greater_is_better is not None:
+                raise ArgumentError("--greater_is_better needs --metric_for_best (the metric "
+                                    "it orders)")
+            return
+        which = (f"--early_stopping_patience {c.early_stopping_patience}"
+                 if "metric_for_best" not in self.explicit
+                 else f"--metric_for_best {c.metric_for_best}")
+        if not lg.eval_steps:
+            raise ArgumentError(f"{which} judges evaluations: set --eval_steps N > 0 (now "
+                                f"{lg.eval_steps})")
+        if c.no_save and "metric_for_best" in self.explicit:
+            raise ArgumentError(f"--metric_for_best {c.metric_for_best} keeps the best "
+                                f"checkpoint; it cannot be combined with --no_save")
+        problem = self.validation_problem()
+        if problem:
+            raise ArgumentError(f"{which} needs validation data: {problem}")
+
+    def validation_problem(self):
+        """Why the flags give no validation data (None: they do); sft overrides it."""
+        parts = str(self.data.split).replace("/", ",").split(",")
+        try:
+            valid = float(parts[1]) if len(parts) > 1 else 0.0
+        except ValueError:
+            return None  # the data checks name a malformed --split
+        if valid <= 0:
+            return (f"--split {self.data.split} holds out nothing for validation (its second "
+                    f"number is the validation share, e.g. --split 90,10,0)")
+        return None
 
     def check_command(self) -> None:
         """The command's own flag checks (sft: its data flags); pt has none beyond these."""

@@ -51,8 +51,9 @@ def other_commands():
     """(command, its argument dataclass) for the commands besides pt."""
     from .export import ExportArguments
     from .infer import InferArguments
+    from .plot import PlotArguments
 
-    return [("export", ExportArguments), ("infer", InferArguments)]
+    return [("export", ExportArguments), ("infer", InferArguments), ("plot", PlotArguments)]
 
 
 def accepted(f) -> str:

@@ -65,6 +65,12 @@ class SftArguments(PretrainArguments):
             raise ArgumentError("--val_dataset and --split_dataset_ratio are alternatives; "
                                 "give one of them")
 
+    def validation_problem(self):
+        """sft validates on --val_dataset or a held-out share of --dataset."""
+        if self.sft.val_dataset or self.sft.split_dataset_ratio:
+            return None
+        return "give --val_dataset or --split_dataset_ratio (a share of --dataset held out)"
+
 
 def column_map(columns: Optional[List[str]]) -> Dict[str, str]:
     """--columns as {source column: column read}; raises ArgumentError naming the flag."""

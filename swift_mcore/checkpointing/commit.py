@@ -1,7 +1,9 @@
 """The commit protocol: a checkpoint is written into a hidden staging folder, then sealed
 with a manifest (every file's size and CRC-32, fsynced), renamed into place and only then
 named by the tracker. A folder without a valid manifest is never resumed from. Rotation
-and replacement move folders out of sight before deleting them."""
+and replacement move folders out of sight before deleting them. A checkpoint's Hugging
+Face folder (``iter_NNNNNNN-hf``, --save_safetensors) is staged, fsynced and renamed the
+same way, and is deleted with its checkpoint."""
 
 from __future__ import annotations
 
@@ -30,11 +32,15 @@ def new_token() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def staging_dir(root: str, iteration: int, token: str) -> str:
+HF_SUFFIX = "-hf"  # iter_0000200-hf: the Hugging Face folder of iter_0000200
+
+
+def staging_dir(root: str, iteration: int, token: str, suffix: str = "") -> str:
     """``.iter_0000200.tmp-<token>-p<pid>-<host>``: named for the process that writes it
-    (rank 0), so that a later save can tell a dead process's leftover from a live save."""
-    return os.path.join(root, f".{iter_dir_name(iteration)}.tmp-{token}-p{os.getpid()}-"
-                              f"{_host()}")
+    (rank 0), so that a later save can tell a dead process's leftover from a live save.
+    ``suffix`` HF_SUFFIX: the staging folder of the checkpoint's Hugging Face folder."""
+    return os.path.join(root, f".{iter_dir_name(iteration)}{suffix}.tmp-{token}-"
+                              f"p{os.getpid()}-{_host()}")
 
 
 def staging_owner(name: str) -> Optional[Tuple[int, str]]:
@@ -219,6 +225,28 @@ def publish(staging: str, final: str) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def sync_tree(folder: str) -> None:
+    """fsync every file under ``folder`` and the folders themselves (before a rename makes
+    it visible: a folder written by another process, such as an export)."""
+    for base, _dirs, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(base, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(base)
+
+
+def remove_folder(path: str) -> bool:
+    """Move ``path`` out of sight (a hidden ``.deleting-`` name), then delete it; False if
+    it did not exist. A crash in between leaves only a hidden leftover (remove_stale)."""
+    if not os.path.isdir(path):
+        return False
+    root = os.path.dirname(path)
+    aside = os.path.join(root, f".{os.path.basename(path)}.deleting-{new_token()}")
+    os.rename(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
 def list_checkpoints(root: str) -> List[Tuple[int, str]]:
     """(iteration, folder) of every visible iter_* folder, oldest first, sealed or not."""
     if not os.path.isdir(root):
@@ -237,21 +265,24 @@ def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
     return [(it, path) for it, path in list_checkpoints(root) if check_complete(path) is None]
 
 
-def rotate(root: str, keep: int, protect: Optional[int], newest: int) -> List[str]:
+def rotate(root: str, keep: int, protect: Optional[int], newest: int,
+           also_protect: Sequence[Optional[int]] = ()) -> List[str]:
     """Delete sealed checkpoints beyond the newest ``keep`` up to iteration ``newest`` (the
-    one just saved), never the one numbered ``protect`` (the tracker's). Folders of a later
-    iteration (an abandoned branch, left by a run that resumed from an older checkpoint)
-    and unsealed folders are left alone. Returns what was removed."""
+    one just saved), never the one numbered ``protect`` (the tracker's) nor those in
+    ``also_protect`` (the best checkpoint). A checkpoint's Hugging Face folder goes with
+    it. Folders of a later iteration (an abandoned branch, left by a run that resumed from
+    an older checkpoint) and unsealed folders are left alone. Returns what was removed."""
     complete = [(it, p) for it, p in complete_checkpoints(root) if it <= newest]
     kept = {it for it, _ in complete[-keep:]} if keep > 0 else set()
+    protected = {protect, *also_protect} - {None}
     removed = []
     for iteration, path in complete:
-        if iteration in kept or iteration == protect:
+        if iteration in kept or iteration in protected:
             continue
-        aside = os.path.join(root, f".{os.path.basename(path)}.deleting-{new_token()}")
-        os.rename(path, aside)
-        shutil.rmtree(aside, ignore_errors=True)
+        remove_folder(path)
         removed.append(path)
+        if remove_folder(path + HF_SUFFIX):
+            removed.append(path + HF_SUFFIX)
     if removed:
         fsync_dir(root)
     return removed

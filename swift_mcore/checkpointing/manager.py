@@ -4,12 +4,15 @@ last), so that no module keeps hidden state between a load and the saves after i
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Callable, Optional
 
-from . import load
+from ..runtime import collectives as comm
+from . import best, commit, load
 from .save import save_checkpoint
 from .state import TrainState
-from .tracker import checkpoint_root
+from .tracker import checkpoint_root, iter_dir_name
 
 
 class CheckpointManager:
@@ -42,3 +45,26 @@ class CheckpointManager:
                                                scheduler, data_fingerprint, self.parent_id)
         self.last_saved_iteration = state.iteration
         return path
+
+    def save_hf_folder(self, state: TrainState, convert: Callable[[str, str], str]) -> str:
+        """Collective; after ``save`` of ``state.iteration``: its Hugging Face folder
+        ``iter_NNNNNNN-hf``, written by ``convert(checkpoint, folder)`` (on rank 0) into a
+        hidden staging folder, fsynced, then renamed into place; the best-checkpoint record
+        then names it. Returns ``convert``'s line, naming the final folder. A failure is
+        raised on every rank as a CheckpointError; no folder is left half-written."""
+        checkpoint = os.path.join(self.root, iter_dir_name(state.iteration))
+        final = checkpoint + commit.HF_SUFFIX
+
+        def write() -> str:
+            staging = commit.staging_dir(self.root, state.iteration, commit.new_token(),
+                                         suffix=commit.HF_SUFFIX)
+            try:
+                line = convert(checkpoint, staging)
+                commit.sync_tree(staging)
+                commit.publish(staging, final)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            best.write(self.root, state)
+            return line.replace(staging, final)
+
+        return comm.decide(write)

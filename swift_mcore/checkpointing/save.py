@@ -1,5 +1,6 @@
 """save_checkpoint: every rank writes its shards into a hidden staging folder; the commit
-protocol (commit.py) seals, renames and tracks it; rotation runs last."""
+protocol (commit.py) seals, renames and tracks it; the best-checkpoint record (best.py)
+follows, rotation runs last."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Optional, Tuple
 
 from ..runtime import collectives as comm
 from ..runtime import run_lock
-from . import commit, files, io, rng, space
+from . import best, commit, files, io, rng, space
 from .state import TrainState
 from .tracker import checkpoint_root, iter_dir_name, read_tracker, write_tracker
 
@@ -66,7 +67,7 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
     })
 
     commit.seal(staging, extra={"id": token, "parent_id": parent_id})
-    comm.decide(_publish, staging, final, root, iteration, c.save_total_limit)
+    comm.decide(_publish, staging, final, root, state, c.save_total_limit)
     return final, token
 
 
@@ -81,11 +82,16 @@ def _write_json(staging: str, contents: dict) -> None:
         files.write_json(staging, name, data)
 
 
-def _publish(staging: str, final: str, root: str, iteration: int,
+def _publish(staging: str, final: str, root: str, state: TrainState,
              save_total_limit: Optional[int]) -> None:
-    """Rank 0: rename into place, then the tracker, then rotation."""
+    """Rank 0: rename into place, then the tracker, the best-checkpoint record, rotation
+    (never of the tracker's nor of the best checkpoint)."""
+    # A Hugging Face folder of the same iteration belongs to the checkpoint replaced here.
+    commit.remove_folder(final + commit.HF_SUFFIX)
     commit.publish(staging, final)
-    write_tracker(root, iteration)
+    write_tracker(root, state.iteration)
+    best.write(root, state)
     if save_total_limit:
         tracked, _ = read_tracker(root)
-        commit.rotate(root, save_total_limit, protect=tracked, newest=iteration)
+        commit.rotate(root, save_total_limit, protect=tracked, newest=state.iteration,
+                      also_protect=(state.best_iteration,))

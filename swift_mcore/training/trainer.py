@@ -16,9 +16,10 @@ from ..arguments import PretrainArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
 from ..runtime import collectives, distributed, run_lock, seed
+from . import best
 from .metrics import LogWindow, flops_per_token
 from .nonfinite import NonFiniteGuard
-from .writers import MetricWriter, format_log_line
+from .writers import MetricWriter, format_log_line, rng_untouched
 
 logger = logging.getLogger("swift_mcore")
 
@@ -36,9 +37,18 @@ class Trainer:
         self.state = TrainState()
         self._stop_signal: Optional[int] = None
         self._sample_ids: List[torch.Tensor] = []
+        self.trackers: list = []  # started in setup (--report_to), handed to the writer
+        self.writer: Optional[MetricWriter] = None
 
     # ---- the loop -----------------------------------------------------------------------
     def train(self) -> TrainState:
+        try:
+            return self.run_loop()
+        except BaseException:
+            self.close_outputs(failed=True)  # trackers learn that the run failed
+            raise
+
+    def run_loop(self) -> TrainState:
         self.setup()
         config, state = self.config, self.state
         total = config.training.train_iters
@@ -47,17 +57,16 @@ class Trainer:
             step = self.train_step()
             self.advance(step)
             self.report(step)
+            improved = False
             if self.due(config.logging.eval_steps):
-                self.evaluate()
+                improved = self.judge_best(self.evaluate())
             exit_reason = self.exit_reason()
-            if exit_reason or self.due(config.checkpoint.save_steps):
+            if exit_reason or self.due(config.checkpoint.save_steps) or improved:
                 self.save_checkpoint()
             if exit_reason:
                 break
         if not exit_reason and state.iteration == total:
             self.save_checkpoint()
-        if not exit_reason and config.checkpoint.save_safetensors:
-            self.save_hf_folder()
         self.finish(exit_reason)
         return state
 
@@ -85,6 +94,10 @@ class Trainer:
         # first, and --num_train_epochs needs the training set's size.
         self.train_ds, self.valid_ds, self.test_ds = self.build_datasets()
         self.config = config = plan.complete(self.tokenizer.vocab_size, len(self.train_ds))
+        self.check_validation_data()
+        # Trackers start before the model is built: one that cannot start stops the run
+        # before any training, with one line.
+        self.trackers = self.start_trackers(load_plan)
         self.checkpoints = CheckpointManager(config, load_plan, log=self.writer_print_early)
         self.model = wrap_model(config, build_model(config))
         self.load_pretrained_weights()
@@ -100,11 +113,14 @@ class Trainer:
         megatron_config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = build_scheduler(config, self.optimizer)
         self.state = self.checkpoints.restore(self.model, self.optimizer, self.scheduler)
+        best.adopt(self.state, config.checkpoint, log=self.writer_print_early)
         self.train_iterator = self.build_iterator(self.train_ds,
                                                   self.state.consumed_train_samples)
         self.valid_iterator = self.build_iterator(self.valid_ds,
                                                   self.state.consumed_valid_samples)
         self.writer = self.build_writer()
+        self.writer.start(self.state.iteration,
+                          load_plan.folder if load_plan and load_plan.kind == "resume" else None)
         self.nonfinite_guard = NonFiniteGuard.for_args(config, log=self.writer.print)
         self.flops_per_token = flops_per_token(config)
         self.log_window = LogWindow(self.flops_per_token, config.world.world_size)
@@ -152,8 +168,41 @@ class Trainer:
     def build_writer(self) -> MetricWriter:
         lg = self.config.logging
         return MetricWriter(lg.output_dir, self.config.training.train_iters, self.state.iteration,
-                            active=distributed.is_last_rank(), tensorboard=lg.tensorboard,
+                            active=distributed.is_last_rank(), trackers=self.trackers,
                             progress_bar=lg.progress_bar)
+
+    def start_trackers(self, load_plan) -> list:
+        """Collective: the --report_to trackers, started on the last rank (the writing
+        one). One that cannot start raises ArgumentError on every rank; a resumed run
+        continues the tracked runs of its output_dir."""
+        from ..errors import ArgumentError
+        from ..runtime import collectives
+        from . import trackers
+
+        lg, started, error = self.config.logging, [], None
+        if distributed.is_last_rank() and lg.report_to:
+            try:
+                with rng_untouched():
+                    started = trackers.start(
+                        lg.report_to, lg.output_dir, self.config.to_dict(), lg.run_name,
+                        resumed=load_plan is not None and load_plan.kind == "resume")
+            except ArgumentError as err:
+                error = str(err)
+        errors = [e for e in collectives.all_gather(error) if e]
+        if errors:
+            raise ArgumentError(errors[0])
+        return started
+
+    def check_validation_data(self) -> None:
+        """--metric_for_best and early stopping judge evaluations: the data must hold some."""
+        from ..errors import ArgumentError
+
+        c = self.config.checkpoint
+        if c.metric_for_best and (self.valid_ds is None or len(self.valid_ds) == 0):
+            raise ArgumentError(
+                f"--metric_for_best {c.metric_for_best} needs validation data, but the data "
+                f"gives no validation samples (raise the validation share of --split, or "
+                f"give sft --val_dataset / --split_dataset_ratio)")
 
     # ---- one iteration ------------------------------------------------------------------
     def train_step(self) -> Dict[str, float]:
@@ -183,7 +232,7 @@ class Trainer:
         try:
             return self.nonfinite_guard.step(self.optimizer, loss, self.state.iteration + 1)
         except NonFiniteError:
-            self.writer.close()  # what was logged so far stays; the loop ends unsaved
+            self.writer.close(failed=True)  # what was logged so far stays; unsaved
             raise
 
     def forward_backward(self, data_iterator, forward_only: bool):
@@ -305,6 +354,32 @@ class Trainer:
                                           self.config.training.train_iters, metrics))
         return metrics
 
+    def judge_best(self, metrics: Optional[Dict[str, float]]) -> bool:
+        """Collective, after an evaluation: --metric_for_best's value (from the writing
+        rank) against the best so far, in the TrainState of every rank. True: this
+        evaluation is the new best (its checkpoint is saved now)."""
+        c = self.config.checkpoint
+        if not c.metric_for_best:
+            return False
+        from ..runtime import collectives
+
+        metrics = collectives.broadcast(metrics, src=collectives.world_size() - 1)
+        previous = (self.state.best_value, self.state.best_iteration)
+        improved = best.judge(self.state, metrics, c)
+        value = (metrics or {}).get(c.metric_for_best)
+        shown = "no value" if value is None else f"{value:.6g}"
+        if improved:
+            self.writer.print(f"--metric_for_best: {c.metric_for_best} {shown} is the best so "
+                              f"far (iteration {self.state.iteration})")
+        elif previous[0] is not None:
+            patience = c.early_stopping_patience
+            count = (f"{self.state.evals_without_improvement} of {patience}" if patience
+                     else str(self.state.evals_without_improvement))
+            self.writer.print(f"--metric_for_best: {c.metric_for_best} {shown}, best "
+                              f"{previous[0]:.6g} at iteration {previous[1]} ({count} "
+                              f"evaluations without improvement)")
+        return improved
+
     # ---- reporting ----------------------------------------------------------------------
     def report(self, step: Dict[str, float]) -> None:
         """Progress bar every iteration; a log line with the window's averages every
@@ -365,7 +440,10 @@ class Trainer:
         """Why to stop after this iteration, agreed by all ranks (a signal may reach one)."""
         c = self.config.checkpoint
         code = 0
-        if self._stop_signal is not None:
+        early_stop = best.should_stop(self.state, c)  # the same TrainState on every rank
+        if early_stop:
+            code = 4
+        elif self._stop_signal is not None:
             code = 3
         elif c.exit_interval and self.state.iteration % c.exit_interval == 0:
             code = 2
@@ -375,67 +453,115 @@ class Trainer:
         flag = collectives.all_reduce(torch.tensor([code], dtype=torch.int),
                                       op=dist.ReduceOp.MAX)
         return {0: None, 1: "--exit_duration_in_mins reached", 2: "--exit_interval reached",
-                3: "stop signal received"}[int(flag.item())]
+                3: "stop signal received", 4: early_stop}[int(flag.item())]
 
     def due(self, every: Optional[int]) -> bool:
         return bool(every) and self.state.iteration % every == 0
 
     def save_checkpoint(self) -> Optional[str]:
-        """Saves the current iteration unless --no_save, or it was saved already."""
+        """Saves the current iteration unless --no_save, or it was saved already; with
+        --save_safetensors also its Hugging Face folder."""
         if self.config.checkpoint.no_save or self.checkpoints.saved_at(self.state.iteration):
             return None
         path = self.checkpoints.save(self.state, self.model, self.optimizer, self.scheduler,
                                      self.data_fingerprint)
         self.writer.print(f"saved checkpoint {path} (iteration {self.state.iteration}, "
                           f"{self.state.consumed_train_samples} samples consumed)")
+        if self.config.checkpoint.save_safetensors:
+            if self._stop_signal is not None:  # a grace period is too short for it
+                self.writer.print(f"--save_safetensors: {path} is not converted (stopping on "
+                                  f"a signal); convert it with `swift-mcore export --to_hf "
+                                  f"--model {path} --output_dir {path}-hf`")
+            else:
+                self.save_hf_folder()
         return path
 
-    def save_hf_folder(self) -> str:
-        """--save_safetensors: the final checkpoint as a Hugging Face folder next to it
-        (iter_NNNNNNN-hf), converted by `swift-mcore export --to_hf` in a child process."""
-        import shutil
-
-        from ..checkpointing import checkpoint_root, iter_dir_name
+    def save_hf_folder(self) -> Optional[str]:
+        """--save_safetensors: the checkpoint just saved as a Hugging Face folder next to it
+        (iter_NNNNNNN-hf), converted by `swift-mcore export --to_hf` in a child process and
+        committed as checkpoints are (checkpointing/manager.py). A failed conversion is a
+        warning: the checkpoint itself is saved and training goes on."""
+        from ..errors import CheckpointError
         from ..launch import export_in_subprocess
-
-        checkpoint = os.path.join(checkpoint_root(self.config),
-                                  iter_dir_name(self.state.iteration))
-        out = f"{checkpoint}-hf"
 
         # The child converts on the CPU (launch.py), where it would build float32: the folder
         # keeps the training precision unless --model's config.json names a dtype.
         dtype = None if self.config.model.model else {
             "bf16": "bfloat16", "fp16": "float16"}.get(self.config.precision)
-
-        def export() -> str:
-            shutil.rmtree(out, ignore_errors=True)  # an earlier export of this iteration
-            return export_in_subprocess(checkpoint, out, dtype=dtype)
-
-        line = collectives.decide(export)
+        try:
+            line = self.checkpoints.save_hf_folder(
+                self.state, lambda checkpoint, out: export_in_subprocess(checkpoint, out,
+                                                                         dtype=dtype))
+        except CheckpointError as err:
+            last = str(err).strip().splitlines()[-1] if str(err).strip() else "unknown error"
+            self.writer.print(f"WARNING: --save_safetensors: converting iteration "
+                              f"{self.state.iteration} failed ({last}); the checkpoint is "
+                              f"saved, training goes on")
+            return None
         self.writer.print(f"--save_safetensors: {line}")
-        return out
+        return line
 
     def writer_print_early(self, text: str) -> None:
         if distributed.is_last_rank():
             print(text, flush=True)
 
     def finish(self, exit_reason: Optional[str]) -> None:
-        lg = self.config.logging
+        lg, c = self.config.logging, self.config.checkpoint
         out = os.path.abspath(lg.output_dir)
         lines = [f"finished at iteration {self.state.iteration}"
                  + (f" ({exit_reason})" if exit_reason else "")]
-        if not self.config.checkpoint.no_save:
+        if not c.no_save:
             lines.append(f"  checkpoints:  {os.path.join(out, 'checkpoint')}")
+        if c.metric_for_best and self.state.best_iteration is not None and not c.no_save:
+            lines.append(f"  best:         {os.path.join(out, 'checkpoint', 'best')} "
+                         f"(iteration {self.state.best_iteration}, {c.metric_for_best} "
+                         f"{self.state.best_value:.6g})")
         lines.append(f"  metrics:      {os.path.join(out, 'metrics.jsonl')}")
-        if lg.tensorboard:
-            lines.append(f"  tensorboard:  tensorboard --logdir {os.path.join(out, 'runs')}")
+        failed = self.writer.failed_trackers
+        for name in lg.report_to:
+            lines.append(f"  {name + ':':<13} " + TRACKER_WHERE[name].format(out=out)
+                         + (" (switched off after an error)" if name in failed else ""))
         if lg.log_sample_ids:
             lines.append(f"  sample ids:   {os.path.join(out, 'sample_ids.jsonl')}")
         self.writer.close()
+        if self.writer.active and lg.plot:
+            plot = self.write_plot()
+            if plot:
+                lines.append(f"  plot:         {plot}")
         if self.writer.active:
             print("\n".join(lines), flush=True)
         distributed.barrier()  # every rank is done with output_dir
         run_lock.release(lg.output_dir)
+
+    def write_plot(self) -> Optional[str]:
+        """output_dir/loss.png (training/plot.py); a failure is a warning, never the run's."""
+        from .plot import write_plot
+
+        try:
+            return write_plot(self.config.logging.output_dir)
+        except Exception as err:
+            print(f"WARNING: --plot: loss.png not written ({type(err).__name__}: {err})",
+                  flush=True)
+            return None
+
+    def close_outputs(self, failed: bool) -> None:
+        """The writer and the trackers (also those started before the writer existed)."""
+        from .trackers import close_quietly
+
+        if self.writer is not None:
+            self.writer.close(failed=failed)
+        else:
+            for tracker in self.trackers:
+                close_quietly(tracker, failed=failed)
+        self.trackers = []
+
+
+# Where each --report_to tracker's files are, for the closing lines.
+TRACKER_WHERE = {
+    "tensorboard": "tensorboard --logdir {out}/runs",
+    "wandb": "{out}/wandb (offline runs: wandb sync {out}/wandb/offline-run-*)",
+    "swanlab": "{out}/swanlog (offline runs: swanlab sync {out}/swanlog/run-*)",
+}
 
 
 def model_is_training(model_chunks) -> bool:

@@ -1,13 +1,18 @@
-"""Where metrics go: the log line, tqdm, tensorboard and metrics.jsonl (last rank only)."""
+"""Where metrics go: the log line, tqdm, metrics.jsonl and the --report_to trackers (last
+rank only). metrics.jsonl is the record every tracker and the plot are checked against."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from typing import Dict, Optional
+import time
+from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
+
+from .trackers import Tracker, close_quietly
 
 
 def format_log_line(iteration: int, total: int, metrics: Dict[str, float]) -> str:
@@ -21,29 +26,56 @@ def format_log_line(iteration: int, total: int, metrics: Dict[str, float]) -> st
     return " | ".join(parts)
 
 
+@contextlib.contextmanager
+def rng_untouched():
+    """The RNG states a checkpoint saves (python, numpy, torch, CUDA) as they were, whatever
+    a tracker's library draws: a run with trackers trains exactly as one without."""
+    import random
+
+    import numpy as np
+    import torch
+
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 class MetricWriter:
-    """Active on the writing rank; on every other rank each method does nothing."""
+    """Active on the writing rank; on every other rank each method does nothing.
+
+    Each record goes to metrics.jsonl first, then to every tracker. A tracker that raises is
+    switched off with one warning; the others, metrics.jsonl and training go on."""
 
     def __init__(self, output_dir: str, total_iters: int, start_iter: int, active: bool,
-                 tensorboard: bool = True, progress_bar: bool = True):
+                 trackers: Sequence[Tracker] = (), progress_bar: bool = True):
         self.active = active
         self.total_iters = total_iters
         self.jsonl_path = os.path.join(output_dir, "metrics.jsonl")
-        self.tensorboard_dir = os.path.join(output_dir, "runs")
-        self._tb = None
+        self.trackers: List[Tracker] = list(trackers) if active else []
+        self.failed_trackers: List[str] = []
         self._bar: Optional[tqdm] = None
         self._jsonl = None
         if not active:
             return
         os.makedirs(output_dir, exist_ok=True)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(self.tensorboard_dir)
         if progress_bar:
             self._bar = tqdm(total=total_iters, initial=start_iter, desc="train",
                              dynamic_ncols=True, leave=True)
+
+    def start(self, iteration: int, resumed_from: Optional[str]) -> None:
+        """The record that begins a segment of the run (``split`` "start"): where it starts,
+        and the checkpoint it resumed from (the plot marks resumed segments by it)."""
+        if self.active:
+            self._write({"iteration": iteration, "split": "start",
+                         "resumed_from": resumed_from, "time": time.time()})
 
     def step(self, iteration: int, loss: Optional[float]) -> None:
         if self._bar is not None:
@@ -55,11 +87,26 @@ class MetricWriter:
         if not self.active:
             return
         clean = {k: v for k, v in metrics.items() if v is not None and math.isfinite(v)}
-        self._jsonl.write(json.dumps({"iteration": iteration, "split": prefix, **clean}) + "\n")
+        self._write({"iteration": iteration, "split": prefix, **clean})
+        for tracker in list(self.trackers):
+            try:
+                with rng_untouched():
+                    tracker.log(prefix, iteration, clean)
+            except Exception as err:
+                self._switch_off(tracker, f"{type(err).__name__}: {err}")
+
+    def _write(self, record: dict) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in clean.items():
-                self._tb.add_scalar(f"{prefix}/{key}", value, iteration)
+
+    def _switch_off(self, tracker: Tracker, error: str) -> None:
+        self.trackers.remove(tracker)
+        self.failed_trackers.append(tracker.name)
+        self.print(f"WARNING: --report_to {tracker.name} failed ({' '.join(error.split())[:300]}"
+                   f"); it receives nothing more in this run, training goes on "
+                   f"({self.jsonl_path} has every value)")
+        with rng_untouched():
+            close_quietly(tracker, failed=True)
 
     def print(self, text: str) -> None:
         if not self.active:
@@ -69,11 +116,17 @@ class MetricWriter:
         else:
             print(text, flush=True)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Idempotent. Trackers are finished (``failed``: as a crashed run)."""
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.flush()
-            self._tb.close()
+            self._bar = None
+        for tracker in list(self.trackers):
+            with rng_untouched():
+                error = close_quietly(tracker, failed=failed)
+            self.trackers.remove(tracker)
+            if error:
+                self.print(f"WARNING: --report_to {tracker.name}: closing failed ({error})")
         if self._jsonl is not None:
             self._jsonl.close()
+            self._jsonl = None

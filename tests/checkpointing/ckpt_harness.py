@@ -21,7 +21,7 @@ TINY = dict(
     num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=32,
     micro_batch_size=2, global_batch_size=4, lr_warmup_iters=2, lr=1e-3, min_lr=1e-4,
     hidden_dropout=0.1, attention_dropout=0.1, log_interval=1, eval_steps=0,
-    tensorboard=False, progress_bar=False, log_sample_ids=True, num_workers=0,
+    tensorboard=False, plot=False, progress_bar=False, log_sample_ids=True, num_workers=0,
 )
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
