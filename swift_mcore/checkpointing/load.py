@@ -36,9 +36,7 @@ def load_checkpoint(args, model, optimizer, scheduler, data_fingerprint,
     if not c.resume:
         return TrainState()
 
-    folder, warnings = comm.decide(locate.resolve, c.resume, root)
-    for line in warnings:
-        log(f"WARNING: {line}")
+    folder = locate.announce(comm.decide(locate.resolve, c.resume, root), log)
     if folder is None:
         log(f"--resume: no checkpoint under {root}; starting from scratch (iteration 0)")
         return TrainState()
@@ -135,9 +133,7 @@ def _resume(args, folder, model, optimizer, scheduler, data_fingerprint, log) ->
 
 
 def _finetune(args, model, spec: str, log) -> TrainState:
-    folder, warnings = comm.decide(locate.resolve, spec, None, "--load")
-    for line in warnings:
-        log(f"WARNING: {line}")
+    folder = locate.announce(comm.decide(locate.resolve, spec, None, "--load"), log)
 
     def differences():
         return compat.model_differences(files.read_json(folder, files.ARGS), args.to_dict())
@@ -186,6 +182,8 @@ def _load(state_dict, folder):
     error, loaded = None, None
     try:
         loaded = io.load(state_dict, folder)
+    except CheckpointError as err:  # unsafe or unreadable: io.load named the file
+        error = str(err)
     except Exception as err:  # unreadable, unsafe or not matching: one clear error per rank
         error = f"checkpoint {folder} could not be loaded: {type(err).__name__}: {err}"
     comm.raise_if_any(error)

@@ -51,7 +51,8 @@ def load_model(path: str, tokenizer: Optional[str] = None, flag: str = "--model"
     return _from_checkpoint(path, tokenizer, flag, log)
 
 
-def checkpoint_folder(path: str, flag: str = "--model") -> str:
+def checkpoint_folder(path: str, flag: str = "--model",
+                      log: Callable[[str], None] = print) -> str:
     """An iter_NNNNNNN folder, a checkpoint root (the tracker decides) or a run's output_dir."""
     from ..checkpointing import locate
     from ..checkpointing.tracker import CHECKPOINT_SUBDIR
@@ -60,8 +61,7 @@ def checkpoint_folder(path: str, flag: str = "--model") -> str:
     if os.path.isdir(os.path.join(path, CHECKPOINT_SUBDIR)) and not locate.is_checkpoint_folder(
             path):
         path = os.path.join(path, CHECKPOINT_SUBDIR)
-    folder, _ = locate.resolve(path, None, flag)
-    return folder
+    return locate.announce(locate.resolve(path, None, flag), log)
 
 
 def _from_hf(path: str, tokenizer_path: Optional[str], log) -> LoadedModel:
@@ -86,7 +86,7 @@ def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log) -
     from ..errors import CheckpointError
     from ..checkpointing import commit, files, io
 
-    folder = checkpoint_folder(path, flag)
+    folder = checkpoint_folder(path, flag, log)
     saved = files.read_json(folder, files.ARGS)
     args = saved_run_args(saved)
     hf_folder = saved.get("model", {}).get("model")
