@@ -48,6 +48,7 @@ def run_training(argv: List[str], cls) -> int:
     """pt and sft: the same Trainer; the arguments class decides the data."""
     from .errors import ArgumentError
     from .arguments import parse_args
+    from .arguments.paths import check_run_outputs
     from .errors import CheckpointError
 
     prog = f"swift-mcore {cls.COMMAND}"
@@ -55,6 +56,7 @@ def run_training(argv: List[str], cls) -> int:
     try:
         args = parse_args(argv, prog=prog, cls=cls)
         args.validate(world_size=launch.world_size if launch else None)
+        check_run_outputs(args)
     except ArgumentError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from .errors import ArgumentError
 from .arguments.fields import check_flags, flag
+from .arguments.paths import check_output_files
 
 DESCRIPTION = """Tokenize text into megatron's .bin/.idx format (the files `swift-mcore pt
 --data_path PREFIX` and Megatron-LM read). One document per row (per line of a .txt file);
@@ -50,6 +51,10 @@ class PreprocessArguments:
         if os.path.isdir(self.output_prefix):
             raise ArgumentError(f"--output_prefix {self.output_prefix} is a folder; give a "
                                 f"file prefix inside it, like {self.output_prefix}/data")
+        # PREFIX.bin as a folder, or a file where the folder should be: refused now, not
+        # when the finished files are renamed into place after tokenizing everything.
+        check_output_files([self.output_prefix + ".bin", self.output_prefix + ".idx"],
+                           "--output_prefix")
         if self.workers is None:
             self.workers = usable_cores()
         if self.workers < 1:

@@ -8,6 +8,7 @@ from typing import Optional
 
 from ..errors import ArgumentError
 from .fields import check_flags, flag
+from .paths import check_output_dir
 
 
 @dataclass
@@ -52,7 +53,8 @@ class ExportArguments:
         if not self.output_dir or not str(self.output_dir).strip():
             raise ArgumentError("--output_dir is required: where the converted model goes")
         out = os.path.abspath(os.path.expanduser(self.output_dir))
-        if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out)):
+        check_output_dir(self.output_dir, "--output_dir")
+        if os.path.isdir(out) and os.listdir(out):
             raise ArgumentError(f"--output_dir {self.output_dir} already exists and is not "
                                 f"empty; choose a new folder (nothing is overwritten)")
         if os.path.abspath(os.path.expanduser(self.model)) == out:
