@@ -42,7 +42,8 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     from .models.hf_save import DTYPES, parse_size, save_hf_folder
     from .models.source import load_model
 
-    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
+                        trust_remote_code=args.trust_remote_code)
     layout = Layout.from_model_args(loaded.args.model, loaded.padded_vocab)
     state = {canonical(k): v for k, v in loaded.model.state_dict().items()
              if not k.endswith("_extra_state")}
@@ -62,7 +63,8 @@ def to_mcore(args: ExportArguments, log) -> Dict[str, object]:
     from .checkpointing import TrainState, save_checkpoint
     from .models.source import load_model
 
-    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
+                        trust_remote_code=args.trust_remote_code)
     run_args = loaded.args
     run_args.logging.output_dir = os.path.abspath(args.output_dir)
     # A weights-only checkpoint: no optimizer state, iteration 0.
@@ -86,8 +88,10 @@ def compare_logits(loaded, hf_path: str, log) -> float:
     from .models.source import forward_logits
 
     hf_logging.disable_progress_bar()
+    # the families swift-mcore converts are transformers' own: no folder code is ever run
     hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
+                                              attn_implementation="eager",
+                                              trust_remote_code=False).eval()
     generator = torch.Generator().manual_seed(0)
     length = min(PRECISION_LENGTH, loaded.args.model.max_position_embeddings)
     tokens = torch.randint(0, loaded.vocab, (PRECISION_BATCH, length), generator=generator)

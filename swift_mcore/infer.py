@@ -30,7 +30,8 @@ def run(args: InferArguments) -> str:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
+                        trust_remote_code=args.trust_remote_code)
     tokenizer = loaded.tokenizer
     template, end_marker = None, ""
     if args.template:

@@ -37,6 +37,11 @@ class PreprocessArguments:
         True, "Append the tokenizer's end-of-document token to each document (GPT pretraining "
         "separates documents with it); `--append_eod false` writes the bare tokens.")
     progress_bar: bool = flag(True, "Show a progress bar (documents/s, tokens/s) on stderr.")
+    trust_remote_code: bool = flag(
+        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
+        "tokenizer_config.json or config.json); without it a folder that needs its code is "
+        "refused. Read that code first: it runs with your permissions. Model code is never "
+        "run (the model is built from config.json).")
 
     def validate(self) -> "PreprocessArguments":
         """Check every flag; raises ArgumentError naming it. Fills the defaults."""
@@ -117,7 +122,8 @@ def preprocess(args: PreprocessArguments) -> dict:
 
     start = time.perf_counter()
     sources = expand_inputs(args.input, flag="--input")
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else default_tokenizer()
+    tokenizer = (load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+                 if args.tokenizer else default_tokenizer())
     progress = _Progress(args.progress_bar)
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     if args.workers == 1:

@@ -24,3 +24,8 @@ class DataArguments:
         None, "Hugging Face tokenizer folder or tokenizer.json; default: the built-in "
         "byte-level BPE trained on the embedded corpus.")
     num_workers: int = flag(1, "Data loader worker processes per rank (0: in the main process).")
+    trust_remote_code: bool = flag(
+        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
+        "tokenizer_config.json or config.json); without it a folder that needs its code is "
+        "refused. Read that code first: it runs with your permissions. Model code is never "
+        "run (the model is built from config.json).")

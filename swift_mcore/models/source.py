@@ -25,6 +25,8 @@ _SINGLE_PROCESS = {
     "data_path": None, "dataset": None,
     # a resolved run saved both; its train_iters already holds the epochs' length
     "num_train_epochs": None,
+    # never inherited from the saved run: the command's own --trust_remote_code decides
+    "trust_remote_code": False,
 }
 
 
@@ -44,11 +46,12 @@ class LoadedModel:
 
 
 def load_model(path: str, tokenizer: Optional[str] = None, flag: str = "--model",
-               log: Callable[[str], None] = print) -> LoadedModel:
+               log: Callable[[str], None] = print,
+               trust_remote_code: bool = False) -> LoadedModel:
     """Collective over a one-rank process group it creates when none exists."""
     if is_hf_folder(path):
-        return _from_hf(path, tokenizer, log)
-    return _from_checkpoint(path, tokenizer, flag, log)
+        return _from_hf(path, tokenizer, log, trust_remote_code)
+    return _from_checkpoint(path, tokenizer, flag, log, trust_remote_code)
 
 
 def checkpoint_folder(path: str, flag: str = "--model",
@@ -64,12 +67,14 @@ def checkpoint_folder(path: str, flag: str = "--model",
     return locate.announce(locate.resolve(path, None, flag), log)
 
 
-def _from_hf(path: str, tokenizer_path: Optional[str], log) -> LoadedModel:
+def _from_hf(path: str, tokenizer_path: Optional[str], log, trust: bool = False
+             ) -> LoadedModel:
     from ..data import build_tokenizer
     from .families import apply_hf_config
     from .hf_load import load_hf_weights
 
-    args = PretrainArguments.from_flags(model=path, tokenizer=tokenizer_path, **_SINGLE_PROCESS)
+    args = PretrainArguments.from_flags(model=path, tokenizer=tokenizer_path,
+                                        **{**_SINGLE_PROCESS, "trust_remote_code": trust})
     apply_hf_config(args)
     # Only the model matters here; a sequence length the config allows keeps validate happy.
     args.model.seq_length = min(args.model.seq_length, args.model.max_position_embeddings)
@@ -82,7 +87,8 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log) -> LoadedModel:
                        os.path.abspath(path))
 
 
-def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log) -> LoadedModel:
+def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log,
+                     trust: bool = False) -> LoadedModel:
     from ..errors import CheckpointError
     from ..checkpointing import commit, files, io
 
@@ -90,7 +96,7 @@ def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log) -
     saved = files.read_json(folder, files.ARGS)
     args = saved_run_args(saved)
     hf_folder = saved.get("model", {}).get("model")
-    tokenizer = _checkpoint_tokenizer(args, saved, tokenizer_path, folder)
+    tokenizer = _checkpoint_tokenizer(args, saved, tokenizer_path, folder, trust)
     from ..data.templates import attach_chat_template
 
     # A model finetuned with a built-in template is exported with it as its chat template.
@@ -128,18 +134,19 @@ def saved_run_args(saved: Dict[str, Dict]) -> PretrainArguments:
     return args
 
 
-def _checkpoint_tokenizer(args, saved, explicit: Optional[str], folder: str):
+def _checkpoint_tokenizer(args, saved, explicit: Optional[str], folder: str,
+                          trust: bool = False):
     from ..data import build_tokenizer, load_tokenizer
 
     if explicit:
-        return load_tokenizer(explicit, flag="--tokenizer")
+        return load_tokenizer(explicit, flag="--tokenizer", trust_remote_code=trust)
     source = saved.get("data", {}).get("tokenizer") or saved.get("model", {}).get("model")
     if not source:
         return build_tokenizer(args)
     if not os.path.exists(source):
         raise ArgumentError(f"checkpoint {folder} was trained with the tokenizer of {source}, "
                             f"which no longer exists; pass --tokenizer PATH")
-    return load_tokenizer(source, flag="--tokenizer")
+    return load_tokenizer(source, flag="--tokenizer", trust_remote_code=trust)
 
 
 def _build(args, padded_vocab: int):
