@@ -55,7 +55,8 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     from .models.hf_save import DTYPES, save_hf_folder
     from .loaded_model import load_model
 
-    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
+                        trust_remote_code=args.trust_remote_code)
     layout = Layout.from_model_args(loaded.config.model, loaded.config.padded_vocab_size)
     state = {canonical(k): v for k, v in loaded.model.state_dict().items()
              if not k.endswith("_extra_state")}
@@ -80,7 +81,8 @@ def to_mcore(args: ExportArguments, log) -> Dict[str, object]:
     # It writes a checkpoint into --output_dir: never while a run works in that folder.
     run_lock.acquire(args.output_dir, "swift-mcore export --to_mcore")
     try:
-        loaded = load_model(args.model, tokenizer=args.tokenizer, log=log)
+        loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
+                            trust_remote_code=args.trust_remote_code)
         # A weights-only checkpoint: no optimizer state, iteration 0.
         flags = with_flags(loaded.flags, output_dir=os.path.abspath(args.output_dir),
                            no_save_optim=True)
@@ -107,8 +109,10 @@ def compare_logits(loaded, hf_path: str, log) -> float:
     from .loaded_model import forward_logits
 
     hf_logging.disable_progress_bar()
+    # the families swift-mcore converts are transformers' own: no folder code is ever run
     hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
+                                              attn_implementation="eager",
+                                              trust_remote_code=False).eval()
     generator = torch.Generator().manual_seed(0)
     length = min(PRECISION_LENGTH, loaded.config.model.max_position_embeddings)
     tokens = torch.randint(0, loaded.vocab, (PRECISION_BATCH, length), generator=generator)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List
+from typing import Callable, List
 
 from .arguments.infer import InferArguments
+from .errors import ArgumentError
 
 DESCRIPTION = """Generate text from a model, to see what it learned: greedy by default, or
 sampled with --temperature and --top_p. Runs in one process (CPU, or one GPU when present)."""
@@ -26,8 +27,11 @@ def run(args: InferArguments) -> str:
     from .models.generate import generate
     from .loaded_model import forward_logits, load_model
 
-    loaded = load_model(args.model, tokenizer=args.tokenizer,
-                        log=lambda line: print(line, file=sys.stderr, flush=True))
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
+                        trust_remote_code=args.trust_remote_code)
     tokenizer = loaded.tokenizer
     template, end_marker = None, ""
     if args.template:
@@ -40,6 +44,8 @@ def run(args: InferArguments) -> str:
         # as transformers would tokenize it (with the BOS token a Llama tokenizer adds)
         prompt = list(tokenizer.hf(args.prompt)["input_ids"])
     m = loaded.config.model
+    check_context(len(prompt), args.max_new_tokens, m.max_position_embeddings,
+                  m.position_embedding_type, log)
     # learned position embeddings end at max_position_embeddings; RoPE does not
     limit = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
     if template is None:
@@ -64,6 +70,30 @@ def run(args: InferArguments) -> str:
         return answer
     print(flush=True)
     return shown
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, context: int, positions: str,
+                  log: Callable[[str], None]) -> None:
+    """Refuse a prompt that leaves learned position embeddings no room for --max_new_tokens
+    (generation would stop early, or print nothing); past the trained length of RoPE (or no)
+    positions the model still runs, so that is a warning."""
+    total = prompt_tokens + max_new_tokens
+    if total <= context:
+        return
+    if positions == "learned_absolute":
+        if prompt_tokens >= context:
+            raise ArgumentError(
+                f"--prompt is {prompt_tokens} tokens, but the model's learned position "
+                f"embeddings end at {context} positions (max_position_embeddings): no token "
+                f"can follow it; shorten the prompt")
+        raise ArgumentError(
+            f"--max_new_tokens {max_new_tokens}: the prompt's {prompt_tokens} tokens and "
+            f"{max_new_tokens} new ones exceed the model's {context} learned positions "
+            f"(max_position_embeddings); pass --max_new_tokens {context - prompt_tokens} or "
+            f"less, or shorten the prompt")
+    log(f"WARNING: the prompt's {prompt_tokens} tokens and up to {max_new_tokens} new ones "
+        f"reach past max_position_embeddings ({context}), the longest sequence this model "
+        f"was built for; the text beyond position {context} may degrade")
 
 
 def main(argv: List[str]) -> int:

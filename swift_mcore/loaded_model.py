@@ -33,16 +33,18 @@ class LoadedModel:
 
 
 def load_model(path: str, tokenizer: Optional[str] = None, flag: str = "--model",
-               log: Log = print) -> LoadedModel:
-    """Collective over a one-rank process group it creates when none exists."""
+               log: Log = print, trust_remote_code: bool = False) -> LoadedModel:
+    """Collective over a one-rank process group it creates when none exists. A tokenizer
+    folder's own code runs only with ``trust_remote_code`` (the command's flag, never a
+    saved run's)."""
     from .models.hf_folder import is_hf_folder
 
     if is_hf_folder(path):
-        return _from_hf(path, tokenizer, log)
-    return _from_checkpoint(path, tokenizer, flag, log)
+        return _from_hf(path, tokenizer, log, trust_remote_code)
+    return _from_checkpoint(path, tokenizer, flag, log, trust_remote_code)
 
 
-def _from_hf(path: str, tokenizer_path: Optional[str], log: Log) -> LoadedModel:
+def _from_hf(path: str, tokenizer_path: Optional[str], log: Log, trust: bool) -> LoadedModel:
     from .data import build_tokenizer
     from .models.hf_folder import HFFolder
     from .models.hf_load import load_hf_weights
@@ -51,7 +53,8 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log: Log) -> LoadedModel:
     positions = HFFolder(path, flag="--model").config.get("max_position_embeddings") or 256
     # float32, on a GPU too (--precision auto would be bf16 there): the weights as stored.
     flags = PretrainArguments.from_flags(model=path, tokenizer=tokenizer_path,
-                                         seq_length=min(256, int(positions)), precision="fp32")
+                                         seq_length=min(256, int(positions)), precision="fp32",
+                                         trust_remote_code=trust)
     tokenizer = build_tokenizer(flags)
     config = resolve(flags, world_size=1).complete(tokenizer.vocab_size, None)
     model = _build(config)
@@ -60,8 +63,8 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log: Log) -> LoadedModel:
                        os.path.abspath(path))
 
 
-def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str,
-                     log: Log) -> LoadedModel:
+def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log: Log,
+                     trust: bool) -> LoadedModel:
     from .checkpointing import find_checkpoint, load_weights, read_run_flags, tensor_shapes
     from .data.templates import attach_chat_template
     from .models.hf_folder import is_hf_folder
@@ -70,7 +73,7 @@ def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str,
     saved = read_run_flags(folder)
     flags = one_process_flags(saved)
     hf_folder = saved.get("model", {}).get("model")
-    tokenizer = _checkpoint_tokenizer(flags, saved, tokenizer_path, folder)
+    tokenizer = _checkpoint_tokenizer(flags, saved, tokenizer_path, folder, trust)
     # A model finetuned with a built-in template is exported with it as its chat template.
     attach_chat_template(tokenizer, saved.get("sft"))
     rows = tensor_shapes(folder).get("embedding.word_embeddings.weight")
@@ -107,18 +110,18 @@ def with_flags(flags: PretrainArguments, **changes) -> PretrainArguments:
     return copy.deepcopy(flags).update(**changes)
 
 
-def _checkpoint_tokenizer(flags, saved, explicit: Optional[str], folder: str):
+def _checkpoint_tokenizer(flags, saved, explicit: Optional[str], folder: str, trust: bool):
     from .data import build_tokenizer, load_tokenizer
 
     if explicit:
-        return load_tokenizer(explicit, flag="--tokenizer")
+        return load_tokenizer(explicit, flag="--tokenizer", trust_remote_code=trust)
     source = saved.get("data", {}).get("tokenizer") or saved.get("model", {}).get("model")
     if not source:
         return build_tokenizer(flags)
     if not os.path.exists(source):
         raise ArgumentError(f"checkpoint {folder} was trained with the tokenizer of {source}, "
                             f"which no longer exists; pass --tokenizer PATH")
-    return load_tokenizer(source, flag="--tokenizer")
+    return load_tokenizer(source, flag="--tokenizer", trust_remote_code=trust)
 
 
 def _build(config: RunConfig):

@@ -12,6 +12,7 @@ from typing import List, Optional
 from .errors import ArgumentError
 from .arguments.data import text_key_flag, tokenizer_flag
 from .arguments.fields import check_flags, flag
+from .arguments.paths import check_output_files
 
 DESCRIPTION = """Tokenize text into megatron's .bin/.idx format (the files `swift-mcore pt
 --data_path PREFIX` and Megatron-LM read). One document per row (per line of a .txt file);
@@ -27,7 +28,7 @@ class PreprocessArguments:
     output_prefix: Optional[str] = flag(
         None, "Writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx. Required.")
     text_key: str = text_key_flag()
-    tokenizer: Optional[str] = tokenizer_flag()
+    tokenizer: Optional[str] = tokenizer_flag(default_source="")
     workers: Optional[int] = flag(
         None, "Tokenizer processes, one core each (1: in this process); the output is the same "
         "for any number. Default: the usable CPU cores.")
@@ -35,6 +36,11 @@ class PreprocessArguments:
         True, "Append the tokenizer's end-of-document token to each document (GPT pretraining "
         "separates documents with it); `--append_eod false` writes the bare tokens.")
     progress_bar: bool = flag(True, "Show a progress bar (documents/s, tokens/s) on stderr.")
+    trust_remote_code: bool = flag(
+        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
+        "tokenizer_config.json or config.json); without it a folder that needs its code is "
+        "refused. Read that code first: it runs with your permissions. Model code is never "
+        "run (the model is built from config.json).")
 
     def validate(self) -> "PreprocessArguments":
         """Check every flag; raises ArgumentError naming it. Fills the defaults."""
@@ -49,6 +55,10 @@ class PreprocessArguments:
         if os.path.isdir(self.output_prefix):
             raise ArgumentError(f"--output_prefix {self.output_prefix} is a folder; give a "
                                 f"file prefix inside it, like {self.output_prefix}/data")
+        # PREFIX.bin as a folder, or a file where the folder should be: refused now, not
+        # when the finished files are renamed into place after tokenizing everything.
+        check_output_files([self.output_prefix + ".bin", self.output_prefix + ".idx"],
+                           "--output_prefix")
         if self.workers is None:
             self.workers = usable_cores()
         if self.workers < 1:
@@ -111,7 +121,8 @@ def preprocess(args: PreprocessArguments) -> dict:
 
     start = time.perf_counter()
     sources = expand_inputs(args.input, flag="--input")
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else default_tokenizer()
+    tokenizer = (load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+                 if args.tokenizer else default_tokenizer())
     progress = _Progress(args.progress_bar)
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     if args.workers == 1:

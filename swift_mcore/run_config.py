@@ -289,6 +289,9 @@ def check_inputs(flags: PretrainArguments) -> Tuple[tuple, tuple]:
     the sources --dataset and --val_dataset name."""
     from .data.sources import expand_inputs
 
+    from .arguments.paths import check_run_outputs
+
+    check_run_outputs(flags)  # --output_dir and --data_cache_path are folders one can write
     c, d = flags.checkpoint, flags.data
     for name in ("resume", "load"):
         path = getattr(c, name)

@@ -13,10 +13,11 @@ def text_key_flag():
     return flag("text", "Column (JSON field) holding the text of raw inputs.")
 
 
-def tokenizer_flag():
-    """--tokenizer, as pt, sft and preprocess declare it."""
-    return flag(None, "Hugging Face tokenizer or model folder, or a tokenizer.json; default: "
-                "--model's, else the built-in byte-level BPE trained on the embedded corpus.")
+def tokenizer_flag(default_source: str = "--model's, else "):
+    """--tokenizer, as pt, sft (``default_source``: --model's tokenizer comes first) and
+    preprocess (no --model: '') declare it."""
+    return flag(None, f"Hugging Face tokenizer or model folder, or a tokenizer.json; default: "
+                f"{default_source}the built-in byte-level BPE trained on the embedded corpus.")
 
 
 @dataclass
@@ -33,3 +34,8 @@ class DataArguments:
         "output_dir/data_cache.")
     tokenizer: Optional[str] = tokenizer_flag()
     num_workers: int = flag(1, "Data loader worker processes per rank (0: in the main process).")
+    trust_remote_code: bool = flag(
+        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
+        "tokenizer_config.json or config.json); without it a folder that needs its code is "
+        "refused. Read that code first: it runs with your permissions. Model code is never "
+        "run (the model is built from config.json).")

@@ -9,6 +9,7 @@ from typing import Optional
 
 from ..errors import ArgumentError
 from .fields import check_flags, flag
+from .paths import check_output_dir
 
 
 @dataclass
@@ -35,6 +36,11 @@ class ExportArguments:
         None, "Weight dtype of the Hugging Face files; default: the source config.json's, else "
         "the checkpoint's.", choices=("float32", "bfloat16", "float16"))
     max_shard_size: str = flag("5GB", "Largest safetensors file (KB, MB, GB, KiB, MiB, GiB).")
+    trust_remote_code: bool = flag(
+        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
+        "tokenizer_config.json or config.json); without it a folder that needs its code is "
+        "refused. Read that code first: it runs with your permissions. Model code is never "
+        "run (the model is built from config.json).")
 
     def validate(self) -> "ExportArguments":
         """Check every flag before any model is built; raises ArgumentError naming it. (What
@@ -51,7 +57,8 @@ class ExportArguments:
         if not self.output_dir or not str(self.output_dir).strip():
             raise ArgumentError("--output_dir is required: where the converted model goes")
         out = os.path.abspath(os.path.expanduser(self.output_dir))
-        if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out)):
+        check_output_dir(self.output_dir, "--output_dir")
+        if os.path.isdir(out) and os.listdir(out):
             raise ArgumentError(f"--output_dir {self.output_dir} already exists and is not "
                                 f"empty; choose a new folder (nothing is overwritten)")
         if os.path.abspath(os.path.expanduser(self.model)) == out:

@@ -33,6 +33,11 @@ class InferArguments:
     seed: int = flag(42, "Seed of the sampling.")
     tokenizer: Optional[str] = flag(
         None, "Tokenizer folder or tokenizer.json; default: the model's.")
+    trust_remote_code: bool = flag(
+        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
+        "tokenizer_config.json or config.json); without it a folder that needs its code is "
+        "refused. Read that code first: it runs with your permissions. Model code is never "
+        "run (the model is built from config.json).")
 
     def validate(self) -> "InferArguments":
         """Check every flag before any model is built; raises ArgumentError naming it."""

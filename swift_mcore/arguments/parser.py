@@ -70,8 +70,18 @@ def load_yaml(path: str, cls=PretrainArguments) -> dict:
             data = yaml.safe_load(fh) or {}
     except FileNotFoundError:
         raise ArgumentError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ArgumentError(f"config file {path} is a folder; give a YAML file of flags "
+                            f"(see `swift-mcore {cls.COMMAND} --help`)") from None
+    except OSError as err:
+        raise ArgumentError(f"config file {path} cannot be read ({err.strerror or err})"
+                            ) from None
+    except UnicodeDecodeError as err:
+        raise ArgumentError(f"config file {path} is not a text (UTF-8) YAML file ({err})"
+                            ) from None
     except yaml.YAMLError as err:
-        raise ArgumentError(f"config file {path} is not valid YAML: {err}") from None
+        text = " ".join(str(err).split())
+        raise ArgumentError(f"config file {path} is not valid YAML: {text}") from None
     if not isinstance(data, dict):
         raise ArgumentError(f"config file {path} must map flag names to values")
     known = {f.name for t in cls.GROUPS.values() for f in fields(t)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Dict
 
 from ..errors import CheckpointError
 
@@ -19,15 +19,21 @@ def write_json(folder: str, name: str, data: Any) -> None:
         json.dump(data, fh, indent=1, sort_keys=True)
 
 
-def read_json(folder: str, name: str) -> Any:
+def read_json(folder: str, name: str) -> Dict[str, Any]:
+    """A JSON object file of the checkpoint; anything else (garbage, binary, another JSON
+    value) is a one-line CheckpointError naming the file."""
     path = os.path.join(folder, name)
     try:
         with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
+            data = json.load(fh)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {folder} has no {name}") from None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError) as err:  # ValueError: bad JSON, bad UTF-8
         raise CheckpointError(f"checkpoint {folder}: {name} is unreadable ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint {folder}: {name} is unreadable (it holds a JSON "
+                              f"{type(data).__name__}, not an object)")
+    return data
 
 
 def versions() -> dict:

@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
-from .safe_load import read_dcp_metadata, safe_common_strategy, safe_loading
+from .safe_load import (load_failure, read_dcp_metadata, safe_common_strategy,
+                        safe_loading)
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -65,6 +66,8 @@ def read_common(folder: str) -> Dict[str, Any]:
     """common.pt of a checkpoint, read safely (weights_only: plain types and tensors)."""
     try:
         return safe_common_strategy().load_common(folder)
+    except CheckpointError:
+        raise  # a refused pickle: safe_load named the file and the type
     except Exception as err:
         raise CheckpointError(f"checkpoint {folder}: common.pt cannot be read safely "
                               f"({type(err).__name__}: {str(err).splitlines()[0][:300]})"
@@ -149,7 +152,8 @@ def shape_mismatches(folder: str, state: Dict[str, Any], limit: int = 8) -> List
 
 def load(state: Dict[str, Any], folder: str) -> Dict[str, Any]:
     """Collective: fill ``state``'s sharded tensors from ``folder``, reading every pickled
-    part with safe loading."""
+    part with safe loading. Any failure (a refused pickle, a damaged file) is a one-line
+    CheckpointError naming the file, not torch's multi-rank traceback text."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
@@ -158,12 +162,22 @@ def load(state: Dict[str, Any], folder: str) -> Dict[str, Any]:
         raise CheckpointError(f"checkpoint {folder} uses the '{backend}' format; swift-mcore "
                               f"loads torch_dist checkpoints")
     state = without_absent_extra_state(state, folder)
-    with safe_loading(), warnings.catch_warnings():
-        # torch DCP's deprecation notices about ShardedTensor/load_state_dict, on each load
-        warnings.simplefilter("ignore", FutureWarning)
-        return dist_checkpointing.load(state, folder,
-                                       sharded_strategy=TorchDistLoadShardedStrategy(),
-                                       common_strategy=safe_common_strategy())
+    try:
+        with safe_loading(), warnings.catch_warnings():
+            # torch DCP's deprecation notices about ShardedTensor/load_state_dict, on each load
+            warnings.simplefilter("ignore", FutureWarning)
+            return dist_checkpointing.load(state, folder,
+                                           sharded_strategy=TorchDistLoadShardedStrategy(),
+                                           common_strategy=safe_common_strategy())
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch DCP's CheckpointException is a BaseException
+        cause = load_failure(err)
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        text = (str(cause).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"checkpoint {folder} could not be loaded: "
+                              f"{type(cause).__name__}: {text}") from None
 
 
 def _backend(folder: str) -> Optional[str]:
@@ -171,10 +185,13 @@ def _backend(folder: str) -> Optional[str]:
 
     try:
         with open(os.path.join(folder, "metadata.json"), encoding="utf-8") as fh:
-            return json.load(fh).get("sharded_backend")
+            config = json.load(fh)
     except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict):
         raise CheckpointError(f"checkpoint {folder} has no readable metadata.json (not a "
-                              f"megatron dist_checkpointing folder)") from None
+                              f"megatron dist_checkpointing folder)")
+    return config.get("sharded_backend")
 
 
 EXTRA_STATE = "_extra_state"

@@ -78,10 +78,7 @@ def find_checkpoint(spec: str, default_root: Optional[str], flag: str,
     """Collective: the folder ``spec`` names ('auto': the newest under ``default_root``; a
     run's output_dir, a checkpoint root or an iter_ folder), decided on rank 0. Every
     fallback to another checkpoint than the tracker's is logged as a warning, here."""
-    folder, warnings = comm.decide(locate.resolve, spec, default_root, flag)
-    for line in warnings:
-        log(f"WARNING: {line}")
-    return folder
+    return locate.announce(comm.decide(locate.resolve, spec, default_root, flag), log)
 
 
 def restore(plan: LoadPlan, config, model, optimizer, scheduler,
@@ -219,6 +216,8 @@ def _load(state_dict, folder):
     error, loaded = None, None
     try:
         loaded = io.load(state_dict, folder)
+    except CheckpointError as err:  # unsafe or unreadable: io.load named the file
+        error = str(err)
     except Exception as err:  # unreadable, unsafe or not matching: one clear error per rank
         error = f"checkpoint {folder} could not be loaded: {type(err).__name__}: {err}"
     comm.raise_if_any(error)

@@ -2,7 +2,8 @@
 ``--resume PATH`` / ``--load PATH`` / export's and infer's ``--model PATH`` (a checkpoint
 folder, a root holding the tracker, or a run's output_dir).
 
-The tracker decides. Two exceptions, each logged as a warning:
+The tracker decides. Two exceptions, each returned as a warning that every caller (pt/sft
+``--resume`` and ``--load``, export, infer) prints through ``announce``:
 - it names a missing or incomplete folder, or is unreadable: the newest complete one;
 - the save after it was sealed and renamed but the tracker update was cut off: that
   newer checkpoint (its manifest names the tracker's checkpoint as its parent). Newer
@@ -12,7 +13,7 @@ The tracker decides. Two exceptions, each logged as a warning:
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from .commit import (MANIFEST_FILENAME, check_complete, complete_checkpoints,
                      list_checkpoints, read_manifest)
@@ -21,6 +22,15 @@ from .tracker import (CHECKPOINT_SUBDIR, TRACKER_FILENAME, iter_dir_name, parse_
                       read_tracker)
 
 Found = Tuple[Optional[str], List[str]]  # (checkpoint folder or None, warnings)
+
+
+def announce(found: Found, log: Callable[[str], None]) -> Optional[str]:
+    """The folder of a ``resolve`` result, once its warnings went through ``log``: the one
+    place a fallback (or a resumed unrecorded successor) is told to the user."""
+    folder, warnings = found
+    for line in warnings:
+        log(f"WARNING: {line}")
+    return folder
 
 
 def is_checkpoint_folder(path: str) -> bool:

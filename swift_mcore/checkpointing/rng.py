@@ -154,5 +154,13 @@ def choose(saved_layouts: Dict[int, Dict[str, int]], mine: Dict[str, int]
 
 
 def load(folder: str, rank: int) -> Dict[str, Any]:
-    with open(rank_file(folder, rank), encoding="utf-8") as fh:
-        return json.load(fh)["states"]
+    """The saved states of ``rank``; a damaged file is a ValueError naming it."""
+    path = rank_file(folder, rank)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            states = json.load(fh)["states"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{os.path.relpath(path, folder)}: {err}") from None
+    if not isinstance(states, dict):
+        raise ValueError(f"{os.path.relpath(path, folder)}: 'states' is not a JSON object")
+    return states

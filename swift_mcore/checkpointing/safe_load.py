@@ -1,11 +1,14 @@
 """Safe loading: no file of a checkpoint is unpickled with arbitrary globals.
 
 megatron's torch_dist format stores three pickled things: ``common.pt`` (torch.save),
-small per-layer ``_extra_state`` objects (torch.save inside the .distcp files) and torch
-DCP's ``.metadata`` (a plain pickle). ``safe_loading()`` makes megatron's loader read the
-first two with ``torch.load(weights_only=True)`` and the third with an unpickler that only
-builds the DCP metadata classes, dtypes and sizes; anything else is refused with an error
-naming it. Our own files (state, arguments, scheduler, RNG) are JSON.
+the tensors and small per-layer ``_extra_state`` objects inside the .distcp files
+(torch.save each) and torch DCP's ``.metadata`` (a plain pickle). ``safe_loading()`` makes
+megatron's loader read the first two with ``torch.load(weights_only=True)`` restricted to
+torch's own tensor and container types plus ``TORCH_LOAD_EXTRA`` (the safe globals other
+libraries register, megatron's included, do not apply), and the third with an unpickler
+that only builds the DCP metadata classes, dtypes and sizes. Anything else is refused with
+a one-line CheckpointError naming the file and the refused type. Our own files (state,
+arguments, scheduler, RNG) are JSON.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import enum
 import io
 import os
 import pickle
-from typing import Any
+import re
+from typing import Any, Iterator, List, Optional
 
 import torch
 
@@ -51,8 +55,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_dcp_metadata(stream) -> Any:
-    """Unpickle a torch DCP ``.metadata`` stream with the restricted unpickler."""
-    return _MetadataUnpickler(stream).load()
+    """Unpickle a torch DCP ``.metadata`` stream with the restricted unpickler; anything but
+    a DCP Metadata object is refused."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    metadata = _MetadataUnpickler(stream).load()
+    if not isinstance(metadata, Metadata) or not isinstance(
+            getattr(metadata, "state_dict_metadata", None), dict):
+        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not torch DCP "
+                                     f"checkpoint metadata")
+    return metadata
 
 
 def read_dcp_metadata(folder: str) -> Any:
@@ -63,8 +75,75 @@ def read_dcp_metadata(folder: str) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {folder} has no .metadata file") from None
     except Exception as err:
-        raise CheckpointError(f"checkpoint {folder}: .metadata cannot be read safely ({err})"
-                              ) from None
+        raise CheckpointError(f"checkpoint {folder}: .metadata: "
+                              f"{_reason(err, METADATA_ALLOWED)}") from None
+
+
+# ---- torch.load: torch's own types and this list, nothing registered by anyone else --------
+# Beyond torch's built-in weights_only set (tensors, storages, dtypes, torch.Size, numbers,
+# strings, lists, tuples, dicts, OrderedDict), which is all swift-mcore's checkpoints hold:
+# older Transformer Engine versions keep a layer's _extra_state as a BytesIO.
+TORCH_LOAD_EXTRA = (io.BytesIO,)
+TORCH_LOAD_ALLOWED = "tensors, numbers, strings, lists, tuples, dicts"
+METADATA_ALLOWED = "torch DCP's metadata classes, dtypes, sizes"
+_ADVICE = ("weights_only", "weights only", "safe_globals", "check the documentation",
+           "trusted source", "allowlist")
+
+
+@contextlib.contextmanager
+def only_allowed_globals() -> Iterator[None]:
+    """While inside, ``torch.load(weights_only=True)`` accepts torch's built-in types and
+    TORCH_LOAD_EXTRA only: the globals registered with torch.serialization.add_safe_globals
+    (megatron registers argparse.Namespace, SimpleNamespace, PosixPath, numpy arrays, its
+    configs...) are set aside and put back afterwards."""
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(list(TORCH_LOAD_EXTRA))
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)
+
+
+def _reason(err: BaseException, allowed: str = TORCH_LOAD_ALLOWED) -> str:
+    """One line on why a pickled thing was not loaded: the refused global when there is one,
+    never torch's advice to load with weights_only=False."""
+    text = str(err)
+    found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(
+        r"(?:refusing to build|unsupported class|unrecognized function) ([\w.<>]+)", text)
+    if found:
+        return (f"refusing to unpickle {found.group(1).rstrip('.')} (not one of the types "
+                f"swift-mcore loads from a checkpoint: {allowed})")
+    lines: List[str] = []
+    for line in text.splitlines():
+        line = line.split("Please ")[0].strip()
+        if line and not any(word in line.lower() for word in _ADVICE):
+            lines.append(line)
+    detail = f"{type(err).__name__}: {lines[0][:300]}" if lines else type(err).__name__
+    return f"not a readable torch.save file ({detail})"
+
+
+def torch_load(source, where: str) -> Any:
+    """``torch.load`` of ``source`` (a path or a stream) with the allowed types only; any
+    failure is a one-line CheckpointError starting with ``where``."""
+    try:
+        with only_allowed_globals():
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"{where}: {_reason(err)}") from None
+
+
+def load_failure(err: BaseException) -> BaseException:
+    """The exception behind torch DCP's CheckpointException (a BaseException that holds each
+    rank's exception and its traceback text), else ``err``."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        for value in failures.values():
+            inner = value[0] if isinstance(value, tuple) else value
+            if isinstance(inner, BaseException):
+                return load_failure(inner)
+    return err
 
 
 def _safe_reader_class():
@@ -74,16 +153,44 @@ def _safe_reader_class():
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(CachedMetadataFileSystemReader):
+        _reading: Optional[Any] = None  # the _StorageInfo of the item being read
+
         def read_metadata(self, *args, **kwargs):
             if self._cached_metadata is None:
                 path = self._get_metadata_path(kwargs.get("rank"))
-                with self.fs.create_stream(path, "rb") as fh:
-                    metadata = load_dcp_metadata(fh)
+                try:
+                    with self.fs.create_stream(path, "rb") as fh:
+                        metadata = load_dcp_metadata(fh)
+                except Exception as err:
+                    raise CheckpointError(f"checkpoint {self.path}: .metadata: "
+                                          f"{_reason(err, METADATA_ALLOWED)}") from None
                 if getattr(metadata, "storage_meta", None) is None:
                     metadata.storage_meta = StorageMeta()
                 metadata.storage_meta.load_id = self.load_id
                 self._cached_metadata = metadata
             return self._cached_metadata
+
+        def _slice_file(self, file, sinfo):
+            self._reading = sinfo
+            return super()._slice_file(file, sinfo)
+
+        def read_data(self, plan, planner):
+            """torch's reader (each tensor and object torch.load'ed, within the allowed
+            types); a failure names the .distcp file, the item and the refused type."""
+            self._reading = None
+            try:
+                return super().read_data(plan, planner)
+            except Exception as err:
+                raise CheckpointError(f"checkpoint {self.path}: {self._item()}: "
+                                      f"{_reason(err)}") from None
+
+        def _item(self) -> str:
+            sinfo = self._reading
+            if sinfo is None:
+                return "reading the .distcp files"
+            fqn = next((index.fqn for index, info in self.storage_data.items()
+                        if info is sinfo), "?")
+            return f"{sinfo.relative_path} (item {fqn} at byte {sinfo.offset})"
 
     return SafeFileSystemReader
 
@@ -91,7 +198,8 @@ def _safe_reader_class():
 def _safe_planner_class(base):
     class SafeLoadPlanner(base):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
+            # within safe_loading(): only the allowed types (the reader names the item)
+            obj = torch.load(value, map_location="cpu", weights_only=True)
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._traverse import set_element
 
@@ -104,7 +212,7 @@ def _safe_planner_class(base):
 
 
 def safe_common_strategy():
-    """megatron's common.pt loader with weights_only=True."""
+    """megatron's common.pt loader with weights_only=True and the allowed types only."""
     from megatron.core.dist_checkpointing.mapping import CheckpointingException
     from megatron.core.dist_checkpointing.strategies.common import (
         COMMON_STATE_FNAME,
@@ -114,10 +222,9 @@ def safe_common_strategy():
     class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
         def load_common(self, checkpoint_dir):
             path = os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME)
-            try:
-                return torch.load(path, map_location="cpu", weights_only=True)
-            except FileNotFoundError as err:
-                raise CheckpointingException(f"Common file {path} does not exist") from err
+            if not os.path.isfile(path):
+                raise CheckpointingException(f"Common file {path} does not exist")
+            return torch_load(path, f"checkpoint {checkpoint_dir}: {COMMON_STATE_FNAME}")
 
         def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
             raise CheckpointingException("torch_dist checkpoints keep objects in .distcp")
@@ -127,8 +234,8 @@ def safe_common_strategy():
 
 @contextlib.contextmanager
 def safe_loading():
-    """Within this context megatron's torch_dist loader reads .metadata and the pickled
-    objects inside .distcp files safely (see the module docstring)."""
+    """Within this context megatron's torch_dist loader reads .metadata, common.pt and the
+    tensors and objects inside .distcp files safely (see the module docstring)."""
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 
     saved_reader = mcore_torch._get_filesystem_reader
@@ -141,7 +248,8 @@ def safe_loading():
     mcore_torch._get_filesystem_reader = get_reader
     mcore_torch.MCoreLoadPlanner = _safe_planner_class(saved_planner)
     try:
-        yield
+        with only_allowed_globals():
+            yield
     finally:
         mcore_torch._get_filesystem_reader = saved_reader
         mcore_torch.MCoreLoadPlanner = saved_planner

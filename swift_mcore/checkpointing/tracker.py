@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_SUBDIR = "checkpoint"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_TRACKER_MAX_BYTES = 64  # "1234567\n" and then some; more is not a tracker
 
 
 def checkpoint_root(args) -> str:
@@ -34,12 +35,20 @@ def read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
     """(iteration, None), or (None, why not) when the tracker is absent or unreadable."""
     path = tracker_path(root)
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read().strip()
+        with open(path, "rb") as fh:
+            raw = fh.read(_TRACKER_MAX_BYTES + 1)
     except FileNotFoundError:
         return None, f"{path} does not exist"
     except OSError as err:
         return None, f"{path} cannot be read ({err})"
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:  # binary garbage: as unreadable as a wrong number
+        return None, (f"{path} does not hold an iteration number (it holds binary data: "
+                      f"{raw[:16]!r})")
+    if len(raw) > _TRACKER_MAX_BYTES:
+        return None, (f"{path} does not hold an iteration number (it holds "
+                      f"{len(raw)}+ bytes: {text[:40]!r})")
     if text == "release":
         return None, f"{path} names a 'release' checkpoint, which has no training state"
     try:

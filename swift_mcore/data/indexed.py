@@ -245,6 +245,9 @@ def check_indexed(prefix: str, flag: str = "--data_path") -> dict:
     ArgumentError naming the file for a missing, truncated, corrupted or empty pair."""
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     for path in (bin_, idx):
+        if os.path.isdir(path):
+            raise _bad(flag, path, "is a folder, not a file (each prefix names a .bin and a "
+                                   ".idx file, e.g. from `swift-mcore preprocess`)")
         if not os.path.isfile(path):
             raise _bad(flag, path, "does not exist (each prefix needs a .bin and a .idx file, "
                                    "e.g. from `swift-mcore preprocess`)")

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -128,17 +130,66 @@ def _open(source: Source, flag: str):
                                  split="train", streaming=True)
 
 
-def _unreadable(source: Source, flag: str, err: Exception) -> ArgumentError:
+def _unreadable(source: Source, flag: str, err: Exception, rows_read: int = 0
+                ) -> ArgumentError:
     text = str(err).strip().splitlines()
     reason = f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__
+    if source.kind == "json":
+        where = json_error_line(source.path, skip_rows=rows_read) or (
+            rows_read and json_error_line(source.path))
+        if where:
+            return ArgumentError(f"{flag} {source.path}: cannot be read as json data (line "
+                                 f"{where[0]}: {where[1]})")
+        # pyarrow counts rows from the start of each block it parses, not of the file
+        reason = re.sub(r" in row \d+", "", reason)
     return ArgumentError(f"{flag} {source.path}: cannot be read as {source.describe()} "
                          f"({reason})")
+
+
+def json_error_line(path: str, skip_rows: int = 0) -> Optional[Tuple[int, str]]:
+    """(1-based line number in the whole file, what is wrong) of the first line of a JSON
+    lines file that is not valid JSON; for a file holding one JSON document (it starts
+    with '['), where that document breaks. None if no such line is found. Runs only after
+    a read failed; the first ``skip_rows`` non-empty lines (read fine already) are only
+    counted, not parsed."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64).lstrip()
+            if head.startswith(b"["):
+                fh.seek(0)
+                try:
+                    json.loads(fh.read())
+                except ValueError as err:
+                    return _decode_error(err)
+                return None
+            fh.seek(0)
+            rows = 0
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                rows += 1
+                if rows <= skip_rows:
+                    continue
+                try:
+                    json.loads(line)
+                except ValueError as err:
+                    return number, _decode_error(err)[1]
+    except OSError:
+        return None
+    return None
+
+
+def _decode_error(err: ValueError) -> Tuple[int, str]:
+    if isinstance(err, json.JSONDecodeError):
+        return err.lineno, f"{err.msg} at column {err.colno}"
+    return 1, str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
 def read_batches(source: Source, flag: str = "--input",
                  batch_size: int = 512) -> Iterator[Dict[str, list]]:
     """Batches of rows of ``source`` ({column: values}), in file order. A file that cannot
     be read is an ArgumentError naming it (problems of the caller's own are not caught)."""
+    rows_read = 0
     try:
         rows = _open(source, flag).iter(batch_size=batch_size)
         while True:
@@ -146,13 +197,14 @@ def read_batches(source: Source, flag: str = "--input",
                 batch = next(rows)
             except StopIteration:
                 return
+            rows_read += len(next(iter(batch.values()), ()))
             yield batch
     except ArgumentError:
         raise
     except StopIteration:  # raised inside datasets when a file has no record to infer from
         raise ArgumentError(f"{flag} {source.path}: is empty (no rows)") from None
     except Exception as err:  # datasets and pyarrow raise many types for unreadable input
-        raise _unreadable(source, flag, err) from err
+        raise _unreadable(source, flag, err, rows_read) from err
 
 
 def iter_texts(source: Source, text_key: str, flag: str = "--input",

@@ -142,10 +142,11 @@ class Tokenizer(MegatronTokenizerBase):
 
 def build_tokenizer(args) -> Tokenizer:
     """--tokenizer wins, then the tokenizer of --model, then the built-in default."""
+    trust = bool(getattr(args.data, "trust_remote_code", False))
     if args.data.tokenizer:
-        return load_tokenizer(args.data.tokenizer, flag="--tokenizer")
+        return load_tokenizer(args.data.tokenizer, flag="--tokenizer", trust_remote_code=trust)
     if args.model.model:
-        return load_tokenizer(args.model.model, flag="--model")
+        return load_tokenizer(args.model.model, flag="--model", trust_remote_code=trust)
     return default_tokenizer()
 
 
@@ -181,8 +182,38 @@ def train_bpe(documents: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
     return backend
 
 
-def load_tokenizer(path: str, flag: str = "--tokenizer") -> Tokenizer:
-    """A Hugging Face tokenizer folder (or model folder), or a single tokenizer.json file."""
+def custom_code(folder: str) -> List[str]:
+    """The Python classes a Hugging Face folder asks transformers to import from its own
+    files (``auto_map`` of tokenizer_config.json and config.json)."""
+    found: List[str] = []
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as fh:
+                auto_map = json.load(fh).get("auto_map") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        if not isinstance(auto_map, dict):
+            continue
+        for value in auto_map.values():
+            for ref in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(ref, str) and ref not in found:
+                    found.append(ref)
+    return found
+
+
+def _remote_code_refusal(flag: str, path: str) -> ArgumentError:
+    classes = custom_code(path)
+    what = f" ({', '.join(classes[:3])})" if classes else ""
+    return ArgumentError(f"{flag} {path}: the tokenizer needs Python code that ships with the "
+                         f"folder{what}; swift-mcore runs it only with --trust_remote_code "
+                         f"(read that code first)")
+
+
+def load_tokenizer(path: str, flag: str = "--tokenizer",
+                   trust_remote_code: bool = False) -> Tokenizer:
+    """A Hugging Face tokenizer folder (or model folder), or a single tokenizer.json file.
+    Code shipped in the folder runs only with ``trust_remote_code``; transformers is told
+    so explicitly, so it never asks on stdin."""
     if not os.path.exists(path):
         raise ArgumentError(f"{flag} {path} does not exist (expected a Hugging Face tokenizer "
                             f"folder or a tokenizer.json file)")
@@ -198,15 +229,19 @@ def load_tokenizer(path: str, flag: str = "--tokenizer") -> Tokenizer:
         else:
             from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            hf = AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                               trust_remote_code=bool(trust_remote_code))
             eod = hf.eos_token_id
             if eod is None:
                 vocab = hf.get_vocab()
                 eod = next((vocab[n] for n in _EOD_NAMES if n in vocab), None)
             tokenizer = Tokenizer(path, hf=hf, eod=eod, pad=hf.pad_token_id)
     except Exception as err:  # HF raises many types (OSError, ValueError, JSON errors...)
+        if "trust_remote_code" in str(err) and not trust_remote_code:
+            raise _remote_code_refusal(flag, path) from None
+        text = (str(err).strip().splitlines() or [""])[0][:300]
         raise ArgumentError(f"{flag} {path} could not be loaded as a Hugging Face tokenizer: "
-                            f"{type(err).__name__}: {err}") from err
+                            f"{type(err).__name__}: {text}") from None
     if tokenizer.eod is None:
         raise ArgumentError(
             f"{flag} {path}: the tokenizer has no end-of-document token (no eos_token and none "

@@ -29,7 +29,8 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True,
+                                               trust_remote_code=False)
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(hf_config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

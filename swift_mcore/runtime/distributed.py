@@ -32,7 +32,16 @@ def initialize(config) -> None:
             os.environ.setdefault(name, value)
         if config.cuda:  # each rank on its own GPU, whatever the backend
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=config.backend, timeout=TIMEOUT)
+        try:
+            dist.init_process_group(backend=config.backend, timeout=TIMEOUT)
+        except dist.DistNetworkError as err:  # e.g. a MASTER_PORT another process holds
+            from ..errors import ArgumentError
+
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            reason = (str(err).strip().splitlines() or [""])[-1][:200]
+            raise ArgumentError(f"the process group cannot start on MASTER_ADDR:MASTER_PORT "
+                                f"{where} ({reason}); set MASTER_PORT to a free port, or "
+                                f"unset it") from None
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,

@@ -229,3 +229,34 @@ def test_flag_table_in_docs_is_current():
     table = "\n".join(flag_table(PreprocessArguments))
     assert table in (ROOT / "docs" / "data.md").read_text(), (
         "docs/data.md's preprocess flag table is stale: paste flag_table(PreprocessArguments)")
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "jsonl_with_blank_lines", "json_array"])
+def test_a_bad_line_deep_in_a_large_file_is_named_by_its_line_in_the_file(
+        layout, tokenizer, tmp_path, capsys):
+    """pyarrow reads a large file in blocks (~320 KB, ~7800 of these lines) and counts rows
+    from each block's start ("row 3172" here); the error names the file's own 1-based line
+    instead (found by re-reading the file)."""
+    from swift_mcore.cli import main
+
+    bad_line = 11003  # in the second block; not one of the blank lines
+    lines = []
+    for number in range(1, 12001):
+        if layout == "jsonl_with_blank_lines" and number % 7 == 0:
+            lines.append("")
+        elif number == bad_line:
+            lines.append('{"text": nope}')
+        else:
+            lines.append(json.dumps({"text": f"document {number} of a large file"}))
+    if layout == "json_array":  # one JSON document: "[", then one row per line
+        lines = ["["] + [line + "," for line in lines[1:-1]] + [lines[-1], "]"]
+    path = tmp_path / f"large.{'json' if layout == 'json_array' else 'jsonl'}"
+    path.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert main(["preprocess", "--input", str(path), "--output_prefix", str(tmp_path / "out"),
+                 "--workers", "1", "--progress_bar", "false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"swift-mcore preprocess: error: --input "
+                                               f"{path}: cannot be read as json data (line "
+                                               f"{bad_line}: "), err
+    assert not list(tmp_path.glob("out*"))
