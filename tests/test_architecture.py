@@ -173,3 +173,30 @@ def test_training_leaves_the_arguments_as_they_were(gloo_group, tmp_path):
     assert state.iteration == 2
     assert args == before and trainer.args is args
     assert trainer.config.padded_vocab_size == 4096
+
+
+def test_a_one_process_group_leaves_the_environment_as_it_was():
+    """`Trainer(args).train()` in a script, then `subprocess.run(["swift-mcore", ...])`: the
+    child must not inherit RANK or MASTER_PORT from the script's one-rank group."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, os, sys\n"
+        "before = dict(os.environ)\n"
+        "from swift_mcore import PretrainArguments\n"
+        "from swift_mcore.run_config import resolve\n"
+        "from swift_mcore.runtime import distributed\n"
+        "import torch.distributed as dist\n"
+        "distributed.initialize(resolve(PretrainArguments(), world_size=1))\n"
+        "assert dist.get_world_size() == 1\n"
+        "print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))\n"
+        "sys.stdout.flush(); os._exit(0)\n")
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launch}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=240, cwd=PACKAGE.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

@@ -24,20 +24,28 @@ def initialize(config) -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         for name, value in config.environment:  # before this rank's CUDA context exists
             os.environ.setdefault(name, value)
         if config.cuda:  # each rank on its own GPU, whatever the backend
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # A process the launcher did not start is a one-rank group on a local port, given
+        # to torch directly: os.environ stays as it was (a later child process started with
+        # plain subprocess must not inherit RANK or MASTER_PORT and think it is a rank).
+        alone = "RANK" not in os.environ
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = os.environ.get("MASTER_PORT") or str(_free_port()) if alone else None
+        where = f"{addr}:{port}" if alone else (
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
         try:
-            dist.init_process_group(backend=config.backend, timeout=TIMEOUT)
+            if alone:
+                dist.init_process_group(backend=config.backend, timeout=TIMEOUT,
+                                        init_method=f"tcp://{addr}:{port}", rank=0,
+                                        world_size=1)
+            else:
+                dist.init_process_group(backend=config.backend, timeout=TIMEOUT)
         except dist.DistNetworkError as err:  # e.g. a MASTER_PORT another process holds
             from ..errors import ArgumentError
 
-            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             reason = (str(err).strip().splitlines() or [""])[-1][:200]
             raise ArgumentError(f"the process group cannot start on MASTER_ADDR:MASTER_PORT "
                                 f"{where} ({reason}); set MASTER_PORT to a free port, or "

@@ -102,7 +102,6 @@ JSON_READ_BY_ALL = {
 JSON_READ_BY_RESUME = {
     "train_state.json": _file("train_state.json", T.GARBAGE, "unreadable"),
     "run.json": _file("run.json", T.GARBAGE, "unreadable"),
-    "scheduler.json": _file("scheduler.json", b'"a string"', "not an object"),
     "rng.json": _file("rng/rank_00000.json", T.GARBAGE, "RNG state of rank 0"),
 }
 CASES = {**PICKLES, **JSON_READ_BY_ALL, **JSON_READ_BY_RESUME}
