@@ -9,6 +9,7 @@ import json
 import os
 from typing import Optional
 
+from ..atomic_write import write_atomic
 from .commit import HF_SUFFIX, new_token
 from .state import TrainState
 from .tracker import fsync_dir, iter_dir_name
@@ -35,7 +36,7 @@ def write(root: str, state: TrainState) -> Optional[dict]:
     record = {"metric": state.best_metric, "greater_is_better": state.best_greater_is_better,
               "value": state.best_value, "iteration": state.best_iteration,
               "folder": folder, "hf_folder": hf_folder if has_hf else None}
-    _write_atomic(os.path.join(root, RECORD), json.dumps(record, indent=1) + "\n")
+    write_atomic(os.path.join(root, RECORD), json.dumps(record, indent=1) + "\n")
     _link(root, LINK, folder)
     if has_hf:
         _link(root, HF_LINK, hf_folder)
@@ -53,19 +54,6 @@ def read(root: str) -> Optional[dict]:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{new_token()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _link(root: str, name: str, target: str) -> None:

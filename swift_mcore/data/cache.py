@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from typing import Iterator
 
 try:
@@ -39,21 +38,3 @@ def locked(folder: str) -> Iterator[None]:
         finally:
             if fcntl is not None:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def temp_name(path: str) -> str:
-    """A sibling of ``path`` no other process will pick (same folder, so os.replace is atomic)."""
-    return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def write_atomic(path: str, text: str) -> None:
-    tmp = temp_name(path)
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)

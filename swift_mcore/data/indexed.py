@@ -21,7 +21,7 @@ from typing import Iterable, Optional, Tuple
 import numpy as np
 
 from ..errors import ArgumentError
-from .cache import temp_name, write_atomic
+from ..atomic_write import temp_name, write_atomic
 
 BATCH_DOCUMENTS = 256  # enough per encode_batch call to keep every core busy
 

@@ -32,7 +32,6 @@ import numpy
 
 from ..errors import ArgumentError
 
-TESTED_MCORE_VERSIONS = ("0.16.1",)
 
 # module -> the lines that load or save index caches with allow_pickle=True (0.16.1)
 PATCHED_MODULES = {
@@ -142,21 +141,12 @@ def save(file, arr, allow_pickle=False, **kwargs) -> None:
     if not isinstance(file, (str, os.PathLike)):
         numpy.save(file, arr, allow_pickle=False, **kwargs)
         return
-    from .cache import temp_name
+    from ..atomic_write import write_atomic
 
     path = os.fspath(file)
     if not path.endswith(".npy"):
         path += ".npy"  # numpy.save's own rule for a file name
-    tmp = temp_name(path)
-    try:
-        with open(tmp, "wb") as fh:
-            numpy.save(fh, arr, allow_pickle=False, **kwargs)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_atomic(path, lambda fh: numpy.save(fh, arr, allow_pickle=False, **kwargs))
 
 
 class _SafeNumpy:
@@ -175,18 +165,12 @@ _ACTIVE = False
 
 
 def check_version() -> str:
-    from megatron.core import package_info
+    from ..runtime.mcore_version import require_tested_version
 
-    version = package_info.__version__
-    if version not in TESTED_MCORE_VERSIONS and os.environ.get(
-            "SWIFT_MCORE_ALLOW_UNTESTED_MCORE") != "1":
-        raise RuntimeError(
-            f"swift-mcore's safe loading of megatron's dataset index caches was tested with "
-            f"megatron-core {', '.join(TESTED_MCORE_VERSIONS)}, but {version} is installed. "
-            f"Install megatron-core=={TESTED_MCORE_VERSIONS[-1]} (requirements/base.txt), or "
-            f"set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 after checking that "
-            f"{', '.join(PATCHED_MODULES)} still read their caches with numpy.load")
-    return version
+    return require_tested_version(
+        "safe loading of megatron's dataset index caches",
+        f"or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 after checking that "
+        f"{', '.join(PATCHED_MODULES)} still read their caches with numpy.load")
 
 
 def activate() -> None:

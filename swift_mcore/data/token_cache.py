@@ -8,7 +8,8 @@ import os
 from typing import Callable, Sequence
 
 from . import corpus, indexed
-from .cache import cache_dir, locked, write_atomic
+from ..atomic_write import write_atomic
+from .cache import cache_dir, locked
 
 
 def cached_prefix(kind: str, key: str, name: str, build: Callable[[str], dict]) -> str:

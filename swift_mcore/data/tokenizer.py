@@ -11,7 +11,8 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 
 from ..errors import ArgumentError
 from . import corpus
-from .cache import cache_dir, locked, write_atomic
+from ..atomic_write import write_atomic
+from .cache import cache_dir, locked
 
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

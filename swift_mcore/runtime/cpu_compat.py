@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 from typing import Any
 
 import torch
 
-TESTED_MCORE_VERSIONS = ("0.16.1",)
+from .mcore_version import require_tested_version
+
 
 # module -> why it needs the proxy (file:line in megatron-core 0.16.1)
 PATCHED_MODULES = {
@@ -156,19 +156,9 @@ def needed() -> bool:
 
 
 def check_version() -> str:
-    from megatron.core import package_info
-
-    version = package_info.__version__
-    if version not in TESTED_MCORE_VERSIONS and os.environ.get(
-        "SWIFT_MCORE_ALLOW_UNTESTED_MCORE"
-    ) != "1":
-        raise RuntimeError(
-            f"swift-mcore's CPU adaptation was tested with megatron-core "
-            f"{', '.join(TESTED_MCORE_VERSIONS)}, but {version} is installed. Install "
-            f"megatron-core=={TESTED_MCORE_VERSIONS[-1]} (requirements/base.txt), run on a "
-            f"CUDA machine, or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway."
-        )
-    return version
+    return require_tested_version(
+        "CPU adaptation", "run on a CUDA machine, or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 "
+        "to try anyway.")
 
 
 def activate() -> bool:

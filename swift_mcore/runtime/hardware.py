@@ -16,13 +16,7 @@ def transformer_engine_available() -> bool:
     """Transformer Engine's PyTorch layers are importable, as megatron-core decides it
     (its HAVE_TE needs ``transformer_engine.pytorch``, not the bare package), and CUDA is
     there to run them."""
-    if not cuda_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return _usable_with_cuda("transformer_engine.pytorch")
 
 
 @lru_cache(maxsize=None)
@@ -30,11 +24,18 @@ def apex_available() -> bool:
     """apex is importable, as megatron-core decides it (its HAVE_APEX, gpt_layer_specs.py):
     then the local spec's LayerNorm is apex's FusedLayerNorm, which supports sequence
     parallelism."""
+    return _usable_with_cuda("apex", "megatron.core.fusions.fused_layer_norm")
+
+
+def _usable_with_cuda(*modules: str) -> bool:
+    """CUDA is there and every one of ``modules`` imports (any error: not usable)."""
     if not cuda_available():
         return False
+    import importlib
+
     try:
-        import apex  # noqa: F401
-        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm  # noqa: F401
+        for name in modules:
+            importlib.import_module(name)
     except Exception:
         return False
     return True
