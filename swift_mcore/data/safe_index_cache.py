@@ -31,6 +31,7 @@ from typing import Any, Dict, Tuple
 import numpy
 
 from ..errors import ArgumentError
+from ..runtime.mcore_adaptation import ModuleProxy, require_tested_version
 
 
 # module -> the lines that load or save index caches with allow_pickle=True (0.16.1)
@@ -149,24 +150,18 @@ def save(file, arr, allow_pickle=False, **kwargs) -> None:
     write_atomic(path, lambda fh: numpy.save(fh, arr, allow_pickle=False, **kwargs))
 
 
-class _SafeNumpy:
+class _SafeNumpy(ModuleProxy):
     """``numpy`` as seen by a patched megatron dataset module."""
 
+    MODULE = numpy
     load = staticmethod(load)
     save = staticmethod(save)
-
-    def __getattr__(self, name):
-        value = getattr(numpy, name)
-        setattr(self, name, value)  # later lookups are plain attribute reads
-        return value
 
 
 _ACTIVE = False
 
 
 def check_version() -> str:
-    from ..runtime.mcore_version import require_tested_version
-
     return require_tested_version(
         "safe loading of megatron's dataset index caches",
         f"or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 after checking that "

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .mcore_version import require_tested_version
+from .mcore_adaptation import ModuleProxy, require_tested_version
 
 
 # module -> why it needs the proxy (file:line in megatron-core 0.16.1)
@@ -133,19 +133,15 @@ class _CpuCuda:
         pass
 
 
-class _CpuTorch:
+class _CpuTorch(ModuleProxy):
     """A ``torch`` look-alike whose CUDA devices are the CPU."""
 
+    MODULE = torch
     cuda = _CpuCuda()
 
     def __init__(self):
         for name in _FACTORIES:
             setattr(self, name, _redirect(getattr(torch, name)))
-
-    def __getattr__(self, name):
-        value = getattr(torch, name)
-        setattr(self, name, value)  # later lookups are plain attribute reads
-        return value
 
 
 _ACTIVE = False

@@ -1,5 +1,6 @@
-"""The megatron-core versions swift-mcore's adaptations of it were tested with, and the one
-check that refuses any other (unless SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1)."""
+"""What swift-mcore's adaptations of megatron-core share: the versions they were tested with
+(one check refuses any other unless SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1), and the module
+look-alike a patched megatron module gets in place of torch or numpy."""
 
 from __future__ import annotations
 
@@ -21,3 +22,15 @@ def require_tested_version(adaptation: str, advice: str) -> str:
             f"{', '.join(TESTED_MCORE_VERSIONS)}, but {version} is installed. Install "
             f"megatron-core=={TESTED_MCORE_VERSIONS[-1]} (requirements/base.txt), {advice}")
     return version
+
+
+class ModuleProxy:
+    """A look-alike of ``MODULE`` for a patched megatron module: the names a subclass
+    defines replace the module's; every other name is the module's own."""
+
+    MODULE = None
+
+    def __getattr__(self, name):
+        value = getattr(self.MODULE, name)
+        setattr(self, name, value)  # later lookups are plain attribute reads
+        return value
