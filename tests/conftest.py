@@ -36,6 +36,8 @@ def gloo_group():
     if created:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():  # left by an in-process command
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1)
     yield
     parallel_state.destroy_model_parallel()

@@ -125,9 +125,11 @@ def test_trust_remote_code_runs_it(folder, marker, tmp_path):
 def test_a_saved_run_never_lends_its_trust_to_export_or_infer():
     from swift_mcore.arguments.export import ExportArguments
     from swift_mcore.arguments.infer import InferArguments
-    from swift_mcore.models.source import saved_run_args
+    from swift_mcore.loaded_model import one_process_flags
     from swift_mcore.preprocess import PreprocessArguments
 
-    assert saved_run_args({"data": {"trust_remote_code": True}}).data.trust_remote_code is False
+    saved = {"data": {"trust_remote_code": True}, "model": {"hidden_size": 64}}
+    flags = one_process_flags(saved)
+    assert flags.data.trust_remote_code is False and flags.model.hidden_size == 64
     for cls in (ExportArguments, InferArguments, PreprocessArguments):
         assert cls().trust_remote_code is False
