@@ -61,3 +61,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def replace_tokens(prefix, in_place=False):
+    """Reverse the first 64 tokens: same documents, same lengths, same .idx, other tokens."""
+    import numpy as np
+
+    from swift_mcore.data import indexed
+
+    if in_place:
+        data = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
+        assert not np.array_equal(data[:64], data[:64][::-1])
+        data[:64] = data[:64][::-1].copy()
+        data.flush()
+        del data
+        return
+    docs = indexed.read_documents(prefix)
+    tokens = np.array([t for d in docs for t in d], dtype=np.uint16)
+    tokens[:64] = tokens[:64][::-1].copy()
+    with indexed.IndexedWriter(prefix, np.uint16) as writer:
+        writer.add_documents(tokens, np.array([len(d) for d in docs]))
+        writer.commit()

@@ -143,7 +143,7 @@ class Tokenizer(MegatronTokenizerBase):
 
 def build_tokenizer(args) -> Tokenizer:
     """--tokenizer wins, then the tokenizer of --model, then the built-in default."""
-    trust = bool(getattr(args.data, "trust_remote_code", False))
+    trust = args.data.trust_remote_code
     if args.data.tokenizer:
         return load_tokenizer(args.data.tokenizer, flag="--tokenizer", trust_remote_code=trust)
     if args.model.model:

@@ -6,11 +6,10 @@ sits in the first one)."""
 import json
 import os
 
-import numpy as np
 import pytest
 
 import ckpt_harness as H
-from run_helpers import run_pt
+from run_helpers import replace_tokens, run_pt
 
 from swift_mcore.data import indexed
 
@@ -34,7 +33,7 @@ def saved_fingerprint(out):
 @pytest.mark.parametrize("made_by", ["preprocess", "elsewhere"])
 def test_resume_refuses_replaced_tokens(tmp_path, made_by):
     prefix = make_prefix(tmp_path)
-    record = prefix + ".hash.json"  # indexed.HASH_SUFFIX
+    record = prefix + indexed.HASH_SUFFIX
     if made_by == "elsewhere" and os.path.exists(record):
         os.remove(record)  # as Megatron-LM's tool leaves it
     out = tmp_path / "run"
@@ -43,18 +42,9 @@ def test_resume_refuses_replaced_tokens(tmp_path, made_by):
     saved = saved_fingerprint(out)
 
     idx, size = open(prefix + ".idx", "rb").read(), os.path.getsize(prefix + ".bin")
-    if made_by == "preprocess":  # rewritten through the writer: a new sha256 recorded
-        docs = indexed.read_documents(prefix)
-        tokens = np.array([t for d in docs for t in d], dtype=np.uint16)
-        tokens[:64] = tokens[:64][::-1].copy()
-        with indexed.IndexedWriter(prefix, np.uint16) as writer:
-            writer.add_documents(tokens, np.array([len(d) for d in docs]))
-            writer.commit()
-    else:  # edited in place, inside the first sampled block
-        data = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
-        data[:64] = data[:64][::-1].copy()
-        data.flush()
-        del data
+    # preprocess: rewritten through the writer (a new sha256 recorded); elsewhere: edited in
+    # place, inside the first sampled block, with no record
+    replace_tokens(prefix, in_place=made_by != "preprocess")
     assert open(prefix + ".idx", "rb").read() == idx and os.path.getsize(prefix + ".bin") == size
 
     proc = run_pt(out, *flags, "--resume", "auto", check=False)

@@ -16,6 +16,7 @@ from swift_mcore.data.gpt_datasets import (dataset_fingerprint, fingerprints_mat
                                            index_cache_path, index_identity)
 
 from data_helpers import make_args, make_documents
+from run_helpers import replace_tokens
 
 
 def sha256_file(path):
@@ -27,23 +28,6 @@ def prefix(tokenizer, tmp_path):
     prefix = str(tmp_path / "data" / "corpus")
     indexed.write_indexed(make_documents(40, seed=3), tokenizer, prefix)
     return prefix
-
-
-def replace_tokens(prefix, in_place=False):
-    """Reverse the first 64 tokens: same documents, same lengths, same .idx, other tokens."""
-    if in_place:
-        data = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
-        assert not np.array_equal(data[:64], data[:64][::-1])
-        data[:64] = data[:64][::-1].copy()
-        data.flush()
-        del data
-        return
-    docs = indexed.read_documents(prefix)
-    tokens = np.array([t for d in docs for t in d], dtype=np.uint16)
-    tokens[:64] = tokens[:64][::-1].copy()
-    with indexed.IndexedWriter(prefix, np.uint16) as writer:
-        writer.add_documents(tokens, np.array([len(d) for d in docs]))
-        writer.commit()
 
 
 def test_the_writer_records_the_bin_sha256_as_it_writes(prefix):
