@@ -299,3 +299,16 @@ def test_bad_tool_rows_are_named(row, message):
         to_conversation(row, "--dataset f.jsonl, row 0")
     assert str(err.value).startswith("--dataset f.jsonl, row 0: ")
     assert message in str(err.value)
+
+
+def test_turn_split_benchmark_runs():
+    import os
+    import sys
+
+    from run_helpers import ROOT
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import sft_turn_split
+
+    [case] = sft_turn_split.main(["--rows", "2", "--turns", "2"])["cases"]
+    assert case["samples"] == 4 and case["token_ratio"] > 1 and case["trained_tokens"] > 0
