@@ -24,11 +24,6 @@ class Conversation:
     tools: Optional[List[Dict[str, Any]]] = None
     where: str = "a conversation"
 
-    @property
-    def uses_tools(self) -> bool:
-        return bool(self.tools) or any(m["role"] == "tool" or m.get("tool_calls")
-                                       for m in self.messages)
-
 
 def read_conversations(sources: Sequence[Source], columns: Dict[str, str],
                        flag: str = "--dataset") -> List[Conversation]:

@@ -204,14 +204,21 @@ class Template:
         self.eod_text = tokenizer.backend.id_to_token(tokenizer.eod)
         self._renders: Dict[str, bool] = {}
         self._end: Optional[str] = None
+        self._marked: Dict[bool, bool] = {}
+
+    def marks_answers(self, tools: bool = False) -> bool:
+        """Whether the tokenizer's template (its tool-use one, for a row with tools) marks
+        answers with {% generation %}."""
+        if self.name != "tokenizer":
+            return False
+        if tools not in self._marked:
+            jinja = self.tokenizer.hf.get_chat_template(None, [{}] if tools else None)
+            self._marked[tools] = bool(GENERATION_TAG.search(jinja))
+        return self._marked[tools]
 
     @property
     def marked(self) -> bool:
-        """Whether the tokenizer's template marks answers with {% generation %}."""
-        if self.name != "tokenizer":
-            return False
-        jinja = self.tokenizer.hf.get_chat_template()
-        return bool(GENERATION_TAG.search(jinja))
+        return self.marks_answers()
 
     def describe(self) -> str:
         if self.name != "tokenizer":
@@ -404,7 +411,7 @@ class Template:
             text, last, turn = full, i, turn + 1
         rest = self._render(conversation, len(messages), prompt)
         samples.append((rest if rest.startswith(text) else text, spans, last))
-        if self.marked:
+        if self.marks_answers(bool(conversation.tools)):
             samples = [(text, self._marked_spans(conversation, text, spans, last), last)
                        for text, spans, last in samples]
         return [_pieces(text, spans) for text, spans, _ in samples]
