@@ -312,3 +312,23 @@ def test_turn_split_benchmark_runs():
 
     [case] = sft_turn_split.main(["--rows", "2", "--turns", "2"])["cases"]
     assert case["samples"] == 4 and case["token_ratio"] > 1 and case["trained_tokens"] > 0
+
+
+def test_tool_rows_read_from_jsonl_keep_each_rows_own_keys(tmp_path, qwen25_tok):
+    """Rows whose tool calls have different argument names read back as written (no row
+    gets another row's keys as nulls), and encode as the in-memory conversation does."""
+    from swift_mcore.data.conversations import read_conversations
+    from swift_mcore.data.sources import expand_inputs
+
+    path = tmp_path / "agent.jsonl"
+    plain = {"messages": [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "hello"}]}
+    path.write_text("\n".join(json.dumps(r) for r in (
+        {"messages": AGENT, "tools": [WEATHER, CLOCK]}, plain)) + "\n")
+    first, second = read_conversations(expand_inputs([str(path)], "--dataset"), {})
+    assert first.messages == AGENT and first.tools == [WEATHER, CLOCK]
+    assert second.tools is None and first.where == f"--dataset {path}, row 0"
+    template = Template("tokenizer", qwen25_tok)
+    [(ids, _)] = template.encode_samples(first)
+    [(want, _)] = template.encode_samples(Conversation(AGENT, tools=[WEATHER, CLOCK]))
+    np.testing.assert_array_equal(ids, want)
