@@ -1,7 +1,9 @@
 """Finetuning datasets: conversations encoded, truncated, split, packed, and batched.
 
 A training item is a row: one conversation (padded per micro-batch) or, with --packing,
-several conversations laid end to end in --seq_length positions. Rows are fixed by the data
+several conversations laid end to end in --seq_length positions. A conversation is one
+sample, or one per assistant turn whose history its chat template re-renders
+(templates.py); below, "conversation" means such a sample. Rows are fixed by the data
 and the flags alone; the sampler (sampler.py) orders them per (seed, epoch), so a resumed
 run finds its next row from the consumed-samples counter, as in pretraining.
 """
