@@ -56,7 +56,7 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     from .loaded_model import load_model
 
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
-                        trust_remote_code=args.trust_remote_code)
+                        trust_remote_code=args.trust_remote_code, tokenizer_optional=True)
     layout = Layout.from_model_args(loaded.config.model, loaded.config.padded_vocab_size)
     state = {canonical(k): v for k, v in loaded.model.state_dict().items()
              if not k.endswith("_extra_state")}
@@ -82,12 +82,12 @@ def to_mcore(args: ExportArguments, log) -> Dict[str, object]:
     run_lock.acquire(args.output_dir, "swift-mcore export --to_mcore")
     try:
         loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
-                            trust_remote_code=args.trust_remote_code)
+                            trust_remote_code=args.trust_remote_code, tokenizer_optional=True)
         # A weights-only checkpoint: no optimizer state, iteration 0.
         flags = with_flags(loaded.flags, output_dir=os.path.abspath(args.output_dir),
                            no_save_optim=True)
         config = resolve(flags, world_size=1).complete(
-            loaded.tokenizer.vocab_size, None,
+            loaded.config.vocab_size, None,
             padded_vocab_size=loaded.config.padded_vocab_size)
         path, _ = save_checkpoint(config, TrainState(), [loaded.model], None, None, None)
     finally:

@@ -22,7 +22,7 @@ class LoadedModel:
     flags: PretrainArguments    # what the model was resolved from (one process)
     config: RunConfig           # complete: the padded vocabulary is the embedding's rows
     model: torch.nn.Module      # megatron GPTModel, eval mode
-    tokenizer: object
+    tokenizer: Optional[object]  # None: a weights-only HF folder converted without one
     kind: str                   # "hf" or "checkpoint"
     path: str                   # the HF folder or the checkpoint folder
     hf_folder: Optional[str]    # the HF folder the config/tokenizer came from, if known
@@ -33,19 +33,23 @@ class LoadedModel:
 
 
 def load_model(path: str, tokenizer: Optional[str] = None, flag: str = "--model",
-               log: Log = print, trust_remote_code: bool = False) -> LoadedModel:
+               log: Log = print, trust_remote_code: bool = False,
+               tokenizer_optional: bool = False) -> LoadedModel:
     """Collective over a one-rank process group it creates when none exists. A tokenizer
     folder's own code runs only with ``trust_remote_code`` (the command's flag, never a
-    saved run's)."""
+    saved run's). With ``tokenizer_optional`` (conversion), an HF folder of weights only
+    loads without a tokenizer: its config.json gives the vocabulary."""
     from .models.hf_folder import is_hf_folder
 
     if is_hf_folder(path):
-        return _from_hf(path, tokenizer, log, trust_remote_code)
-    return _from_checkpoint(path, tokenizer, flag, log, trust_remote_code)
+        return _from_hf(path, tokenizer, log, trust_remote_code, tokenizer_optional)
+    return _from_checkpoint(path, tokenizer, flag, log, trust_remote_code, tokenizer_optional)
 
 
-def _from_hf(path: str, tokenizer_path: Optional[str], log: Log, trust: bool) -> LoadedModel:
+def _from_hf(path: str, tokenizer_path: Optional[str], log: Log, trust: bool,
+             tokenizer_optional: bool = False) -> LoadedModel:
     from .data import build_tokenizer
+    from .data.tokenizer import has_tokenizer_files
     from .models.hf_folder import HFFolder
     from .models.hf_load import load_hf_weights
 
@@ -55,8 +59,12 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log: Log, trust: bool) ->
     flags = PretrainArguments.from_flags(model=path, tokenizer=tokenizer_path,
                                          seq_length=min(256, int(positions)), precision="fp32",
                                          trust_remote_code=trust)
-    tokenizer = build_tokenizer(flags)
-    config = resolve(flags, world_size=1).complete(tokenizer.vocab_size, None)
+    tokenizer = None
+    if tokenizer_path or not tokenizer_optional or has_tokenizer_files(path):
+        tokenizer = build_tokenizer(flags)
+    resolved = resolve(flags, world_size=1)
+    config = resolved.complete(tokenizer.vocab_size if tokenizer is not None
+                               else resolved.model.vocab_size, None)
     model = _build(config)
     load_hf_weights(config, [model], log=log)
     return LoadedModel(flags, config, model.eval(), tokenizer, "hf", os.path.abspath(path),
@@ -64,7 +72,7 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log: Log, trust: bool) ->
 
 
 def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log: Log,
-                     trust: bool) -> LoadedModel:
+                     trust: bool, tokenizer_optional: bool = False) -> LoadedModel:
     from .checkpointing import find_checkpoint, load_weights, read_run_flags, tensor_shapes
     from .data.templates import attach_chat_template
     from .models.hf_folder import is_hf_folder
@@ -73,15 +81,19 @@ def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log: L
     saved = read_run_flags(folder)
     flags = one_process_flags(saved)
     hf_folder = saved.get("model", {}).get("model")
-    tokenizer = _checkpoint_tokenizer(flags, saved, tokenizer_path, folder, trust)
+    tokenizer = _checkpoint_tokenizer(flags, saved, tokenizer_path, folder, trust,
+                                      tokenizer_optional)
     # A model finetuned with a built-in template is exported with it as its chat template.
-    attach_chat_template(tokenizer, saved.get("sft"))
+    if tokenizer is not None:
+        attach_chat_template(tokenizer, saved.get("sft"))
     rows = tensor_shapes(folder).get("embedding.word_embeddings.weight")
     if rows is None:
         raise CheckpointError(f"{folder} holds no embedding.word_embeddings.weight: not a GPT "
                               f"checkpoint of swift-mcore")
-    config = resolve(flags, world_size=1).complete(tokenizer.vocab_size, None,
-                                                   padded_vocab_size=rows[0])
+    resolved = resolve(flags, world_size=1)
+    config = resolved.complete(tokenizer.vocab_size if tokenizer is not None
+                               else resolved.model.vocab_size or rows[0], None,
+                               padded_vocab_size=rows[0])
     model = _build(config)
     load_weights(folder, [model])
     log(f"loaded checkpoint {folder}")
@@ -110,8 +122,10 @@ def with_flags(flags: PretrainArguments, **changes) -> PretrainArguments:
     return copy.deepcopy(flags).update(**changes)
 
 
-def _checkpoint_tokenizer(flags, saved, explicit: Optional[str], folder: str, trust: bool):
+def _checkpoint_tokenizer(flags, saved, explicit: Optional[str], folder: str, trust: bool,
+                          optional: bool = False):
     from .data import build_tokenizer, load_tokenizer
+    from .data.tokenizer import has_tokenizer_files
 
     if explicit:
         return load_tokenizer(explicit, flag="--tokenizer", trust_remote_code=trust)
@@ -121,6 +135,8 @@ def _checkpoint_tokenizer(flags, saved, explicit: Optional[str], folder: str, tr
     if not os.path.exists(source):
         raise ArgumentError(f"checkpoint {folder} was trained with the tokenizer of {source}, "
                             f"which no longer exists; pass --tokenizer PATH")
+    if optional and os.path.isdir(source) and not has_tokenizer_files(source):
+        return None  # converted from a weights-only folder: converts back without one
     return load_tokenizer(source, flag="--tokenizer", trust_remote_code=trust)
 
 

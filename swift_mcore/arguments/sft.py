@@ -12,7 +12,7 @@ from .pretrain import PretrainArguments
 
 TEMPLATES = ("auto", "tokenizer", "chatml", "plain")
 # The columns a row can hold after --columns renames it (docs/sft.md, "Data formats").
-COLUMN_TARGETS = ("messages", "query", "response", "system", "history")
+COLUMN_TARGETS = ("messages", "tools", "query", "response", "system", "history")
 
 
 @dataclass
@@ -23,6 +23,10 @@ class SftDataArguments:
         "chatml when <|im_start|> and <|im_end|> are tokens, else plain.", choices=TEMPLATES)
     system: Optional[str] = flag(
         None, "System prompt for conversations that have none.")
+    train_separator: bool = flag(
+        False, "Also train the text a template puts after an answer's end-of-turn marker (the "
+        "newline after ChatML's <|im_end|>). Off by default, as in transformers' assistant "
+        "masks: that text is context, the next message's start.")
     loss_on: str = flag(
         "all_turns", "Which assistant turns are trained on; every other token is masked from "
         "the loss.", choices=("all_turns", "last_turn"))

@@ -1,25 +1,39 @@
-"""Conversation rows (messages, or query/response/system/history) read and checked."""
+"""Conversation rows (messages with tools and tool calls, or query/response/system/history) read and checked."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Sequence
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from ..errors import ArgumentError
 from .sources import Source, read_batches
 
-Message = Dict[str, str]
-ROLES = ("system", "user", "assistant")
+Message = Dict[str, Any]
+ROLES = ("system", "user", "assistant", "tool")
+# Optional keys a message keeps (the names chat templates read); others are dropped.
+OPTIONAL_KEYS = ("tool_calls", "reasoning_content", "name", "tool_call_id")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One row: its messages, the tools offered to the model (JSON schemas, or None), and
+    where it came from (file and row, for every error about it)."""
+
+    messages: List[Message]
+    tools: Optional[List[Dict[str, Any]]] = None
+    where: str = "a conversation"
 
 
 def read_conversations(sources: Sequence[Source], columns: Dict[str, str],
-                       flag: str = "--dataset") -> List[List[Message]]:
-    """Every row of every source as a list of {role, content} messages, in file order."""
-    conversations: List[List[Message]] = []
+                       flag: str = "--dataset") -> List[Conversation]:
+    """Every row of every source as a Conversation, in file order."""
+    conversations: List[Conversation] = []
     for source in sources:
         before = len(conversations)
         for index, row in enumerate(_rows(source, flag)):
             row = {columns.get(k, k): v for k, v in row.items()}
-            conversations.append(to_messages(row, f"{flag} {source.path}, row {index}"))
+            conversations.append(to_conversation(row, f"{flag} {source.path}, row {index}"))
         if len(conversations) == before:
             raise ArgumentError(f"{flag} {source.path}: is empty (no rows)")
     return conversations
@@ -30,6 +44,11 @@ def _rows(source: Source, flag: str) -> Iterator[Dict[str, Any]]:
         names = list(batch)
         for values in zip(*(batch[n] for n in names)):
             yield dict(zip(names, values))
+
+
+def to_conversation(row: Dict[str, Any], where: str) -> Conversation:
+    """One row -> a Conversation (its messages and its 'tools' column)."""
+    return Conversation(to_messages(row, where), _tools(row.get("tools"), where), where)
 
 
 def to_messages(row: Dict[str, Any], where: str) -> List[Message]:
@@ -57,13 +76,59 @@ def _text(value: Any, where: str, what: str) -> str:
     return value
 
 
+def _json_value(value: Any, where: str, what: str, kind: type) -> Any:
+    """A value given as JSON text (as OpenAI-style data stores tools and arguments) parsed;
+    chat templates expect the objects themselves (they render them with tojson)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ArgumentError(f"{where}: {what} is text but not valid JSON ({err})") from None
+    if not isinstance(value, kind):
+        name = "an object" if kind is dict else "a list"
+        raise ArgumentError(f"{where}: {what} must be {name} (or its JSON text), got "
+                            f"{type(value).__name__} {value!r:.80}")
+    return value
+
+
+def _tools(value: Any, where: str) -> Optional[List[Dict[str, Any]]]:
+    if value is None:
+        return None
+    tools = _json_value(value, where, "'tools'", list)
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ArgumentError(f"{where}: tool {i} of 'tools' must be an object (a JSON "
+                                f"schema such as {{\"type\": \"function\", \"function\": "
+                                f"{{\"name\": ..., \"parameters\": ...}}}}); got {tool!r:.80}")
+    return tools or None
+
+
+def _tool_calls(value: Any, where: str, i: int) -> List[Dict[str, Any]]:
+    calls = _json_value(value, where, f"message {i}'s tool_calls", list)
+    checked = []
+    for j, call in enumerate(calls):
+        what = f"message {i}'s tool call {j}"
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ArgumentError(f"{where}: {what} must be an object with a 'function' holding "
+                                f"'name' and 'arguments'; got {call!r:.80}")
+        function = dict(function)
+        if "arguments" in function:
+            function["arguments"] = _json_value(function["arguments"], where,
+                                                f"{what}'s arguments", dict)
+        checked.append({**call, "function": function} if "function" in call else
+                       {"type": "function", "function": function})
+    return checked
+
+
 def _checked_messages(value: Any, where: str) -> List[Message]:
     if not isinstance(value, (list, tuple)) or not value:
         raise ArgumentError(f"{where}: 'messages' must be a non-empty list of "
                             f"{{\"role\", \"content\"}} objects")
     messages = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        if not isinstance(message, dict) or "role" not in message or (
+                "content" not in message and not message.get("tool_calls")):
             raise ArgumentError(f"{where}: message {i} must be an object with 'role' and "
                                 f"'content'; got {message!r:.80}")
         role = message["role"]
@@ -73,8 +138,24 @@ def _checked_messages(value: Any, where: str) -> List[Message]:
         if role == "system" and i != 0:
             raise ArgumentError(f"{where}: message {i} is a system message; only the first "
                                 f"message may be one")
-        messages.append({"role": role,
-                         "content": _text(message["content"], where, f"message {i}'s content")})
+        content = message.get("content")
+        checked: Message = {"role": role}
+        # An assistant message that only calls tools may have no content (OpenAI's null).
+        if content is not None or not message.get("tool_calls"):
+            checked["content"] = _text(content, where, f"message {i}'s content")
+        else:
+            checked["content"] = ""
+        for key in OPTIONAL_KEYS:
+            if message.get(key) is None:
+                continue
+            if key == "tool_calls":
+                if role != "assistant":
+                    raise ArgumentError(f"{where}: message {i} ({role}) has tool_calls; only "
+                                        f"assistant messages call tools")
+                checked[key] = _tool_calls(message[key], where, i)
+            else:
+                checked[key] = _text(message[key], where, f"message {i}'s {key}")
+        messages.append(checked)
     return messages
 
 

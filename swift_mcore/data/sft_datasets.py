@@ -1,7 +1,9 @@
 """Finetuning datasets: conversations encoded, truncated, split, packed, and batched.
 
 A training item is a row: one conversation (padded per micro-batch) or, with --packing,
-several conversations laid end to end in --seq_length positions. Rows are fixed by the data
+several conversations laid end to end in --seq_length positions. A conversation is one
+sample, or one per assistant turn whose history its chat template re-renders
+(templates.py); below, "conversation" means such a sample. Rows are fixed by the data
 and the flags alone; the sampler (sampler.py) orders them per (seed, epoch), so a resumed
 run finds its next row from the consumed-samples counter, as in pretraining.
 """
@@ -21,7 +23,7 @@ from .packing import pack
 from .templates import CONTEXT, Template
 
 # Part of the fingerprint: change it whenever encoding changes what a conversation becomes.
-ENCODING_VERSION = 1
+ENCODING_VERSION = 2
 
 
 @dataclass
@@ -61,10 +63,16 @@ class EncodingReport:
     truncated: int = 0  # cut and kept
     dropped_long: int = 0
     dropped_empty: int = 0  # no trained token left after truncation
+    samples: int = 0  # a conversation is one sample, or one per rewritten history
+    split: int = 0  # conversations rendered as several samples
 
     def describe(self, strategy: str, seq_length: int) -> str:
-        kept = self.conversations - self.dropped_long - self.dropped_empty
+        kept = self.samples - self.dropped_long - self.dropped_empty
         text = f"{kept} of {self.conversations} conversations kept"
+        if self.split:
+            text = (f"{kept} of {self.samples} samples kept from {self.conversations} "
+                    f"conversations ({self.split} split into one sample per assistant turn "
+                    f"whose history the template re-renders)")
         if self.truncated:
             text += f"; {self.truncated} cut on the {strategy} to --seq_length {seq_length}"
         if self.dropped_long:
@@ -84,29 +92,39 @@ def encode_conversations(conversations, template: Template, seq_length: int,
     report = report if report is not None else EncodingReport()
     parts: List[Tuple[np.ndarray, np.ndarray]] = []
     for start in range(0, len(conversations), chunk):
-        for ids, turns in template.encode_many(conversations[start:start + chunk]):
+        for samples in template.encode_many(conversations[start:start + chunk]):
             report.conversations += 1
-            if loss_on == "last_turn":
-                targets = turns == turns.max()
-            else:
-                targets = turns != CONTEXT
-            cut = len(ids) > seq_length + 1
-            if cut:
-                if truncation == "drop":
-                    report.dropped_long += 1
+            report.split += len(samples) > 1
+            last = max(int(turns.max()) for _, turns in samples)
+            for ids, turns in samples:
+                # last_turn: a split conversation trains only the sample of its last answer
+                if loss_on == "last_turn" and turns.max() < last:
                     continue
-                keep = slice(0, seq_length + 1) if truncation == "right" else slice(
-                    len(ids) - seq_length - 1, None)
-                ids, targets = ids[keep], targets[keep]
-            # The first token is never a label: it has no token before it.
-            if len(ids) < 2 or not targets[1:].any():
-                report.dropped_empty += 1
-                continue
-            # Counted once: a cut conversation left with no answer counts as dropped only.
-            if cut:
-                report.truncated += 1
-            parts.append((ids, targets))
+                report.samples += 1
+                targets = turns == last if loss_on == "last_turn" else turns != CONTEXT
+                _fit(ids, targets, seq_length, truncation, report, parts)
     return _flat(parts)
+
+
+def _fit(ids, targets, seq_length: int, truncation: str, report: EncodingReport,
+         parts: List[Tuple[np.ndarray, np.ndarray]]) -> None:
+    """One sample cut (or dropped) to ``seq_length + 1`` tokens and added to ``parts``."""
+    cut = len(ids) > seq_length + 1
+    if cut:
+        if truncation == "drop":
+            report.dropped_long += 1
+            return
+        keep = slice(0, seq_length + 1) if truncation == "right" else slice(
+            len(ids) - seq_length - 1, None)
+        ids, targets = ids[keep], targets[keep]
+    # The first token is never a label: it has no token before it.
+    if len(ids) < 2 or not targets[1:].any():
+        report.dropped_empty += 1
+        return
+    # Counted once: a cut conversation left with no answer counts as dropped only.
+    if cut:
+        report.truncated += 1
+    parts.append((ids, targets))
 
 
 class SftDataset(torch.utils.data.Dataset):
@@ -180,7 +198,8 @@ def build_sft_datasets(args, tokenizer, log: Callable[[str], None] = print):
     from ..arguments.sft import column_map
     from .conversations import read_conversations
     s, seq = args.sft, args.model.seq_length
-    template = Template(s.template, tokenizer, system=s.system)
+    template = Template(s.template, tokenizer, system=s.system,
+                        train_separator=s.train_separator)
     columns = column_map(s.columns)
     train_sources, val_sources = list(args.dataset_sources), list(args.val_dataset_sources)
 
@@ -227,7 +246,8 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
     from .sources import content_fingerprint
 
     s = config.sft
-    template = template or Template(s.template, tokenizer, system=s.system)
+    template = template or Template(s.template, tokenizer, system=s.system,
+                                    train_separator=s.train_separator)
     identity = {
         "version": ENCODING_VERSION,
         "train": content_fingerprint(config.dataset_sources),
@@ -235,8 +255,8 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
                   if config.val_dataset_sources else None),
         "tokenizer": tokenizer.fingerprint,
         "sft": {k: _plain(getattr(s, k)) for k in (
-            "template", "system", "loss_on", "truncation_strategy", "packing", "columns",
-            "split_dataset_ratio")},
+            "template", "system", "train_separator", "loss_on", "truncation_strategy",
+            "packing", "columns", "split_dataset_ratio")},
         "template": template.name,
         # the Jinja text decides the tokens; the tokenizer's fingerprint covers its vocabulary
         "chat_template": tokenizer.chat_template if template.name == "tokenizer" else None,

@@ -1,21 +1,27 @@
 """Chat templates: a conversation -> token ids, each marked with the assistant turn it trains.
 
-A conversation is rendered as a list of text pieces, each either context (never trained on)
-or the answer of assistant turn k (trained on). The whole text is tokenized at once, so
-training sees the ids a Hugging Face user gets from ``apply_chat_template`` at inference,
-and each token takes the turn of the piece its characters fall in (the tokenizer's character
-offsets): the tokens of the answer and its end-of-turn marker, nothing of the prompt.
+A conversation is rendered as one or more samples, each a list of text pieces, each piece
+either context (never trained on) or the answer of assistant turn k (trained on). A sample's
+whole text is tokenized at once, so training sees the ids a Hugging Face user gets from
+``apply_chat_template`` at inference, and each token takes the turn of the piece its
+characters fall in (the tokenizer's character offsets): the tokens of the answer (its text,
+its tool calls, its reasoning) and its end-of-turn marker, nothing of the prompt.
 
 Built-in templates (``--template chatml|plain``) spell the pieces directly and end every
-answer with the tokenizer's end-of-document token, where generation stops. The tokenizer's
-own Jinja template (``--template tokenizer``) is rendered incrementally: answer k is what
-rendering the first k+1 messages adds to rendering the first k with the generation prompt.
+answer with the tokenizer's end-of-document token, where generation stops; they render no
+tools. The tokenizer's own Jinja template (``--template tokenizer``) is rendered
+incrementally: answer k is what rendering the first k+1 messages (and the row's tools) adds
+to rendering the first k with the generation prompt; with ``{% generation %}`` markers in
+the template, the marked text is the answer instead. A template that renders the history
+of turn k otherwise than as the text of turn k-1 (Qwen3 drops earlier turns' reasoning)
+starts a new sample at turn k: its history as the template renders it there.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -24,6 +30,8 @@ from ..errors import ArgumentError
 CONTEXT = -1  # turn index of a context token
 # (text, CONTEXT or the assistant turn it answers); text None: the end-of-document token
 Piece = Tuple[Optional[str], int]
+# transformers' marker of the text an assistant generates (return_assistant_tokens_mask)
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass(frozen=True)
@@ -35,13 +43,14 @@ class BuiltinTemplate:
     answer_end: str  # text closing an answer (the end-of-document token follows it)
     separator: str   # context text after an answer, before the next message
 
-    def pieces(self, messages, generation_prompt: bool = False) -> List[Piece]:
+    def pieces(self, messages, generation_prompt: bool = False,
+               train_separator: bool = False) -> List[Piece]:
         pieces: List[Piece] = []
         turn = 0
         for i, message in enumerate(messages):
             role, content = message["role"], message["content"]
             if i and messages[i - 1]["role"] == "assistant":
-                pieces.append((self.separator, CONTEXT))
+                pieces.append((self.separator, turn - 1 if train_separator else CONTEXT))
             if role == "system":
                 pieces.append((self.system.format(content=content), CONTEXT))
             elif role == "user":
@@ -120,13 +129,62 @@ def has_chatml_tokens(tokenizer) -> bool:
     return "<|im_start|>" in vocab and "<|im_end|>" in vocab
 
 
-class Template:
-    """``Template(name, tokenizer).encode(messages) -> (ids, turns)``: int32 token ids and,
-    per token, the assistant turn it belongs to (CONTEXT for everything else)."""
+def as_conversation(conversation):
+    """A Conversation (conversations.py), or a plain list of messages as one."""
+    if hasattr(conversation, "messages"):
+        return conversation
+    from .conversations import Conversation
 
-    def __init__(self, name: str, tokenizer, system: Optional[str] = None):
+    return Conversation(list(conversation))
+
+
+# What a row may need a template to render, each with a probe conversation whose rendering
+# must contain the probe word. A template that leaves it out would silently drop it.
+_PROBE = "zqprobe"
+_FEATURES = {
+    "tools": ("a 'tools' list", [{"role": "user", "content": "?"}],
+              [{"type": "function", "function": {
+                  "name": _PROBE, "description": "d",
+                  "parameters": {"type": "object", "properties": {}}}}]),
+    "tool_calls": ("tool_calls (message {i})", [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": _PROBE, "arguments": {}}}]}], None),
+    "tool": ("a 'tool' message (message {i})", [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": {}}}]},
+        {"role": "tool", "content": _PROBE}], None),
+    "reasoning_content": ("reasoning_content (message {i})", [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": "A", "reasoning_content": _PROBE}], None),
+}
+
+
+def _features(conversation) -> List[Tuple[str, str]]:
+    """(feature, description) of each optional thing the conversation uses, first use."""
+    found: Dict[str, str] = {}
+    if conversation.tools:
+        found["tools"] = _FEATURES["tools"][0]
+    for i, m in enumerate(conversation.messages):
+        for key in ("tool_calls", "reasoning_content"):
+            if m.get(key) and key not in found:
+                found[key] = _FEATURES[key][0].format(i=i)
+        if m["role"] == "tool" and "tool" not in found:
+            found["tool"] = _FEATURES["tool"][0].format(i=i)
+    return list(found.items())
+
+
+class Template:
+    """``Template(name, tokenizer).encode_samples(conversation) -> [(ids, turns), ...]``:
+    per sample, int32 token ids and, per token, the assistant turn it trains (CONTEXT for
+    everything else). Most conversations are one sample (``encode``)."""
+
+    def __init__(self, name: str, tokenizer, system: Optional[str] = None,
+                 train_separator: bool = False):
         self.tokenizer = tokenizer
         self.default_system = system
+        self.train_separator = train_separator
         has_own = bool(tokenizer.chat_template)
         if name == "auto":
             name = "tokenizer" if has_own else "chatml" if has_chatml_tokens(
@@ -144,22 +202,57 @@ class Template:
                                 f"character offsets place the answer tokens; "
                                 f"{tokenizer.source} loaded as a slow one")
         self.eod_text = tokenizer.backend.id_to_token(tokenizer.eod)
+        self._renders: Dict[str, bool] = {}
+        self._end: Optional[str] = None
+        self._marked: Dict[bool, bool] = {}
+
+    def marks_answers(self, tools: bool = False) -> bool:
+        """Whether the tokenizer's template (its tool-use one, for a row with tools) marks
+        answers with {% generation %}."""
+        if self.name != "tokenizer":
+            return False
+        if tools not in self._marked:
+            jinja = self.tokenizer.hf.get_chat_template(None, [{}] if tools else None)
+            self._marked[tools] = bool(GENERATION_TAG.search(jinja))
+        return self._marked[tools]
+
+    @property
+    def marked(self) -> bool:
+        return self.marks_answers()
 
     def describe(self) -> str:
-        return (f"the tokenizer's chat template ({self.tokenizer.source})"
-                if self.name == "tokenizer" else f"built-in '{self.name}'")
+        if self.name != "tokenizer":
+            return f"built-in '{self.name}'"
+        marks = ", answers as its {% generation %} blocks" if self.marked else ""
+        return f"the tokenizer's chat template ({self.tokenizer.source}{marks})"
 
-    def pieces(self, messages, generation_prompt: bool = False) -> List[Piece]:
+    def _with_system(self, conversation):
+        conversation = as_conversation(conversation)
+        messages = conversation.messages
         if self.default_system is not None and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.default_system}, *messages]
+            from dataclasses import replace
+
+            conversation = replace(conversation, messages=[
+                {"role": "system", "content": self.default_system}, *messages])
+        return conversation
+
+    def samples(self, conversation, generation_prompt: bool = False) -> List[List[Piece]]:
+        """The conversation's samples, each a list of pieces."""
+        conversation = self._with_system(conversation)
+        self._check_renders(conversation)
         if self.name == "tokenizer":
-            return self._rendered_pieces(messages, prompt=generation_prompt)
-        return BUILTIN[self.name].pieces(messages, generation_prompt)
+            return self._rendered_samples(conversation, generation_prompt)
+        return [BUILTIN[self.name].pieces(conversation.messages, generation_prompt,
+                                          self.train_separator)]
 
     def prompt(self, messages) -> List[int]:
         """Token ids of a conversation that ends with a user message, followed by the
         assistant's cue: what generation continues from (swift-mcore infer --template)."""
-        ids, _ = self.encode_many([messages], generation_prompt=True)[0]
+        if self.name == "tokenizer":
+            conversation = self._with_system(messages)
+            text = self._render(conversation, len(conversation.messages), True)
+            return self.tokenizer.backend.encode(text, add_special_tokens=False).ids
+        ids, _ = self.encode_many([messages], generation_prompt=True)[0][0]
         return ids.tolist()
 
     def end_marker(self) -> str:
@@ -167,14 +260,16 @@ class Template:
         generation stops there even when the tokenizer's EOD is another token."""
         if self.name in BUILTIN:
             return BUILTIN[self.name].answer_end
-        probe = "\x00answer\x00"
-        user = [{"role": "user", "content": "?"}]
-        hf = self.tokenizer.hf
-        before = hf.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-        full = hf.apply_chat_template(user + [{"role": "assistant", "content": probe}],
-                                      tokenize=False)
-        after = full[len(before):].split(probe, 1)[-1] if full.startswith(before) else ""
-        return after.strip().replace(self.eod_text, "")
+        if self._end is None:
+            probe = "\x00answer\x00"
+            user = [{"role": "user", "content": "?"}]
+            hf = self.tokenizer.hf
+            before = hf.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+            full = hf.apply_chat_template(user + [{"role": "assistant", "content": probe}],
+                                          tokenize=False)
+            after = full[len(before):].split(probe, 1)[-1] if full.startswith(before) else ""
+            self._end = after.strip().replace(self.eod_text, "")
+        return self._end
 
     def answer_text(self, text: str) -> str:
         """A generated answer, cut at the template's end-of-turn marker."""
@@ -182,20 +277,32 @@ class Template:
         return text.split(end, 1)[0] if end else text
 
     def encode(self, messages) -> Tuple[np.ndarray, np.ndarray]:
-        return self.encode_many([messages])[0]
+        """The (ids, turns) of a conversation that renders as one sample."""
+        samples = self.encode_samples(messages)
+        if len(samples) != 1:
+            raise ValueError(f"the conversation renders as {len(samples)} samples; use "
+                             f"encode_samples")
+        return samples[0]
+
+    def encode_samples(self, conversation) -> List[Tuple[np.ndarray, np.ndarray]]:
+        return self.encode_many([conversation])[0]
 
     def encode_many(self, conversations: Sequence, generation_prompt: bool = False
-                    ) -> List[Tuple[np.ndarray, np.ndarray]]:
-        """Tokenizes whole conversations in one batch call; each token takes the turn of the
-        piece its characters fall in (an answer wins over context when a token spans both,
-        e.g. a space of the cue merged into the answer's first word)."""
-        texts, layouts = [], []
-        for messages in conversations:
-            text, bounds, turns = self._text_of(self.pieces(messages, generation_prompt))
-            texts.append(text)
-            layouts.append((bounds, turns))
+                    ) -> List[List[Tuple[np.ndarray, np.ndarray]]]:
+        """Per conversation, its samples' (ids, turns), all tokenized in one batch call; each
+        token takes the turn of the piece its characters fall in (an answer wins over
+        context when a token spans both, e.g. a space of the cue merged into the answer's
+        first word)."""
+        texts, layouts, counts = [], [], []
+        for conversation in conversations:
+            samples = self.samples(conversation, generation_prompt)
+            counts.append(len(samples))
+            for pieces in samples:
+                text, bounds, turns = self._text_of(pieces)
+                texts.append(text)
+                layouts.append((bounds, turns))
         encodings = self.tokenizer.backend.encode_batch(texts, add_special_tokens=False)
-        out = []
+        flat = []
         for encoding, (bounds, turns) in zip(encodings, layouts):
             ids = np.asarray(encoding.ids, dtype=np.int32)
             spans = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
@@ -203,13 +310,17 @@ class Template:
             last = np.searchsorted(bounds, np.maximum(spans[:, 1] - 1, spans[:, 0]),
                                    side="right") - 1
             token_turns = np.maximum(turns[first.clip(0)], turns[last.clip(0)])
-            out.append((ids, token_turns.astype(np.int32)))
+            flat.append((ids, token_turns.astype(np.int32)))
+        out, at = [], 0
+        for n in counts:
+            out.append(flat[at:at + n])
+            at += n
         return out
 
     def _text_of(self, pieces: List[Piece]):
-        """The conversation's text, and where each piece starts in it with its turn. An
-        answer's end (a None piece) is the end-of-document token's text, unless the answer
-        already ends with it (ChatML with a tokenizer whose EOS is <|im_end|>)."""
+        """The sample's text, and where each piece starts in it with its turn. An answer's
+        end (a None piece) is the end-of-document token's text, unless the answer already
+        ends with it (ChatML with a tokenizer whose EOS is <|im_end|>)."""
         eod_text = self.eod_text
         parts: List[str] = []
         bounds: List[int] = []
@@ -229,34 +340,130 @@ class Template:
         return ("".join(parts), np.asarray(bounds, dtype=np.int64),
                 np.asarray(turns, dtype=np.int64))
 
-    def _rendered_pieces(self, messages, prompt: bool = False) -> List[Piece]:
-        """The conversation's pieces; with ``prompt``, the last one ends with the assistant's
-        cue (the generation prompt)."""
-        hf = self.tokenizer.hf
+    # ---- what a template can render -------------------------------------------------
 
-        def render(upto: int, cue: bool) -> str:
-            return hf.apply_chat_template(list(messages[:upto]), tokenize=False,
-                                          add_generation_prompt=cue)
+    def _check_renders(self, conversation) -> None:
+        """Refuses a row that uses what the template would leave out (tools, tool calls,
+        tool results, reasoning), naming the row: dropping them silently would train on
+        another conversation than the row's."""
+        for feature, what in _features(conversation):
+            if self.name != "tokenizer":
+                raise ArgumentError(
+                    f"{conversation.where}: the conversation has {what}, which the built-in "
+                    f"template '{self.name}' does not render; use --template tokenizer with "
+                    f"a tokenizer whose chat template renders tools and reasoning (such as "
+                    f"Qwen2.5's or Qwen3's), or leave them out of the row")
+            if not self._renders_feature(feature):
+                raise ArgumentError(
+                    f"{conversation.where}: the conversation has {what}, which the chat "
+                    f"template of {self.tokenizer.source} does not render (it would be "
+                    f"dropped from training); give --tokenizer one whose template renders "
+                    f"it, or leave it out of the row")
 
-        pieces: List[Piece] = []
-        done, turn = "", 0
+    def _renders_feature(self, feature: str) -> bool:
+        if feature not in self._renders:
+            _, messages, tools = _FEATURES[feature]
+            try:
+                text = self.tokenizer.hf.apply_chat_template(
+                    messages, tools=tools, tokenize=False,
+                    add_generation_prompt=messages[-1]["role"] != "assistant")
+                self._renders[feature] = _PROBE in text
+            except Exception:  # a template's raise_exception, or a Jinja error
+                self._renders[feature] = False
+        return self._renders[feature]
+
+    # ---- the tokenizer's own template -------------------------------------------------
+
+    def _render(self, conversation, upto: int, cue: bool) -> str:
+        try:
+            return self.tokenizer.hf.apply_chat_template(
+                list(conversation.messages[:upto]), tools=conversation.tools, tokenize=False,
+                add_generation_prompt=cue)
+        except Exception as err:  # a template's raise_exception, or a Jinja error
+            text = (str(err).strip().splitlines() or [""])[0][:200]
+            raise ArgumentError(
+                f"{conversation.where}: the chat template of {self.tokenizer.source} cannot "
+                f"render this conversation ({type(err).__name__}: {text})") from None
+
+    def _rendered_samples(self, conversation, prompt: bool = False) -> List[List[Piece]]:
+        """Answer k spans what rendering messages[:i+1] adds to rendering messages[:i] with
+        the generation prompt. While each rendering extends the one before, the answers
+        share one sample; when the prompt of turn k does not extend the text of turn k-1
+        (the template rewrote the history), turn k starts a new sample from that prompt."""
+        messages = conversation.messages
+        samples: List[Tuple[str, list, int]] = []  # (text, answer spans, last message)
+        text, spans, last, turn = "", [], -1, 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before, full = render(i, True), render(i + 1, False)
-            if not (before.startswith(done) and full.startswith(before)):
+            before = self._render(conversation, i, True)
+            full = self._render(conversation, i + 1, False)
+            if not full.startswith(before):
                 raise ArgumentError(
-                    f"--template tokenizer: the chat template of {self.tokenizer.source} does "
-                    f"not render a conversation as a growing prefix (it rewrites earlier "
-                    f"turns), so the answer tokens cannot be located; use --template "
-                    f"chatml or plain")
-            pieces.append((before[len(done):], CONTEXT))
-            pieces.append((full[len(before):], turn))
-            done, turn = full, turn + 1
-        rest = render(len(messages), prompt)
-        if not rest.startswith(done):
-            raise ArgumentError(f"--template tokenizer: the chat template of "
-                                f"{self.tokenizer.source} rewrites earlier turns; use "
-                                f"--template chatml or plain")
-        pieces.append((rest[len(done):], CONTEXT))
-        return pieces
+                    f"{conversation.where}: the chat template of {self.tokenizer.source} "
+                    f"renders assistant message {i} without the generation prompt before it "
+                    f"(it rewrites earlier text when the answer is added), so the answer "
+                    f"tokens cannot be located; use --template chatml or plain")
+            if not before.startswith(text):
+                samples.append((text, spans, last))
+                spans = []
+            spans.append(self._answer_span(full, len(before), turn))
+            text, last, turn = full, i, turn + 1
+        rest = self._render(conversation, len(messages), prompt)
+        samples.append((rest if rest.startswith(text) else text, spans, last))
+        if self.marks_answers(bool(conversation.tools)):
+            samples = [(text, self._marked_spans(conversation, text, spans, last), last)
+                       for text, spans, last in samples]
+        return [_pieces(text, spans) for text, spans, _ in samples]
+
+    def _end_texts(self) -> List[str]:
+        return [t for t in (self.end_marker(), self.eod_text) if t]
+
+    def _answer_span(self, text: str, start: int, turn: int) -> Tuple[int, int, int]:
+        """(start, end, turn) of the answer that fills text[start:]; the whitespace after
+        its end-of-turn marker is left out unless --train_separator."""
+        end = len(text)
+        if not self.train_separator:
+            stripped = text[start:].rstrip()
+            if any(stripped.endswith(t) for t in self._end_texts()):
+                end = start + len(stripped)
+        return start, end, turn
+
+    def _marked_spans(self, conversation, text: str, spans, last: int):
+        """The answers of a sample as the template's {% generation %} blocks: block j is
+        assistant message j's, as transformers' return_assistant_tokens_mask reads them."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        hf = self.tokenizer.hf
+        tools = conversation.tools
+        rendered, blocks = render_jinja_template(
+            conversations=[list(conversation.messages[:last + 1])], tools=tools,
+            chat_template=hf.get_chat_template(None, tools),
+            return_assistant_tokens_mask=True, **hf.special_tokens_map)
+        rendered, blocks = rendered[0], blocks[0]
+        answers = sum(m["role"] == "assistant" for m in conversation.messages[:last + 1])
+        if len(blocks) != answers or not text.startswith(rendered):
+            raise ArgumentError(
+                f"{conversation.where}: the chat template of {self.tokenizer.source} has "
+                f"{len(blocks)} {{% generation %}} blocks for {answers} assistant messages, "
+                f"so they cannot be matched to the answers; use --template chatml or plain")
+        marked = []
+        for _, _, turn in spans:
+            start, end = blocks[turn]
+            if self.train_separator:
+                while end < len(text) and text[end].isspace():
+                    end += 1
+            marked.append((start, end, turn))
+        return marked
+
+
+def _pieces(text: str, spans) -> List[Piece]:
+    """A text cut into context and the (start, end, turn) answer spans, in order."""
+    pieces: List[Piece] = []
+    at = 0
+    for start, end, turn in sorted(spans):
+        pieces.append((text[at:start], CONTEXT))
+        pieces.append((text[start:end], turn))
+        at = end
+    pieces.append((text[at:], CONTEXT))
+    return pieces

@@ -23,6 +23,9 @@ _RECIPE = {"kind": "byte-level-bpe", "version": 1, "vocab_size": DEFAULT_VOCAB_S
 # Names a bare tokenizer.json commonly uses for the end of a document and for padding.
 _EOD_NAMES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 _PAD_NAMES = (PAD_TOKEN, "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
+# Files a Hugging Face folder keeps its tokenizer in; a folder with none holds weights only.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                   "spiece.model", "vocab.json", "vocab.txt", "tekken.json")
 
 
 class Tokenizer(MegatronTokenizerBase):
@@ -210,6 +213,15 @@ def _remote_code_refusal(flag: str, path: str) -> ArgumentError:
                          f"(read that code first)")
 
 
+def has_tokenizer_files(folder: str) -> bool:
+    """Whether a folder holds a tokenizer (any of TOKENIZER_FILES, or a .tiktoken file)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(n in TOKENIZER_FILES or n.endswith(".tiktoken") for n in names)
+
+
 def load_tokenizer(path: str, flag: str = "--tokenizer",
                    trust_remote_code: bool = False) -> Tokenizer:
     """A Hugging Face tokenizer folder (or model folder), or a single tokenizer.json file.
@@ -218,6 +230,11 @@ def load_tokenizer(path: str, flag: str = "--tokenizer",
     if not os.path.exists(path):
         raise ArgumentError(f"{flag} {path} does not exist (expected a Hugging Face tokenizer "
                             f"folder or a tokenizer.json file)")
+    if os.path.isdir(path) and not has_tokenizer_files(path):
+        raise ArgumentError(
+            f"{flag} {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])} ...): "
+            f"a folder of weights only; give the tokenizer with --tokenizer PATH (a Hugging "
+            f"Face tokenizer folder or a tokenizer.json file)")
     try:
         if os.path.isfile(path):
             from tokenizers import Tokenizer as Backend

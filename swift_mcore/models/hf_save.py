@@ -38,7 +38,7 @@ def plan_shards(tensors: List[Tuple[str, Tuple[int, ...]]], itemsize: int, max_b
 
 
 def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str], torch.Tensor],
-                   tokenizer, dtype: torch.dtype, base_folder: Optional[str] = None,
+                   tokenizer: Optional[Any], dtype: torch.dtype, base_folder: Optional[str] = None,
                    max_shard_bytes: int = 5 * 10**9) -> Dict[str, Any]:
     """Write the folder. ``get(name)`` returns a full (TP=1) megatron tensor by global name;
     ``base_folder`` is the Hugging Face folder the model came from, whose config keys
@@ -54,7 +54,7 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
         with open(os.path.join(base_folder, CONFIG), encoding="utf-8") as fh:
             base = json.load(fh)
     config = family.hf_config(model_args, layout.vocab, base)
-    if base is None:
+    if base is None and tokenizer is not None:
         config.update(eos_token_id=tokenizer.eod, bos_token_id=_bos_id(tokenizer))
     config["dtype"] = next(k for k, v in DTYPES.items() if v == dtype)
 
@@ -80,7 +80,8 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     with open(os.path.join(staging, INDEX), "w", encoding="utf-8") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2,
                   sort_keys=True)
-    tokenizer.save_pretrained(staging)
+    if tokenizer is not None:  # a weights-only source folder converts to a weights-only one
+        tokenizer.save_pretrained(staging)
     if base_folder and os.path.isfile(os.path.join(base_folder, "generation_config.json")):
         shutil.copy2(os.path.join(base_folder, "generation_config.json"), staging)
 

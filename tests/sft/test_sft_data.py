@@ -408,8 +408,9 @@ def test_query_response_system_history_to_messages():
      "f.jsonl, row 0: the conversation has no assistant turn, so there is nothing to learn "
      "from it"),
     ({"messages": [system("S")]}, "the conversation has no assistant turn"),
-    ({"messages": [user("Q"), {"role": "tool", "content": "x"}, assistant("A")]},
-     "f.jsonl, row 0: message 1 has role 'tool'; accepted roles: system, user, assistant"),
+    ({"messages": [user("Q"), {"role": "function", "content": "x"}, assistant("A")]},
+     "f.jsonl, row 0: message 1 has role 'function'; accepted roles: system, user, "
+     "assistant, tool"),
     ({"messages": [user("Q"), assistant("A"), system("S"), user("Q2"), assistant("A2")]},
      "f.jsonl, row 0: message 2 is a system message; only the first message may be one"),
     ({"messages": []}, "'messages' must be a non-empty list"),
@@ -461,8 +462,8 @@ def chat_file(tmp_path_factory):
     (dict(columns=["instruction"]), "--columns: 'instruction' is not of the form from=to "
                                     "(e.g. --columns instruction=query output=response)"),
     (dict(columns=["instruction=prompt"]), "--columns: 'instruction' is mapped to 'prompt'; "
-                                           "map columns to one of messages, query, response, "
-                                           "system, history"),
+                                           "map columns to one of messages, tools, query, "
+                                           "response, system, history"),
     (dict(columns=['{"instruction": "query"']), "--columns: not a valid JSON object"),
     (dict(columns=['{"instruction": "bogus"}']), "--columns: 'instruction' is mapped to "
                                                  "'bogus'"),

@@ -244,13 +244,14 @@ def test_tokenizer_template_single_turn(chat_tok):
     template = Template("auto", chat_tok)
     assert template.name == "tokenizer"
     ids, turns = assert_encodes(template, SINGLE, expected(chat_tok, [
-        ("User: What is 2+2?\nAssistant: ", CONTEXT), ("It is 4.<|endoftext|>\n", 0)]))
+        ("User: What is 2+2?\nAssistant: ", CONTEXT), ("It is 4.<|endoftext|>", 0),
+        ("\n", CONTEXT)]))  # the newline after the end marker is the next message's start
     assert ids[-2] == chat_tok.eod and turns[-2] == 0  # the template's eos_token is trained
     assert (ids == chat_tok.eod).sum() == 1  # and no second EOD is added after the newline
     # The prompt is what HF tokenizes from the rendered generation prompt: this template's
     # cue ends with a space, a token of its own there, while training merged it into " It".
     prompt = template.prompt(SINGLE[:1])
-    assert prompt[:-1] == ids[turns == CONTEXT].tolist()
+    assert prompt[:-1] == ids[:np.flatnonzero(turns == 0)[0]].tolist()
     assert chat_tok.decode(prompt) == "User: What is 2+2?\nAssistant: "
 
 
@@ -258,9 +259,9 @@ def test_tokenizer_template_multi_turn_with_system(chat_tok):
     template = Template("tokenizer", chat_tok)
     assert_encodes(template, MULTI, expected(chat_tok, [
         ("System: You are terse.\nUser: Hi there\nAssistant: ", CONTEXT),
-        ("Hello!<|endoftext|>\n", 0),
-        ("User: Name a color.\nAssistant: ", CONTEXT),
-        ("Blue.<|endoftext|>\n", 1)]))
+        ("Hello!<|endoftext|>", 0),
+        ("\nUser: Name a color.\nAssistant: ", CONTEXT),
+        ("Blue.<|endoftext|>", 1), ("\n", CONTEXT)]))
     # The prompt of a follow-up is tokenized as in training: the earlier answer keeps its
     # trained tokens.
     ids, turns = template.encode(MULTI)
@@ -271,7 +272,7 @@ def test_tokenizer_template_multi_turn_with_system(chat_tok):
     ids, turns = template.encode(MULTI[:4])
     want_ids, want_turns = expected(chat_tok, [
         ("System: You are terse.\nUser: Hi there\nAssistant: ", CONTEXT),
-        ("Hello!<|endoftext|>\n", 0), ("User: Name a color.\n", CONTEXT)])
+        ("Hello!<|endoftext|>", 0), ("\nUser: Name a color.\n", CONTEXT)])
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(turns, want_turns)
 
@@ -314,17 +315,34 @@ def test_tokenizer_template_loaded_from_a_folder(chat_tok, tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("jinja", [COUNTING_TEMPLATE, HIDING_TEMPLATE],
-                         ids=["counts-messages", "hides-earlier-answers"])
-def test_template_that_rewrites_earlier_turns_is_refused(jinja):
-    template = Template("auto", with_chat_template(jinja))
+def test_template_that_rewrites_the_answer_is_refused_naming_the_row():
+    from swift_mcore.data.conversations import Conversation
+
+    template = Template("auto", with_chat_template(COUNTING_TEMPLATE))
     assert template.name == "tokenizer"
-    conversation = SINGLE if jinja is COUNTING_TEMPLATE else MULTI[1:]
     with pytest.raises(ArgumentError) as err:
-        template.encode(conversation)
-    message = str(err.value)
-    assert message.startswith("--template tokenizer: the chat template of test-chat-tokenizer")
-    assert "rewrites earlier turns" in message and "--template chatml or plain" in message
+        template.encode(Conversation(SINGLE, where="--dataset chat.jsonl, row 7"))
+    assert str(err.value) == (
+        "--dataset chat.jsonl, row 7: the chat template of test-chat-tokenizer renders "
+        "assistant message 1 without the generation prompt before it (it rewrites earlier "
+        "text when the answer is added), so the answer tokens cannot be located; use "
+        "--template chatml or plain")
+
+
+def test_template_that_hides_earlier_answers_trains_one_sample_per_turn():
+    """Each answer is trained after the history the template renders at inference for it:
+    the earlier answer as '(earlier answer)', not as the text trained in the first sample."""
+    template = Template("auto", with_chat_template(HIDING_TEMPLATE))
+    samples = template.encode_samples(MULTI[1:])
+    assert len(samples) == 2
+    for (ids, turns), want in zip(samples, [
+            [("User: Hi there\nAssistant: ", CONTEXT), ("Hello!", 0), ("\n", 0)],
+            [("User: Hi there\nAssistant: (earlier answer)\nUser: Name a color.\n"
+              "Assistant: ", CONTEXT), ("Blue.", 1), ("\n", 1)]]):
+        # no end marker to end the answer: its newline is the template's answer text
+        want_ids, want_turns = expected(template.tokenizer, want)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(turns, want_turns)
 
 
 # ---- built-in templates exported as Hugging Face chat templates ---------------------------
