@@ -63,15 +63,20 @@ def megatron_lm_common(state, scheduler) -> Dict[str, Any]:
 
 
 def read_common(folder: str) -> Dict[str, Any]:
-    """common.pt of a checkpoint, read safely (weights_only: plain types and tensors)."""
+    """common.pt of a checkpoint, read safely (weights_only: plain types and tensors, and
+    the Namespace of Megatron-LM's args: safe_load.common_pt_extra)."""
     try:
-        return safe_common_strategy().load_common(folder)
+        common = safe_common_strategy().load_common(folder)
     except CheckpointError:
         raise  # a refused pickle: safe_load named the file and the type
     except Exception as err:
         raise CheckpointError(f"checkpoint {folder}: common.pt cannot be read safely "
                               f"({type(err).__name__}: {str(err).splitlines()[0][:300]})"
                               ) from None
+    if not isinstance(common, dict):
+        raise CheckpointError(f"checkpoint {folder}: common.pt holds a "
+                              f"{type(common).__name__}, not megatron's dict of entries")
+    return common
 
 
 def save(state: Dict[str, Any], folder: str, fully_parallel: bool = False) -> None:

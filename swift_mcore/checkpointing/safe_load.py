@@ -85,20 +85,45 @@ def read_dcp_metadata(folder: str) -> Any:
 # older Transformer Engine versions keep a layer's _extra_state as a BytesIO.
 TORCH_LOAD_EXTRA = (io.BytesIO,)
 TORCH_LOAD_ALLOWED = "tensors, numbers, strings, lists, tuples, dicts"
+COMMON_PT_ALLOWED = TORCH_LOAD_ALLOWED + ", argparse.Namespace, megatron-core's enums, signal.Signals"
+
+
+def common_pt_extra() -> tuple:
+    """What ``common.pt`` may hold beyond TORCH_LOAD_EXTRA: Megatron-LM (and ms-swift, which
+    saves through it) pickles its ``args`` there, an ``argparse.Namespace`` whose fields are
+    plain values, megatron-core's enums (``ModelType``, ``AttnBackend``...) and
+    ``signal.Signals``. An enum is rebuilt by looking its value up among its members; a
+    Namespace by setting its ``__dict__``: neither runs code of the file's choosing.
+    Explicit classes only (not "any enum"), computed from megatron-core's two enum modules."""
+    import argparse
+    import enum
+    import signal
+
+    from megatron.core import enums as core_enums
+    from megatron.core.transformer import enums as transformer_enums
+
+    found = [argparse.Namespace, signal.Signals]
+    for module in (core_enums, transformer_enums):
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, enum.Enum) \
+                    and value.__module__ == module.__name__:
+                found.append(value)
+    return tuple(found)
 METADATA_ALLOWED = "torch DCP's metadata classes, dtypes, sizes"
 _ADVICE = ("weights_only", "weights only", "safe_globals", "check the documentation",
            "trusted source", "allowlist")
 
 
 @contextlib.contextmanager
-def only_allowed_globals() -> Iterator[None]:
-    """While inside, ``torch.load(weights_only=True)`` accepts torch's built-in types and
-    TORCH_LOAD_EXTRA only: the globals registered with torch.serialization.add_safe_globals
-    (megatron registers argparse.Namespace, SimpleNamespace, PosixPath, numpy arrays, its
-    configs...) are set aside and put back afterwards."""
+def only_allowed_globals(extra: tuple = ()) -> Iterator[None]:
+    """While inside, ``torch.load(weights_only=True)`` accepts torch's built-in types,
+    TORCH_LOAD_EXTRA and ``extra`` only: the globals registered with
+    torch.serialization.add_safe_globals (megatron registers argparse.Namespace,
+    SimpleNamespace, PosixPath, numpy arrays, its configs...) are set aside and put back
+    afterwards."""
     saved = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
-    torch.serialization.add_safe_globals(list(TORCH_LOAD_EXTRA))
+    torch.serialization.add_safe_globals([*TORCH_LOAD_EXTRA, *extra])
     try:
         yield
     finally:
@@ -124,14 +149,15 @@ def _reason(err: BaseException, allowed: str = TORCH_LOAD_ALLOWED) -> str:
     return f"not a readable torch.save file ({detail})"
 
 
-def torch_load(source, where: str) -> Any:
-    """``torch.load`` of ``source`` (a path or a stream) with the allowed types only; any
-    failure is a one-line CheckpointError starting with ``where``."""
+def torch_load(source, where: str, extra: tuple = (), allowed: str = TORCH_LOAD_ALLOWED
+               ) -> Any:
+    """``torch.load`` of ``source`` (a path or a stream) with the allowed types (and
+    ``extra``) only; any failure is a one-line CheckpointError starting with ``where``."""
     try:
-        with only_allowed_globals():
+        with only_allowed_globals(extra):
             return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise CheckpointError(f"{where}: {_reason(err)}") from None
+        raise CheckpointError(f"{where}: {_reason(err, allowed)}") from None
 
 
 def load_failure(err: BaseException) -> BaseException:
@@ -212,7 +238,8 @@ def _safe_planner_class(base):
 
 
 def safe_common_strategy():
-    """megatron's common.pt loader with weights_only=True and the allowed types only."""
+    """megatron's common.pt loader with weights_only=True and the allowed types only (for
+    common.pt: ``common_pt_extra()`` too)."""
     from megatron.core.dist_checkpointing.mapping import CheckpointingException
     from megatron.core.dist_checkpointing.strategies.common import (
         COMMON_STATE_FNAME,
@@ -224,7 +251,8 @@ def safe_common_strategy():
             path = os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME)
             if not os.path.isfile(path):
                 raise CheckpointingException(f"Common file {path} does not exist")
-            return torch_load(path, f"checkpoint {checkpoint_dir}: {COMMON_STATE_FNAME}")
+            return torch_load(path, f"checkpoint {checkpoint_dir}: {COMMON_STATE_FNAME}",
+                              extra=common_pt_extra(), allowed=COMMON_PT_ALLOWED)
 
         def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
             raise CheckpointingException("torch_dist checkpoints keep objects in .distcp")

@@ -1,0 +1,167 @@
+"""Checkpoints written by Megatron-LM (or ms-swift, which saves through it): recognising one,
+checking it is whole, and reading its args, counters and scheduler as swift-mcore's.
+
+Megatron-LM's torch_dist ``save_checkpoint`` writes ``iter_NNNNNNN/`` with megatron's
+dist_checkpointing files only (``metadata.json``, ``.metadata``, ``__*_*.distcp``,
+``common.pt``) and the same tracker file as swift-mcore. It has no manifest: such a folder is
+a foreign checkpoint, not a half-finished swift-mcore save (a swift-mcore save becomes an
+``iter_`` folder only once its manifest is sealed). Its facts live in ``common.pt``:
+``iteration``, ``num_floating_point_operations_so_far``, ``opt_param_scheduler`` (counted in
+samples) and ``args``, the run's ``argparse.Namespace`` (the consumed sample counters and
+every flag), read with safe_load's common.pt allow-list.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+from ..errors import CheckpointError
+
+OWN_FILES = ("manifest.json", "train_state.json", "run.json", "args.json")
+DCP_FILES = ("metadata.json", ".metadata", "common.pt")
+# Scheduler fields that count steps: Megatron-LM steps its scheduler by the global batch
+# size (samples), swift-mcore by 1 (iterations).
+STEP_FIELDS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+def is_megatron_lm(folder: str) -> bool:
+    """A dist_checkpointing folder that no swift-mcore save wrote: megatron's files, none of
+    swift-mcore's own."""
+    return (os.path.isdir(folder)
+            and os.path.isfile(os.path.join(folder, "metadata.json"))
+            and os.path.isfile(os.path.join(folder, "common.pt"))
+            and not any(os.path.exists(os.path.join(folder, name)) for name in OWN_FILES))
+
+
+def problem(folder: str) -> Optional[str]:
+    """None if the Megatron-LM checkpoint ``folder`` is whole: every chunk torch DCP's
+    ``.metadata`` records lies inside its ``.distcp`` file (there is no manifest with
+    checksums to verify); else what is wrong, for 'is not a usable checkpoint: ...'."""
+    from .safe_load import read_dcp_metadata
+
+    for name in DCP_FILES:
+        if not os.path.isfile(os.path.join(folder, name)):
+            return f"it is a Megatron-LM checkpoint without {name} (the save did not finish)"
+    try:
+        metadata = read_dcp_metadata(folder)
+    except CheckpointError as err:
+        return str(err).replace(f"checkpoint {folder}: ", "")
+    ends: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path = info.relative_path
+        ends[path] = max(ends.get(path, 0), int(info.offset) + int(info.length))
+    for path, end in sorted(ends.items()):
+        try:
+            size = os.path.getsize(os.path.join(folder, path))
+        except OSError:
+            return f"it is a Megatron-LM checkpoint whose {path} is missing"
+        if size < end:
+            return (f"it is a Megatron-LM checkpoint whose {path} has {size} bytes, its "
+                    f".metadata records data up to byte {end} (truncated?)")
+    return None
+
+
+def read(folder: str) -> Dict[str, Any]:
+    """common.pt of a Megatron-LM checkpoint (safely), checked to hold what a resume reads."""
+    from . import io
+
+    common = io.read_common(folder)
+    args = common.get("args")
+    if not hasattr(args, "__dict__") or "num_layers" not in vars(args):
+        raise CheckpointError(f"checkpoint {folder}: common.pt holds no Megatron-LM args "
+                              f"(neither swift-mcore's files nor Megatron-LM's are there)")
+    if not isinstance(common.get("iteration"), int):
+        raise CheckpointError(f"checkpoint {folder}: common.pt holds no iteration")
+    return common
+
+
+def _arg(args, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def run_flags(args) -> Dict[str, Dict[str, Any]]:
+    """Megatron-LM's args as swift-mcore's flag groups (args.json's shape), for the resume
+    and finetune checks. Only flags with the same meaning on both sides; a flag Megatron-LM
+    lacks is left out (compat skips it)."""
+    heads = _arg(args, "num_attention_heads")
+    groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention") else heads
+    model = {
+        "num_layers": _arg(args, "num_layers"), "hidden_size": _arg(args, "hidden_size"),
+        "ffn_hidden_size": _arg(args, "ffn_hidden_size"), "num_attention_heads": heads,
+        "num_query_groups": groups, "kv_channels": _arg(args, "kv_channels"),
+        "seq_length": _arg(args, "seq_length"),
+        "max_position_embeddings": _arg(args, "max_position_embeddings"),
+        "normalization": _arg(args, "normalization"),
+        "norm_epsilon": _arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon")),
+        "swiglu": _arg(args, "swiglu"),
+        "position_embedding_type": _arg(args, "position_embedding_type"),
+        "rotary_base": _arg(args, "rotary_base"), "rotary_percent": _arg(args, "rotary_percent"),
+        "use_rope_scaling": _arg(args, "use_rope_scaling"),
+        "untie_embeddings_and_output_weights": _arg(args, "untie_embeddings_and_output_weights"),
+        "add_bias_linear": _arg(args, "add_bias_linear"),
+        "add_qkv_bias": _arg(args, "add_qkv_bias"), "qk_layernorm": _arg(args, "qk_layernorm"),
+    }
+    if heads and model["kv_channels"] == model["hidden_size"] // heads:
+        model["kv_channels"] = None  # Megatron-LM fills in the default swift-mcore leaves unset
+    if model["use_rope_scaling"]:
+        model["rope_scaling_factor"] = _arg(args, "rope_scaling_factor")
+    training = {
+        "global_batch_size": _arg(args, "global_batch_size"), "seed": _arg(args, "seed"),
+        "adam_beta1": _arg(args, "adam_beta1"), "adam_beta2": _arg(args, "adam_beta2"),
+        "adam_eps": _arg(args, "adam_eps"), "clip_grad": _arg(args, "clip_grad"),
+        "bf16": _arg(args, "bf16"), "fp16": _arg(args, "fp16"),
+    }
+    drop = lambda group: {k: v for k, v in group.items() if v is not None}  # noqa: E731
+    return {"model": drop(model), "training": drop(training)}
+
+
+def train_state(common: Dict[str, Any]) -> Dict[str, Any]:
+    """TrainState data (train_state.json's shape): the iteration and FLOPs are common.pt's
+    own keys; the sample counters are the args' (where Megatron-LM's loader reads them)."""
+    args = common["args"]
+    return {"iteration": int(common["iteration"]),
+            "consumed_train_samples": int(_arg(args, "consumed_train_samples", 0) or 0),
+            "consumed_valid_samples": int(_arg(args, "consumed_valid_samples", 0) or 0),
+            "skipped_train_samples": int(_arg(args, "skipped_train_samples", 0) or 0),
+            "floating_point_operations_so_far": float(
+                common.get("num_floating_point_operations_so_far") or 0.0)}
+
+
+def resume_refusals(folder: str, common: Dict[str, Any]) -> List[str]:
+    """What keeps a Megatron-LM checkpoint from being resumed by swift-mcore at all."""
+    args = common["args"]
+    lines = []
+    if _arg(args, "rampup_batch_size"):
+        lines.append(f"it was trained with --rampup-batch-size {_arg(args, 'rampup_batch_size')}"
+                     f" (swift-mcore's iterations all have one global batch size)")
+    if _arg(args, "use_distributed_optimizer"):
+        lines.append("its optimizer state is in the distributed optimizer's layout, which "
+                     "megatron-core reads back only into a distributed optimizer (GPU)")
+    return lines
+
+
+def scheduler_in_iterations(saved: Optional[Dict[str, Any]], global_batch_size: int
+                            ) -> Optional[Dict[str, Any]]:
+    """Megatron-LM's scheduler state (steps counted in samples) in swift-mcore's units
+    (iterations). Every learning rate is unchanged: each depends on a ratio of two step
+    counts, both exact multiples of the global batch size."""
+    if saved is None:
+        return None
+    out = dict(saved)
+    for name in STEP_FIELDS:
+        value = out.get(name)
+        if isinstance(value, int) and value % global_batch_size == 0:
+            out[name] = value // global_batch_size
+        elif isinstance(value, (int, float)):
+            out[name] = value / global_batch_size
+    return out
+
+
+def scheduler_in_samples(state: Dict[str, Any], global_batch_size: int) -> Dict[str, Any]:
+    """swift-mcore's scheduler state in Megatron-LM's units (what its loader compares)."""
+    out = dict(state)
+    for name in STEP_FIELDS:
+        if isinstance(out.get(name), int):
+            out[name] = out[name] * global_batch_size
+    return out
