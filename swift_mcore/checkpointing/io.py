@@ -30,8 +30,8 @@ def model_keys(model: List[torch.nn.Module]) -> List[str]:
     return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
-def model_sharded_state_dict(model) -> Dict[str, Any]:
-    return {key: unwrap(chunk).sharded_state_dict()
+def model_sharded_state_dict(model, metadata: Optional[dict] = None) -> Dict[str, Any]:
+    return {key: unwrap(chunk).sharded_state_dict(metadata=metadata)
             for key, chunk in zip(model_keys(model), model)}
 
 
@@ -44,22 +44,37 @@ def optimizer_has_state(optimizer) -> bool:
     return False
 
 
-def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool
-                       ) -> Dict[str, Any]:
-    state = model_sharded_state_dict(model)
+def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool,
+                       metadata: Optional[dict] = None) -> Dict[str, Any]:
+    """``metadata``: megatron's content metadata, which decides some sharded keys (the
+    checkpoint's own when loading: ``common.pt``'s ``content_metadata``; None before it was
+    saved, megatron's defaults then)."""
+    state = model_sharded_state_dict(model, metadata)
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                          metadata=metadata)
     return state
 
 
-def megatron_lm_common(state, scheduler) -> Dict[str, Any]:
-    """The plain entries Megatron-LM keeps next to the sharded tensors (in common.pt): its
-    loader reads the iteration, the scheduler and the FLOPs there. swift-mcore reads only
-    the scheduler back (``read_common``); its counters come from train_state.json."""
-    return {"iteration": state.iteration, "checkpoint_version": 3.0,
-            "opt_param_scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "num_floating_point_operations_so_far": float(
-                state.floating_point_operations_so_far)}
+def megatron_lm_common(state, scheduler, config) -> Dict[str, Any]:
+    """The entries Megatron-LM's loader reads besides the sharded tensors: in common.pt the
+    iteration, its ``args`` (checked, and holding the sample counters), the scheduler in its
+    units (samples), the FLOPs and the content metadata; and the sharded ``rng_state``
+    (megatron_lm.py). swift-mcore reads back only the scheduler and the content metadata;
+    its counters come from train_state.json, its RNG from rng/."""
+    from . import megatron_lm
+
+    gbs = config.training.global_batch_size
+    common = {"iteration": state.iteration, "checkpoint_version": 3.0,
+              "args": megatron_lm.args_namespace(config, state),
+              "opt_param_scheduler": (megatron_lm.scheduler_in_samples(scheduler.state_dict(), gbs)
+                                      if scheduler is not None else None),
+              "num_floating_point_operations_so_far": float(
+                  state.floating_point_operations_so_far),
+              "content_metadata": dict(megatron_lm.CONTENT_METADATA)}
+    if not config.checkpoint.no_save_rng:
+        common["rng_state"] = megatron_lm.sharded_rng_state(config.training.seed)
+    return common
 
 
 def read_common(folder: str) -> Dict[str, Any]:

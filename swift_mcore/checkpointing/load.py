@@ -92,8 +92,12 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
         return TrainState(), None
     c, folder, info = config.checkpoint, plan.folder, plan.info
     foreign = info.get("megatron_lm", False)
-    saved_scheduler = comm.decide(lambda: megatron_lm.scheduler_in_iterations(
-        io.read_common(folder).get("opt_param_scheduler"), info.get("scheduler_unit", 1)))
+    common = comm.decide(lambda: {k: v for k, v in io.read_common(folder).items()
+                                  if k in ("opt_param_scheduler", "content_metadata")})
+    # Megatron-LM's scheduler and swift-mcore's since it writes Megatron-LM's layout count
+    # samples; older swift-mcore checkpoints, iterations (scheduler_unit 1).
+    saved_scheduler = megatron_lm.scheduler_in_iterations(common.get("opt_param_scheduler"),
+                                                         info.get("scheduler_unit", 1))
     if saved_scheduler is None:
         raise CheckpointError(f"checkpoint {folder} holds no LR scheduler state (a weights-only "
                               f"checkpoint): start from it with --load PATH --finetune")
@@ -109,7 +113,8 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
     # fresh optimizer is then exactly what was saved.
     stepped = load_optim and contents.get("optimizer_stepped", True)
     state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=stepped,
-                                       is_loading=True)
+                                       is_loading=True,
+                                       metadata=common.get("content_metadata"))
     check_shapes(folder, state_dict)
     loaded = _load(state_dict, folder)
     io.restore_model(model, loaded)
@@ -187,6 +192,7 @@ def _read_info(folder: str, config, data_fingerprint) -> Dict[str, Any]:
             "run": files.read_json(folder, files.RUN),
             "train_state": files.read_json(folder, files.TRAIN_STATE),
             "args": files.read_json(folder, files.ARGS)}
+    info["scheduler_unit"] = int(info["run"].get("scheduler_unit", 1))
     try:
         TrainState.from_dict(info["train_state"])
     except (TypeError, ValueError) as err:

@@ -165,3 +165,139 @@ def scheduler_in_samples(state: Dict[str, Any], global_batch_size: int) -> Dict[
         if isinstance(out.get(name), int):
             out[name] = out[name] * global_batch_size
     return out
+
+
+# ---- what Megatron-LM's load_checkpoint asks of a swift-mcore checkpoint ------------------
+# (its default flags: --ckpt-format torch_dist, RNG and optimizer loaded, no
+# --use-checkpoint-args). common.pt: args, checkpoint_version, iteration, optimizer,
+# opt_param_scheduler (in samples), num_floating_point_operations_so_far, content_metadata;
+# sharded: the model, the optimizer moments, and rng_state.
+
+# The content metadata Megatron-LM writes for a non-distributed optimizer (and reads back to
+# rebuild the same sharded keys); swift-mcore saves and loads with it too.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def args_namespace(config, state) -> "argparse.Namespace":
+    """The ``args`` Megatron-LM's loader reads from common.pt (check_checkpoint_args, the
+    sample counters, whether RNG and optimizer were saved) and the run's flags in its
+    names. It must be an ``argparse.Namespace`` (the loader reads attributes), so it is
+    pickled; every value is a plain int, float, str, bool, None or list of those."""
+    import argparse
+
+    from megatron.core import parallel_state as ps
+
+    m, t, lg, c, d = (config.model, config.training, config.logging, config.checkpoint,
+                      config.data)
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    values = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=heads,
+        group_query_attention=groups != heads, num_query_groups=groups,
+        kv_channels=m.kv_channels or m.hidden_size // heads, seq_length=m.seq_length,
+        max_position_embeddings=m.max_position_embeddings,
+        vocab_size=config.vocab_size, padded_vocab_size=config.padded_vocab_size,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        tokenizer_type="HuggingFaceTokenizer", vocab_file=None,
+        position_embedding_type=m.position_embedding_type,
+        # Megatron-LM's flag (True unless --no-position-embedding), whatever the type
+        add_position_embedding=m.position_embedding_type != "none",
+        rotary_base=m.rotary_base, rotary_percent=m.rotary_percent,
+        rotary_interleaved=False, use_rope_scaling=m.use_rope_scaling,
+        rope_scaling_factor=m.rope_scaling_factor, normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon, norm_epsilon=m.norm_epsilon, swiglu=m.swiglu,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias or m.add_bias_linear,
+        qk_layernorm=m.qk_layernorm, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
+        fp16=bool(t.fp16), bf16=bool(t.bf16),
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=1, expert_model_parallel_size=1,
+        data_parallel_size=ps.get_data_parallel_world_size(),
+        world_size=config.world.world_size,
+        micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+        rampup_batch_size=None, train_iters=t.train_iters, train_samples=None,
+        optimizer="adam", use_distributed_optimizer=False, lr=t.lr, min_lr=t.min_lr,
+        lr_decay_style=t.lr_decay_style, lr_warmup_iters=t.lr_warmup_iters,
+        lr_decay_iters=t.lr_decay_iters or t.train_iters, weight_decay=t.weight_decay,
+        start_weight_decay=t.weight_decay, end_weight_decay=t.weight_decay,
+        weight_decay_incr_style="constant", adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps, clip_grad=t.clip_grad, seed=t.seed,
+        data_parallel_random_init=False, split=d.split,
+        eval_interval=lg.eval_steps or None, eval_iters=lg.eval_iters,
+        save_interval=c.save_steps,
+        consumed_train_samples=int(state.consumed_train_samples),
+        skipped_train_samples=int(state.skipped_train_samples),
+        consumed_valid_samples=int(state.consumed_valid_samples),
+        no_save_optim=bool(c.no_save_optim) or None, no_save_rng=bool(c.no_save_rng) or None,
+        ckpt_format="torch_dist", use_dist_ckpt=True,
+    )
+    return argparse.Namespace(**{k: _plain(k, v) for k, v in values.items()})
+
+
+def _plain(name: str, value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(name, v) for v in value]
+    raise TypeError(f"Megatron-LM args field {name} would pickle a {type(value).__name__}")
+
+
+def philox_state(seed: int, offset: int = 0):
+    """A CUDA (Philox) generator's state as ``torch.cuda.get_rng_state()`` returns it: the
+    seed (uint64) then the offset (int64), little-endian, 16 bytes."""
+    import torch
+
+    data = int(seed).to_bytes(8, "little", signed=False) + int(offset).to_bytes(
+        8, "little", signed=True)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def rng_state(seed: int) -> Dict[str, Any]:
+    """This rank's RNG states in the dict Megatron-LM's get_rng_state builds. On a GPU the
+    CUDA generator's and the tracker's own states; without CUDA none of them exist (no CUDA
+    draw ever happened), so they are the states Megatron-LM's seeding gives them:
+    seed + 100 x pipeline rank for the generator and 'data-parallel-rng',
+    + 2718 + TP rank for 'model-parallel-rng', + 1024 + 100 x EP rank + expert-TP rank for
+    'expert-parallel-rng', each at offset 0."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    base = int(seed) + 100 * ps.get_pipeline_model_parallel_rank()
+    if torch.cuda.is_available() and tracker:
+        cuda = torch.cuda.get_rng_state()
+        tracker = {name: state.clone() for name, state in tracker.items()}
+    else:
+        cuda = philox_state(base)
+        tracker = {
+            "data-parallel-rng": philox_state(base),
+            "model-parallel-rng": philox_state(
+                base + 2718 + ps.get_tensor_model_parallel_rank()),
+            "expert-parallel-rng": philox_state(
+                base + 1024 + 100 * ps.get_expert_model_parallel_rank()
+                + ps.get_expert_tensor_parallel_rank()),
+        }
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": cuda,
+            "rng_tracker_states": tracker}
+
+
+def sharded_rng_state(seed: int):
+    """``rng_state`` as Megatron-LM's torch_dist save shards it: one object per (PP, TP)
+    position, replicated over the data-parallel ranks (its key in .metadata:
+    ``rng_state/shard_{pp}.{tp}_{PP}.{TP}``), holding a one-element list."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(
+        "rng_state", [rng_state(seed)],
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))

@@ -188,3 +188,166 @@ def test_tampered_common_pt_runs_nothing(in_process, tmp_path, mlm_root, command
     assert f"{folder}: common.pt: refusing to unpickle {os.system.__module__}.system" \
         in str(info.value)
     assert not marker.exists(), "the planted pickle ran"
+
+
+# ---- the other way: what Megatron-LM's load_checkpoint asks of a swift-mcore checkpoint ----
+# Read from the fixture (the same model, saved by Megatron-LM): .metadata's keys, common.pt's
+# keys, the args fields its loader reads (check_checkpoint_args, the sample counters, the
+# saved-or-not flags), the layout of rng_state.
+ARGS_READ_BY_MEGATRON_LM = (
+    "num_layers", "hidden_size", "num_attention_heads", "add_position_embedding",
+    "max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size",
+    "tokenizer_type", "data_parallel_random_init", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "consumed_train_samples", "skipped_train_samples",
+    "consumed_valid_samples", "no_save_rng", "no_save_optim", "use_distributed_optimizer",
+    "ckpt_format")
+SAME_RUN = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+            "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
+            "padded_vocab_size", "make_vocab_size_divisible_by", "add_position_embedding",
+            "position_embedding_type", "normalization", "swiglu",
+            "untie_embeddings_and_output_weights", "add_bias_linear",
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+            "global_batch_size", "seed", "data_parallel_random_init", "no_save_rng",
+            "no_save_optim", "use_distributed_optimizer", "ckpt_format")
+
+
+def dcp_keys(folder):
+    from swift_mcore.checkpointing.safe_load import read_dcp_metadata
+
+    return set(read_dcp_metadata(folder).state_dict_metadata)
+
+
+def pickled_globals(path):
+    """The classes and functions common.pt's pickle names (without unpickling it)."""
+    import pickletools
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    found, strings = set(), []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+            strings.append(arg)
+        elif op.name == "STACK_GLOBAL":
+            found.add(".".join(strings[-2:]))
+        elif op.name == "GLOBAL":
+            found.add(arg.replace(" ", "."))
+    return found
+
+
+def raw_rng_state(folder):
+    """The rng_state object as Megatron-LM's loader gets it (test code: a plain DCP read)."""
+    import torch.distributed.checkpoint as dcp
+
+    [key] = [k for k in dcp_keys(folder) if k.startswith("rng_state/")]
+    state = {key: None}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import io
+    holder = {}
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            holder[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+    dcp.load({key: io.BytesIO()}, storage_reader=FileSystemReader(folder), planner=Planner(),
+             no_dist=True)
+    return key, holder[key]
+
+
+@pytest.fixture(scope="module")
+def saved_by_swift(gloo_group, data_flags, tmp_path_factory):
+    """The fixture's model and flags in swift-mcore, stopped and saved at iteration 2."""
+    from swift_mcore.training.trainer import Trainer
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    out = tmp_path_factory.mktemp("swift_run") / "out"
+    trainer = Trainer(PretrainArguments.from_flags(**{**FLAGS, **data_flags, "exit_interval": 2,
+                                                      "output_dir": str(out)}))
+    trainer.train()
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+    return str(out / "checkpoint" / "iter_0000002"), trainer
+
+
+def test_swift_checkpoint_has_what_megatron_lm_loads(saved_by_swift):
+    ours, theirs = saved_by_swift[0], os.path.join(FIXTURE, "iter_0000010")
+    # every sharded key, rng_state/shard_0.0_1.1 included, named as Megatron-LM names it
+    assert dcp_keys(ours) == dcp_keys(theirs)
+    with open(os.path.join(ours, "metadata.json")) as a, \
+            open(os.path.join(theirs, "metadata.json")) as b:
+        assert json.load(a) == json.load(b)
+    mine = torch.load(os.path.join(ours, "common.pt"), weights_only=False)
+    ref = torch.load(os.path.join(theirs, "common.pt"), weights_only=False)
+    assert set(ref) <= set(mine)
+    assert mine["content_metadata"] == ref["content_metadata"]
+    assert mine["checkpoint_version"] == ref["checkpoint_version"] and mine["iteration"] == 2
+    assert set(mine["optimizer"]["state"]) == set(ref["optimizer"]["state"])
+    assert [set(g) for g in mine["optimizer"]["param_groups"]] == \
+        [set(g) for g in ref["optimizer"]["param_groups"]]
+    # the scheduler in Megatron-LM's units (samples): its loader asserts these are its own
+    sched = dict(ref["opt_param_scheduler"], num_steps=2 * 8)
+    assert mine["opt_param_scheduler"] == sched
+    # args: a Namespace of plain values only (no megatron class is pickled)
+    args, ref_args = mine["args"], ref["args"]
+    for name in ARGS_READ_BY_MEGATRON_LM:
+        assert hasattr(args, name), name
+    for name in SAME_RUN:
+        assert getattr(args, name) == getattr(ref_args, name), name
+    assert (args.consumed_train_samples, args.skipped_train_samples,
+            args.consumed_valid_samples) == (16, 0, 0)
+    for value in vars(args).values():
+        assert value is None or isinstance(value, (bool, int, float, str, list)), value
+    assert pickled_globals(os.path.join(ours, "common.pt")) <= {
+        "argparse.Namespace", "collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
+        "torch.FloatStorage"}
+    # rng_state: the same key, structure, types and sizes as Megatron-LM's
+    key, rng = raw_rng_state(ours)
+    ref_key, ref_rng = raw_rng_state(theirs)
+    assert key == ref_key == "rng_state/shard_0.0_1.1"
+    [[state]], [[ref_state]] = rng, ref_rng
+    assert set(state) == set(ref_state)
+    assert set(state["rng_tracker_states"]) == set(ref_state["rng_tracker_states"])
+    for name in ("torch_rng_state", "cuda_rng_state"):
+        assert state[name].dtype == torch.uint8 and state[name].shape == ref_state[name].shape
+    for name, t in ref_state["rng_tracker_states"].items():
+        assert torch.equal(state["rng_tracker_states"][name], t), name  # same seed 1234
+    assert type(state["np_rng_state"][1]) is np.ndarray
+
+
+def test_swift_checkpoint_resumes_in_swift(in_process, saved_by_swift, tmp_path, capsys):
+    """Our own resume reads the Megatron-LM-layout common.pt (Namespace, samples) back."""
+    out = os.path.dirname(os.path.dirname(saved_by_swift[0]))
+    run = str(tmp_path / "run")
+    shutil.copytree(out, run, ignore=shutil.ignore_patterns("data_cache", ".run.lock"))
+    trainer = in_process(output_dir=run, resume="auto")
+    assert trainer.state.iteration == 2 and trainer.scheduler.num_steps == 2
+    assert "restored model, optimizer, LR scheduler (step 2" in capsys.readouterr().out
+
+
+def test_megatron_lm_style_load_of_a_swift_checkpoint(saved_by_swift):
+    """The state dict Megatron-LM's load_checkpoint builds (generate_state_dict: model and
+    optimizer with the checkpoint's content metadata, rng_state as a (PP, TP) ShardedObject),
+    loaded by megatron-core's own loader with Megatron-LM's default strictness: nothing is
+    missing, and what comes back is what was saved."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from swift_mcore.checkpointing.io import unwrap
+
+    folder, trainer = saved_by_swift
+    metadata = dist_checkpointing.load_content_metadata(folder)
+    assert metadata == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    model = unwrap(trainer.model[0])
+    state = {"model": model.sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = trainer.optimizer.sharded_state_dict(state, is_loading=True,
+                                                              metadata=metadata)
+    state["rng_state"] = ShardedObject("rng_state", None, (1, 1), (0, 0), replica_id=0)
+    state["opt_param_scheduler"] = trainer.scheduler.state_dict()
+    loaded = dist_checkpointing.load(state, folder, strict="assume_ok_unexpected")
+    assert loaded["iteration"] == 2 and loaded["args"].consumed_train_samples == 16
+    for name, tensor in model.state_dict().items():
+        if not name.endswith("_extra_state"):
+            assert torch.equal(loaded["model"][name], tensor), name
+    [rng] = loaded["rng_state"]
+    assert isinstance(rng["random_rng_state"], tuple) and rng["cuda_rng_state"].numel() == 16
