@@ -315,14 +315,37 @@ def test_swift_checkpoint_has_what_megatron_lm_loads(saved_by_swift):
     assert type(state["np_rng_state"][1]) is np.ndarray
 
 
-def test_swift_checkpoint_resumes_in_swift(in_process, saved_by_swift, tmp_path, capsys):
-    """Our own resume reads the Megatron-LM-layout common.pt (Namespace, samples) back."""
+@pytest.mark.parametrize("layout", ["megatron_lm", "before"])
+def test_swift_checkpoint_resumes_in_swift(in_process, saved_by_swift, tmp_path, capsys,
+                                           layout):
+    """Our own resume reads the Megatron-LM-layout common.pt (Namespace, samples) back, and
+    a checkpoint of the layout before (scheduler in iterations, no args, no content metadata,
+    no scheduler_unit in run.json) still resumes the same."""
     out = os.path.dirname(os.path.dirname(saved_by_swift[0]))
     run = str(tmp_path / "run")
     shutil.copytree(out, run, ignore=shutil.ignore_patterns("data_cache", ".run.lock"))
+    folder = os.path.join(run, "checkpoint", "iter_0000002")
+    if layout == "before":
+        path = os.path.join(folder, "common.pt")
+        common = torch.load(path, weights_only=False)
+        for key in ("args", "content_metadata"):
+            del common[key]
+        common["opt_param_scheduler"] = {
+            k: v // 8 if k in ("num_steps", "lr_warmup_steps", "lr_decay_steps",
+                               "wd_incr_steps") else v
+            for k, v in common["opt_param_scheduler"].items()}
+        torch.save(common, path)
+        with open(os.path.join(folder, "run.json")) as fh:
+            run_json = json.load(fh)
+        del run_json["scheduler_unit"]
+        with open(os.path.join(folder, "run.json"), "w") as fh:
+            json.dump(run_json, fh)
+        T.reseal(folder)
     trainer = in_process(output_dir=run, resume="auto")
     assert trainer.state.iteration == 2 and trainer.scheduler.num_steps == 2
-    assert "restored model, optimizer, LR scheduler (step 2" in capsys.readouterr().out
+    assert trainer.scheduler.lr_warmup_steps == 2 and trainer.scheduler.lr_decay_steps == 20
+    assert "restored model, optimizer, LR scheduler (step 2, lr 0.001)" in \
+        capsys.readouterr().out
 
 
 def test_megatron_lm_style_load_of_a_swift_checkpoint(saved_by_swift):
