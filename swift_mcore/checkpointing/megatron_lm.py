@@ -18,7 +18,9 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import CheckpointError
 
-OWN_FILES = ("manifest.json", "train_state.json", "run.json", "args.json")
+# Only a swift-mcore save writes these into an iter_ folder (ms-swift keeps an args.json of
+# its own, so that name alone does not make a folder swift-mcore's).
+OWN_FILES = ("manifest.json", "train_state.json")
 DCP_FILES = ("metadata.json", ".metadata", "common.pt")
 # Scheduler fields that count steps: Megatron-LM steps its scheduler by the global batch
 # size (samples), swift-mcore by 1 (iterations).
@@ -26,8 +28,8 @@ STEP_FIELDS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"
 
 
 def is_megatron_lm(folder: str) -> bool:
-    """A dist_checkpointing folder that no swift-mcore save wrote: megatron's files, none of
-    swift-mcore's own."""
+    """A dist_checkpointing folder that no swift-mcore save wrote: megatron's files, neither
+    swift-mcore's manifest nor its train state."""
     return (os.path.isdir(folder)
             and os.path.isfile(os.path.join(folder, "metadata.json"))
             and os.path.isfile(os.path.join(folder, "common.pt"))
