@@ -131,9 +131,9 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
 
     rng_restored, rng_note = False, ""
     if load_rng and foreign:
-        rng_note = ("it is a Megatron-LM checkpoint, whose rng_state (its CUDA and "
-                    "tensor-parallel tracker streams) swift-mcore does not map onto its own; "
-                    "the RNGs keep the fresh --seed state")
+        rng_restored, rng_note = _restore_megatron_lm_rng(folder, info["run"]["layout"])
+        if rng_restored:
+            restored.append("RNG")
     elif load_rng:
         rng_restored, rng_note = _restore_rng(folder, info["run"])
         if rng_restored:
@@ -312,6 +312,17 @@ def _restore_rng(folder: str, run: Dict[str, Any]) -> Tuple[bool, str]:
     results = comm.all_gather((source is not None, note))
     notes = [n for _, n in results if n]
     return all(ok for ok, _ in results), (notes[0] if notes else "")
+
+
+def _restore_megatron_lm_rng(folder: str, layout: Dict[str, Any]) -> Tuple[bool, str]:
+    error, result = None, (False, "")
+    try:
+        result = megatron_lm.restore_rng(folder, layout)
+    except CheckpointError as err:
+        error = str(err)
+    comm.raise_if_any(error)
+    results = comm.all_gather(result)
+    return all(ok for ok, _ in results), results[0][1]
 
 
 def _log_layout_change(run: Dict[str, Any], log) -> None:

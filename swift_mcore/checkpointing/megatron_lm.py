@@ -303,3 +303,52 @@ def sharded_rng_state(seed: int):
         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+# ---- Megatron-LM's RNG states into this process -------------------------------------------
+
+def restore_rng(folder: str, layout: Dict[str, Any]) -> tuple:
+    """Collective: this rank's states from a Megatron-LM checkpoint's ``rng_state`` (read
+    with safe_load's rng_state allow-list). Returns (restored, note). python's, numpy's and
+    torch's generators always; the CUDA generator and megatron's tracker only on a GPU (on
+    CPU swift-mcore's dropout draws from torch's generator, restored). Not restored when
+    the TP/PP sizes differ from the checkpoint's (no saved stream belongs to this rank)."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from . import io
+
+    pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    if (layout.get("pp_size"), layout.get("tp_size")) != (pp, tp):
+        return False, (f"the tensor/pipeline-parallel sizes changed (checkpoint TP "
+                       f"{layout.get('tp_size')} x PP {layout.get('pp_size')}, now TP {tp} x "
+                       f"PP {pp}), so no saved stream belongs to this rank")
+    request = {"rng_state": ShardedObject(
+        "rng_state", None, (pp, tp), (ps.get_pipeline_model_parallel_rank(),
+                                      ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))}
+    states = io.load(request, folder)["rng_state"]
+    # One entry, or one per data-parallel rank with --data-parallel-random-init.
+    state = states[ps.get_data_parallel_rank() if len(states) > 1 else 0]
+    try:
+        random.setstate(tuple(state["random_rng_state"]))
+        np.random.set_state(state["np_rng_state"])
+        torch.set_rng_state(state["torch_rng_state"])
+        restored = ["python", "numpy", "torch"]
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda_rng_state"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+            restored += ["CUDA", "megatron tracker"]
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint {folder}: rng_state is not Megatron-LM's RNG "
+                              f"state ({type(err).__name__}: {err})") from None
+    note = (f"{', '.join(restored)} from Megatron-LM's rng_state"
+            + ("" if torch.cuda.is_available() else
+               "; its CUDA and tracker streams not (no CUDA: dropout draws from torch's "
+               "generator here, restored)"))
+    return True, note

@@ -114,6 +114,22 @@ _ADVICE = ("weights_only", "weights only", "safe_globals", "check the documentat
            "trusted source", "allowlist")
 
 
+RNG_STATE_KEY = "rng_state"
+RNG_STATE_ALLOWED = TORCH_LOAD_ALLOWED + ", numpy uint32 arrays"
+
+
+def rng_state_extra() -> tuple:
+    """What Megatron-LM's ``rng_state`` object may hold beyond TORCH_LOAD_EXTRA: numpy's
+    MT19937 state, a uint32 array (``np.random.get_state()``), rebuilt by numpy's array
+    reconstructor from its dtype and bytes. Only the uint32 dtype class is admitted, so no
+    object array (whose elements would be unpickled) can be built."""
+    import numpy as np
+    from numpy._core import multiarray
+
+    return ((multiarray._reconstruct, "numpy._core.multiarray._reconstruct"), np.ndarray,
+            np.dtype, type(np.dtype(np.uint32)))
+
+
 @contextlib.contextmanager
 def only_allowed_globals(extra: tuple = ()) -> Iterator[None]:
     """While inside, ``torch.load(weights_only=True)`` accepts torch's built-in types,
@@ -224,8 +240,13 @@ def _safe_reader_class():
 def _safe_planner_class(base):
     class SafeLoadPlanner(base):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            # within safe_loading(): only the allowed types (the reader names the item)
-            obj = torch.load(value, map_location="cpu", weights_only=True)
+            # within safe_loading(): only the allowed types (the reader names the item);
+            # Megatron-LM's rng_state also holds numpy's uint32 state array.
+            if read_item.dest_index.fqn.split("/")[0] == RNG_STATE_KEY:
+                with only_allowed_globals(rng_state_extra()):
+                    obj = torch.load(value, map_location="cpu", weights_only=True)
+            else:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._traverse import set_element
 

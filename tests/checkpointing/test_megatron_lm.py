@@ -117,8 +117,18 @@ def test_resume_megatron_lm_checkpoint(in_process, tmp_path, mlm_root, capsys):
     log = capsys.readouterr().out
     folder = os.path.join(mlm_root, "iter_0000010")
     assert f"resumed from {folder} (a Megatron-LM checkpoint): iteration 10, 80 train samples" \
-        in log and "restored model, optimizer, LR scheduler (step 10, lr 0.0006)" in log, log
-    assert "RNG states NOT restored: it is a Megatron-LM checkpoint" in log
+        in log and "restored model, optimizer, LR scheduler (step 10, lr 0.0006), RNG" in log
+    assert ("RNG states: python, numpy, torch from Megatron-LM's rng_state; its CUDA and "
+            "tracker streams not (no CUDA") in log
+    # the generators hold Megatron-LM's saved states (nothing drew from them since)
+    import random
+
+    _, [[saved]] = raw_rng_state(folder)
+    assert random.getstate() == saved["random_rng_state"]
+    np_now, np_saved = np.random.get_state(), saved["np_rng_state"]
+    assert np_now[0] == np_saved[0] and np.array_equal(np_now[1], np_saved[1])
+    assert np_now[2:] == np_saved[2:]
+    assert torch.equal(torch.get_rng_state(), saved["torch_rng_state"])
     assert "NOT checked against the Megatron-LM checkpoint: the training data" in log
     s = trainer.state
     assert (s.iteration, s.consumed_train_samples, s.consumed_valid_samples,
@@ -187,6 +197,21 @@ def test_tampered_common_pt_runs_nothing(in_process, tmp_path, mlm_root, command
         in_process(output_dir=str(tmp_path / "out"), **flags)
     assert f"{folder}: common.pt: refusing to unpickle {os.system.__module__}.system" \
         in str(info.value)
+    assert not marker.exists(), "the planted pickle ran"
+
+
+def test_tampered_rng_state_runs_nothing(in_process, tmp_path, mlm_root):
+    """rng_state may hold numpy's uint32 state array besides torch's types; a planted
+    callable is refused naming the item and the type."""
+    folder = os.path.join(mlm_root, "iter_0000010")
+    marker = tmp_path / "PLANTED_CODE_RAN"
+    fqn, file = T.replace_item(folder, "rng_state",
+                               T.torch_saved([[{"random_rng_state": T.Evil(str(marker))}]]))
+    with pytest.raises(CheckpointError) as info:
+        in_process(output_dir=str(tmp_path / "out"), resume=mlm_root)
+    text = str(info.value)
+    assert f"{file} (item {fqn} at byte" in text
+    assert f"refusing to unpickle {os.system.__module__}.system" in text
     assert not marker.exists(), "the planted pickle ran"
 
 
