@@ -8,6 +8,9 @@ The tracker decides. Two exceptions, each returned as a warning that every calle
 - the save after it was sealed and renamed but the tracker update was cut off: that
   newer checkpoint (its manifest names the tracker's checkpoint as its parent). Newer
   checkpoints of an abandoned branch (a run that resumed from an older one) are ignored.
+
+A folder Megatron-LM (or ms-swift) wrote is usable when whole (``check_usable``): it has no
+manifest, and is never reported as a half-finished swift-mcore save.
 """
 
 from __future__ import annotations

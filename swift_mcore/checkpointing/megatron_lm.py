@@ -8,7 +8,8 @@ a foreign checkpoint, not a half-finished swift-mcore save (a swift-mcore save b
 ``iter_`` folder only once its manifest is sealed). Its facts live in ``common.pt``:
 ``iteration``, ``num_floating_point_operations_so_far``, ``opt_param_scheduler`` (counted in
 samples) and ``args``, the run's ``argparse.Namespace`` (the consumed sample counters and
-every flag), read with safe_load's common.pt allow-list.
+every flag), read with safe_load's common.pt allow-list; its RNG states are the sharded
+``rng_state`` object (``restore_rng``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,11 @@ the tensors and small per-layer ``_extra_state`` objects inside the .distcp file
 megatron's loader read the first two with ``torch.load(weights_only=True)`` restricted to
 torch's own tensor and container types plus ``TORCH_LOAD_EXTRA`` (the safe globals other
 libraries register, megatron's included, do not apply), and the third with an unpickler
-that only builds the DCP metadata classes, dtypes and sizes. Anything else is refused with
-a one-line CheckpointError naming the file and the refused type. Our own files (state,
+that only builds the DCP metadata classes, dtypes and sizes. ``common.pt`` also admits
+Megatron-LM's ``args`` Namespace and megatron-core's enums (``common_pt_extra``), and
+Megatron-LM's ``rng_state`` object numpy's uint32 state array (``rng_state_extra``).
+Anything else is refused with a one-line CheckpointError naming the file and the refused
+type. Our own files (state,
 arguments, scheduler, RNG) are JSON.
 """
 
