@@ -12,7 +12,7 @@ TRAIN_STATE = "train_state.json"   # TrainState: iteration and sample counters
 ARGS = "args.json"                 # every flag of the run, grouped by concern
 RUN = "run.json"                   # data fingerprint, contents, layout, versions
 # (the scheduler state is in common.pt, where Megatron-LM keeps it, in its units: samples;
-# io.megatron_lm_common)
+# megatron_lm.common_entries)
 
 
 def write_json(folder: str, name: str, data: Any) -> None:

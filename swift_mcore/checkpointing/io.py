@@ -56,27 +56,6 @@ def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool,
     return state
 
 
-def megatron_lm_common(state, scheduler, config) -> Dict[str, Any]:
-    """The entries Megatron-LM's loader reads besides the sharded tensors: in common.pt the
-    iteration, its ``args`` (checked, and holding the sample counters), the scheduler in its
-    units (samples), the FLOPs and the content metadata; and the sharded ``rng_state``
-    (megatron_lm.py). swift-mcore reads back only the scheduler and the content metadata;
-    its counters come from train_state.json, its RNG from rng/."""
-    from . import megatron_lm
-
-    gbs = config.training.global_batch_size
-    common = {"iteration": state.iteration, "checkpoint_version": 3.0,
-              "args": megatron_lm.args_namespace(config, state),
-              "opt_param_scheduler": (megatron_lm.scheduler_in_samples(scheduler.state_dict(), gbs)
-                                      if scheduler is not None else None),
-              "num_floating_point_operations_so_far": float(
-                  state.floating_point_operations_so_far),
-              "content_metadata": dict(megatron_lm.CONTENT_METADATA)}
-    if not config.checkpoint.no_save_rng:
-        common["rng_state"] = megatron_lm.sharded_rng_state(config.training.seed)
-    return common
-
-
 def read_common(folder: str) -> Dict[str, Any]:
     """common.pt of a checkpoint, read safely (weights_only: plain types and tensors, and
     the Namespace of Megatron-LM's args: safe_load.common_pt_extra)."""

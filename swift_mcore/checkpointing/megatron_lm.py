@@ -181,6 +181,25 @@ def scheduler_in_samples(state: Dict[str, Any], global_batch_size: int) -> Dict[
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
+def common_entries(state, scheduler, config) -> Dict[str, Any]:
+    """The entries Megatron-LM's loader reads besides the sharded tensors: in common.pt the
+    iteration, its ``args`` (checked, and holding the sample counters), the scheduler in its
+    units (samples), the FLOPs and the content metadata; and the sharded ``rng_state``.
+    swift-mcore reads back only the scheduler and the content metadata of its own
+    checkpoints; its counters come from train_state.json, its RNG from rng/."""
+    gbs = config.training.global_batch_size
+    common = {"iteration": state.iteration, "checkpoint_version": 3.0,
+              "args": args_namespace(config, state),
+              "opt_param_scheduler": (scheduler_in_samples(scheduler.state_dict(), gbs)
+                                      if scheduler is not None else None),
+              "num_floating_point_operations_so_far": float(
+                  state.floating_point_operations_so_far),
+              "content_metadata": dict(CONTENT_METADATA)}
+    if not config.checkpoint.no_save_rng:
+        common["rng_state"] = sharded_rng_state(config.training.seed)
+    return common
+
+
 def args_namespace(config, state) -> "argparse.Namespace":
     """The ``args`` Megatron-LM's loader reads from common.pt (check_checkpoint_args, the
     sample counters, whether RNG and optimizer were saved) and the run's flags in its

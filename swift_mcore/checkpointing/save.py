@@ -43,7 +43,7 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
     # No scheduler: a weights-only checkpoint (export --to_mcore), loadable with --finetune.
     state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=with_optimizer,
                                        is_loading=False, metadata=megatron_lm.CONTENT_METADATA)
-    state_dict.update(io.megatron_lm_common(state, scheduler, config))
+    state_dict.update(megatron_lm.common_entries(state, scheduler, config))
     space.check_free(root, iteration, state_dict)
     io.save(state_dict, staging, fully_parallel=config.fully_parallel_save)
 
