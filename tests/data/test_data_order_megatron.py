@@ -121,3 +121,16 @@ def test_megatron_order_needs_train_iters(tmp_path):
     with pytest.raises(ArgumentError, match="--data_order megatron sizes the data by "
                                             "--train_iters"):
         make_args(tmp_path, data_order="megatron", num_train_epochs=1.0)
+
+
+def test_sft_keeps_the_resumable_order(tmp_path):
+    from swift_mcore.arguments import SftArguments
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ArgumentError, match="--data_order megatron orders megatron's "
+                                            "GPTDataset"):
+        resolve(SftArguments.from_flags(dataset=[str(data)], data_order="megatron",
+                                        output_dir=str(tmp_path / "out")), world_size=1)
