@@ -33,6 +33,12 @@ class DataArguments:
         None, "Where megatron's dataset index files go (a folder per data content); default "
         "output_dir/data_cache.")
     tokenizer: Optional[str] = tokenizer_flag()
+    data_order: str = flag(
+        "resumable", "Sample order (pt): 'resumable', one epoch of megatron's GPTDataset "
+        "permuted per (seed, epoch), unchanged by --train_iters; 'megatron', Megatron-LM's "
+        "own order (GPTDataset built for train_iters x global_batch_size samples, read in "
+        "sequence as its MegatronPretrainingSampler does), which depends on --train_iters, "
+        "--eval_steps and --eval_iters (docs/data.md).", choices=("resumable", "megatron"))
     num_workers: int = flag(1, "Data loader worker processes per rank (0: in the main process).")
     trust_remote_code: bool = flag(
         False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "

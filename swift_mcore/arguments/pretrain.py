@@ -147,6 +147,9 @@ class PretrainArguments:
             _positive(t, "lr_decay_iters")
         if t.num_train_epochs is None:
             check_schedule_length(t, t.train_iters)
+        elif self.data.data_order == "megatron" and self.COMMAND != "sft":
+            raise ArgumentError("--data_order megatron sizes the data by --train_iters (as "
+                                "Megatron-LM does); give --train_iters, not --num_train_epochs")
         if not str(lg.output_dir).strip():
             raise ArgumentError("--output_dir must not be empty")
         self.check_model_shape(world_size)

@@ -65,6 +65,9 @@ class SftArguments(PretrainArguments):
             raise ArgumentError("sft needs --dataset: conversation files (jsonl, json, "
                                 "parquet) or a saved datasets folder (docs/sft.md)")
         column_map(s.columns)
+        if d.data_order != "resumable":
+            raise ArgumentError("--data_order megatron orders megatron's GPTDataset (pt); sft "
+                                "rows keep the resumable order")
         if s.val_dataset and s.split_dataset_ratio:
             raise ArgumentError("--val_dataset and --split_dataset_ratio are alternatives; "
                                 "give one of them")

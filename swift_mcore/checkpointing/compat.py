@@ -7,7 +7,11 @@ from typing import Any, Dict, List, Optional
 
 # (group, flag): the data order and the meaning of an iteration.
 RUN_FIELDS = [("training", "global_batch_size"), ("model", "seq_length"),
-              ("training", "seed")]
+              ("training", "seed"), ("data", "data_order")]
+# With --data_order megatron the datasets are sized, hence shuffled, by these
+# (data/gpt_datasets.py:megatron_num_samples): another value reorders what is still to come.
+MEGATRON_ORDER_FIELDS = [("training", "train_iters"), ("logging", "eval_steps"),
+                         ("logging", "eval_iters")]
 # The model's architecture: shapes and the function it computes.
 MODEL_FIELDS = [("model", name) for name in (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -64,6 +68,11 @@ def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict
     """Every difference in flags and data that makes a resumed run not the continuation of
     the saved one (the schedule is compared on the scheduler: ``scheduler_differences``)."""
     lines = field_differences(saved_args, current_args, RUN_FIELDS)
+    if _get(saved_args, "data", "data_order") == "megatron" == _get(current_args, "data",
+                                                                     "data_order"):
+        lines += [f"{line} (--data_order megatron: the sample order depends on it)"
+                  for line in field_differences(saved_args, current_args,
+                                                MEGATRON_ORDER_FIELDS)]
     if not _same_data(saved_fingerprint, fingerprint):
         lines.append(f"training data (content fingerprint): checkpoint "
                      f"{_fmt(saved_fingerprint)}, now {_fmt(fingerprint)}")

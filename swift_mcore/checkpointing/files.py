@@ -11,7 +11,8 @@ from ..errors import CheckpointError
 TRAIN_STATE = "train_state.json"   # TrainState: iteration and sample counters
 ARGS = "args.json"                 # every flag of the run, grouped by concern
 RUN = "run.json"                   # data fingerprint, contents, layout, versions
-# (the scheduler state is in common.pt, where Megatron-LM keeps it: io.megatron_lm_common)
+# (the scheduler state is in common.pt, where Megatron-LM keeps it, in its units: samples;
+# megatron_lm.common_entries)
 
 
 def write_json(folder: str, name: str, data: Any) -> None:

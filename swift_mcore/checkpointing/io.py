@@ -30,8 +30,8 @@ def model_keys(model: List[torch.nn.Module]) -> List[str]:
     return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
-def model_sharded_state_dict(model) -> Dict[str, Any]:
-    return {key: unwrap(chunk).sharded_state_dict()
+def model_sharded_state_dict(model, metadata: Optional[dict] = None) -> Dict[str, Any]:
+    return {key: unwrap(chunk).sharded_state_dict(metadata=metadata)
             for key, chunk in zip(model_keys(model), model)}
 
 
@@ -44,34 +44,33 @@ def optimizer_has_state(optimizer) -> bool:
     return False
 
 
-def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool
-                       ) -> Dict[str, Any]:
-    state = model_sharded_state_dict(model)
+def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool,
+                       metadata: Optional[dict] = None) -> Dict[str, Any]:
+    """``metadata``: megatron's content metadata, which decides some sharded keys (the
+    checkpoint's own when loading: ``common.pt``'s ``content_metadata``; None before it was
+    saved, megatron's defaults then)."""
+    state = model_sharded_state_dict(model, metadata)
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                          metadata=metadata)
     return state
 
 
-def megatron_lm_common(state, scheduler) -> Dict[str, Any]:
-    """The plain entries Megatron-LM keeps next to the sharded tensors (in common.pt): its
-    loader reads the iteration, the scheduler and the FLOPs there. swift-mcore reads only
-    the scheduler back (``read_common``); its counters come from train_state.json."""
-    return {"iteration": state.iteration, "checkpoint_version": 3.0,
-            "opt_param_scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "num_floating_point_operations_so_far": float(
-                state.floating_point_operations_so_far)}
-
-
 def read_common(folder: str) -> Dict[str, Any]:
-    """common.pt of a checkpoint, read safely (weights_only: plain types and tensors)."""
+    """common.pt of a checkpoint, read safely (weights_only: plain types and tensors, and
+    the Namespace of Megatron-LM's args: safe_load.common_pt_extra)."""
     try:
-        return safe_common_strategy().load_common(folder)
+        common = safe_common_strategy().load_common(folder)
     except CheckpointError:
         raise  # a refused pickle: safe_load named the file and the type
     except Exception as err:
         raise CheckpointError(f"checkpoint {folder}: common.pt cannot be read safely "
                               f"({type(err).__name__}: {str(err).splitlines()[0][:300]})"
                               ) from None
+    if not isinstance(common, dict):
+        raise CheckpointError(f"checkpoint {folder}: common.pt holds a "
+                              f"{type(common).__name__}, not megatron's dict of entries")
+    return common
 
 
 def save(state: Dict[str, Any], folder: str, fully_parallel: bool = False) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..runtime import collectives as comm
-from . import commit, compat, files, io, locate, rng
+from . import commit, compat, files, io, locate, megatron_lm, rng
 from .state import TrainState
 from .tracker import checkpoint_root
 
@@ -91,7 +91,13 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
             f"counters start fresh (iteration 0)")
         return TrainState(), None
     c, folder, info = config.checkpoint, plan.folder, plan.info
-    saved_scheduler = comm.decide(lambda: io.read_common(folder).get("opt_param_scheduler"))
+    foreign = info.get("megatron_lm", False)
+    common = comm.decide(lambda: {k: v for k, v in io.read_common(folder).items()
+                                  if k in ("opt_param_scheduler", "content_metadata")})
+    # Megatron-LM's scheduler and swift-mcore's since it writes Megatron-LM's layout count
+    # samples; older swift-mcore checkpoints, iterations (scheduler_unit 1).
+    saved_scheduler = megatron_lm.scheduler_in_iterations(common.get("opt_param_scheduler"),
+                                                         info.get("scheduler_unit", 1))
     if saved_scheduler is None:
         raise CheckpointError(f"checkpoint {folder} holds no LR scheduler state (a weights-only "
                               f"checkpoint): start from it with --load PATH --finetune")
@@ -107,7 +113,8 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
     # fresh optimizer is then exactly what was saved.
     stepped = load_optim and contents.get("optimizer_stepped", True)
     state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=stepped,
-                                       is_loading=True)
+                                       is_loading=True,
+                                       metadata=common.get("content_metadata"))
     check_shapes(folder, state_dict)
     loaded = _load(state_dict, folder)
     io.restore_model(model, loaded)
@@ -123,7 +130,11 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
         _apply_current_optimizer_settings(config, optimizer)
 
     rng_restored, rng_note = False, ""
-    if load_rng:
+    if load_rng and foreign:
+        rng_restored, rng_note = _restore_megatron_lm_rng(folder, info["run"]["layout"])
+        if rng_restored:
+            restored.append("RNG")
+    elif load_rng:
         rng_restored, rng_note = _restore_rng(folder, info["run"])
         if rng_restored:
             restored.append("RNG")
@@ -131,7 +142,8 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
 
     for line in differences:
         log(f"--override_resume_check: resuming although {line}")
-    log(f"resumed from {folder}: iteration {state.iteration}, "
+    kind = " (a Megatron-LM checkpoint)" if foreign else ""
+    log(f"resumed from {folder}{kind}: iteration {state.iteration}, "
         f"{state.consumed_train_samples} train samples and "
         f"{state.consumed_valid_samples} validation samples consumed; restored "
         f"{', '.join(restored)}")
@@ -146,6 +158,10 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
         log(f"RNG states NOT restored: {rng_note}")
     elif rng_note:
         log(f"RNG states: {rng_note}")
+    if foreign:
+        log("NOT checked against the Megatron-LM checkpoint: the training data (it records "
+            "no data fingerprint; give the same data, --split and --seed, and --data_order "
+            "megatron for Megatron-LM's sample order)")
     _log_layout_change(info["run"], log)
     return state, info["id"]
 
@@ -167,6 +183,8 @@ def read_run_flags(folder: str) -> Dict[str, Dict[str, Any]]:
 
 def _read_info(folder: str, config, data_fingerprint) -> Dict[str, Any]:
     """Rank 0: the checkpoint's JSON files and the resume check's findings."""
+    if megatron_lm.is_megatron_lm(folder):
+        return _read_megatron_lm_info(folder, config)
     manifest, problem = commit.read_manifest(folder)
     if problem:
         raise CheckpointError(f"checkpoint {folder} cannot be used: {problem}")
@@ -174,6 +192,7 @@ def _read_info(folder: str, config, data_fingerprint) -> Dict[str, Any]:
             "run": files.read_json(folder, files.RUN),
             "train_state": files.read_json(folder, files.TRAIN_STATE),
             "args": files.read_json(folder, files.ARGS)}
+    info["scheduler_unit"] = int(info["run"].get("scheduler_unit", 1))
     try:
         TrainState.from_dict(info["train_state"])
     except (TypeError, ValueError) as err:
@@ -184,12 +203,46 @@ def _read_info(folder: str, config, data_fingerprint) -> Dict[str, Any]:
     return info
 
 
+def _read_megatron_lm_info(folder: str, config) -> Dict[str, Any]:
+    """Rank 0: ``_read_info`` of a Megatron-LM checkpoint, from its common.pt and .metadata."""
+    common = megatron_lm.read(folder)
+    refusals = megatron_lm.resume_refusals(folder, common)
+    if refusals:
+        raise CheckpointError(f"checkpoint {folder} (Megatron-LM) cannot be resumed: "
+                              f"{'; '.join(refusals)}. Start from its weights with --load "
+                              f"PATH --finetune")
+    args = common["args"]
+    flags = megatron_lm.run_flags(args)
+    stepped = any(key.startswith("optimizer.state.") for key in io.tensor_shapes(folder))
+    info = {"id": None, "megatron_lm": True, "args": flags,
+            "train_state": megatron_lm.train_state(common),
+            "scheduler_unit": int(args.global_batch_size),
+            "run": {"contents": {"model": True, "optimizer": stepped,
+                                 "optimizer_stepped": stepped, "rng": True,
+                                 "scheduler": common.get("opt_param_scheduler") is not None},
+                    "layout": {"tp_size": getattr(args, "tensor_model_parallel_size", None),
+                               "pp_size": getattr(args, "pipeline_model_parallel_size", None),
+                               "dp_size": getattr(args, "data_parallel_size", None)}}}
+    # No data fingerprint to compare (restore logs that the data was not checked).
+    info["differences"] = compat.resume_differences(flags, config.to_dict(), None, None)
+    return info
+
+
+def _saved_flags(folder: str) -> Dict[str, Dict[str, Any]]:
+    if megatron_lm.is_megatron_lm(folder):
+        return megatron_lm.run_flags(megatron_lm.read(folder)["args"])
+    return read_run_flags(folder)
+
+
 def _model_differences(folder: str, config) -> List[str]:
-    return compat.model_differences(read_run_flags(folder), config.to_dict())
+    return compat.model_differences(_saved_flags(folder), config.to_dict())
 
 
 def verify(folder: str) -> None:
-    """Checksums of every file; on a mismatch, name the other complete checkpoints."""
+    """Checksums of every file; on a mismatch, name the other complete checkpoints. A
+    Megatron-LM checkpoint has none: locate checked that its files hold every chunk."""
+    if megatron_lm.is_megatron_lm(folder):
+        return
     try:
         commit.verify_checksums(folder)
     except CheckpointError as err:
@@ -259,6 +312,17 @@ def _restore_rng(folder: str, run: Dict[str, Any]) -> Tuple[bool, str]:
     results = comm.all_gather((source is not None, note))
     notes = [n for _, n in results if n]
     return all(ok for ok, _ in results), (notes[0] if notes else "")
+
+
+def _restore_megatron_lm_rng(folder: str, layout: Dict[str, Any]) -> Tuple[bool, str]:
+    error, result = None, (False, "")
+    try:
+        result = megatron_lm.restore_rng(folder, layout)
+    except CheckpointError as err:
+        error = str(err)
+    comm.raise_if_any(error)
+    results = comm.all_gather(result)
+    return all(ok for ok, _ in results), results[0][1]
 
 
 def _log_layout_change(run: Dict[str, Any], log) -> None:

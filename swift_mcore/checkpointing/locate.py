@@ -8,6 +8,9 @@ The tracker decides. Two exceptions, each returned as a warning that every calle
 - the save after it was sealed and renamed but the tracker update was cut off: that
   newer checkpoint (its manifest names the tracker's checkpoint as its parent). Newer
   checkpoints of an abandoned branch (a run that resumed from an older one) are ignored.
+
+A folder Megatron-LM (or ms-swift) wrote is usable when whole (``check_usable``): it has no
+manifest, and is never reported as a half-finished swift-mcore save.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Callable, List, Optional, Tuple
 from .commit import (MANIFEST_FILENAME, check_complete, complete_checkpoints,
                      list_checkpoints, read_manifest)
 from ..errors import CheckpointError
+from . import megatron_lm
 from .tracker import (CHECKPOINT_SUBDIR, TRACKER_FILENAME, iter_dir_name, parse_iter_dir,
                       read_tracker)
 
@@ -39,6 +43,15 @@ def is_checkpoint_folder(path: str) -> bool:
             or os.path.exists(os.path.join(path, "metadata.json")))
 
 
+def check_usable(folder: str) -> Optional[str]:
+    """None if ``folder`` can be loaded: a sealed swift-mcore checkpoint (commit's
+    check_complete), or a whole Megatron-LM / ms-swift one (megatron_lm.problem); else why
+    not."""
+    if megatron_lm.is_megatron_lm(folder):
+        return megatron_lm.problem(folder)
+    return check_complete(folder)
+
+
 def resolve(spec: str, default_root: str, flag: str = "--resume") -> Found:
     """``spec`` is 'auto' (look under ``default_root``) or a path. Raises CheckpointError
     for an explicit path that is missing or unusable."""
@@ -55,7 +68,7 @@ def resolve(spec: str, default_root: str, flag: str = "--resume") -> Found:
     if os.path.isdir(run_root) and not is_checkpoint_folder(path):
         path = run_root  # a run's output_dir: its checkpoint folder holds the tracker
     if is_checkpoint_folder(path):
-        problem = check_complete(path)
+        problem = check_usable(path)
         if problem:
             others = [p for _, p in complete_checkpoints(os.path.dirname(path))]
             hint = (f" Complete checkpoints next to it: {', '.join(others[-3:])}."
@@ -74,7 +87,7 @@ def in_root(root: str, explicit: Optional[str]) -> Found:
     warnings: List[str] = []
     if tracked is not None:
         folder = os.path.join(root, iter_dir_name(tracked))
-        problem = check_complete(folder)
+        problem = check_usable(folder)
         if problem is None:
             successor = _unrecorded_successor(folder, complete)
             if successor:

@@ -6,8 +6,11 @@ the tensors and small per-layer ``_extra_state`` objects inside the .distcp file
 megatron's loader read the first two with ``torch.load(weights_only=True)`` restricted to
 torch's own tensor and container types plus ``TORCH_LOAD_EXTRA`` (the safe globals other
 libraries register, megatron's included, do not apply), and the third with an unpickler
-that only builds the DCP metadata classes, dtypes and sizes. Anything else is refused with
-a one-line CheckpointError naming the file and the refused type. Our own files (state,
+that only builds the DCP metadata classes, dtypes and sizes. ``common.pt`` also admits
+Megatron-LM's ``args`` Namespace and megatron-core's enums (``common_pt_extra``), and
+Megatron-LM's ``rng_state`` object numpy's uint32 state array (``rng_state_extra``).
+Anything else is refused with a one-line CheckpointError naming the file and the refused
+type. Our own files (state,
 arguments, scheduler, RNG) are JSON.
 """
 
@@ -85,20 +88,61 @@ def read_dcp_metadata(folder: str) -> Any:
 # older Transformer Engine versions keep a layer's _extra_state as a BytesIO.
 TORCH_LOAD_EXTRA = (io.BytesIO,)
 TORCH_LOAD_ALLOWED = "tensors, numbers, strings, lists, tuples, dicts"
+COMMON_PT_ALLOWED = TORCH_LOAD_ALLOWED + ", argparse.Namespace, megatron-core's enums, signal.Signals"
+
+
+def common_pt_extra() -> tuple:
+    """What ``common.pt`` may hold beyond TORCH_LOAD_EXTRA: Megatron-LM (and ms-swift, which
+    saves through it) pickles its ``args`` there, an ``argparse.Namespace`` whose fields are
+    plain values, megatron-core's enums (``ModelType``, ``AttnBackend``...) and
+    ``signal.Signals``. An enum is rebuilt by looking its value up among its members; a
+    Namespace by setting its ``__dict__``: neither runs code of the file's choosing.
+    Explicit classes only (not "any enum"), computed from megatron-core's two enum modules."""
+    import argparse
+    import enum
+    import signal
+
+    from megatron.core import enums as core_enums
+    from megatron.core.transformer import enums as transformer_enums
+
+    found = [argparse.Namespace, signal.Signals]
+    for module in (core_enums, transformer_enums):
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, enum.Enum) \
+                    and value.__module__ == module.__name__:
+                found.append(value)
+    return tuple(found)
 METADATA_ALLOWED = "torch DCP's metadata classes, dtypes, sizes"
 _ADVICE = ("weights_only", "weights only", "safe_globals", "check the documentation",
            "trusted source", "allowlist")
 
 
+RNG_STATE_KEY = "rng_state"
+RNG_STATE_ALLOWED = TORCH_LOAD_ALLOWED + ", numpy uint32 arrays"
+
+
+def rng_state_extra() -> tuple:
+    """What Megatron-LM's ``rng_state`` object may hold beyond TORCH_LOAD_EXTRA: numpy's
+    MT19937 state, a uint32 array (``np.random.get_state()``), rebuilt by numpy's array
+    reconstructor from its dtype and bytes. Only the uint32 dtype class is admitted, so no
+    object array (whose elements would be unpickled) can be built."""
+    import numpy as np
+    from numpy._core import multiarray
+
+    return ((multiarray._reconstruct, "numpy._core.multiarray._reconstruct"), np.ndarray,
+            np.dtype, type(np.dtype(np.uint32)))
+
+
 @contextlib.contextmanager
-def only_allowed_globals() -> Iterator[None]:
-    """While inside, ``torch.load(weights_only=True)`` accepts torch's built-in types and
-    TORCH_LOAD_EXTRA only: the globals registered with torch.serialization.add_safe_globals
-    (megatron registers argparse.Namespace, SimpleNamespace, PosixPath, numpy arrays, its
-    configs...) are set aside and put back afterwards."""
+def only_allowed_globals(extra: tuple = ()) -> Iterator[None]:
+    """While inside, ``torch.load(weights_only=True)`` accepts torch's built-in types,
+    TORCH_LOAD_EXTRA and ``extra`` only: the globals registered with
+    torch.serialization.add_safe_globals (megatron registers argparse.Namespace,
+    SimpleNamespace, PosixPath, numpy arrays, its configs...) are set aside and put back
+    afterwards."""
     saved = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
-    torch.serialization.add_safe_globals(list(TORCH_LOAD_EXTRA))
+    torch.serialization.add_safe_globals([*TORCH_LOAD_EXTRA, *extra])
     try:
         yield
     finally:
@@ -124,14 +168,15 @@ def _reason(err: BaseException, allowed: str = TORCH_LOAD_ALLOWED) -> str:
     return f"not a readable torch.save file ({detail})"
 
 
-def torch_load(source, where: str) -> Any:
-    """``torch.load`` of ``source`` (a path or a stream) with the allowed types only; any
-    failure is a one-line CheckpointError starting with ``where``."""
+def torch_load(source, where: str, extra: tuple = (), allowed: str = TORCH_LOAD_ALLOWED
+               ) -> Any:
+    """``torch.load`` of ``source`` (a path or a stream) with the allowed types (and
+    ``extra``) only; any failure is a one-line CheckpointError starting with ``where``."""
     try:
-        with only_allowed_globals():
+        with only_allowed_globals(extra):
             return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise CheckpointError(f"{where}: {_reason(err)}") from None
+        raise CheckpointError(f"{where}: {_reason(err, allowed)}") from None
 
 
 def load_failure(err: BaseException) -> BaseException:
@@ -198,8 +243,13 @@ def _safe_reader_class():
 def _safe_planner_class(base):
     class SafeLoadPlanner(base):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            # within safe_loading(): only the allowed types (the reader names the item)
-            obj = torch.load(value, map_location="cpu", weights_only=True)
+            # within safe_loading(): only the allowed types (the reader names the item);
+            # Megatron-LM's rng_state also holds numpy's uint32 state array.
+            if read_item.dest_index.fqn.split("/")[0] == RNG_STATE_KEY:
+                with only_allowed_globals(rng_state_extra()):
+                    obj = torch.load(value, map_location="cpu", weights_only=True)
+            else:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._traverse import set_element
 
@@ -212,7 +262,8 @@ def _safe_planner_class(base):
 
 
 def safe_common_strategy():
-    """megatron's common.pt loader with weights_only=True and the allowed types only."""
+    """megatron's common.pt loader with weights_only=True and the allowed types only (for
+    common.pt: ``common_pt_extra()`` too)."""
     from megatron.core.dist_checkpointing.mapping import CheckpointingException
     from megatron.core.dist_checkpointing.strategies.common import (
         COMMON_STATE_FNAME,
@@ -224,7 +275,8 @@ def safe_common_strategy():
             path = os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME)
             if not os.path.isfile(path):
                 raise CheckpointingException(f"Common file {path} does not exist")
-            return torch_load(path, f"checkpoint {checkpoint_dir}: {COMMON_STATE_FNAME}")
+            return torch_load(path, f"checkpoint {checkpoint_dir}: {COMMON_STATE_FNAME}",
+                              extra=common_pt_extra(), allowed=COMMON_PT_ALLOWED)
 
         def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
             raise CheckpointingException("torch_dist checkpoints keep objects in .distcp")

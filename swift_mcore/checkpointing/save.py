@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 from ..runtime import collectives as comm
 from ..runtime import run_lock
-from . import best, commit, files, io, rng, space
+from . import best, commit, files, io, megatron_lm, rng, space
 from .state import TrainState
 from .tracker import checkpoint_root, iter_dir_name, read_tracker, write_tracker
 
@@ -42,8 +42,8 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
     with_optimizer = not c.no_save_optim and io.optimizer_has_state(optimizer)
     # No scheduler: a weights-only checkpoint (export --to_mcore), loadable with --finetune.
     state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=with_optimizer,
-                                       is_loading=False)
-    state_dict.update(io.megatron_lm_common(state, scheduler))
+                                       is_loading=False, metadata=megatron_lm.CONTENT_METADATA)
+    state_dict.update(megatron_lm.common_entries(state, scheduler, config))
     space.check_free(root, iteration, state_dict)
     io.save(state_dict, staging, fully_parallel=config.fully_parallel_save)
 
@@ -61,6 +61,8 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
             "layout": {"world_size": comm.world_size(), **{
                 k: v for k, v in layouts[0].items() if k.endswith("_size")}},
             "rng_layouts": {str(r): lay for r, lay in enumerate(layouts)},
+            # common.pt's scheduler counts samples (Megatron-LM's unit): steps per iteration
+            "scheduler_unit": config.training.global_batch_size,
             "versions": files.versions(),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },

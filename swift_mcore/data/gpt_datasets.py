@@ -2,7 +2,9 @@
 
 Every split is built with ``num_samples=None`` (exactly one epoch); epochs and the order of
 samples are the sampler's business (sampler.py), so changing --train_iters never changes the
-data, and a resumed run maps the same global position to the same sample.
+data, and a resumed run maps the same global position to the same sample. ``--data_order
+megatron`` instead builds them as Megatron-LM does, for ``megatron_num_samples`` samples
+(GPTDataset then shuffles over all the epochs those need), through the builder as is.
 
 A single prefix goes through ``BlendedMegatronDatasetBuilder.build()``. Blends of several
 prefixes are assembled here from megatron's own pieces (the builder's per-prefix split
@@ -183,12 +185,30 @@ def build_datasets(args, tokenizer):
             f"the training split holds no complete sample: {_describe(prefixes)} has fewer than "
             f"--seq_length + 1 = {config.sequence_length + 1} tokens in the train part of "
             f"--split {args.data.split}; use more data or a shorter --seq_length")
-    if len(prefixes) == 1:
+    if args.data.data_order == "megatron":
+        sizes = megatron_num_samples(args)
+        if len(prefixes) == 1:
+            # A split without a sample: one (empty) epoch, where megatron-core 0.16.1 would
+            # loop forever looking for the samples asked of it (see the module docstring).
+            sizes = [n if epoch_samples[0][i] else None for i, n in enumerate(sizes)]
+        splits = BlendedMegatronDatasetBuilder(GPTDataset, sizes, on_rank, config).build()
+    elif len(prefixes) == 1:
         builder = BlendedMegatronDatasetBuilder(GPTDataset, [None] * 3, on_rank, config)
         splits = builder.build()
     else:
         splits = _build_blend(prefixes, weights, epoch_samples, config, on_rank)
     return tuple(None if d is not None and len(d) == 0 else d for d in splits)
+
+
+def megatron_num_samples(args) -> List[int]:
+    """The train/valid/test sizes Megatron-LM asks of its datasets (``--data_order
+    megatron``): train_iters x GBS; (train_iters // eval_interval + 1) x eval_iters x GBS
+    (an --eval_steps of 0 counts as one evaluation); eval_iters x GBS. GPTDataset's shuffle
+    covers that many samples, so these flags set the order."""
+    t, lg = args.training, args.logging
+    gbs = t.global_batch_size
+    evaluations = (t.train_iters // lg.eval_steps + 1) if lg.eval_steps else 1
+    return [t.train_iters * gbs, evaluations * lg.eval_iters * gbs, lg.eval_iters * gbs]
 
 
 def _describe(prefixes) -> str:

@@ -6,7 +6,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from .sampler import GlobalOrder, micro_batches
+from .sampler import GlobalOrder, SequentialOrder, micro_batches
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -18,7 +18,7 @@ class _PositionedSamples(torch.utils.data.Dataset):
     worker reads what) cannot change a batch.
     """
 
-    def __init__(self, dataset, order: GlobalOrder):
+    def __init__(self, dataset, order):
         self.dataset = dataset
         self.order = order
 
@@ -66,16 +66,20 @@ def build_data_iterator(dataset, consumed_samples: int, args, dp_rank: int = 0,
     Each dict: ``tokens``, ``labels``, ``position_ids`` [mbs, seq] int64, ``loss_mask``
     [mbs, seq] float32 and ``sample_ids`` [mbs] int64, the global positions (for audit logs).
     Returns None for a missing or empty dataset (e.g. a split of size 0).
-    ``seed_offset`` gives another stream its own order (e.g. validation).
+    ``seed_offset`` gives another stream its own order (e.g. validation). With
+    ``--data_order megatron`` the dataset's own order is read in sequence (sampler.py).
     """
     if dataset is None or len(dataset) == 0:
         return None
-    order = GlobalOrder(len(dataset), args.training.seed + seed_offset)
+    megatron_order = args.data.data_order == "megatron"
+    order = (SequentialOrder(len(dataset)) if megatron_order
+             else GlobalOrder(len(dataset), args.training.seed + seed_offset))
     workers = int(args.data.num_workers)
     loader = torch.utils.data.DataLoader(
         _PositionedSamples(dataset, order),
         batch_sampler=_BatchPositions(consumed_samples, args.training.micro_batch_size,
-                                      args.training.global_batch_size, dp_rank, dp_size),
+                                      args.training.global_batch_size, dp_rank, dp_size,
+                                      megatron_order),
         collate_fn=_Collate(dataset),
         num_workers=workers,
         persistent_workers=workers > 0,

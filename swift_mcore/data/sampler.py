@@ -1,10 +1,20 @@
-"""The resumable global sample order: position -> dataset index, and which rank reads which.
+"""The global sample order: position -> dataset index, and which rank reads which.
 
-Iteration ``i`` consumes the global positions ``[i*GBS, (i+1)*GBS)``. Position ``p`` lies in
-epoch ``p // len`` and maps to ``perm_epoch[p % len]``, a permutation that depends only on
-(seed, epoch). Data-parallel rank ``r`` reads the ``r``-th contiguous slice of each global
-batch. Hence the samples of a global batch do not depend on the number of ranks, and resuming
-from ``consumed_samples`` is a jump, not a replay of skipped batches.
+Iteration ``i`` consumes the global positions ``[i*GBS, (i+1)*GBS)``. Two orders
+(``--data_order``):
+
+- ``resumable`` (the default, ``GlobalOrder``): position ``p`` lies in epoch ``p // len`` and
+  maps to ``perm_epoch[p % len]``, a permutation that depends only on (seed, epoch), over a
+  one-epoch dataset. Data-parallel rank ``r`` reads the ``r``-th contiguous slice of each
+  global batch. Nothing depends on --train_iters.
+- ``megatron`` (``SequentialOrder``): Megatron-LM's. Its GPTDataset is built for
+  ``train_iters x GBS`` samples and already shuffled (over all its epochs); its
+  MegatronPretrainingSampler reads it in sequence from ``consumed_samples``, in chunks of
+  ``MBS x DP`` of which rank ``r`` takes the ``r``-th micro-batch. Position ``p`` is sample
+  ``p``; no permutation is added.
+
+Either way the samples of a global batch do not depend on the number of ranks, and
+resuming from ``consumed_samples`` is a jump, not a replay of skipped batches.
 """
 
 from __future__ import annotations
@@ -55,12 +65,30 @@ class GlobalOrder:
         self.__init__(state["dataset_len"], state["seed"])
 
 
+class SequentialOrder:
+    """Megatron-LM's order: position ``p`` is sample ``p`` of a dataset that megatron already
+    shuffled. Past its end (Megatron-LM's sampler would stop) the positions wrap around."""
+
+    def __init__(self, dataset_len: int):
+        if dataset_len <= 0:
+            raise ValueError(f"cannot order an empty dataset (length {dataset_len})")
+        self.dataset_len = int(dataset_len)
+
+    def __getitem__(self, position: int) -> int:
+        if position < 0:
+            raise IndexError(f"global positions start at 0, got {position}")
+        return int(position) % self.dataset_len
+
+
 def micro_batches(consumed_samples: int, micro_batch_size: int, global_batch_size: int,
-                  dp_rank: int = 0, dp_size: int = 1) -> Iterator[List[int]]:
+                  dp_rank: int = 0, dp_size: int = 1, interleaved: bool = False
+                  ) -> Iterator[List[int]]:
     """Global positions of this rank's micro-batches, forever, from ``consumed_samples`` on.
 
     Global batch ``k`` (counting from the start of training) covers ``[k*GBS, (k+1)*GBS)``;
     rank ``r`` takes ``[k*GBS + r*GBS/dp, k*GBS + (r+1)*GBS/dp)`` in micro-batches of MBS.
+    ``interleaved`` (``--data_order megatron``): MegatronPretrainingSampler's layout instead,
+    micro-batch ``m`` of rank ``r`` is ``[k*GBS + (m*dp + r)*MBS, ... + MBS)``.
     The arguments are checked at the call, not at the first ``next``.
     """
     for name, value in (("micro_batch_size", micro_batch_size),
@@ -76,8 +104,19 @@ def micro_batches(consumed_samples: int, micro_batch_size: int, global_batch_siz
         raise ValueError(f"consumed_samples ({consumed_samples}) must be a non-negative multiple "
                          f"of global_batch_size ({global_batch_size}): a run resumes only at "
                          f"an iteration boundary")
+    if interleaved:
+        return _interleaved(consumed_samples, micro_batch_size, dp_rank, dp_size)
     return _positions(consumed_samples, micro_batch_size, global_batch_size // dp_size,
                       global_batch_size, dp_rank)
+
+
+def _interleaved(consumed_samples, micro_batch_size, dp_rank, dp_size):
+    # Each chunk of MBS x DP consecutive positions is one micro-batch per rank (a global
+    # batch is a whole number of chunks, so batch boundaries stay where they are).
+    start = consumed_samples + dp_rank * micro_batch_size
+    while True:
+        yield list(range(start, start + micro_batch_size))
+        start += micro_batch_size * dp_size
 
 
 def _positions(batch_start, micro_batch_size, per_rank, global_batch_size, dp_rank):

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -90,9 +91,17 @@ PICKLES = {
                        f"refusing to unpickle {SYSTEM}"),
     "common.pt": _file("common.pt", lambda m: T.torch_saved({"iteration": 4, "x": T.Evil(m)}),
                        f"refusing to unpickle {SYSTEM}"),
-    # registered as safe by megatron-core, but not on swift-mcore's allow-list
-    "common.pt_namespace": _file("common.pt", lambda m: T.torch_saved(argparse.Namespace(a=1)),
-                                 "refusing to unpickle argparse.Namespace"),
+    # registered as safe by megatron-core, but not on swift-mcore's allow-list (common.pt
+    # admits argparse.Namespace, for Megatron-LM's args, and nothing else of megatron's list)
+    "common.pt_namespace": _file("common.pt",
+                                 lambda m: T.torch_saved({"iteration": 4,
+                                                          "x": types.SimpleNamespace(a=1)}),
+                                 "refusing to unpickle types.SimpleNamespace"),
+    # Megatron-LM's args Namespace holding a planted callable
+    "common.pt_args": _file("common.pt",
+                            lambda m: T.torch_saved({"iteration": 4,
+                                                     "args": argparse.Namespace(seed=T.Evil(m))}),
+                            f"refusing to unpickle {SYSTEM}"),
 }
 JSON_READ_BY_ALL = {
     "args.json": _file("args.json", T.GARBAGE, "unreadable"),
