@@ -29,6 +29,11 @@ def flops_per_token(config) -> float:
     return 6.0 * matmul_params + 6.0 * attention_macs
 
 
+# The router's auxiliary losses (training/moe_metrics.py), averaged like the loss.
+MOE_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
+              "z_loss")
+
+
 class LogWindow:
     """Averages loss and grad norm over the iterations between two log lines, and times
     them for tokens/s and TFLOP/s (per rank, as Megatron reports)."""
@@ -48,7 +53,8 @@ class LogWindow:
     def flush(self) -> Dict[str, float]:
         seconds = max(time.perf_counter() - self.start, 1e-9)
         metrics = {"lr": self.steps[-1]["lr"], "skipped": sum(s["skipped"] for s in self.steps)}
-        for key in ("loss", "grad_norm"):  # a skipped non-finite step is left out
+        averaged = ["loss", "grad_norm"] + [k for k in self.steps[-1] if k in MOE_LOSSES]
+        for key in averaged:  # a skipped non-finite step is left out
             values = [s[key] for s in self.steps
                       if s.get(key) is not None and math.isfinite(s[key])]
             metrics[key] = sum(values) / len(values) if values else None

@@ -16,7 +16,7 @@ from ..arguments import PretrainArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
 from ..runtime import collectives, distributed, run_lock, seed
-from . import best
+from . import best, moe_metrics
 from .metrics import LogWindow, flops_per_token
 from .nonfinite import NonFiniteGuard
 from .writers import MetricWriter, format_log_line, rng_untouched
@@ -222,6 +222,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped": 0.0 if update_successful else 1.0,
             "tokens": tokens,
+            **moe_metrics.collect(self.config),  # the router's losses, apart from the LM loss
         }
 
     def optimizer_step(self, loss: Optional[float]) -> tuple:
