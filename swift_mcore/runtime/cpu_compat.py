@@ -211,6 +211,7 @@ def activate() -> bool:
         module.torch = proxy
     _patch_clip_grads()
     _patch_shared_embedding_setup()
+    _patch_split_sizes_to_host()
     _ACTIVE = True
     return True
 
@@ -225,6 +226,27 @@ def _patch_router_gemm_without_te():
     if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
         check_version()
         moe_utils.te_general_gemm = None
+
+
+def _patch_split_sizes_to_host():
+    """The all-to-all dispatcher hands its split sizes to all_to_all_single after
+    ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` (token_dispatcher.py:879), which turns
+    only CUDA tensors into numpy: a CPU tensor stays a tensor, and torch's all_to_all_single
+    refuses it as split sizes. On CPU the same call returns the numpy array it means."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_swift_mcore_cpu", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._swift_mcore_cpu = True
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
