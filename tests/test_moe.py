@@ -23,7 +23,7 @@ def resolved(*argv, world_size=1, cuda=False):
      "must be divisible by --expert_model_parallel_size (2) x --tensor_model_parallel_size"),
     (["--num_experts", "4", "--moe_router_topk", "5"], 1,
      "--moe_router_topk (5) must not exceed --num_experts (4)"),
-    (["--moe_router_topk", "2"], 1, "--moe_router_topk configures mixture-of-experts"),
+    (["--moe_router_topk", "3"], 1, "--moe_router_topk configures mixture-of-experts"),
     (["--expert_model_parallel_size", "2"], 2, "it needs --num_experts"),
     (["--num_experts", "4", "--moe_layer_freq", "[1,0,1]"], 1, "--moe_layer_freq takes"),
     (["--num_experts", "4", "--moe_layer_freq", "__import__('os')"], 1,

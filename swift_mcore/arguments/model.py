@@ -18,7 +18,8 @@ class ModelArguments:
         "(an explicit flag that disagrees is an error), its tokenizer and safetensors weights "
         "are loaded.")
     model_type: Optional[str] = flag(
-        None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral; "
+        None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral, "
+        "qwen2_moe, qwen3_moe, mixtral; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
     num_layers: int = flag(4, "Number of transformer layers.")

@@ -221,7 +221,10 @@ class PretrainArguments:
         _positive(p, "expert_model_parallel_size")
         source = f" (from {m.model}/config.json)" if m.model else ""
         if m.num_experts is None:
-            given = sorted(name for name in MOE_FLAGS if name in self.explicit)
+            # (a value equal to the default changes nothing: args.json replays every flag)
+            defaults = {f.name: field_default(f) for f in fields(ModelArguments)}
+            given = sorted(name for name in MOE_FLAGS if name in self.explicit
+                           and getattr(m, name) != defaults[name])
             if given:
                 raise ArgumentError(f"--{given[0]} configures mixture-of-experts layers; it "
                                     f"needs --num_experts N (routed experts per layer)")
