@@ -81,3 +81,11 @@ def test_profile_step_smoke():
 def test_kill_resume_smoke():
     result = run_script("benchmarks/kill_resume.py", "--trials", "2", "--iters", "6")
     assert result["trials"] == 2 and result["ok"], result["problems"]
+
+
+def test_moe_throughput_smoke():
+    proc = subprocess.run([sys.executable, "benchmarks/moe_throughput.py", "--tiny", "--rounds",
+                           "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["moe_tokens_per_s_median"] > 0 and result["moe_vs_dense_median"] > 0
