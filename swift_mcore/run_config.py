@@ -34,6 +34,7 @@ class World:
     pipeline_parallel: int
     data_parallel: int
     num_microbatches: int
+    expert_parallel: int = 1     # MoE experts split over this many of the data-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     attention = choose_attention(flags.model.attention_backend, transformer_engine)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
+    check_moe_hardware(flags, cuda, layer_spec)
     packed_rows = "thd" if attention == "transformer_engine" else "block_causal_mask"
     if flags.COMMAND == "sft" and flags.sft.packing and packed_rows == "thd" \
             and flags.training.micro_batch_size != 1:
@@ -167,7 +169,8 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     dp = world_size // (tp * pp)
     world = World(world_size=world_size, tensor_parallel=tp, pipeline_parallel=pp,
                   data_parallel=dp,
-                  num_microbatches=t.global_batch_size // (t.micro_batch_size * dp))
+                  num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+                  expert_parallel=p.expert_model_parallel_size)
     return RunConfig(args=flags.frozen(), world=world, cuda=cuda, backend=backend,
                      layer_spec=layer_spec, attention=attention, packed_rows=packed_rows,
                      dataset_sources=sources, val_dataset_sources=val_sources,
@@ -264,6 +267,15 @@ def check_sequence_parallel(flags: PretrainArguments, cuda: bool, layer_spec: st
         "transformer_engine, with transformer-engine installed: pip install "
         "--no-build-isolation -r requirements/gpu.txt), or apex with --normalization "
         "LayerNorm: megatron's torch norms of the local spec do not support it")
+
+
+def check_moe_hardware(flags: PretrainArguments, cuda: bool, layer_spec: str) -> None:
+    """--moe_grouped_gemm runs the local experts as one grouped GEMM: Transformer Engine's
+    (its layer spec, CUDA). On CPU the experts are megatron's SequentialMLP."""
+    if flags.model.moe_grouped_gemm and (not cuda or layer_spec != "transformer_engine"):
+        raise ArgumentError("--moe_grouped_gemm needs CUDA and Transformer Engine's layer spec "
+                            "(--attention_backend auto or transformer_engine); without them the "
+                            "experts run one after another (drop the flag)")
 
 
 def check_trackers(flags: PretrainArguments) -> None:

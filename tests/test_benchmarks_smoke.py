@@ -110,3 +110,9 @@ def test_loader_throughput_smoke():
                         "--iters", "3")[-1]
     assert result["trainer_samples_per_s"] > 0
     assert result["loader_samples_per_s_workers0"] > 0 and result["ratio_workers1"] > 0
+
+
+@pytest.mark.benchmark
+def test_moe_throughput_smoke():
+    result = run_script("moe_throughput.py", "--tiny", "--rounds", "1")[-1]
+    assert result["moe_tokens_per_s_median"] > 0 and result["moe_vs_dense_median"] > 0

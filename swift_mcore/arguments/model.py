@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
-from .fields import FRACTION, NONZERO_FRACTION, POSITIVE, flag
+from ..errors import ArgumentError
+
+from .fields import FRACTION, NON_NEGATIVE, NONZERO_FRACTION, POSITIVE, flag
 
 
 @dataclass
@@ -15,7 +18,8 @@ class ModelArguments:
         "(an explicit flag that disagrees is an error), its tokenizer and safetensors weights "
         "are loaded.")
     model_type: Optional[str] = flag(
-        None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral; "
+        None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral, "
+        "qwen2_moe, qwen3_moe, mixtral; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
     num_layers: int = flag(4, "Number of transformer layers.")
@@ -63,3 +67,74 @@ class ModelArguments:
         "1e-5, faster, less memory; benchmarks/README.md); auto = transformer_engine when it "
         "is installed with CUDA, else local. The start-up line says what runs.",
         choices=("auto", "local", "sdpa", "transformer_engine"))
+    # ---- mixture of experts (megatron-core's MoE layer; docs/models.md) -----------------
+    num_experts: Optional[int] = flag(
+        None, "Routed experts per MoE layer (megatron's MoE layer, router and token "
+        "dispatcher); unset: a dense model.")
+    moe_router_topk: int = flag(2, "Experts each token is routed to.")
+    moe_ffn_hidden_size: Optional[int] = flag(
+        None, "Inner size of each routed expert's MLP; default --ffn_hidden_size.")
+    moe_shared_expert_intermediate_size: Optional[int] = flag(
+        None, "Inner size of the shared expert every token passes through (all shared experts "
+        "together); unset: none.")
+    moe_shared_expert_gate: bool = flag(
+        False, "Scale the shared expert's output by sigmoid(a learned gate) (Qwen2-MoE).")
+    moe_layer_freq: str = flag(
+        "1", "Which layers are MoE: an integer k (every k-th layer, from the first) or a "
+        "per-layer list of 1 (MoE) and 0 (dense), e.g. '[0,1,1,1]' or '([0]*1+[1]*3)'.")
+    moe_router_load_balancing_type: str = flag(
+        "aux_loss", "Router load balancing: aux_loss (GShard/Switch, over the micro-batch), "
+        "seq_aux_loss (per sequence), global_aux_loss (over the global batch), sinkhorn, none.",
+        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"))
+    moe_aux_loss_coeff: float = flag(
+        0.0, "Weight of the load-balancing loss added to the LM loss (reported apart).",
+        range=NON_NEGATIVE)
+    moe_z_loss_coeff: Optional[float] = flag(
+        None, "Weight of the router z-loss (ST-MoE); unset: none.", range=NON_NEGATIVE)
+    moe_router_pre_softmax: bool = flag(
+        False, "Softmax over all experts before top-k (the top-k weights then do not sum to "
+        "1: Qwen's norm_topk_prob false); default top-k first, then softmax over the k.")
+    moe_token_dispatcher_type: str = flag(
+        "alltoall", "How tokens reach the experts of other expert-parallel ranks.",
+        choices=("allgather", "alltoall"))
+    moe_grouped_gemm: bool = flag(
+        False, "All local experts in one grouped GEMM (CUDA with Transformer Engine).")
+
+
+def moe_layer_pattern(m: ModelArguments) -> List[int]:
+    """--moe_layer_freq as one 0/1 per layer (1: MoE). An integer k makes every k-th layer
+    MoE, counting from the first (megatron's rule); a list, or megatron's expression of
+    lists ('([0]*1+[1]*3)'), gives each layer. Raises ArgumentError naming the flag."""
+    text = str(m.moe_layer_freq).strip()
+    bad = ArgumentError(f"--moe_layer_freq takes an integer k >= 1 or a list of {m.num_layers} "
+                        f"0/1 values (one per layer, e.g. '[0,1]' or '([0]*1+[1]*3)'); got "
+                        f"{text!r}")
+    try:
+        value = _list_expression(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError):
+        raise bad from None
+    if isinstance(value, int):
+        if value < 1:
+            raise bad
+        return [1 if i % value == 0 else 0 for i in range(m.num_layers)]
+    if len(value) != m.num_layers or any(v not in (0, 1) for v in value):
+        raise bad
+    return list(value)
+
+
+def _list_expression(node):
+    """An integer, a list of integers, list + list or list * integer; nothing else runs."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        items = [_list_expression(item) for item in node.elts]
+        if all(isinstance(item, int) for item in items):
+            return items
+    if isinstance(node, ast.BinOp):
+        left, right = _list_expression(node.left), _list_expression(node.right)
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int) \
+                and 0 <= right <= 10**6:
+            return left * right
+    raise ValueError("not a list expression")

@@ -29,3 +29,6 @@ class ParallelArguments:
         None, "Process-group backend; default nccl with CUDA, gloo without (nccl without CUDA "
         "and gloo with CUDA are refused).",
         choices=("nccl", "gloo"))
+    expert_model_parallel_size: int = flag(
+        1, "Expert-parallel ranks: the routed experts of each MoE layer are split over them "
+        "(inside the data-parallel ranks; needs --num_experts divisible by it).")

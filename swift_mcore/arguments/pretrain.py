@@ -12,7 +12,7 @@ from .checkpoint import CheckpointArguments
 from .data import DataArguments
 from .fields import check_flags, coerce, field_default, freeze
 from .logging import LoggingArguments
-from .model import ModelArguments
+from .model import ModelArguments, moe_layer_pattern
 from .parallel import ParallelArguments
 from .training import TrainingArguments
 
@@ -87,6 +87,8 @@ class PretrainArguments:
                 _round_up(int(8 * m.hidden_size / 3), 64) if m.swiglu else 4 * m.hidden_size)
         if m.max_position_embeddings is None:
             m.max_position_embeddings = m.seq_length
+        if m.num_experts is not None and m.moe_ffn_hidden_size is None:
+            m.moe_ffn_hidden_size = m.ffn_hidden_size
         if t.num_train_epochs is not None and "train_iters" in self.explicit:
             if "num_train_epochs" in self.explicit:
                 raise ArgumentError("--train_iters and --num_train_epochs are alternatives; "
@@ -154,6 +156,7 @@ class PretrainArguments:
             raise ArgumentError("--output_dir must not be empty")
         self.check_model_shape(world_size)
         self.check_parallel(world_size)
+        self.check_moe(world_size)
         self.check_checkpoint_flags()
         self.check_best_flags()
         self.check_command()
@@ -211,6 +214,55 @@ class PretrainArguments:
                 "megatron-core reduces all gradients in one bucket")
         if t.bf16 and t.fp16:
             raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
+
+    def check_moe(self, world_size: int) -> None:
+        """The mixture-of-experts flags: experts, top-k, the layer pattern, and expert
+        parallelism (EP) inside the layout (megatron: EP x TP x PP divides the world)."""
+        m, p = self.model, self.parallel
+        ep, tp, pp = (p.expert_model_parallel_size, p.tensor_model_parallel_size,
+                      p.pipeline_model_parallel_size)
+        _positive(p, "expert_model_parallel_size")
+        source = f" (from {m.model}/config.json)" if m.model else ""
+        if m.num_experts is None:
+            # (a value equal to the default changes nothing: args.json replays every flag)
+            defaults = {f.name: field_default(f) for f in fields(ModelArguments)}
+            given = sorted(name for name in MOE_FLAGS if name in self.explicit
+                           and getattr(m, name) != defaults[name])
+            if given:
+                raise ArgumentError(f"--{given[0]} configures mixture-of-experts layers; it "
+                                    f"needs --num_experts N (routed experts per layer)")
+            if ep > 1:
+                raise ArgumentError(f"--expert_model_parallel_size {ep} splits the experts of "
+                                    f"MoE layers; it needs --num_experts")
+            return
+        for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
+            _positive(m, name)
+        if m.moe_shared_expert_intermediate_size is not None:
+            _positive(m, "moe_shared_expert_intermediate_size")
+        elif m.moe_shared_expert_gate:
+            raise ArgumentError("--moe_shared_expert_gate gates the shared expert; it needs "
+                                "--moe_shared_expert_intermediate_size")
+        if m.moe_router_topk > m.num_experts:
+            raise ArgumentError(f"--moe_router_topk ({m.moe_router_topk}) must not exceed "
+                                f"--num_experts ({m.num_experts}){source}")
+        moe_layer_pattern(m)
+        if m.num_experts % ep:
+            raise ArgumentError(f"--expert_model_parallel_size ({ep}) must divide "
+                                f"--num_experts ({m.num_experts}){source}")
+        if world_size % (ep * tp * pp):
+            raise ArgumentError(
+                f"the world size ({world_size} ranks) must be divisible by "
+                f"--expert_model_parallel_size ({ep}) x --tensor_model_parallel_size ({tp}) x "
+                f"--pipeline_model_parallel_size ({pp})")
+        if tp > 1 and not p.sequence_parallel:
+            raise ArgumentError(
+                f"--num_experts with --tensor_model_parallel_size {tp} needs "
+                f"--sequence_parallel (megatron's MoE layer refuses to train with tensor "
+                f"parallelism without it; CUDA only): use --expert_model_parallel_size "
+                f"instead of TP, or add --sequence_parallel on a GPU")
+        if m.add_bias_linear:
+            raise ArgumentError("--num_experts with --add_bias_linear: megatron's MoE layer "
+                                "has no bias in its experts; drop --add_bias_linear")
 
     def check_checkpoint_flags(self) -> None:
         c = self.checkpoint
@@ -275,6 +327,13 @@ class PretrainArguments:
         if self.data.data_path and self.data.dataset:
             raise ArgumentError("--data_path and --dataset are exclusive: give preprocessed "
                                 "prefixes or raw files, not both")
+
+
+# The mixture-of-experts flags that mean something only with --num_experts.
+MOE_FLAGS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+             "moe_shared_expert_gate", "moe_layer_freq", "moe_router_load_balancing_type",
+             "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_pre_softmax",
+             "moe_token_dispatcher_type", "moe_grouped_gemm")
 
 
 def check_schedule_length(t, train_iters: int) -> None:

@@ -18,7 +18,10 @@ MODEL_FIELDS = [("model", name) for name in (
     "num_query_groups", "kv_channels", "max_position_embeddings", "vocab_size",
     "normalization", "norm_epsilon", "swiglu", "position_embedding_type", "rotary_base",
     "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
-    "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm")]
+    "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+    "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
+    "moe_router_pre_softmax")]
 # Optimizer settings restored from the checkpoint's state (they would silently win).
 OPTIMIZER_FIELDS = [("training", name) for name in (
     "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "bf16", "fp16")]

@@ -51,9 +51,47 @@ def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool,
     saved, megatron's defaults then)."""
     state = model_sharded_state_dict(model, metadata)
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
-                                                          metadata=metadata)
+        # MoE with expert parallelism chains a second optimizer for the expert parameters;
+        # its tensors keep their parameter names (no 'chained_N.' prefix), so one checkpoint
+        # loads at any EP (``conform_optimizer_state``).
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading,
+            metadata={"chained_optim_avoid_prefix": True, **(metadata or {})})
     return state
+
+
+def conform_optimizer_state(loaded: Dict[str, Any], optimizer) -> Any:
+    """The optimizer part of a loaded checkpoint in the structure ``optimizer`` expects.
+
+    megatron's optimizer is one FP32Optimizer, or at EP > 1 a ChainedOptimizer of the dense
+    and the expert one (state dict {0: ..., 1: ...}). The per-parameter tensors land where
+    this optimizer asked for them, whatever EP saved them; the plain entries (param groups,
+    the shared step) come from common.pt in the saved structure. When the two structures
+    differ, each part gets this optimizer's own param groups (their settings are the
+    checked flags; the scheduler sets the learning rate next) and the saved step."""
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+    def saved_groups(part) -> bool:  # common.pt's groups carry their settings, not only ids
+        groups = part.get("param_groups") if isinstance(part, dict) else None
+        return bool(groups) and all(len(group) > 1 for group in groups)
+
+    saved_parts = [loaded] if saved_groups(loaded) else [
+        loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
+    if len(saved_parts) == len(chained) and all(map(saved_groups, saved_parts)):
+        return loaded
+    steps = [part["state"].get("common_step") for part in saved_parts
+             if isinstance(part.get("state"), dict) and "common_step" in part["state"]]
+    parts = []
+    for index, sub in enumerate(chained):
+        part = {k: v for k, v in (loaded if len(chained) == 1 else loaded[index]).items()
+                if not isinstance(k, int)}  # the saved structure's other parts
+        state = {k: v for k, v in dict(part.get("state", {})).items() if k != "common_step"}
+        if steps:
+            state["common_step"] = steps[0]
+        part["state"] = state
+        part["param_groups"] = sub.state_dict()["param_groups"]
+        parts.append(part)
+    return parts[0] if len(chained) == 1 else dict(enumerate(parts))
 
 
 def read_common(folder: str) -> Dict[str, Any]:

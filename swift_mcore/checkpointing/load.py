@@ -120,7 +120,7 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
     io.restore_model(model, loaded)
     restored = ["model"]
     if stepped:
-        optimizer.load_state_dict(loaded["optimizer"])
+        optimizer.load_state_dict(io.conform_optimizer_state(loaded["optimizer"], optimizer))
     if load_optim:
         restored.append("optimizer" if stepped else "optimizer (not yet stepped: empty)")
     _restore_scheduler(scheduler, saved_scheduler, c.override_resume_check)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -51,12 +51,60 @@ class ConversionError(ValueError):
     """A parameter the mapping does not know (a layer type the families do not have)."""
 
 
+# Transformer Engine's grouped experts (--moe_grouped_gemm): one weight per local expert.
+_TE_GROUPED = re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$")
+
+
 def canonical(name: str) -> str:
     """A megatron parameter name in the local spec's spelling."""
     match = _LAYER.match(name)
     if match and match.group(2) in _TE_NAMES:
         return f"decoder.layers.{match.group(1)}.{_TE_NAMES[match.group(2)]}"
+    grouped = _TE_GROUPED.match(match.group(2)) if match else None
+    if grouped:
+        return (f"decoder.layers.{match.group(1)}.mlp.experts.local_experts."
+                f"{grouped.group(2)}.linear_fc{grouped.group(1)}.weight")
     return name
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The mixture-of-experts part of a layout: which layers are MoE and their sizes.
+    ``names`` is the family's HF spelling: 'qwen' (mlp.gate, mlp.experts.N.gate_proj,
+    mlp.shared_expert...) or 'mixtral' (block_sparse_moe.gate, experts.N.w1/w2/w3)."""
+
+    count: int
+    ffn: int
+    layers: Tuple[int, ...]      # 1: MoE, 0: dense, per layer
+    shared_ffn: int = 0          # 0: no shared expert
+    shared_gate: bool = False
+    names: str = "qwen"
+
+    def hf_names(self, i: int) -> dict:
+        """megatron suffix (local spec, layer i) -> the HF suffix, for each MoE tensor."""
+        out = {}
+        if self.names == "mixtral":
+            out["mlp.router.weight"] = "block_sparse_moe.gate.weight"
+            for e in range(self.count):
+                base = f"block_sparse_moe.experts.{e}."
+                out[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (base + "w1.weight",
+                                                                          base + "w3.weight")
+                out[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = base + "w2.weight"
+            return out
+        out["mlp.router.weight"] = "mlp.gate.weight"
+        for e in range(self.count):
+            base = f"mlp.experts.{e}."
+            out[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (base + "gate_proj.weight",
+                                                                      base + "up_proj.weight")
+            out[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = base + "down_proj.weight"
+        if self.shared_ffn:
+            base = "mlp.shared_expert."
+            out["mlp.shared_experts.linear_fc1.weight"] = (base + "gate_proj.weight",
+                                                           base + "up_proj.weight")
+            out["mlp.shared_experts.linear_fc2.weight"] = base + "down_proj.weight"
+            if self.shared_gate:
+                out["mlp.shared_experts.gate_weight"] = "mlp.shared_expert_gate.weight"
+        return out
 
 
 @dataclass(frozen=True)
@@ -72,16 +120,45 @@ class Layout:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    experts: Optional[Experts] = None
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
         heads = m.num_attention_heads
+        experts = None
+        if getattr(m, "num_experts", None) is not None:
+            from ..arguments.model import moe_layer_pattern
+
+            experts = Experts(count=m.num_experts, ffn=m.moe_ffn_hidden_size or
+                              m.ffn_hidden_size, layers=tuple(moe_layer_pattern(m)),
+                              shared_ffn=m.moe_shared_expert_intermediate_size or 0,
+                              shared_gate=m.moe_shared_expert_gate,
+                              names="mixtral" if m.model_type == "mixtral" else "qwen")
         return cls(num_layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size,
                    heads=heads, groups=m.num_query_groups or heads,
                    head_dim=m.kv_channels or m.hidden_size // heads,
                    vocab=m.vocab_size or padded_vocab, padded_vocab=padded_vocab,
                    tied=not m.untie_embeddings_and_output_weights,
-                   qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm)
+                   qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts is not None and bool(self.experts.layers[layer])
+
+    def _moe_shapes(self, layer: int) -> List[Tuple[str, Tuple[int, ...]]]:
+        x, h = self.experts, self.hidden
+        shapes = []
+        for mc, hf in x.hf_names(layer).items():
+            if mc == "mlp.router.weight":
+                shapes.append((hf, (x.count, h)))
+            elif mc == "mlp.shared_experts.gate_weight":
+                shapes.append((hf, (1, h)))
+            else:
+                ffn = x.shared_ffn if "shared" in mc else x.ffn
+                if isinstance(hf, tuple):
+                    shapes += [(name, (ffn, h)) for name in hf]
+                else:
+                    shapes.append((hf, (h, ffn)))
+        return shapes
 
     @property
     def per_group(self) -> int:
@@ -104,8 +181,11 @@ class Layout:
                 out += [(p + "self_attn.q_norm.weight", (hd,)),
                         (p + "self_attn.k_norm.weight", (hd,))]
             out += [(p + "self_attn.o_proj.weight", (h, self.heads * hd)),
-                    (p + "post_attention_layernorm.weight", (h,)),
-                    (p + "mlp.gate_proj.weight", (self.ffn, h)),
+                    (p + "post_attention_layernorm.weight", (h,))]
+            if self.is_moe(i):
+                out += [(p + name, shape) for name, shape in self._moe_shapes(i)]
+                continue
+            out += [(p + "mlp.gate_proj.weight", (self.ffn, h)),
                     (p + "mlp.up_proj.weight", (self.ffn, h)),
                     (p + "mlp.down_proj.weight", (h, self.ffn))]
         out.append(("model.norm.weight", (h,)))
@@ -134,9 +214,15 @@ class Layout:
             fused = get(layer + f"self_attention.linear_qkv.{qkv.group(2)}")
             return self._split_qkv(fused)["qkv".index(qkv.group(1))]
         mlp = re.match(r"^mlp\.(gate|up)_proj\.weight$", suffix)
-        if mlp:
+        if mlp and not self.is_moe(i):
             gate, up = get(layer + "mlp.linear_fc1.weight").chunk(2, dim=0)
             return gate if mlp.group(1) == "gate" else up
+        if self.is_moe(i):
+            for mc, hf in self.experts.hf_names(i).items():
+                if isinstance(hf, tuple) and suffix in hf:  # [gate; up] of an expert
+                    return get(layer + mc).chunk(2, dim=0)[hf.index(suffix)]
+                if suffix == hf:
+                    return get(layer + mc)
         raise ConversionError(f"no megatron counterpart for {hf_name}")
 
     def _split_qkv(self, fused: torch.Tensor):
@@ -146,9 +232,11 @@ class Layout:
         return [t.reshape(-1, *fused.shape[1:]) for t in (q, k, v)]
 
     # ---- the megatron side ---------------------------------------------------------------
-    def to_mcore(self, name: str, read: Read, tp_rank: int = 0, tp_size: int = 1
-                 ) -> torch.Tensor:
-        """Rank ``tp_rank``'s shard of megatron parameter ``name``, read from the HF files."""
+    def to_mcore(self, name: str, read: Read, tp_rank: int = 0, tp_size: int = 1,
+                 ep_rank: int = 0, ep_size: int = 1) -> torch.Tensor:
+        """Rank ``tp_rank``'s shard of megatron parameter ``name``, read from the HF files.
+        With expert parallelism local expert j of EP rank r is global expert
+        r * experts / ep_size + j."""
         name = canonical(name)
         if name == "embedding.word_embeddings.weight":
             return self._vocab_rows("model.embed_tokens.weight", read, tp_rank, tp_size)
@@ -163,6 +251,10 @@ class Layout:
         prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
         if suffix in _SAME:
             return read(prefix + _SAME[suffix])
+        if self.is_moe(int(match.group(1))) and suffix.startswith("mlp.") \
+                and not suffix.startswith("mlp.linear_fc"):
+            return self._moe_shard(int(match.group(1)), prefix, suffix, read, tp_rank, tp_size,
+                                   ep_rank, ep_size)
         if suffix in _ROW_PARALLEL:
             width = self.heads * self.head_dim if "linear_proj" in suffix else self.ffn
             return read(prefix + _ROW_PARALLEL[suffix], cols=_part(width, tp_rank, tp_size))
@@ -174,6 +266,27 @@ class Layout:
             return torch.cat([read(prefix + "mlp.gate_proj.weight", rows=rows),
                               read(prefix + "mlp.up_proj.weight", rows=rows)], dim=0)
         raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
+
+    def _moe_shard(self, layer: int, prefix: str, suffix: str, read: Read, tp_rank: int,
+                   tp_size: int, ep_rank: int, ep_size: int) -> torch.Tensor:
+        """A router, routed-expert or shared-expert tensor of MoE layer ``layer``; the
+        experts' fc1/fc2 are sharded over TP like the dense MLP's (expert TP = TP)."""
+        x = self.experts
+        local = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$", suffix)
+        if local:
+            suffix = (f"mlp.experts.local_experts."
+                      f"{ep_rank * (x.count // ep_size) + int(local.group(1))}.{local.group(2)}")
+        hf = x.hf_names(layer).get(suffix)
+        if hf is None:
+            raise ConversionError(f"no Hugging Face counterpart for megatron parameter "
+                                  f"{prefix}{suffix}")
+        if suffix in ("mlp.router.weight", "mlp.shared_experts.gate_weight"):
+            return read(prefix + hf)
+        ffn = x.shared_ffn if "shared" in suffix else x.ffn
+        if isinstance(hf, tuple):  # fc1: [gate; up], this TP rank's rows of each
+            rows = _part(ffn, tp_rank, tp_size)
+            return torch.cat([read(prefix + name, rows=rows) for name in hf], dim=0)
+        return read(prefix + hf, cols=_part(ffn, tp_rank, tp_size))
 
     def _qkv_shard(self, prefix: str, kind: str, read: Read, tp_rank: int, tp_size: int):
         hd, n = self.head_dim, self.per_group

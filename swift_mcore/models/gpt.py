@@ -59,18 +59,48 @@ def transformer_config(config, initialize: bool = True):
         calculate_per_token_loss=True,
         # p2p without torch.cuda.synchronize (megatron p2p_communication.py:398).
         batch_p2p_sync=cuda,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        **moe_config(m),
     )
 
 
-def layer_spec(config):
-    """The layer spec and core attention ``config`` chose (run_config.choose_attention)."""
+def moe_config(m) -> dict:
+    """The TransformerConfig fields of the mixture-of-experts flags ({} for a dense model).
+    Routing is dropless (no expert capacity): every token reaches its top-k experts."""
+    if m.num_experts is None:
+        return {}
+    from ..arguments.model import moe_layer_pattern
+
+    return dict(
+        num_moe_experts=m.num_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=m.moe_shared_expert_gate,
+        moe_layer_freq=moe_layer_pattern(m),
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_z_loss_coeff=m.moe_z_loss_coeff,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_grouped_gemm=m.moe_grouped_gemm,
+        moe_expert_capacity_factor=None,
+    )
+
+
+def layer_spec(config, moe: bool = False):
+    """The layer spec and core attention ``config`` chose (run_config.choose_attention);
+    ``moe``: the spec of a mixture-of-experts layer (megatron's MoELayer as its MLP)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    m = config.model
+    experts = dict(num_experts=m.num_experts, moe_grouped_gemm=m.moe_grouped_gemm) if moe \
+        else {}
     if config.layer_spec == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=config.model.qk_layernorm)
+            qk_layernorm=m.qk_layernorm, **experts)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=config.model.qk_layernorm, normalization=config.model.normalization)
+        qk_layernorm=m.qk_layernorm, normalization=m.normalization, **experts)
     if config.attention == "sdpa":
         from .sdpa_attention import SdpaAttention
 
@@ -84,15 +114,28 @@ def block_spec(config, transformer_config):
     whenever TE is importable, so a local-spec model on a machine with TE (a conversion
     child on the CPU, --attention_backend sdpa on a GPU) would hold one TE module."""
     spec = layer_spec(config)
-    if config.layer_spec == "transformer_engine":
+    if config.layer_spec == "transformer_engine" and config.model.num_experts is None:
         return spec
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     layers = get_num_layers_to_build(transformer_config)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers,
+    specs = [spec] * layers
+    if config.model.num_experts is not None:  # --moe_layer_freq: this stage's slice
+        from ..arguments.model import moe_layer_pattern
+
+        moe_spec = layer_spec(config, moe=True)
+        offset = get_transformer_layer_offset(transformer_config)
+        pattern = moe_layer_pattern(config.model)[offset: offset + layers]
+        specs = [moe_spec if is_moe else spec for is_moe in pattern]
+    if config.layer_spec == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TENorm)
+    return TransformerBlockSubmodules(layer_specs=specs,
                                       layer_norm=spec.submodules.input_layernorm)
 
 

@@ -8,6 +8,7 @@ against transformers' own model for the config, built on the meta device (no mem
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Callable, Dict, List, Tuple
@@ -44,6 +45,16 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
     other than config.json implies, or is not used by the model."""
     expected = expected_hf_shapes(folder.path)
     ours = dict(layout.hf_tensors())
+    if layout.experts is not None:
+        # transformers 5 holds each layer's experts fused in memory (experts.gate_up_proj)
+        # and reads and writes them per expert on disk, as the Hub's files are: the files
+        # are checked against our per-expert layout, which must hold as many numbers.
+        count = sum(math.prod(shape) for shape in expected.values())
+        if count != sum(math.prod(shape) for shape in ours.values()):
+            raise AssertionError(f"swift-mcore's layout of {folder.config_path} holds "
+                                 f"{sum(math.prod(s) for s in ours.values())} numbers, "
+                                 f"transformers' model {count}")
+        expected = ours
     if set(ours) != set(expected):  # a family/mapping bug, not bad input
         raise AssertionError(f"swift-mcore's layout and transformers disagree on the tensors "
                              f"of {folder.config_path}: only ours "
@@ -83,6 +94,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     check_shapes(folder, layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
     loaded = 0
     with folder.reader() as reader, torch.no_grad():
         for chunk in model_chunks:
@@ -90,7 +103,7 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
             offset = layer_offset(module)
             for local, param in module.named_parameters():
                 name = global_name(local, offset)
-                value = layout.to_mcore(name, reader.read, tp_rank, tp_size)
+                value = layout.to_mcore(name, reader.read, tp_rank, tp_size, ep_rank, ep_size)
                 if tuple(value.shape) != tuple(param.shape):
                     raise AssertionError(f"{name}: converted shape {list(value.shape)}, "
                                          f"model shape {list(param.shape)}")

@@ -41,6 +41,14 @@ PATCHED_MODULES = {
     "megatron.core.tensor_parallel.random": "CUDA RNG seeding in the tracker",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize (230)",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "synchronize (252)",
+    # mixture of experts (--num_experts)
+    "megatron.core.transformer.moe.token_dispatcher":
+        "the all-to-all dispatcher's device-to-host copy stream (445)",
+    "megatron.core.transformer.moe.router":
+        "router weight moved to torch.cuda.current_device(), expert-bias buffers (90, 169-198)",
+    "megatron.core.transformer.moe.moe_utils":
+        "aux-loss tracker values on 'cuda' (998), ReduceOp.AVG that gloo lacks (946)",
+    "megatron.core.transformer.moe.shared_experts": "the overlapped shared expert's stream (123)",
 }
 
 _FACTORIES = (
@@ -71,6 +79,20 @@ def _redirect(fn):
     return call
 
 
+class _NoEvent:
+    """Stands in for a recorded torch.cuda.Event (the MoE all-to-all dispatcher waits on
+    one, token_dispatcher.py:899)."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+
 class _NoStream:
     """Stands in for torch.cuda.Stream: CPU work is already ordered."""
 
@@ -84,7 +106,7 @@ class _NoStream:
         pass
 
     def record_event(self, *args, **kwargs):
-        return None
+        return _NoEvent()
 
 
 class _CpuCuda:
@@ -133,11 +155,28 @@ class _CpuCuda:
         pass
 
 
+class _GlooDistributed(ModuleProxy):
+    """torch.distributed for a patched module: gloo has no ReduceOp.AVG (the MoE aux-loss
+    tracker averages over the data-parallel ranks with it, moe_utils.py:946), so AVG is
+    a SUM divided by the group's size."""
+
+    MODULE = torch.distributed
+
+    @staticmethod
+    def all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if op == torch.distributed.ReduceOp.AVG:
+            torch.distributed.all_reduce(tensor, group=group)
+            tensor.div_(torch.distributed.get_world_size(group))
+            return _NoEvent() if async_op else None  # done already: wait() has nothing to do
+        return torch.distributed.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
 class _CpuTorch(ModuleProxy):
     """A ``torch`` look-alike whose CUDA devices are the CPU."""
 
     MODULE = torch
     cuda = _CpuCuda()
+    distributed = _GlooDistributed()
 
     def __init__(self):
         for name in _FACTORIES:
@@ -160,6 +199,7 @@ def check_version() -> str:
 def activate() -> bool:
     """Install the CPU adaptation if there is no CUDA. Returns True when it is active."""
     global _ACTIVE
+    _patch_router_gemm_without_te()  # a GPU without Transformer Engine needs it too
     if not needed():
         return False
     if _ACTIVE:
@@ -171,8 +211,42 @@ def activate() -> bool:
         module.torch = proxy
     _patch_clip_grads()
     _patch_shared_embedding_setup()
+    _patch_split_sizes_to_host()
     _ACTIVE = True
     return True
+
+
+def _patch_router_gemm_without_te():
+    """megatron-core 0.16.1's MoE router gating (moe_utils.RouterGatingLinearFunction, 1192)
+    tests ``te_general_gemm is not None``, a name its module defines only when Transformer
+    Engine imports: without TE every MoE forward raises NameError. Defining the name as None
+    takes megatron's own torch.mm/addmm branch, which is what it means."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        check_version()
+        moe_utils.te_general_gemm = None
+
+
+def _patch_split_sizes_to_host():
+    """The all-to-all dispatcher hands its split sizes to all_to_all_single after
+    ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` (token_dispatcher.py:879), which turns
+    only CUDA tensors into numpy: a CPU tensor stays a tensor, and torch's all_to_all_single
+    refuses it as split sizes. On CPU the same call returns the numpy array it means."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_swift_mcore_cpu", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._swift_mcore_cpu = True
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):

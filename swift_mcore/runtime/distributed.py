@@ -54,6 +54,10 @@ def initialize(config) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
+            # MoE: the experts are split over EP ranks carved out of the data-parallel ones
+            # (expert tensor parallelism follows TP, megatron's default).
+            expert_model_parallel_size=getattr(config.parallel, "expert_model_parallel_size",
+                                               1),
         )
 
 

@@ -21,12 +21,26 @@ def flops_per_token(config) -> float:
     head_dim = m.kv_channels or h // heads
     groups = m.num_query_groups or heads
     attn_proj = h * head_dim * (heads + 2 * groups) + heads * head_dim * h
-    mlp = h * m.ffn_hidden_size * (3 if m.swiglu else 2)
+    per_ffn = h * (3 if m.swiglu else 2)
+    mlp = [per_ffn * m.ffn_hidden_size] * layers
+    if m.num_experts is not None:  # a MoE layer's active matmuls: router, top-k, shared
+        from ..arguments.model import moe_layer_pattern
+
+        active = h * m.num_experts + per_ffn * (
+            m.moe_router_topk * m.moe_ffn_hidden_size
+            + (m.moe_shared_expert_intermediate_size or 0))
+        mlp = [active if moe else dense
+               for moe, dense in zip(moe_layer_pattern(m), mlp)]
     logits = h * config.padded_vocab_size
-    matmul_params = layers * (attn_proj + mlp) + logits
+    matmul_params = layers * attn_proj + sum(mlp) + logits
     # Forward multiply-adds per token: seq x head_dim per head for each of the 2 matmuls.
     attention_macs = layers * 2 * seq * heads * head_dim
     return 6.0 * matmul_params + 6.0 * attention_macs
+
+
+# The router's auxiliary losses (training/moe_metrics.py), averaged like the loss.
+MOE_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
+              "z_loss")
 
 
 class LogWindow:
@@ -48,7 +62,8 @@ class LogWindow:
     def flush(self) -> Dict[str, float]:
         seconds = max(time.perf_counter() - self.start, 1e-9)
         metrics = {"lr": self.steps[-1]["lr"], "skipped": sum(s["skipped"] for s in self.steps)}
-        for key in ("loss", "grad_norm"):  # a skipped non-finite step is left out
+        averaged = ["loss", "grad_norm"] + [k for k in self.steps[-1] if k in MOE_LOSSES]
+        for key in averaged:  # a skipped non-finite step is left out
             values = [s[key] for s in self.steps
                       if s.get(key) is not None and math.isfinite(s[key])]
             metrics[key] = sum(values) / len(values) if values else None

@@ -16,7 +16,7 @@ from ..arguments import PretrainArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
 from ..runtime import collectives, distributed, run_lock, seed
-from . import best
+from . import best, moe_metrics
 from .metrics import LogWindow, flops_per_token
 from .nonfinite import NonFiniteGuard
 from .writers import MetricWriter, format_log_line, rng_untouched
@@ -222,6 +222,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped": 0.0 if update_successful else 1.0,
             "tokens": tokens,
+            **moe_metrics.collect(self.config),  # the router's losses, apart from the LM loss
         }
 
     def optimizer_step(self, loss: Optional[float]) -> tuple:
@@ -408,22 +409,30 @@ class Trainer:
 
     def log_start(self) -> None:
         c, w = self.config, self.config.world
+        ep = f" (EP {w.expert_parallel})" if w.expert_parallel > 1 else ""
         self.writer.print(
             f"swift-mcore: {self.num_parameters / 1e6:.2f}M parameters, "
             f"vocab {c.vocab_size} (padded {c.padded_vocab_size}), "
             f"world {w.world_size} = TP {w.tensor_parallel} x PP {w.pipeline_parallel} x "
-            f"DP {w.data_parallel}, global batch {c.training.global_batch_size} = micro "
+            f"DP {w.data_parallel}{ep}, global batch {c.training.global_batch_size} = micro "
             f"{c.training.micro_batch_size} x {w.num_microbatches} micro-batches x DP "
             f"{w.data_parallel}, seq {c.model.seq_length}; {c.describe()}; starting at "
             f"iteration {self.state.iteration} ({self.state.consumed_train_samples} samples "
             f"consumed)")
 
     def count_all_parameters(self, local: int) -> int:
-        """Parameters of the whole model: summed over TP and PP ranks of one replica."""
+        """Parameters of the whole model: summed over TP and PP ranks of one replica, and
+        the routed experts over the expert-parallel ranks (each holds its own)."""
         from megatron.core import parallel_state
 
         total = collectives.all_reduce(torch.tensor([local], dtype=torch.int64),
                                        group=parallel_state.get_model_parallel_group())
+        if self.config.world.expert_parallel > 1:
+            experts = sum(p.numel() for chunk in self.model
+                          for name, p in chunk.named_parameters() if ".local_experts." in name)
+            others = collectives.all_reduce(torch.tensor([experts], dtype=torch.int64),
+                                            group=parallel_state.get_expert_model_parallel_group())
+            total += others - experts
         return int(total.item())
 
     # ---- stopping and saving ------------------------------------------------------------

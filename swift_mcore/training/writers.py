@@ -17,7 +17,10 @@ from .trackers import Tracker, close_quietly
 
 def format_log_line(iteration: int, total: int, metrics: Dict[str, float]) -> str:
     parts = [f"iter {iteration}/{total}"]
-    labels = [("loss", "loss {:.4f}"), ("lr", "lr {:.3e}"), ("grad_norm", "grad_norm {:.3f}"),
+    labels = [("loss", "loss {:.4f}"), ("load_balancing_loss", "load_balancing_loss {:.4f}"),
+              ("seq_load_balancing_loss", "seq_load_balancing_loss {:.4f}"),
+              ("global_load_balancing_loss", "global_load_balancing_loss {:.4f}"),
+              ("z_loss", "z_loss {:.4f}"), ("lr", "lr {:.3e}"), ("grad_norm", "grad_norm {:.3f}"),
               ("tokens_per_s", "tokens/s {:.0f}"), ("tflops", "TFLOP/s {:.4f}"),
               ("val_loss", "val_loss {:.4f}"), ("val_ppl", "val_ppl {:.2f}")]
     for key, fmt in labels:

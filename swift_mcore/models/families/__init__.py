@@ -19,6 +19,8 @@ from .base import Family, UnsupportedConfig
 logger = logging.getLogger("swift_mcore")
 
 _FAMILIES: Dict[str, Family] = {}
+# Values config.json suggests that an explicit flag may change (finetuning choices).
+TRAINING_KEYS = frozenset({"moe_aux_loss_coeff"})
 _warned: set = set()
 
 
@@ -104,6 +106,8 @@ def apply_hf_config(args) -> Optional[Family]:
         raise ArgumentError(f"--model {m.model}: {folder.config_path} describes a "
                             f"{family.name} model swift-mcore cannot represent exactly: "
                             f"{err}") from None
+    # router_aux_loss_coef is a training setting, not the model's shape: a flag wins.
+    values = {k: v for k, v in values.items() if not (k in TRAINING_KEYS and k in explicit)}
     _apply(m, values, explicit, f"{folder.config_path} (--model)")
     if "make_vocab_size_divisible_by" not in explicit:
         m.make_vocab_size_divisible_by = 1

@@ -73,6 +73,7 @@ class Family:
     fixed: Dict[str, Any] = field(default_factory=dict)
     known_keys: frozenset = frozenset()
     checks: Check = no_checks
+    moe: Optional["MoeKeys"] = None  # a mixture-of-experts family: its config.json keys
 
     # ---- config.json -> ModelArguments --------------------------------------------------
     def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
@@ -99,6 +100,10 @@ class Family:
         theta, scaling, rope_problems = rope_settings(config, self.defaults["rope_theta"])
         problems += rope_problems
         problems += self.checks(config, model_args)
+        moe_values = {}
+        if self.moe is not None:
+            moe_values, moe_problems = self.moe.model_values(config, get)
+            problems += moe_problems
         if problems:
             raise UnsupportedConfig("; ".join(problems))
         values = {
@@ -125,10 +130,13 @@ class Family:
             "rope_scaling_factor": float(scaling["factor"]) if scaling else 8.0,
         }
         values.update(self.fixed)
+        values.update(moe_values)
         return values
 
     def unknown_keys(self, config: Dict[str, Any]) -> List[str]:
         known = MAPPED_KEYS | IGNORED_KEYS | self.known_keys | {"quantization_config"}
+        if self.moe is not None:
+            known |= self.moe.keys()
         return sorted(k for k in config if k not in known)
 
     # ---- ModelArguments -> config.json --------------------------------------------------
@@ -137,8 +145,13 @@ class Family:
         wanted = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
                   "rotary_percent": 1.0, "add_bias_linear": False, "add_qkv_bias": False,
                   "qk_layernorm": False, **self.fixed}
-        return [f"--{name} {getattr(m, name)!r} (a {self.name} model has {value!r})"
-                for name, value in wanted.items() if getattr(m, name) != value]
+        problems = [f"--{name} {getattr(m, name)!r} (a {self.name} model has {value!r})"
+                    for name, value in wanted.items() if getattr(m, name) != value]
+        if self.moe is None and getattr(m, "num_experts", None) is not None:
+            problems.append(f"--num_experts {m.num_experts} (a {self.name} model is dense)")
+        elif self.moe is not None:
+            problems += self.moe.representation_problems(m, self.name)
+        return problems
 
     def hf_config(self, m: Any, vocab_size: int, base: Optional[Dict[str, Any]] = None
                   ) -> Dict[str, Any]:
@@ -165,6 +178,8 @@ class Family:
             tie_word_embeddings=not m.untie_embeddings_and_output_weights,
             rope_parameters=rope,
         )
+        if self.moe is not None:
+            config.update(self.moe.hf_config(m))
         return config
 
 
@@ -235,3 +250,114 @@ def all_of(*checks: Check) -> Check:
         return [problem for c in checks for problem in c(config, model_args)]
 
     return check
+
+
+@dataclass(frozen=True)
+class MoeKeys:
+    """How a mixture-of-experts family spells its experts in config.json.
+
+    experts          key(s) of the routed expert count (the first is written)
+    expert_ffn       key of a routed expert's inner size (intermediate_size: Mixtral's)
+    shared_ffn       key of the gated shared expert's size (Qwen2-MoE), or None
+    dense_layers     whether decoder_sparse_step / mlp_only_layers choose dense layers
+    norm_topk        the norm_topk_prob key's value when absent, or None: always normalised
+    """
+
+    experts: Tuple[str, ...]
+    expert_ffn: str
+    shared_ffn: Optional[str] = None
+    dense_layers: bool = True
+    norm_topk: Optional[bool] = False
+
+    def keys(self) -> frozenset:
+        keys = {*self.experts, self.expert_ffn, "num_experts_per_tok", "router_aux_loss_coef",
+                "output_router_logits", "norm_topk_prob", "router_jitter_noise"}
+        if self.shared_ffn:
+            keys.add(self.shared_ffn)
+        if self.dense_layers:
+            keys |= {"decoder_sparse_step", "mlp_only_layers"}
+        return frozenset(keys)
+
+    def model_values(self, config: Dict[str, Any], get) -> Tuple[Dict[str, Any], List[str]]:
+        problems: List[str] = []
+        count = next((config[k] for k in self.experts if config.get(k) is not None), None)
+        if not count:
+            return {}, [f"{self.experts[0]} is missing or 0 (a dense model: use the dense "
+                        f"family)"]
+        layers = int(config["num_hidden_layers"])
+        pattern = [1] * layers
+        if self.dense_layers:
+            step = int(config.get("decoder_sparse_step") or 1)
+            dense = set(config.get("mlp_only_layers") or [])
+            pattern = [0 if i in dense or (i + 1) % step else 1 for i in range(layers)]
+        if config.get("router_jitter_noise"):
+            problems.append(f"router_jitter_noise {config['router_jitter_noise']} (megatron's "
+                            f"router has no multiplicative jitter; only 0)")
+        topk = int(config.get("num_experts_per_tok") or 0)
+        if not 1 <= topk <= int(count):
+            problems.append(f"num_experts_per_tok {topk} (1 to {self.experts[0]} {count})")
+        shared = int(config.get(self.shared_ffn) or 0) if self.shared_ffn else 0
+        norm = True if self.norm_topk is None else bool(config.get("norm_topk_prob",
+                                                                   self.norm_topk))
+        values = {
+            "num_experts": int(count),
+            "moe_router_topk": topk,
+            "moe_ffn_hidden_size": int(config[self.expert_ffn]),
+            "moe_shared_expert_intermediate_size": shared or None,
+            "moe_shared_expert_gate": bool(shared),
+            "moe_layer_freq": "[" + ",".join(map(str, pattern)) + "]",
+            # top-k of the softmax, not renormalised (norm_topk_prob false) = softmax before
+            # top-k; renormalised = softmax over the k largest logits (megatron's default)
+            "moe_router_pre_softmax": not norm,
+            "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef") or 0.0),
+        }
+        return values, problems
+
+    def representation_problems(self, m: Any, family: str) -> List[str]:
+        if getattr(m, "num_experts", None) is None:
+            return [f"--num_experts unset (a {family} model is a mixture of experts)"]
+        from ...arguments.model import moe_layer_pattern
+
+        problems = []
+        if not self.dense_layers and 0 in moe_layer_pattern(m):
+            problems.append(f"--moe_layer_freq {m.moe_layer_freq} (every {family} layer is "
+                            f"MoE)")
+        shared = m.moe_shared_expert_intermediate_size
+        if self.shared_ffn is None and shared:
+            problems.append(f"--moe_shared_expert_intermediate_size {shared} (a {family} "
+                            f"model has no shared expert)")
+        if self.shared_ffn and bool(shared) != bool(m.moe_shared_expert_gate):
+            problems.append(f"--moe_shared_expert_gate {m.moe_shared_expert_gate} (a {family} "
+                            f"shared expert is gated)")
+        if self.norm_topk is None and m.moe_router_pre_softmax:
+            problems.append(f"--moe_router_pre_softmax (a {family} router renormalises its "
+                            f"top-k weights)")
+        if self.expert_ffn == "intermediate_size" and m.moe_ffn_hidden_size not in (
+                None, m.ffn_hidden_size):
+            problems.append(f"--moe_ffn_hidden_size {m.moe_ffn_hidden_size} differs from "
+                            f"--ffn_hidden_size {m.ffn_hidden_size} (a {family} config has one "
+                            f"intermediate_size)")
+        if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
+            problems.append(f"--moe_router_load_balancing_type "
+                            f"{m.moe_router_load_balancing_type} (a {family} config knows the "
+                            f"aux_loss coefficient only)")
+        return problems
+
+    def hf_config(self, m: Any) -> Dict[str, Any]:
+        from ...arguments.model import moe_layer_pattern
+
+        config: Dict[str, Any] = {
+            self.experts[0]: m.num_experts,
+            "num_experts_per_tok": m.moe_router_topk,
+            self.expert_ffn: m.moe_ffn_hidden_size or m.ffn_hidden_size,
+            "router_aux_loss_coef": m.moe_aux_loss_coeff,
+        }
+        if self.norm_topk is not None:
+            config["norm_topk_prob"] = not m.moe_router_pre_softmax
+        if self.shared_ffn:
+            config[self.shared_ffn] = m.moe_shared_expert_intermediate_size or 0
+        if self.dense_layers:
+            pattern = moe_layer_pattern(m)
+            config.update(decoder_sparse_step=1,
+                          mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
+        return config

@@ -1,0 +1,91 @@
+"""Training tokens/s of a small mixture-of-experts model against the dense model with the same
+active parameters, both through `swift-mcore pt`.
+
+The MoE model routes each token to --topk of --experts experts of inner size --expert_ffn
+(megatron's MoE layer: router, alltoall dispatcher, SequentialMLP on CPU); the dense model's
+MLP has inner size topk x expert_ffn, so both do the same expert matmuls per token (the MoE
+adds the router's). Each round runs both in their own process, in an order that alternates;
+per run the tokens/s of the iterations after the first (warm-up). Reported: the median
+per model and the median over rounds of MoE / dense within a round, so drifting load on a
+shared machine hits both alike. Prints one JSON line.
+
+  python benchmarks/moe_throughput.py                        # 4 layers, hidden 256, 8 experts top-2
+  python benchmarks/moe_throughput.py --tiny --rounds 1      # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(kind: str, args, out: str) -> float:
+    shape = ["--num_layers", str(args.layers), "--hidden_size", str(args.hidden),
+             "--num_attention_heads", "4", "--num_query_groups", "2",
+             "--seq_length", str(args.seq), "--micro_batch_size", "2",
+             "--global_batch_size", "4", "--train_iters", str(args.iters + 1),
+             "--log_interval", "1", "--eval_steps", "0", "--lr_warmup_iters", "0",
+             "--progress_bar", "false", "--tensorboard", "false", "--plot", "false",
+             "--no_save", "--attention_backend", "sdpa", "--num_workers", "0"]
+    if kind == "moe":
+        shape += ["--num_experts", str(args.experts), "--moe_router_topk", str(args.topk),
+                  "--moe_ffn_hidden_size", str(args.expert_ffn), "--ffn_hidden_size",
+                  str(args.expert_ffn), "--moe_aux_loss_coeff", "0.01"]
+    else:
+        shape += ["--ffn_hidden_size", str(args.topk * args.expert_ffn)]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "pt", *shape,
+                           "--output_dir", out], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} run failed:\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
+        records = [r for r in map(json.loads, fh) if r.get("split") == "train"]
+    timed = records[1:]  # the first iteration warms up
+    return sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--expert_ffn", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    if args.tiny:
+        args.layers, args.hidden, args.expert_ffn, args.seq, args.iters = 2, 64, 32, 32, 2
+    results = {"moe": [], "dense": []}
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            order = ("moe", "dense") if round_ % 2 == 0 else ("dense", "moe")
+            measured = {kind: run(kind, args, os.path.join(tmp, f"{kind}{round_}"))
+                        for kind in order}
+            for kind, value in measured.items():
+                results[kind].append(value)
+            ratios.append(measured["moe"] / measured["dense"])
+    print(json.dumps({
+        "shape": {"layers": args.layers, "hidden": args.hidden, "experts": args.experts,
+                  "topk": args.topk, "expert_ffn": args.expert_ffn, "seq": args.seq},
+        "moe_tokens_per_s_median": statistics.median(results["moe"]),
+        "dense_tokens_per_s_median": statistics.median(results["dense"]),
+        "moe_vs_dense_median": statistics.median(ratios),
+        "rounds": args.rounds,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The router's auxiliary losses of an iteration (load balancing, z-loss), as Megatron-LM
+reports them: megatron's own tracker, reduced over the ranks and averaged over MoE layers.
+
+The MoE layer adds these losses to the gradient only (MoEAuxLossAutoScaler); the loss the
+trainer reports stays the LM loss, and these are logged next to it, unscaled by their
+coefficients (megatron saves ``aux_loss / coeff`` in the tracker).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+# --moe_router_load_balancing_type -> the name megatron's router tracks its loss under
+_BALANCING_NAMES = {"aux_loss": "load_balancing_loss",
+                    "seq_aux_loss": "seq_load_balancing_loss",
+                    "global_aux_loss": "global_load_balancing_loss"}
+
+
+def loss_names(m) -> List[str]:
+    """The auxiliary losses the MoE flags ``m`` make the router compute (and track)."""
+    if m.num_experts is None:
+        return []
+    names = []
+    if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type in _BALANCING_NAMES:
+        names.append(_BALANCING_NAMES[m.moe_router_load_balancing_type])
+    if m.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+def collect(config) -> Dict[str, float]:
+    """Collective over all ranks, once per iteration: each tracked loss summed over layers
+    and pipeline stages, averaged over data-parallel ranks, MoE layers and micro-batches
+    (megatron's track_moe_metrics with Megatron-LM's scale); the tracker is cleared."""
+    names = loss_names(config.model)
+    if not names:
+        return {}
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    from ..arguments.model import moe_layer_pattern
+
+    m = config.model
+    totals: Dict = {}
+    # force_initialize: a stage whose layers are all dense tracks nothing, yet joins the
+    # reductions over the pipeline.
+    track_moe_metrics(loss_scale=1.0 / config.world.num_microbatches, iteration=0,
+                      total_loss_dict=totals, force_initialize=True, track_names=names,
+                      num_layers=m.num_layers, moe_layer_freq=moe_layer_pattern(m))
+    return {name: float(totals[name]) for name in names}

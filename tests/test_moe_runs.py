@@ -1,0 +1,61 @@
+"""Mixture-of-experts runs: the router losses reported next to the LM loss, and expert
+parallelism on gloo (EP=2 gives EP=1's losses; checkpoints reshard EP 1 -> 2 and 2 -> 1
+and continue exactly)."""
+
+import json
+
+import pytest
+
+from run_helpers import losses, run_pt, train_records
+
+MOE = ["--num_experts", "4", "--moe_router_topk", "2", "--moe_ffn_hidden_size", "32",
+       "--moe_aux_loss_coeff", "0.01"]
+
+
+@pytest.fixture(scope="module")
+def ep1_run(tmp_path_factory):
+    """EP=1, four iterations, a checkpoint at iteration 2."""
+    out = tmp_path_factory.mktemp("moe_ep1")
+    proc = run_pt(out, *MOE, "--moe_z_loss_coeff", "0.001", "--train_iters", "4",
+                  "--save_steps", "2")
+    return out, proc
+
+
+def test_router_losses_are_logged_next_to_the_lm_loss(ep1_run, tmp_path):
+    out, proc = ep1_run
+    records = train_records(out)
+    assert all(r["load_balancing_loss"] > 0.9 and r["z_loss"] > 0 for r in records)
+    assert "| load_balancing_loss " in proc.stdout and "| z_loss " in proc.stdout
+    # The reported loss is the LM loss: the same run without router losses reports it too.
+    plain = tmp_path / "plain"
+    run_pt(plain, *MOE[:-2], "--train_iters", "1", "--no_save")
+    assert abs(losses(plain)[1] - losses(out)[1]) < 1e-6
+    assert "load_balancing_loss" not in train_records(plain)[0]
+
+
+def test_ep2_resumes_ep1_checkpoint_with_its_losses(ep1_run, tmp_path):
+    """EP 1 -> 2 (allgather dispatcher, dropless): iterations 3 and 4 as at EP=1."""
+    out, _ = ep1_run
+    ep2 = tmp_path / "ep2"
+    run_pt(ep2, *MOE, "--moe_z_loss_coeff", "0.001", "--train_iters", "4",
+           "--expert_model_parallel_size", "2", "--moe_token_dispatcher_type", "allgather",
+           "--resume", out / "checkpoint" / "iter_0000002", "--no_save", nproc=2)
+    ref, got = losses(out), losses(ep2)
+    assert sorted(got) == [3, 4]
+    for it in (3, 4):
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+
+
+def test_ep2_checkpoint_resumes_at_ep1_exactly(tmp_path):
+    """EP 2 -> 1 (alltoall dispatcher): the EP=1 continuation equals EP=2's own."""
+    ep2, ep1 = tmp_path / "ep2", tmp_path / "ep1"
+    run_pt(ep2, *MOE, "--train_iters", "4", "--save_steps", "2",
+           "--expert_model_parallel_size", "2", nproc=2)
+    run_pt(ep1, *MOE, "--train_iters", "4", "--no_save",
+           "--resume", ep2 / "checkpoint" / "iter_0000002")
+    ref, got = losses(ep2), losses(ep1)
+    assert sorted(got) == [3, 4]
+    for it in (3, 4):
+        assert abs(got[it] - ref[it]) < 1e-6, (it, got[it], ref[it])
+    state = json.loads((ep2 / "checkpoint" / "iter_0000002" / "train_state.json").read_text())
+    assert state["consumed_train_samples"] == 16
