@@ -101,6 +101,7 @@ class RunConfig:
         if not {"precision", "bf16", "fp16"} & self.args.explicit:
             precision += " (--precision auto)"
         text = f"{what}, {precision}, {self.backend} on {'CUDA' if self.cuda else 'CPU'}"
+        text += f", activation recompute {self.describe_recompute()}"
         if self.cuda:
             on = {True: "on", False: "off"}
             chosen = [f"weights initialised on the {'CPU' if self.cpu_initialization else 'GPU'}",
@@ -109,6 +110,16 @@ class RunConfig:
             chosen += [f"{name}={value}" for name, value in self.environment]
             text += " (" + ", ".join(chosen) + ")"
         return text
+
+
+    def describe_recompute(self) -> str:
+        t = self.training
+        if t.recompute_granularity == "full":
+            return (f"full ({t.recompute_method}, {t.recompute_num_layers} layer"
+                    f"{'s' if t.recompute_num_layers > 1 else ''})")
+        if t.recompute_granularity == "selective":
+            return f"selective ({','.join(t.recompute_modules)})"
+        return "off"
 
 
 def _group(name: str) -> property:
@@ -156,6 +167,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     attention = choose_attention(flags.model.attention_backend, transformer_engine)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
+    check_recompute_hardware(flags, cuda, transformer_engine)
     packed_rows = "thd" if attention == "transformer_engine" else "block_causal_mask"
     if flags.COMMAND == "sft" and flags.sft.packing and packed_rows == "thd" \
             and flags.training.micro_batch_size != 1:
@@ -264,6 +276,20 @@ def check_sequence_parallel(flags: PretrainArguments, cuda: bool, layer_spec: st
         "transformer_engine, with transformer-engine installed: pip install "
         "--no-build-isolation -r requirements/gpu.txt), or apex with --normalization "
         "LayerNorm: megatron's torch norms of the local spec do not support it")
+
+
+def check_recompute_hardware(flags: PretrainArguments, cuda: bool,
+                             transformer_engine: bool) -> None:
+    """--recompute_modules layernorm on a GPU without Transformer Engine: megatron-core
+    0.16.1's CheckpointWithoutOutput then takes its FP8 path (random.py:636), which imports
+    Transformer Engine (on CPU runtime/cpu_compat.py passes it by)."""
+    t = flags.training
+    if (cuda and not transformer_engine and t.recompute_granularity == "selective"
+            and "layernorm" in t.recompute_modules):
+        raise ArgumentError(
+            "--recompute_modules layernorm on a GPU needs Transformer Engine (megatron-core "
+            "0.16.1 recomputes the norms through it): pip install --no-build-isolation -r "
+            "requirements/gpu.txt, or drop layernorm from --recompute_modules")
 
 
 def check_trackers(flags: PretrainArguments) -> None:
