@@ -101,7 +101,6 @@ class RunConfig:
         if not {"precision", "bf16", "fp16"} & self.args.explicit:
             precision += " (--precision auto)"
         text = f"{what}, {precision}, {self.backend} on {'CUDA' if self.cuda else 'CPU'}"
-        text += f", activation recompute {self.describe_recompute()}"
         if self.cuda:
             on = {True: "on", False: "off"}
             chosen = [f"weights initialised on the {'CPU' if self.cpu_initialization else 'GPU'}",
@@ -109,7 +108,7 @@ class RunConfig:
                       f"fully parallel checkpoint save {on[self.fully_parallel_save]}"]
             chosen += [f"{name}={value}" for name, value in self.environment]
             text += " (" + ", ".join(chosen) + ")"
-        return text
+        return text + f", activation recompute {self.describe_recompute()}"
 
 
     def describe_recompute(self) -> str:
