@@ -109,7 +109,17 @@ class RunConfig:
                       f"fully parallel checkpoint save {on[self.fully_parallel_save]}"]
             chosen += [f"{name}={value}" for name, value in self.environment]
             text += " (" + ", ".join(chosen) + ")"
-        return text
+        return text + f", activation recompute {self.describe_recompute()}"
+
+
+    def describe_recompute(self) -> str:
+        t = self.training
+        if t.recompute_granularity == "full":
+            return (f"full ({t.recompute_method}, {t.recompute_num_layers} layer"
+                    f"{'s' if t.recompute_num_layers > 1 else ''})")
+        if t.recompute_granularity == "selective":
+            return f"selective ({','.join(t.recompute_modules)})"
+        return "off"
 
 
 def _group(name: str) -> property:
@@ -158,6 +168,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
+    check_recompute_hardware(flags, cuda, transformer_engine)
     packed_rows = "thd" if attention == "transformer_engine" else "block_causal_mask"
     if flags.COMMAND == "sft" and flags.sft.packing and packed_rows == "thd" \
             and flags.training.micro_batch_size != 1:
@@ -276,6 +287,18 @@ def check_moe_hardware(flags: PretrainArguments, cuda: bool, layer_spec: str) ->
         raise ArgumentError("--moe_grouped_gemm needs CUDA and Transformer Engine's layer spec "
                             "(--attention_backend auto or transformer_engine); without them the "
                             "experts run one after another (drop the flag)")
+def check_recompute_hardware(flags: PretrainArguments, cuda: bool,
+                             transformer_engine: bool) -> None:
+    """--recompute_modules layernorm on a GPU without Transformer Engine: megatron-core
+    0.16.1's CheckpointWithoutOutput then takes its FP8 path (random.py:636), which imports
+    Transformer Engine (on CPU runtime/cpu_compat.py passes it by)."""
+    t = flags.training
+    if (cuda and not transformer_engine and t.recompute_granularity == "selective"
+            and "layernorm" in t.recompute_modules):
+        raise ArgumentError(
+            "--recompute_modules layernorm on a GPU needs Transformer Engine (megatron-core "
+            "0.16.1 recomputes the norms through it): pip install --no-build-isolation -r "
+            "requirements/gpu.txt, or drop layernorm from --recompute_modules")
 
 
 def check_trackers(flags: PretrainArguments) -> None:

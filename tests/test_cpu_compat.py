@@ -92,3 +92,48 @@ def test_untested_megatron_version_is_refused(monkeypatch):
         cpu_compat.check_version()
     monkeypatch.setenv("SWIFT_MCORE_ALLOW_UNTESTED_MCORE", "1")
     assert cpu_compat.check_version() == "0.99.0"
+
+
+def test_recompute_rng_bookkeeping_on_cpu(gloo_group):
+    """megatron's CheckpointFunction saves and restores every RNG state around the
+    recomputed forward: on CPU the (absent) CUDA state is empty, its restore queues nothing,
+    and the recomputed dropout draws the forward's mask."""
+    import torch.cuda
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random
+
+    cpu_state, cuda_state, tracker = random._get_all_rng_states()
+    assert torch.equal(cpu_state, torch.get_rng_state()) and cuda_state.numel() == 0
+    queued = len(torch.cuda._queued_calls)
+    for _ in range(3):
+        random._set_all_rng_states(cpu_state, cuda_state, tracker)
+    assert len(torch.cuda._queued_calls) == queued  # nothing kept until CUDA starts (never)
+
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def layer(t):
+        return torch.nn.functional.dropout(t * 2.0, p=0.5, training=True)
+
+    torch.manual_seed(3)
+    layer(x).pow(2).sum().backward()
+    plain, x.grad = x.grad.clone(), None
+    torch.manual_seed(3)
+    tensor_parallel.checkpoint(layer, False, x).pow(2).sum().backward()
+    assert torch.equal(x.grad, plain)
+
+
+def test_norm_recompute_needs_no_transformer_engine_on_cpu():
+    """--recompute_modules layernorm: megatron's CheckpointWithoutOutput() takes its FP8 path
+    (Transformer Engine) for its default fp8=False; without CUDA it is built without FP8."""
+    from megatron.core import tensor_parallel
+
+    checkpoint = tensor_parallel.CheckpointWithoutOutput()
+    assert checkpoint.fp8 is False
+    x = torch.randn(4, 8, requires_grad=True)
+    norm = torch.nn.LayerNorm(8)
+    out = checkpoint.checkpoint(norm, x)
+    y = out * 3.0
+    checkpoint.discard_output_and_register_recompute(y)
+    y.sum().backward()
+    expected = torch.autograd.grad((norm(x) * 3.0).sum(), x)[0]
+    assert torch.allclose(x.grad, expected, atol=1e-6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .fields import flag
+from .fields import POSITIVE, flag
 
 # --report_to: where metrics go besides metrics.jsonl (training/trackers.py), and the Python
 # module each one needs.
@@ -36,3 +36,8 @@ class LoggingArguments:
     progress_bar: bool = flag(True, "Show a tqdm progress bar on the last rank.")
     log_sample_ids: bool = flag(
         False, "Write the global sample indices of every iteration to sample_ids.jsonl.")
+    peak_tflops: Optional[float] = flag(
+        None, "The peak TFLOP/s of one rank's device that MFU is reported against; default: "
+        "the data sheet's dense bf16 peak of a known GPU, or on CPU float32 matmuls measured "
+        "once at start-up (training/peak.py). The start-up line names the peak used.",
+        range=POSITIVE)

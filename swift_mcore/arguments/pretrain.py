@@ -14,7 +14,7 @@ from .fields import check_flags, coerce, field_default, freeze
 from .logging import LoggingArguments
 from .model import ModelArguments, moe_layer_pattern
 from .parallel import ParallelArguments
-from .training import TrainingArguments
+from .training import DENSE_RECOMPUTE_MODULES, TrainingArguments
 
 
 @dataclass
@@ -94,6 +94,11 @@ class PretrainArguments:
                 raise ArgumentError("--train_iters and --num_train_epochs are alternatives; "
                                     "give one of them")
             t.num_train_epochs = None  # the command's default epochs yield to the flag
+        if t.recompute_granularity == "full":
+            # megatron requires both; every layer's input kept is the usual choice
+            t.recompute_method = t.recompute_method or "uniform"
+            if t.recompute_num_layers is None:
+                t.recompute_num_layers = 1
         self.fill_tracking_defaults()
 
     def fill_tracking_defaults(self) -> None:
@@ -157,6 +162,7 @@ class PretrainArguments:
         self.check_model_shape(world_size)
         self.check_parallel(world_size)
         self.check_moe(world_size)
+        self.check_recompute()
         self.check_checkpoint_flags()
         self.check_best_flags()
         self.check_command()
@@ -263,6 +269,54 @@ class PretrainArguments:
         if m.add_bias_linear:
             raise ArgumentError("--num_experts with --add_bias_linear: megatron's MoE layer "
                                 "has no bias in its experts; drop --add_bias_linear")
+    def check_recompute(self) -> None:
+        """The combinations megatron-core's TransformerConfig accepts, and that its block can
+        run: uniform chunks tile a pipeline stage's layers (megatron would index past the
+        stage's last layer), block recomputes at most the stage's layers."""
+        t, m = self.training, self.model
+        granularity = t.recompute_granularity
+        modules = "recompute_modules" in self.explicit
+        if granularity != "full":
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(t, name) is not None:
+                    raise ArgumentError(
+                        f"--{name} chooses the layers of --recompute_granularity full; "
+                        + ("selective recomputes --recompute_modules in every layer" if
+                           granularity else "set --recompute_granularity full"))
+        if granularity is None:
+            if modules:
+                raise ArgumentError("--recompute_modules needs --recompute_granularity "
+                                    "selective")
+            return
+        if granularity == "selective":
+            if not t.recompute_modules:
+                raise ArgumentError("--recompute_granularity selective needs at least one "
+                                    f"--recompute_modules ({', '.join(DENSE_RECOMPUTE_MODULES)})")
+            other = [name for name in t.recompute_modules if name not in DENSE_RECOMPUTE_MODULES]
+            if other:
+                raise ArgumentError(
+                    f"--recompute_modules {','.join(other)}: megatron recomputes "
+                    f"{'it' if len(other) == 1 else 'them'} only in MoE or multi-latent "
+                    f"attention layers, which swift-mcore does not recompute yet; choose from "
+                    f"{', '.join(DENSE_RECOMPUTE_MODULES)}")
+            return
+        if modules:
+            raise ArgumentError("--recompute_modules chooses what --recompute_granularity "
+                                "selective recomputes; full recomputes whole layers (drop "
+                                "--recompute_modules or choose selective)")
+        _positive(t, "recompute_num_layers")
+        per_stage = m.num_layers // self.parallel.pipeline_model_parallel_size
+        n = t.recompute_num_layers
+        if n > per_stage:
+            raise ArgumentError(
+                f"--recompute_num_layers ({n}) must be at most the layers of one pipeline "
+                f"stage ({per_stage} = --num_layers {m.num_layers} / "
+                f"--pipeline_model_parallel_size {self.parallel.pipeline_model_parallel_size})")
+        if t.recompute_method == "uniform" and per_stage % n:
+            raise ArgumentError(
+                f"--recompute_method uniform recomputes chunks of --recompute_num_layers ({n}) "
+                f"layers, which must divide the {per_stage} layers of a pipeline stage; choose "
+                f"a divisor, or --recompute_method block")
 
     def check_checkpoint_flags(self) -> None:
         c = self.checkpoint

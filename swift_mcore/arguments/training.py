@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from .fields import FRACTION, NON_NEGATIVE, POSITIVE, flag
+
+# megatron-core 0.16.1's --recompute_modules (TransformerConfig.recompute_modules), and
+# those that apply to swift-mcore's dense GPT layers (the others need MoE or MLA layers).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                     "shared_experts")
+DENSE_RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 
 
 @dataclass
@@ -52,3 +58,24 @@ class TrainingArguments:
     bf16: bool = flag(False, "Train in bfloat16 (GPU only): the same as --precision bf16.")
     fp16: bool = flag(False, "Train in float16 with loss scaling (GPU only): the same as "
                       "--precision fp16.")
+    recompute_granularity: Optional[str] = flag(
+        None, "Activation recompute (megatron-core's): full = keep only the input of each "
+        "recomputed layer chunk and run its forward again in the backward pass; selective = "
+        "recompute only --recompute_modules inside every layer; none by default "
+        "(docs/gpu.md, 'Activation recompute').", choices=("selective", "full"))
+    recompute_method: Optional[str] = flag(
+        None, "With --recompute_granularity full: uniform = split each pipeline stage's "
+        "layers into chunks of --recompute_num_layers and recompute every chunk; block = "
+        "recompute the first --recompute_num_layers layers of each stage, keep the rest; "
+        "default uniform.", choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = flag(
+        None, "With --recompute_granularity full: layers per recomputed chunk (uniform; must "
+        "divide the layers of a pipeline stage) or layers recomputed per stage (block); "
+        "default 1.")
+    recompute_modules: List[str] = flag(
+        ["core_attn"], "With --recompute_granularity selective: the parts of each layer to "
+        "recompute, comma- or space-separated: core_attn (the attention scores and softmax), "
+        "layernorm (the two norms; a no-op with Transformer Engine's fused norms), mlp (the "
+        "whole MLP). megatron's moe_act, moe, shared_experts and mla_up_proj need MoE or MLA "
+        "layers, which swift-mcore's GPT models do not have.",
+        choices=RECOMPUTE_MODULES, comma_separated=True)

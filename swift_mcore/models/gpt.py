@@ -13,7 +13,7 @@ def transformer_config(config, initialize: bool = True):
     ``initialize=False`` leaves the weights unset, for a caller that loads every one."""
     from megatron.core.transformer import TransformerConfig
 
-    m, p = config.model, config.parallel
+    m, p, t = config.model, config.parallel, config.training
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision, torch.float32)
     cuda = config.cuda
     te = config.layer_spec == "transformer_engine"
@@ -61,6 +61,12 @@ def transformer_config(config, initialize: bool = True):
         batch_p2p_sync=cuda,
         expert_model_parallel_size=p.expert_model_parallel_size,
         **moe_config(m),
+        # Activation recompute, megatron's own (checked in arguments.check_recompute).
+        recompute_granularity=t.recompute_granularity,
+        recompute_method=t.recompute_method,
+        recompute_num_layers=t.recompute_num_layers,
+        recompute_modules=(list(t.recompute_modules) if t.recompute_granularity == "selective"
+                           else None),
     )
 
 

@@ -38,7 +38,8 @@ PATCHED_MODULES = {
     "megatron.core.tensor_parallel.mappings": "all-gather buffers on the CUDA device (181)",
     "megatron.core.transformer.utils": "default causal mask built on 'cuda' (35)",
     "megatron.core.tensor_parallel.layers": "weight-grad buffers on the CUDA device (552)",
-    "megatron.core.tensor_parallel.random": "CUDA RNG seeding in the tracker",
+    "megatron.core.tensor_parallel.random":
+        "CUDA RNG seeding in the tracker; activation recompute saves the CUDA RNG state (55)",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize (230)",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "synchronize (252)",
     # mixture of experts (--num_experts)
@@ -109,10 +110,25 @@ class _NoStream:
         return _NoEvent()
 
 
+class _CpuCudaRandom:
+    """torch.cuda.random without CUDA: there is no CUDA generator, so its state is empty.
+    Activation recompute (megatron's CheckpointFunction) saves it next to the CPU state;
+    dropout on CPU draws from torch's CPU generator, whose state it saves and restores
+    itself, so the recomputed forward draws the same masks."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda.random, name)
+
+    @staticmethod
+    def get_rng_state(device="cuda"):
+        return torch.empty(0, dtype=torch.uint8)
+
+
 class _CpuCuda:
     """torch.cuda as seen by a patched megatron module on a machine without CUDA."""
 
     Stream = _NoStream
+    random = _CpuCudaRandom()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -212,6 +228,8 @@ def activate() -> bool:
     _patch_clip_grads()
     _patch_shared_embedding_setup()
     _patch_split_sizes_to_host()
+    _patch_cuda_rng_restore()
+    _patch_checkpoint_without_output()
     _ACTIVE = True
     return True
 
@@ -295,3 +313,36 @@ def _patch_shared_embedding_setup():
     setup_embeddings_and_output_layer._swift_mcore_cpu = True
     cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
+
+def _drop_cuda_rng_call(callable, **kwargs):
+    """Without CUDA there is no CUDA generator to set: the callback is dropped. torch's
+    ``_lazy_call`` would instead queue it (with a formatted stack) until CUDA starts, which
+    on CPU is never: one entry per recomputed layer and micro-batch, kept forever."""
+
+
+def _patch_cuda_rng_restore():
+    """Activation recompute restores the CUDA RNG state with megatron's
+    ``_set_cuda_rng_state`` (random.py:72-111), which hands the setter to
+    ``torch.cuda._lazy_call`` (imported by name, out of the module proxy's reach)."""
+    from megatron.core.tensor_parallel import random
+
+    random._lazy_call = _drop_cuda_rng_call
+
+
+def _patch_checkpoint_without_output():
+    """Selective recompute of the norms (--recompute_modules layernorm) builds megatron's
+    ``CheckpointWithoutOutput()``, whose default ``fp8=False`` still takes the FP8 path
+    (random.py:636 reads ``fp8 is not None``) and calls Transformer Engine, which a CPU
+    machine does not have. Without CUDA there is no FP8: ``False`` is passed as ``None``."""
+    from megatron.core.tensor_parallel import random
+
+    cls = random.CheckpointWithoutOutput
+    original = cls.__init__
+    if getattr(original, "_swift_mcore_cpu", False):
+        return
+
+    def __init__(self, fp8=None):
+        original(self, fp8=None if fp8 is False else fp8)
+
+    __init__._swift_mcore_cpu = True
+    cls.__init__ = __init__

@@ -17,8 +17,9 @@ from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
 from ..runtime import collectives, distributed, run_lock, seed
 from . import best, moe_metrics
-from .metrics import LogWindow, flops_per_token
+from .metrics import LogWindow, executed_flops_per_token, flops_per_token
 from .nonfinite import NonFiniteGuard
+from .peak import device_peak, peak_memory_gb
 from .writers import MetricWriter, format_log_line, rng_untouched
 
 logger = logging.getLogger("swift_mcore")
@@ -122,10 +123,20 @@ class Trainer:
         self.writer.start(self.state.iteration,
                           load_plan.folder if load_plan and load_plan.kind == "resume" else None)
         self.nonfinite_guard = NonFiniteGuard.for_args(config, log=self.writer.print)
-        self.flops_per_token = flops_per_token(config)
-        self.log_window = LogWindow(self.flops_per_token, config.world.world_size)
+        self.flops_per_token = flops_per_token(config)  # the model's: TrainState's count
+        self.peak = self.device_peak()
+        self.log_window = LogWindow(executed_flops_per_token(config), config.world.world_size,
+                                    peak_tflops=self.peak.tflops if self.peak else None,
+                                    memory_gb=partial(peak_memory_gb, config.cuda))
         self.install_signal_handlers()
         self.log_start()
+
+    def device_peak(self):
+        """The TFLOP/s MFU is reported against (training/peak.py), on the writing rank (the
+        only one that reports); None elsewhere."""
+        if not self.writer.active:
+            return None
+        return device_peak(self.config.logging.peak_tflops, self.config.cuda)
 
     def fingerprint_data(self) -> str:
         """The identity of the training data (content, blend, split, tokenizer, sft flags),
@@ -416,7 +427,8 @@ class Trainer:
             f"world {w.world_size} = TP {w.tensor_parallel} x PP {w.pipeline_parallel} x "
             f"DP {w.data_parallel}{ep}, global batch {c.training.global_batch_size} = micro "
             f"{c.training.micro_batch_size} x {w.num_microbatches} micro-batches x DP "
-            f"{w.data_parallel}, seq {c.model.seq_length}; {c.describe()}; starting at "
+            f"{w.data_parallel}, seq {c.model.seq_length}; {c.describe()}; MFU against "
+            f"{self.peak.describe() if self.peak else 'no peak'}; starting at "
             f"iteration {self.state.iteration} ({self.state.consumed_train_samples} samples "
             f"consumed)")
 

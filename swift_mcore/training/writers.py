@@ -22,6 +22,7 @@ def format_log_line(iteration: int, total: int, metrics: Dict[str, float]) -> st
               ("global_load_balancing_loss", "global_load_balancing_loss {:.4f}"),
               ("z_loss", "z_loss {:.4f}"), ("lr", "lr {:.3e}"), ("grad_norm", "grad_norm {:.3f}"),
               ("tokens_per_s", "tokens/s {:.0f}"), ("tflops", "TFLOP/s {:.4f}"),
+              ("mfu_percent", "MFU {:.2f}%"), ("peak_memory_gb", "mem {:.2f} GB"),
               ("val_loss", "val_loss {:.4f}"), ("val_ppl", "val_ppl {:.2f}")]
     for key, fmt in labels:
         if key in metrics and metrics[key] is not None:
