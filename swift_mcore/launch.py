@@ -94,21 +94,24 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def export_in_subprocess(checkpoint: str, out_dir: str, timeout: Optional[float] = None,
-                         dtype: Optional[str] = None) -> str:
+                         dtype: Optional[str] = None,
+                         group_timeout: Optional[float] = None) -> str:
     """`swift-mcore export --to_hf` in a fresh process (its own one-rank process group, so a
     training run of any layout can call it); returns its last output line.
 
     The child runs on the CPU (CUDA_VISIBLE_DEVICES empty): on a GPU it would take device 0,
-    next to rank 0's training memory. It is bounded by ``timeout`` (default: 5 minutes less
-    than the process group's timeout, which the other ranks wait in meanwhile); past it the
+    next to rank 0's training memory. It is bounded by ``timeout`` (default: 5 minutes, or a
+    fifth where that is less, less than the process group's timeout, which the other ranks
+    wait in meanwhile); past it the
     child is killed and the error names the command that converts the saved checkpoint by
-    hand. ``dtype``: the weights' dtype in the folder (--dtype), e.g. the training precision."""
-    import datetime
-
+    hand. ``dtype``: the weights' dtype in the folder (--dtype), e.g. the training precision.
+    ``group_timeout``: the process group's timeout in seconds (--distributed_timeout_minutes;
+    default runtime.distributed.TIMEOUT)."""
     from .runtime.distributed import TIMEOUT
 
     if timeout is None:
-        timeout = (TIMEOUT - datetime.timedelta(minutes=5)).total_seconds()
+        group = TIMEOUT.total_seconds() if group_timeout is None else group_timeout
+        timeout = max(group - 300, 0.8 * group)
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")}
     env["CUDA_VISIBLE_DEVICES"] = ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .fields import flag
+from .fields import POSITIVE, flag
 
 
 @dataclass
@@ -29,3 +29,7 @@ class ParallelArguments:
         None, "Process-group backend; default nccl with CUDA, gloo without (nccl without CUDA "
         "and gloo with CUDA are refused).",
         choices=("nccl", "gloo"))
+    distributed_timeout_minutes: float = flag(
+        30.0, "How long a collective waits for the other ranks, and how long one iteration "
+        "(step, evaluation, save) may take, before the run ends with the stacks of its ranks "
+        "(fractions allowed, e.g. 0.5; docs/launch.md).", range=POSITIVE)

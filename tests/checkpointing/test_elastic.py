@@ -1,0 +1,157 @@
+"""torchrun --max-restarts: a SIGKILLed worker (mid-step, right after an attempt's start,
+mid-save) restarts the group, which resumes from the newest complete checkpoint and
+finishes with the straight run's losses bit for bit and its samples; a failure that repeats
+on every attempt stops the job with the reason; a stalled rank ends within
+--distributed_timeout_minutes with its stacks."""
+
+import os
+import signal
+import time
+
+import pytest
+
+import ckpt_harness as H
+from swift_mcore.checkpointing import commit
+
+N = 12
+GBS = H.TINY["global_batch_size"]
+
+
+@pytest.fixture(scope="module")
+def elastic_flags(flags):
+    return {**flags, "train_iters": N, "save_steps": 2, "resume": "auto"}
+
+
+@pytest.fixture(scope="module")
+def straight2(tmp_path_factory, flags):
+    """Two ranks, never interrupted."""
+    out = str(tmp_path_factory.mktemp("elastic") / "straight")
+    H.run(out, {**flags, "train_iters": N}, 2)
+    return out
+
+
+def newest_complete(out) -> int:
+    complete = commit.complete_checkpoints(os.path.join(out, "checkpoint"))
+    return complete[-1][0] if complete else 0
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_worker_at_three_moments_restarts_and_resumes_exactly(
+        tmp_path, elastic_flags, straight2):
+    out = str(tmp_path / "run")
+    agent = H.launch_torchrun(out, elastic_flags, max_restarts=3)
+    log = os.path.join(out, "log_elastic.txt")
+    newest_before = []
+    try:
+        # attempt 0: mid-step, once the checkpoint of iteration 4 is complete
+        pid = H.worker_pid(agent, rank=1, attempt=0)
+        deadline = time.time() + 120
+        while newest_complete(out) < 4 or len(H.records(out, "trace", 1)) < 5:
+            assert agent.poll() is None and time.time() < deadline, open(log).read()[-3000:]
+            time.sleep(0.01)
+        newest_before.append(newest_complete(out))
+        os.kill(pid, signal.SIGKILL)
+        # attempt 1: right after its start (imports, process group, loading)
+        pid = H.worker_pid(agent, rank=1, attempt=1)
+        time.sleep(1.5)
+        newest_before.append(newest_complete(out))
+        os.kill(pid, signal.SIGKILL)
+        # attempt 2: in the middle of a save (its staging folder exists)
+        stale = H.staging_folders(out)
+        pid = H.worker_pid(agent, rank=1, attempt=2)
+        deadline = time.time() + 120
+        while not H.staging_folders(out) - stale:
+            assert agent.poll() is None and time.time() < deadline, open(log).read()[-3000:]
+            time.sleep(0.002)
+        newest_before.append(newest_complete(out))
+        os.kill(pid, signal.SIGKILL)
+        code = agent.wait(timeout=240)
+    finally:
+        H.end_session(agent)
+    text = open(log, encoding="utf-8", errors="replace").read()
+    assert code == 0, text[-5000:]
+
+    # Every restart resumed from the newest complete checkpoint when its worker died.
+    setups = H.records(out, "setup", 0)
+    starts = [s["state"]["iteration"] for s in setups]
+    assert starts[0] == 0 and starts[-1] == newest_before[-1]
+    assert starts[1] == newest_before[0]
+    assert set(starts[1:]) <= set(newest_before), (starts, newest_before)
+    assert "torchrun attempt 4 of 4: resumed from" in text
+    assert f"iter_{newest_before[-1]:07d} (iteration {newest_before[-1]})" in text
+
+    a, b = H.trace(straight2, 2), H.trace(out, 2)
+    assert sorted(b) == list(range(1, N + 1))
+    for it in range(1, N + 1):
+        assert b[it]["samples"] == a[it]["samples"], it
+        assert b[it]["loss"] == a[it]["loss"], (it, b[it]["loss"], a[it]["loss"])
+    committed = H.committed_history(out)
+    ids = sorted(i for it in committed for i in committed[it])
+    assert ids == list(range(N * GBS)), "a sample trained twice, or one skipped"
+
+
+@pytest.mark.slow
+def test_a_failure_repeating_on_every_attempt_stops_with_the_reason(tmp_path, elastic_flags):
+    out = str(tmp_path / "run")
+    agent = H.launch_torchrun(out, {**elastic_flags, "train_iters": 6}, max_restarts=5,
+                              extra={"fail": {"iteration": 5, "rank": 1}})
+    try:
+        code = agent.wait(timeout=240)
+    finally:
+        H.end_session(agent)
+    text = open(os.path.join(out, "log_elastic.txt"), encoding="utf-8",
+                errors="replace").read()
+    assert code != 0
+    assert ("not restarting: attempts 2 and 3 both resumed at iteration 4 and failed in "
+            "iteration 5 with RuntimeError: planted failure in iteration #") in text, text[-4000:]
+    # attempt 0 from scratch, attempts 1 and 2 from iteration 4; no third restart
+    assert [s["state"]["iteration"] for s in H.records(out, "setup", 0)] == [0, 4, 4]
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_within_the_timeout_with_its_stacks(tmp_path, elastic_flags):
+    out = str(tmp_path / "run")
+    timeout_s = 6
+    agent = H.launch_torchrun(
+        out, {**elastic_flags, "train_iters": 6, "save_steps": 100, "resume": None,
+              "distributed_timeout_minutes": timeout_s / 60},
+        max_restarts=0, extra={"stall": {"iteration": 3, "rank": 1}})
+    try:
+        deadline = time.time() + 120
+        while len(H.records(out, "trace", 0)) < 2:
+            assert agent.poll() is None and time.time() < deadline
+            time.sleep(0.02)
+        stalled = time.time()
+        code = agent.wait(timeout=120)
+        ended = time.time() - stalled
+    finally:
+        H.end_session(agent)
+    text = open(os.path.join(out, "log_elastic.txt"), encoding="utf-8",
+                errors="replace").read()
+    assert code != 0
+    assert ended < timeout_s + 15, ended
+    assert "rank 1 made no progress in iteration 3 for 6 s" in text, text[-4000:]
+    assert "in train_step" in text and "ckpt_worker.py" in text  # the stalled rank's stack
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_with_loader_workers_saves_and_exits_zero(tmp_path, corpus):
+    """Slurm and torchrun signal the whole process group: the loader workers must leave the
+    stop to the trainer (data/loader.py), which saves and exits 0."""
+    out = tmp_path / "run"
+    proc = H.start_cli(out, "--train_iters", "200", "--save_steps", "100", "--num_workers",
+                       "2", "--dataset", corpus, "--split", "90,10,0")
+    try:
+        H.wait_until(lambda: H.cli_iterations(out) >= 2, proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        H.end_session(proc)
+    stderr = open(str(out) + ".stderr").read()
+    assert code == 0, stderr[-3000:]
+    assert "DataLoader worker" not in stderr
+    stdout = open(str(out) + ".stdout").read()
+    assert "(stop signal received)" in stdout
+    stopped = int(stdout.split("finished at iteration ")[1].split()[0])
+    assert commit.check_complete(os.path.join(str(out), "checkpoint",
+                                              f"iter_{stopped:07d}")) is None
