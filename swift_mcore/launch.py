@@ -11,20 +11,30 @@ from typing import List, Optional
 
 class TorchrunLaunch:
     """ms-swift's convention: NPROC_PER_NODE (and NNODES, NODE_RANK, MASTER_ADDR,
-    MASTER_PORT) in the environment means "run me under torchrun"."""
+    MASTER_PORT) in the environment means "run me under torchrun". MAX_RESTARTS=N: torchrun
+    restarts the whole group up to N times when a worker fails (docs/launch.md)."""
 
     def __init__(self, nproc: int, nnodes: int, node_rank: int, master_addr: str,
-                 master_port: str):
+                 master_port: str, max_restarts: int = 0, rdzv_id: str = "swift-mcore"):
         self.nproc, self.nnodes, self.node_rank = nproc, nnodes, node_rank
         self.master_addr, self.master_port = master_addr, master_port
+        self.max_restarts, self.rdzv_id = max_restarts, rdzv_id
         self.world_size = nproc * nnodes
 
     def command(self, subcommand_argv: List[str]) -> List[str]:
+        if self.max_restarts:
+            # Restarts need torchrun's c10d rendezvous: the agents of all nodes stop their
+            # workers before any attempt starts again (the static one restarts each node on
+            # its own). Its node ranks follow the order of joining, not NODE_RANK.
+            where = ["--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={self.master_addr}:{self.master_port}",
+                     f"--rdzv-id={self.rdzv_id}", f"--max-restarts={self.max_restarts}"]
+        else:
+            where = [f"--node_rank={self.node_rank}", f"--master_addr={self.master_addr}",
+                     f"--master_port={self.master_port}"]
         return [
             sys.executable, "-m", "torch.distributed.run",
-            f"--nproc_per_node={self.nproc}", f"--nnodes={self.nnodes}",
-            f"--node_rank={self.node_rank}", f"--master_addr={self.master_addr}",
-            f"--master_port={self.master_port}",
+            f"--nproc_per_node={self.nproc}", f"--nnodes={self.nnodes}", *where,
             "-m", "swift_mcore", *subcommand_argv,
         ]
 
@@ -34,7 +44,7 @@ class TorchrunLaunch:
         from .runtime import run_lock
 
         env = dict(os.environ)
-        for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK"):
+        for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MAX_RESTARTS"):
             env.pop(name, None)  # the children are the ranks; they must not relaunch
         env.update(run_lock.child_env(lock))
         fds = (lock.fd,) if lock is not None and lock.fd is not None else ()
@@ -47,19 +57,23 @@ def torchrun_launch() -> Optional[TorchrunLaunch]:
 
     def env_int(name, default):
         value = os.environ.get(name, default)
+        zero_ok = name in ("NODE_RANK", "MAX_RESTARTS")
         try:
             number = int(value)
         except ValueError:
-            number = 0
-        if number <= 0 and name != "NODE_RANK" or number < 0:
-            raise SystemExit(f"swift-mcore: error: {name}={value!r} must be a positive integer")
+            number = -1
+        if number < 0 or number == 0 and not zero_ok:
+            kind = "a non-negative" if zero_ok else "a positive"
+            raise SystemExit(f"swift-mcore: error: {name}={value!r} must be {kind} integer")
         return number
 
     return TorchrunLaunch(
         nproc=env_int("NPROC_PER_NODE", "1"), nnodes=env_int("NNODES", "1"),
         node_rank=env_int("NODE_RANK", "0"),
         master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=os.environ.get("MASTER_PORT", "29500"))
+        master_port=os.environ.get("MASTER_PORT", "29500"),
+        max_restarts=env_int("MAX_RESTARTS", "0"),
+        rdzv_id=os.environ.get("RDZV_ID") or os.environ.get("SLURM_JOB_ID") or "swift-mcore")
 
 
 def run_command(name: str, argv: List[str], parse, work, shutdown: bool = True) -> int:

@@ -366,3 +366,45 @@ def end_session(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         pass
+
+
+def cli_flags(flags: Dict) -> List[str]:
+    """A flags dict (as the worker takes it) as `swift-mcore pt` arguments."""
+    argv: List[str] = []
+    for name, value in flags.items():
+        values = value if isinstance(value, list) else [value]
+        argv += [f"--{name}", *(str(v).lower() if isinstance(v, bool) else str(v)
+                                for v in values)]
+    return argv
+
+
+def start_node(out: str, flags: Dict, node_rank: int, env: Dict[str, str]) -> subprocess.Popen:
+    """`swift-mcore pt` as one node of a multi-node launch (NNODES, NODE_RANK, MASTER_ADDR,
+    MASTER_PORT, MAX_RESTARTS in ``env``), in its own session; output in out/node{N}.txt."""
+    full_env = dict(os.environ)
+    full_env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", NODE_RANK=str(node_rank),
+                    PYTHONPATH=REPO + os.pathsep + full_env.get("PYTHONPATH", ""), **env)
+    os.makedirs(out, exist_ok=True)
+    log = open(os.path.join(out, f"node{node_rank}.txt"), "w", encoding="utf-8")
+    cmd = [sys.executable, "-m", "swift_mcore", "pt", *cli_flags({**flags, "output_dir": out})]
+    return subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            start_new_session=True)
+
+
+def descendant_worker(proc: subprocess.Popen, attempt: int, timeout: float = 120.0) -> int:
+    """The pid of a torchrun worker under ``proc`` started by ``attempt``."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the launcher exited ({proc.returncode})")
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                env = child.environ()
+            except (psutil.Error, OSError):
+                continue
+            if env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt) and "RANK" in env:
+                return child.pid
+        time.sleep(0.02)
+    raise AssertionError(f"no worker of attempt {attempt} after {timeout}s")
