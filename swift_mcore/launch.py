@@ -67,13 +67,43 @@ def torchrun_launch() -> Optional[TorchrunLaunch]:
             raise SystemExit(f"swift-mcore: error: {name}={value!r} must be {kind} integer")
         return number
 
+    slurm = slurm_layout(os.environ)
     return TorchrunLaunch(
-        nproc=env_int("NPROC_PER_NODE", "1"), nnodes=env_int("NNODES", "1"),
-        node_rank=env_int("NODE_RANK", "0"),
-        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        nproc=env_int("NPROC_PER_NODE", "1"),
+        nnodes=env_int("NNODES", slurm.get("NNODES", "1")),
+        node_rank=env_int("NODE_RANK", slurm.get("NODE_RANK", "0")),
+        master_addr=os.environ.get("MASTER_ADDR") or slurm.get("MASTER_ADDR", "127.0.0.1"),
         master_port=os.environ.get("MASTER_PORT", "29500"),
         max_restarts=env_int("MAX_RESTARTS", "0"),
         rdzv_id=os.environ.get("RDZV_ID") or os.environ.get("SLURM_JOB_ID") or "swift-mcore")
+
+
+def slurm_layout(env) -> dict:
+    """Inside a Slurm job step (srun, one task per node): NNODES, NODE_RANK and MASTER_ADDR
+    as Slurm gives them (SLURM_NNODES, SLURM_NODEID, the first host of SLURM_JOB_NODELIST);
+    the defaults where the environment does not set these itself. {} outside Slurm."""
+    if "SLURM_JOB_ID" not in env or "SLURM_NODEID" not in env:
+        return {}
+    layout = {"NODE_RANK": env["SLURM_NODEID"]}
+    nnodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
+    if nnodes:
+        layout["NNODES"] = nnodes
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if nodelist:
+        layout["MASTER_ADDR"] = first_host(nodelist)
+    return layout
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: "gpu[03-05,9],cpu1" -> "gpu03" (what
+    `scontrol show hostnames` prints first)."""
+    import re
+
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
+    prefix, ranges, suffix = match.groups()
+    if not ranges:
+        return prefix + suffix
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
 
 
 def run_command(name: str, argv: List[str], parse, work, shutdown: bool = True) -> int:

@@ -193,3 +193,20 @@ def test_two_node_agents_on_localhost_restart_and_resume_exactly(tmp_path, elast
     committed = H.committed_history(out)
     assert [committed[it] for it in range(1, N + 1)] == [
         sorted(i for i, _crc in a[it]["samples"]) for it in range(1, N + 1)]
+
+
+def test_bad_flags_under_torchrun_with_restarts_end_the_job_at_once(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{H.free_port()}",
+           "-m", "swift_mcore", "pt", "--train_iters", "3", "--lr_warmup_iters", "5",
+           "--output_dir", str(tmp_path / "run")]
+    env = {**os.environ, "PYTHONPATH": H.REPO, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=H.REPO)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "--lr_warmup_iters (5) must be smaller" in text
+    assert "not restarting: swift-mcore pt: the flags are refused" in text
+    assert "restart" not in text.split("not restarting")[0].lower()  # one attempt only
