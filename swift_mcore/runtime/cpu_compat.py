@@ -40,6 +40,9 @@ PATCHED_MODULES = {
     "megatron.core.tensor_parallel.layers": "weight-grad buffers on the CUDA device (552)",
     "megatron.core.tensor_parallel.random": "CUDA RNG seeding in the tracker",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize (230)",
+    "megatron.core.dist_checkpointing.strategies.async_utils":
+        "--async_save: synchronize before the fork (212), the done/finalize counters on the "
+        "CUDA device (165, 604)",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "synchronize (252)",
 }
 

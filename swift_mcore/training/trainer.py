@@ -64,6 +64,7 @@ class Trainer:
         while state.iteration < total:
             self.watchdog.arm(f"iteration {state.iteration + 1}")
             step = self.train_step()
+            self.checkpoints.finish_saves()  # --async_save: commit a background save once written
             self.advance(step)
             self.report(step)
             improved = False
@@ -500,9 +501,12 @@ class Trainer:
             return None
         path = self.checkpoints.save(self.state, self.model, self.optimizer, self.scheduler,
                                      self.data_fingerprint)
-        self.writer.print(f"saved checkpoint {path} (iteration {self.state.iteration}, "
-                          f"{self.state.consumed_train_samples} samples consumed)")
+        verb = "saving" if self.config.checkpoint.async_save else "saved"
+        self.writer.print(f"{verb} checkpoint {path} (iteration {self.state.iteration}, "
+                          f"{self.state.consumed_train_samples} samples consumed)"
+                          + (" in the background" if verb == "saving" else ""))
         if self.config.checkpoint.save_safetensors:
+            self.checkpoints.finish_saves(blocking=True)  # the conversion reads it
             if self._stop_signal is not None:  # a grace period is too short for it
                 self.writer.print(f"--save_safetensors: {path} is not converted (stopping on "
                                   f"a signal); convert it with `swift-mcore export --to_hf "
@@ -542,6 +546,7 @@ class Trainer:
             print(text, flush=True)
 
     def finish(self, exit_reason: Optional[str]) -> None:
+        self.checkpoints.finish_saves(blocking=True)  # a background save is committed first
         self.watchdog.disarm()  # the closing outputs are not an iteration
         lg, c = self.config.logging, self.config.checkpoint
         out = os.path.abspath(lg.output_dir)
