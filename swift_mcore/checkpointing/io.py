@@ -98,9 +98,9 @@ def save(state: Dict[str, Any], folder: str, fully_parallel: bool = False,
         strategy = FullyParallelSaveStrategyWrapper(
             get_default_save_sharded_strategy("torch_dist"),
             parallel_state.get_data_parallel_group(with_context_parallel=True))
+    extra = {"async_sharded_save": True} if background else {}
     with _results_queue(forked=background):
-        return dist_checkpointing.save(state, folder, sharded_strategy=strategy,
-                                       async_sharded_save=background)
+        return dist_checkpointing.save(state, folder, sharded_strategy=strategy, **extra)
 
 
 @contextlib.contextmanager
