@@ -19,7 +19,7 @@ GBS = H.TINY["global_batch_size"]
 
 @pytest.fixture(scope="module")
 def elastic_flags(flags):
-    return {**flags, "train_iters": N, "save_steps": 2, "resume": "auto"}
+    return {**flags, "train_iters": N, "save_steps": 3, "resume": "auto"}
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +43,10 @@ def test_sigkill_of_one_worker_at_three_moments_restarts_and_resumes_exactly(
     log = os.path.join(out, "log_elastic.txt")
     newest_before = []
     try:
-        # attempt 0: mid-step, once the checkpoint of iteration 4 is complete
+        # attempt 0: mid-step, in iteration 5 or 6 (no save), once iteration 3's is complete
         pid = H.worker_pid(agent, rank=1, attempt=0)
         deadline = time.time() + 120
-        while newest_complete(out) < 4 or len(H.records(out, "trace", 1)) < 5:
+        while newest_complete(out) < 3 or len(H.records(out, "trace", 1)) < 4:
             assert agent.poll() is None and time.time() < deadline, open(log).read()[-3000:]
             time.sleep(0.01)
         newest_before.append(newest_complete(out))
@@ -112,15 +112,16 @@ def test_a_failure_repeating_on_every_attempt_stops_with_the_reason(tmp_path, el
 @pytest.mark.slow
 def test_a_stalled_rank_ends_within_the_timeout_with_its_stacks(tmp_path, elastic_flags):
     out = str(tmp_path / "run")
-    timeout_s = 4
+    timeout_s = 15  # it bounds the start-up's collectives too: above a loaded machine's waits
     agent = H.launch_torchrun(
         out, {**elastic_flags, "train_iters": 6, "save_steps": 100, "resume": None,
               "distributed_timeout_minutes": timeout_s / 60},
         max_restarts=0, extra={"stall": {"iteration": 3, "rank": 1}})
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 300
         while len(H.records(out, "trace", 0)) < 2:
-            assert agent.poll() is None and time.time() < deadline
+            assert agent.poll() is None and time.time() < deadline, open(
+                os.path.join(out, "log_elastic.txt"), errors="replace").read()[-3000:]
             time.sleep(0.02)
         stalled = time.time()
         code = agent.wait(timeout=120)
@@ -130,8 +131,8 @@ def test_a_stalled_rank_ends_within_the_timeout_with_its_stacks(tmp_path, elasti
     text = open(os.path.join(out, "log_elastic.txt"), encoding="utf-8",
                 errors="replace").read()
     assert code != 0
-    assert ended < timeout_s + 15, ended
-    assert "rank 1 made no progress in iteration 3 for 4 s" in text, text[-4000:]
+    assert ended < timeout_s + 30, ended
+    assert "rank 1 made no progress in iteration 3 for 15 s" in text, text[-4000:]
     assert "in train_step" in text and "ckpt_worker.py" in text  # the stalled rank's stack
 
 
@@ -172,7 +173,7 @@ def test_two_node_agents_on_localhost_restart_and_resume_exactly(tmp_path, elast
     try:
         pid = H.descendant_worker(nodes[1], attempt=0)
         deadline = time.time() + 120
-        while newest_complete(out) < 4:
+        while newest_complete(out) < 3:
             assert all(n.poll() is None for n in nodes) and time.time() < deadline
             time.sleep(0.01)
         time.sleep(0.3)
