@@ -59,6 +59,7 @@ def run_training(argv: List[str], cls) -> int:
                          world_size=launch.world_size if launch else None)
     except ArgumentError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
+        _no_restart_on_bad_flags(prog)
         return 2
     from .runtime import run_lock
 
@@ -74,6 +75,15 @@ def run_training(argv: List[str], cls) -> int:
         return _train(prog, config)
     finally:
         run_lock.release_all()
+
+
+def _no_restart_on_bad_flags(prog: str) -> None:
+    """A rank torchrun started with --max-restarts: bad flags stay bad on every attempt, so
+    the job ends instead of restarting (runtime/elastic.py)."""
+    if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") not in ("", "0"):
+        from .runtime import elastic
+
+        elastic.stop_restarts(f"{prog}: the flags are refused (above)")
 
 
 def _train(prog: str, config) -> int:

@@ -89,7 +89,7 @@ def to_mcore(args: ExportArguments, log) -> Dict[str, object]:
         config = resolve(flags, world_size=1).complete(
             loaded.config.vocab_size, None,
             padded_vocab_size=loaded.config.padded_vocab_size)
-        path, _ = save_checkpoint(config, TrainState(), [loaded.model], None, None, None)
+        path, _, _ = save_checkpoint(config, TrainState(), [loaded.model], None, None, None)
     finally:
         run_lock.release(args.output_dir)
     log(f"wrote {path}: a swift-mcore checkpoint (weights only, iteration 0); train from it "

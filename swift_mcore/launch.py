@@ -11,20 +11,30 @@ from typing import List, Optional
 
 class TorchrunLaunch:
     """ms-swift's convention: NPROC_PER_NODE (and NNODES, NODE_RANK, MASTER_ADDR,
-    MASTER_PORT) in the environment means "run me under torchrun"."""
+    MASTER_PORT) in the environment means "run me under torchrun". MAX_RESTARTS=N: torchrun
+    restarts the whole group up to N times when a worker fails (docs/launch.md)."""
 
     def __init__(self, nproc: int, nnodes: int, node_rank: int, master_addr: str,
-                 master_port: str):
+                 master_port: str, max_restarts: int = 0, rdzv_id: str = "swift-mcore"):
         self.nproc, self.nnodes, self.node_rank = nproc, nnodes, node_rank
         self.master_addr, self.master_port = master_addr, master_port
+        self.max_restarts, self.rdzv_id = max_restarts, rdzv_id
         self.world_size = nproc * nnodes
 
     def command(self, subcommand_argv: List[str]) -> List[str]:
+        if self.max_restarts:
+            # Restarts need torchrun's c10d rendezvous: the agents of all nodes stop their
+            # workers before any attempt starts again (the static one restarts each node on
+            # its own). Its node ranks follow the order of joining, not NODE_RANK.
+            where = ["--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={self.master_addr}:{self.master_port}",
+                     f"--rdzv-id={self.rdzv_id}", f"--max-restarts={self.max_restarts}"]
+        else:
+            where = [f"--node_rank={self.node_rank}", f"--master_addr={self.master_addr}",
+                     f"--master_port={self.master_port}"]
         return [
             sys.executable, "-m", "torch.distributed.run",
-            f"--nproc_per_node={self.nproc}", f"--nnodes={self.nnodes}",
-            f"--node_rank={self.node_rank}", f"--master_addr={self.master_addr}",
-            f"--master_port={self.master_port}",
+            f"--nproc_per_node={self.nproc}", f"--nnodes={self.nnodes}", *where,
             "-m", "swift_mcore", *subcommand_argv,
         ]
 
@@ -34,7 +44,7 @@ class TorchrunLaunch:
         from .runtime import run_lock
 
         env = dict(os.environ)
-        for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK"):
+        for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MAX_RESTARTS"):
             env.pop(name, None)  # the children are the ranks; they must not relaunch
         env.update(run_lock.child_env(lock))
         fds = (lock.fd,) if lock is not None and lock.fd is not None else ()
@@ -47,19 +57,53 @@ def torchrun_launch() -> Optional[TorchrunLaunch]:
 
     def env_int(name, default):
         value = os.environ.get(name, default)
+        zero_ok = name in ("NODE_RANK", "MAX_RESTARTS")
         try:
             number = int(value)
         except ValueError:
-            number = 0
-        if number <= 0 and name != "NODE_RANK" or number < 0:
-            raise SystemExit(f"swift-mcore: error: {name}={value!r} must be a positive integer")
+            number = -1
+        if number < 0 or number == 0 and not zero_ok:
+            kind = "a non-negative" if zero_ok else "a positive"
+            raise SystemExit(f"swift-mcore: error: {name}={value!r} must be {kind} integer")
         return number
 
+    slurm = slurm_layout(os.environ)
     return TorchrunLaunch(
-        nproc=env_int("NPROC_PER_NODE", "1"), nnodes=env_int("NNODES", "1"),
-        node_rank=env_int("NODE_RANK", "0"),
-        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=os.environ.get("MASTER_PORT", "29500"))
+        nproc=env_int("NPROC_PER_NODE", "1"),
+        nnodes=env_int("NNODES", slurm.get("NNODES", "1")),
+        node_rank=env_int("NODE_RANK", slurm.get("NODE_RANK", "0")),
+        master_addr=os.environ.get("MASTER_ADDR") or slurm.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=os.environ.get("MASTER_PORT", "29500"),
+        max_restarts=env_int("MAX_RESTARTS", "0"),
+        rdzv_id=os.environ.get("RDZV_ID") or os.environ.get("SLURM_JOB_ID") or "swift-mcore")
+
+
+def slurm_layout(env) -> dict:
+    """Inside a Slurm job step (srun, one task per node): NNODES, NODE_RANK and MASTER_ADDR
+    as Slurm gives them (SLURM_NNODES, SLURM_NODEID, the first host of SLURM_JOB_NODELIST);
+    the defaults where the environment does not set these itself. {} outside Slurm."""
+    if "SLURM_JOB_ID" not in env or "SLURM_NODEID" not in env:
+        return {}
+    layout = {"NODE_RANK": env["SLURM_NODEID"]}
+    nnodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
+    if nnodes:
+        layout["NNODES"] = nnodes
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if nodelist:
+        layout["MASTER_ADDR"] = first_host(nodelist)
+    return layout
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: "gpu[03-05,9],cpu1" -> "gpu03" (what
+    `scontrol show hostnames` prints first)."""
+    import re
+
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
+    prefix, ranges, suffix = match.groups()
+    if not ranges:
+        return prefix + suffix
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
 
 
 def run_command(name: str, argv: List[str], parse, work, shutdown: bool = True) -> int:
@@ -94,21 +138,24 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def export_in_subprocess(checkpoint: str, out_dir: str, timeout: Optional[float] = None,
-                         dtype: Optional[str] = None) -> str:
+                         dtype: Optional[str] = None,
+                         group_timeout: Optional[float] = None) -> str:
     """`swift-mcore export --to_hf` in a fresh process (its own one-rank process group, so a
     training run of any layout can call it); returns its last output line.
 
     The child runs on the CPU (CUDA_VISIBLE_DEVICES empty): on a GPU it would take device 0,
-    next to rank 0's training memory. It is bounded by ``timeout`` (default: 5 minutes less
-    than the process group's timeout, which the other ranks wait in meanwhile); past it the
+    next to rank 0's training memory. It is bounded by ``timeout`` (default: 5 minutes, or a
+    fifth where that is less, less than the process group's timeout, which the other ranks
+    wait in meanwhile); past it the
     child is killed and the error names the command that converts the saved checkpoint by
-    hand. ``dtype``: the weights' dtype in the folder (--dtype), e.g. the training precision."""
-    import datetime
-
+    hand. ``dtype``: the weights' dtype in the folder (--dtype), e.g. the training precision.
+    ``group_timeout``: the process group's timeout in seconds (--distributed_timeout_minutes;
+    default runtime.distributed.TIMEOUT)."""
     from .runtime.distributed import TIMEOUT
 
     if timeout is None:
-        timeout = (TIMEOUT - datetime.timedelta(minutes=5)).total_seconds()
+        group = TIMEOUT.total_seconds() if group_timeout is None else group_timeout
+        timeout = max(group - 300, 0.8 * group)
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")}
     env["CUDA_VISIBLE_DEVICES"] = ""

@@ -17,6 +17,11 @@ class CheckpointArguments:
         None, "Keep only the newest N complete checkpoints.")
     no_save_optim: bool = flag(False, "Leave the optimizer state out of checkpoints.")
     no_save_rng: bool = flag(False, "Leave the RNG states out of checkpoints.")
+    async_save: bool = flag(
+        False, "Write checkpoints in the background (megatron's async dist_checkpointing): "
+        "training goes on while a forked process writes the shards; the checkpoint is "
+        "sealed and tracked at a later iteration, once every rank's write is done "
+        "(docs/resume.md).")
     resume: Optional[str] = flag(
         None, "Resume: 'auto' (the flag alone) takes the newest complete checkpoint under "
         "output_dir; or a checkpoint directory.")

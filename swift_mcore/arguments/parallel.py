@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .fields import flag
+from .fields import POSITIVE, flag
 
 
 @dataclass
@@ -32,3 +32,7 @@ class ParallelArguments:
     expert_model_parallel_size: int = flag(
         1, "Expert-parallel ranks: the routed experts of each MoE layer are split over them "
         "(inside the data-parallel ranks; needs --num_experts divisible by it).")
+    distributed_timeout_minutes: float = flag(
+        30.0, "How long a collective waits for the other ranks, and how long one iteration "
+        "(step, evaluation, save) may take, before the run ends with the stacks of its ranks "
+        "(fractions allowed, e.g. 0.5; docs/launch.md).", range=POSITIVE)

@@ -111,11 +111,15 @@ def read_common(folder: str) -> Dict[str, Any]:
     return common
 
 
-def save(state: Dict[str, Any], folder: str, fully_parallel: bool = False) -> None:
+def save(state: Dict[str, Any], folder: str, fully_parallel: bool = False,
+         background: bool = False):
     """Collective: write ``state`` (sharded tensors + plain common data) into ``folder``.
     ``fully_parallel`` (RunConfig.fully_parallel_save): the data-parallel replicas share the
     writes (megatron's FullyParallelSaveStrategyWrapper, Megatron-LM's default) instead of
-    data-parallel rank 0 writing every replicated shard."""
+    data-parallel rank 0 writing every replicated shard. ``background`` (--async_save):
+    returns megatron's AsyncRequest instead of writing the shards; the caller schedules it
+    (a forked process writes them from a copy-on-write image of this moment's tensors) and
+    finalizes it on every rank (checkpointing/manager.py)."""
     from megatron.core import dist_checkpointing
 
     strategy = None
@@ -131,19 +135,24 @@ def save(state: Dict[str, Any], folder: str, fully_parallel: bool = False) -> No
         strategy = FullyParallelSaveStrategyWrapper(
             get_default_save_sharded_strategy("torch_dist"),
             parallel_state.get_data_parallel_group(with_context_parallel=True))
-    with _in_process_results_queue():
-        dist_checkpointing.save(state, folder, sharded_strategy=strategy)
+    extra = {"async_sharded_save": True} if background else {}
+    with _results_queue(forked=background):
+        return dist_checkpointing.save(state, folder, sharded_strategy=strategy, **extra)
 
 
 @contextlib.contextmanager
-def _in_process_results_queue():
+def _results_queue(forked: bool):
     """A synchronous save collects its writers' results in this process, so a plain queue
-    does. megatron's default is a ``multiprocessing.Manager`` queue: a *spawned* server
-    process that re-imports ``__main__`` and outlives a killed trainer as an orphan."""
+    does; a background save's forked writer hands them over a queue made before the fork.
+    megatron's default is a ``multiprocessing.Manager`` queue: a *spawned* server process
+    that re-imports ``__main__`` and outlives a killed trainer as an orphan."""
+    import multiprocessing
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     saved = filesystem_async._get_write_results_queue
-    filesystem_async._get_write_results_queue = queue.Queue
+    filesystem_async._get_write_results_queue = (
+        multiprocessing.get_context("fork").Queue if forked else queue.Queue)
     try:
         yield
     finally:

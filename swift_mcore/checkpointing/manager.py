@@ -8,8 +8,9 @@ import os
 import shutil
 from typing import Callable, Optional
 
+from ..errors import CheckpointError
 from ..runtime import collectives as comm
-from . import best, commit, load
+from . import best, commit, load, space
 from .save import save_checkpoint
 from .state import TrainState
 from .tracker import checkpoint_root, iter_dir_name
@@ -29,6 +30,10 @@ class CheckpointManager:
         # last); sealed into each manifest as its parent (locate.py follows it).
         self.parent_id: Optional[str] = None
         self.last_saved_iteration: Optional[int] = None
+        # --async_save: megatron's queue of background saves, and the one in flight
+        # (iteration, folder); at most one at a time.
+        self.background = None
+        self.pending: Optional[tuple] = None
 
     def restore(self, model, optimizer, scheduler) -> TrainState:
         if self.plan is None:
@@ -41,9 +46,48 @@ class CheckpointManager:
         return self.last_saved_iteration == iteration
 
     def save(self, state: TrainState, model, optimizer, scheduler, data_fingerprint) -> str:
-        path, self.parent_id = save_checkpoint(self.config, state, model, optimizer,
-                                               scheduler, data_fingerprint, self.parent_id)
+        """The checkpoint of ``state.iteration``; with --async_save its shards are written in
+        the background and it is committed by a later ``finish_saves``."""
+        background = self.config.checkpoint.async_save
+        if background:
+            self.finish_saves(blocking=True)  # one background save at a time
+        path, self.parent_id, request = save_checkpoint(
+            self.config, state, model, optimizer, scheduler, data_fingerprint,
+            self.parent_id, background=background)
+        if request is not None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import (
+                AsyncCallsQueue,
+            )
+
+            if self.background is None:
+                self.background = AsyncCallsQueue()
+            self.background.schedule_async_request(request)
+            self.pending = (state.iteration, path)
         self.last_saved_iteration = state.iteration
+        return path
+
+    def finish_saves(self, blocking: bool = False) -> Optional[str]:
+        """Collective (every iteration under --async_save): commit the background save once
+        every rank has written its shards (``blocking``: wait for that). Returns the folder
+        committed now, if any. A failed write is raised on every rank as a CheckpointError,
+        its staging folder removed; the previous checkpoints stay."""
+        if self.pending is None:
+            return None
+        iteration, path = self.pending
+        try:
+            done = self.background.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointError:
+            self.pending = None
+            raise
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            self.pending = None
+            raise space.failed_background_save(self.root, iteration, err) from err
+        if not done:
+            return None
+        self.pending = None
+        self.log(f"saved checkpoint {path} (iteration {iteration}, written in the background)")
         return path
 
     def save_hf_folder(self, state: TrainState, convert: Callable[[str, str], str]) -> str:

@@ -4,6 +4,7 @@ follows, rotation runs last."""
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from typing import Optional, Tuple
@@ -17,12 +18,18 @@ from .tracker import checkpoint_root, iter_dir_name, read_tracker, write_tracker
 
 @space.guarded  # a failed save: one clear error, its staging folder removed
 def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
-                    data_fingerprint, parent_id: Optional[str] = None) -> Tuple[str, str]:
+                    data_fingerprint, parent_id: Optional[str] = None,
+                    background: bool = False) -> Tuple[str, str, Optional[object]]:
     """Collective. Returns (the committed folder ``output_dir/checkpoint/iter_NNNNNNN``, its
-    id). ``parent_id`` is the id of the checkpoint this training state descends from (the
-    one resumed from or saved last), sealed into the manifest (locate.py reads it). An
+    id, None). ``parent_id`` is the id of the checkpoint this training state descends from
+    (the one resumed from or saved last), sealed into the manifest (locate.py reads it). An
     error on any rank (a full disk, say) is raised on every rank; the previous checkpoints
     are untouched, the hidden staging folder removed (space.py).
+
+    ``background`` (--async_save): the shards are left to megatron's AsyncRequest, returned
+    third; everything else is written now, and the seal, rename and tracker are the
+    request's last finalize step, run once every rank's shards are written (manager.py).
+    Until then the folder is a staging folder, which resume never picks.
 
     Each fact is written once: counters in train_state.json, the flags in args.json, the
     rest of swift-mcore's facts in run.json; common.pt holds Megatron-LM's copies of the
@@ -45,7 +52,8 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
                                        is_loading=False, metadata=megatron_lm.CONTENT_METADATA)
     state_dict.update(megatron_lm.common_entries(state, scheduler, config))
     space.check_free(root, iteration, state_dict)
-    io.save(state_dict, staging, fully_parallel=config.fully_parallel_save)
+    request = io.save(state_dict, staging, fully_parallel=config.fully_parallel_save,
+                      background=background)
 
     layouts = comm.all_gather(rng.layout())
     if not c.no_save_rng:
@@ -68,9 +76,17 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
         },
     })
 
-    commit.seal(staging, extra={"id": token, "parent_id": parent_id})
-    comm.decide(_publish, staging, final, root, state, c.save_total_limit)
-    return final, token
+    saved_state = copy.deepcopy(state)  # training goes on while a background save runs
+
+    def finish() -> None:
+        commit.seal(staging, extra={"id": token, "parent_id": parent_id})
+        comm.decide(_publish, staging, final, root, saved_state, c.save_total_limit)
+
+    if request is None:
+        finish()
+        return final, token, None
+    request.add_finalize_fn(finish)
+    return final, token, request
 
 
 def _prepare(root: str, staging: str) -> None:

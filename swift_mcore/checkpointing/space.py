@@ -111,6 +111,14 @@ def guarded(save):
     return wrapper
 
 
+def failed_background_save(root: str, iteration: int, err: BaseException):
+    """Collective, for a background save (--async_save) that failed when it was finalized:
+    its staging folder removed on rank 0, the CheckpointError to raise on every rank."""
+    from ..errors import CheckpointError
+
+    return CheckpointError(comm.decide(_failed, root, iteration, _text(err), None))
+
+
 def _failed(root: str, iteration: int, error: str, need: Optional[int]) -> str:
     """Rank 0: remove the staging folder; say what happened in one line."""
     removed = _remove_own_staging(root)

@@ -59,6 +59,17 @@ class _BatchPositions:
         return micro_batches(*self.args)
 
 
+def ignore_stop_signals(_worker_id: int) -> None:
+    """In a loader worker: SIGTERM and SIGINT are the trainer's to handle. A stop signal sent
+    to the whole process group (Slurm, torchrun, Ctrl-C in a terminal) would otherwise end
+    the workers first, and the trainer's next batch would raise instead of the run saving
+    and stopping; the workers end with the trainer (or when it dies, on their own)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def build_data_iterator(dataset, consumed_samples: int, args, dp_rank: int = 0,
                         dp_size: int = 1, seed_offset: int = 0) -> Optional[Iterator[dict]]:
     """An endless iterator of micro-batch dicts, starting at ``consumed_samples``.
@@ -83,6 +94,7 @@ def build_data_iterator(dataset, consumed_samples: int, args, dp_rank: int = 0,
         collate_fn=_Collate(dataset),
         num_workers=workers,
         persistent_workers=workers > 0,
+        worker_init_fn=ignore_stop_signals if workers > 0 else None,
         prefetch_factor=2 if workers > 0 else None,
         pin_memory=torch.cuda.is_available(),
         # Its own generator: iter() draws the workers' base seed from it, not from the global

@@ -41,6 +41,9 @@ PATCHED_MODULES = {
     "megatron.core.tensor_parallel.random":
         "CUDA RNG seeding in the tracker; activation recompute saves the CUDA RNG state (55)",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize (230)",
+    "megatron.core.dist_checkpointing.strategies.async_utils":
+        "--async_save: synchronize before the fork (212), the done/finalize counters on the "
+        "CUDA device (165, 604)",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "synchronize (252)",
     # mixture of experts (--num_experts)
     "megatron.core.transformer.moe.token_dispatcher":

@@ -10,8 +10,14 @@ import torch.distributed as dist
 
 from . import cpu_compat
 
-# How long a collective waits for the other ranks before torch.distributed gives up.
+# How long a collective waits for the other ranks before torch.distributed gives up
+# (--distributed_timeout_minutes; this default where no RunConfig is at hand).
 TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def timeout_of(config) -> datetime.timedelta:
+    """--distributed_timeout_minutes as a timedelta."""
+    return datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
 
 
 def initialize(config) -> None:
@@ -32,17 +38,23 @@ def initialize(config) -> None:
         # to torch directly: os.environ stays as it was (a later child process started with
         # plain subprocess must not inherit RANK or MASTER_PORT and think it is a rank).
         alone = "RANK" not in os.environ
+        timeout = timeout_of(config)
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = os.environ.get("MASTER_PORT") or str(_free_port()) if alone else None
         where = f"{addr}:{port}" if alone else (
             f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
         try:
             if alone:
-                dist.init_process_group(backend=config.backend, timeout=TIMEOUT,
+                dist.init_process_group(backend=config.backend, timeout=timeout,
                                         init_method=f"tcp://{addr}:{port}", rank=0,
                                         world_size=1)
+            elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                dist.init_process_group(backend=config.backend, timeout=timeout,
+                                        store=attempt_store(rank, world, timeout),
+                                        rank=rank, world_size=world)
             else:
-                dist.init_process_group(backend=config.backend, timeout=TIMEOUT)
+                dist.init_process_group(backend=config.backend, timeout=timeout)
         except dist.DistNetworkError as err:  # e.g. a MASTER_PORT another process holds
             from ..errors import ArgumentError
 
@@ -56,9 +68,57 @@ def initialize(config) -> None:
             pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
             # MoE: the experts are split over EP ranks carved out of the data-parallel ones
             # (expert tensor parallelism follows TP, megatron's default).
-            expert_model_parallel_size=getattr(config.parallel, "expert_model_parallel_size",
-                                               1),
+            expert_model_parallel_size=config.parallel.expert_model_parallel_size,
+            # megatron's groups wait as long as the default one (timedelta(minutes=...)
+            # takes the fraction as it is).
+            distributed_timeout_minutes=config.parallel.distributed_timeout_minutes,
         )
+
+
+# In torchrun's store: "host port token" of the store of the running attempt.
+STORE_KEY = "swift_mcore/attempt_store"
+
+
+def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
+    """A store of this attempt's own for the process group, hosted by rank 0.
+
+    torchrun's c10d rendezvous hands every attempt of a restarted group the same store, its
+    agent's (TORCHELASTIC_USE_AGENT_STORE=True, one MASTER_PORT for all attempts), and the
+    keys the dead attempt's process group left there stay: gloo then reads a dead rank's
+    address and fails with "connectFullMesh ... Connection refused" (torch issue #135712;
+    TORCHELASTIC_RESTART_COUNT cannot tell the attempts apart, as the agents of several
+    nodes count differently). Rank 0 therefore starts a fresh store on a free port and
+    publishes it, with a random token, in the agent's store. A rank that reads a previous
+    attempt's entry cannot reach it (torchrun ends every worker of an attempt before it
+    starts the next one) or finds another token, and reads again.
+    """
+    import time
+    import uuid
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = dist.TCPStore(addr, port, world_size=world, is_master=False, timeout=timeout)
+    if rank == 0:
+        store = dist.TCPStore(addr, 0, world_size=world, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        token = uuid.uuid4().hex
+        store.set("token", token)
+        agent.set(STORE_KEY, f"{addr} {store.port} {token}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        host, store_port, token = agent.get(STORE_KEY).decode().split()
+        try:
+            store = dist.TCPStore(host, int(store_port), world_size=world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=2))
+            if store.get("token").decode() == token:
+                store.set_timeout(timeout)
+                return store
+        except (RuntimeError, dist.DistError):  # a previous attempt's store: gone
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank}: rank 0's process-group store never appeared "
+                               f"in torchrun's store {addr}:{port}")
+        time.sleep(0.2)
 
 
 def shutdown() -> None:

@@ -124,23 +124,28 @@ def acquire(folder: str, command: str) -> RunLock:
 
 
 def acquire_for_run(folder: str, command: str) -> None:
-    """Collective (or on one process): global rank 0 takes the lock; a refusal is raised on
-    every rank, so all ranks stop together."""
+    """Collective (or on one process): global rank 0 takes the lock, unless a launcher holds
+    it for some ranks (SWIFT_MCORE_RUN_LOCK): those ranks check that it does. (Under
+    torchrun's c10d rendezvous the launcher of node 0 need not start global rank 0.) A
+    refusal is raised on every rank, so all ranks stop together."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         acquire(folder, command)
         return
+    handed = [None] * dist.get_world_size()
+    dist.all_gather_object(handed, bool(os.environ.get(ENV)))
     error = None
-    if dist.get_rank() == 0:
+    if handed[dist.get_rank()] or (not any(handed) and dist.get_rank() == 0):
         try:
             acquire(folder, command)
         except ArgumentError as err:
             error = str(err)
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise ArgumentError(box[0])
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    errors = [e for e in errors if e]
+    if errors:
+        raise ArgumentError(errors[0])
 
 
 def acquire_for_cli(folder: str, command: str, launching: bool, node_rank: int = 0

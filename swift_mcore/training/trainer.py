@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from functools import partial
 from typing import Dict, Iterator, List, Optional
@@ -40,14 +41,21 @@ class Trainer:
         self._sample_ids: List[torch.Tensor] = []
         self.trackers: list = []  # started in setup (--report_to), handed to the writer
         self.writer: Optional[MetricWriter] = None
+        self.watchdog = None  # runtime/watchdog.py, started at the end of setup
+        self.started_at: Optional[int] = None  # the iteration this segment started from
 
     # ---- the loop -----------------------------------------------------------------------
     def train(self) -> TrainState:
         try:
             return self.run_loop()
-        except BaseException:
+        except BaseException as err:
             self.close_outputs(failed=True)  # trackers learn that the run failed
+            if isinstance(err, Exception):
+                self.note_failure(err)
             raise
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
 
     def run_loop(self) -> TrainState:
         self.setup()
@@ -55,7 +63,9 @@ class Trainer:
         total = config.training.train_iters
         exit_reason = None
         while state.iteration < total:
+            self.watchdog.arm(f"iteration {state.iteration + 1}")
             step = self.train_step()
+            self.checkpoints.finish_saves()  # --async_save: commit a background save once written
             self.advance(step)
             self.report(step)
             improved = False
@@ -129,7 +139,12 @@ class Trainer:
                                     peak_tflops=self.peak.tflops if self.peak else None,
                                     memory_gb=partial(peak_memory_gb, config.cuda))
         self.install_signal_handlers()
-        self.log_start()
+        self.started_at = self.state.iteration
+        self.log_start(load_plan.folder if load_plan and load_plan.kind == "resume" else None)
+        from ..runtime.watchdog import Watchdog
+
+        self.watchdog = Watchdog(distributed.timeout_of(config).total_seconds(),
+                                 distributed.rank())
 
     def device_peak(self):
         """The TFLOP/s MFU is reported against (training/peak.py), on the writing rank (the
@@ -418,7 +433,12 @@ class Trainer:
             with open(path, "a", encoding="utf-8") as fh:
                 fh.write(f'{{"iteration": {self.state.iteration}, "sample_ids": {ids}}}\n')
 
-    def log_start(self) -> None:
+    def log_start(self, resumed_from: Optional[str] = None) -> None:
+        from ..runtime import elastic
+
+        attempt = elastic.current()
+        if attempt is not None:  # under torchrun: which attempt, and where it resumed
+            self.writer.print(elastic.start_line(attempt, self.state.iteration, resumed_from))
         c, w = self.config, self.config.world
         ep = f" (EP {w.expert_parallel})" if w.expert_parallel > 1 else ""
         self.writer.print(
@@ -476,6 +496,22 @@ class Trainer:
         return {0: None, 1: "--exit_duration_in_mins reached", 2: "--exit_interval reached",
                 3: "stop signal received", 4: early_stop}[int(flag.item())]
 
+    def note_failure(self, err: Exception) -> None:
+        """Under torchrun: record the failure (runtime/elastic.py); one that repeats the
+        previous attempt's exactly ends the job instead of restarting it."""
+        from ..runtime import elastic
+
+        attempt = elastic.current()
+        if attempt is None:
+            return
+        iteration = self.state.iteration + 1
+        print(f"swift-mcore: rank {distributed.rank()} failed in iteration {iteration} "
+              f"({attempt.describe()}): {elastic.signature(err)}", file=sys.stderr, flush=True)
+        reason = elastic.record_failure(self.config.logging.output_dir, attempt,
+                                        distributed.rank(), self.started_at, iteration, err)
+        if reason:
+            elastic.stop_restarts(reason)
+
     def due(self, every: Optional[int]) -> bool:
         return bool(every) and self.state.iteration % every == 0
 
@@ -486,9 +522,12 @@ class Trainer:
             return None
         path = self.checkpoints.save(self.state, self.model, self.optimizer, self.scheduler,
                                      self.data_fingerprint)
-        self.writer.print(f"saved checkpoint {path} (iteration {self.state.iteration}, "
-                          f"{self.state.consumed_train_samples} samples consumed)")
+        verb = "saving" if self.config.checkpoint.async_save else "saved"
+        self.writer.print(f"{verb} checkpoint {path} (iteration {self.state.iteration}, "
+                          f"{self.state.consumed_train_samples} samples consumed)"
+                          + (" in the background" if verb == "saving" else ""))
         if self.config.checkpoint.save_safetensors:
+            self.checkpoints.finish_saves(blocking=True)  # the conversion reads it
             if self._stop_signal is not None:  # a grace period is too short for it
                 self.writer.print(f"--save_safetensors: {path} is not converted (stopping on "
                                   f"a signal); convert it with `swift-mcore export --to_hf "
@@ -511,8 +550,9 @@ class Trainer:
             "bf16": "bfloat16", "fp16": "float16"}.get(self.config.precision)
         try:
             line = self.checkpoints.save_hf_folder(
-                self.state, lambda checkpoint, out: export_in_subprocess(checkpoint, out,
-                                                                         dtype=dtype))
+                self.state, lambda checkpoint, out: export_in_subprocess(
+                    checkpoint, out, dtype=dtype,
+                    group_timeout=distributed.timeout_of(self.config).total_seconds()))
         except CheckpointError as err:
             last = str(err).strip().splitlines()[-1] if str(err).strip() else "unknown error"
             self.writer.print(f"WARNING: --save_safetensors: converting iteration "
@@ -527,6 +567,8 @@ class Trainer:
             print(text, flush=True)
 
     def finish(self, exit_reason: Optional[str]) -> None:
+        self.checkpoints.finish_saves(blocking=True)  # a background save is committed first
+        self.watchdog.disarm()  # the closing outputs are not an iteration
         lg, c = self.config.logging, self.config.checkpoint
         out = os.path.abspath(lg.output_dir)
         lines = [f"finished at iteration {self.state.iteration}"

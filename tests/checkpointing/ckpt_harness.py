@@ -307,3 +307,104 @@ def wait_until(predicate, proc: subprocess.Popen, timeout: float = 180.0) -> Non
         if proc.poll() is not None or time.time() > deadline:
             raise AssertionError(f"the run exited ({proc.poll()}) or timed out first")
         time.sleep(0.05)
+
+
+# ---- torchrun with restarts (tests/checkpointing/test_elastic.py) ----------------------
+def launch_torchrun(out: str, flags: Dict, nproc: int = 2, max_restarts: int = 3,
+                    tag: str = "elastic", env: Optional[Dict[str, str]] = None,
+                    agent_args: Optional[List[str]] = None, extra: Optional[Dict] = None
+                    ) -> subprocess.Popen:
+    """``torchrun --max-restarts N --rdzv-backend c10d`` over ckpt_worker.py, in its own
+    session; its output goes to out/log_{tag}.txt. ``agent_args`` replace the default
+    rendezvous arguments (e.g. --nnodes 2 --node_rank 1 for a second node agent); ``extra``:
+    more spec keys for the worker ("fail", "stall", see ckpt_worker.py)."""
+    os.makedirs(out, exist_ok=True)
+    spec_path = os.path.join(out, f"spec_{tag}_{time.time_ns()}.json")
+    with open(spec_path, "w", encoding="utf-8") as fh:
+        json.dump({**(extra or {}), "flags": {**flags, "output_dir": out}}, fh)
+    full_env = dict(os.environ)
+    full_env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                    PYTHONPATH=REPO + os.pathsep + full_env.get("PYTHONPATH", ""), **(env or {}))
+    rdzv = agent_args or ["--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *rdzv, WORKER, spec_path]
+    log = open(os.path.join(out, f"log_{tag}.txt"), "w", encoding="utf-8")
+    return subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            start_new_session=True)
+
+
+def worker_pid(agent: subprocess.Popen, rank: int, attempt: int, timeout: float = 120.0) -> int:
+    """The pid of the worker of ``rank`` that torchrun's ``attempt`` (its restart count)
+    started, as soon as it exists."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if agent.poll() is not None:
+            raise AssertionError(f"torchrun exited ({agent.returncode}) before attempt "
+                                 f"{attempt} started")
+        for child in psutil.Process(agent.pid).children():
+            try:
+                env = child.environ()
+            except (psutil.Error, OSError):
+                continue
+            if (env.get("RANK") == str(rank)
+                    and env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt)):
+                return child.pid
+        time.sleep(0.02)
+    raise AssertionError(f"no worker of rank {rank} in attempt {attempt} after {timeout}s")
+
+
+def end_session(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of a launched session (the agent, its workers, their writers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def cli_flags(flags: Dict) -> List[str]:
+    """A flags dict (as the worker takes it) as `swift-mcore pt` arguments."""
+    argv: List[str] = []
+    for name, value in flags.items():
+        values = value if isinstance(value, list) else [value]
+        argv += [f"--{name}", *(str(v).lower() if isinstance(v, bool) else str(v)
+                                for v in values)]
+    return argv
+
+
+def start_node(out: str, flags: Dict, node_rank: int, env: Dict[str, str]) -> subprocess.Popen:
+    """`swift-mcore pt` as one node of a multi-node launch (NNODES, NODE_RANK, MASTER_ADDR,
+    MASTER_PORT, MAX_RESTARTS in ``env``), in its own session; output in out/node{N}.txt."""
+    full_env = dict(os.environ)
+    full_env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", NODE_RANK=str(node_rank),
+                    PYTHONPATH=REPO + os.pathsep + full_env.get("PYTHONPATH", ""), **env)
+    os.makedirs(out, exist_ok=True)
+    log = open(os.path.join(out, f"node{node_rank}.txt"), "w", encoding="utf-8")
+    cmd = [sys.executable, "-m", "swift_mcore", "pt", *cli_flags({**flags, "output_dir": out})]
+    return subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            start_new_session=True)
+
+
+def descendant_worker(proc: subprocess.Popen, attempt: int, timeout: float = 120.0) -> int:
+    """The pid of a torchrun worker under ``proc`` started by ``attempt``."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the launcher exited ({proc.returncode})")
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                env = child.environ()
+            except (psutil.Error, OSError):
+                continue
+            if env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt) and "RANK" in env:
+                return child.pid
+        time.sleep(0.02)
+    raise AssertionError(f"no worker of attempt {attempt} after {timeout}s")

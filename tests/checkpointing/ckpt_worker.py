@@ -49,7 +49,16 @@ def main() -> None:
             return batch
 
         def train_step(self):
+            # spec "fail" / "stall": {"iteration": I, "rank": R}: that rank raises, or stops
+            # making progress (sleeps), in iteration I (the elastic and watchdog tests).
             self._rows = []
+            for what in ("fail", "stall"):
+                hook = spec.get(what)
+                if hook and self.state.iteration + 1 == hook["iteration"] \
+                        and rank == hook["rank"]:
+                    if what == "fail":
+                        raise RuntimeError(f"planted failure in iteration {hook['iteration']}")
+                    time.sleep(3600)
             return super().train_step()
 
         def advance(self, step):

@@ -1,0 +1,113 @@
+"""torchrun's restarts seen from a rank: which attempt this is, the record of failed attempts,
+and the stop of a run that fails the same way on every attempt.
+
+torchrun (``--max-restarts N``) restarts every worker of the group when one fails; each
+attempt resumes from the newest complete checkpoint (``--resume auto``). A failure that
+repeats exactly (two attempts in a row that started from the same iteration and failed in
+the same iteration with the same error) will repeat on every further attempt: the rank that
+sees it says why and ends torchrun's agent, so that the job stops instead of spending its
+restarts. Failures are recorded in ``output_dir/elastic_failures.jsonl``, one line per
+failing rank and attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+FAILURES = "elastic_failures.jsonl"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    restart: int        # TORCHELASTIC_RESTART_COUNT: 0 on the first attempt
+    max_restarts: int   # TORCHELASTIC_MAX_RESTARTS
+
+    def describe(self) -> str:
+        return f"torchrun attempt {self.restart + 1} of {self.max_restarts + 1}"
+
+
+def current() -> Optional[Attempt]:
+    """The attempt, where torchrun started this process; None otherwise."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    try:
+        return Attempt(int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+                       int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+    except ValueError:
+        return None
+
+
+def start_line(attempt: Attempt, iteration: int, resumed_from: Optional[str]) -> str:
+    """The log line of an attempt's start: which attempt, and where it resumed."""
+    where = (f"resumed from {resumed_from} (iteration {iteration})" if resumed_from
+             else f"starting at iteration {iteration} (no checkpoint to resume)")
+    return f"{attempt.describe()}: {where}"
+
+
+def signature(err: BaseException) -> str:
+    """The error's kind and first line, numbers left out (ports, pids, sizes differ between
+    attempts that fail the same way)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: " + re.sub(r"\d+", "#", lines[0][:300] if lines else "")
+
+
+def record_failure(output_dir: str, attempt: Attempt, rank: int, started_at: Optional[int],
+                   iteration: int, err: BaseException) -> Optional[str]:
+    """Append this rank's failure; returns the reason to stop restarting when the previous
+    attempt failed the same way (same start, same iteration, same error), else None."""
+    record = {"attempt": attempt.restart, "rank": rank, "started_at": started_at,
+              "iteration": iteration, "error": signature(err)}
+    path = os.path.join(output_dir, FAILURES)
+    previous = [r for r in read_failures(path) if r.get("attempt") == attempt.restart - 1]
+    try:
+        with open(path, "a", encoding="utf-8") as fh:  # one short line: appended whole
+            fh.write(json.dumps(record) + "\n")
+    except OSError:
+        return None
+    same = [r for r in previous if started_at is not None
+            and (r["started_at"], r["iteration"], r["error"]) == (
+                started_at, iteration, record["error"])]
+    if not same:
+        return None
+    return (f"attempts {attempt.restart} and {attempt.restart + 1} both resumed at iteration "
+            f"{started_at} and failed in iteration {iteration} with {record['error']}; a "
+            f"restart would fail the same way, so the run stops here (records: {path})")
+
+
+def read_failures(path: str) -> list:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line cut by a kill
+    return out
+
+
+def stop_restarts(reason: str) -> None:
+    """Say why, then end torchrun's agent (this process's parent): torchrun restarts a
+    worker on any exit code, but stops, and ends the job, on SIGTERM."""
+    print(f"swift-mcore: not restarting: {reason}", file=sys.stderr, flush=True)
+    parent = os.getppid()
+    if parent > 1 and _is_torchrun(parent):
+        os.kill(parent, signal.SIGTERM)
+
+
+def _is_torchrun(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmd = fh.read().decode("utf-8", "replace")
+    except OSError:  # no /proc: believe the environment, set by torchrun only
+        return "TORCHELASTIC_RUN_ID" in os.environ
+    return "torch.distributed.run" in cmd or "torchrun" in cmd
