@@ -31,7 +31,10 @@ def model_keys(model: List[torch.nn.Module]) -> List[str]:
 
 
 def model_sharded_state_dict(model) -> Dict[str, Any]:
-    return {key: unwrap(chunk).sharded_state_dict()
+    """Each chunk's sharded tensors; of a LoRA model only what trains (models/lora.py)."""
+    from ..models.lora import checkpoint_state
+
+    return {key: checkpoint_state(unwrap(chunk), unwrap(chunk).sharded_state_dict())
             for key, chunk in zip(model_keys(model), model)}
 
 
@@ -240,9 +243,13 @@ def restore_model(model, loaded: Dict[str, Any]) -> None:
     missing (Transformer Engine's, absent from megatron's sharded state dict for core
     attention, or from a checkpoint saved without TE). Any other missing or unexpected key
     is a CheckpointError naming it."""
+    from ..models.lora import frozen_keys
+
     for key, chunk in zip(model_keys(model), model):
         result = unwrap(chunk).load_state_dict(loaded[key], strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+        frozen = frozen_keys(unwrap(chunk))  # a LoRA checkpoint holds no base weights
+        missing = [k for k in result.missing_keys
+                   if not k.endswith(EXTRA_STATE) and k not in frozen]
         problems = []
         if missing:
             problems.append(f"missing {_listed(missing)}")

@@ -75,7 +75,7 @@ class Trainer:
         from .. import data
         from ..checkpointing import CheckpointManager
         from ..checkpointing.load import plan_load
-        from ..models.gpt import build_model, count_parameters
+        from ..models.gpt import count_parameters
         from ..runtime.ddp import wrap_model
         from .optimizer import build_optimizer, build_scheduler
 
@@ -99,8 +99,7 @@ class Trainer:
         # before any training, with one line.
         self.trackers = self.start_trackers(load_plan)
         self.checkpoints = CheckpointManager(config, load_plan, log=self.writer_print_early)
-        self.model = wrap_model(config, build_model(config))
-        self.load_pretrained_weights()
+        self.model = wrap_model(config, self.build_model())
         self.num_parameters = self.count_all_parameters(count_parameters(self.model))
         megatron_config = self.model[0].config
         from megatron.core.distributed import finalize_model_grads
@@ -126,6 +125,7 @@ class Trainer:
         self.log_window = LogWindow(self.flops_per_token, config.world.world_size)
         self.install_signal_handlers()
         self.log_start()
+        self.log_tuner()
 
     def fingerprint_data(self) -> str:
         """The identity of the training data (content, blend, split, tokenizer, sft flags),
@@ -148,13 +148,23 @@ class Trainer:
 
         return build_datasets(self.config, self.tokenizer)
 
-    def load_pretrained_weights(self) -> None:
+    def build_model(self) -> list:
+        """This rank's model chunks: --model's weights loaded, then --tuner_type lora's
+        adapters (the base frozen), before DDP buckets the parameters that train."""
+        from ..models import lora
+        from ..models.gpt import build_model
+
+        chunks = build_model(self.config)
+        self.load_pretrained_weights(chunks)
+        return lora.apply(self.config, chunks)
+
+    def load_pretrained_weights(self, chunks) -> None:
         """--model: the Hugging Face weights, after the model is built and before the optimizer
         takes its copy of the parameters (a resumed checkpoint then replaces them)."""
         if self.config.model.model:
             from ..models.hf_load import load_hf_weights
 
-            load_hf_weights(self.config, self.model, log=self.writer_print_early)
+            load_hf_weights(self.config, chunks, log=self.writer_print_early)
 
     def build_iterator(self, dataset, consumed_samples: int) -> Optional[Iterator]:
         from megatron.core import parallel_state
@@ -417,6 +427,24 @@ class Trainer:
             f"{w.data_parallel}, seq {c.model.seq_length}; {c.describe()}; starting at "
             f"iteration {self.state.iteration} ({self.state.consumed_train_samples} samples "
             f"consumed)")
+
+    def log_tuner(self) -> None:
+        """--tuner_type lora: how many parameters train out of how many, and where."""
+        from ..models import lora
+
+        if not lora.enabled(self.config):
+            return
+        trainable, _ = lora.parameter_counts(self.model)
+        trainable = self.count_all_parameters(trainable)
+        t = self.config.tuner
+        where = t.target_regex and f"--target_regex {t.target_regex}" or ",".join(
+            t.target_modules)
+        saved = f", modules_to_save {','.join(t.modules_to_save)}" if t.modules_to_save else ""
+        self.writer.print(
+            f"--tuner_type lora: {trainable:,} of {self.num_parameters:,} parameters train "
+            f"({100 * trainable / max(self.num_parameters, 1):.2f}%): rank {t.lora_rank}, alpha "
+            f"{t.lora_alpha:g}{' (rslora)' if t.use_rslora else ''} on {where}{saved}; base "
+            f"frozen ({self.config.base_model})")
 
     def count_all_parameters(self, local: int) -> int:
         """Parameters of the whole model: summed over TP and PP ranks of one replica."""
