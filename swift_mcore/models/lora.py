@@ -297,8 +297,12 @@ def is_lora(chunk) -> bool:
 
 
 def parameter_counts(chunks) -> Tuple[int, int]:
-    """(trainable, all) parameters of this rank's chunks."""
-    params = [p for chunk in chunks for p in chunk.parameters()]
+    """(trainable, all) parameters of this rank's chunks, a weight replicated over the TP
+    ranks counted on the first only (summed over the model-parallel ranks: the model's)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    params = [p for chunk in chunks for p in chunk.parameters()
+              if param_is_not_tensor_parallel_duplicate(p)]
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
@@ -366,7 +370,7 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
             hf = f"model.layers.{layer}.{part}"
             targets.add(part.rsplit(".", 1)[1])
             b_part = layout.to_hf(hf + ".weight", lambda _name, b=b: b)
-            tensors[f"base_model.model.{hf}.lora_A.weight"] = a.contiguous()
+            tensors[f"base_model.model.{hf}.lora_A.weight"] = a.clone()  # one file entry each
             tensors[f"base_model.model.{hf}.lora_B.weight"] = b_part.contiguous()
     saved = []
     for name in tuner.modules_to_save:

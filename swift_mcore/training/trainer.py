@@ -434,15 +434,14 @@ class Trainer:
 
         if not lora.enabled(self.config):
             return
-        trainable, _ = lora.parameter_counts(self.model)
-        trainable = self.count_all_parameters(trainable)
+        trainable, total = map(self.count_all_parameters, lora.parameter_counts(self.model))
         t = self.config.tuner
         where = t.target_regex and f"--target_regex {t.target_regex}" or ",".join(
             t.target_modules)
         saved = f", modules_to_save {','.join(t.modules_to_save)}" if t.modules_to_save else ""
         self.writer.print(
-            f"--tuner_type lora: {trainable:,} of {self.num_parameters:,} parameters train "
-            f"({100 * trainable / max(self.num_parameters, 1):.2f}%): rank {t.lora_rank}, alpha "
+            f"--tuner_type lora: {trainable:,} of {total:,} parameters train "
+            f"({100 * trainable / max(total, 1):.2f}%): rank {t.lora_rank}, alpha "
             f"{t.lora_alpha:g}{' (rslora)' if t.use_rslora else ''} on {where}{saved}; base "
             f"frozen ({self.config.base_model})")
 
