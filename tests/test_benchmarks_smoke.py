@@ -81,3 +81,14 @@ def test_profile_step_smoke():
 def test_kill_resume_smoke():
     result = run_script("benchmarks/kill_resume.py", "--trials", "2", "--iters", "6")
     assert result["trials"] == 2 and result["ok"], result["problems"]
+
+
+def test_lora_vs_full_smoke():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/lora_vs_full.py", "--tiny", "--rounds", "1", "--iters",
+         "2", "--warmup", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["lora"]["trainable"].startswith("--tuner_type lora: 16,384 of")
+    assert 0 < result["lora_over_full"]["checkpoint_MB"] < 0.2
+    assert result["lora_over_full"]["tokens_per_s"] > 0
