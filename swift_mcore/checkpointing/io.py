@@ -241,8 +241,9 @@ def without_absent_extra_state(state: Dict[str, Any], folder: str) -> Dict[str, 
 def restore_model(model, loaded: Dict[str, Any]) -> None:
     """Load each chunk's weights strictly, except that a module's ``_extra_state`` may be
     missing (Transformer Engine's, absent from megatron's sharded state dict for core
-    attention, or from a checkpoint saved without TE). Any other missing or unexpected key
-    is a CheckpointError naming it."""
+    attention, or from a checkpoint saved without TE), and a LoRA model's frozen base
+    weights (its checkpoints hold the adapters only; models/lora.py). Any other missing or
+    unexpected key is a CheckpointError naming it."""
     from ..models.lora import frozen_keys
 
     for key, chunk in zip(model_keys(model), model):

@@ -128,6 +128,8 @@ class LoraParallelLinear(nn.Module, LoraLayer):
         LoraLayer.__init__(self, base_layer=base_layer, **kwargs)
         self.is_parallel_a = isinstance(self.get_base_layer(), tensor_parallel.RowParallelLinear)
         self.fan_in_fan_out = False
+        # set by apply(): the base is a gated linear_fc1 ([gate; up] rows per TP rank)
+        self.gated_rows = False
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
 
@@ -224,15 +226,31 @@ class LoraParallelLinear(nn.Module, LoraLayer):
         LoRA model reads a full checkpoint's weights), the factors as megatron shards."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        def rows_as_gate_and_up(sd, names):
+            # A TP rank's rows of a gated linear_fc1 are [its gate rows; its up rows], not one
+            # slice: megatron's MLP stores such a weight as two sharded halves (its
+            # sharded_state_dict), which it no longer recognises under our keys.
+            if not self.gated_rows:
+                return sd
+            single = (metadata or {}).get("singleton_local_shards", False)
+            return {k: apply_swiglu_sharded_factory(v, sharded_offsets, single)
+                    if k in names else v for k, v in sd.items()}
+
         out = {}
         base = self.get_base_layer().sharded_state_dict(prefix, sharded_offsets, metadata)
+        base = rows_as_gate_and_up(base, (prefix + "weight", prefix + "bias"))
         for key, value in base.items():
             out[prefix + "base_layer." + key[len(prefix):]] = value
         for factor in ("lora_A", "lora_B"):
             for name, module in getattr(self, factor).items():
                 sub = f"{prefix}{factor}.{name}."
                 if hasattr(module, "sharded_state_dict"):
-                    out.update(module.sharded_state_dict(sub, sharded_offsets, metadata))
+                    sd = module.sharded_state_dict(sub, sharded_offsets, metadata)
+                    if factor == "lora_B":
+                        sd = rows_as_gate_and_up(sd, (sub + "weight",))
+                    out.update(sd)
                 else:
                     out.update(make_sharded_tensors_for_checkpoint(
                         module.state_dict(keep_vars=True), sub, {}, sharded_offsets))
@@ -275,6 +293,8 @@ def apply(config, chunks) -> list:
         for name, module in chunk.named_modules():
             if isinstance(module, LoraParallelLinear):
                 full = global_name(name, offset)
+                module.gated_rows = (name.endswith("mlp.linear_fc1")
+                                     and chunk.config.gated_linear_unit)
                 module.init_adapter(config.training.seed * 1000003 + zlib.crc32(full.encode()))
         for name in t.modules_to_save:
             module = _find(chunk, SAVABLE_MODULES[name])
