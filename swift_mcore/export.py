@@ -34,9 +34,10 @@ def check_source(args: ExportArguments) -> ExportArguments:
     folder (config.json and safetensors) for --to_mcore."""
     from .models.hf_folder import HFFolder, is_hf_folder
 
-    if args.to_hf and is_hf_folder(os.path.expanduser(args.model)):
-        raise ArgumentError(f"--to_hf converts a swift-mcore checkpoint, but --model "
-                            f"{args.model} is a Hugging Face folder (use --to_mcore)")
+    for flag, given in (("--to_hf", args.to_hf), ("--to_peft", args.to_peft)):
+        if given and is_hf_folder(os.path.expanduser(args.model)):
+            raise ArgumentError(f"{flag} converts a swift-mcore checkpoint, but --model "
+                                f"{args.model} is a Hugging Face folder (use --to_mcore)")
     if args.to_mcore:
         HFFolder(args.model, flag="--model")
     return args
@@ -46,6 +47,8 @@ def run(args: ExportArguments, log: Callable[[str], None] = print) -> Dict[str, 
     """Convert as the flags say; returns what was written (and the logit difference)."""
     if args.to_hf:
         return to_hf(args, log)
+    if args.to_peft:
+        return to_peft(args, log)
     return to_mcore(args, log)
 
 
@@ -57,6 +60,7 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
 
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
                         trust_remote_code=args.trust_remote_code, tokenizer_optional=True)
+    merged = merge_lora(loaded, args, log)
     layout = Layout.from_model_args(loaded.config.model, loaded.config.padded_vocab_size)
     state = {canonical(k): v for k, v in loaded.model.state_dict().items()
              if not k.endswith("_extra_state")}
@@ -66,10 +70,62 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
                             max_shard_bytes=parse_size(args.max_shard_size))
     log(f"wrote {result['path']}: a {result['family']} model, {result['tensors']} tensors in "
         f"{result['shards']} safetensors file(s), {result['bytes'] / 1e6:.1f} MB "
-        f"({str(dtype).replace('torch.', '')})")
+        f"({str(dtype).replace('torch.', '')})" + (", LoRA adapters merged" if merged else ""))
     if args.test_convert_precision:
         result["max_logit_difference"] = compare_logits(loaded, result["path"], log)
     return result
+
+
+def merge_lora(loaded, args: ExportArguments, log) -> bool:
+    """--merge_lora: a LoRA checkpoint's adapters merged into its base weights, in place.
+    A LoRA checkpoint without the flag, or the flag without one, is an ArgumentError."""
+    from .models import lora
+
+    if lora.is_lora(loaded.model):
+        if not args.merge_lora:
+            raise ArgumentError(f"--model {args.model} is a LoRA checkpoint (adapters only): "
+                                f"add --merge_lora to write the merged model, or use --to_peft "
+                                f"to write the adapter")
+        lora.merge_and_unload(loaded.model)
+        return True
+    if args.merge_lora:
+        raise ArgumentError(f"--merge_lora: --model {args.model} is not a LoRA checkpoint "
+                            f"(trained with --tuner_type full); drop --merge_lora")
+    return False
+
+
+def to_peft(args: ExportArguments, log) -> Dict[str, object]:
+    """A LoRA checkpoint's adapter in peft's format, with Hugging Face module names."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from .models import lora
+    from .models.convert import Layout
+    from .loaded_model import load_model
+
+    loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
+                        trust_remote_code=args.trust_remote_code)
+    if not lora.is_lora(loaded.model):
+        raise ArgumentError(f"--to_peft: --model {args.model} is not a LoRA checkpoint "
+                            f"(trained with --tuner_type full); use --to_hf")
+    layout = Layout.from_model_args(loaded.config.model, loaded.config.padded_vocab_size)
+    config, tensors = lora.peft_adapter(loaded.model, loaded.config.tuner, layout,
+                                        loaded.hf_folder)
+    if args.dtype:
+        from .models.hf_save import DTYPES
+
+        tensors = {k: v.to(DTYPES[args.dtype]) for k, v in tensors.items()}
+    out = os.path.abspath(os.path.expanduser(args.output_dir))
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(out, "adapter_config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)  # last: a folder with it holds the whole adapter
+    log(f"wrote {out}: a peft LoRA adapter (r {config['r']}, alpha {config['lora_alpha']:g}, "
+        f"{len(tensors)} tensors on {', '.join(config['target_modules'])}) for the base "
+        f"{loaded.hf_folder or 'model (randomly initialised: no folder to name)'}")
+    return {"path": out, "tensors": len(tensors)}
 
 
 def to_mcore(args: ExportArguments, log) -> Dict[str, object]:

@@ -79,6 +79,9 @@ def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log: L
 
     folder = find_checkpoint(path, None, flag, log)
     saved = read_run_flags(folder)
+    base = read_base_model(folder)
+    if base is not None:
+        return _from_lora_checkpoint(folder, saved, base, tokenizer_path, log, trust)
     flags = one_process_flags(saved)
     hf_folder = saved.get("model", {}).get("model")
     tokenizer = _checkpoint_tokenizer(flags, saved, tokenizer_path, folder, trust,
@@ -99,6 +102,50 @@ def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log: L
     log(f"loaded checkpoint {folder}")
     return LoadedModel(flags, config, model.eval(), tokenizer, "checkpoint", folder,
                        hf_folder if hf_folder and is_hf_folder(hf_folder) else None)
+
+
+def read_base_model(folder: str) -> Optional[str]:
+    """The base weights' reference of a LoRA checkpoint (run.json), None for a full one."""
+    from .checkpointing import files
+
+    return files.read_json(folder, files.RUN).get("base_model")
+
+
+def _from_lora_checkpoint(folder: str, saved, base: str, tokenizer_path: Optional[str],
+                          log: Log, trust: bool) -> LoadedModel:
+    """A LoRA checkpoint holds adapters only: the base is rebuilt as it was trained on (its
+    --model folder, or the seeded initialization), checked against the recorded reference,
+    then the adapters are applied and loaded (unmerged: ``lora.merge_and_unload`` merges)."""
+    from .checkpointing import load_weights
+    from .models import lora
+    from .models.hf_folder import is_hf_folder
+    from .models.hf_load import load_hf_weights
+
+    flags = one_process_flags(saved)
+    flags.update(**saved.get("tuner", {}), seed=saved.get("training", {}).get("seed", 42))
+    if flags.model.attention_backend == "auto":  # LoRA trained on the local spec
+        flags.update(attention_backend="local")
+    hf_folder = saved.get("model", {}).get("model")
+    if hf_folder:
+        if not is_hf_folder(hf_folder):
+            raise CheckpointError(f"{folder} holds LoRA adapters for the base model "
+                                  f"{hf_folder}, which is no longer a Hugging Face folder; "
+                                  f"the adapters cannot be used without their base weights")
+        flags.update(model=hf_folder)
+    tokenizer = _checkpoint_tokenizer(flags, saved, tokenizer_path, folder, trust)
+    config = resolve(flags, world_size=1).complete(tokenizer.vocab_size, None)
+    if config.base_model != base:
+        raise CheckpointError(f"{folder}: base_model (the frozen base weights) was {base}, "
+                              f"now {config.base_model}"
+                              + (f" ({hf_folder} changed)" if hf_folder else ""))
+    model = _build(config, initialize=not hf_folder)
+    if hf_folder:
+        load_hf_weights(config, [model], log=log)
+    lora.apply(config, [model])
+    load_weights(folder, [model])
+    log(f"loaded LoRA checkpoint {folder} (adapters on the base {hf_folder or base})")
+    return LoadedModel(flags, config, model.eval(), tokenizer, "checkpoint", folder,
+                       hf_folder)
 
 
 def one_process_flags(saved) -> PretrainArguments:
@@ -140,14 +187,15 @@ def _checkpoint_tokenizer(flags, saved, explicit: Optional[str], folder: str, tr
     return load_tokenizer(source, flag="--tokenizer", trust_remote_code=trust)
 
 
-def _build(config: RunConfig):
-    """The model with its weights unset: the caller loads every one of them."""
+def _build(config: RunConfig, initialize: bool = False):
+    """The model with its weights unset (the caller loads every one of them), or, with
+    ``initialize``, seeded as training initialised it (a LoRA checkpoint's random base)."""
     from .models.gpt import build_model
     from .runtime import distributed, seed
 
     distributed.initialize(config)
     seed.set_seed(config.training.seed)
-    return build_model(config, initialize=False)[0]
+    return build_model(config, initialize=initialize)[0]
 
 
 @torch.no_grad()

@@ -58,6 +58,9 @@ class RunConfig:
     # --dataset (and sft's --val_dataset) expanded into the files they name, once
     dataset_sources: Tuple[Any, ...] = ()
     val_dataset_sources: Tuple[Any, ...] = ()
+    # --tuner_type lora: what the frozen base weights are (models/lora.base_reference); a
+    # LoRA checkpoint records it and a resume on other base weights is refused
+    base_model: Optional[str] = None
     vocab_size: Optional[int] = None         # the tokenizer's (complete() sets both)
     padded_vocab_size: Optional[int] = None  # the embedding's rows: megatron's padding rule
 
@@ -126,7 +129,8 @@ def _group(name: str) -> property:
     return property(lambda self: getattr(self.args, name), doc=f"The {name} flags.")
 
 
-for _name in ("model", "data", "training", "parallel", "checkpoint", "logging", "sft"):
+for _name in ("model", "data", "training", "parallel", "checkpoint", "logging", "sft",
+              "tuner"):
     setattr(RunConfig, _name, _group(_name))
 
 
@@ -169,6 +173,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
     check_recompute_hardware(flags, cuda, transformer_engine)
+    base_model = check_lora(flags, layer_spec, cuda)
     packed_rows = "thd" if attention == "transformer_engine" else "block_causal_mask"
     if flags.COMMAND == "sft" and flags.sft.packing and packed_rows == "thd" \
             and flags.training.micro_batch_size != 1:
@@ -185,8 +190,23 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     return RunConfig(args=flags.frozen(), world=world, cuda=cuda, backend=backend,
                      layer_spec=layer_spec, attention=attention, packed_rows=packed_rows,
                      dataset_sources=sources, val_dataset_sources=val_sources,
-                     precision=precision,
+                     precision=precision, base_model=base_model,
                      **choose_gpu_defaults(flags, world, cuda, transformer_engine))
+
+
+def check_lora(flags: PretrainArguments, layer_spec: str, cuda: bool) -> Optional[str]:
+    """--tuner_type lora: the layers it targets exist, the layer spec has LoRA layers, and
+    what the base weights are (their reference). None for --tuner_type full."""
+    if flags.tuner.tuner_type != "lora":
+        return None
+    from .models import lora
+
+    lora.check(flags, layer_spec)
+    if flags.checkpoint.save_safetensors:
+        raise ArgumentError("--save_safetensors with --tuner_type lora: convert the LoRA "
+                            "checkpoint with `swift-mcore export --to_hf --merge_lora` (merged "
+                            "weights) or `export --to_peft` (the adapter)")
+    return lora.base_reference(flags, cuda)
 
 
 def choose_precision(flags: PretrainArguments, cuda: bool) -> str:

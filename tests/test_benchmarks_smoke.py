@@ -116,3 +116,12 @@ def test_loader_throughput_smoke():
 def test_moe_throughput_smoke():
     result = run_script("moe_throughput.py", "--tiny", "--rounds", "1")[-1]
     assert result["moe_tokens_per_s_median"] > 0 and result["moe_vs_dense_median"] > 0
+
+
+@pytest.mark.benchmark
+def test_lora_vs_full_smoke():
+    result = run_script("lora_vs_full.py", "--tiny", "--rounds", "1", "--iters", "2",
+                        "--warmup", "1")[-1]
+    assert result["lora"]["trainable"].startswith("--tuner_type lora: 16,384 of")
+    assert 0 < result["lora_over_full"]["checkpoint_MB"] < 0.2
+    assert result["lora_over_full"]["tokens_per_s"] > 0

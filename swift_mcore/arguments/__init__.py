@@ -9,10 +9,11 @@ from .parser import build_parser, parse_args
 from .pretrain import PretrainArguments
 from .sft import SftArguments, SftDataArguments
 from .training import TrainingArguments
+from .tuner import TunerArguments
 
 __all__ = [
     "CheckpointArguments", "DataArguments", "LoggingArguments",
     "ModelArguments", "ParallelArguments", "PretrainArguments", "SftArguments",
-    "SftDataArguments", "TrainingArguments",
+    "SftDataArguments", "TrainingArguments", "TunerArguments",
     "build_parser", "parse_args",
 ]

@@ -25,6 +25,13 @@ class ExportArguments:
                        "Hugging Face folder.")
     to_mcore: bool = flag(False, "Convert a Hugging Face folder into a swift-mcore checkpoint "
                           "(load it with `pt --load DIR --finetune`, or `infer`/`export`).")
+    to_peft: bool = flag(
+        False, "Write a LoRA checkpoint's adapter as peft saves one (adapter_config.json, "
+        "adapter_model.safetensors, Hugging Face module names): "
+        "peft.PeftModel.from_pretrained(base model, DIR) loads it (docs/lora.md).")
+    merge_lora: bool = flag(
+        False, "With --to_hf and a LoRA checkpoint: merge the adapters into the base weights "
+        "(W + B·A·alpha/r, as peft's merge_and_unload) and write the merged model.")
     test_convert_precision: bool = flag(
         False, "After converting, run the source and the converted model on the same tokens "
         "(float32, eager attention on the Hugging Face side) and print the largest logit "
@@ -46,12 +53,16 @@ class ExportArguments:
         """Check every flag before any model is built; raises ArgumentError naming it. (What
         --model holds is the command's to check: export.check_source.)"""
         check_flags(self)
-        if self.to_hf == self.to_mcore:
-            raise ArgumentError("give exactly one of --to_hf (checkpoint -> Hugging Face) and "
-                                "--to_mcore (Hugging Face -> checkpoint)")
+        if self.to_hf + self.to_mcore + self.to_peft != 1:
+            raise ArgumentError("give exactly one of --to_hf (checkpoint -> Hugging Face), "
+                                "--to_mcore (Hugging Face -> checkpoint) and --to_peft (LoRA "
+                                "checkpoint -> peft adapter)")
+        if self.merge_lora and not self.to_hf:
+            raise ArgumentError("--merge_lora writes merged Hugging Face weights: it goes with "
+                                "--to_hf")
         if not self.model:
-            raise ArgumentError("--model is required: the checkpoint (--to_hf) or Hugging Face "
-                                "folder (--to_mcore) to convert")
+            raise ArgumentError("--model is required: the checkpoint (--to_hf, --to_peft) or "
+                                "Hugging Face folder (--to_mcore) to convert")
         if not os.path.exists(os.path.expanduser(self.model)):
             raise ArgumentError(f"--model {self.model}: no such file or folder")
         if not self.output_dir or not str(self.output_dir).strip():

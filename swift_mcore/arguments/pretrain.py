@@ -15,6 +15,7 @@ from .logging import LoggingArguments
 from .model import ModelArguments, moe_layer_pattern
 from .parallel import ParallelArguments
 from .training import DENSE_RECOMPUTE_MODULES, TrainingArguments
+from .tuner import TunerArguments
 
 
 @dataclass
@@ -28,6 +29,7 @@ class PretrainArguments:
     parallel: ParallelArguments = field(default_factory=ParallelArguments)
     checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
     logging: LoggingArguments = field(default_factory=LoggingArguments)
+    tuner: TunerArguments = field(default_factory=TunerArguments)
     # Flags set explicitly (command line, YAML, from_flags): --model's config.json may not
     # silently overrule them.
     explicit: Set[str] = field(default_factory=set, repr=False, compare=False)
@@ -165,6 +167,7 @@ class PretrainArguments:
         self.check_recompute()
         self.check_checkpoint_flags()
         self.check_best_flags()
+        self.check_tuner()
         self.check_command()
 
     def check_model_shape(self, world_size: int) -> None:
@@ -340,6 +343,13 @@ class PretrainArguments:
             if broken:
                 raise ArgumentError(message)
 
+    def check_tuner(self) -> None:
+        self.tuner.check(self.explicit)
+        if self.tuner.tuner_type == "lora" and self.parallel.sequence_parallel:
+            raise ArgumentError("--tuner_type lora does not support --sequence_parallel (the "
+                                "adapters' replicated weights would need its gradient "
+                                "reduction); leave --sequence_parallel off")
+
     def check_best_flags(self) -> None:
         """--metric_for_best, --greater_is_better, --early_stopping_patience: they judge
         evaluations, so they need some (and a checkpoint to keep, for the best)."""
@@ -405,6 +415,7 @@ PretrainArguments.GROUPS = {
     "parallel": ParallelArguments,
     "checkpoint": CheckpointArguments,
     "logging": LoggingArguments,
+    "tuner": TunerArguments,
 }
 
 

@@ -22,6 +22,10 @@ MODEL_FIELDS = [("model", name) for name in (
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
     "moe_router_pre_softmax")]
+# What trains (--tuner_type lora: the adapters and their scaling).
+TUNER_FIELDS = [("tuner", name) for name in (
+    "tuner_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "target_regex",
+    "modules_to_save", "use_rslora")]
 # Optimizer settings restored from the checkpoint's state (they would silently win).
 OPTIMIZER_FIELDS = [("training", name) for name in (
     "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "bf16", "fp16")]
@@ -80,8 +84,19 @@ def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict
         lines.append(f"training data (content fingerprint): checkpoint "
                      f"{_fmt(saved_fingerprint)}, now {_fmt(fingerprint)}")
     lines += field_differences(saved_args, current_args, MODEL_FIELDS)
+    lines += field_differences(saved_args, current_args, TUNER_FIELDS)
     lines += field_differences(saved_args, current_args, OPTIMIZER_FIELDS)
     return lines
+
+
+def base_model_differences(saved: Optional[str], current: Optional[str],
+                           model_flag: Optional[str]) -> List[str]:
+    """A LoRA checkpoint holds adapters for the base weights it records (run.json
+    base_model): other base weights would silently give another model."""
+    if saved is None or current is None or saved == current:
+        return []
+    where = f" (--model {model_flag})" if model_flag else ""
+    return [f"base_model (the frozen base weights): checkpoint {saved}, now {current}{where}"]
 
 
 def scheduler_differences(saved: Optional[Dict[str, Any]], current: Optional[Dict[str, Any]]

@@ -31,7 +31,12 @@ def model_keys(model: List[torch.nn.Module]) -> List[str]:
 
 
 def model_sharded_state_dict(model, metadata: Optional[dict] = None) -> Dict[str, Any]:
-    return {key: unwrap(chunk).sharded_state_dict(metadata=metadata)
+    """Each chunk's sharded tensors; of a LoRA model only what trains (models/lora.py).
+    ``metadata``: megatron's content metadata (``sharded_state_dict``)."""
+    from ..models.lora import checkpoint_state
+
+    return {key: checkpoint_state(unwrap(chunk), unwrap(chunk).sharded_state_dict(
+                metadata=metadata))
             for key, chunk in zip(model_keys(model), model)}
 
 
@@ -284,11 +289,16 @@ def without_absent_extra_state(state: Dict[str, Any], folder: str) -> Dict[str, 
 def restore_model(model, loaded: Dict[str, Any]) -> None:
     """Load each chunk's weights strictly, except that a module's ``_extra_state`` may be
     missing (Transformer Engine's, absent from megatron's sharded state dict for core
-    attention, or from a checkpoint saved without TE). Any other missing or unexpected key
-    is a CheckpointError naming it."""
+    attention, or from a checkpoint saved without TE), and a LoRA model's frozen base
+    weights (its checkpoints hold the adapters only; models/lora.py). Any other missing or
+    unexpected key is a CheckpointError naming it."""
+    from ..models.lora import frozen_keys
+
     for key, chunk in zip(model_keys(model), model):
         result = unwrap(chunk).load_state_dict(loaded[key], strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+        frozen = frozen_keys(unwrap(chunk))  # a LoRA checkpoint holds no base weights
+        missing = [k for k in result.missing_keys
+                   if not k.endswith(EXTRA_STATE) and k not in frozen]
         problems = []
         if missing:
             problems.append(f"missing {_listed(missing)}")

@@ -200,6 +200,8 @@ def _read_info(folder: str, config, data_fingerprint) -> Dict[str, Any]:
                               ) from None
     info["differences"] = compat.resume_differences(
         info["args"], config.to_dict(), info["run"].get("data_fingerprint"), data_fingerprint)
+    info["differences"] += compat.base_model_differences(
+        info["run"].get("base_model"), config.base_model, config.model.model)
     return info
 
 
@@ -235,7 +237,20 @@ def _saved_flags(folder: str) -> Dict[str, Dict[str, Any]]:
 
 
 def _model_differences(folder: str, config) -> List[str]:
-    return compat.model_differences(_saved_flags(folder), config.to_dict())
+    saved_base = (None if megatron_lm.is_megatron_lm(folder)
+                  else files.read_json(folder, files.RUN).get("base_model"))
+    if saved_base and not config.base_model:
+        raise CheckpointError(
+            f"--load {folder} holds LoRA adapters, not a whole model: finetune from it with "
+            f"--tuner_type lora (and its --model), or merge it first with `swift-mcore export "
+            f"--to_hf --merge_lora`")
+    if config.base_model and not saved_base:
+        raise CheckpointError(
+            f"--load {folder} is a full checkpoint; --tuner_type lora takes its frozen base "
+            f"from --model (a Hugging Face folder): convert the checkpoint with `swift-mcore "
+            f"export --to_hf` and pass that folder as --model")
+    return (compat.model_differences(_saved_flags(folder), config.to_dict())
+            + compat.base_model_differences(saved_base, config.base_model, config.model.model))
 
 
 def verify(folder: str) -> None:

@@ -63,6 +63,8 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
         files.ARGS: config.to_dict(),
         files.RUN: {
             "data_fingerprint": data_fingerprint,
+            # --tuner_type lora: the checkpoint holds the adapters; these are its base weights
+            "base_model": config.base_model,
             "contents": {"model": True, "optimizer": not c.no_save_optim,
                          "optimizer_stepped": with_optimizer, "rng": not c.no_save_rng,
                          "scheduler": scheduler is not None},

@@ -86,7 +86,7 @@ class Trainer:
         from .. import data
         from ..checkpointing import CheckpointManager
         from ..checkpointing.load import plan_load
-        from ..models.gpt import build_model, count_parameters
+        from ..models.gpt import count_parameters
         from ..runtime.ddp import wrap_model
         from .optimizer import build_optimizer, build_scheduler
 
@@ -110,8 +110,7 @@ class Trainer:
         # before any training, with one line.
         self.trackers = self.start_trackers(load_plan)
         self.checkpoints = CheckpointManager(config, load_plan, log=self.writer_print_early)
-        self.model = wrap_model(config, build_model(config))
-        self.load_pretrained_weights()
+        self.model = wrap_model(config, self.build_model())
         self.num_parameters = self.count_all_parameters(count_parameters(self.model))
         megatron_config = self.model[0].config
         from megatron.core.distributed import finalize_model_grads
@@ -141,6 +140,7 @@ class Trainer:
         self.install_signal_handlers()
         self.started_at = self.state.iteration
         self.log_start(load_plan.folder if load_plan and load_plan.kind == "resume" else None)
+        self.log_tuner()
         from ..runtime.watchdog import Watchdog
 
         self.watchdog = Watchdog(distributed.timeout_of(config).total_seconds(),
@@ -174,13 +174,23 @@ class Trainer:
 
         return build_datasets(self.config, self.tokenizer)
 
-    def load_pretrained_weights(self) -> None:
+    def build_model(self) -> list:
+        """This rank's model chunks: --model's weights loaded, then --tuner_type lora's
+        adapters (the base frozen), before DDP buckets the parameters that train."""
+        from ..models import lora
+        from ..models.gpt import build_model
+
+        chunks = build_model(self.config)
+        self.load_pretrained_weights(chunks)
+        return lora.apply(self.config, chunks)
+
+    def load_pretrained_weights(self, chunks) -> None:
         """--model: the Hugging Face weights, after the model is built and before the optimizer
         takes its copy of the parameters (a resumed checkpoint then replaces them)."""
         if self.config.model.model:
             from ..models.hf_load import load_hf_weights
 
-            load_hf_weights(self.config, self.model, log=self.writer_print_early)
+            load_hf_weights(self.config, chunks, log=self.writer_print_early)
 
     def build_iterator(self, dataset, consumed_samples: int) -> Optional[Iterator]:
         from megatron.core import parallel_state
@@ -451,6 +461,23 @@ class Trainer:
             f"{self.peak.describe() if self.peak else 'no peak'}; starting at "
             f"iteration {self.state.iteration} ({self.state.consumed_train_samples} samples "
             f"consumed)")
+
+    def log_tuner(self) -> None:
+        """--tuner_type lora: how many parameters train out of how many, and where."""
+        from ..models import lora
+
+        if not lora.enabled(self.config):
+            return
+        trainable, total = map(self.count_all_parameters, lora.parameter_counts(self.model))
+        t = self.config.tuner
+        where = t.target_regex and f"--target_regex {t.target_regex}" or ",".join(
+            t.target_modules)
+        saved = f", modules_to_save {','.join(t.modules_to_save)}" if t.modules_to_save else ""
+        self.writer.print(
+            f"--tuner_type lora: {trainable:,} of {total:,} parameters train "
+            f"({100 * trainable / max(total, 1):.2f}%): rank {t.lora_rank}, alpha "
+            f"{t.lora_alpha:g}{' (rslora)' if t.use_rslora else ''} on {where}{saved}; base "
+            f"frozen ({self.config.base_model})")
 
     def count_all_parameters(self, local: int) -> int:
         """Parameters of the whole model: summed over TP and PP ranks of one replica, and

@@ -1,0 +1,411 @@
+"""LoRA on megatron's GPTModel through peft: which layers get adapters, the tensor-parallel
+adapter layer peft is given for megatron's linears, what a LoRA checkpoint holds, the base
+weights' reference, merging, and the adapter in peft's own format (HF module names).
+
+peft 0.21's own megatron dispatcher fails before building a layer (it reads a
+``fan_in_fan_out`` keyword peft no longer passes), and its parallel layer returns the tuple
+megatron's linears give into the next matmul. So ``LoraParallelLinear`` below is registered
+with peft as the LoRA layer of ``ColumnParallelLinear`` and ``RowParallelLinear``
+(``LoraConfig._register_custom_module``); peft injects it, freezes the base, and keeps its
+bookkeeping (scaling, dropout, merge state). The layout follows peft's design: for a
+column-parallel base, A (r x in) is replicated and B is column-parallel; for a row-parallel
+base, A is row-parallel and B (out x r) replicated. Every TP rank thus holds the shard of
+B·A that matches its shard of the base weight, and the adapters' gradients reach the
+replicated factor through megatron's own region mappings.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import os
+import re
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from ..arguments.tuner import MCORE_LINEARS, SAVABLE_MODULES, mcore_targets
+from ..errors import ArgumentError, CheckpointError
+
+ADAPTER = "default"  # peft's adapter name: one adapter per model
+_BLOCK = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)$")
+_PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
+           "linear_fc1": "mlp", "linear_fc2": "mlp"}
+
+
+def enabled(config) -> bool:
+    return config.tuner.tuner_type == "lora"
+
+
+# ---- which layers ------------------------------------------------------------------------
+def linear_names(num_layers: int) -> List[str]:
+    """The global names of the transformer blocks' linear layers, in model order."""
+    return [f"decoder.layers.{i}.{_PARENT[name]}.{name}"
+            for i in range(num_layers) for name in MCORE_LINEARS]
+
+
+def select_targets(tuner, num_layers: int) -> List[str]:
+    """The global module names that get an adapter; ArgumentError if none does."""
+    names = linear_names(num_layers)
+    if tuner.target_regex is not None:
+        pattern = re.compile(tuner.target_regex)
+        chosen = [n for n in names if pattern.fullmatch(n)]
+        if not chosen:
+            raise ArgumentError(
+                f"--target_regex {tuner.target_regex!r} matches no linear layer of this "
+                f"model; it is matched against whole names such as {names[0]} (the layers: "
+                f"{', '.join(MCORE_LINEARS)} of decoder.layers.0..{num_layers - 1})")
+        return chosen
+    kinds = set(mcore_targets(tuner.target_modules))
+    return [n for n in names if n.rsplit(".", 1)[1] in kinds]
+
+
+def check(flags, layer_spec: str) -> None:
+    """resolve's part: what the LoRA flags need of the model and the layer spec."""
+    if layer_spec == "transformer_engine":
+        raise ArgumentError(
+            "--tuner_type lora runs on megatron's local layer spec: pass --attention_backend "
+            "sdpa (or local); Transformer Engine's fused linears have no LoRA layer yet")
+    select_targets(flags.tuner, flags.model.num_layers)
+
+
+def base_reference(flags, cuda: bool) -> str:
+    """What the frozen base weights are, as a LoRA checkpoint records it (a resume on other
+    base weights is refused): a fingerprint of --model's safetensors files, or the random
+    initialization (its seed, and the layout it depends on)."""
+    if flags.model.model:
+        return "sha256:" + folder_fingerprint(flags.model.model)
+    p = flags.parallel
+    layout = f"PP {p.pipeline_model_parallel_size}"
+    if cuda:  # on the GPU each TP rank initialises its own shard
+        layout += f", TP {p.tensor_model_parallel_size}"
+    return f"random initialization (--seed {flags.training.seed}, {layout})"
+
+
+# Whole files up to this size; above it the header and 64 KiB of every 16 MiB, which tells a
+# retrained or finetuned model (different bytes everywhere) from its base at a read cost
+# of 0.4% of the weights.
+WHOLE_FILE, STRIDE, SAMPLE = 64 << 20, 16 << 20, 64 << 10
+
+
+def folder_fingerprint(folder: str) -> str:
+    digest = hashlib.sha256()
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    for name in files:
+        path = os.path.join(folder, name)
+        size = os.path.getsize(path)
+        digest.update(f"{name}\0{size}\0".encode())
+        with open(path, "rb") as fh:
+            if size <= WHOLE_FILE:
+                digest.update(fh.read())
+                continue
+            header = int.from_bytes(fh.read(8), "little")
+            fh.seek(0)
+            digest.update(fh.read(8 + min(header, size - 8)))
+            for offset in range(0, size, STRIDE):
+                fh.seek(offset)
+                digest.update(fh.read(SAMPLE))
+    return digest.hexdigest()
+
+
+# ---- the adapter layer -------------------------------------------------------------------
+class LoraParallelLinear(nn.Module, LoraLayer):
+    """peft's LoRA layer for megatron's ColumnParallelLinear / RowParallelLinear: returns
+    megatron's (output, bias) pair, keeps the base weights' checkpoint keys, and draws A's
+    initial values from the seed and the layer's global name, so that they do not depend on
+    the TP/PP layout."""
+
+    def __init__(self, base_layer, adapter_name: str, config, r: int = 0,
+                 lora_alpha: float = 1, **kwargs):
+        from megatron.core import tensor_parallel
+
+        super().__init__()
+        kwargs.pop("megatron_config", None)
+        LoraLayer.__init__(self, base_layer=base_layer, **kwargs)
+        self.is_parallel_a = isinstance(self.get_base_layer(), tensor_parallel.RowParallelLinear)
+        self.fan_in_fan_out = False
+        # set by apply(): the base is a gated linear_fc1 ([gate; up] rows per TP rank)
+        self.gated_rows = False
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: float, config,
+                     inference_mode: bool = False, **kwargs) -> None:
+        from megatron.core import tensor_parallel
+
+        if r <= 0:
+            raise ValueError(f"LoRA rank must be positive, got {r}")
+        base = self.get_base_layer()
+        self.r[adapter_name] = r
+        self.lora_alpha[adapter_name] = lora_alpha
+        self.lora_dropout[adapter_name] = (nn.Dropout(p=config.lora_dropout)
+                                           if config.lora_dropout > 0 else nn.Identity())
+        # The megatron layers create the full factor on the CPU and keep this rank's slice
+        # (and mark it tensor-parallel for the gradient norm); values are set by init_adapter.
+        mc = copy.copy(base.config)
+        mc.use_cpu_initialization, mc.perform_initialization = True, True
+        dtype = base.weight.dtype
+        zeros = nn.init.zeros_
+        if self.is_parallel_a:
+            lora_a = tensor_parallel.RowParallelLinear(
+                self.in_features, r, config=mc, init_method=zeros, bias=False,
+                input_is_parallel=base.input_is_parallel, skip_bias_add=True)
+            lora_b = nn.Linear(r, self.out_features, bias=False, dtype=dtype)
+        else:
+            lora_a = nn.Linear(self.in_features, r, bias=False, dtype=dtype)
+            lora_b = tensor_parallel.ColumnParallelLinear(
+                r, self.out_features, config=mc, init_method=zeros, bias=False,
+                gather_output=False, skip_bias_add=True)
+        self.lora_A[adapter_name] = lora_a.to(base.weight.device)
+        self.lora_B[adapter_name] = lora_b.to(base.weight.device)
+        self.scaling[adapter_name] = (lora_alpha / math.sqrt(r) if config.use_rslora
+                                      else lora_alpha / r)
+        self.use_rslora[adapter_name] = config.use_rslora
+        self.use_dora[adapter_name] = False
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    @torch.no_grad()
+    def init_adapter(self, seed: int) -> None:
+        """A as peft initialises it (Kaiming-uniform, a=sqrt(5)) from a generator of its
+        own, B = 0 (the model's output is the base model's, exactly)."""
+        from megatron.core import parallel_state
+
+        for name in self.lora_A:
+            a, b = self.lora_A[name].weight, self.lora_B[name].weight
+            full = torch.empty(a.shape[0], self.in_features, dtype=torch.float32)
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5),
+                                     generator=torch.Generator().manual_seed(seed))
+            if self.is_parallel_a:
+                rank = parallel_state.get_tensor_model_parallel_rank()
+                full = full.chunk(parallel_state.get_tensor_model_parallel_world_size(),
+                                  dim=1)[rank]
+            a.copy_(full)
+            b.zero_()
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        result, bias = self.base_layer(x, *args, **kwargs)
+        if self.disable_adapters or self.merged:
+            return result, bias
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            h = self.lora_A[name](self.lora_dropout[name](x.to(self.lora_A[name].weight.dtype)))
+            h = h[0] if isinstance(h, tuple) else h
+            delta = self.lora_B[name](h)
+            delta = delta[0] if isinstance(delta, tuple) else delta
+            result = result + (delta * self.scaling[name]).to(result.dtype)
+        return result, bias
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        """This rank's shard of B·A·scaling, the shard layout of the base weight."""
+        return (self.lora_B[adapter].weight @ self.lora_A[adapter].weight) \
+            * self.scaling[adapter]
+
+    @torch.no_grad()
+    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+        from peft.tuners.tuners_utils import check_adapters_to_merge
+
+        for name in check_adapters_to_merge(self, adapter_names):
+            weight = self.get_base_layer().weight
+            weight.data = weight.data + self.get_delta_weight(name).to(weight.dtype)
+            self.merged_adapters.append(name)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            weight = self.get_base_layer().weight
+            weight.data = weight.data - self.get_delta_weight(name).to(weight.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The base layer's tensors under their checkpoint keys without the adapter (a
+        LoRA model reads a full checkpoint's weights), the factors as megatron shards."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        def rows_as_gate_and_up(sd, names):
+            # A TP rank's rows of a gated linear_fc1 are [its gate rows; its up rows], not one
+            # slice: megatron's MLP stores such a weight as two sharded halves (its
+            # sharded_state_dict), which it no longer recognises under our keys.
+            if not self.gated_rows:
+                return sd
+            single = (metadata or {}).get("singleton_local_shards", False)
+            return {k: apply_swiglu_sharded_factory(v, sharded_offsets, single)
+                    if k in names else v for k, v in sd.items()}
+
+        out = {}
+        base = self.get_base_layer().sharded_state_dict(prefix, sharded_offsets, metadata)
+        base = rows_as_gate_and_up(base, (prefix + "weight", prefix + "bias"))
+        for key, value in base.items():
+            out[prefix + "base_layer." + key[len(prefix):]] = value
+        for factor in ("lora_A", "lora_B"):
+            for name, module in getattr(self, factor).items():
+                sub = f"{prefix}{factor}.{name}."
+                if hasattr(module, "sharded_state_dict"):
+                    sd = module.sharded_state_dict(sub, sharded_offsets, metadata)
+                    if factor == "lora_B":
+                        sd = rows_as_gate_and_up(sd, (sub + "weight",))
+                    out.update(sd)
+                else:
+                    out.update(make_sharded_tensors_for_checkpoint(
+                        module.state_dict(keep_vars=True), sub, {}, sharded_offsets))
+        return out
+
+    def __repr__(self) -> str:
+        return "lora." + super().__repr__()
+
+
+# ---- applying it -------------------------------------------------------------------------
+def apply(config, chunks) -> list:
+    """Collective-free, before DDP: adapters on the chosen layers of every chunk (its base
+    frozen), --modules_to_save trainable. A no-op for --tuner_type full."""
+    if not enabled(config):
+        return chunks
+    from megatron.core import tensor_parallel
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from .convert import global_name, layer_offset
+
+    t = config.tuner
+    wanted = set(select_targets(t, config.model.num_layers))
+    for chunk in chunks:
+        chunk.swift_mcore_lora = True  # also a pipeline stage without adapters: base frozen
+        offset = layer_offset(chunk)
+        local = [name for name, module in chunk.named_modules()
+                 if global_name(name, offset) in wanted
+                 and isinstance(module, (tensor_parallel.ColumnParallelLinear,
+                                         tensor_parallel.RowParallelLinear))]
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+        if local:  # a pipeline stage may hold none of the chosen layers
+            lora_config = LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha,
+                                     lora_dropout=t.lora_dropout, target_modules=local,
+                                     use_rslora=t.use_rslora, init_lora_weights=False)
+            lora_config._register_custom_module({
+                tensor_parallel.ColumnParallelLinear: LoraParallelLinear,
+                tensor_parallel.RowParallelLinear: LoraParallelLinear})
+            inject_adapter_in_model(lora_config, chunk, adapter_name=ADAPTER)
+        for name, module in chunk.named_modules():
+            if isinstance(module, LoraParallelLinear):
+                full = global_name(name, offset)
+                module.gated_rows = (name.endswith("mlp.linear_fc1")
+                                     and chunk.config.gated_linear_unit)
+                module.init_adapter(config.training.seed * 1000003 + zlib.crc32(full.encode()))
+        for name in t.modules_to_save:
+            module = _find(chunk, SAVABLE_MODULES[name])
+            if module is not None:
+                module.requires_grad_(True)
+    return chunks
+
+
+def _find(chunk, dotted: str):
+    module = chunk
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def is_lora(chunk) -> bool:
+    return getattr(chunk, "swift_mcore_lora", False)
+
+
+def parameter_counts(chunks) -> Tuple[int, int]:
+    """(trainable, all) parameters of this rank's chunks, a weight replicated over the TP
+    ranks counted on the first only (summed over the model-parallel ranks: the model's)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    params = [p for chunk in chunks for p in chunk.parameters()
+              if param_is_not_tensor_parallel_duplicate(p)]
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+# ---- what a checkpoint holds -------------------------------------------------------------
+def checkpoint_state(chunk, sharded: Dict) -> Dict:
+    """The part of a chunk's sharded state dict a LoRA checkpoint holds: the trainable
+    parameters (adapters, --modules_to_save), not the frozen base. Others: all of it."""
+    if not is_lora(chunk):
+        return sharded
+    trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
+    return {k: v for k, v in sharded.items() if k in trainable}
+
+
+def frozen_keys(chunk) -> set:
+    """State-dict keys a LoRA checkpoint leaves out (restore accepts them as missing)."""
+    if not is_lora(chunk):
+        return set()
+    trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
+    return {k for k in chunk.state_dict(keep_vars=True) if k not in trainable}
+
+
+# ---- merging and peft's format -----------------------------------------------------------
+@torch.no_grad()
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """Every adapter merged into its base weight (W + B·A·scaling, as peft's
+    merge_and_unload) and the LoRA layers replaced by their base layers, in place."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraParallelLinear):
+            module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child,
+                    module.get_base_layer())
+    for param in model.parameters():
+        param.requires_grad_(True)
+    model.swift_mcore_lora = False
+    return model
+
+
+# megatron module suffix -> the HF modules it is fused from (Layout.to_hf splits B's rows).
+_HF_PARTS = {"self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj",
+                                           "self_attn.v_proj"),
+             "self_attention.linear_proj": ("self_attn.o_proj",),
+             "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+             "mlp.linear_fc2": ("mlp.down_proj",)}
+_HF_SAVED = {"embedding.word_embeddings": "model.embed_tokens", "output_layer": "lm_head"}
+
+
+def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
+    """(adapter_config.json contents, adapter_model.safetensors tensors) of a whole (TP=PP=1)
+    LoRA model, with Hugging Face module names: peft.PeftModel.from_pretrained(base) gives
+    the same function. A fused layer's A is shared by its parts; B's rows are split as the
+    weight's are (per query group for q/k/v, halves for gate/up)."""
+    tensors: Dict[str, torch.Tensor] = {}
+    targets = set()
+    rank = alpha = None
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraParallelLinear):
+            continue
+        match = _BLOCK.match(name)
+        layer, kind = int(match.group(1)), f"{match.group(2)}.{match.group(3)}"
+        a = module.lora_A[ADAPTER].weight.detach().float().cpu()
+        b = module.lora_B[ADAPTER].weight.detach().float().cpu()
+        rank, alpha = module.r[ADAPTER], module.lora_alpha[ADAPTER]
+        for part in _HF_PARTS[kind]:
+            hf = f"model.layers.{layer}.{part}"
+            targets.add(part.rsplit(".", 1)[1])
+            b_part = layout.to_hf(hf + ".weight", lambda _name, b=b: b)
+            tensors[f"base_model.model.{hf}.lora_A.weight"] = a.clone()  # one file entry each
+            tensors[f"base_model.model.{hf}.lora_B.weight"] = b_part.contiguous()
+    saved = []
+    for name in tuner.modules_to_save:
+        mcore = SAVABLE_MODULES[name]
+        hf = _HF_SAVED[mcore]
+        weight = model.get_submodule(mcore).weight.detach().float().cpu()[: layout.vocab]
+        tensors[f"base_model.model.{hf}.weight"] = weight.contiguous()
+        saved.append(hf.rsplit(".", 1)[-1])
+    if rank is None:
+        raise CheckpointError("the model holds no LoRA adapter to export")
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": tuner.lora_dropout,
+        "use_rslora": tuner.use_rslora, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted(targets), "modules_to_save": saved or None,
+        "init_lora_weights": True, "inference_mode": True,
+    }
+    return config, tensors

@@ -1,0 +1,218 @@
+"""LoRA (--tuner_type lora): bad flags, logits at initialization, what trains, TP/PP and
+resume against one rank, adapters-only checkpoints tied to their base, and both exports
+(merged Hugging Face weights, a peft adapter) against peft's own arithmetic."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_helpers as H
+from run_helpers import ROOT, losses
+from test_hf_training import continue_pretraining, run_flags
+
+from swift_mcore.arguments import PretrainArguments
+from swift_mcore.errors import ArgumentError
+from swift_mcore.run_config import resolve
+
+LORA = ["--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "16", "--lora_dropout",
+        "0", "--attention_backend", "sdpa"]
+SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+             seq_length=32, vocab_size=256, attention_backend="sdpa")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(tuner_type="lora", lora_rank=0), "--lora_rank must be a positive integer"),
+    (dict(tuner_type="lora", target_modules="q_proj,o_proj"),
+     "megatron fuses k_proj, q_proj, v_proj into one layer (linear_qkv); give all of them"),
+    (dict(tuner_type="lora", target_modules="attn"), "--target_modules: unknown module 'attn'"),
+    (dict(tuner_type="lora", target_regex=r".*\.layers\.7\..*"),
+     "--target_regex '.*\\\\.layers\\\\.7\\\\..*' matches no linear layer"),
+    (dict(tuner_type="lora", target_regex="(("), "is not a valid regular expression"),
+    (dict(lora_rank=4), "--lora_rank configures LoRA adapters: add --tuner_type lora"),
+    (dict(tuner_type="lora", modules_to_save="norm"), "--modules_to_save 'norm'"),
+])
+def test_bad_lora_flags_are_refused_naming_the_flag(flags, message):
+    with pytest.raises(ArgumentError) as err:
+        resolve(PretrainArguments.from_flags(**SHAPE, **flags), world_size=1)
+    assert message in str(err.value)
+
+
+def test_lora_refuses_transformer_engine_linears_and_merge_needs_to_hf():
+    from swift_mcore.arguments.export import ExportArguments
+
+    flags = PretrainArguments.from_flags(**{**SHAPE, "attention_backend": "auto"},
+                                         tuner_type="lora")
+    with pytest.raises(ArgumentError, match="pass --attention_backend sdpa"):
+        resolve(flags, world_size=1, cuda=True, transformer_engine=True)
+    with pytest.raises(ArgumentError, match="--merge_lora writes merged Hugging Face "
+                                            "weights: it goes with --to_hf"):
+        ExportArguments(model=str(ROOT), output_dir="/tmp/x", to_peft=True,
+                        merge_lora=True).validate()
+
+
+def test_adapters_start_as_the_base_model_and_merge_as_peft_does(gloo_group):
+    from swift_mcore.loaded_model import forward_logits
+    from swift_mcore.models import lora
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.runtime import seed
+
+    config = resolve(PretrainArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=4,
+                                                  lora_dropout=0.0,
+                                                  target_regex=r".*(linear_qkv|linear_fc2)"),
+                     world_size=1).complete(256, None)
+    seed.set_seed(1)
+    model = build_model(config)[0]
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    base = forward_logits(model, tokens)
+    lora.apply(config, [model])
+    assert torch.equal(forward_logits(model, tokens), base)  # B = 0: exactly the base
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"decoder.layers.{i}.{m}.lora_{f}.default.weight" for i in (0, 1)
+                         for m in ("self_attention.linear_qkv", "mlp.linear_fc2")
+                         for f in "AB"}
+    layer = model.decoder.layers[0].self_attention.linear_qkv
+    weight = layer.base_layer.weight.detach().clone()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, lora.LoraParallelLinear):
+                module.lora_B["default"].weight.normal_(0, 0.05)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    expected = weight + (b @ a) * (32 / 4)  # alpha/r
+    unmerged = forward_logits(model, tokens)
+    assert (unmerged - base).abs().max() > 1e-3
+    lora.merge_and_unload(model)
+    assert not any(isinstance(m, lora.LoraParallelLinear) for m in model.modules())
+    assert torch.equal(model.decoder.layers[0].self_attention.linear_qkv.weight, expected)
+    assert torch.allclose(forward_logits(model, tokens), unmerged, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A LoRA run on a tiny Llama folder, 4 iterations at TP=1 (checkpoints at 2 and 4)."""
+    root = tmp_path_factory.mktemp("lora")
+    H.make_family(str(root / "hf"), "llama", initializer_range=0.05)
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    stdout = continue_pretraining(root / "hf", data, root / "tp1", *LORA, "--save_steps", "2")
+    return root, data, stdout
+
+
+@pytest.mark.slow
+def test_only_the_adapters_train_and_the_log_says_how_many(trained):
+    root, _, stdout = trained
+    # 2 layers x (qkv 4x64+128x4, proj 4x64+64x4, fc1 4x64+192x4, fc2 4x96+64x4)
+    line = next(l for l in stdout.splitlines() if l.startswith("--tuner_type lora:"))
+    assert line.startswith("--tuner_type lora: 5,888 of 108,608 parameters train (5.42%)")
+    run = json.loads((root / "tp1/checkpoint/iter_0000004/run.json").read_text())
+    assert run["base_model"].startswith("sha256:")
+    curve = losses(root / "tp1")
+    assert curve[4] < curve[1]
+
+
+def resume_copy(root, name, *flags, nproc=1):
+    """The TP=1 run resumed from its iteration-2 checkpoint in a copy of its folder."""
+    run = root / name
+    shutil.copytree(root / "tp1", run)
+    shutil.rmtree(run / "checkpoint" / "iter_0000004")
+    (run / "metrics.jsonl").unlink()
+    continue_pretraining(root / "hf", trained_data(root), run, *LORA, "--resume",
+                         str(run / "checkpoint" / "iter_0000002"), *flags, nproc=nproc)
+    return losses(run)
+
+
+def trained_data(root):
+    return root / "data.jsonl"
+
+
+@pytest.mark.slow
+def test_tp2_and_pp2_give_the_one_rank_losses_and_resume_is_exact(trained):
+    root, data, _ = trained
+    reference = losses(root / "tp1")
+    # One rank, resumed at iteration 2: bit-exact.
+    assert resume_copy(root, "resumed") == {3: reference[3], 4: reference[4]}
+    # Resumed at TP=2 (world size 2: the adapters resharded), and PP=2 straight through.
+    tp2 = resume_copy(root, "tp2", "--tensor_model_parallel_size", "2", nproc=2)
+    continue_pretraining(root / "hf", data, root / "pp2", *LORA,
+                         "--pipeline_model_parallel_size", "2", nproc=2)
+    for other in (tp2, losses(root / "pp2")):
+        assert set(other) <= set(reference) and len(other) >= 2
+        assert max(abs(other[i] - reference[i]) for i in other) < 1e-5
+
+
+@pytest.mark.slow
+def test_resume_on_other_base_weights_is_refused_naming_the_field(trained):
+    root, data, _ = trained
+    other = root / "other_hf"
+    shutil.copytree(root / "hf", other)
+    H.make_family(str(other), "llama", seed=1, initializer_range=0.05)  # same shapes
+    run = root / "other_run"
+    shutil.copytree(root / "tp1", run)
+    cmd = [sys.executable, "-m", "swift_mcore", "pt", *run_flags(), "--model", str(other),
+           "--dataset", str(data), "--train_iters", "6", "--output_dir", str(run), *LORA,
+           "--resume", "auto"]
+    before = sorted(os.listdir(run / "checkpoint"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "base_model (the frozen base weights): checkpoint sha256:" in proc.stderr
+    assert f"(--model {other})" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(os.listdir(run / "checkpoint")) == before
+
+
+@pytest.mark.slow
+def test_merged_and_peft_exports_equal_the_lora_model(trained, gloo_group, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.export import run
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    root = trained[0]
+    checkpoint = root / "tp1" / "checkpoint" / "iter_0000004"
+    quiet = lambda line: None  # noqa: E731
+    with pytest.raises(ArgumentError, match="is a LoRA checkpoint .* add --merge_lora"):
+        run(ExportArguments(model=str(checkpoint), output_dir=str(tmp_path / "plain"),
+                            to_hf=True).validate(), log=quiet)
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    run(ExportArguments(model=str(checkpoint), output_dir=str(merged), to_hf=True,
+                        merge_lora=True).validate(), log=quiet)
+    run(ExportArguments(model=str(checkpoint), output_dir=str(adapter),
+                        to_peft=True).validate(), log=quiet)
+    assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    tokens = H.tokens(vocab=300, length=32)
+    ours = forward_logits(load_model(str(checkpoint), log=quiet).model, tokens)[..., :320]
+    merged_logits = H.hf_logits(str(merged), tokens)
+    base_logits = H.hf_logits(str(root / "hf"), tokens)
+    base = AutoModelForCausalLM.from_pretrained(str(root / "hf"), dtype=torch.float32,
+                                                attn_implementation="eager")
+    peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    with torch.no_grad():
+        peft_logits = peft_model(tokens).logits
+    assert (merged_logits - ours).abs().max() < 1e-5
+    assert (peft_logits - merged_logits).abs().max() < 1e-5
+    assert (merged_logits - base_logits).abs().max() > 1e-2  # the merge is not a no-op
+    # The merged weights are peft's merge_and_unload of the exported adapter, exactly.
+    theirs = peft_model.merge_and_unload().state_dict()
+    for name, value in H.safetensors_state(str(merged)).items():
+        assert torch.equal(value, theirs[name]), name
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_is_a_small_fraction_of_a_full_one(tmp_path):
+    from run_helpers import run_pt
+
+    sizes = {}
+    for kind, extra in (("full", []), ("lora", ["--tuner_type", "lora", "--lora_rank", "2"])):
+        # a port of its own: the in-process tests' gloo group holds MASTER_PORT's
+        run_pt(tmp_path / kind, "--hidden_size", "256", "--train_iters", "1", *extra,
+               env={"MASTER_PORT": str(H.free_port())})
+        folder = tmp_path / kind / "checkpoint" / "iter_0000001"
+        sizes[kind] = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert sizes["full"] > 20 * sizes["lora"], sizes
