@@ -4,9 +4,10 @@ The same Llama-style model (SwiGLU, RMSNorm, RoPE, grouped-query attention, unti
 embeddings) at two sizes and two sequence lengths, the same rows of data and the same
 global batch for every contender:
 
-* ``swift-mcore``       `swift-mcore pt` (the CLI), ``--attention_backend auto``: megatron's
-                        local attention (Transformer Engine's on CUDA with TE installed);
-* ``swift-mcore-sdpa``  the same with ``--attention_backend sdpa``;
+* ``swift-mcore``       `swift-mcore pt` (the CLI) with its defaults: ``--attention_backend
+                        auto``, torch's SDPA on CPU (Transformer Engine's on CUDA with TE);
+* ``swift-mcore-local`` the same with ``--attention_backend local`` (megatron's
+                        DotProductAttention, the default before issue 14);
 * ``megatron-bare``     benchmarks/bare_megatron_loop.py, the same megatron model in a bare
                         loop (the framework-overhead baseline; the attention auto chooses);
 * ``hf-trainer``        benchmarks/hf_peer.py, transformers' Trainer on the equivalent
@@ -65,7 +66,7 @@ BATCH = {
     ("cuda", "10m"): (8, 64, 5, 20), ("cuda", "100m"): (8, 64, 5, 20),
     ("cuda", "tiny"): (2, 4, 1, 2),
 }
-CONTENDERS = ("swift-mcore", "swift-mcore-sdpa", "megatron-bare", "hf-trainer")
+CONTENDERS = ("swift-mcore", "swift-mcore-local", "megatron-bare", "hf-trainer")
 BASELINE = "megatron-bare"
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
 BF16_PEAK_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4,
@@ -150,7 +151,7 @@ def run_contender(name, flags, case, opts, workdir):
     timing = ["--iters", str(case["iters"]), "--warmup", str(case["warmup"])]
     if name.startswith("swift-mcore"):
         out = tempfile.mkdtemp(dir=workdir)
-        backend = ["--attention_backend", "sdpa"] if name.endswith("sdpa") else []
+        backend = ["--attention_backend", "local"] if name.endswith("local") else []
         cmd = [sys.executable, "-m", "swift_mcore", "pt", *flags, *backend,
                "--train_iters", str(case["warmup"] + case["iters"]), "--log_interval", "1",
                "--eval_steps", "0", "--no_save", "--progress_bar", "false",
@@ -315,8 +316,8 @@ def main():
 
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is visible")
-        # --attention_backend sdpa is obeyed with Transformer Engine installed too (megatron's
-        # local layer spec with torch's attention), so every contender runs.
+        # --attention_backend local is obeyed with Transformer Engine installed too (megatron's
+        # local layer spec), so every contender runs.
 
     import torch
 

@@ -19,17 +19,17 @@ def test_framework_overhead_smoke():
 
 
 def test_throughput_smoke():
-    # Every kind of contender once (swift-mcore through the CLI with the sdpa flag, the bare
+    # Every kind of contender once (swift-mcore through the CLI with its defaults, the bare
     # megatron loop, the HF Trainer); the local-attention CLI run is the same code path.
     proc = subprocess.run(
         [sys.executable, "benchmarks/throughput.py", "--tiny", "--rounds", "1", "--contenders",
-         "swift-mcore-sdpa", "megatron-bare", "hf-trainer"],
+         "swift-mcore", "megatron-bare", "hf-trainer"],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     case = result["cases"][0]
     assert case["parameters"] > 0 and case["flops_per_token"] > 6 * case["parameters"] * 0.5
-    assert set(case["contenders"]) == {"swift-mcore-sdpa", "megatron-bare", "hf-trainer"}
+    assert set(case["contenders"]) == {"swift-mcore", "megatron-bare", "hf-trainer"}
     for name, c in case["contenders"].items():
         assert c["tokens_per_s_median"] > 0 and c["rss_MB_median"] > 100, name
         assert 0 < c["utilisation_median"] and c["vs_bare_median"] > 0, name
