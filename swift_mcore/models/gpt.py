@@ -48,6 +48,9 @@ def transformer_config(config, initialize: bool = True):
         perform_initialization=initialize,
         # The fused kernels are CUDA-only; on GPU megatron picks them when TE is present.
         bias_activation_fusion=cuda and m.swiglu and te,
+        # The local spec's SwiGLU is our activation module (layer_spec below): megatron's MLP
+        # calls a spec-given activation module only under this flag.
+        use_te_activation_func=m.swiglu and not te,
         bias_dropout_fusion=False,
         # Transformer Engine's fused RoPE on CUDA (run_config decides: it needs TE).
         apply_rope_fusion=config.rope_fusion,
@@ -63,7 +66,8 @@ def transformer_config(config, initialize: bool = True):
 
 
 def layer_spec(config):
-    """The layer spec and core attention ``config`` chose (run_config.choose_attention)."""
+    """The layer spec and core attention ``config`` chose (run_config.choose_attention);
+    the local spec's SwiGLU keeps less for the backward pass (models/swiglu.py)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if config.layer_spec == "transformer_engine":
@@ -75,6 +79,12 @@ def layer_spec(config):
         from .sdpa_attention import SdpaAttention
 
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    if config.model.swiglu:
+        from .swiglu import SwiGLU
+
+        # Keeps one fewer [tokens, ffn] tensor than Hugging Face's Llama for the backward
+        # pass, two fewer than megatron's unfused glu, with the same gradients (swiglu.py).
+        spec.submodules.mlp.submodules.activation_func = SwiGLU
     return spec
 
 

@@ -71,6 +71,11 @@ class SdpaAttention(DotProductAttention):
                 raise ValueError(f"causal attention needs sq == sk, got {sq} and {sk}")
             is_causal = True
 
+        if value.untyped_storage().data_ptr() != query.untyped_storage().data_ptr():
+            # RoPE gave q and k storages of their own, so v is the one view left of the
+            # [s, b, q + k + v] output of linear_qkv: SDPA keeps it for the backward pass,
+            # and with it that whole output. A copy of v keeps only v (the same values).
+            value = value.contiguous()
         # [s, b, n, h] -> [b, n, s, h]: SDPA's layout, a view for q, k and v alike.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
