@@ -96,7 +96,9 @@ def test_model_gradients_equal_megatrons_own_mlp(gloo_group):
         layer.mlp.config = dataclasses.replace(layer.mlp.config, use_te_activation_func=False)
         del layer.mlp.activation_func  # the submodule; megatron's glu calls config's silu
         layer.mlp.activation_func = layer.mlp.config.activation_func
+    # No parameters of its own: the same (sharded) state dict, checkpoints interchangeable.
     assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert sorted(ours.sharded_state_dict()) == sorted(theirs.sharded_state_dict())
     theirs.load_state_dict(ours.state_dict())
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(4))
     positions = torch.arange(SEQ).expand(BATCH, -1)

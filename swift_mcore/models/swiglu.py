@@ -54,6 +54,10 @@ class SwiGLU(torch.nn.Module):
             if config.activation_func_clamp_value is not None or config.glu_linear_offset:
                 raise ValueError("SwiGLU has no clamp or linear offset (megatron's glu has)")
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """No parameters: nothing in a checkpoint (megatron's MLP asks each submodule)."""
+        return {}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled() or not x.requires_grad:
             return swiglu(x)
