@@ -22,6 +22,8 @@ model. No optimizer step (its state is the same for both: Adam's two fp32 moment
   python benchmarks/activation_memory.py --seq_length 1024 [swift-mcore model flags]
   python benchmarks/activation_memory.py --vocab 151936 --seq_length 512
   python benchmarks/activation_memory.py --tiny                     # smoke test
+  python benchmarks/activation_memory.py --contenders swift-mcore-step hf-step \
+      --global_batch_size 4          # one whole optimizer step (swift-mcore's Trainer)
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 CONTENDERS = ("megatron", "megatron-local", "hf")
+# --whole_step: one optimizer step of the real trainers (swift-mcore's Trainer.train_step;
+# for HF the Trainer's loop body: micro-batch backward passes, clip_grad_norm_, fused AdamW).
+STEP_CONTENDERS = ("swift-mcore-step", "hf-step")
 # The 10M model of throughput.py, Llama-shaped, micro-batch 2.
 DEFAULT = ["--num_layers", "4", "--hidden_size", "384", "--num_attention_heads", "6",
            "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
@@ -130,8 +135,70 @@ def allocator_peak(step) -> tuple:
     return peak, live
 
 
+def whole_step(contender, flags, vocab):
+    """The allocator's peak over one whole training step (after one warm-up step, so that
+    Adam's moments exist), above what was allocated before it."""
+    import tempfile
+
+    import torch
+
+    from swift_mcore._quiet import quiet_third_party
+
+    quiet_third_party()
+    from swift_mcore.arguments import parse_args
+    from swift_mcore.run_config import resolve
+
+    out = tempfile.mkdtemp(prefix="actmem_")
+    vocab_flags = ["--vocab_size", str(vocab)] if vocab != 4096 else []
+    args = resolve(parse_args([*flags, *vocab_flags, "--num_workers", "0", "--no_save",
+                               "--eval_steps", "0", "--progress_bar", "false",
+                               "--tensorboard", "false", "--train_iters", "4", "--lr_warmup_iters", "1",
+                               "--output_dir", out]))
+    if contender == "swift-mcore-step":
+        from swift_mcore.training.trainer import Trainer
+
+        trainer = Trainer(args)
+        trainer.setup()
+        step = trainer.train_step
+        parameters = sum(p.numel() for p in trainer.model[0].parameters())
+    else:
+        from hf_peer import build_model as hf_model
+
+        model = hf_model(args, vocab, "sdpa")
+        model.train()
+        t = args.training
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, fused=True)
+        accumulation = t.global_batch_size // t.micro_batch_size
+        generator = torch.Generator().manual_seed(0)
+
+        def step():
+            for _ in range(accumulation):
+                tokens = torch.randint(0, vocab, (t.micro_batch_size, args.model.seq_length),
+                                       generator=generator)
+                (model(input_ids=tokens, labels=tokens).loss / accumulation).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        parameters = sum(p.numel() for p in model.parameters())
+    step()
+    peak, left = allocator_peak(step)
+    mb = 2 ** 20
+    # What lives across steps, fp32: weights and Adam's two moments for both; megatron's
+    # DDP also keeps its gradient buffer (HF's gradients are freed and counted in the peak).
+    persistent = 4 * parameters * (4 if contender == "swift-mcore-step" else 3)
+    print(json.dumps({"contender": contender, "vocab": vocab, "parameters": parameters,
+                      "seq_length": args.model.seq_length,
+                      "peak_MB_above_start": round(peak / mb, 1),
+                      "persistent_MB": round(persistent / mb, 1),
+                      "peak_MB_with_persistent": round((persistent + peak) / mb, 1),
+                      "left_MB_after_step": round(left / mb, 1)}), flush=True)
+
+
 def child(contender, flags, vocab):
     import torch
+
+    if contender in STEP_CONTENDERS:
+        return whole_step(contender, flags, vocab)
 
     from swift_mcore._quiet import quiet_third_party
 
@@ -200,7 +267,7 @@ def child(contender, flags, vocab):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
-                        choices=CONTENDERS)
+                        choices=CONTENDERS + STEP_CONTENDERS)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -81,3 +81,17 @@ def test_profile_step_smoke():
 def test_kill_resume_smoke():
     result = run_script("benchmarks/kill_resume.py", "--trials", "2", "--iters", "6")
     assert result["trials"] == 2 and result["ok"], result["problems"]
+
+
+def test_activation_memory_smoke():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/activation_memory.py", "--tiny", "--contenders", "megatron",
+         "hf"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours, hf = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert ours["parameters"] == hf["parameters"]
+    for r in (ours, hf):
+        assert r["saved_MB"]["layer 0: input_layernorm"] > 0 and r["peak_MB_above_weights"] > 0
+    # The logits the loss keeps: the same for both (fp32, [tokens, vocab]).
+    loss = "model (its own forward: the loss)"
+    assert abs(ours["saved_MB"][loss] - hf["saved_MB"][loss]) < 0.01
