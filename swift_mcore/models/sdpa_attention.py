@@ -5,8 +5,9 @@ megatron-core's local ``DotProductAttention`` materialises the [b, heads, sq, sk
 most of the attention time at seq 512+ and a large share of activation memory.
 ``SdpaAttention`` computes the same softmax(Q K^T * scale + causal mask) V with
 ``torch.nn.functional.scaled_dot_product_attention``, whose kernels (flash attention on CPU
-and GPU) never store the scores. It is selected with ``--attention_backend sdpa``
-(``models/gpt.py:layer_spec``); ``tests/test_sdpa_attention.py`` holds outputs and
+and GPU) never store the scores. ``--attention_backend auto`` selects it without CUDA,
+``--attention_backend sdpa`` anywhere (``run_config.choose_attention``,
+``models/gpt.py:layer_spec``); ``tests/test_sdpa_attention.py`` holds outputs and
 gradients to within 1e-5 of the local module and of the whole model.
 
 It subclasses ``DotProductAttention`` for the constructor, the attributes megatron reads
