@@ -61,8 +61,7 @@ def test_a_layer_keeps_what_its_shape_needs(gloo_group):
     ) + 4 * SEQ * head_dim        # RoPE's cos and sin, for q and for k
     # Without models/swiglu.py 2 x t x FFN more floats (silu's output, megatron's copy of
     # `up`); without the copy of v in SdpaAttention the whole q+k+v output of linear_qkv.
-    assert got <= 4 * floats, (got, 4 * floats)
-    assert got >= 4 * floats * 0.95, (got, 4 * floats)  # the count sees the layer at all
+    assert got == 4 * floats, (got, 4 * floats)  # exactly: nothing kept twice or in excess
 
 
 def test_swiglu_is_megatrons_glu_bit_for_bit(gloo_group):
