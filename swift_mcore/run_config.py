@@ -168,7 +168,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     backend = check_hardware(flags, cuda)
     check_trackers(flags)
     sources, val_sources = check_inputs(flags)
-    attention = choose_attention(flags.model.attention_backend, transformer_engine)
+    attention = choose_attention(flags.model.attention_backend, cuda, transformer_engine)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
@@ -251,11 +251,16 @@ def choose_gpu_defaults(flags: PretrainArguments, world: World, cuda: bool,
     }
 
 
-def choose_attention(flag: str, transformer_engine: bool) -> str:
-    """--attention_backend -> the core attention that runs. 'auto': Transformer Engine's
-    when it is installed (with CUDA), else megatron's local module."""
+def choose_attention(flag: str, cuda: bool, transformer_engine: bool) -> str:
+    """--attention_backend -> the core attention that runs. 'auto' is the fastest exact path
+    this machine has: Transformer Engine's fused attention with CUDA and TE; torch's SDPA
+    without CUDA (the same result within float rounding, faster, and it keeps no attention
+    scores for the backward pass: benchmarks/README.md); megatron's local module on CUDA
+    without TE (SDPA's kernels on a GPU have not been measured against it yet)."""
     if flag == "auto":
-        return "transformer_engine" if transformer_engine else "local"
+        if transformer_engine:
+            return "transformer_engine"
+        return "local" if cuda else "sdpa"
     if flag == "transformer_engine" and not transformer_engine:
         raise ArgumentError("--attention_backend transformer_engine needs CUDA and "
                             "Transformer Engine (pip install -r requirements/gpu.txt); choose "

@@ -146,9 +146,17 @@ def test_completing_with_epochs_resolves_train_iters_once():
 
 
 def test_the_attention_is_decided_once():
+    # auto is the fastest exact path: torch's SDPA without CUDA, TE's with CUDA and TE,
+    # megatron's local module on CUDA without TE.
     cpu = resolve(PretrainArguments(), world_size=1, cuda=False)
-    assert (cpu.attention, cpu.layer_spec, cpu.packed_rows) == ("local", "local",
+    assert (cpu.attention, cpu.layer_spec, cpu.packed_rows) == ("sdpa", "local",
                                                                 "block_causal_mask")
+    assert "scaled_dot_product_attention" in cpu.describe()
+    no_te = resolve(PretrainArguments(), world_size=1, cuda=True, transformer_engine=False)
+    assert (no_te.attention, no_te.layer_spec) == ("local", "local")
+    local = resolve(PretrainArguments.from_flags(attention_backend="local"), world_size=1,
+                    cuda=False)
+    assert local.attention == "local" and "DotProductAttention" in local.describe()
     te = resolve(PretrainArguments(), world_size=1, cuda=True, transformer_engine=True)
     assert (te.attention, te.layer_spec, te.packed_rows) == (
         "transformer_engine", "transformer_engine", "thd")

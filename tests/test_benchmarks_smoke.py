@@ -64,13 +64,13 @@ def test_framework_overhead_smoke():
 
 @pytest.mark.benchmark
 def test_throughput_smoke():
-    # Every kind of contender once (swift-mcore through the CLI with the sdpa flag, the bare
+    # Every kind of contender once (swift-mcore through the CLI with its defaults, the bare
     # megatron loop, the HF Trainer); the local-attention CLI run is the same code path.
     result = run_script("throughput.py", "--tiny", "--rounds", "1", "--contenders",
-                        "swift-mcore-sdpa", "megatron-bare", "hf-trainer", timeout=600)[-1]
+                        "swift-mcore", "megatron-bare", "hf-trainer", timeout=600)[-1]
     case = result["cases"][0]
     assert case["parameters"] > 0 and case["flops_per_token"] > 6 * case["parameters"] * 0.5
-    assert set(case["contenders"]) == {"swift-mcore-sdpa", "megatron-bare", "hf-trainer"}
+    assert set(case["contenders"]) == {"swift-mcore", "megatron-bare", "hf-trainer"}
     for name, c in case["contenders"].items():
         assert c["tokens_per_s_median"] > 0 and c["rss_MB_median"] > 100, name
         assert 0 < c["utilisation_median"] and c["vs_bare_median"] > 0, name
@@ -125,3 +125,14 @@ def test_lora_vs_full_smoke():
     assert result["lora"]["trainable"].startswith("--tuner_type lora: 16,384 of")
     assert 0 < result["lora_over_full"]["checkpoint_MB"] < 0.2
     assert result["lora_over_full"]["tokens_per_s"] > 0
+
+
+@pytest.mark.benchmark
+def test_activation_memory_smoke():
+    ours, hf = run_script("activation_memory.py", "--tiny", "--contenders", "megatron", "hf")
+    assert ours["parameters"] == hf["parameters"]
+    for r in (ours, hf):
+        assert r["saved_MB"]["layer 0: input_layernorm"] > 0 and r["peak_MB_above_weights"] > 0
+    # The logits the loss keeps: the same for both (fp32, [tokens, vocab]).
+    loss = "model (its own forward: the loss)"
+    assert abs(ours["saved_MB"][loss] - hf["saved_MB"][loss]) < 0.01

@@ -139,9 +139,9 @@ def test_flag_is_validated():
     from swift_mcore.run_config import resolve
 
     assert PretrainArguments().model.attention_backend == "auto"
-    # auto without Transformer Engine (as on CPU) is megatron's local attention.
+    # auto without CUDA is this module, in megatron's local spec.
     cpu = resolve(PretrainArguments(), world_size=1, cuda=False)
-    assert (cpu.attention, cpu.layer_spec) == ("local", "local")
+    assert (cpu.attention, cpu.layer_spec) == ("sdpa", "local")
     with pytest.raises(ArgumentError, match="--attention_backend must be one of auto, local, "
                                             "sdpa, transformer_engine"):
         resolve(PretrainArguments.from_flags(attention_backend="flash"), world_size=1)

@@ -48,6 +48,9 @@ def transformer_config(config, initialize: bool = True):
         perform_initialization=initialize,
         # The fused kernels are CUDA-only; on GPU megatron picks them when TE is present.
         bias_activation_fusion=cuda and m.swiglu and te,
+        # The local spec's SwiGLU is our activation module (layer_spec below): megatron's MLP
+        # calls a spec-given activation module only under this flag.
+        use_te_activation_func=swiglu_module(config),
         bias_dropout_fusion=False,
         # Transformer Engine's fused RoPE on CUDA (run_config decides: it needs TE).
         apply_rope_fusion=config.rope_fusion,
@@ -94,9 +97,17 @@ def moe_config(m) -> dict:
     )
 
 
+def swiglu_module(config) -> bool:
+    """Whether the MLPs take their activation from the spec (models/swiglu.py): dense
+    local-spec models; megatron's experts build theirs from their own submodules."""
+    m = config.model
+    return m.swiglu and config.layer_spec != "transformer_engine" and m.num_experts is None
+
+
 def layer_spec(config, moe: bool = False):
     """The layer spec and core attention ``config`` chose (run_config.choose_attention);
-    ``moe``: the spec of a mixture-of-experts layer (megatron's MoELayer as its MLP)."""
+    ``moe``: the spec of a mixture-of-experts layer (megatron's MoELayer as its MLP). The
+    local spec's SwiGLU keeps less for the backward pass (models/swiglu.py)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     m = config.model
@@ -111,6 +122,12 @@ def layer_spec(config, moe: bool = False):
         from .sdpa_attention import SdpaAttention
 
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    if swiglu_module(config):
+        from .swiglu import SwiGLU
+
+        # Keeps one fewer [tokens, ffn] tensor than Hugging Face's Llama for the backward
+        # pass, two fewer than megatron's unfused glu, with the same gradients (swiglu.py).
+        spec.submodules.mlp.submodules.activation_func = SwiGLU
     return spec
 
 

@@ -5,8 +5,9 @@ megatron-core's local ``DotProductAttention`` materialises the [b, heads, sq, sk
 most of the attention time at seq 512+ and a large share of activation memory.
 ``SdpaAttention`` computes the same softmax(Q K^T * scale + causal mask) V with
 ``torch.nn.functional.scaled_dot_product_attention``, whose kernels (flash attention on CPU
-and GPU) never store the scores. It is selected with ``--attention_backend sdpa``
-(``models/gpt.py:layer_spec``); ``tests/test_sdpa_attention.py`` holds outputs and
+and GPU) never store the scores. ``--attention_backend auto`` selects it without CUDA,
+``--attention_backend sdpa`` anywhere (``run_config.choose_attention``,
+``models/gpt.py:layer_spec``); ``tests/test_sdpa_attention.py`` holds outputs and
 gradients to within 1e-5 of the local module and of the whole model.
 
 It subclasses ``DotProductAttention`` for the constructor, the attributes megatron reads
@@ -71,6 +72,11 @@ class SdpaAttention(DotProductAttention):
                 raise ValueError(f"causal attention needs sq == sk, got {sq} and {sk}")
             is_causal = True
 
+        if value.untyped_storage().data_ptr() != query.untyped_storage().data_ptr():
+            # RoPE gave q and k storages of their own, so v is the one view left of the
+            # [s, b, q + k + v] output of linear_qkv: SDPA keeps it for the backward pass,
+            # and with it that whole output. A copy of v keeps only v (the same values).
+            value = value.contiguous()
         # [s, b, n, h] -> [b, n, s, h]: SDPA's layout, a view for q, k and v alike.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
