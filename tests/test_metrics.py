@@ -1,6 +1,7 @@
 """Model FLOPs per token: 6 x the model's matmul weights + 12 x layers x seq x attention width."""
 
 import pytest
+import torch
 
 
 @pytest.mark.parametrize("flags", [
@@ -108,6 +109,18 @@ def test_measured_cpu_peak_is_plausible():
     from swift_mcore.training.peak import measure_matmul_tflops
 
     assert 1e-4 < measure_matmul_tflops("cpu", sizes=(256,), repeats=2) < 100
+
+
+def test_measuring_the_peak_leaves_the_run_s_random_numbers_alone():
+    # The peak is measured after seeding on a cold cache only: drawing from torch's global
+    # generator there made a run's dropout masks depend on whether the cache was warm.
+    from swift_mcore.training.peak import measure_matmul_tflops
+
+    torch.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.manual_seed(1234)
+    measure_matmul_tflops("cpu", sizes=(64,), repeats=1)
+    assert torch.equal(torch.rand(4), expected)
 
 
 @pytest.mark.slow

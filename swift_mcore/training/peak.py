@@ -83,9 +83,12 @@ def measure_matmul_tflops(device: str, sizes=(512, 1024), repeats: int = 3) -> f
     if device == "cuda":
         sizes = (4096, 8192)
     best = 0.0
+    # A generator of its own: drawing from the global one after seeding would change the
+    # run's dropout masks whenever the peak is measured rather than read from the cache.
+    generator = torch.Generator(device=device).manual_seed(0)
     for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
         out = torch.mm(a, b)  # the first call starts the thread pool / picks the kernel
         for _ in range(repeats):
             if device == "cuda":
