@@ -43,6 +43,22 @@ def current() -> Optional[Attempt]:
         return None
 
 
+def of_group(attempt: Optional[Attempt]) -> Optional[Attempt]:
+    """The group's attempt (collective; every rank calls it once, after the process group
+    is up): the highest restart count of its ranks. On several nodes only the agent whose
+    worker failed counts a restart; the others restart their workers for the new rendezvous
+    with their count unchanged, so one rank's own count can say 'attempt 1' on a restart."""
+    if attempt is None:
+        return None
+    import torch
+
+    from .collectives import all_reduce
+
+    restart = all_reduce(torch.tensor([attempt.restart], dtype=torch.int64),
+                         op=torch.distributed.ReduceOp.MAX)
+    return Attempt(int(restart.item()), attempt.max_restarts)
+
+
 def start_line(attempt: Attempt, iteration: int, resumed_from: Optional[str]) -> str:
     """The log line of an attempt's start: which attempt, and where it resumed."""
     where = (f"resumed from {resumed_from} (iteration {iteration})" if resumed_from

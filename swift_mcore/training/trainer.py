@@ -43,6 +43,7 @@ class Trainer:
         self.writer: Optional[MetricWriter] = None
         self.watchdog = None  # runtime/watchdog.py, started at the end of setup
         self.started_at: Optional[int] = None  # the iteration this segment started from
+        self.attempt = None  # under torchrun: the group's attempt (runtime/elastic.py)
 
     # ---- the loop -----------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -446,9 +447,10 @@ class Trainer:
     def log_start(self, resumed_from: Optional[str] = None) -> None:
         from ..runtime import elastic
 
-        attempt = elastic.current()
-        if attempt is not None:  # under torchrun: which attempt, and where it resumed
-            self.writer.print(elastic.start_line(attempt, self.state.iteration, resumed_from))
+        self.attempt = elastic.of_group(elastic.current())
+        if self.attempt is not None:  # under torchrun: which attempt, and where it resumed
+            self.writer.print(elastic.start_line(self.attempt, self.state.iteration,
+                                                 resumed_from))
         c, w = self.config, self.config.world
         ep = f" (EP {w.expert_parallel})" if w.expert_parallel > 1 else ""
         self.writer.print(
@@ -528,7 +530,7 @@ class Trainer:
         previous attempt's exactly ends the job instead of restarting it."""
         from ..runtime import elastic
 
-        attempt = elastic.current()
+        attempt = self.attempt or elastic.current()  # (a failure before the group's is known)
         if attempt is None:
             return
         iteration = self.state.iteration + 1
