@@ -131,7 +131,8 @@ def test_skip_policy_drops_the_step_and_counts_it(tmp_path, flags):
     from swift_mcore.checkpointing.io import read_common
 
     schedulers = [read_common(ckpt(out, i))["opt_param_scheduler"] for i in (2, 3, 4)]
-    assert [s["num_steps"] for s in schedulers] == [2, 2, 3]
+    # common.pt counts the scheduler's steps in samples, as Megatron-LM does
+    assert [s["num_steps"] for s in schedulers] == [2 * GBS, 2 * GBS, 3 * GBS]
     metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     skipped = {r["iteration"]: r["skipped"] for r in metrics if r["split"] == "train"}
     assert skipped == {1: 0, 2: 0, 3: 1, 4: 0}
