@@ -10,6 +10,16 @@ from pathlib import Path
 from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(**extra: str) -> Dict[str, str]:
+    """os.environ for a command started from a test, without the launch variables: a
+    module's in-process gloo group (conftest.gloo_group) sets MASTER_ADDR/PORT and holds
+    that port, which a one-rank child would then try to bind."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env.update(extra)
+    return env
 
 # A model small enough that a run of a few iterations costs seconds on 2 cores.
 TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
@@ -25,13 +35,13 @@ def run_pt(output_dir, *flags, nproc: int = 1, timeout: int = 240, check: bool =
            ) -> subprocess.CompletedProcess:
     """NPROC_PER_NODE=nproc swift-mcore pt ..., or torchrun -m swift_mcore pt ... ."""
     launcher = [sys.executable, "-m", "swift_mcore"]
-    full_env = {**os.environ, **(env or {})}
+    full_env = child_env(**(env or {}))
     if torchrun:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    f"--master_port={_free_port()}", "-m", "swift_mcore"]
+                    f"--master_port={free_port()}", "-m", "swift_mcore"]
     elif nproc > 1:
         full_env["NPROC_PER_NODE"] = str(nproc)
-        full_env["MASTER_PORT"] = str(_free_port())
+        full_env["MASTER_PORT"] = str(free_port())
     cmd = [*launcher, command, *TINY, "--output_dir", str(output_dir), *map(str, flags)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=ROOT)
@@ -55,7 +65,7 @@ def losses(output_dir) -> Dict[int, float]:
     return {r["iteration"]: r["loss"] for r in train_records(output_dir)}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

@@ -2,7 +2,6 @@
 equal to those without recompute, dropout on, at TP=1 and TP=2."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -105,10 +104,10 @@ def test_gradients_equal_without_recompute_tp1(gloo_group):
 
 @pytest.mark.timeout(300)
 def test_gradients_equal_without_recompute_tp2(tmp_path):
-    from conftest import free_port
+    from run_helpers import child_env, free_port
 
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+                    PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, R.__file__, str(tmp_path)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]

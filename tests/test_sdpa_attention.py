@@ -116,7 +116,7 @@ def test_whole_model_matches_local_spec(gloo_group):
 
 
 def test_training_run_matches_local(tmp_path):
-    from run_helpers import _free_port as free_port
+    from run_helpers import free_port
 
     # Its own port: this module's one-rank group may hold the one in os.environ.
     for backend in ("local", "sdpa"):

@@ -40,7 +40,7 @@ class Watchdog:
             self._what = what
         # The backstop fires a little later, so that the Python thread speaks first.
         faulthandler.dump_traceback_later(self.timeout_s + max(5.0, 0.2 * self.timeout_s),
-                                          exit=True)
+                                          exit=True, file=_stack_file())
 
     def disarm(self) -> None:
         with self._lock:
@@ -65,7 +65,17 @@ class Watchdog:
               f"{self.timeout_s:.0f} s (--distributed_timeout_minutes {minutes:g}); its "
               f"Python stacks follow, then it ends (exit {EXIT_CODE}) so that torchrun can "
               f"restart the group", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        faulthandler.dump_traceback(file=_stack_file(), all_threads=True)
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(EXIT_CODE)
+
+
+def _stack_file():
+    """Where faulthandler writes the stacks: stderr, or the process's own stderr where
+    sys.stderr has no file descriptor (a notebook, pytest's capture of a Trainer run)."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return sys.__stderr__

@@ -2,7 +2,6 @@
 (--save_safetensors) that transformers loads, and generate from it with `infer`."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 import hf_helpers as H
-from run_helpers import ROOT, TINY, losses, train_records
+from run_helpers import ROOT, TINY, child_env, losses, train_records
 
 def run_flags():
     """run_helpers.TINY without its shape flags, which would contradict config.json."""
@@ -25,7 +24,7 @@ def run_flags():
 def continue_pretraining(source, data, out, *flags, nproc=1):
     cmd = [sys.executable, "-m", "swift_mcore", "pt", *run_flags(), "--model", str(source),
            "--dataset", str(data), "--train_iters", "4", "--output_dir", str(out), *flags]
-    env = dict(os.environ)
+    env = child_env()
     if nproc > 1:
         env.update(NPROC_PER_NODE=str(nproc), MASTER_PORT=str(H.free_port()))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_helpers as H
-from run_helpers import ROOT, losses
+from run_helpers import ROOT, child_env, losses
 from test_hf_training import continue_pretraining, run_flags
 
 from swift_mcore.arguments import PretrainArguments
@@ -157,7 +157,8 @@ def test_resume_on_other_base_weights_is_refused_naming_the_field(trained):
            "--dataset", str(data), "--train_iters", "6", "--output_dir", str(run), *LORA,
            "--resume", "auto"]
     before = sorted(os.listdir(run / "checkpoint"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env=child_env())
     assert proc.returncode != 0
     assert "base_model (the frozen base weights): checkpoint sha256:" in proc.stderr
     assert f"(--model {other})" in proc.stderr and "Traceback" not in proc.stderr

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from run_helpers import ROOT, TINY, _free_port, losses, run_sft, train_records
+from run_helpers import ROOT, TINY, free_port, losses, run_sft, train_records
 
 WORDS = ("alpha beta gamma delta river stone cloud paper orange silver seven north winter "
          "garden quiet simple").split()
@@ -81,7 +81,7 @@ def test_pipeline_parallel_packed_rows_match_one_stage(tmp_path, conversations):
 def test_resume_is_bit_exact(tmp_path, conversations):
     flags = ["--train_iters", "6", "--packing", "--num_workers", "1", "--log_sample_ids",
              "--micro_batch_size", "2", "--global_batch_size", "4", "--hidden_dropout", "0.1"]
-    sft(tmp_path / "whole", conversations, *flags, env={"MASTER_PORT": str(_free_port())})
+    sft(tmp_path / "whole", conversations, *flags, env={"MASTER_PORT": str(free_port())})
     split = tmp_path / "split"
     sft(split, conversations, *flags, "--exit_interval", "3")
     assert sorted(losses(split)) == [1, 2, 3]
