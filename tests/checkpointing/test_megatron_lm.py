@@ -16,6 +16,7 @@ import torch
 import ckpt_harness as H
 import tamper as T
 from swift_mcore.arguments import PretrainArguments
+from swift_mcore.checkpointing import safe_load
 from swift_mcore.errors import CheckpointError
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -33,6 +34,11 @@ FLAGS = dict(
     tensorboard=False, plot=False, progress_bar=False, log_interval=1,
 )
 
+
+
+def read_pickled(path):
+    """common.pt through the allow-list swift-mcore itself reads it with (safe_load)."""
+    return safe_load.torch_load(path, path, extra=safe_load.common_pt_extra())
 
 @pytest.fixture(scope="module")
 def data_flags(tmp_path_factory):
@@ -187,7 +193,7 @@ def test_tampered_common_pt_runs_nothing(in_process, tmp_path, mlm_root, command
     import argparse
 
     folder = os.path.join(mlm_root, "iter_0000010")
-    common = torch.load(os.path.join(folder, "common.pt"), weights_only=False)
+    common = read_pickled(os.path.join(folder, "common.pt"))
     marker = tmp_path / "PLANTED_CODE_RAN"
     common["args"] = argparse.Namespace(**{**vars(common["args"]), "seed": T.Evil(str(marker))})
     torch.save(common, os.path.join(folder, "common.pt"))
@@ -273,7 +279,8 @@ def raw_rng_state(folder):
 
     class Planner(dcp.DefaultLoadPlanner):
         def load_bytes(self, read_item, value):
-            holder[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+            holder[read_item.dest_index.fqn] = safe_load.torch_load(
+                value, "rng_state", extra=safe_load.rng_state_extra())
 
     dcp.load({key: io.BytesIO()}, storage_reader=FileSystemReader(folder), planner=Planner(),
              no_dist=True)
@@ -302,8 +309,8 @@ def test_swift_checkpoint_has_what_megatron_lm_loads(saved_by_swift):
     with open(os.path.join(ours, "metadata.json")) as a, \
             open(os.path.join(theirs, "metadata.json")) as b:
         assert json.load(a) == json.load(b)
-    mine = torch.load(os.path.join(ours, "common.pt"), weights_only=False)
-    ref = torch.load(os.path.join(theirs, "common.pt"), weights_only=False)
+    mine = read_pickled(os.path.join(ours, "common.pt"))
+    ref = read_pickled(os.path.join(theirs, "common.pt"))
     assert set(ref) <= set(mine)
     assert mine["content_metadata"] == ref["content_metadata"]
     assert mine["checkpoint_version"] == ref["checkpoint_version"] and mine["iteration"] == 2
@@ -352,7 +359,7 @@ def test_swift_checkpoint_resumes_in_swift(in_process, saved_by_swift, tmp_path,
     folder = os.path.join(run, "checkpoint", "iter_0000002")
     if layout == "before":
         path = os.path.join(folder, "common.pt")
-        common = torch.load(path, weights_only=False)
+        common = read_pickled(path)
         for key in ("args", "content_metadata"):
             del common[key]
         common["opt_param_scheduler"] = {

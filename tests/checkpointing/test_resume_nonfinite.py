@@ -41,7 +41,10 @@ def tensors(folder, tmp_path):
             elif torch.is_tensor(value) and value.is_floating_point():
                 found[prefix + str(key)] = value
 
-    walk(torch.load(flat, weights_only=False))
+    from swift_mcore.checkpointing import safe_load
+
+    walk(safe_load.torch_load(flat, str(flat), extra=safe_load.common_pt_extra()
+                                 + safe_load.rng_state_extra()))
     assert any(k.startswith("embedding") for k in found), sorted(found)[:5]
     return found
 
