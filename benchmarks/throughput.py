@@ -74,48 +74,31 @@ BATCH = {
 }
 CONTENDERS = ("swift-mcore", "swift-mcore-local", "megatron-bare", "hf-trainer")
 BASELINE = "megatron-bare"
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
-BF16_PEAK_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4,
-                    "H100 PCIe": 756.0, "H100 NVL": 835.0, "A100": 312.0, "L40S": 362.1,
-                    "L40": 181.0, "L4": 121.0, "A10": 125.0, "RTX 4090": 165.2}
 
 
 # ---- the machine's matmul peak ------------------------------------------------------------
 
 def matmul_peak(device: str, quick: bool = False) -> float:
-    """Best FLOP/s of torch.mm on square matrices: fp32 on CPU (all threads), bf16 on GPU.
+    """Best FLOP/s of torch.mm on square matrices: fp32 on CPU (all threads), bf16 on GPU,
+    measured as swift-mcore's MFU peak is (training/peak.py), on larger CPU sizes.
     ``quick`` (smoke test) tries small sizes only."""
-    import torch
+    from swift_mcore.training.peak import measure_matmul_tflops
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    sizes = (4096, 8192) if device == "cuda" else (1024, 2048, 4096)
-    if quick:
-        sizes = (512,)
-    best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        c = torch.empty(n, n, device=device, dtype=dtype)
-        torch.mm(a, b, out=c)  # first call: thread pool and kernel selection
-        for _ in range(10 if device == "cuda" else 4):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            torch.mm(a, b, out=c)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - start))
-    return best
+    sizes = (512,) if quick else (1024, 2048, 4096)
+    return measure_matmul_tflops(device, sizes=sizes, repeats=10 if device == "cuda" else 4
+                                 ) * 1e12
 
 
 def nominal_bf16_peak():
+    """The GPU's name and its data-sheet dense bf16 peak in FLOP/s (training/peak.py's table;
+    None for a GPU it does not list)."""
     import torch
 
+    from swift_mcore.training.peak import data_sheet_peak
+
     name = torch.cuda.get_device_name()
-    for key, tflops in BF16_PEAK_TFLOPS.items():
-        if key in name:
-            return name, tflops * 1e12
-    return name, None
+    found = data_sheet_peak(name)
+    return name, found[1] * 1e12 if found else None
 
 
 # ---- running one contender ------------------------------------------------------------------
