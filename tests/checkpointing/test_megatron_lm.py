@@ -40,6 +40,7 @@ def read_pickled(path):
     """common.pt through the allow-list swift-mcore itself reads it with (safe_load)."""
     return safe_load.torch_load(path, path, extra=safe_load.common_pt_extra())
 
+
 @pytest.fixture(scope="module")
 def data_flags(tmp_path_factory):
     """A byte-level BPE of 300 tokens (the fixture's vocabulary is 511, padded to 512) and a
