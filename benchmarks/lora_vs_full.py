@@ -101,10 +101,13 @@ def profile_child(kind: str, shape, iters: int, warmup: int) -> None:
 
     trainer.forward_backward = timed("forward_backward", trainer.forward_backward)
     trainer.optimizer_step = timed("optimizer_step", trainer.optimizer_step)
-    start = time.perf_counter()
+    # CPU seconds this process used (all threads): the work of a step, which a loaded
+    # machine stretches in wall time but does not change
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(iters):
         trainer.train_step()
     step_s = (time.perf_counter() - start) / iters
+    step_cpu_s = (time.process_time() - cpu) / iters
     split = {name: round(value / iters, 4) for name, value in spent.items()}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(iters):
@@ -123,6 +126,7 @@ def profile_child(kind: str, shape, iters: int, warmup: int) -> None:
                         sum(p.numel() for p in trainer.model[0].parameters()))
     print(json.dumps({
         "kind": kind, "torch_threads": torch.get_num_threads(), "step_s": round(step_s, 4),
+        "step_cpu_s": round(step_cpu_s, 4),
         "split_s": split, "trainable": trainable, "parameters": total,
         "profiled_self_s": {k: round(v, 4) for k, (v, _) in sorted(kinds.items())},
         "calls_per_step": {k: c for k, (_, c) in sorted(kinds.items())},
