@@ -147,9 +147,13 @@ def test_tp2_and_pp2_give_the_one_rank_losses_and_resume_is_exact(trained):
     tp2 = losses(root / "tp2")
     assert resume_copy(root, "tp2_resumed", *TP2, nproc=2, source="tp2") == \
         {3: tp2[3], 4: tp2[4]}
-    # Resumed at PP=2 from the one-rank checkpoint (the adapters resharded over stages).
-    pp2 = resume_copy(root, "pp2", "--pipeline_model_parallel_size", "2", nproc=2)
-    for other in (tp2, pp2):
+    # Resumed at TP=2 from the one-rank checkpoint (the adapters resharded), and PP=2
+    # straight through: the one-rank losses.
+    resharded = resume_copy(root, "tp2_from_tp1", "--tensor_model_parallel_size", "2",
+                            nproc=2)
+    continue_pretraining(root / "hf", data, root / "pp2", *LORA,
+                         "--pipeline_model_parallel_size", "2", nproc=2)
+    for other in (resharded, losses(root / "pp2")):
         assert set(other) <= set(reference) and len(other) >= 2
         assert max(abs(other[i] - reference[i]) for i in other) < 1e-5
 
