@@ -311,7 +311,18 @@ def apply(config, chunks) -> list:
             module = _find(chunk, SAVABLE_MODULES[name])
             if module is not None:
                 module.requires_grad_(True)
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None and config.training.recompute_granularity == "full":
+            # Full recompute checkpoints each layer on its input hidden states. With the
+            # embedding frozen they need no gradient, so megatron's CheckpointFunction
+            # gives outputs no gradient flows back through, and no adapter inside a
+            # recomputed layer would train (the case HF's enable_input_require_grads is for).
+            embedding.register_forward_hook(_output_requires_grad)
     return chunks
+
+
+def _output_requires_grad(module, inputs, output):
+    return output.requires_grad_(True)
 
 
 @torch.no_grad()
