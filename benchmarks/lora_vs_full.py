@@ -9,6 +9,15 @@ full, measured in the same run.
 
     .venv/bin/python benchmarks/lora_vs_full.py                # ~10M parameters
     .venv/bin/python benchmarks/lora_vs_full.py --tiny --rounds 1
+
+With --profile, each kind instead runs in-process (its own process still) through the
+Trainer: after --warmup steps it times whole optimizer steps (Trainer.train_step), split
+into megatron's forward/backward schedule and the optimizer step (megatron's DDP gradient
+sync included in the former), then profiles --iters more steps under torch.profiler and
+sums self CPU time by kind of operator: the matmuls (with their call counts: a frozen
+base weight skips its weight-gradient matmul), the optimizer's kernels, the rest.
+
+    .venv/bin/python benchmarks/lora_vs_full.py --profile --rounds 2 --iters 3
 """
 
 from __future__ import annotations
@@ -49,6 +58,95 @@ def child(kind: str, shape, iters: int, out: str) -> None:
     print(json.dumps({"rss_MB": rss_kb / 1024, "stdout": proc.stdout[-2000:]}))
 
 
+MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
+          "aten::linear"}
+
+
+def profile_child(kind: str, shape, iters: int, warmup: int) -> None:
+    """One kind's steps timed and profiled in this process; prints one JSON line."""
+    import tempfile
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from swift_mcore._quiet import quiet_third_party
+
+    quiet_third_party()
+    from swift_mcore.arguments import parse_args
+    from swift_mcore.run_config import resolve
+    from swift_mcore.training.trainer import Trainer
+
+    flags = [*shape, "--micro_batch_size", "2", "--global_batch_size", "8", "--train_iters",
+             str(warmup + 2 * iters), "--lr", "1e-4", "--lr_warmup_iters", "0",
+             "--lr_decay_style", "constant", "--min_lr", "1e-4", "--eval_steps", "0",
+             "--progress_bar", "false", "--report_to", "none", "--plot", "false",
+             "--num_workers", "0", "--attention_backend", "sdpa", "--no_save",
+             "--output_dir", tempfile.mkdtemp(prefix=f"lora_{kind}_"),
+             *(LORA if kind == "lora" else [])]
+    trainer = Trainer(resolve(parse_args(flags)))
+    trainer.setup()
+    for _ in range(warmup):
+        trainer.train_step()
+    spent = {"forward_backward": 0.0, "optimizer_step": 0.0}
+
+    def timed(name, function):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return wrapper
+
+    trainer.forward_backward = timed("forward_backward", trainer.forward_backward)
+    trainer.optimizer_step = timed("optimizer_step", trainer.optimizer_step)
+    # CPU seconds this process used (all threads): the work of a step, which a loaded
+    # machine stretches in wall time but does not change
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(iters):
+        trainer.train_step()
+    step_s = (time.perf_counter() - start) / iters
+    step_cpu_s = (time.process_time() - cpu) / iters
+    split = {name: round(value / iters, 4) for name, value in spent.items()}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            trainer.train_step()
+    kinds, ops = {}, []
+    for event in prof.key_averages():
+        self_s = event.self_cpu_time_total / 1e6 / iters
+        what = ("matmul" if event.key in MATMUL else
+                "optimizer" if "adam" in event.key.lower() else "other")
+        total, calls = kinds.get(what, (0.0, 0))
+        kinds[what] = (total + self_s, calls + event.count // iters)
+        ops.append((self_s, event.key, event.count // iters))
+    ops.sort(reverse=True)
+    trainable, total = (sum(p.numel() for p in trainer.model[0].parameters()
+                            if p.requires_grad),
+                        sum(p.numel() for p in trainer.model[0].parameters()))
+    print(json.dumps({
+        "kind": kind, "torch_threads": torch.get_num_threads(), "step_s": round(step_s, 4),
+        "step_cpu_s": round(step_cpu_s, 4),
+        "split_s": split, "trainable": trainable, "parameters": total,
+        "profiled_self_s": {k: round(v, 4) for k, (v, _) in sorted(kinds.items())},
+        "calls_per_step": {k: c for k, (_, c) in sorted(kinds.items())},
+        "top_ops": [{"op": n, "self_s": round(s, 4), "calls": c} for s, n, c in ops[:10]],
+    }), flush=True)
+
+
+def profile_round(kind: str, shape, iters: int, warmup: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+           "PYTHONWARNINGS": "ignore"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--profile", "--shape",
+                           json.dumps(shape), "--iters", str(iters), "--warmup", str(warmup)],
+                          capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} failed: {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def measure(kind: str, shape, iters: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, kind)
@@ -79,10 +177,19 @@ def main() -> None:
     parser.add_argument("--child")
     parser.add_argument("--shape")
     parser.add_argument("--out")
+    parser.add_argument("--profile", action="store_true")
     opts = parser.parse_args()
+    if opts.child and opts.profile:
+        return profile_child(opts.child, json.loads(opts.shape), opts.iters, opts.warmup)
     if opts.child:
         return child(opts.child, json.loads(opts.shape), opts.iters, opts.out)
     shape = SIZES["tiny" if opts.tiny else "10m"]
+    if opts.profile:
+        for r in range(opts.rounds):
+            for kind in (("full", "lora") if r % 2 == 0 else ("lora", "full")):
+                print(json.dumps({"round": r, **profile_round(kind, shape, opts.iters,
+                                                              opts.warmup)}), flush=True)
+        return
     runs = {"full": [], "lora": []}
     for r in range(opts.rounds):
         for kind in (("full", "lora") if r % 2 == 0 else ("lora", "full")):

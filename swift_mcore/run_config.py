@@ -61,6 +61,8 @@ class RunConfig:
     # --tuner_type lora: what the frozen base weights are (models/lora.base_reference); a
     # LoRA checkpoint records it and a resume on other base weights is refused
     base_model: Optional[str] = None
+    # --adapters: the peft adapter being continued, per megatron layer (models/lora_import.py)
+    lora_import: Optional[Any] = None
     vocab_size: Optional[int] = None         # the tokenizer's (complete() sets both)
     padded_vocab_size: Optional[int] = None  # the embedding's rows: megatron's padding rule
 
@@ -163,6 +165,9 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
         except ArgumentError as err:
             raise ArgumentError(f"{err} (from {flags.model.model}/config.json)") from None
     flags.fill_defaults()
+    from .models.lora_import import read_adapter
+
+    lora_import = read_adapter(flags)  # --adapters' adapter_config.json sets the LoRA flags
     flags.check(world_size)
     precision = choose_precision(flags, cuda)
     backend = check_hardware(flags, cuda)
@@ -190,7 +195,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     return RunConfig(args=flags.frozen(), world=world, cuda=cuda, backend=backend,
                      layer_spec=layer_spec, attention=attention, packed_rows=packed_rows,
                      dataset_sources=sources, val_dataset_sources=val_sources,
-                     precision=precision, base_model=base_model,
+                     precision=precision, base_model=base_model, lora_import=lora_import,
                      **choose_gpu_defaults(flags, world, cuda, transformer_engine))
 
 

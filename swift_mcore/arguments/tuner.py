@@ -22,7 +22,7 @@ SAVABLE_MODULES = {"word_embeddings": "embedding.word_embeddings",
                    "embed_tokens": "embedding.word_embeddings",
                    "output_layer": "output_layer", "lm_head": "output_layer"}
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "target_regex",
-              "modules_to_save", "use_rslora")
+              "modules_to_save", "use_rslora", "adapters")
 
 
 @dataclass
@@ -48,6 +48,11 @@ class TunerArguments:
         [], "Whole modules trained and saved with the adapters: word_embeddings (alias "
         "embed_tokens), output_layer (alias lm_head).", comma_separated=True)
     use_rslora: bool = flag(False, "Rank-stabilized LoRA: scale by alpha/sqrt(r).")
+    adapters: Optional[str] = flag(
+        None, "Continue training a LoRA adapter made with peft on --model: a folder of "
+        "adapter_config.json and adapter_model.safetensors (peft's save_pretrained). Its "
+        "q/k/v and gate/up adapters are fused exactly into megatron's layers; rank, alpha, "
+        "rslora and the targets come from adapter_config.json (docs/lora.md).")
 
     def check(self, explicit) -> None:
         """The tuner flags alone; which layers a regex matches is resolve's to check."""

@@ -25,7 +25,7 @@ MODEL_FIELDS = [("model", name) for name in (
 # What trains (--tuner_type lora: the adapters and their scaling).
 TUNER_FIELDS = [("tuner", name) for name in (
     "tuner_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "target_regex",
-    "modules_to_save", "use_rslora")]
+    "modules_to_save", "use_rslora", "adapters")]
 # Optimizer settings restored from the checkpoint's state (they would silently win).
 OPTIMIZER_FIELDS = [("training", name) for name in (
     "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "bf16", "fp16")]

@@ -272,7 +272,9 @@ def apply(config, chunks) -> list:
     from .convert import global_name, layer_offset
 
     t = config.tuner
-    wanted = set(select_targets(t, config.model.num_layers))
+    imported = config.lora_import  # --adapters: per-layer ranks of the fused parts
+    wanted = (set(imported.parts()) if imported is not None
+              else set(select_targets(t, config.model.num_layers)))
     for chunk in chunks:
         chunk.swift_mcore_lora = True  # also a pipeline stage without adapters: base frozen
         offset = layer_offset(chunk)
@@ -283,9 +285,16 @@ def apply(config, chunks) -> list:
         for param in chunk.parameters():
             param.requires_grad_(False)
         if local:  # a pipeline stage may hold none of the chosen layers
+            patterns = {}
+            if imported is not None:  # exact names: peft matches the keys as regexes
+                names = {re.escape(n): global_name(n, offset) for n in local}
+                patterns = dict(rank_pattern={k: imported.fused_rank(g) for k, g in names.items()},
+                                alpha_pattern={k: imported.fused_alpha(g)
+                                               for k, g in names.items()})
             lora_config = LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha,
                                      lora_dropout=t.lora_dropout, target_modules=local,
-                                     use_rslora=t.use_rslora, init_lora_weights=False)
+                                     use_rslora=t.use_rslora, init_lora_weights=False,
+                                     **patterns)
             lora_config._register_custom_module({
                 tensor_parallel.ColumnParallelLinear: LoraParallelLinear,
                 tensor_parallel.RowParallelLinear: LoraParallelLinear})
@@ -296,11 +305,46 @@ def apply(config, chunks) -> list:
                 module.gated_rows = (name.endswith("mlp.linear_fc1")
                                      and chunk.config.gated_linear_unit)
                 module.init_adapter(config.training.seed * 1000003 + zlib.crc32(full.encode()))
+        if imported is not None:
+            load_imported(config, chunk, offset)
         for name in t.modules_to_save:
             module = _find(chunk, SAVABLE_MODULES[name])
             if module is not None:
                 module.requires_grad_(True)
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None and config.training.recompute_granularity == "full":
+            # Full recompute checkpoints each layer on its input hidden states. With the
+            # embedding frozen they need no gradient, so megatron's CheckpointFunction
+            # gives outputs no gradient flows back through, and no adapter inside a
+            # recomputed layer would train (the case HF's enable_input_require_grads is for).
+            embedding.register_forward_hook(_output_requires_grad)
     return chunks
+
+
+def _output_requires_grad(module, inputs, output):
+    return output.requires_grad_(True)
+
+
+@torch.no_grad()
+def load_imported(config, chunk, offset: int) -> None:
+    """--adapters: the peft adapter's factors into this rank's fused LoRA layers
+    (models/lora_import.py), in place of their initial values."""
+    from megatron.core import parallel_state
+
+    from .convert import Layout, global_name
+    from .lora_import import fused_factors, load_tensors
+
+    imported = config.lora_import
+    tensors = load_tensors(imported)
+    layout = Layout.from_model_args(config.model, config.padded_vocab_size)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    for name, module in chunk.named_modules():
+        if isinstance(module, LoraParallelLinear):
+            a, b = fused_factors(imported, global_name(name, offset), tensors, layout,
+                                 module.scaling[ADAPTER], tp_rank, tp_size)
+            module.lora_A[ADAPTER].weight.copy_(a)
+            module.lora_B[ADAPTER].weight.copy_(b)
 
 
 def _find(chunk, dotted: str):
@@ -377,7 +421,7 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     weight's are (per query group for q/k/v, halves for gate/up)."""
     tensors: Dict[str, torch.Tensor] = {}
     targets = set()
-    rank = alpha = None
+    ranks: Dict[str, Tuple[int, float]] = {}  # HF module -> (rank, alpha)
     for name, module in model.named_modules():
         if not isinstance(module, LoraParallelLinear):
             continue
@@ -385,10 +429,10 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
         layer, kind = int(match.group(1)), f"{match.group(2)}.{match.group(3)}"
         a = module.lora_A[ADAPTER].weight.detach().float().cpu()
         b = module.lora_B[ADAPTER].weight.detach().float().cpu()
-        rank, alpha = module.r[ADAPTER], module.lora_alpha[ADAPTER]
         for part in _HF_PARTS[kind]:
             hf = f"model.layers.{layer}.{part}"
             targets.add(part.rsplit(".", 1)[1])
+            ranks[hf] = (module.r[ADAPTER], module.lora_alpha[ADAPTER])
             b_part = layout.to_hf(hf + ".weight", lambda _name, b=b: b)
             tensors[f"base_model.model.{hf}.lora_A.weight"] = a.clone()  # one file entry each
             tensors[f"base_model.model.{hf}.lora_B.weight"] = b_part.contiguous()
@@ -399,11 +443,17 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
         weight = model.get_submodule(mcore).weight.detach().float().cpu()[: layout.vocab]
         tensors[f"base_model.model.{hf}.weight"] = weight.contiguous()
         saved.append(hf.rsplit(".", 1)[-1])
-    if rank is None:
+    if not ranks:
         raise CheckpointError("the model holds no LoRA adapter to export")
+    # An imported adapter's fused layers have ranks of their own (r_q + r_k + r_v, ...):
+    # peft's rank_pattern/alpha_pattern give them, by whole module name.
+    rank, alpha = tuner.lora_rank, tuner.lora_alpha
+    other = {hf: value for hf, value in ranks.items() if value != (rank, alpha)}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
         "r": rank, "lora_alpha": alpha, "lora_dropout": tuner.lora_dropout,
+        "rank_pattern": {hf: r for hf, (r, _) in other.items()},
+        "alpha_pattern": {hf: a for hf, (_, a) in other.items()},
         "use_rslora": tuner.use_rslora, "bias": "none", "fan_in_fan_out": False,
         "target_modules": sorted(targets), "modules_to_save": saved or None,
         "init_lora_weights": True, "inference_mode": True,

@@ -115,10 +115,10 @@ def test_only_the_adapters_train_and_the_log_says_how_many(trained):
     assert curve[4] < curve[1]
 
 
-def resume_copy(root, name, *flags, nproc=1):
-    """The TP=1 run resumed from its iteration-2 checkpoint in a copy of its folder."""
+def resume_copy(root, name, *flags, nproc=1, source="tp1"):
+    """Run ``source`` resumed from its iteration-2 checkpoint in a copy of its folder."""
     run = root / name
-    shutil.copytree(root / "tp1", run)
+    shutil.copytree(root / source, run)
     shutil.rmtree(run / "checkpoint" / "iter_0000004")
     (run / "metrics.jsonl").unlink()
     continue_pretraining(root / "hf", trained_data(root), run, *LORA, "--resume",
@@ -130,17 +130,33 @@ def trained_data(root):
     return root / "data.jsonl"
 
 
+# TP=2 with whole layers recomputed in the backward pass: the same function, resumable.
+TP2 = ("--tensor_model_parallel_size", "2", "--recompute_granularity", "full")
+
+
 @pytest.mark.slow
 def test_tp2_and_pp2_give_the_one_rank_losses_and_resume_is_exact(trained):
     root, data, _ = trained
     reference = losses(root / "tp1")
     # One rank, resumed at iteration 2: bit-exact.
     assert resume_copy(root, "resumed") == {3: reference[3], 4: reference[4]}
-    # Resumed at TP=2 (world size 2: the adapters resharded), and PP=2 straight through.
-    tp2 = resume_copy(root, "tp2", "--tensor_model_parallel_size", "2", nproc=2)
+    # TP=2 (with activation recompute) straight through, then resumed at iteration 2 from
+    # its own checkpoint: bit-exact at world size 2.
+    continue_pretraining(root / "hf", data, root / "tp2", *LORA, *TP2, "--save_steps", "2",
+                         nproc=2)
+    tp2 = losses(root / "tp2")
+    # Full recompute changes nothing: the adapters inside the recomputed layers train (they
+    # would not if the frozen embedding's output were left without requires_grad).
+    assert max(abs(tp2[i] - reference[i]) for i in reference) < 1e-5
+    assert resume_copy(root, "tp2_resumed", *TP2, nproc=2, source="tp2") == \
+        {3: tp2[3], 4: tp2[4]}
+    # Resumed at TP=2 from the one-rank checkpoint (the adapters resharded), and PP=2
+    # straight through: the one-rank losses.
+    resharded = resume_copy(root, "tp2_from_tp1", "--tensor_model_parallel_size", "2",
+                            nproc=2)
     continue_pretraining(root / "hf", data, root / "pp2", *LORA,
                          "--pipeline_model_parallel_size", "2", nproc=2)
-    for other in (tp2, losses(root / "pp2")):
+    for other in (resharded, losses(root / "pp2")):
         assert set(other) <= set(reference) and len(other) >= 2
         assert max(abs(other[i] - reference[i]) for i in other) < 1e-5
 
@@ -217,3 +233,21 @@ def test_a_lora_checkpoint_is_a_small_fraction_of_a_full_one(tmp_path):
         folder = tmp_path / kind / "checkpoint" / "iter_0000001"
         sizes[kind] = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     assert sizes["full"] > 20 * sizes["lora"], sizes
+
+
+@pytest.mark.slow
+def test_sft_with_packing_at_dp2_and_recompute_gives_the_one_rank_losses(tmp_path):
+    from run_helpers import run_sft
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"add {i} and {i + 1}" + " please" * (i % 5)},
+        {"role": "assistant", "content": f"{2 * i + 1}"}]}) + "\n" for i in range(40)))
+    common = ["--dataset", data, "--template", "plain", "--seq_length", "64", "--packing",
+              "--train_iters", "2", "--no_save", *LORA]
+    one = run_sft(tmp_path / "dp1", *common, env={"MASTER_PORT": str(H.free_port())})
+    run_sft(tmp_path / "dp2", *common, "--recompute_granularity", "selective", nproc=2)
+    assert "--tuner_type lora:" in one.stdout
+    reference, dp2 = losses(tmp_path / "dp1"), losses(tmp_path / "dp2")
+    assert sorted(reference) == sorted(dp2) == [1, 2]
+    assert max(abs(dp2[i] - reference[i]) for i in reference) < 1e-5

@@ -1,0 +1,185 @@
+"""--adapters: a peft LoRA adapter made on a Hugging Face model, imported into megatron's
+fused layers: the same logits as peft's own model, training continues from it (at TP=2
+too), export --to_peft gives it back to peft, and bad adapters are refused naming the file
+and field."""
+
+import json
+
+import pytest
+import torch
+
+import hf_helpers as H
+from test_hf_training import continue_pretraining
+from run_helpers import losses
+
+from swift_mcore.arguments import PretrainArguments
+from swift_mcore.errors import ArgumentError
+from swift_mcore.run_config import resolve
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Per-part ranks and alphas (peft's patterns) with rslora; and peft's default q/v targets on
+# one layer only (k's block of the fused layer starts at zero).
+ADAPTERS = {
+    "patterns_rslora": dict(r=2, lora_alpha=8, target_modules=ALL, use_rslora=True,
+                            rank_pattern={"q_proj": 3, "down_proj": 1},
+                            alpha_pattern={"v_proj": 5, "up_proj": 2}),
+    "qv_one_layer": dict(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                         layers_to_transform=[1]),
+}
+
+
+def quiet(_line):
+    pass
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_import")
+    H.make_family(str(root / "hf"), "llama", initializer_range=0.05)
+    return root
+
+
+def make_adapter(hf, out, seed=0, **lora):
+    """A peft adapter on the HF model with every factor random (B nonzero), saved."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(lora_dropout=0.0, **lora))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    model.save_pretrained(str(out))
+    return out
+
+
+def peft_logits(hf, adapter, tokens):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32,
+                                                 attn_implementation="eager")
+    model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def lora_config(hf, adapter, **flags):
+    args = PretrainArguments.from_flags(model=str(hf), tuner_type="lora", adapters=str(adapter),
+                                        attention_backend="sdpa", **flags)
+    return resolve(args, world_size=1).complete(320, None)
+
+
+@pytest.mark.parametrize("kind", sorted(ADAPTERS))
+def test_an_imported_adapter_gives_peft_logits(base, kind, gloo_group):
+    from swift_mcore.loaded_model import forward_logits
+    from swift_mcore.models import lora
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.models.hf_load import load_hf_weights
+
+    adapter = make_adapter(base / "hf", base / kind, **ADAPTERS[kind])
+    config = lora_config(base / "hf", adapter)
+    model = build_model(config)[0]
+    load_hf_weights(config, [model], log=quiet)
+    tokens = H.tokens(vocab=300, length=32)
+    plain = forward_logits(model, tokens)[..., :320]
+    lora.apply(config, [model])
+    ours = forward_logits(model, tokens)[..., :320]
+    theirs = peft_logits(base / "hf", adapter, tokens)
+    assert (ours - theirs).abs().max() < 1e-5
+    assert (ours - plain).abs().max() > 1e-2  # the adapter does something
+    t = config.tuner
+    spec = ADAPTERS[kind]
+    assert (t.lora_rank, t.lora_alpha, t.use_rslora) == (spec["r"], spec["lora_alpha"],
+                                                         spec.get("use_rslora", False))
+
+
+@pytest.fixture(scope="module")
+def continued(base):
+    """The patterned adapter (without rslora) trained on for 4 iterations at TP=1 and TP=2."""
+    adapter = make_adapter(base / "hf", base / "train_adapter", seed=1,
+                           **{**ADAPTERS["patterns_rslora"], "use_rslora": False})
+    data = base / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    flags = ["--tuner_type", "lora", "--adapters", str(adapter), "--lora_dropout", "0",
+             "--attention_backend", "sdpa"]
+    continue_pretraining(base / "hf", data, base / "tp1", *flags)
+    continue_pretraining(base / "hf", data, base / "tp2", *flags,
+                         "--tensor_model_parallel_size", "2", nproc=2)
+    return adapter
+
+
+@pytest.mark.slow
+def test_training_continues_from_the_adapter_and_exports_back_to_peft(base, continued,
+                                                                     gloo_group, tmp_path):
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.export import run
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    tp1, tp2 = losses(base / "tp1"), losses(base / "tp2")
+    assert tp1[4] < tp1[1]
+    # TP=2 shards the fused factors as it shards the base weights: the same losses.
+    assert max(abs(tp2[i] - tp1[i]) for i in tp1) < 1e-5
+    # The first loss is the imported adapter's: not the base model's.
+    tokens = H.tokens(vocab=300, length=32)
+    checkpoint = base / "tp1" / "checkpoint" / "iter_0000004"
+    out = tmp_path / "adapter"
+    run(ExportArguments(model=str(checkpoint), output_dir=str(out), to_peft=True).validate(),
+        log=quiet)
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["r"] == 2 and saved["rank_pattern"]["model.layers.0.self_attn.q_proj"] == 7
+    ours = forward_logits(load_model(str(checkpoint), log=quiet).model, tokens)[..., :320]
+    theirs = peft_logits(base / "hf", out, tokens)
+    assert (ours - theirs).abs().max() < 1e-5
+    assert (theirs - peft_logits(base / "hf", continued, tokens)).abs().max() > 1e-4
+
+
+def fake_adapter(folder, tensors, **config):
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, **config}))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("tensors, config, flags, message", [
+    ({}, dict(use_dora=True), {}, "adapter_config.json: use_dora is True: DoRA"),
+    ({}, dict(peft_type="IA3"), {}, "peft_type is 'IA3'; swift-mcore imports LoRA adapters"),
+    ({"base_model.model.lm_head.lora_A.weight": (2, 64)}, {}, {},
+     "tensor base_model.model.lm_head.lora_A.weight is not a LoRA factor of a projection"),
+    ({Q + ".lora_A.weight": (2, 32), Q + ".lora_B.weight": (64, 2)}, {}, {},
+     "model.layers.0.self_attn.q_proj: lora_A [2, 32], lora_B [64, 2]; --model"),
+    ({Q.replace("layers.0", "layers.5") + ".lora_A.weight": (2, 64)}, {}, {},
+     "has no module model.layers.5.self_attn.q_proj (2 layers"),
+    ({Q + ".lora_A.weight": (2, 64), Q + ".lora_B.weight": (64, 2)}, {}, dict(lora_rank=8),
+     "sets the LoRA shape, and these flags disagree with it: --lora_rank 8 (the adapter's 2)"),
+    ({Q + ".lora_A.weight": (3, 64), Q + ".lora_B.weight": (64, 3)}, {}, {},
+     "q_proj has rank 3, adapter_config.json's r/rank_pattern say 2"),
+])
+def test_bad_adapters_are_refused_naming_the_file(base, tmp_path, tensors, config, flags,
+                                                  message):
+    folder = fake_adapter(tmp_path / "adapter", {k: torch.zeros(s) for k, s in tensors.items()}
+                          or {Q + ".lora_A.weight": torch.zeros(2, 64)}, **config)
+    with pytest.raises(ArgumentError) as err:
+        lora_config(base / "hf", folder, **flags)
+    assert message in str(err.value)
+
+
+def test_adapters_needs_lora_and_the_base_model(base, tmp_path):
+    with pytest.raises(ArgumentError, match="--adapters configures LoRA adapters: add "
+                                            "--tuner_type lora"):
+        resolve(PretrainArguments.from_flags(model=str(base / "hf"), adapters=str(tmp_path)),
+                world_size=1)
+    with pytest.raises(ArgumentError, match="give that folder as --model"):
+        resolve(PretrainArguments.from_flags(tuner_type="lora", adapters=str(tmp_path),
+                                             attention_backend="sdpa"), world_size=1)
+    with pytest.raises(ArgumentError, match="no adapter_config.json in"):
+        lora_config(base / "hf", tmp_path)
