@@ -59,3 +59,37 @@ def test_ep2_checkpoint_resumes_at_ep1_exactly(tmp_path):
         assert abs(got[it] - ref[it]) < 1e-6, (it, got[it], ref[it])
     state = json.loads((ep2 / "checkpoint" / "iter_0000002" / "train_state.json").read_text())
     assert state["consumed_train_samples"] == 16
+
+
+def test_tp2_sequence_parallel_gives_the_one_rank_moe_losses(ep1_run, tmp_path):
+    """MoE with TP=2 needs --sequence_parallel (the router's and the norms' gradients are
+    summed over the TP ranks); the alltoall dispatcher over TP x EP = 2 x 1."""
+    out, _ = ep1_run
+    tp2 = tmp_path / "tp2"
+    run_pt(tp2, *MOE, "--moe_z_loss_coeff", "0.001", "--train_iters", "2", "--no_save",
+           "--tensor_model_parallel_size", "2", "--sequence_parallel", nproc=2)
+    ref, got = losses(out), losses(tp2)
+    assert sorted(got) == [1, 2]
+    for it in (1, 2):
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+    assert abs(train_records(tp2)[1]["load_balancing_loss"]
+               - train_records(out)[1]["load_balancing_loss"]) < 1e-5
+
+
+@pytest.mark.benchmark
+def test_tp2_ep2_on_four_ranks_gives_the_one_rank_losses():
+    """benchmarks/moe_tp_ep.py: TP=2 x EP=2 (both dispatchers) against one rank, and its
+    checkpoint resumed at one rank; four ranks per run, too slow for the suite."""
+    import os
+    import subprocess
+    import sys
+
+    from run_helpers import ROOT, child_env
+
+    proc = subprocess.run([sys.executable, os.path.join("benchmarks", "moe_tp_ep.py"),
+                           "--iters", "3"], capture_output=True, text=True, timeout=1800,
+                          cwd=ROOT, env=child_env(PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and set(result["dispatchers"]) == {"alltoall", "allgather"}
+    assert result["resumed_iterations"] == [3]
