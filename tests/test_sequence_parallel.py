@@ -19,9 +19,9 @@ def test_tp2_sequence_parallel_gives_the_one_rank_losses(tmp_path):
     """TP=2 without SP gives the one-rank losses (test_training.py); with SP too. Without
     the norms' gradient reduction the losses differ from iteration 2 on."""
     one, sp = tmp_path / "one", tmp_path / "sp"
-    run_pt(one, *SHAPE, "--train_iters", "3", "--no_save")
+    run_pt(one, *SHAPE, "--train_iters", "3", "--no_save", timeout=900)
     run_pt(sp, *SHAPE, "--train_iters", "3", "--no_save", "--tensor_model_parallel_size", "2",
-           "--sequence_parallel", nproc=2)
+           "--sequence_parallel", nproc=2, timeout=900)
     ref, got = losses(one), losses(sp)
     assert sorted(got) == [1, 2, 3]
     for it in ref:
@@ -39,3 +39,23 @@ def test_sequence_parallel_with_hidden_dropout_is_refused_on_cpu():
         resolve(args, world_size=2, cuda=False)
     args.model.hidden_dropout = 0.0
     assert resolve(args, world_size=2, cuda=False).parallel.sequence_parallel
+
+
+def test_every_torch_norm_slot_of_the_local_spec_is_marked():
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from swift_mcore.models import sequence_parallel_norm as spn
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spn.use_in(spec)
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    slots = (layer.input_layernorm, layer.pre_mlp_layernorm, attention.q_layernorm,
+             attention.k_layernorm)
+    assert all(slot is spn.SequenceParallelNorm for slot in slots)
+    norm = spn.SequenceParallelNorm(SimpleNamespace(normalization="LayerNorm",
+                                                    sequence_parallel=True), 8, eps=1e-6)
+    assert isinstance(norm, torch.nn.LayerNorm) and norm.eps == 1e-6
+    assert [p.sequence_parallel for p in norm.parameters()] == [True, True]
