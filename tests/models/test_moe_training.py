@@ -45,7 +45,8 @@ def test_sft_on_a_qwen3_moe_folder_trains_and_exports_to_transformers(tmp_path, 
         for i in range(64)))
     out = tmp_path / "sft"
     cmd = [sys.executable, "-m", "swift_mcore", "sft", *run_flags(), "--model", str(source),
-           "--dataset", str(data), "--template", "plain", "--seq_length", "64", "--train_iters", "10",
+           "--dataset", str(data), "--template", "plain", "--seq_length", "64",
+           "--train_iters", "10",
            "--lr", "1e-2", "--min_lr", "1e-2", "--save_steps", "10", "--output_dir", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env=child_env())
