@@ -17,7 +17,7 @@ def ep1_run(tmp_path_factory):
     """EP=1, four iterations, a checkpoint at iteration 2."""
     out = tmp_path_factory.mktemp("moe_ep1")
     proc = run_pt(out, *MOE, "--moe_z_loss_coeff", "0.001", "--train_iters", "4",
-                  "--save_steps", "2")
+                  "--save_steps", "2", timeout=600)
     return out, proc
 
 
@@ -61,21 +61,21 @@ def test_ep2_checkpoint_resumes_at_ep1_exactly(tmp_path):
     assert state["consumed_train_samples"] == 16
 
 
-def test_tp2_sequence_parallel_gives_the_one_rank_moe_losses(ep1_run, tmp_path):
+def test_tp2_sequence_parallel_gives_the_one_rank_moe_losses(tmp_path):
     """MoE with TP=2 needs --sequence_parallel (the router's and the norms' gradients are
     summed over the TP ranks); the alltoall dispatcher over TP x EP = 2 x 1, the experts
-    TP-sharded (initialised as slices of one rank's, so from scratch is comparable)."""
-    out, _ = ep1_run
-    tp2 = tmp_path / "tp2"
-    run_pt(tp2, *MOE, "--moe_z_loss_coeff", "0.001", "--train_iters", "2", "--no_save",
-           "--tensor_model_parallel_size", "2", "--sequence_parallel", nproc=2, timeout=900)
-    ref, got = losses(out), losses(tp2)
-    assert sorted(got) == [1, 2]
-    for it in (1, 2):
+    TP-sharded. Without router losses: with them megatron computes the load-balancing loss
+    per TP rank's slice of the sequence, and the losses drift by ~2e-5 from step 2
+    (benchmarks/README.md, moe_tp_ep)."""
+    plain = [*MOE[:-1], "0", "--train_iters", "3", "--no_save"]
+    one, tp2 = tmp_path / "one", tmp_path / "tp2"
+    run_pt(one, *plain, timeout=600)
+    run_pt(tp2, *plain, "--tensor_model_parallel_size", "2", "--sequence_parallel", nproc=2,
+           timeout=900)
+    ref, got = losses(one), losses(tp2)
+    assert sorted(got) == [1, 2, 3]
+    for it in ref:
         assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
-    # Logged, but reduced over the sequence slices otherwise than at one rank (~5e-4 apart,
-    # benchmarks/README.md): not compared.
-    assert all(r["load_balancing_loss"] > 0.9 for r in train_records(tp2))
 
 
 @pytest.mark.benchmark
