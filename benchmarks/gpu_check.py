@@ -41,6 +41,11 @@ LLAMA_1B = ["--num_layers", "16", "--hidden_size", "2048", "--ffn_hidden_size", 
             "--log_interval", "4", "--eval_steps", "0", "--progress_bar", "false",
             "--report_to", "none", "--plot", "false", "--no_save"]
 
+# Mixture of experts on its GPU path: 8 experts top-2 run as Transformer Engine's grouped
+# GEMM (refused on CPU, where megatron's SequentialMLP runs them one after another).
+MOE = ["--num_experts", "8", "--moe_router_topk", "2", "--moe_ffn_hidden_size", "256",
+       "--moe_aux_loss_coeff", "0.01", "--moe_grouped_gemm"]
+
 
 @dataclass
 class Path:
@@ -96,6 +101,12 @@ def paths(work: str, gpus: int) -> List[Path]:
              SMALL + ["--train_iters", "4", "--no_save", "--tensor_model_parallel_size", "2",
                       "--sequence_parallel"], [te, "TP 2", "CUDA_DEVICE_MAX_CONNECTIONS=1"],
              gpus=2, output="tp2_sp"),
+        Path("MoE, TE grouped GEMM experts, alltoall", "pt", SMALL + MOE + [
+            "--train_iters", "4", "--no_save"], [te, "bf16"], output="moe_grouped_gemm",
+             decisions={"layer_spec": "transformer_engine"}),
+        Path("MoE, grouped GEMM, EP 2", "pt", SMALL + MOE + [
+            "--train_iters", "4", "--no_save", "--expert_model_parallel_size", "2"], [te],
+             gpus=2, output="moe_ep2"),
         Path("throughput: ~1B Llama, seq 4096, bf16", "pt", LLAMA_1B, [te, "bf16"],
              output="llama_1b"),
     ]
@@ -200,7 +211,7 @@ def run(path: Path, work: str, gpus: int, timeout: float) -> None:
     else:
         last = records[-1]
         path.metrics = {k: last.get(k) for k in ("loss", "tokens_per_s", "tflops", "mfu_percent",
-                                                 "peak_memory_gb")}
+                                                 "peak_memory_gb", "load_balancing_loss")}
         path.status = "pass"
         path.note = (f"loss {last['loss']:.3f}, {last.get('tokens_per_s', 0):.0f} tokens/s, "
                      f"{last.get('tflops', 0):.1f} TFLOP/s, MFU {last.get('mfu_percent', 0):.1f}%, "

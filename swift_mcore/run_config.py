@@ -286,18 +286,28 @@ def check_hardware(flags: PretrainArguments, cuda: bool) -> str:
                             "the GPU and megatron's collectives on them (reduce-scatter, "
                             "all-gather) need nccl; drop the flag (nccl is the default with "
                             "CUDA), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU")
-    if p.sequence_parallel and not cuda:
-        raise ArgumentError("--sequence_parallel is supported on CUDA only (the local torch "
-                            "norms do not reduce their gradients across TP ranks)")
     return p.distributed_backend or ("nccl" if cuda else "gloo")
 
 
 def check_sequence_parallel(flags: PretrainArguments, cuda: bool, layer_spec: str,
                             apex: bool) -> None:
     """--sequence_parallel needs norms that support it: Transformer Engine's (its layer spec)
-    or apex's fused LayerNorm. megatron's torch norms (the local spec without apex, and every
-    RMSNorm of the local spec) assert 'sequence parallel not supported by torch LayerNorm'."""
-    if not flags.parallel.sequence_parallel or not cuda:
+    or apex's fused LayerNorm on a GPU. megatron's torch norms (the local spec without apex,
+    and every RMSNorm of the local spec) assert 'sequence parallel not supported by torch
+    LayerNorm'; on CPU the local spec's norms are models/sequence_parallel_norm.py's, whose
+    gradients megatron sums over the TP ranks. Not yet measured on a GPU, where the check
+    stays as it was. CPU dropout draws from one generator shared by the TP ranks (megatron's
+    inference RNG tracker, runtime/seed.py), so each rank's slice of the sequence would get
+    the same hidden-dropout mask: refused."""
+    if not flags.parallel.sequence_parallel:
+        return
+    if not cuda:
+        if flags.model.hidden_dropout:
+            raise ArgumentError(
+                f"--sequence_parallel with --hidden_dropout {flags.model.hidden_dropout} on CPU: "
+                f"the tensor-parallel ranks draw dropout from one generator, so each slice of "
+                f"the sequence would get the same mask; set --hidden_dropout 0 or drop "
+                f"--sequence_parallel")
         return
     if layer_spec == "transformer_engine":
         return

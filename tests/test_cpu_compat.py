@@ -137,3 +137,46 @@ def test_norm_recompute_needs_no_transformer_engine_on_cpu():
     y.sum().backward()
     expected = torch.autograd.grad((norm(x) * 3.0).sum(), x)[0]
     assert torch.allclose(x.grad, expected, atol=1e-6)
+
+
+def _uneven_collectives(rank, port, results):
+    """One of two gloo ranks: megatron's gather/reduce-scatter along the first dimension
+    with a different number of rows per rank (the MoE dispatchers' routed tokens)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    cpu_compat.activate()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    group = dist.new_group([0, 1])
+    sizes = [2, 3]
+    mine = torch.arange(sizes[rank] * 2, dtype=torch.float32).reshape(-1, 2) + 10 * rank
+    gathered = mappings._gather_along_first_dim(mine, group, output_split_sizes=sizes)
+    full = torch.arange(10, dtype=torch.float32).reshape(5, 2) * (rank + 1)
+    scattered = mappings._reduce_scatter_along_first_dim(full, group, input_split_sizes=sizes)
+    results.put((rank, gathered, scattered))
+    dist.destroy_process_group()
+
+
+def test_uneven_gather_and_reduce_scatter_on_gloo():
+    """gloo refuses pieces of different sizes ('ProcessGroupGloo::allgather: invalid tensor
+    size'); the adaptation pads, exchanges and cuts back."""
+    import torch.multiprocessing as mp
+
+    from run_helpers import free_port
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_uneven_collectives, args=(rank, port, results))
+             for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict((rank, (g, s)) for rank, g, s in (results.get(timeout=240) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    expected = torch.cat([torch.arange(4.0).reshape(2, 2), torch.arange(6.0).reshape(3, 2) + 10])
+    full_sum = torch.arange(10.0).reshape(5, 2) * 3  # rank 0's tensor plus rank 1's (x2)
+    for rank in (0, 1):
+        assert torch.equal(got[rank][0], expected)
+    assert torch.equal(got[0][1], full_sum[:2]) and torch.equal(got[1][1], full_sum[2:])

@@ -20,7 +20,8 @@ def test_dry_run_parses_every_command():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     names = [p["name"] for p in result["paths"]]
     for wanted in ("TE spec", "resume", "THD", "fp16", "--use_distributed_optimizer",
-                   "recompute full", "recompute selective", "sequence parallel", "1B Llama"):
+                   "recompute full", "recompute selective", "sequence parallel", "grouped GEMM",
+                   "1B Llama"):
         assert any(wanted in name for name in names), wanted
     assert all(p["status"] == "parses" for p in result["paths"]), result["paths"]
     assert proc.stdout.count("would run: ") == len(names)

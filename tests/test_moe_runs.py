@@ -17,7 +17,7 @@ def ep1_run(tmp_path_factory):
     """EP=1, four iterations, a checkpoint at iteration 2."""
     out = tmp_path_factory.mktemp("moe_ep1")
     proc = run_pt(out, *MOE, "--moe_z_loss_coeff", "0.001", "--train_iters", "4",
-                  "--save_steps", "2")
+                  "--save_steps", "2", timeout=600)
     return out, proc
 
 
@@ -59,3 +59,43 @@ def test_ep2_checkpoint_resumes_at_ep1_exactly(tmp_path):
         assert abs(got[it] - ref[it]) < 1e-6, (it, got[it], ref[it])
     state = json.loads((ep2 / "checkpoint" / "iter_0000002" / "train_state.json").read_text())
     assert state["consumed_train_samples"] == 16
+
+
+def test_tp2_sequence_parallel_gives_the_one_rank_moe_losses(tmp_path):
+    """MoE with TP=2 needs --sequence_parallel (the router's and the norms' gradients are
+    summed over the TP ranks); the alltoall dispatcher over TP x EP = 2 x 1, the experts
+    TP-sharded. Without router losses: with them megatron computes the load-balancing loss
+    per TP rank's slice of the sequence, and the losses drift by ~2e-5 from step 2
+    (benchmarks/README.md, moe_tp_ep)."""
+    plain = [*MOE[:-1], "0", "--train_iters", "3", "--no_save"]
+    one, tp2 = tmp_path / "one", tmp_path / "tp2"
+    run_pt(one, *plain, timeout=600)
+    run_pt(tp2, *plain, "--tensor_model_parallel_size", "2", "--sequence_parallel", nproc=2,
+           timeout=900)
+    ref, got = losses(one), losses(tp2)
+    assert sorted(got) == [1, 2, 3]
+    for it in ref:
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+
+
+@pytest.mark.benchmark
+@pytest.mark.xfail(strict=True, reason="known gap: with sequence parallelism megatron computes "
+                   "the router's load-balancing and z-losses on each TP rank's slice of the "
+                   "sequence, so TP2 x EP2 is 4.3e-5 off one rank, not 1e-5 "
+                   "(benchmarks/README.md, 'TP x EP')")
+def test_tp2_ep2_on_four_ranks_gives_the_one_rank_losses():
+    """benchmarks/moe_tp_ep.py: TP=2 x EP=2 (both dispatchers) against one rank, and its
+    checkpoint resumed at one rank; four ranks per run, too slow for the suite."""
+    import os
+    import subprocess
+    import sys
+
+    from run_helpers import ROOT, child_env
+
+    proc = subprocess.run([sys.executable, os.path.join("benchmarks", "moe_tp_ep.py"),
+                           "--iters", "4"], capture_output=True, text=True, timeout=1800,
+                          cwd=ROOT, env=child_env(PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and set(result["dispatchers"]) == {"alltoall", "allgather"}
+    assert result["resumed_iterations"] == [4]

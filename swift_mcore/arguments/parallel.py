@@ -13,8 +13,9 @@ class ParallelArguments:
     tensor_model_parallel_size: int = flag(1, "Tensor-parallel ranks per model replica.")
     pipeline_model_parallel_size: int = flag(1, "Pipeline stages per model replica.")
     sequence_parallel: bool = flag(False, "Shard layer norms and dropout along the sequence "
-                                   "across tensor-parallel ranks (CUDA, with Transformer "
-                                   "Engine's layer spec or apex; docs/gpu.md).")
+                                   "across tensor-parallel ranks (needed by MoE with TP). "
+                                   "On a GPU with Transformer Engine's layer spec or apex "
+                                   "(docs/gpu.md); on CPU with --hidden_dropout 0.")
     num_buckets: Optional[int] = flag(
         None, "Split gradients into this many all-reduce buckets (sets bucket_size to "
         "ceil(trainable parameters / num_buckets)); needs --overlap_grad_reduce.")

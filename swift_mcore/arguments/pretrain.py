@@ -267,8 +267,8 @@ class PretrainArguments:
             raise ArgumentError(
                 f"--num_experts with --tensor_model_parallel_size {tp} needs "
                 f"--sequence_parallel (megatron's MoE layer refuses to train with tensor "
-                f"parallelism without it; CUDA only): use --expert_model_parallel_size "
-                f"instead of TP, or add --sequence_parallel on a GPU")
+                f"parallelism without it): add --sequence_parallel, or use "
+                f"--expert_model_parallel_size instead of TP")
         if m.add_bias_linear:
             raise ArgumentError("--num_experts with --add_bias_linear: megatron's MoE layer "
                                 "has no bias in its experts; drop --add_bias_linear")

@@ -128,6 +128,12 @@ def layer_spec(config, moe: bool = False):
         # Keeps one fewer [tokens, ffn] tensor than Hugging Face's Llama for the backward
         # pass, two fewer than megatron's unfused glu, with the same gradients (swiglu.py).
         spec.submodules.mlp.submodules.activation_func = SwiGLU
+    if config.parallel.sequence_parallel:
+        from . import sequence_parallel_norm
+
+        # megatron's torch norms refuse sequence parallelism; these sum their gradients
+        # over the TP ranks (sequence_parallel_norm.py).
+        sequence_parallel_norm.use_in(spec)
     return spec
 
 

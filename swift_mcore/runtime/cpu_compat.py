@@ -35,7 +35,9 @@ PATCHED_MODULES = {
     "megatron.core.pipeline_parallel.schedules": "token counter on 'cuda' (596, 983, 2138)",
     "megatron.core.pipeline_parallel.p2p_communication":
         "receive buffers on the CUDA device, synchronize (313, 398)",
-    "megatron.core.tensor_parallel.mappings": "all-gather buffers on the CUDA device (181)",
+    "megatron.core.tensor_parallel.mappings":
+        "all-gather buffers on the CUDA device (181); uneven all_gather/reduce_scatter of the "
+        "MoE dispatchers with TP (150, 193), which gloo refuses",
     "megatron.core.transformer.utils": "default causal mask built on 'cuda' (35)",
     "megatron.core.tensor_parallel.layers": "weight-grad buffers on the CUDA device (552)",
     "megatron.core.tensor_parallel.random":
@@ -177,9 +179,37 @@ class _CpuCuda:
 class _GlooDistributed(ModuleProxy):
     """torch.distributed for a patched module: gloo has no ReduceOp.AVG (the MoE aux-loss
     tracker averages over the data-parallel ranks with it, moe_utils.py:946), so AVG is
-    a SUM divided by the group's size."""
+    a SUM divided by the group's size. gloo's all_gather and reduce_scatter also need
+    every rank's piece to have one size; with TP and sequence parallelism megatron's MoE
+    token dispatchers gather and reduce-scatter the routed tokens, a different number per
+    rank (mappings.py:150 and 193, from token_dispatcher.py). Those pieces are padded to
+    the longest, exchanged, and cut back: the same values."""
 
     MODULE = torch.distributed
+
+    @staticmethod
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if len({t.shape for t in tensor_list}) <= 1:
+            return torch.distributed.all_gather(tensor_list, tensor, group=group,
+                                                async_op=async_op)
+        gathered = [torch.empty_like(t) for t in _padded(tensor_list)]
+        torch.distributed.all_gather(gathered, _padded([tensor], gathered[0].shape[0])[0],
+                                     group=group)
+        for out, piece in zip(tensor_list, gathered):
+            out.copy_(piece[: out.shape[0]])
+        return _NoEvent() if async_op else None
+
+    @staticmethod
+    def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None,
+                       async_op=False):
+        if len({t.shape for t in input_list}) <= 1:
+            return torch.distributed.reduce_scatter(output, input_list, op=op, group=group,
+                                                    async_op=async_op)
+        pieces = _padded(input_list)
+        reduced = torch.empty_like(pieces[0])
+        torch.distributed.reduce_scatter(reduced, pieces, op=op, group=group)
+        output.copy_(reduced[: output.shape[0]])
+        return _NoEvent() if async_op else None
 
     @staticmethod
     def all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
@@ -188,6 +218,17 @@ class _GlooDistributed(ModuleProxy):
             tensor.div_(torch.distributed.get_world_size(group))
             return _NoEvent() if async_op else None  # done already: wait() has nothing to do
         return torch.distributed.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def _padded(tensors, length=None):
+    """Each tensor zero-padded along dim 0 to ``length`` (default: the longest)."""
+    length = max(t.shape[0] for t in tensors) if length is None else length
+    out = []
+    for t in tensors:
+        piece = t.new_zeros((length, *t.shape[1:]))
+        piece[: t.shape[0]] = t
+        out.append(piece)
+    return out
 
 
 class _CpuTorch(ModuleProxy):

@@ -1,0 +1,61 @@
+"""Sequence parallelism on CPU (gloo): TP=2 with --sequence_parallel computes what one rank
+does (the norms' gradients summed over the TP ranks), and what CPU refuses with it."""
+
+import pytest
+
+from run_helpers import losses, run_pt, train_records
+from swift_mcore.arguments import parse_args
+from swift_mcore.errors import ArgumentError
+from swift_mcore.run_config import resolve
+
+# LayerNorm (a weight and a bias) and the q/k norms: every norm slot of the local spec
+# (sequence_parallel_norm.py); RMSNorm is the default.
+# A high learning rate: Adam's step barely depends on a gradient's scale, so the partial
+# (unreduced) norm gradients of a broken reduction show only where their sign differs.
+SHAPE = ["--normalization", "LayerNorm", "--qk_layernorm", "--lr", "1e-2", "--min_lr", "1e-2"]
+
+
+def test_tp2_sequence_parallel_gives_the_one_rank_losses(tmp_path):
+    """TP=2 without SP gives the one-rank losses (test_training.py); with SP too. Without
+    the norms' gradient reduction the losses differ from iteration 2 on."""
+    one, sp = tmp_path / "one", tmp_path / "sp"
+    run_pt(one, *SHAPE, "--train_iters", "3", "--no_save", timeout=900)
+    run_pt(sp, *SHAPE, "--train_iters", "3", "--no_save", "--tensor_model_parallel_size", "2",
+           "--sequence_parallel", nproc=2, timeout=900)
+    ref, got = losses(one), losses(sp)
+    assert sorted(got) == [1, 2, 3]
+    for it in ref:
+        assert abs(got[it] - ref[it]) <= 1e-5, (it, got[it], ref[it])
+    norms = zip(train_records(one), train_records(sp))
+    assert all(abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 for a, b in norms)
+
+
+def test_sequence_parallel_with_hidden_dropout_is_refused_on_cpu():
+    args = parse_args(["--num_layers", "2", "--micro_batch_size", "1", "--global_batch_size",
+                       "4", "--tensor_model_parallel_size", "2", "--sequence_parallel",
+                       "--hidden_dropout", "0.1"])
+    with pytest.raises(ArgumentError, match="--sequence_parallel with --hidden_dropout 0.1 "
+                                            "on CPU.*set --hidden_dropout 0"):
+        resolve(args, world_size=2, cuda=False)
+    args.model.hidden_dropout = 0.0
+    assert resolve(args, world_size=2, cuda=False).parallel.sequence_parallel
+
+
+def test_every_torch_norm_slot_of_the_local_spec_is_marked():
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from swift_mcore.models import sequence_parallel_norm as spn
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spn.use_in(spec)
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    slots = (layer.input_layernorm, layer.pre_mlp_layernorm, attention.q_layernorm,
+             attention.k_layernorm)
+    assert all(slot is spn.SequenceParallelNorm for slot in slots)
+    norm = spn.SequenceParallelNorm(SimpleNamespace(normalization="LayerNorm",
+                                                    sequence_parallel=True), 8, eps=1e-6)
+    assert isinstance(norm, torch.nn.LayerNorm) and norm.eps == 1e-6
+    assert [p.sequence_parallel for p in norm.parameters()] == [True, True]
