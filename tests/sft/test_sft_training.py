@@ -46,22 +46,39 @@ def assert_close(a, b, tol=1e-5):
         assert abs(a[it] - b[it]) <= tol, (it, a[it], b[it])
 
 
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory, conversations):
+    """layouts(packing): a folder with the same 3 iterations (global batch 8) run on three
+    layouts, mb4 (DP=1, 2 micro-batches of 4), mb1 (DP=1, 8 of 1) and dp2 (2 ranks, 2 of 2
+    each); run once per --packing value and shared (--log_sample_ids changes no number)."""
+    runs = {}
+
+    def get(packing):
+        if packing not in runs:
+            base = tmp_path_factory.mktemp(f"layouts_packing_{packing}")
+            common = ["--train_iters", "3", "--no_save", "--packing", packing,
+                      "--global_batch_size", "8", "--log_sample_ids"]
+            sft(base / "mb4", conversations, *common, "--micro_batch_size", "4")
+            sft(base / "mb1", conversations, *common, "--micro_batch_size", "1")
+            sft(base / "dp2", conversations, *common, "--micro_batch_size", "2", nproc=2)
+            runs[packing] = base
+        return runs[packing]
+
+    return get
+
+
 @pytest.mark.parametrize("packing", ["false", "true"])
-def test_loss_is_the_token_mean_whatever_the_layout(tmp_path, conversations, packing):
+def test_loss_is_the_token_mean_whatever_the_layout(layouts, packing):
     """DP=1 with 2 micro-batches, DP=1 with 8 and DP=2 give the same losses: the loss is
     summed over answer tokens and divided by the global batch's count, on every layout."""
-    common = ["--train_iters", "3", "--no_save", "--packing", packing,
-              "--global_batch_size", "8"]
-    sft(tmp_path / "mb4", conversations, *common, "--micro_batch_size", "4")
-    sft(tmp_path / "mb1", conversations, *common, "--micro_batch_size", "1")
-    sft(tmp_path / "dp2", conversations, *common, "--micro_batch_size", "2", nproc=2)
-    reference = losses(tmp_path / "mb4")
+    runs = layouts(packing)
+    reference = losses(runs / "mb4")
     assert sorted(reference) == [1, 2, 3]
-    assert_close(reference, losses(tmp_path / "mb1"))
-    assert_close(reference, losses(tmp_path / "dp2"))
+    assert_close(reference, losses(runs / "mb1"))
+    assert_close(reference, losses(runs / "dp2"))
     # Real tokens (those behind tokens/s) are the same on every layout, though each layout
     # pads differently (1 row per micro-batch pads nothing).
-    counts = [[r["tokens"] for r in train_records(tmp_path / d)] for d in ("mb4", "mb1", "dp2")]
+    counts = [[r["tokens"] for r in train_records(runs / d)] for d in ("mb4", "mb1", "dp2")]
     assert counts[0] == counts[1] == counts[2] and all(n > 0 for n in counts[0])
 
 
@@ -147,25 +164,26 @@ def test_end_to_end_example_reproduces_the_answers(tmp_path):
         assert got.tolist() == want.tolist()
 
 
-def test_tokens_count_real_tokens_not_padding(tmp_path, conversations):
+def test_tokens_count_real_tokens_not_padding(layouts, conversations):
     """metrics.jsonl's tokens (and so tokens/s) are the conversations' own positions: the
-    padding of each micro-batch is left out."""
+    padding of each micro-batch is left out (the unpacked layouts' run of 2 micro-batches of
+    4 per iteration)."""
     from swift_mcore.arguments import SftArguments
     from swift_mcore.data import default_tokenizer
     from swift_mcore.data.sampler import GlobalOrder
     from swift_mcore.data.sft_datasets import build_sft_datasets
     from swift_mcore.run_config import resolve
 
-    sft(tmp_path / "run", conversations, "--train_iters", "2", "--no_save",
-        "--log_sample_ids", "--micro_batch_size", "4", "--global_batch_size", "8")
+    run = layouts("false") / "mb4"
     args = SftArguments.from_flags(dataset=[str(conversations)], seq_length=192,
                                    template="plain")
     args = resolve(args, world_size=1)
     train, _, _ = build_sft_datasets(args, default_tokenizer(), log=lambda line: None)
     order = GlobalOrder(len(train), args.training.seed)
     logged = [json.loads(line) for line in
-              (tmp_path / "run" / "sample_ids.jsonl").read_text().splitlines()]
-    for record, metrics in zip(logged, train_records(tmp_path / "run")):
+              (run / "sample_ids.jsonl").read_text().splitlines()]
+    assert len(logged) == len(train_records(run)) == 3
+    for record, metrics in zip(logged, train_records(run)):
         real = sum(len(train[order[p]]["tokens"]) for p in record["sample_ids"])
         assert metrics["tokens"] == real  # less than the padded batch: lengths differ
         assert real < 8 * max(len(train[order[p]]["tokens"]) for p in record["sample_ids"])
