@@ -1,7 +1,16 @@
 """swift-mcore: pretraining and finetuning of GPT models on megatron-core, resumable exactly."""
 
 from .arguments import PretrainArguments, SftArguments
-from .training.trainer import Trainer
 
 __version__ = "0.1.0"
 __all__ = ["PretrainArguments", "SftArguments", "Trainer", "__version__"]
+
+
+def __getattr__(name):
+    # The trainer (and megatron-core with it) is imported on first use, so that the CLI
+    # can settle the environment megatron is imported under first (cli.main).
+    if name == "Trainer":
+        from .training.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'swift_mcore' has no attribute {name!r}")

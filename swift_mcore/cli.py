@@ -29,6 +29,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"swift-mcore: unknown command '{command}'; choose one of: "
               f"{', '.join(COMMANDS)}\n\n{usage}", file=sys.stderr)
         return 2
+    if not {"-h", "--help"} & set(rest):
+        from .runtime.hardware import eager_fusions_without_cuda
+
+        eager_fusions_without_cuda()
     return COMMANDS[command][0](rest)
 
 

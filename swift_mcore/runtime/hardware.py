@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 
@@ -39,3 +40,14 @@ def _usable_with_cuda(*modules: str) -> bool:
     except Exception:
         return False
     return True
+
+
+def eager_fusions_without_cuda() -> None:
+    """Without CUDA, megatron-core's torch.compile'd elementwise fusions become plain
+    functions: TORCHDYNAMO_DISABLE=1 unless the environment sets it. megatron decorates them
+    with torch.compile when its modules are imported, and on CPU that decoration alone costs
+    every process about 2 s (inductor's import) for functions the CPU path runs eagerly
+    anyway (the losses are bit-identical either way). Must run before megatron is imported;
+    the ranks a launcher starts inherit it."""
+    if "TORCHDYNAMO_DISABLE" not in os.environ and not cuda_available():
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"

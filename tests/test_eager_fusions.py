@@ -1,0 +1,31 @@
+"""Without CUDA the CLI has megatron's torch.compile'd fusions decorated as plain functions
+(runtime/hardware.eager_fusions_without_cuda): no inductor import per process."""
+
+import subprocess
+import sys
+
+from run_helpers import ROOT, child_env
+
+PROBE = ("import os, sys; {setup}; import megatron.core.fusions.fused_bias_geglu as m; "
+         "print(hasattr(m.geglu, '_torchdynamo_orig_callable'), "
+         "os.environ.get('TORCHDYNAMO_DISABLE'))")
+
+
+def probe(setup: str, **env) -> str:
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(setup=setup)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=child_env(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="",
+                                        **env))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.split()[-2:]
+
+
+def test_the_cli_leaves_megatrons_fusions_uncompiled_without_cuda():
+    # What `python -m swift_mcore` does: the package, then cli.main before any command.
+    setup = "import swift_mcore.cli; assert 'megatron.core' not in sys.modules; " \
+            "from swift_mcore.runtime.hardware import eager_fusions_without_cuda; " \
+            "eager_fusions_without_cuda()"
+    assert probe(setup) == ["False", "1"]
+    # Left alone, megatron wraps them in torch.compile; a user's own setting is kept.
+    assert probe("pass") == ["True", "None"]
+    assert probe(setup, TORCHDYNAMO_DISABLE="0") == ["True", "0"]
