@@ -1,6 +1,7 @@
 """Without CUDA the CLI has megatron's torch.compile'd fusions decorated as plain functions
 (runtime/hardware.eager_fusions_without_cuda): no inductor import per process."""
 
+import os
 import subprocess
 import sys
 
@@ -26,6 +27,18 @@ def test_the_cli_leaves_megatrons_fusions_uncompiled_without_cuda():
             "from swift_mcore.runtime.hardware import eager_fusions_without_cuda; " \
             "eager_fusions_without_cuda()"
     assert probe(setup) == ["False", "1"]
-    # Left alone, megatron wraps them in torch.compile; a user's own setting is kept.
+    # Left alone, megatron wraps them in torch.compile.
     assert probe("pass") == ["True", "None"]
-    assert probe(setup, TORCHDYNAMO_DISABLE="0") == ["True", "0"]
+
+
+def test_a_users_own_dynamo_setting_is_kept(monkeypatch):
+    from swift_mcore.runtime import hardware
+
+    monkeypatch.setattr(hardware, "cuda_available", lambda: False)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    hardware.eager_fusions_without_cuda()
+    assert os.environ["TORCHDYNAMO_DISABLE"] == "0"
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+    monkeypatch.setattr(hardware, "cuda_available", lambda: True)
+    hardware.eager_fusions_without_cuda()  # with CUDA megatron's compiled fusions stay
+    assert "TORCHDYNAMO_DISABLE" not in os.environ
