@@ -13,10 +13,12 @@ PROBE = ("import os, sys; {setup}; import megatron.core.fusions.fused_bias_geglu
 
 
 def probe(setup: str, **env) -> str:
+    # An earlier test's in-process cli.main may have set the variable in this process.
+    clean = {k: v for k, v in child_env().items() if k != "TORCHDYNAMO_DISABLE"}
     proc = subprocess.run([sys.executable, "-c", PROBE.format(setup=setup)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
-                          env=child_env(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="",
-                                        **env))
+                          env={**clean, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
+                               **env})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.split()[-2:]
 
