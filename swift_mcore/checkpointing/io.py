@@ -33,21 +33,11 @@ def model_keys(model: List[torch.nn.Module]) -> List[str]:
 def model_sharded_state_dict(model, metadata: Optional[dict] = None) -> Dict[str, Any]:
     """Each chunk's sharded tensors; of a LoRA model only what trains (models/lora.py).
     ``metadata``: megatron's content metadata (``sharded_state_dict``)."""
-    lora = _lora_if_applied()
-    states = {}
-    for key, chunk in zip(model_keys(model), model):
-        sharded = unwrap(chunk).sharded_state_dict(metadata=metadata)
-        states[key] = lora.checkpoint_state(unwrap(chunk), sharded) if lora else sharded
-    return states
+    from ..models.lora import checkpoint_state
 
-
-def _lora_if_applied():
-    """models/lora.py if this process has imported it, else None. Only its ``apply`` makes a
-    chunk a LoRA model, so without it every chunk is a full one; importing it would load
-    peft and transformers (seconds of every full-parameter run's start-up) for nothing."""
-    import sys
-
-    return sys.modules.get("swift_mcore.models.lora")
+    return {key: checkpoint_state(unwrap(chunk), unwrap(chunk).sharded_state_dict(
+                metadata=metadata))
+            for key, chunk in zip(model_keys(model), model)}
 
 
 def optimizer_has_state(optimizer) -> bool:
@@ -302,11 +292,11 @@ def restore_model(model, loaded: Dict[str, Any]) -> None:
     attention, or from a checkpoint saved without TE), and a LoRA model's frozen base
     weights (its checkpoints hold the adapters only; models/lora.py). Any other missing or
     unexpected key is a CheckpointError naming it."""
-    lora = _lora_if_applied()
+    from ..models.lora import frozen_keys
+
     for key, chunk in zip(model_keys(model), model):
         result = unwrap(chunk).load_state_dict(loaded[key], strict=False)
-        # a LoRA checkpoint holds no base weights
-        frozen = lora.frozen_keys(unwrap(chunk)) if lora else set()
+        frozen = frozen_keys(unwrap(chunk))  # a LoRA checkpoint holds no base weights
         missing = [k for k in result.missing_keys
                    if not k.endswith(EXTRA_STATE) and k not in frozen]
         problems = []

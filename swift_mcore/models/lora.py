@@ -1,31 +1,25 @@
-"""LoRA on megatron's GPTModel through peft: which layers get adapters, the tensor-parallel
-adapter layer peft is given for megatron's linears, what a LoRA checkpoint holds, the base
-weights' reference, merging, and the adapter in peft's own format (HF module names).
+"""LoRA on megatron's GPTModel through peft: which layers get adapters, what a LoRA
+checkpoint holds, the base weights' reference, merging, and the adapter in peft's own
+format (HF module names).
 
-peft 0.21's own megatron dispatcher fails before building a layer (it reads a
-``fan_in_fan_out`` keyword peft no longer passes), and its parallel layer returns the tuple
-megatron's linears give into the next matmul. So ``LoraParallelLinear`` below is registered
-with peft as the LoRA layer of ``ColumnParallelLinear`` and ``RowParallelLinear``
-(``LoraConfig._register_custom_module``); peft injects it, freezes the base, and keeps its
-bookkeeping (scaling, dropout, merge state). The layout follows peft's design: for a
-column-parallel base, A (r x in) is replicated and B is column-parallel; for a row-parallel
-base, A is row-parallel and B (out x r) replicated. Every TP rank thus holds the shard of
-B·A that matches its shard of the base weight, and the adapters' gradients reach the
-replicated factor through megatron's own region mappings.
+``LoraParallelLinear`` (models/lora_layer.py) is registered with peft as the LoRA layer of
+``ColumnParallelLinear`` and ``RowParallelLinear`` (``LoraConfig._register_custom_module``);
+peft injects it, freezes the base, and keeps its bookkeeping (scaling, dropout, merge
+state). Every TP rank holds the shard of B·A that matches its shard of the base weight,
+and the adapters' gradients reach the replicated factor through megatron's own region
+mappings. This module imports peft only where a LoRA model is built or read, so that
+importing it costs a full-parameter run nothing.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import math
 import os
 import re
 import zlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from ..arguments.tuner import MCORE_LINEARS, SAVABLE_MODULES, mcore_targets
@@ -112,154 +106,6 @@ def folder_fingerprint(folder: str) -> str:
     return digest.hexdigest()
 
 
-# ---- the adapter layer -------------------------------------------------------------------
-class LoraParallelLinear(nn.Module, LoraLayer):
-    """peft's LoRA layer for megatron's ColumnParallelLinear / RowParallelLinear: returns
-    megatron's (output, bias) pair, keeps the base weights' checkpoint keys, and draws A's
-    initial values from the seed and the layer's global name, so that they do not depend on
-    the TP/PP layout."""
-
-    def __init__(self, base_layer, adapter_name: str, config, r: int = 0,
-                 lora_alpha: float = 1, **kwargs):
-        from megatron.core import tensor_parallel
-
-        super().__init__()
-        kwargs.pop("megatron_config", None)
-        LoraLayer.__init__(self, base_layer=base_layer, **kwargs)
-        self.is_parallel_a = isinstance(self.get_base_layer(), tensor_parallel.RowParallelLinear)
-        self.fan_in_fan_out = False
-        # set by apply(): the base is a gated linear_fc1 ([gate; up] rows per TP rank)
-        self.gated_rows = False
-        self._active_adapter = adapter_name
-        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
-
-    def update_layer(self, adapter_name: str, r: int, lora_alpha: float, config,
-                     inference_mode: bool = False, **kwargs) -> None:
-        from megatron.core import tensor_parallel
-
-        if r <= 0:
-            raise ValueError(f"LoRA rank must be positive, got {r}")
-        base = self.get_base_layer()
-        self.r[adapter_name] = r
-        self.lora_alpha[adapter_name] = lora_alpha
-        self.lora_dropout[adapter_name] = (nn.Dropout(p=config.lora_dropout)
-                                           if config.lora_dropout > 0 else nn.Identity())
-        # The megatron layers create the full factor on the CPU and keep this rank's slice
-        # (and mark it tensor-parallel for the gradient norm); values are set by init_adapter.
-        mc = copy.copy(base.config)
-        mc.use_cpu_initialization, mc.perform_initialization = True, True
-        dtype = base.weight.dtype
-        zeros = nn.init.zeros_
-        if self.is_parallel_a:
-            lora_a = tensor_parallel.RowParallelLinear(
-                self.in_features, r, config=mc, init_method=zeros, bias=False,
-                input_is_parallel=base.input_is_parallel, skip_bias_add=True)
-            lora_b = nn.Linear(r, self.out_features, bias=False, dtype=dtype)
-        else:
-            lora_a = nn.Linear(self.in_features, r, bias=False, dtype=dtype)
-            lora_b = tensor_parallel.ColumnParallelLinear(
-                r, self.out_features, config=mc, init_method=zeros, bias=False,
-                gather_output=False, skip_bias_add=True)
-        self.lora_A[adapter_name] = lora_a.to(base.weight.device)
-        self.lora_B[adapter_name] = lora_b.to(base.weight.device)
-        self.scaling[adapter_name] = (lora_alpha / math.sqrt(r) if config.use_rslora
-                                      else lora_alpha / r)
-        self.use_rslora[adapter_name] = config.use_rslora
-        self.use_dora[adapter_name] = False
-        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
-
-    @torch.no_grad()
-    def init_adapter(self, seed: int) -> None:
-        """A as peft initialises it (Kaiming-uniform, a=sqrt(5)) from a generator of its
-        own, B = 0 (the model's output is the base model's, exactly)."""
-        from megatron.core import parallel_state
-
-        for name in self.lora_A:
-            a, b = self.lora_A[name].weight, self.lora_B[name].weight
-            full = torch.empty(a.shape[0], self.in_features, dtype=torch.float32)
-            nn.init.kaiming_uniform_(full, a=math.sqrt(5),
-                                     generator=torch.Generator().manual_seed(seed))
-            if self.is_parallel_a:
-                rank = parallel_state.get_tensor_model_parallel_rank()
-                full = full.chunk(parallel_state.get_tensor_model_parallel_world_size(),
-                                  dim=1)[rank]
-            a.copy_(full)
-            b.zero_()
-
-    def forward(self, x: torch.Tensor, *args, **kwargs):
-        result, bias = self.base_layer(x, *args, **kwargs)
-        if self.disable_adapters or self.merged:
-            return result, bias
-        for name in self.active_adapters:
-            if name not in self.lora_A:
-                continue
-            h = self.lora_A[name](self.lora_dropout[name](x.to(self.lora_A[name].weight.dtype)))
-            h = h[0] if isinstance(h, tuple) else h
-            delta = self.lora_B[name](h)
-            delta = delta[0] if isinstance(delta, tuple) else delta
-            result = result + (delta * self.scaling[name]).to(result.dtype)
-        return result, bias
-
-    def get_delta_weight(self, adapter: str) -> torch.Tensor:
-        """This rank's shard of B·A·scaling, the shard layout of the base weight."""
-        return (self.lora_B[adapter].weight @ self.lora_A[adapter].weight) \
-            * self.scaling[adapter]
-
-    @torch.no_grad()
-    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        from peft.tuners.tuners_utils import check_adapters_to_merge
-
-        for name in check_adapters_to_merge(self, adapter_names):
-            weight = self.get_base_layer().weight
-            weight.data = weight.data + self.get_delta_weight(name).to(weight.dtype)
-            self.merged_adapters.append(name)
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        while self.merged_adapters:
-            name = self.merged_adapters.pop()
-            weight = self.get_base_layer().weight
-            weight.data = weight.data - self.get_delta_weight(name).to(weight.dtype)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """The base layer's tensors under their checkpoint keys without the adapter (a
-        LoRA model reads a full checkpoint's weights), the factors as megatron shards."""
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-        def rows_as_gate_and_up(sd, names):
-            # A TP rank's rows of a gated linear_fc1 are [its gate rows; its up rows], not one
-            # slice: megatron's MLP stores such a weight as two sharded halves (its
-            # sharded_state_dict), which it no longer recognises under our keys.
-            if not self.gated_rows:
-                return sd
-            single = (metadata or {}).get("singleton_local_shards", False)
-            return {k: apply_swiglu_sharded_factory(v, sharded_offsets, single)
-                    if k in names else v for k, v in sd.items()}
-
-        out = {}
-        base = self.get_base_layer().sharded_state_dict(prefix, sharded_offsets, metadata)
-        base = rows_as_gate_and_up(base, (prefix + "weight", prefix + "bias"))
-        for key, value in base.items():
-            out[prefix + "base_layer." + key[len(prefix):]] = value
-        for factor in ("lora_A", "lora_B"):
-            for name, module in getattr(self, factor).items():
-                sub = f"{prefix}{factor}.{name}."
-                if hasattr(module, "sharded_state_dict"):
-                    sd = module.sharded_state_dict(sub, sharded_offsets, metadata)
-                    if factor == "lora_B":
-                        sd = rows_as_gate_and_up(sd, (sub + "weight",))
-                    out.update(sd)
-                else:
-                    out.update(make_sharded_tensors_for_checkpoint(
-                        module.state_dict(keep_vars=True), sub, {}, sharded_offsets))
-        return out
-
-    def __repr__(self) -> str:
-        return "lora." + super().__repr__()
-
-
 # ---- applying it -------------------------------------------------------------------------
 def apply(config, chunks) -> list:
     """Collective-free, before DDP: adapters on the chosen layers of every chunk (its base
@@ -270,6 +116,7 @@ def apply(config, chunks) -> list:
     from peft import LoraConfig, inject_adapter_in_model
 
     from .convert import global_name, layer_offset
+    from .lora_layer import LoraParallelLinear
 
     t = config.tuner
     imported = config.lora_import  # --adapters: per-layer ranks of the fused parts
@@ -332,6 +179,7 @@ def load_imported(config, chunk, offset: int) -> None:
     from megatron.core import parallel_state
 
     from .convert import Layout, global_name
+    from .lora_layer import LoraParallelLinear
     from .lora_import import fused_factors, load_tensors
 
     imported = config.lora_import
@@ -393,6 +241,8 @@ def frozen_keys(chunk) -> set:
 def merge_and_unload(model: nn.Module) -> nn.Module:
     """Every adapter merged into its base weight (W + B·A·scaling, as peft's
     merge_and_unload) and the LoRA layers replaced by their base layers, in place."""
+    from .lora_layer import LoraParallelLinear
+
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraParallelLinear):
             module.merge()
@@ -419,6 +269,8 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     LoRA model, with Hugging Face module names: peft.PeftModel.from_pretrained(base) gives
     the same function. A fused layer's A is shared by its parts; B's rows are split as the
     weight's are (per query group for q/k/v, halves for gate/up)."""
+    from .lora_layer import LoraParallelLinear
+
     tensors: Dict[str, torch.Tensor] = {}
     targets = set()
     ranks: Dict[str, Tuple[int, float]] = {}  # HF module -> (rank, alpha)

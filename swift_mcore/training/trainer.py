@@ -178,14 +178,11 @@ class Trainer:
     def build_model(self) -> list:
         """This rank's model chunks: --model's weights loaded, then --tuner_type lora's
         adapters (the base frozen), before DDP buckets the parameters that train."""
+        from ..models import lora
         from ..models.gpt import build_model
 
         chunks = build_model(self.config)
         self.load_pretrained_weights(chunks)
-        if self.config.tuner.tuner_type != "lora":
-            return chunks  # models/lora.py imports peft (and transformers): seconds, unused
-        from ..models import lora
-
         return lora.apply(self.config, chunks)
 
     def load_pretrained_weights(self, chunks) -> None:
@@ -469,10 +466,10 @@ class Trainer:
 
     def log_tuner(self) -> None:
         """--tuner_type lora: how many parameters train out of how many, and where."""
-        if self.config.tuner.tuner_type != "lora":
-            return  # before importing models/lora.py, whose peft import costs seconds
         from ..models import lora
 
+        if not lora.enabled(self.config):
+            return
         trainable, total = map(self.count_all_parameters, lora.parameter_counts(self.model))
         t = self.config.tuner
         where = t.target_regex and f"--target_regex {t.target_regex}" or ",".join(

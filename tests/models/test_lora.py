@@ -58,6 +58,7 @@ def test_lora_refuses_transformer_engine_linears_and_merge_needs_to_hf():
 def test_adapters_start_as_the_base_model_and_merge_as_peft_does(gloo_group):
     from swift_mcore.loaded_model import forward_logits
     from swift_mcore.models import lora
+    from swift_mcore.models.lora_layer import LoraParallelLinear
     from swift_mcore.models.gpt import build_model
     from swift_mcore.runtime import seed
 
@@ -79,14 +80,14 @@ def test_adapters_start_as_the_base_model_and_merge_as_peft_does(gloo_group):
     weight = layer.base_layer.weight.detach().clone()
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, lora.LoraParallelLinear):
+            if isinstance(module, LoraParallelLinear):
                 module.lora_B["default"].weight.normal_(0, 0.05)
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     expected = weight + (b @ a) * (32 / 4)  # alpha/r
     unmerged = forward_logits(model, tokens)
     assert (unmerged - base).abs().max() > 1e-3
     lora.merge_and_unload(model)
-    assert not any(isinstance(m, lora.LoraParallelLinear) for m in model.modules())
+    assert not any(isinstance(m, LoraParallelLinear) for m in model.modules())
     assert torch.equal(model.decoder.layers[0].self_attention.linear_qkv.weight, expected)
     assert torch.allclose(forward_logits(model, tokens), unmerged, atol=1e-5)
 
