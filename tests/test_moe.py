@@ -76,6 +76,44 @@ def test_layer_pattern_builds_dense_and_moe_layers(gloo_group):
     assert out.shape == (2, 16, 256) and torch.isfinite(out).all()
 
 
+def test_router_loss_coefficients_are_scaled_by_tp():
+    """megatron-core 0.16.1 weighs each TP rank's router losses by its 1/TP slice of the
+    tokens: the coefficients it gets are the flags' times TP (models/gpt.py; the runs that
+    show the effect are in test_moe_runs.py), and the flags themselves stay as given."""
+    from swift_mcore.models.gpt import transformer_config
+
+    flags = ["--num_experts", "4", "--moe_aux_loss_coeff", "0.01", "--moe_z_loss_coeff",
+             "0.001"]
+    one = transformer_config(resolved(*flags).complete(256, None), initialize=False)
+    tp2 = resolved(*flags, "--tensor_model_parallel_size", "2", "--sequence_parallel",
+                   world_size=2).complete(256, None)
+    assert (one.moe_aux_loss_coeff, one.moe_z_loss_coeff) == (0.01, 0.001)
+    assert tp2.model.moe_aux_loss_coeff == 0.01
+    tc = transformer_config(tp2, initialize=False)
+    assert (tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff) == (0.02, 0.002)
+
+
+def test_logged_z_loss_is_averaged_over_tp_and_dp(gloo_group):
+    """megatron tracks the z-loss with no reduction group (each rank's own tokens); ours
+    averages it over the TP x DP ranks, and a stage without MoE layers joins with zeros."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    from swift_mcore.training import moe_metrics
+
+    config = resolved("--num_experts", "4", "--moe_aux_loss_coeff", "0.01",
+                      "--moe_z_loss_coeff", "0.001", "--moe_layer_freq", "[0,1]")
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    tracker.clear()  # as on a stage whose layers are all dense
+    assert moe_metrics.collect(config) == {"load_balancing_loss": 0.0, "z_loss": 0.0}
+    assert tracker["z_loss"]["avg_group"] is \
+        parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    moe_utils.save_to_aux_losses_tracker("z_loss", torch.tensor(3.0), 2, 2)
+    # one MoE layer, 12 micro-batches (--global_batch_size 12 of 1 on one rank)
+    assert moe_metrics.collect(config)["z_loss"] == pytest.approx(3.0 / 12)
+    tracker.clear()
+
+
 # ---- the CPU adaptations the MoE layer needs (runtime/cpu_compat.py) ------------------
 def test_router_gating_without_transformer_engine(gloo_group):
     from megatron.core.transformer.moe import moe_utils

@@ -1,6 +1,6 @@
-"""Mixture-of-experts runs: the router losses reported next to the LM loss, and expert
-parallelism on gloo (EP=2 gives EP=1's losses; checkpoints reshard EP 1 -> 2 and 2 -> 1
-and continue exactly)."""
+"""Mixture-of-experts runs: the router losses reported next to the LM loss, and expert,
+pipeline and tensor parallelism on gloo (EP=2, PP=2 and TP=2 give one rank's losses;
+checkpoints reshard EP 1 -> 2, 2 -> 1 and PP 1 -> 2 and continue exactly)."""
 
 import json
 
@@ -44,6 +44,21 @@ def test_ep2_resumes_ep1_checkpoint_with_its_losses(ep1_run, tmp_path):
     assert sorted(got) == [3, 4]
     for it in (3, 4):
         assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+
+
+def test_pp2_resumes_ep1_checkpoint_with_its_losses(ep1_run, tmp_path):
+    """PP=2 (a MoE layer per stage): iterations 3 and 4 as at one rank, the router losses
+    summed over the stages as one rank sums them over its layers."""
+    out, _ = ep1_run
+    pp2 = tmp_path / "pp2"
+    run_pt(pp2, *MOE, "--moe_z_loss_coeff", "0.001", "--train_iters", "4",
+           "--pipeline_model_parallel_size", "2",
+           "--resume", out / "checkpoint" / "iter_0000002", "--no_save", nproc=2)
+    ref, got = {r["iteration"]: r for r in train_records(out)}, train_records(pp2)
+    assert [r["iteration"] for r in got] == [3, 4]
+    for g in got:
+        for key in ("loss", "load_balancing_loss", "z_loss"):
+            assert abs(g[key] - ref[g["iteration"]][key]) < 1e-5, (g["iteration"], key)
 
 
 def test_ep2_checkpoint_resumes_at_ep1_exactly(tmp_path):
