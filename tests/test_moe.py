@@ -76,6 +76,40 @@ def test_layer_pattern_builds_dense_and_moe_layers(gloo_group):
     assert out.shape == (2, 16, 256) and torch.isfinite(out).all()
 
 
+def test_experts_take_swiglu_with_megatrons_numbers(gloo_group, monkeypatch):
+    """The routed and shared experts' MLPs use models/swiglu.py like the dense ones (less
+    kept for the backward pass, fewer elementwise ops): outputs and gradients are
+    bit-identical to megatron's own glu."""
+    from swift_mcore.models import gpt
+    from swift_mcore.runtime.seed import set_seed
+
+    config = resolved("--hidden_size", "32", "--num_attention_heads", "4", "--seq_length",
+                      "16", "--num_experts", "4", "--moe_layer_freq", "[0,1]",
+                      "--moe_shared_expert_intermediate_size", "16",
+                      "--moe_shared_expert_gate", "--moe_aux_loss_coeff", "0.01"
+                      ).complete(256, None)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        set_seed(1)
+        model = gpt.build_model(config)[0]
+        loss = model(ids, torch.arange(16).expand(2, 16),
+                     torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1), labels=ids)
+        loss.float().sum().backward()
+        return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    model, loss, grads = step()
+    moe = model.decoder.layers[1].mlp
+    assert {type(m.activation_func).__name__ for m in
+            [*moe.experts.local_experts, moe.shared_experts]} == {"SwiGLU"}
+    monkeypatch.setattr(gpt, "swiglu_module", lambda config: False)  # megatron's glu
+    plain, loss_plain, grads_plain = step()
+    assert type(plain.decoder.layers[1].mlp.experts.local_experts[0].activation_func) \
+        .__name__ == "function"
+    assert torch.equal(loss, loss_plain)
+    assert all(torch.equal(grads[name], grads_plain[name]) for name in grads)
+
+
 def test_router_loss_coefficients_are_scaled_by_tp():
     """megatron-core 0.16.1 weighs each TP rank's router losses by its 1/TP slice of the
     tokens: the coefficients it gets are the flags' times TP (models/gpt.py; the runs that

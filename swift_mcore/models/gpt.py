@@ -121,10 +121,10 @@ def router_loss_scale(tensor_parallel: int) -> int:
 
 
 def swiglu_module(config) -> bool:
-    """Whether the MLPs take their activation from the spec (models/swiglu.py): dense
-    local-spec models; megatron's experts build theirs from their own submodules."""
+    """Whether the MLPs take their activation from the spec (models/swiglu.py): local-spec
+    models with SwiGLU, their dense MLPs, routed experts and shared experts alike."""
     m = config.model
-    return m.swiglu and config.layer_spec != "transformer_engine" and m.num_experts is None
+    return m.swiglu and config.layer_spec != "transformer_engine"
 
 
 def layer_spec(config, moe: bool = False):
@@ -150,7 +150,13 @@ def layer_spec(config, moe: bool = False):
 
         # Keeps one fewer [tokens, ffn] tensor than Hugging Face's Llama for the backward
         # pass, two fewer than megatron's unfused glu, with the same gradients (swiglu.py).
-        spec.submodules.mlp.submodules.activation_func = SwiGLU
+        # Every MLP must have it: under use_te_activation_func an MLP without the submodule
+        # would apply plain silu to the whole fc1 output (megatron mlp.py:77, 163).
+        mlp = spec.submodules.mlp.submodules
+        # MoE: each routed expert (SequentialMLP's MLPs) and the shared expert
+        for slot in ([mlp.experts.submodules, mlp.shared_experts.submodules] if moe
+                     else [mlp]):
+            slot.activation_func = SwiGLU
     if config.parallel.sequence_parallel:
         from . import sequence_parallel_norm
 
