@@ -7,10 +7,12 @@ of 256, top-2, alltoall dispatcher, aux loss 0.01; dense: MLP 512). Each model i
 its own process like profile_step.py's, warmed up, then --steps forward + backward passes
 are timed; the MoE layer's methods are wrapped with timers (megatron's own methods, called
 as they are). Ratios are taken within one process run, so the machine's load hits both
-alike. Prints one JSON line per model and one for the GEMMs.
+alike. Prints one JSON line per model, one for the GEMMs, and one for the MoE step with
+the experts' SwiGLU against megatron's glu (both in one process, steps alternating).
 
   python benchmarks/moe_profile.py                 # the moe_throughput.py shape
   python benchmarks/moe_profile.py --tiny --steps 1
+  python benchmarks/moe_profile.py --only glu --layers 2 --hidden 128 --expert_ffn 128 --seq 128
 """
 
 from __future__ import annotations
@@ -122,6 +124,52 @@ def child(opts, kind):
     print(json.dumps(out), flush=True)
 
 
+def glu_ab(opts):
+    """The MoE micro-step with the experts' SwiGLU (models/swiglu.py) against megatron's own
+    glu, both models in this process and their steps alternating, so load hits both alike."""
+    import statistics
+
+    import torch
+
+    from swift_mcore._quiet import quiet_third_party
+
+    quiet_third_party()
+    from swift_mcore.arguments import parse_args
+    from swift_mcore.models import gpt
+    from swift_mcore.run_config import resolve
+    from swift_mcore.runtime import distributed, seed
+
+    vocab = 4096
+    config = resolve(parse_args(flags(opts, "moe"))).complete(vocab, None,
+                                                              padded_vocab_size=vocab)
+    distributed.initialize(config)
+    models = {}
+    for name, use in (("swiglu", True), ("megatron_glu", False)):
+        original = gpt.swiglu_module
+        gpt.swiglu_module = (lambda c: use and original(c))
+        try:
+            seed.set_seed(0)
+            models[name] = gpt.build_model(config)[0]
+        finally:
+            gpt.swiglu_module = original
+    seq, mbs = config.model.seq_length, config.training.micro_batch_size
+    tokens = torch.randint(0, vocab, (mbs, seq), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.arange(seq).expand(mbs, -1)
+    times = {name: [] for name in models}
+    for i in range(opts.warmup + opts.steps):
+        for name, model in models.items():
+            start = time.perf_counter()
+            model(tokens, position_ids, None, labels=tokens).float().mean().backward()
+            if i >= opts.warmup:
+                times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(json.dumps({"glu": "MoE micro-step, the experts' activation", "median_s":
+                      {k: round(v, 4) for k, v in median.items()},
+                      "swiglu_vs_megatron_glu_time": round(median["swiglu"]
+                                                           / median["megatron_glu"], 3),
+                      "steps": opts.steps}), flush=True)
+
+
 def gemms(opts):
     """The routed tokens' expert GEMMs (forward, fc1) as SequentialMLP runs them, one per
     expert of tokens x topk / experts rows, against the dense MLP's one GEMM."""
@@ -164,6 +212,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--only", nargs="+", default=["moe", "dense", "gemm", "glu"],
+                        choices=["moe", "dense", "gemm", "glu"])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.tiny:
@@ -172,13 +222,15 @@ def main():
         import torch
 
         torch.set_num_threads(opts.threads)
-        return gemms(opts) if opts.child == "gemm" else child(opts, opts.child)
+        if opts.child in ("gemm", "glu"):
+            return gemms(opts) if opts.child == "gemm" else glu_ab(opts)
+        return child(opts, opts.child)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT,
                OMP_NUM_THREADS=str(opts.threads))
     passed = [a for a in sys.argv[1:]]
-    for kind in ("moe", "dense", "gemm"):
+    for kind in opts.only:
         proc = subprocess.run([sys.executable, __file__, "--child", kind, *passed],
                               capture_output=True, text=True, cwd=ROOT, env=env)
         if proc.returncode != 0:
