@@ -119,6 +119,16 @@ def test_moe_throughput_smoke():
 
 
 @pytest.mark.benchmark
+def test_moe_profile_smoke():
+    moe, dense, gemm, glu = run_script("moe_profile.py", "--tiny", "--steps", "1",
+                                       "--warmup", "1")
+    assert set(moe["moe_forward_phases_s"]) == {"router", "permute", "experts", "unpermute"}
+    assert dense["model"] == "dense" and not dense["moe_forward_phases_s"]
+    assert gemm["experts_s"] > 0 and gemm["dense_s"] > 0
+    assert set(glu["median_s"]) == {"swiglu", "megatron_glu"}
+
+
+@pytest.mark.benchmark
 def test_lora_vs_full_smoke():
     result = run_script("lora_vs_full.py", "--tiny", "--rounds", "1", "--iters", "2",
                         "--warmup", "1")[-1]

@@ -76,6 +76,78 @@ def test_layer_pattern_builds_dense_and_moe_layers(gloo_group):
     assert out.shape == (2, 16, 256) and torch.isfinite(out).all()
 
 
+def test_experts_take_swiglu_with_megatrons_numbers(gloo_group, monkeypatch):
+    """The routed and shared experts' MLPs use models/swiglu.py like the dense ones (less
+    kept for the backward pass, fewer elementwise ops): outputs and gradients are
+    bit-identical to megatron's own glu."""
+    from swift_mcore.models import gpt
+    from swift_mcore.runtime.seed import set_seed
+
+    config = resolved("--hidden_size", "32", "--num_attention_heads", "4", "--seq_length",
+                      "16", "--num_experts", "4", "--moe_layer_freq", "[0,1]",
+                      "--moe_shared_expert_intermediate_size", "16",
+                      "--moe_shared_expert_gate", "--moe_aux_loss_coeff", "0.01"
+                      ).complete(256, None)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        set_seed(1)
+        model = gpt.build_model(config)[0]
+        loss = model(ids, torch.arange(16).expand(2, 16),
+                     torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1), labels=ids)
+        loss.float().sum().backward()
+        return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    model, loss, grads = step()
+    moe = model.decoder.layers[1].mlp
+    assert {type(m.activation_func).__name__ for m in
+            [*moe.experts.local_experts, moe.shared_experts]} == {"SwiGLU"}
+    monkeypatch.setattr(gpt, "swiglu_module", lambda config: False)  # megatron's glu
+    plain, loss_plain, grads_plain = step()
+    assert type(plain.decoder.layers[1].mlp.experts.local_experts[0].activation_func) \
+        .__name__ == "function"
+    assert torch.equal(loss, loss_plain)
+    assert all(torch.equal(grads[name], grads_plain[name]) for name in grads)
+
+
+def test_router_loss_coefficients_are_scaled_by_tp():
+    """megatron-core 0.16.1 weighs each TP rank's router losses by its 1/TP slice of the
+    tokens: the coefficients it gets are the flags' times TP (models/gpt.py; the runs that
+    show the effect are in test_moe_runs.py), and the flags themselves stay as given."""
+    from swift_mcore.models.gpt import transformer_config
+
+    flags = ["--num_experts", "4", "--moe_aux_loss_coeff", "0.01", "--moe_z_loss_coeff",
+             "0.001"]
+    one = transformer_config(resolved(*flags).complete(256, None), initialize=False)
+    tp2 = resolved(*flags, "--tensor_model_parallel_size", "2", "--sequence_parallel",
+                   world_size=2).complete(256, None)
+    assert (one.moe_aux_loss_coeff, one.moe_z_loss_coeff) == (0.01, 0.001)
+    assert tp2.model.moe_aux_loss_coeff == 0.01
+    tc = transformer_config(tp2, initialize=False)
+    assert (tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff) == (0.02, 0.002)
+
+
+def test_logged_z_loss_is_averaged_over_tp_and_dp(gloo_group):
+    """megatron tracks the z-loss with no reduction group (each rank's own tokens); ours
+    averages it over the TP x DP ranks, and a stage without MoE layers joins with zeros."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    from swift_mcore.training import moe_metrics
+
+    config = resolved("--num_experts", "4", "--moe_aux_loss_coeff", "0.01",
+                      "--moe_z_loss_coeff", "0.001", "--moe_layer_freq", "[0,1]")
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    tracker.clear()  # as on a stage whose layers are all dense
+    assert moe_metrics.collect(config) == {"load_balancing_loss": 0.0, "z_loss": 0.0}
+    assert tracker["z_loss"]["avg_group"] is \
+        parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    moe_utils.save_to_aux_losses_tracker("z_loss", torch.tensor(3.0), 2, 2)
+    # one MoE layer, 12 micro-batches (--global_batch_size 12 of 1 on one rank)
+    assert moe_metrics.collect(config)["z_loss"] == pytest.approx(3.0 / 12)
+    tracker.clear()
+
+
 # ---- the CPU adaptations the MoE layer needs (runtime/cpu_compat.py) ------------------
 def test_router_gating_without_transformer_engine(gloo_group):
     from megatron.core.transformer.moe import moe_utils

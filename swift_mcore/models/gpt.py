@@ -63,7 +63,7 @@ def transformer_config(config, initialize: bool = True):
         # p2p without torch.cuda.synchronize (megatron p2p_communication.py:398).
         batch_p2p_sync=cuda,
         expert_model_parallel_size=p.expert_model_parallel_size,
-        **moe_config(m),
+        **moe_config(m, p.tensor_model_parallel_size),
         # Activation recompute, megatron's own (checked in arguments.check_recompute).
         recompute_granularity=t.recompute_granularity,
         recompute_method=t.recompute_method,
@@ -73,12 +73,15 @@ def transformer_config(config, initialize: bool = True):
     )
 
 
-def moe_config(m) -> dict:
+def moe_config(m, tensor_parallel: int = 1) -> dict:
     """The TransformerConfig fields of the mixture-of-experts flags ({} for a dense model).
-    Routing is dropless (no expert capacity): every token reaches its top-k experts."""
+    Routing is dropless (no expert capacity): every token reaches its top-k experts. The
+    router-loss coefficients megatron gets are the flags' times router_loss_scale."""
     if m.num_experts is None:
         return {}
     from ..arguments.model import moe_layer_pattern
+
+    scale = router_loss_scale(tensor_parallel)
 
     return dict(
         num_moe_experts=m.num_experts,
@@ -88,8 +91,8 @@ def moe_config(m) -> dict:
         moe_shared_expert_gate=m.moe_shared_expert_gate,
         moe_layer_freq=moe_layer_pattern(m),
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-        moe_z_loss_coeff=m.moe_z_loss_coeff,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff * scale,
+        moe_z_loss_coeff=None if m.moe_z_loss_coeff is None else m.moe_z_loss_coeff * scale,
         moe_router_pre_softmax=m.moe_router_pre_softmax,
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_grouped_gemm=m.moe_grouped_gemm,
@@ -97,11 +100,31 @@ def moe_config(m) -> dict:
     )
 
 
+def router_loss_scale(tensor_parallel: int) -> int:
+    """What the router-loss coefficients are multiplied by so that their gradients do not
+    depend on TP (docs/models.md, "TP and the router losses").
+
+    Our losses are per token (calculate_per_token_loss: every gradient is divided by the
+    global batch's target count in finalize_model_grads). megatron-core 0.16.1's router
+    multiplies each rank's load-balancing and z-loss by the tokens that rank routes
+    (router.py:466, 498) before their gradients join the LM loss's; with TP (always with
+    sequence parallelism for MoE, arguments/pretrain.py) a rank routes its 1/TP slice of
+    the sequence, so the router losses would weigh 1/TP of what they weigh on one rank.
+    The values megatron logs are each loss over its coefficient: unchanged. Megatron-LM
+    fixed this after 0.16 (PR 5047: the scale times the tp_cp size), so a later
+    megatron-core gets no compensation; tests/test_moe_runs.py's TP=2 run against one
+    rank says whether that holds."""
+    from megatron.core import package_info
+
+    major_minor = tuple(int(part) for part in package_info.__version__.split(".")[:2])
+    return 1 if major_minor >= (0, 17) else tensor_parallel
+
+
 def swiglu_module(config) -> bool:
-    """Whether the MLPs take their activation from the spec (models/swiglu.py): dense
-    local-spec models; megatron's experts build theirs from their own submodules."""
+    """Whether the MLPs take their activation from the spec (models/swiglu.py): local-spec
+    models with SwiGLU, their dense MLPs, routed experts and shared experts alike."""
     m = config.model
-    return m.swiglu and config.layer_spec != "transformer_engine" and m.num_experts is None
+    return m.swiglu and config.layer_spec != "transformer_engine"
 
 
 def layer_spec(config, moe: bool = False):
@@ -127,7 +150,13 @@ def layer_spec(config, moe: bool = False):
 
         # Keeps one fewer [tokens, ffn] tensor than Hugging Face's Llama for the backward
         # pass, two fewer than megatron's unfused glu, with the same gradients (swiglu.py).
-        spec.submodules.mlp.submodules.activation_func = SwiGLU
+        # Every MLP must have it: under use_te_activation_func an MLP without the submodule
+        # would apply plain silu to the whole fc1 output (megatron mlp.py:77, 163).
+        mlp = spec.submodules.mlp.submodules
+        # MoE: each routed expert (SequentialMLP's MLPs) and the shared expert
+        for slot in ([mlp.experts.submodules, mlp.shared_experts.submodules] if moe
+                     else [mlp]):
+            slot.activation_func = SwiGLU
     if config.parallel.sequence_parallel:
         from . import sequence_parallel_norm
 

@@ -31,7 +31,8 @@ def loss_names(m) -> List[str]:
 def collect(config) -> Dict[str, float]:
     """Collective over all ranks, once per iteration: each tracked loss summed over layers
     and pipeline stages, averaged over data-parallel ranks, MoE layers and micro-batches
-    (megatron's track_moe_metrics with Megatron-LM's scale); the tracker is cleared."""
+    (megatron's track_moe_metrics with Megatron-LM's scale), the z-loss also over TP ranks
+    (a full-batch value, unlike Megatron-LM's log); the tracker is cleared."""
     names = loss_names(config.model)
     if not names:
         return {}
@@ -40,6 +41,8 @@ def collect(config) -> Dict[str, float]:
     from ..arguments.model import moe_layer_pattern
 
     m = config.model
+    if "z_loss" in names:
+        _average_z_loss_over_tp_and_dp(config)
     totals: Dict = {}
     # force_initialize: a stage whose layers are all dense tracks nothing, yet joins the
     # reductions over the pipeline.
@@ -47,3 +50,23 @@ def collect(config) -> Dict[str, float]:
                       total_loss_dict=totals, force_initialize=True, track_names=names,
                       num_layers=m.num_layers, moe_layer_freq=moe_layer_pattern(m))
     return {name: float(totals[name]) for name in names}
+
+
+def _average_z_loss_over_tp_and_dp(config) -> None:
+    """megatron tracks the z-loss without a reduction group (router.py:505): each rank logs
+    the mean over its own tokens, which at TP > 1 (a sequence slice) or DP > 1 is a part of
+    the batch. Averaged over the TP and DP ranks (equal token counts) it is the mean over
+    the global batch, as on one rank. The load-balancing loss is already summed over TP
+    and averaged over DP by megatron (router.py:310)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if "z_loss" not in tracker:  # a stage without MoE layers: zeros, as force_initialize
+        tracker["z_loss"] = {
+            "values": torch.zeros(config.model.num_layers,
+                                  device="cuda" if config.cuda else "cpu"),
+            "reduce_group": None, "reduce_group_has_dp": False}
+    tracker["z_loss"]["avg_group"] = parallel_state.get_tensor_and_data_parallel_group(
+        with_context_parallel=True)

@@ -66,7 +66,9 @@ def test_logits_match_and_round_trip_is_bit_identical(tmp_path, gloo_group, fami
     assert (m.model_type, m.num_experts, m.moe_router_topk) == (family, 4, 2)
 
     checkpoint, back = tmp_path / "mcore", tmp_path / "back"
-    convert(source, checkpoint, "to_mcore")
+    # export --test_convert_precision: the converted model's logits against transformers'
+    assert convert(source, checkpoint, "to_mcore",
+                   test_convert_precision=True)["max_logit_difference"] <= 1e-4
     convert(checkpoint, back, "to_hf")
     original, exported = H.safetensors_state(str(source)), H.safetensors_state(str(back))
     assert sorted(exported) == sorted(original)
@@ -110,11 +112,24 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
         resolve(PretrainArguments.from_flags(model=str(tmp_path / "mx")), world_size=1)
 
 
-def test_infer_runs_a_moe_folder(tmp_path, gloo_group, capsys):
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_infer_runs_a_moe_folder(tmp_path, gloo_group, capsys, family):
+    """`swift-mcore infer` on each family's folder (its command without the process
+    group's shutdown): the greedy tokens are transformers'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from swift_mcore.arguments.infer import InferArguments
     from swift_mcore.infer import run
 
-    make_moe(tmp_path / "hf", "qwen3_moe")
-    text = run(InferArguments(model=str(tmp_path / "hf"), prompt="def add(",
-                              max_new_tokens=4).validate())
-    assert capsys.readouterr().out.startswith("def add(") and isinstance(text, str)
+    make_moe(tmp_path / "hf", family)
+    capsys.readouterr()
+    run(InferArguments(model=str(tmp_path / "hf"), prompt="def add(", max_new_tokens=4,
+                       temperature=0.0).validate())
+    out = capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ids = torch.tensor([tokenizer.encode("def add(")])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                              attn_implementation="eager").eval()
+    new = hf.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:].tolist()
+    expected = "def add(" + tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
+    assert out.rstrip("\n") == expected, (out, expected)

@@ -1,11 +1,14 @@
 """Training from a Hugging Face MoE folder: continued pretraining at EP=2 (gloo, alltoall),
-each rank loading its own experts' slices, gives the EP=1 losses; sft on a Qwen3-MoE folder
-trains, logs the load-balancing loss, and exports a folder transformers loads."""
+each rank loading its own experts' slices, gives the EP=1 losses; sft on Qwen3-MoE,
+Qwen2-MoE and Mixtral folders trains, logs the load-balancing loss, and exports a folder
+transformers loads."""
 
 import json
+import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import hf_helpers as H
@@ -67,5 +70,55 @@ def test_sft_on_a_qwen3_moe_folder_trains_and_exports_to_transformers(tmp_path, 
     ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
     assert (ours - theirs).abs().max() <= 1e-4
     assert hf.config.model_type == "qwen3_moe" and hf.config.num_experts == 4
+    assert not torch.equal(H.safetensors_state(str(back))["model.norm.weight"],
+                           H.safetensors_state(str(source))["model.norm.weight"])
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_sft_on_qwen2_moe_and_mixtral_folders(tmp_path, gloo_group, family):
+    """`sft --model FOLDER` in this process (Trainer, as the command runs it): Qwen2-MoE with
+    its dense first layer and gated shared expert, and Mixtral; the load-balancing loss from
+    config.json is logged, the LM loss falls, and the checkpoint exports to a folder whose
+    transformers logits are ours."""
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.arguments import SftArguments, parse_args
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from swift_mcore.run_config import resolve
+    from swift_mcore.training.trainer import Trainer
+
+    source = tmp_path / "hf"
+    make_moe(source, family)
+    H.edit_config(str(source), router_aux_loss_coef=0.02)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"add {i}"},
+        {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
+        for i in range(32)))
+    out = tmp_path / "sft"
+    argv = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
+            "plain", "--seq_length", "64", "--train_iters", "4", "--lr", "1e-2",
+            "--min_lr", "1e-2", "--save_steps", "4", "--output_dir", str(out)]
+    config = resolve(parse_args(argv, cls=SftArguments), world_size=1)
+    assert config.model.moe_aux_loss_coeff == 0.02 and config.model.num_experts == 4
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert Trainer(config).train().iteration == 4
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    records = train_records(out)
+    assert len(records) == 4 and all(r["load_balancing_loss"] > 0.5 for r in records)
+    assert records[-1]["loss"] < records[0]["loss"], [r["loss"] for r in records]
+
+    back = tmp_path / "back"
+    convert(out / "checkpoint", back, "to_hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
+    assert hf.config.model_type == family
+    ids = H.tokens()
+    loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (forward_logits(loaded.model, ids)[..., : loaded.vocab] - theirs).abs().max() <= 1e-4
     assert not torch.equal(H.safetensors_state(str(back))["model.norm.weight"],
                            H.safetensors_state(str(source))["model.norm.weight"])
