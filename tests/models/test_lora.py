@@ -42,13 +42,9 @@ def test_bad_lora_flags_are_refused_naming_the_flag(flags, message):
     assert message in str(err.value)
 
 
-def test_lora_refuses_transformer_engine_linears_and_merge_needs_to_hf():
+def test_merge_lora_needs_to_hf():
     from swift_mcore.arguments.export import ExportArguments
 
-    flags = PretrainArguments.from_flags(**{**SHAPE, "attention_backend": "auto"},
-                                         tuner_type="lora")
-    with pytest.raises(ArgumentError, match="pass --attention_backend sdpa"):
-        resolve(flags, world_size=1, cuda=True, transformer_engine=True)
     with pytest.raises(ArgumentError, match="--merge_lora writes merged Hugging Face "
                                             "weights: it goes with --to_hf"):
         ExportArguments(model=str(ROOT), output_dir="/tmp/x", to_peft=True,
