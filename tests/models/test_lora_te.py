@@ -149,13 +149,17 @@ def randomize_b(model):
 
 
 def loss_and_grads(model, tokens):
+    """This rank's logits (its vocabulary shard) and the adapters' gradients of the mean
+    next-token loss (megatron's vocabulary-parallel cross entropy)."""
     model.zero_grad(set_to_none=True)
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
-    F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                    tokens[:, 1:].reshape(-1)).backward()
+    with torch.no_grad():
+        logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
+    labels = torch.roll(tokens, -1, dims=1)
+    model(input_ids=tokens, position_ids=positions, attention_mask=None,
+          labels=labels).mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return logits.detach(), grads
+    return logits, grads
 
 
 def test_lora_on_the_te_spec_equals_the_local_spec(gloo_group, te_classes, monkeypatch,
@@ -291,3 +295,66 @@ def test_a_target_of_a_class_without_lora_layer_is_refused(gloo_group, monkeypat
                                             r"self_attention\.linear_\w+ is a StandIn\w+, "
                                             "which has no LoRA layer"):
         lora.apply(config, [model])
+
+
+class _Patch:
+    """monkeypatch.setattr in a spawned rank (which ends with its changes)."""
+
+    @staticmethod
+    def setattr(obj, name, value):
+        setattr(obj, name, value)
+
+
+def _tp2_rank(rank, port):
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from swift_mcore.models import lora
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.runtime import cpu_compat, seed
+
+    cpu_compat.activate()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(2, 1)
+    lora_te.linear_kinds = lambda: STAND_INS
+    config = resolve(PretrainArguments.from_flags(
+        **SHAPE, tuner_type="lora", lora_rank=4, lora_alpha=16, lora_dropout=0.0,
+        tensor_model_parallel_size=2), world_size=2).complete(256, None)
+    seed.set_seed(1)
+    local = build_model(config)[0]
+    te = te_model(config, _Patch)
+    from swift_mcore.models.convert import canonical
+
+    weights = local.state_dict()  # this rank's shards, the TE spec's sharding
+    te.load_state_dict({k: weights[canonical(k)] for k in te.state_dict()})
+    for model in (local, te):
+        lora.apply(config, [model])
+        randomize_b(model)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    logits, grads = loss_and_grads(te, tokens)
+    want_logits, want_grads = loss_and_grads(local, tokens)
+    # The factors' shapes follow the full sizes TE's shard sizes give (A's columns of a
+    # row-parallel layer, B's rows of a column-parallel one), and A's values are drawn from
+    # the full matrix: the local spec's TP=2 model, shard for shard.
+    qkv, proj = (te.decoder.layers[0].self_attention.linear_qkv,
+                 te.decoder.layers[0].self_attention.linear_proj)
+    assert (qkv.in_features, qkv.out_features, proj.in_features) == (64, 128, 64)
+    assert qkv.lora_B["default"].weight.shape == (64, 4)
+    assert proj.lora_A["default"].weight.shape == (4, 32)
+    assert (logits - want_logits).abs().max() < 1e-5
+    for name, grad in want_grads.items():
+        assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-7), name
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_lora_on_the_te_spec_at_tp2_equals_the_local_spec():
+    """Two spawned ranks: TE-interface linears sharded over TP=2 with their adapters."""
+    import torch.multiprocessing as mp
+
+    from run_helpers import free_port
+
+    mp.spawn(_tp2_rank, args=(free_port(),), nprocs=2, join=True)
