@@ -80,6 +80,14 @@ def paths(work: str, gpus: int) -> List[Path]:
                       "plain", "--packing", "true", "--micro_batch_size", "1",
                       "--seq_length", "512"], [te], output="sft_thd",
              decisions={"packed_rows": "thd"}),
+        Path("sft LoRA on the TE spec's linears, --packing", "sft",
+             SMALL + ["--train_iters", "4", "--no_save", "--dataset", data, "--template",
+                      "plain", "--packing", "true", "--micro_batch_size", "1",
+                      "--seq_length", "512", "--tuner_type", "lora", "--lora_rank", "8",
+                      "--lora_dropout", "0"],
+             [te, "--tuner_type lora:"], output="sft_lora_te",
+             decisions={"layer_spec": "transformer_engine", "packed_rows": "thd",
+                        "base_model": "random initialization (--seed 42, PP 1, TP 1)"}),
         Path("fp16 with loss scaling", "pt", SMALL + ["--train_iters", "4", "--no_save",
                                                       "--precision", "fp16"], [te, "fp16"],
              output="fp16", decisions={"precision": "fp16"}),
@@ -146,8 +154,9 @@ def dry_run(selected: List[Path], work: str) -> None:
                              world_size=path.gpus, cuda=True, transformer_engine=True,
                              apex=False)
             line = config.describe()
-            wanted = [text for text in path.expect
-                      if "starting at" not in text and "TP " not in text]
+            # lines the run prints later than the start-up line (resume, LoRA's count)
+            wanted = [text for text in path.expect if "starting at" not in text
+                      and "TP " not in text and "--tuner_type" not in text]
             missing = [text for text in wanted if text not in line]
             missing += [f"{name}={value!r} (got {getattr(config, name)!r})"
                         for name, value in path.decisions.items()

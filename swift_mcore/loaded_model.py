@@ -123,7 +123,8 @@ def _from_lora_checkpoint(folder: str, saved, base: str, tokenizer_path: Optiona
 
     flags = one_process_flags(saved)
     flags.update(**saved.get("tuner", {}), seed=saved.get("training", {}).get("seed", 42))
-    if flags.model.attention_backend == "auto":  # LoRA trained on the local spec
+    if flags.model.attention_backend in ("auto", "transformer_engine"):
+        # the local spec: TE-spec adapters have the same checkpoint keys (models/lora_te.py)
         flags.update(attention_backend="local")
     hf_folder = saved.get("model", {}).get("model")
     if hf_folder:

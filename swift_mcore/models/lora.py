@@ -3,7 +3,8 @@ checkpoint holds, the base weights' reference, merging, and the adapter in peft'
 format (HF module names).
 
 ``LoraParallelLinear`` (models/lora_layer.py) is registered with peft as the LoRA layer of
-``ColumnParallelLinear`` and ``RowParallelLinear`` (``LoraConfig._register_custom_module``);
+``ColumnParallelLinear`` and ``RowParallelLinear``, and of Transformer Engine's linears on
+the TE spec (``LoraConfig._register_custom_module``);
 peft injects it, freezes the base, and keeps its bookkeeping (scaling, dropout, merge
 state). Every TP rank holds the shard of B·A that matches its shard of the base weight,
 and the adapters' gradients reach the replicated factor through megatron's own region
@@ -60,10 +61,8 @@ def select_targets(tuner, num_layers: int) -> List[str]:
 
 def check(flags, layer_spec: str) -> None:
     """resolve's part: what the LoRA flags need of the model and the layer spec."""
-    if layer_spec == "transformer_engine":
-        raise ArgumentError(
-            "--tuner_type lora runs on megatron's local layer spec: pass --attention_backend "
-            "sdpa (or local); Transformer Engine's fused linears have no LoRA layer yet")
+    # Either spec: resolve chose Transformer Engine's only where TE is usable, and its
+    # linears have the LoRA layer of megatron's own (models/lora_layer.py, lora_te.py).
     select_targets(flags.tuner, flags.model.num_layers)
 
 
@@ -112,11 +111,10 @@ def apply(config, chunks) -> list:
     frozen), --modules_to_save trainable. A no-op for --tuner_type full."""
     if not enabled(config):
         return chunks
-    from megatron.core import tensor_parallel
     from peft import LoraConfig, inject_adapter_in_model
 
     from .convert import global_name, layer_offset
-    from .lora_layer import LoraParallelLinear
+    from .lora_layer import LoraParallelLinear, base_classes, describe
 
     t = config.tuner
     imported = config.lora_import  # --adapters: per-layer ranks of the fused parts
@@ -126,9 +124,12 @@ def apply(config, chunks) -> list:
         chunk.swift_mcore_lora = True  # also a pipeline stage without adapters: base frozen
         offset = layer_offset(chunk)
         local = [name for name, module in chunk.named_modules()
-                 if global_name(name, offset) in wanted
-                 and isinstance(module, (tensor_parallel.ColumnParallelLinear,
-                                         tensor_parallel.RowParallelLinear))]
+                 if global_name(name, offset) in wanted]
+        for name in local:
+            module = chunk.get_submodule(name)
+            if describe(module) is None:  # the layer spec made it of a class we do not know
+                raise ArgumentError(f"--tuner_type lora: {global_name(name, offset)} is a "
+                                    f"{type(module).__name__}, which has no LoRA layer")
         for param in chunk.parameters():
             param.requires_grad_(False)
         if local:  # a pipeline stage may hold none of the chosen layers
@@ -142,9 +143,8 @@ def apply(config, chunks) -> list:
                                      lora_dropout=t.lora_dropout, target_modules=local,
                                      use_rslora=t.use_rslora, init_lora_weights=False,
                                      **patterns)
-            lora_config._register_custom_module({
-                tensor_parallel.ColumnParallelLinear: LoraParallelLinear,
-                tensor_parallel.RowParallelLinear: LoraParallelLinear})
+            lora_config._register_custom_module({cls: LoraParallelLinear
+                                                 for cls in base_classes()})
             inject_adapter_in_model(lora_config, chunk, adapter_name=ADAPTER)
         for name, module in chunk.named_modules():
             if isinstance(module, LoraParallelLinear):

@@ -1,10 +1,13 @@
-"""The LoRA layer peft is given for megatron's ColumnParallelLinear and RowParallelLinear.
+"""The LoRA layer peft is given for megatron's ColumnParallelLinear and RowParallelLinear,
+and for Transformer Engine's column/row-parallel linears on the TE spec.
 
 peft 0.21's own megatron dispatcher fails before building a layer (it reads a
 ``fan_in_fan_out`` keyword peft no longer passes), and its parallel layer returns the tuple
 megatron's linears give into the next matmul, so models/lora.py registers this one with
-peft instead. For a column-parallel base, A (r x in) is replicated and B is
-column-parallel; for a row-parallel base, A is row-parallel and B (out x r) replicated.
+peft instead; peft knows no TE wrapper of megatron's at all. For a column-parallel base,
+A (r x in) is replicated and B is column-parallel; for a row-parallel base, A is
+row-parallel and B (out x r) replicated. What differs between a megatron base and a TE one
+is read once into a ``BaseLinear`` (``describe``; TE's part is models/lora_te.py).
 Its own module because it subclasses peft's LoraLayer: importing peft (and transformers
 with it) costs seconds, which a full-parameter run should not pay.
 """
@@ -13,31 +16,75 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from . import lora_te
+
+
+@dataclass(frozen=True)
+class BaseLinear:
+    """What the LoRA layer needs of its base linear."""
+
+    row_parallel: bool        # TP shards the input dimension (else the output dimension)
+    in_features: int          # of the whole layer, not this rank's shard
+    out_features: int
+    input_is_parallel: bool   # row-parallel: the input arrives already split over TP
+    fused_norm: bool          # the base normalises its input itself (TE's LayerNormLinear)
+
+
+def describe(module) -> Optional[BaseLinear]:
+    """The base linear ``module`` as the LoRA layer sees it; None: not a linear it adapts."""
+    from megatron.core import tensor_parallel
+
+    if isinstance(module, tensor_parallel.RowParallelLinear):
+        return BaseLinear(True, module.input_size, module.output_size,
+                          module.input_is_parallel, False)
+    if isinstance(module, tensor_parallel.ColumnParallelLinear):
+        return BaseLinear(False, module.input_size, module.output_size, False, False)
+    kind = lora_te.kind(module)
+    if kind is None:
+        return None
+    in_features, out_features = lora_te.full_features(module, kind)
+    # megatron's TE row-parallel linear takes only an already split input
+    return BaseLinear(kind == lora_te.ROW, in_features, out_features, True,
+                      kind == lora_te.NORM_COLUMN)
+
+
+def base_classes() -> Tuple[type, ...]:
+    """The linear classes registered with peft for this layer."""
+    from megatron.core import tensor_parallel
+
+    return (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear,
+            *lora_te.linear_kinds())
+
 
 class LoraParallelLinear(nn.Module, LoraLayer):
-    """peft's LoRA layer for megatron's ColumnParallelLinear / RowParallelLinear: returns
-    megatron's (output, bias) pair, keeps the base weights' checkpoint keys, and draws A's
-    initial values from the seed and the layer's global name, so that they do not depend on
-    the TP/PP layout."""
+    """peft's LoRA layer for megatron's parallel linears (its own or Transformer Engine's):
+    returns megatron's (output, bias) pair, keeps the base weights' checkpoint keys, and
+    draws A's initial values from the seed and the layer's global name, so that they do not
+    depend on the TP/PP layout."""
 
     def __init__(self, base_layer, adapter_name: str, config, r: int = 0,
                  lora_alpha: float = 1, **kwargs):
-        from megatron.core import tensor_parallel
-
         super().__init__()
         kwargs.pop("megatron_config", None)
         LoraLayer.__init__(self, base_layer=base_layer, **kwargs)
-        self.is_parallel_a = isinstance(self.get_base_layer(), tensor_parallel.RowParallelLinear)
+        self.is_parallel_a = self.base_linear.row_parallel
         self.fan_in_fan_out = False
         # set by apply(): the base is a gated linear_fc1 ([gate; up] rows per TP rank)
         self.gated_rows = False
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    def _get_in_out_features(self, module) -> Tuple[int, int]:
+        # peft's LoraLayer.__init__ asks this; peft reads megatron's full sizes but not TE's
+        self.base_linear = describe(module)
+        return self.base_linear.in_features, self.base_linear.out_features
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: float, config,
                      inference_mode: bool = False, **kwargs) -> None:
@@ -59,7 +106,7 @@ class LoraParallelLinear(nn.Module, LoraLayer):
         if self.is_parallel_a:
             lora_a = tensor_parallel.RowParallelLinear(
                 self.in_features, r, config=mc, init_method=zeros, bias=False,
-                input_is_parallel=base.input_is_parallel, skip_bias_add=True)
+                input_is_parallel=self.base_linear.input_is_parallel, skip_bias_add=True)
             lora_b = nn.Linear(r, self.out_features, bias=False, dtype=dtype)
         else:
             lora_a = nn.Linear(self.in_features, r, bias=False, dtype=dtype)
@@ -96,6 +143,8 @@ class LoraParallelLinear(nn.Module, LoraLayer):
         result, bias = self.base_layer(x, *args, **kwargs)
         if self.disable_adapters or self.merged:
             return result, bias
+        if self.base_linear.fused_norm:  # the base's matmul sees norm(x): so does B·A
+            x = lora_te.normed_input(self.get_base_layer(), x)
         for name in self.active_adapters:
             if name not in self.lora_A:
                 continue

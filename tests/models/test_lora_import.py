@@ -98,14 +98,15 @@ def test_an_imported_adapter_gives_peft_logits(base, kind, gloo_group):
 
 @pytest.fixture(scope="module")
 def continued(base):
-    """The patterned adapter (without rslora) trained on for 4 iterations at TP=1 and TP=2."""
+    """The patterned adapter (without rslora) trained on for 2 iterations at TP=1 and TP=2
+    (each run is mostly its start-up: 2 iterations show what 4 did, in less time)."""
     adapter = make_adapter(base / "hf", base / "train_adapter", seed=1,
                            **{**ADAPTERS["patterns_rslora"], "use_rslora": False})
     data = base / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
                             + "\n" for i in range(200)))
     flags = ["--tuner_type", "lora", "--adapters", str(adapter), "--lora_dropout", "0",
-             "--attention_backend", "sdpa"]
+             "--attention_backend", "sdpa", "--train_iters", "2"]
     continue_pretraining(base / "hf", data, base / "tp1", *flags)
     continue_pretraining(base / "hf", data, base / "tp2", *flags,
                          "--tensor_model_parallel_size", "2", nproc=2)
@@ -120,12 +121,12 @@ def test_training_continues_from_the_adapter_and_exports_back_to_peft(base, cont
     from swift_mcore.loaded_model import forward_logits, load_model
 
     tp1, tp2 = losses(base / "tp1"), losses(base / "tp2")
-    assert tp1[4] < tp1[1]
+    assert sorted(tp1) == sorted(tp2) == [1, 2] and tp1[2] < tp1[1]
     # TP=2 shards the fused factors as it shards the base weights: the same losses.
     assert max(abs(tp2[i] - tp1[i]) for i in tp1) < 1e-5
     # The first loss is the imported adapter's: not the base model's.
     tokens = H.tokens(vocab=300, length=32)
-    checkpoint = base / "tp1" / "checkpoint" / "iter_0000004"
+    checkpoint = base / "tp1" / "checkpoint" / "iter_0000002"
     out = tmp_path / "adapter"
     run(ExportArguments(model=str(checkpoint), output_dir=str(out), to_peft=True).validate(),
         log=quiet)
