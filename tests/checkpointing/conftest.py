@@ -1,6 +1,7 @@
 """Checkpoint-test fixtures: a tiny corpus whose epoch ends inside the runs, and flags."""
 
 import json
+import signal
 
 import pytest
 
@@ -49,3 +50,27 @@ def straight_cli(tmp_path_factory):
     run_pt(out, *H.CLI_FLAGS)
     return out
 
+
+@pytest.fixture
+def trainer_setup(gloo_group):
+    """trainer_setup(**flags): a Trainer of these flags, set up in this process on the
+    one-rank gloo group (fast, for resume attempts); afterwards its writer is closed and
+    the signal handlers a successful setup installs are put back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    trainers = []
+
+    def setup(**flags):
+        from swift_mcore.arguments import PretrainArguments
+        from swift_mcore.training.trainer import Trainer
+
+        trainer = Trainer(PretrainArguments.from_flags(**flags))
+        trainers.append(trainer)
+        trainer.setup()
+        return trainer
+
+    yield setup
+    for t in trainers:
+        if getattr(t, "writer", None) is not None:
+            t.writer.close()
+    for s, handler in saved.items():
+        signal.signal(s, handler)
