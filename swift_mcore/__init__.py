@@ -1,6 +1,10 @@
 """swift-mcore: pretraining and finetuning of GPT models on megatron-core, resumable exactly."""
 
-from .arguments import PretrainArguments, SftArguments
+from ._deferred_imports import defer_optional_imports
+
+defer_optional_imports()  # before anything imports megatron-core
+
+from .arguments import PretrainArguments, SftArguments  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["PretrainArguments", "SftArguments", "Trainer", "__version__"]

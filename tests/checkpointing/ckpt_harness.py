@@ -24,6 +24,10 @@ TINY = dict(
     tensorboard=False, plot=False, progress_bar=False, log_sample_ids=True, num_workers=0,
 )
 
+# The straight two-rank run that test_resume_exact.py's and test_elastic.py's interrupted
+# runs are both held to (conftest.straight_run runs it once).
+TWO_RANK_RUN = dict(train_iters=12, eval_steps=4, eval_iters=1)
+
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
          "pi rho sigma tau upsilon phi chi psi omega river stone cloud light north south "
          "garden window paper engine silver market winter summer").split()

@@ -19,6 +19,14 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(out, exist_ok=True)
 
+    # As the CLI does for the ranks it starts (cli.main), before megatron is imported: on
+    # CPU its fusions stay uncompiled functions, with the same losses, and start-up is
+    # seconds shorter. Else a worker's start-up would depend on whether an earlier
+    # in-process test happened to set TORCHDYNAMO_DISABLE in the test process.
+    from swift_mcore.runtime.hardware import eager_fusions_without_cuda
+
+    eager_fusions_without_cuda()
+
     import torch
     import torch.distributed as dist
 

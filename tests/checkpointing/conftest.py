@@ -1,5 +1,8 @@
 """Checkpoint-test fixtures: a tiny corpus whose epoch ends inside the runs, and flags."""
 
+import json
+import signal
+
 import pytest
 
 import ckpt_harness as H
@@ -18,6 +21,24 @@ def flags(corpus):
     return {**H.TINY, "dataset": [corpus], "split": "90,10,0"}
 
 
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory, flags):
+    """straight_run(world_size, **flags): the output folder of a segment with ``flags``
+    (over the session's ``flags``) never interrupted, run once per session for each
+    configuration: several tests hold their interrupted runs to the same straight run."""
+    runs = {}
+
+    def get(world_size, **extra):
+        key = (world_size, json.dumps(extra, sort_keys=True))
+        if key not in runs:
+            out = str(tmp_path_factory.mktemp(f"straight{world_size}") / "run")
+            H.run(out, {**flags, **extra}, world_size)
+            runs[key] = out
+        return runs[key]
+
+    return get
+
+
 
 @pytest.fixture(scope="session")
 def straight_cli(tmp_path_factory):
@@ -28,3 +49,28 @@ def straight_cli(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight_cli") / "run"
     run_pt(out, *H.CLI_FLAGS)
     return out
+
+
+@pytest.fixture
+def trainer_setup(gloo_group):
+    """trainer_setup(**flags): a Trainer of these flags, set up in this process on the
+    one-rank gloo group (fast, for resume attempts); afterwards its writer is closed and
+    the signal handlers a successful setup installs are put back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    trainers = []
+
+    def setup(**flags):
+        from swift_mcore.arguments import PretrainArguments
+        from swift_mcore.training.trainer import Trainer
+
+        trainer = Trainer(PretrainArguments.from_flags(**flags))
+        trainers.append(trainer)
+        trainer.setup()
+        return trainer
+
+    yield setup
+    for t in trainers:
+        if getattr(t, "writer", None) is not None:
+            t.writer.close()
+    for s, handler in saved.items():
+        signal.signal(s, handler)

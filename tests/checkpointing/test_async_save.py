@@ -9,15 +9,13 @@ import pytest
 import ckpt_harness as H
 from swift_mcore.checkpointing import commit, tracker
 
-N = 8
+N = 12
 GBS = H.TINY["global_batch_size"]
 
 
 @pytest.fixture(scope="module")
-def straight1(tmp_path_factory, flags):
-    out = str(tmp_path_factory.mktemp("async") / "straight")
-    H.run(out, {**flags, "train_iters": N}, 1)
-    return out
+def straight1(straight_run):
+    return straight_run(1, train_iters=N)  # test_resume_signals.py's too
 
 
 def check_equal(straight, out):

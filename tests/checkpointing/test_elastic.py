@@ -13,21 +13,20 @@ import pytest
 import ckpt_harness as H
 from swift_mcore.checkpointing import commit
 
-N = 12
+N = H.TWO_RANK_RUN["train_iters"]
 GBS = H.TINY["global_batch_size"]
 
 
 @pytest.fixture(scope="module")
 def elastic_flags(flags):
-    return {**flags, "train_iters": N, "save_steps": 3, "resume": "auto"}
+    # With the evaluations of the straight run shared with test_resume_exact.py.
+    return {**flags, **H.TWO_RANK_RUN, "save_steps": 3, "resume": "auto"}
 
 
 @pytest.fixture(scope="module")
-def straight2(tmp_path_factory, flags):
+def straight2(straight_run):
     """Two ranks, never interrupted."""
-    out = str(tmp_path_factory.mktemp("elastic") / "straight")
-    H.run(out, {**flags, "train_iters": N}, 2)
-    return out
+    return straight_run(2, **H.TWO_RANK_RUN)
 
 
 def newest_complete(out) -> int:

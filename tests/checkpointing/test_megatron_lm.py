@@ -64,24 +64,9 @@ def mlm_root(tmp_path):
 
 
 @pytest.fixture
-def in_process(gloo_group, data_flags):
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    trainers = []
-
-    def setup(**flags):
-        from swift_mcore.training.trainer import Trainer
-
-        trainer = Trainer(PretrainArguments.from_flags(**{**FLAGS, **data_flags, **flags}))
-        trainers.append(trainer)
-        trainer.setup()
-        return trainer
-
-    yield setup
-    for t in trainers:
-        if getattr(t, "writer", None) is not None:
-            t.writer.close()
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+def in_process(trainer_setup, data_flags):
+    """Trainer.setup here (conftest.trainer_setup) with the fixture's flags."""
+    return lambda **flags: trainer_setup(**{**FLAGS, **data_flags, **flags})
 
 
 def logits(trainer):

@@ -8,14 +8,12 @@ process (Trainer.setup on a one-rank gloo group), which is fast."""
 import os
 import pickle
 import shutil
-import signal
 
 import pytest
 import torch
 
 import ckpt_harness as H
 from swift_mcore.errors import ArgumentError
-from swift_mcore.arguments import PretrainArguments
 from swift_mcore.errors import CheckpointError
 from swift_mcore.checkpointing import commit
 from swift_mcore.checkpointing.tracker import TRACKER_FILENAME, write_tracker
@@ -36,25 +34,9 @@ def made(tmp_path_factory, flags):
 
 
 @pytest.fixture
-def in_process(gloo_group):
-    """Trainer.setup here; restores the signal handlers a successful setup installs."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    trainers = []
-
-    def setup(**flags):
-        from swift_mcore.training.trainer import Trainer
-
-        trainer = Trainer(PretrainArguments.from_flags(**flags))
-        trainers.append(trainer)
-        trainer.setup()
-        return trainer
-
-    yield setup
-    for t in trainers:
-        if getattr(t, "writer", None) is not None:
-            t.writer.close()
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+def in_process(trainer_setup):
+    """Trainer.setup here (conftest.trainer_setup)."""
+    return trainer_setup
 
 
 def copy_run(made, tmp_path, name="good"):

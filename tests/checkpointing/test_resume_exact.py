@@ -68,12 +68,12 @@ def check_exact(straight, chained, world_size, stops):
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact_one_rank(tmp_path, flags):
+def test_resume_is_bit_exact_one_rank(tmp_path, flags, straight_run):
     # Data loader workers, tensorboard and the progress bar on: none may touch the RNGs.
-    f = {**flags, "train_iters": N, "eval_steps": 4, "eval_iters": 1, "num_workers": 1,
-         "tensorboard": True, "progress_bar": True}
-    straight = str(tmp_path / "straight")
-    H.run(straight, f, 1)
+    one_rank = dict(train_iters=N, eval_steps=4, eval_iters=1, num_workers=1,
+                    tensorboard=True, progress_bar=True)
+    f = {**flags, **one_rank}
+    straight = straight_run(1, **one_rank)
     train_len = H.records(straight, "setup")[0]["train_len"]
     assert N * GBS > train_len >= 4 * GBS, "the corpus no longer puts an epoch end in the run"
     stops = stops_for(train_len)
@@ -84,10 +84,10 @@ def test_resume_is_bit_exact_one_rank(tmp_path, flags):
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact_two_ranks(tmp_path, flags):
-    f = {**flags, "train_iters": N, "eval_steps": 4, "eval_iters": 1}
-    straight = str(tmp_path / "straight")
-    H.run(straight, f, 2)
+def test_resume_is_bit_exact_two_ranks(tmp_path, flags, straight_run):
+    assert H.TWO_RANK_RUN["train_iters"] == N
+    f = {**flags, **H.TWO_RANK_RUN}
+    straight = straight_run(2, **H.TWO_RANK_RUN)
     train_len = H.records(straight, "setup")[0]["train_len"]
     stops = stops_for(train_len)[1:]  # both sides of the epoch boundary
     chained = str(tmp_path / "chained")

@@ -12,15 +12,13 @@ import pytest
 import ckpt_harness as H
 from swift_mcore.checkpointing import commit, tracker
 
-N = 20
+N = 12  # the three kills below end well before it (a save at every iteration)
 GBS = H.TINY["global_batch_size"]
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, flags):
-    out = str(tmp_path_factory.mktemp("signals") / "straight")
-    H.run(out, {**flags, "train_iters": N}, 1)
-    return out
+def straight(straight_run):
+    return straight_run(1, train_iters=N)  # test_async_save.py's too
 
 
 def check_equal_to_straight(straight, out, world_size=1):

@@ -46,6 +46,11 @@ def assert_close(a, b, tol=1e-5):
         assert abs(a[it] - b[it]) <= tol, (it, a[it], b[it])
 
 
+def layout_flags(packing):
+    return ["--train_iters", "3", "--no_save", "--packing", packing, "--global_batch_size",
+            "8", "--log_sample_ids"]
+
+
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory, conversations):
     """layouts(packing): a folder with the same 3 iterations (global batch 8) run on three
@@ -56,8 +61,7 @@ def layouts(tmp_path_factory, conversations):
     def get(packing):
         if packing not in runs:
             base = tmp_path_factory.mktemp(f"layouts_packing_{packing}")
-            common = ["--train_iters", "3", "--no_save", "--packing", packing,
-                      "--global_batch_size", "8", "--log_sample_ids"]
+            common = layout_flags(packing)
             sft(base / "mb4", conversations, *common, "--micro_batch_size", "4")
             sft(base / "mb1", conversations, *common, "--micro_batch_size", "1")
             sft(base / "dp2", conversations, *common, "--micro_batch_size", "2", nproc=2)
@@ -125,22 +129,24 @@ def test_num_train_epochs_sets_the_length(tmp_path, conversations):
     assert max(losses(tmp_path / "packed")) == -(-2 * rows // 4)
 
 
-def test_custom_trainer_overrides_the_loss(tmp_path, conversations):
+def test_custom_trainer_overrides_the_loss(tmp_path, conversations, layouts):
+    # The plain loss is the layouts' unpacked mb4 run: these are its flags.
+    plain = losses(layouts("false") / "mb4")
+    flags = [*layout_flags("false"), "--micro_batch_size", "4"]
+
     def custom(out, smoothing):
-        # The same flags as sft() below: TINY, this data, plain template.
+        # The same flags as sft() above: TINY, this data, plain template.
         cmd = [sys.executable, "examples/custom_trainer.py", "sft", "--smoothing",
                str(smoothing), *TINY, "--dataset", str(conversations), "--seq_length", "192",
-               "--template", "plain", "--train_iters", "2", "--no_save", "--output_dir",
-               str(out)]
+               "--template", "plain", *flags, "--output_dir", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "custom trainer finished at iteration 2" in proc.stdout
+        assert "custom trainer finished at iteration 3" in proc.stdout
         return losses(out)
 
-    sft(tmp_path / "plain", conversations, "--train_iters", "2", "--no_save")
-    assert_close(custom(tmp_path / "s0", 0.0), losses(tmp_path / "plain"))
-    smoothed, plain = custom(tmp_path / "s1", 0.5), losses(tmp_path / "plain")
-    assert all(abs(smoothed[i] - plain[i]) > 1e-4 for i in (1, 2)), (smoothed, plain)
+    assert_close(custom(tmp_path / "s0", 0.0), plain)
+    smoothed = custom(tmp_path / "s1", 0.5)
+    assert all(abs(smoothed[i] - plain[i]) > 1e-4 for i in (1, 2, 3)), (smoothed, plain)
 
 
 def test_end_to_end_example_reproduces_the_answers(tmp_path):
