@@ -17,6 +17,14 @@ from test_hf_training import continue_pretraining, run_flags
 from test_moe_families import convert, make_moe
 
 
+
+def write_chat(path, rows: int) -> None:
+    """``rows`` one-turn chats that a few sft steps learn (the answer is always the same)."""
+    path.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"add {i}"},
+        {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
+        for i in range(rows)))
+
 def test_ep2_from_hf_folder_gives_the_ep1_losses(tmp_path):
     source = tmp_path / "hf"
     make_moe(source, "qwen2_moe")  # a dense first layer, the gated shared expert
@@ -42,10 +50,7 @@ def test_sft_on_a_qwen3_moe_folder_trains_and_exports_to_transformers(tmp_path, 
     source = tmp_path / "hf"
     make_moe(source, "qwen3_moe")  # router_aux_loss_coef 0.001 from its config.json
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"add {i}"},
-        {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
-        for i in range(64)))
+    write_chat(data, 64)
     out = tmp_path / "sft"
     cmd = [sys.executable, "-m", "swift_mcore", "sft", *run_flags(), "--model", str(source),
            "--dataset", str(data), "--template", "plain", "--seq_length", "64",
@@ -91,10 +96,7 @@ def test_sft_on_qwen2_moe_and_mixtral_folders(tmp_path, gloo_group, family):
     make_moe(source, family)
     H.edit_config(str(source), router_aux_loss_coef=0.02)
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"add {i}"},
-        {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
-        for i in range(32)))
+    write_chat(data, 32)
     out = tmp_path / "sft"
     argv = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
             "plain", "--seq_length", "64", "--train_iters", "4", "--lr", "1e-2",
