@@ -27,6 +27,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from moe_throughput import add_shape_arguments  # noqa: E402
 
 # MoE layer phase -> megatron methods whose time it is (moe_layer.py:357, token_dispatcher.py)
 PHASES = {
@@ -202,16 +205,9 @@ def gemms(opts):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--expert_ffn", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=256)
+    add_shape_arguments(parser)  # the same shapes as moe_throughput.py's
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--only", nargs="+", default=["moe", "dense", "gemm", "glu"],
                         choices=["moe", "dense", "gemm", "glu"])
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -52,18 +52,23 @@ def run(kind: str, args, out: str) -> float:
     return sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_shape_arguments(parser) -> None:
+    """The MoE model's shape and the dense model's derived from it (moe_profile.py too)."""
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--expert_ffn", type=int, default=256)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--iters", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tiny", action="store_true")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_shape_arguments(parser)
+    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.expert_ffn, args.seq, args.iters = 2, 64, 32, 32, 2
