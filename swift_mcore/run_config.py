@@ -65,6 +65,9 @@ class RunConfig:
     lora_import: Optional[Any] = None
     vocab_size: Optional[int] = None         # the tokenizer's (complete() sets both)
     padded_vocab_size: Optional[int] = None  # the embedding's rows: megatron's padding rule
+    # --trim_host_memory on a CPU run with glibc: the free heap is released before each
+    # micro-batch (runtime/host_memory.py)
+    trim_host_memory: bool = False
 
     # The flag groups (model, data, training, parallel, checkpoint, logging, sft) read as on
     # the arguments: config.model.hidden_size; properties made below the class.
@@ -114,7 +117,10 @@ class RunConfig:
                       f"fully parallel checkpoint save {on[self.fully_parallel_save]}"]
             chosen += [f"{name}={value}" for name, value in self.environment]
             text += " (" + ", ".join(chosen) + ")"
-        return text + f", activation recompute {self.describe_recompute()}"
+        text += f", activation recompute {self.describe_recompute()}"
+        if self.trim_host_memory:
+            text += ", free heap released before each micro-batch (--trim_host_memory)"
+        return text
 
 
     def describe_recompute(self) -> str:
@@ -144,7 +150,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     ArgumentError naming the flag. Runs before any process group exists: the world size
     comes from the launcher's environment (WORLD_SIZE) unless given. ``cuda``,
     ``transformer_engine`` and ``apex`` stand in for the hardware (tests simulate a GPU)."""
-    from .runtime import hardware
+    from .runtime import hardware, host_memory
 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -196,6 +202,8 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
                      layer_spec=layer_spec, attention=attention, packed_rows=packed_rows,
                      dataset_sources=sources, val_dataset_sources=val_sources,
                      precision=precision, base_model=base_model, lora_import=lora_import,
+                     trim_host_memory=(flags.training.trim_host_memory and not cuda
+                                       and host_memory.available()),
                      **choose_gpu_defaults(flags, world, cuda, transformer_engine))
 
 

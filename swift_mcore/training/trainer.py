@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..arguments import PretrainArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
-from ..runtime import collectives, distributed, run_lock, seed
+from ..runtime import collectives, distributed, host_memory, run_lock, seed
 from . import best, moe_metrics
 from .metrics import LogWindow, executed_flops_per_token, flops_per_token
 from .nonfinite import NonFiniteGuard
@@ -277,8 +277,11 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         config = self.config
+        forward_step = self.forward_step
+        if config.trim_host_memory:
+            forward_step = host_memory.trimming(forward_step)
         return get_forward_backward_func()(
-            forward_step_func=self.forward_step,
+            forward_step_func=forward_step,
             data_iterator=data_iterator,
             model=self.model,
             num_microbatches=config.world.num_microbatches,
