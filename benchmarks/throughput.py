@@ -8,6 +8,8 @@ global batch for every contender:
                         auto``, torch's SDPA on CPU (Transformer Engine's on CUDA with TE);
 * ``swift-mcore-local`` the same with ``--attention_backend local`` (megatron's
                         DotProductAttention, the default before issue 14);
+* ``swift-mcore-keep-heap`` the default with ``--trim_host_memory false`` (the free heap is
+                        not handed back before each micro-batch: what the trim costs and saves);
 * ``megatron-bare``     benchmarks/bare_megatron_loop.py, the same megatron model in a bare
                         loop (the framework-overhead baseline; the attention auto chooses);
 * ``hf-trainer``        benchmarks/hf_peer.py, transformers' Trainer on the equivalent
@@ -72,7 +74,8 @@ BATCH = {
     ("cuda", "10m"): (8, 64, 5, 20), ("cuda", "100m"): (8, 64, 5, 20),
     ("cuda", "tiny"): (2, 4, 1, 2),
 }
-CONTENDERS = ("swift-mcore", "swift-mcore-local", "megatron-bare", "hf-trainer")
+CONTENDERS = ("swift-mcore", "swift-mcore-local", "swift-mcore-keep-heap", "megatron-bare",
+              "hf-trainer")
 BASELINE = "megatron-bare"
 
 
@@ -140,7 +143,8 @@ def run_contender(name, flags, case, opts, workdir):
     timing = ["--iters", str(case["iters"]), "--warmup", str(case["warmup"])]
     if name.startswith("swift-mcore"):
         out = tempfile.mkdtemp(dir=workdir)
-        backend = ["--attention_backend", "local"] if name.endswith("local") else []
+        backend = {"swift-mcore-local": ["--attention_backend", "local"],
+                   "swift-mcore-keep-heap": ["--trim_host_memory", "false"]}.get(name, [])
         cmd = [sys.executable, "-m", "swift_mcore", "pt", *flags, *backend,
                "--train_iters", str(case["warmup"] + case["iters"]), "--log_interval", "1",
                "--eval_steps", "0", "--no_save", "--progress_bar", "false",

@@ -146,3 +146,15 @@ def test_activation_memory_smoke():
     # The logits the loss keeps: the same for both (fp32, [tokens, vocab]).
     loss = "model (its own forward: the loss)"
     assert abs(ours["saved_MB"][loss] - hf["saved_MB"][loss]) < 0.01
+
+
+@pytest.mark.benchmark
+def test_heap_phases_smoke():
+    (result,) = run_script("heap_phases.py", "--size", "tiny", "--seq", "32", "--contenders",
+                           "swift-mcore", "hf-trainer")
+    for run in result["runs"]:
+        phases = [p["phase"] for p in run["phases"]]
+        # warm-up and timed step, 2 micro-batches each (BATCH[("cpu", "tiny")])
+        assert phases.count("forward done") == 4 and phases.count("optimizer step done") == 2
+        assert all(p["heap_in_use_MB"] > 0 and p["rss_MB"] <= run["peak_rss_MB"]
+                   for p in run["phases"])
