@@ -6,29 +6,34 @@ import json
 
 import pytest
 
+from in_process import train_in_process
 from run_helpers import losses, run_pt, train_records
 
 MOE = ["--num_experts", "4", "--moe_router_topk", "2", "--moe_ffn_hidden_size", "32",
        "--moe_aux_loss_coeff", "0.01"]
+# Strong router losses (test_tp2_sequence_parallel_gives_the_one_rank_moe_losses needs them).
+ROUTER = [*MOE[:-1], "0.1", "--moe_z_loss_coeff", "0.01"]
 
 
 @pytest.fixture(scope="module")
-def ep1_run(tmp_path_factory):
-    """EP=1, four iterations, a checkpoint at iteration 2."""
+def ep1_run(tmp_path_factory, gloo_group):
+    """EP=1 with ROUTER losses, four iterations, a checkpoint at iteration 2: the one-rank
+    reference of the EP=2, PP=2 and TP=2 runs. The one-rank runs train in this process
+    (tests/in_process.py); the resumed ones start from another process's checkpoint."""
     out = tmp_path_factory.mktemp("moe_ep1")
-    proc = run_pt(out, *MOE, "--moe_z_loss_coeff", "0.001", "--train_iters", "4",
-                  "--save_steps", "2", timeout=600)
+    proc = train_in_process(out, *ROUTER, "--train_iters", "4", "--save_steps", "2",
+                            command="pt")
     return out, proc
 
 
-def test_router_losses_are_logged_next_to_the_lm_loss(ep1_run, tmp_path):
+def test_router_losses_are_logged_next_to_the_lm_loss(ep1_run, tmp_path, gloo_group):
     out, proc = ep1_run
     records = train_records(out)
     assert all(r["load_balancing_loss"] > 0.9 and r["z_loss"] > 0 for r in records)
     assert "| load_balancing_loss " in proc.stdout and "| z_loss " in proc.stdout
     # The reported loss is the LM loss: the same run without router losses reports it too.
     plain = tmp_path / "plain"
-    run_pt(plain, *MOE[:-2], "--train_iters", "1", "--no_save")
+    train_in_process(plain, *MOE[:-2], "--train_iters", "1", "--no_save", command="pt")
     assert abs(losses(plain)[1] - losses(out)[1]) < 1e-6
     assert "load_balancing_loss" not in train_records(plain)[0]
 
@@ -37,7 +42,7 @@ def test_ep2_resumes_ep1_checkpoint_with_its_losses(ep1_run, tmp_path):
     """EP 1 -> 2 (allgather dispatcher, dropless): iterations 3 and 4 as at EP=1."""
     out, _ = ep1_run
     ep2 = tmp_path / "ep2"
-    run_pt(ep2, *MOE, "--moe_z_loss_coeff", "0.001", "--train_iters", "4",
+    run_pt(ep2, *ROUTER, "--train_iters", "4",
            "--expert_model_parallel_size", "2", "--moe_token_dispatcher_type", "allgather",
            "--resume", out / "checkpoint" / "iter_0000002", "--no_save", nproc=2)
     ref, got = losses(out), losses(ep2)
@@ -51,7 +56,7 @@ def test_pp2_resumes_ep1_checkpoint_with_its_losses(ep1_run, tmp_path):
     summed over the stages as one rank sums them over its layers."""
     out, _ = ep1_run
     pp2 = tmp_path / "pp2"
-    run_pt(pp2, *MOE, "--moe_z_loss_coeff", "0.001", "--train_iters", "4",
+    run_pt(pp2, *ROUTER, "--train_iters", "4",
            "--pipeline_model_parallel_size", "2",
            "--resume", out / "checkpoint" / "iter_0000002", "--no_save", nproc=2)
     ref, got = {r["iteration"]: r for r in train_records(out)}, train_records(pp2)
@@ -61,13 +66,13 @@ def test_pp2_resumes_ep1_checkpoint_with_its_losses(ep1_run, tmp_path):
             assert abs(g[key] - ref[g["iteration"]][key]) < 1e-5, (g["iteration"], key)
 
 
-def test_ep2_checkpoint_resumes_at_ep1_exactly(tmp_path):
+def test_ep2_checkpoint_resumes_at_ep1_exactly(tmp_path, gloo_group):
     """EP 2 -> 1 (alltoall dispatcher): the EP=1 continuation equals EP=2's own."""
     ep2, ep1 = tmp_path / "ep2", tmp_path / "ep1"
     run_pt(ep2, *MOE, "--train_iters", "4", "--save_steps", "2",
            "--expert_model_parallel_size", "2", nproc=2)
-    run_pt(ep1, *MOE, "--train_iters", "4", "--no_save",
-           "--resume", ep2 / "checkpoint" / "iter_0000002")
+    train_in_process(ep1, *MOE, "--train_iters", "4", "--no_save",
+                     "--resume", ep2 / "checkpoint" / "iter_0000002", command="pt")
     ref, got = losses(ep2), losses(ep1)
     assert sorted(got) == [3, 4]
     for it in (3, 4):
@@ -76,22 +81,20 @@ def test_ep2_checkpoint_resumes_at_ep1_exactly(tmp_path):
     assert state["consumed_train_samples"] == 16
 
 
-def test_tp2_sequence_parallel_gives_the_one_rank_moe_losses(tmp_path):
+def test_tp2_sequence_parallel_gives_the_one_rank_moe_losses(ep1_run, tmp_path):
     """MoE with TP=2 needs --sequence_parallel (the router's and the norms' gradients are
     summed over the TP ranks); the alltoall dispatcher over TP x EP = 2 x 1, the experts
     TP-sharded. With strong router losses: megatron 0.16.1 weighs them 1/TP at TP > 1
     unless the coefficients are scaled (models/gpt.py:router_loss_scale; without it the
     LM loss is 1.7e-4 off at step 3), and the logged z-loss is one rank's slice unless
     averaged over TP (training/moe_metrics.py; 1.2e-2 off). Both the LM loss and the
-    reported router losses are the one-rank ones."""
-    flags = [*MOE[:-1], "0.1", "--moe_z_loss_coeff", "0.01", "--train_iters", "3",
-             "--no_save"]
-    one, tp2 = tmp_path / "one", tmp_path / "tp2"
-    run_pt(one, *flags, timeout=600)
-    run_pt(tp2, *flags, "--tensor_model_parallel_size", "2", "--sequence_parallel", nproc=2,
-           timeout=900)
+    reported router losses are the one-rank ones (the one-rank run is ep1_run)."""
+    one, _ = ep1_run
+    tp2 = tmp_path / "tp2"
+    run_pt(tp2, *ROUTER, "--train_iters", "4", "--no_save", "--tensor_model_parallel_size",
+           "2", "--sequence_parallel", nproc=2, timeout=900)
     ref, got = train_records(one), train_records(tp2)
-    assert [r["iteration"] for r in got] == [1, 2, 3]
+    assert [r["iteration"] for r in got] == [1, 2, 3, 4]
     for r, g in zip(ref, got):
         for key in ("loss", "load_balancing_loss", "z_loss"):
             assert abs(g[key] - r[key]) < 1e-5, (g["iteration"], key, g[key], r[key])

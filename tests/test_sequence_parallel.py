@@ -15,11 +15,14 @@ from swift_mcore.run_config import resolve
 SHAPE = ["--normalization", "LayerNorm", "--qk_layernorm", "--lr", "1e-2", "--min_lr", "1e-2"]
 
 
-def test_tp2_sequence_parallel_gives_the_one_rank_losses(tmp_path):
+def test_tp2_sequence_parallel_gives_the_one_rank_losses(tmp_path, gloo_group):
     """TP=2 without SP gives the one-rank losses (test_training.py); with SP too. Without
-    the norms' gradient reduction the losses differ from iteration 2 on."""
+    the norms' gradient reduction the losses differ from iteration 2 on. (The one rank
+    trains in this process.)"""
+    from in_process import train_in_process
+
     one, sp = tmp_path / "one", tmp_path / "sp"
-    run_pt(one, *SHAPE, "--train_iters", "3", "--no_save", timeout=900)
+    train_in_process(one, *SHAPE, "--train_iters", "3", "--no_save", command="pt")
     run_pt(sp, *SHAPE, "--train_iters", "3", "--no_save", "--tensor_model_parallel_size", "2",
            "--sequence_parallel", nproc=2, timeout=900)
     ref, got = losses(one), losses(sp)

@@ -33,7 +33,9 @@ def continue_pretraining(source, data, out, *flags, nproc=1):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, train_here):
+    """continue_pretraining in this process (the run, not its process, is what the tests
+    read)."""
     root = tmp_path_factory.mktemp("continue")
     source = root / "hf"
     H.make_family(str(source), "qwen2", tie_word_embeddings=False)
@@ -41,7 +43,8 @@ def trained(tmp_path_factory):
     data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
                             + "\n" for i in range(200)))
     out = root / "run"
-    stdout = continue_pretraining(source, data, out, "--save_safetensors")
+    stdout = train_here(out, "--model", source, "--dataset", data, "--train_iters", "4",
+                        "--save_safetensors", command="pt", base=run_flags()).stdout
     return source, out, stdout, data
 
 

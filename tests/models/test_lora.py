@@ -222,21 +222,19 @@ def test_merged_and_peft_exports_equal_the_lora_model(trained, gloo_group, tmp_p
 
 
 @pytest.mark.slow
-def test_a_lora_checkpoint_is_a_small_fraction_of_a_full_one(tmp_path):
-    from run_helpers import run_pt
-
+def test_a_lora_checkpoint_is_a_small_fraction_of_a_full_one(tmp_path, train_here):
     sizes = {}
     for kind, extra in (("full", []), ("lora", ["--tuner_type", "lora", "--lora_rank", "2"])):
-        # a port of its own: the in-process tests' gloo group holds MASTER_PORT's
-        run_pt(tmp_path / kind, "--hidden_size", "256", "--train_iters", "1", *extra,
-               env={"MASTER_PORT": str(H.free_port())})
+        train_here(tmp_path / kind, "--hidden_size", "256", "--train_iters", "1", *extra,
+                   command="pt")
         folder = tmp_path / kind / "checkpoint" / "iter_0000001"
         sizes[kind] = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     assert sizes["full"] > 20 * sizes["lora"], sizes
 
 
 @pytest.mark.slow
-def test_sft_with_packing_at_dp2_and_recompute_gives_the_one_rank_losses(tmp_path):
+def test_sft_with_packing_at_dp2_and_recompute_gives_the_one_rank_losses(tmp_path,
+                                                                         train_here):
     from run_helpers import run_sft
 
     data = tmp_path / "chats.jsonl"
@@ -245,7 +243,7 @@ def test_sft_with_packing_at_dp2_and_recompute_gives_the_one_rank_losses(tmp_pat
         {"role": "assistant", "content": f"{2 * i + 1}"}]}) + "\n" for i in range(40)))
     common = ["--dataset", data, "--template", "plain", "--seq_length", "64", "--packing",
               "--train_iters", "2", "--no_save", *LORA]
-    one = run_sft(tmp_path / "dp1", *common, env={"MASTER_PORT": str(H.free_port())})
+    one = train_here(tmp_path / "dp1", *common)
     run_sft(tmp_path / "dp2", *common, "--recompute_granularity", "selective", nproc=2)
     assert "--tuner_type lora:" in one.stdout
     reference, dp2 = losses(tmp_path / "dp1"), losses(tmp_path / "dp2")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_helpers as H
-from test_hf_training import continue_pretraining
+from test_hf_training import continue_pretraining, run_flags
 from run_helpers import losses
 
 from swift_mcore.arguments import PretrainArguments
@@ -97,9 +97,10 @@ def test_an_imported_adapter_gives_peft_logits(base, kind, gloo_group):
 
 
 @pytest.fixture(scope="module")
-def continued(base):
-    """The patterned adapter (without rslora) trained on for 2 iterations at TP=1 and TP=2
-    (each run is mostly its start-up: 2 iterations show what 4 did, in less time)."""
+def continued(base, train_here):
+    """The patterned adapter (without rslora) trained on for 2 iterations at TP=1 (in this
+    process) and TP=2 (each run is mostly its start-up: 2 iterations show what 4 did, in
+    less time)."""
     adapter = make_adapter(base / "hf", base / "train_adapter", seed=1,
                            **{**ADAPTERS["patterns_rslora"], "use_rslora": False})
     data = base / "data.jsonl"
@@ -107,7 +108,8 @@ def continued(base):
                             + "\n" for i in range(200)))
     flags = ["--tuner_type", "lora", "--adapters", str(adapter), "--lora_dropout", "0",
              "--attention_backend", "sdpa", "--train_iters", "2"]
-    continue_pretraining(base / "hf", data, base / "tp1", *flags)
+    train_here(base / "tp1", "--model", base / "hf", "--dataset", data, *flags, command="pt",
+               base=run_flags())
     continue_pretraining(base / "hf", data, base / "tp2", *flags,
                          "--tensor_model_parallel_size", "2", nproc=2)
     return adapter

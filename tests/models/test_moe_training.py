@@ -25,14 +25,16 @@ def write_chat(path, rows: int) -> None:
         {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
         for i in range(rows)))
 
-def test_ep2_from_hf_folder_gives_the_ep1_losses(tmp_path):
+def test_ep2_from_hf_folder_gives_the_ep1_losses(tmp_path, train_here):
     source = tmp_path / "hf"
     make_moe(source, "qwen2_moe")  # a dense first layer, the gated shared expert
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
                             + "\n" for i in range(200)))
     one, two = tmp_path / "ep1", tmp_path / "ep2"
-    stdout = continue_pretraining(source, data, one, "--no_save", "--train_iters", "3")
+    # EP=1 in this process: continue_pretraining's flags
+    stdout = train_here(one, "--model", source, "--dataset", data, "--no_save",
+                        "--train_iters", "3", command="pt", base=run_flags()).stdout
     assert "loaded Hugging Face weights from" in stdout
     continue_pretraining(source, data, two, "--no_save", "--train_iters", "3",
                          "--expert_model_parallel_size", "2", nproc=2)

@@ -1,5 +1,6 @@
 """swift-mcore sft runs: exact token averaging across layouts, exact resume, epochs, custom loss."""
 
+import importlib.util
 import json
 import random
 import re
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from run_helpers import ROOT, TINY, free_port, losses, run_sft, train_records
+from run_helpers import ROOT, TINY, child_env, free_port, losses, run_sft, train_records
 
 WORDS = ("alpha beta gamma delta river stone cloud paper orange silver seven north winter "
          "garden quiet simple").split()
@@ -35,9 +36,17 @@ def conversations(tmp_path_factory):
     return path
 
 
+DATA = ("--seq_length", "192", "--template", "plain")
+
+
 def sft(out, data, *flags, **kwargs):
-    return run_sft(out, "--dataset", data, "--seq_length", "192", "--template", "plain",
-                   *flags, **kwargs)
+    return run_sft(out, "--dataset", data, *DATA, *flags, **kwargs)
+
+
+def sft_one_rank(sft_here, out, data, *flags, **kwargs):
+    """sft() on one rank in this process: for the runs whose process is not what a test
+    checks (the resume test restarts real processes)."""
+    return sft_here(out, "--dataset", data, *DATA, *flags, **kwargs)
 
 
 def assert_close(a, b, tol=1e-5):
@@ -52,7 +61,7 @@ def layout_flags(packing):
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory, conversations):
+def layouts(tmp_path_factory, conversations, sft_here):
     """layouts(packing): a folder with the same 3 iterations (global batch 8) run on three
     layouts, mb4 (DP=1, 2 micro-batches of 4), mb1 (DP=1, 8 of 1) and dp2 (2 ranks, 2 of 2
     each); run once per --packing value and shared (--log_sample_ids changes no number)."""
@@ -62,8 +71,10 @@ def layouts(tmp_path_factory, conversations):
         if packing not in runs:
             base = tmp_path_factory.mktemp(f"layouts_packing_{packing}")
             common = layout_flags(packing)
-            sft(base / "mb4", conversations, *common, "--micro_batch_size", "4")
-            sft(base / "mb1", conversations, *common, "--micro_batch_size", "1")
+            sft_one_rank(sft_here, base / "mb4", conversations, *common, "--micro_batch_size",
+                         "4")
+            sft_one_rank(sft_here, base / "mb1", conversations, *common, "--micro_batch_size",
+                         "1")
             sft(base / "dp2", conversations, *common, "--micro_batch_size", "2", nproc=2)
             runs[packing] = base
         return runs[packing]
@@ -86,14 +97,14 @@ def test_loss_is_the_token_mean_whatever_the_layout(layouts, packing):
     assert counts[0] == counts[1] == counts[2] and all(n > 0 for n in counts[0])
 
 
-def test_pipeline_parallel_packed_rows_match_one_stage(tmp_path, conversations):
+def test_pipeline_parallel_packed_rows_match_one_stage(tmp_path, conversations, sft_here):
     """PP=2 pads to --seq_length and gives every stage the packed mask: from the same
     weights (a PP=1 checkpoint) it trains as PP=1 does."""
     common = ["--packing", "--micro_batch_size", "2", "--global_batch_size", "4"]
-    sft(tmp_path / "base", conversations, *common, "--train_iters", "1")
+    sft_one_rank(sft_here, tmp_path / "base", conversations, *common, "--train_iters", "1")
     load = ["--load", tmp_path / "base" / "checkpoint", "--finetune", "--train_iters", "2",
             "--no_save"]
-    sft(tmp_path / "pp1", conversations, *common, *load)
+    sft_one_rank(sft_here, tmp_path / "pp1", conversations, *common, *load)
     sft(tmp_path / "pp2", conversations, *common, *load, "--pipeline_model_parallel_size",
         "2", nproc=2)
     assert_close(losses(tmp_path / "pp1"), losses(tmp_path / "pp2"))
@@ -117,41 +128,51 @@ def test_resume_is_bit_exact(tmp_path, conversations):
     assert ids(split) == ids(tmp_path / "whole")
 
 
-def test_num_train_epochs_sets_the_length(tmp_path, conversations):
-    proc = sft(tmp_path / "unpacked", conversations, "--num_train_epochs", "1.5",
-               "--no_save", "--global_batch_size", "8")
+def test_num_train_epochs_sets_the_length(tmp_path, conversations, sft_here):
+    proc = sft_one_rank(sft_here, tmp_path / "unpacked", conversations, "--num_train_epochs",
+                        "1.5", "--no_save", "--global_batch_size", "8")
     assert "40 of 40 conversations kept" in proc.stdout
     assert max(losses(tmp_path / "unpacked")) == 8  # ceil(1.5 * 40 / 8)
-    proc = sft(tmp_path / "packed", conversations, "--num_train_epochs", "2", "--packing",
-               "--no_save", "--global_batch_size", "4")
+    proc = sft_one_rank(sft_here, tmp_path / "packed", conversations, "--num_train_epochs",
+                        "2", "--packing", "--no_save", "--global_batch_size", "4")
     rows = int(re.search(r"packed into (\d+) rows", proc.stdout).group(1))
     assert rows < 40
     assert max(losses(tmp_path / "packed")) == -(-2 * rows // 4)
 
 
-def test_custom_trainer_overrides_the_loss(tmp_path, conversations, layouts):
+def test_custom_trainer_overrides_the_loss(tmp_path, conversations, layouts, sft_here):
     # The plain loss is the layouts' unpacked mb4 run: these are its flags.
     plain = losses(layouts("false") / "mb4")
     flags = [*layout_flags("false"), "--micro_batch_size", "4"]
+    # The example's command line, as a user runs it, with the plain loss (--smoothing 0).
+    # The same flags as sft() above: TINY, this data, plain template.
+    out = tmp_path / "s0"
+    cmd = [sys.executable, "examples/custom_trainer.py", "sft", "--smoothing", "0", *TINY,
+           "--dataset", str(conversations), *DATA, *flags, "--output_dir", str(out)]
+    # child_env: without the MASTER_PORT this module's gloo group holds
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "custom trainer finished at iteration 3" in proc.stdout
+    assert_close(losses(out), plain)
+    # Its trainer class with label smoothing, in this process: another loss.
+    spec = importlib.util.spec_from_file_location("custom_trainer",
+                                                  ROOT / "examples" / "custom_trainer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
 
-    def custom(out, smoothing):
-        # The same flags as sft() above: TINY, this data, plain template.
-        cmd = [sys.executable, "examples/custom_trainer.py", "sft", "--smoothing",
-               str(smoothing), *TINY, "--dataset", str(conversations), "--seq_length", "192",
-               "--template", "plain", *flags, "--output_dir", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "custom trainer finished at iteration 3" in proc.stdout
-        return losses(out)
+    class Smoothed(example.LabelSmoothingTrainer):
+        smoothing = 0.5
 
-    assert_close(custom(tmp_path / "s0", 0.0), plain)
-    smoothed = custom(tmp_path / "s1", 0.5)
+    sft_one_rank(sft_here, tmp_path / "s1", conversations, *flags, trainer=Smoothed)
+    smoothed = losses(tmp_path / "s1")
     assert all(abs(smoothed[i] - plain[i]) > 1e-4 for i in (1, 2, 3)), (smoothed, plain)
 
 
 def test_end_to_end_example_reproduces_the_answers(tmp_path):
     proc = subprocess.run(["bash", "examples/sft/run.sh", str(tmp_path / "example")],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "24/24 answers reproduced" in proc.stdout
     hf = next((tmp_path / "example" / "run" / "checkpoint").glob("iter_*-hf"))
