@@ -361,7 +361,20 @@ def worker_pid(agent: subprocess.Popen, rank: int, attempt: int, timeout: float 
 
 
 def end_session(proc: subprocess.Popen) -> None:
-    """SIGKILL what is left of a launched session (the agent, its workers, their writers)."""
+    """SIGKILL what is left of a launched session (the agent, its workers, their writers).
+    torchrun starts each worker in a session of its own, out of the agent's process group:
+    they are found as descendants, or a failed test would leave them running."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

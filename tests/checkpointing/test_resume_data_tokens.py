@@ -1,7 +1,8 @@
 """--resume on a prefix whose .bin tokens were replaced (same lengths, byte-identical .idx) is
 refused naming the data fingerprint: for a prefix made by `swift-mcore preprocess` (its
 recorded sha256) and for one made elsewhere, without a record (the sampled blocks; the change
-sits in the first one)."""
+sits in the first one). The refused resume runs in this process (cli.main on a one-rank gloo
+group, as test_planted_pickles.py's refusals)."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import os
 import pytest
 
 import ckpt_harness as H
-from run_helpers import replace_tokens, run_pt
+from run_helpers import TINY, replace_tokens, run_pt
 
 from swift_mcore.data import indexed
 
@@ -31,7 +32,9 @@ def saved_fingerprint(out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("made_by", ["preprocess", "elsewhere"])
-def test_resume_refuses_replaced_tokens(tmp_path, made_by):
+def test_resume_refuses_replaced_tokens(tmp_path, made_by, gloo_group, capsys):
+    from swift_mcore.cli import main
+
     prefix = make_prefix(tmp_path)
     record = prefix + indexed.HASH_SUFFIX
     if made_by == "elsewhere" and os.path.exists(record):
@@ -47,11 +50,13 @@ def test_resume_refuses_replaced_tokens(tmp_path, made_by):
     replace_tokens(prefix, in_place=made_by != "preprocess")
     assert open(prefix + ".idx", "rb").read() == idx and os.path.getsize(prefix + ".bin") == size
 
-    proc = run_pt(out, *flags, "--resume", "auto", check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert f"refusing to resume from {out}/checkpoint/iter_0000002" in proc.stderr
-    line = next(x for x in proc.stderr.splitlines() if "training data" in x).strip()
+    capsys.readouterr()
+    code = main(["pt", *TINY, "--output_dir", str(out), *map(str, flags), "--resume", "auto"])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err
+    assert f"refusing to resume from {out}/checkpoint/iter_0000002" in err
+    line = next(x for x in err.splitlines() if "training data" in x).strip()
     assert line.startswith(f"training data (content fingerprint): checkpoint {saved!r}, now "
                            f"'2:"), line
     assert not (out / "checkpoint" / "iter_0000003").exists()

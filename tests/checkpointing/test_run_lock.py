@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 import ckpt_harness as H
-from run_helpers import ROOT, losses, run_pt
+from run_helpers import ROOT, TINY, losses, run_pt
 from swift_mcore.checkpointing import commit, tracker
 from swift_mcore.errors import ArgumentError
 from swift_mcore.runtime import run_lock
@@ -37,6 +37,27 @@ def check_refusal(proc, out, pid):
                            f"run: pid {pid} on host {socket.gethostname()} (swift-mcore pt, "
                            f"started 20"), line
     assert f"{out}/{run_lock.LOCK_FILENAME}" in line
+
+
+def refused_run(out, *flags, capsys, monkeypatch):
+    """`swift-mcore pt` on a folder another run holds, run in this process (cli.run_pretrain:
+    the command's own parse, resolve and lock, up to the refusal), without the seconds of a
+    process start-up per refusal: what is checked is the exit code, the line and that no
+    file changed, not the process."""
+    from swift_mcore import cli
+
+    for name in ("NPROC_PER_NODE", "LOCAL_RANK", "RANK", run_lock.ENV):
+        monkeypatch.delenv(name, raising=False)  # a plain one-process command line
+
+    def started_training(prog, config):  # a run that got past the lock must not train here
+        raise AssertionError(f"{prog} was not refused: it started training in the test")
+
+    monkeypatch.setattr(cli, "_train", started_training)
+    capsys.readouterr()
+    argv = [*TINY, "--output_dir", str(out), *map(str, flags)]
+    code = cli.run_pretrain(argv)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
 
 
 # ---- the lock itself, between processes ----------------------------------------------------
@@ -100,8 +121,8 @@ def test_lock_between_processes(tmp_path):
 
 # ---- real runs -------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_second_run_on_a_live_output_dir_exits_2_and_the_first_is_intact(tmp_path,
-                                                                         straight_cli):
+def test_second_run_on_a_live_output_dir_exits_2_and_the_first_is_intact(
+        tmp_path, straight_cli, capsys, monkeypatch):
     out = str(tmp_path / "run")
     first = H.start_cli(out, *H.CLI_FLAGS, "--exit_interval", "4")
     try:
@@ -109,8 +130,9 @@ def test_second_run_on_a_live_output_dir_exits_2_and_the_first_is_intact(tmp_pat
                      first)
         os.killpg(first.pid, signal.SIGSTOP)  # hold the first run still, mid-training
         before = H.tree_snapshot(out)
-        second = run_pt(out, *H.CLI_FLAGS, check=False, timeout=180)
-        third = run_pt(out, *H.CLI_FLAGS, "--resume", check=False, timeout=180)
+        second = refused_run(out, *H.CLI_FLAGS, capsys=capsys, monkeypatch=monkeypatch)
+        third = refused_run(out, *H.CLI_FLAGS, "--resume", capsys=capsys,
+                            monkeypatch=monkeypatch)
         assert H.tree_snapshot(out) == before, "a refused run changed files"
     finally:
         os.killpg(first.pid, signal.SIGCONT)
@@ -154,14 +176,15 @@ def test_sigkilled_run_does_not_block_resume(tmp_path, straight_cli):
 
 
 @pytest.mark.slow
-def test_two_rank_run_holds_one_lock_for_its_ranks(tmp_path):
+def test_two_rank_run_holds_one_lock_for_its_ranks(tmp_path, capsys, monkeypatch):
     out = str(tmp_path / "run")
     run = H.start_cli(out, "--train_iters", "3", "--save_steps", "1", nproc=2)
     try:
         H.wait_until(lambda: H.cli_iterations(out) >= 1, run, timeout=240)
         assert holder_pid(out) == run.pid  # the launcher holds it for both ranks
         os.killpg(run.pid, signal.SIGSTOP)
-        second = run_pt(out, "--train_iters", "3", check=False, timeout=180)
+        second = refused_run(out, "--train_iters", "3", capsys=capsys,
+                             monkeypatch=monkeypatch)
     finally:
         os.killpg(run.pid, signal.SIGCONT)
     check_refusal(second, out, run.pid)
