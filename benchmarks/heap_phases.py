@@ -10,7 +10,7 @@ mmapped bytes (large tensors, returned on free). Peak RSS far above "in use + mm
 the fragmentation of the heap, not tensors anything holds.
 
   python benchmarks/heap_phases.py --size 100m --seq 1024
-  python benchmarks/heap_phases.py --size 100m --seq 1024 --contenders swift-mcore swift-mcore-keep-heap hf-trainer
+  python benchmarks/heap_phases.py --size 100m --seq 1024 --contenders swift-mcore swift-mcore-trim-heap hf-trainer
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=1)
     parser.add_argument("--contenders", nargs="+", default=["swift-mcore", "hf-trainer"],
-                        choices=("swift-mcore", "swift-mcore-keep-heap", "hf-trainer"))
+                        choices=("swift-mcore", "swift-mcore-trim-heap", "hf-trainer"))
     opts = parser.parse_args()
     opts.device, opts.num_workers, opts.hf_attention, opts.tiny = "cpu", 1, "sdpa", False
     measured = throughput.run_measured

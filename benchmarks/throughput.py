@@ -8,8 +8,8 @@ global batch for every contender:
                         auto``, torch's SDPA on CPU (Transformer Engine's on CUDA with TE);
 * ``swift-mcore-local`` the same with ``--attention_backend local`` (megatron's
                         DotProductAttention, the default before issue 14);
-* ``swift-mcore-keep-heap`` the default with ``--trim_host_memory false`` (the free heap is
-                        not handed back before each micro-batch: what the trim costs and saves);
+* ``swift-mcore-trim-heap`` the default with ``--trim_host_memory true`` (the free heap
+                        handed back before each micro-batch: what the trim saves and costs);
 * ``megatron-bare``     benchmarks/bare_megatron_loop.py, the same megatron model in a bare
                         loop (the framework-overhead baseline; the attention auto chooses);
 * ``hf-trainer``        benchmarks/hf_peer.py, transformers' Trainer on the equivalent
@@ -74,7 +74,7 @@ BATCH = {
     ("cuda", "10m"): (8, 64, 5, 20), ("cuda", "100m"): (8, 64, 5, 20),
     ("cuda", "tiny"): (2, 4, 1, 2),
 }
-CONTENDERS = ("swift-mcore", "swift-mcore-local", "swift-mcore-keep-heap", "megatron-bare",
+CONTENDERS = ("swift-mcore", "swift-mcore-local", "swift-mcore-trim-heap", "megatron-bare",
               "hf-trainer")
 BASELINE = "megatron-bare"
 
@@ -144,7 +144,7 @@ def run_contender(name, flags, case, opts, workdir):
     if name.startswith("swift-mcore"):
         out = tempfile.mkdtemp(dir=workdir)
         backend = {"swift-mcore-local": ["--attention_backend", "local"],
-                   "swift-mcore-keep-heap": ["--trim_host_memory", "false"]}.get(name, [])
+                   "swift-mcore-trim-heap": ["--trim_host_memory", "true"]}.get(name, [])
         cmd = [sys.executable, "-m", "swift_mcore", "pt", *flags, *backend,
                "--train_iters", str(case["warmup"] + case["iters"]), "--log_interval", "1",
                "--eval_steps", "0", "--no_save", "--progress_bar", "false",

@@ -54,14 +54,14 @@ def test_release_hands_the_freed_heap_back():
 
 
 def test_the_decision_is_made_once_and_only_for_cpu_runs():
-    cpu = resolve(PretrainArguments(), world_size=1, cuda=False)
+    default = resolve(PretrainArguments(), world_size=1, cuda=False)
+    assert default.trim_host_memory is False and "free heap" not in default.describe()
+    on = PretrainArguments.from_flags(trim_host_memory=True)
+    cpu = resolve(on, world_size=1, cuda=False)
     assert cpu.trim_host_memory is host_memory.available()
     assert ("free heap released" in cpu.describe()) is host_memory.available()
-    gpu = resolve(PretrainArguments(), world_size=1, cuda=True, transformer_engine=False)
+    gpu = resolve(on, world_size=1, cuda=True, transformer_engine=False)
     assert gpu.trim_host_memory is False and "free heap" not in gpu.describe()
-    off = resolve(PretrainArguments.from_flags(trim_host_memory=False), world_size=1,
-                  cuda=False)
-    assert off.trim_host_memory is False and "free heap" not in off.describe()
 
 
 @needs_glibc
@@ -78,7 +78,7 @@ def test_training_releases_the_heap_before_every_micro_batch(gloo_group, tmp_pat
         num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
         micro_batch_size=2, global_batch_size=6, train_iters=2, lr_warmup_iters=0,
         eval_steps=0, tensorboard=False, progress_bar=False, num_workers=0, no_save=True,
-        output_dir=str(tmp_path / "run"))
+        trim_host_memory=True, output_dir=str(tmp_path / "run"))
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         assert Trainer(args).train().iteration == 2

@@ -1,14 +1,14 @@
-"""Returns the glibc heap's free pages to the system before each micro-batch (CPU runs).
+"""Returns the glibc heap's free pages to the system before each micro-batch (CPU, opt-in).
 
 On CPU, torch serves tensors of a few MB from the malloc heap. A forward and backward pass
 frees hundreds of them in an order glibc cannot coalesce well, so the heap grows past what
-is live and keeps the freed pages resident: at 100M parameters the peak RSS was 1.4 GB
-above the live tensors (benchmarks/README.md, "Where the 100m RSS goes"). ``malloc_trim(0)``
-hands the pages of every free chunk back (the chunks stay, so nothing is moved or copied);
-called once before each micro-batch's forward, when the previous backward has freed the
-activations, it lowers the peak RSS by about 15% for the cost of faulting the reused pages
-in again. ``RunConfig.trim_host_memory`` decides whether a run does it (``--trim_host_memory``,
-CPU only: on CUDA the activations are not on the host heap).
+is live and keeps the freed pages resident (benchmarks/README.md, "The free heap handed
+back"). ``malloc_trim(0)`` hands the pages of every free chunk back (the chunks stay, so
+nothing is moved or copied). Called before each micro-batch's forward, when the previous
+backward has freed the activations, it lowered the peak RSS at 100M parameters by 8 to 15%,
+but the next forward faults those pages in again, which cost 9 to 21% of the tokens/s: so
+it is ``--trim_host_memory true``, off by default. ``RunConfig.trim_host_memory`` decides
+whether a run does it (CPU only: on CUDA the activations are not on the host heap).
 """
 
 from __future__ import annotations
