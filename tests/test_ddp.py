@@ -72,3 +72,68 @@ def test_bucket_size_wins_and_later_chunks_are_not_bucketed(gloo_group):
 def test_without_overlap_one_bucket(gloo_group):
     ddp = wrap_model(tiny_args(), build_model(tiny_args()))
     assert num_grad_buckets(ddp[0]) == 1
+
+
+def _main_grads_after(args, fused: bool, micro_batches: int = 2):
+    """main_grad of every trainable parameter after ``micro_batches`` forward-backward
+    passes of one DDP-wrapped tiny model (the same initial weights each call)."""
+    from swift_mcore.runtime import seed
+
+    seed.set_seed(1234)
+    (ddp,) = wrap_model(args, build_model(args))
+    if not fused:
+        for module in ddp.modules():
+            if hasattr(module, "gradient_accumulation_fusion"):
+                module.gradient_accumulation_fusion = False
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(micro_batches):
+        tokens = torch.randint(0, 256, (2, 32), generator=generator)
+        position_ids = torch.arange(32).unsqueeze(0).expand(2, -1)
+        losses = ddp(tokens, position_ids, None, labels=torch.roll(tokens, -1, 1))
+        losses.float().sum().backward()
+    grads = {name: p.main_grad.clone() for name, p in ddp.module.named_parameters()}
+    stray = [name for name, p in ddp.module.named_parameters() if p.grad is not None]
+    return grads, stray
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_gradients_accumulate_into_main_grad_as_the_unfused_path(gloo_group, tied,
+                                                                       monkeypatch):
+    """On CPU the DDP-wrapped linears add their weight gradients straight into main_grad
+    (runtime/cpu_compat.py): over two micro-batches the gradients equal megatron's unfused
+    path's (a weight-gradient tensor per linear that DDP's hook adds), with the output
+    layer sharing the embedding's weight too (megatron zero-fills its placeholder there)."""
+    from swift_mcore.runtime import cpu_compat
+    from swift_mcore.runtime.ddp import accumulate_weight_gradients_in_place
+
+    stand_in = cpu_compat._WeightGradientAccumulation
+    calls = []
+    accumulate = stand_in.wgrad_gemm_accum_fp32
+    monkeypatch.setattr(stand_in, "wgrad_gemm_accum_fp32",
+                        lambda *tensors: (calls.append(1), accumulate(*tensors)))
+    args = tiny_args(untie_embeddings_and_output_weights=not tied)
+    (ddp,) = wrap_model(args, build_model(args))
+    # qkv, proj, fc1, fc2 per layer, and the output layer (with the embedding's weight if tied)
+    assert accumulate_weight_gradients_in_place(ddp) == 4 * 4 + 1
+    fused, stray_fused = _main_grads_after(args, fused=True)
+    assert len(calls) == 17 * 2  # every linear, both micro-batches
+    unfused, stray_unfused = _main_grads_after(args, fused=False)
+    assert len(calls) == 17 * 2
+    assert stray_fused == stray_unfused == []  # DDP's hooks took every gradient
+    assert fused.keys() == unfused.keys()
+    for name in fused:
+        assert fused[name].abs().sum() > 0, name
+        torch.testing.assert_close(fused[name], unfused[name], rtol=1e-5, atol=1e-7,
+                                   msg=name)
+
+
+def test_a_bare_model_keeps_megatrons_unfused_weight_gradients(gloo_group):
+    """Without DDP there is no main_grad for the fused path to add into: build_model's
+    linears keep the flag off and backward fills param.grad as usual."""
+    args = tiny_args()
+    model = build_model(args)[0]
+    assert not any(getattr(m, "gradient_accumulation_fusion", False) for m in model.modules())
+    tokens = torch.randint(0, 256, (2, 32))
+    model(tokens, torch.arange(32).unsqueeze(0).expand(2, -1), None,
+          labels=tokens).float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())

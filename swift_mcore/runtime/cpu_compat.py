@@ -39,7 +39,9 @@ PATCHED_MODULES = {
         "all-gather buffers on the CUDA device (181); uneven all_gather/reduce_scatter of the "
         "MoE dispatchers with TP (150, 193), which gloo refuses",
     "megatron.core.transformer.utils": "default causal mask built on 'cuda' (35)",
-    "megatron.core.tensor_parallel.layers": "weight-grad buffers on the CUDA device (552)",
+    "megatron.core.tensor_parallel.layers":
+        "weight-grad buffers on the CUDA device (552); the placeholder weight gradients of "
+        "gradient_accumulation_fusion (589-606)",
     "megatron.core.tensor_parallel.random":
         "CUDA RNG seeding in the tracker; activation recompute saves the CUDA RNG state (55)",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize (230)",
@@ -274,8 +276,14 @@ def activate() -> bool:
     _patch_split_sizes_to_host()
     _patch_cuda_rng_restore()
     _patch_checkpoint_without_output()
+    _install_weight_gradient_accumulation()
     _ACTIVE = True
     return True
+
+
+def active() -> bool:
+    """Whether activate() installed the adaptation in this process."""
+    return _ACTIVE
 
 
 def _patch_router_gemm_without_te():
@@ -390,3 +398,34 @@ def _patch_checkpoint_without_output():
 
     __init__._swift_mcore_cpu = True
     cls.__init__ = __init__
+
+
+class _WeightGradientAccumulation:
+    """Stands in for apex's CUDA extension ``fused_weight_gradient_mlp_cuda``: megatron's
+    linears with ``gradient_accumulation_fusion`` hand it the weight-gradient GEMM
+    (layers.py:569-575), which then adds ``grad_output^T @ input`` into the DDP buffer's
+    ``main_grad`` in one BLAS call (beta = 1), instead of a separate weight-sized gradient
+    tensor that DDP's hook then adds and frees (distributed_data_parallel.py:440): one
+    weight-sized allocation, a write and a read of it fewer per linear and micro-batch.
+    Mixed dtypes (bf16 activations into fp32 main grads) multiply in the activations' dtype
+    and add, as the unfused path does."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        if total_input.dtype == main_grad.dtype:
+            main_grad.addmm_(grad_output.t(), total_input)
+        else:
+            main_grad.add_(grad_output.t().matmul(total_input))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def _install_weight_gradient_accumulation():
+    """Makes ``gradient_accumulation_fusion`` usable on CPU (layers.py:44-48 sets
+    ``_grad_accum_fusion_available`` from the extension's import, and ColumnParallelLinear
+    refuses the flag without it, 924). runtime/ddp.py turns the flag on once DDP has given
+    every trainable weight its ``main_grad``: megatron's fused path needs one."""
+    from megatron.core.tensor_parallel import layers
+
+    layers.fused_weight_gradient_mlp_cuda = _WeightGradientAccumulation
+    layers._grad_accum_fusion_available = True
