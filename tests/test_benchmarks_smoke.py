@@ -158,3 +158,11 @@ def test_heap_phases_smoke():
         assert phases.count("forward done") == 4 and phases.count("optimizer step done") == 2
         assert all(p["heap_in_use_MB"] > 0 and p["rss_MB"] <= run["peak_rss_MB"]
                    for p in run["phases"])
+
+
+@pytest.mark.benchmark
+def test_wgrad_accumulation_smoke():
+    (result,) = run_script("wgrad_accumulation.py", "--tiny")
+    assert result["fused_linears"] == 2 * 4 + 1  # qkv, proj, fc1, fc2 per layer; output
+    assert all(len(times) == 2 and min(times) > 0 for times in result["step_s"].values())
+    assert set(result["micro_step_memory"]) == {"fused", "unfused"}
