@@ -1,9 +1,10 @@
 """Shared fixtures: an isolated cache, and a one-rank gloo group for in-process tests."""
 
 import os
-import socket
 
 import pytest
+
+from run_helpers import free_port
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -14,10 +15,6 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

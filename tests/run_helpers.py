@@ -66,11 +66,22 @@ def losses(output_dir) -> Dict[int, float]:
 
 
 def free_port() -> int:
+    """A local TCP port nothing listens on, for a launcher to bind a moment later. Drawn
+    below the kernel's ephemeral range (ip_local_port_range, 32768 and up here), which a
+    port-0 bind would return: outgoing connections (gloo's, other tests') take their ports
+    from that range and could take this one before the launcher binds it."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    rng = random.SystemRandom()
+    while True:
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def replace_tokens(prefix, in_place=False):

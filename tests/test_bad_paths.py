@@ -116,6 +116,7 @@ def test_a_busy_master_port_is_one_line(monkeypatch):
 
     from swift_mcore.arguments import PretrainArguments
     from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
     from swift_mcore.runtime import distributed
 
     if dist.is_initialized():
@@ -130,8 +131,13 @@ def test_a_busy_master_port_is_one_line(monkeypatch):
         port = held.getsockname()[1]
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", str(port))
+        config = resolve(PretrainArguments(), world_size=1, cuda=False)
         with pytest.raises(ArgumentError) as info:
-            distributed.initialize(PretrainArguments())
+            distributed.initialize(config)
     assert f"MASTER_ADDR:MASTER_PORT 127.0.0.1:{port}" in str(info.value)
     assert "set MASTER_PORT to a free port" in str(info.value) and "\n" not in str(info.value)
+    assert not dist.is_initialized()
+    monkeypatch.setenv("MASTER_PORT", "29500x")
+    with pytest.raises(ArgumentError, match="MASTER_PORT='29500x': a port number"):
+        distributed.initialize(config)
     assert not dist.is_initialized()

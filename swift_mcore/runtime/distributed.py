@@ -40,14 +40,21 @@ def initialize(config) -> None:
         alone = "RANK" not in os.environ
         timeout = timeout_of(config)
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = os.environ.get("MASTER_PORT") or str(_free_port()) if alone else None
+        # Without MASTER_PORT the store binds port 0, a free port the kernel picks: no
+        # window in which another process can take it (two runs at once on one machine).
+        port = os.environ.get("MASTER_PORT") or "0" if alone else None
         where = f"{addr}:{port}" if alone else (
             f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
+        if alone and not (port.isdigit() and int(port) < 65536):
+            from ..errors import ArgumentError
+
+            raise ArgumentError(f"MASTER_PORT={port!r}: a port number (0 to 65535), or unset it")
         try:
             if alone:
-                dist.init_process_group(backend=config.backend, timeout=timeout,
-                                        init_method=f"tcp://{addr}:{port}", rank=0,
-                                        world_size=1)
+                store = dist.TCPStore(addr, int(port), world_size=1, is_master=True,
+                                      timeout=timeout, wait_for_workers=False)
+                dist.init_process_group(backend=config.backend, timeout=timeout, store=store,
+                                        rank=0, world_size=1)
             elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
                 dist.init_process_group(backend=config.backend, timeout=timeout,
@@ -160,11 +167,3 @@ def is_last_rank() -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -7,12 +7,13 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from run_helpers import free_port  # noqa: F401  (tests call H.free_port)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ckpt_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,10 +44,6 @@ def write_corpus(path: str, n_docs: int = 48, seed: int = 7, words: int = 22) ->
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

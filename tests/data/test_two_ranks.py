@@ -13,6 +13,7 @@ from swift_mcore.data.gpt_datasets import build_datasets, dataset_fingerprint
 from swift_mcore.data.loader import build_data_iterator
 
 from data_helpers import make_args
+from run_helpers import free_port
 
 WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
@@ -45,14 +46,6 @@ WORKER = textwrap.dedent("""
     sys.stdout.flush()
     os._exit(0)  # results are saved; skip interpreter teardown (see DESIGN.md on gloo aborts)
 """)
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ from typing import Dict
 
 import torch
 
+from run_helpers import free_port  # noqa: F401  (tests call H.free_port)
+
 # One tiny config per family and trait: GQA everywhere, heads of 16 channels.
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=320, max_position_embeddings=256,
@@ -82,14 +84,6 @@ def safetensors_state(path: str) -> Dict[str, torch.Tensor]:
         if name.endswith(".safetensors"):
             out.update(load_file(os.path.join(path, name)))
     return out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def edit_config(path: str, **changes) -> None:
