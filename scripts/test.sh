@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
-exec .venv/bin/python -m pytest -q "$@"
+# Two workers (pytest-xdist): one process per test file keeps a core idle most of the time
+# (imports, Python-bound tiny models); tests/conftest.py says what one worker runs together.
+exec .venv/bin/python -m pytest -q -n 2 --no-loadscope-reorder "$@"

@@ -1,10 +1,55 @@
 """Shared fixtures: an isolated cache, and a one-rank gloo group for in-process tests."""
 
 import os
+import pathlib
 
 import pytest
 
 from run_helpers import free_port
+
+TESTS = pathlib.Path(__file__).parent
+
+# scripts/test.sh runs the suite on two pytest-xdist workers. A worker takes one file at a
+# time (its module fixtures are built once), or one of these groups of files, which share a
+# session fixture of tests/checkpointing/conftest.py (built once per worker).
+SHARED_RUNS = {
+    "tests/checkpointing/test_async_save.py": "straight one-rank run",
+    "tests/checkpointing/test_resume_signals.py": "straight one-rank run",
+    "tests/checkpointing/test_resume_recompute.py": "straight one-rank run",
+    "tests/checkpointing/test_elastic.py": "straight two-rank run",
+    "tests/checkpointing/test_resume_exact.py": "straight two-rank run",
+    "tests/checkpointing/test_resume_disk_full.py": "straight cli run",
+    "tests/checkpointing/test_run_lock.py": "straight cli run",
+}
+
+
+def work_unit(nodeid: str) -> str:
+    """What one worker runs together: a file, or its SHARED_RUNS group."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_RUNS.get(path, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return work_unit(nodeid)
+
+    return WorkUnits(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    # The units with the most multi-process tests (marked slow) first, each in its own
+    # order: the workers then end close together instead of one waiting on a long unit.
+    slow = {}
+    for item in items:
+        unit = work_unit(item.nodeid)
+        slow[unit] = slow.get(unit, 0) + (item.get_closest_marker("slow") is not None)
+    first_seen = {unit: i for i, unit in reversed(list(enumerate(work_unit(it.nodeid)
+                                                                  for it in items)))}
+    items.sort(key=lambda it: (-slow[work_unit(it.nodeid)], first_seen[work_unit(it.nodeid)]))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -13,8 +58,6 @@ def _isolated_cache(tmp_path_factory):
     if "SWIFT_MCORE_CACHE" not in os.environ:
         os.environ["SWIFT_MCORE_CACHE"] = str(tmp_path_factory.mktemp("swift_mcore_cache"))
     yield
-
-
 
 
 @pytest.fixture(scope="module")
