@@ -20,6 +20,13 @@ def ep1_run(tmp_path_factory, gloo_group):
     """EP=1 with ROUTER losses, four iterations, a checkpoint at iteration 2: the one-rank
     reference of the EP=2, PP=2 and TP=2 runs. The one-rank runs train in this process
     (tests/in_process.py); the resumed ones start from another process's checkpoint."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # What a bare MoE backward earlier in this process leaves behind (test_moe.py's, or a
+    # user's own loop): megatron's process-wide aux-loss scale as a 0-dim tensor, which the
+    # schedule's [1]-shaped scale cannot be copied into. The Trainer must start afresh.
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
     out = tmp_path_factory.mktemp("moe_ep1")
     proc = train_in_process(out, *ROUTER, "--train_iters", "4", "--save_steps", "2",
                             command="pt")

@@ -70,3 +70,15 @@ def _average_z_loss_over_tp_and_dp(config) -> None:
             "reduce_group": None, "reduce_group_has_dp": False}
     tracker["z_loss"]["avg_group"] = parallel_state.get_tensor_and_data_parallel_group(
         with_context_parallel=True)
+
+
+def reset_loss_scale() -> None:
+    """Forgets the aux-loss gradient scale megatron keeps for the whole process
+    (MoEAuxLossAutoScaler.main_loss_backward_scale, moe_utils.py:267-286). A backward of an
+    MoE model outside megatron's schedule (a user's own loop, an earlier test) leaves it a
+    0-dim tensor, and the schedule's later ``copy_`` of its [1]-shaped scale into it raises
+    "output with shape [] doesn't match the broadcast shape [1]". Each Trainer starts unset:
+    the schedule then stores its own."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None

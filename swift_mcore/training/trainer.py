@@ -118,6 +118,8 @@ class Trainer:
 
         megatron_config.finalize_model_grads_func = finalize_model_grads
         megatron_config.no_sync_func = [chunk.no_sync for chunk in self.model]
+        if config.model.num_experts is not None:
+            moe_metrics.reset_loss_scale()
         if len(self.model) == 1:
             megatron_config.no_sync_func = megatron_config.no_sync_func[0]
         self.optimizer = build_optimizer(config, self.model)
