@@ -7,8 +7,8 @@ DDP-wrapped chunk without CUDA (runtime/cpu_compat.py stands in for apex's kerne
 micro-batch, which DDP's hook adds into ``main_grad`` and frees. This script builds the
 GPTModel as ``swift-mcore pt`` does (sdpa attention, fp32), wraps it in megatron's DDP and
 times one step's micro-batches (forward and backward, no optimizer) with the linears' flag
-on and off in turn, on the same weights and tokens; then the allocator's peak and the
-bytes allocated over one micro-step of each (torch.profiler, as activation_memory.py).
+on and off in turn, on the same weights and tokens; then the allocator's peak over one
+micro-step of each (activation_memory.allocator_peak).
 
   python benchmarks/wgrad_accumulation.py                          # 10m, seq 512
   python benchmarks/wgrad_accumulation.py --size 100m --seq_length 1024
@@ -28,24 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from throughput import LLAMA, SIZES  # noqa: E402  (benchmarks/ is on the path)
-
-
-def allocations(step) -> dict:
-    """The allocator's peak above the start and the bytes allocated in all, over ``step()``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]")
-    live = peak = allocated = 0
-    for _, delta in changes:
-        live += delta
-        peak = max(peak, live)
-        allocated += max(delta, 0)
-    mb = 2 ** 20
-    return {"peak_MB": round(peak / mb, 1), "allocated_MB": round(allocated / mb, 1)}
+from activation_memory import allocator_peak  # noqa: E402  (benchmarks/ is on the path)
+from throughput import LLAMA, SIZES  # noqa: E402
 
 
 def main() -> None:
@@ -112,7 +96,8 @@ def main() -> None:
         set_fused(name == "fused")
         ddp.zero_grad_buffer()
         micro_step(batches[0])
-        memory[name] = allocations(lambda: micro_step(batches[1]))
+        peak, _ = allocator_peak(lambda: micro_step(batches[1]))
+        memory[name] = {"peak_MB": round(peak / 2 ** 20, 1)}
     ratios = [f / u for f, u in zip(times["fused"], times["unfused"])]
     print(json.dumps({
         "size": opts.size, "seq_length": seq, "micro_batches": opts.micro_batches,
