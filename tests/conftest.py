@@ -43,12 +43,11 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     # The units with the most multi-process tests (marked slow) first, each in its own
     # order: the workers then end close together instead of one waiting on a long unit.
-    slow = {}
+    slow, first_seen = {}, {}
     for item in items:
         unit = work_unit(item.nodeid)
         slow[unit] = slow.get(unit, 0) + (item.get_closest_marker("slow") is not None)
-    first_seen = {unit: i for i, unit in reversed(list(enumerate(work_unit(it.nodeid)
-                                                                  for it in items)))}
+        first_seen.setdefault(unit, len(first_seen))
     items.sort(key=lambda it: (-slow[work_unit(it.nodeid)], first_seen[work_unit(it.nodeid)]))
 
 
