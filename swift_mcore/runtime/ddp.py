@@ -61,9 +61,8 @@ def wrap_model(args, models: List[torch.nn.Module], wrap_with_ddp: bool = True) 
         ]
     if cuda:
         torch.cuda.current_stream().wait_stream(stream)
-    else:
-        for chunk in wrapped:
-            accumulate_weight_gradients_in_place(chunk)
+    for chunk in wrapped:
+        accumulate_weight_gradients_in_place(chunk)
     return wrapped
 
 
