@@ -180,3 +180,33 @@ def test_uneven_gather_and_reduce_scatter_on_gloo():
     for rank in (0, 1):
         assert torch.equal(got[rank][0], expected)
     assert torch.equal(got[0][1], full_sum[:2]) and torch.equal(got[1][1], full_sum[2:])
+
+
+def test_eager_rope_equals_megatrons_unfused_rope_bit_for_bit():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from swift_mcore.models.rope import make_apply_rotary_bshd
+
+    original = getattr(rope_utils._apply_rotary_pos_emb_bshd, "_swift_mcore_original",
+                       rope_utils._apply_rotary_pos_emb_bshd)
+    ours = make_apply_rotary_bshd(original)
+    g = torch.Generator().manual_seed(3)
+    for dtype, mscale, rot in ((torch.float32, 1.0, 16), (torch.bfloat16, 0.7, 16),
+                               (torch.float32, 1.0, 8)):  # rot 8 of 16: megatron's own path
+        t = torch.randn(12, 2, 3, 16, generator=g).to(dtype)
+        inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+        f = torch.outer(torch.arange(12).float(), inv)
+        freqs = torch.cat((f, f), -1)[:, None, None, :]
+        grad = torch.randn(12, 2, 3, 16, generator=g).to(dtype)
+        a, b = t.clone().requires_grad_(), t.clone().requires_grad_()
+        out_a, out_b = original(a, freqs, mscale=mscale), ours(b, freqs, mscale=mscale)
+        out_a.backward(grad)
+        out_b.backward(grad)
+        assert torch.equal(out_a, out_b) and torch.equal(a.grad, b.grad)
+
+
+def test_activate_installs_the_eager_rope():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    cpu_compat.activate()
+    assert hasattr(rope_utils._apply_rotary_pos_emb_bshd, "_swift_mcore_original")

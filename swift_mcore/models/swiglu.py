@@ -4,8 +4,8 @@ megatron-core's unfused gated activation (``MLP.forward``'s ``glu``, used withou
 Engine) computes ``silu(gate) * (up + glu_linear_offset)``: the addition copies ``up`` even
 at the default offset 0, and autograd then keeps the fc1 output (gate and up), silu's output
 and that copy: four [tokens, ffn] tensors per layer. Hugging Face's Llama keeps three.
-``SwiGLU`` keeps the fc1 output alone (two) and recomputes silu and the product in the
-backward pass, with the same operators in the same order, so outputs and gradients are
+``SwiGLU`` keeps the fc1 output alone (two) and recomputes silu in the backward pass,
+running the operators autograd runs for megatron's graph, so outputs and gradients are
 bit-identical to megatron's (``tests/test_activation_memory.py``); the recomputation is
 elementwise, small next to the layer's matmuls. ``benchmarks/README.md`` has the bytes.
 
@@ -35,11 +35,14 @@ class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (x,) = ctx.saved_tensors
-        # The forward again under autograd: the gradient is the one the unfused graph gives.
-        with torch.enable_grad():
-            x = x.detach().requires_grad_()
-            out = swiglu(x)
-        (grad_input,) = torch.autograd.grad(out, x, grad_output)
+        gate, up = torch.chunk(x, 2, dim=-1)
+        # The operators autograd runs for the unfused graph (mul's backward, silu_backward),
+        # each written straight into its half of the fc1-sized gradient: no graph rebuilt
+        # for the recomputation and no cat of the two halves.
+        grad_input = torch.empty_like(x, memory_format=torch.contiguous_format)
+        grad_gate, grad_up = torch.chunk(grad_input, 2, dim=-1)
+        torch.mul(grad_output, F.silu(gate), out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad_output * up, gate, grad_input=grad_gate)
         return grad_input
 
 

@@ -277,6 +277,7 @@ def activate() -> bool:
     _patch_cuda_rng_restore()
     _patch_checkpoint_without_output()
     _install_weight_gradient_accumulation()
+    _install_eager_rope()
     _ACTIVE = True
     return True
 
@@ -284,6 +285,19 @@ def activate() -> bool:
 def active() -> bool:
     """Whether activate() installed the adaptation in this process."""
     return _ACTIVE
+
+
+def _install_eager_rope():
+    """RoPE without TE runs megatron's unfused ``_apply_rotary_pos_emb_bshd`` (rope_utils.py
+    92-126), looked up by name on each call from ``apply_rotary_pos_emb``: on CPU it becomes
+    models/rope.py's, which gives the same values without the copies."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from ..models.rope import make_apply_rotary_bshd
+
+    original = rope_utils._apply_rotary_pos_emb_bshd
+    if not hasattr(original, "_swift_mcore_original"):
+        rope_utils._apply_rotary_pos_emb_bshd = make_apply_rotary_bshd(original)
 
 
 def _patch_router_gemm_without_te():
