@@ -185,7 +185,7 @@ def test_uneven_gather_and_reduce_scatter_on_gloo():
 def test_eager_rope_equals_megatrons_unfused_rope_bit_for_bit():
     from megatron.core.models.common.embeddings import rope_utils
 
-    from swift_mcore.models.rope import make_apply_rotary_bshd
+    from swift_mcore.runtime.eager_rope import make_apply_rotary_bshd
 
     original = getattr(rope_utils._apply_rotary_pos_emb_bshd, "_swift_mcore_original",
                        rope_utils._apply_rotary_pos_emb_bshd)

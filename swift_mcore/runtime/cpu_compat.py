@@ -290,10 +290,10 @@ def active() -> bool:
 def _install_eager_rope():
     """RoPE without TE runs megatron's unfused ``_apply_rotary_pos_emb_bshd`` (rope_utils.py
     92-126), looked up by name on each call from ``apply_rotary_pos_emb``: on CPU it becomes
-    models/rope.py's, which gives the same values without the copies."""
+    runtime/eager_rope.py's, which gives the same values without the copies."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    from ..models.rope import make_apply_rotary_bshd
+    from .eager_rope import make_apply_rotary_bshd
 
     original = rope_utils._apply_rotary_pos_emb_bshd
     if not hasattr(original, "_swift_mcore_original"):
