@@ -175,7 +175,14 @@ def test_two_node_agents_on_localhost_restart_and_resume_exactly(tmp_path, elast
         while newest_complete(out) < 3:
             assert all(n.poll() is None for n in nodes) and time.time() < deadline
             time.sleep(0.01)
-        time.sleep(0.3)
+        # Frozen first: node 0's rank then cannot pass its next collective. Had the run got
+        # to its end, node 0's agent would wait in torchrun's exit barrier (300 s) while
+        # node 1's waits for a rendezvous that never comes (docs/launch.md): the kill must
+        # land at least one iteration of collectives before the end.
+        os.kill(pid, signal.SIGSTOP)
+        logged = [r["iteration"] for r in H.read_jsonl(os.path.join(out, "metrics.jsonl"))
+                  if r.get("split") == "train"]
+        assert max(logged, default=0) <= N - 2, f"the run was at iteration {logged[-1]}"
         os.kill(pid, signal.SIGKILL)
         codes = [n.wait(timeout=240) for n in nodes]
     finally:
