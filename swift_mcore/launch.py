@@ -15,23 +15,30 @@ class TorchrunLaunch:
     restarts the whole group up to N times when a worker fails (docs/launch.md)."""
 
     def __init__(self, nproc: int, nnodes: int, node_rank: int, master_addr: str,
-                 master_port: str, max_restarts: int = 0, rdzv_id: str = "swift-mcore"):
+                 master_port: Optional[str], max_restarts: int = 0,
+                 rdzv_id: str = "swift-mcore"):
         self.nproc, self.nnodes, self.node_rank = nproc, nnodes, node_rank
         self.master_addr, self.master_port = master_addr, master_port
         self.max_restarts, self.rdzv_id = max_restarts, rdzv_id
         self.world_size = nproc * nnodes
 
     def command(self, subcommand_argv: List[str]) -> List[str]:
-        if self.max_restarts:
+        restarts = [f"--max-restarts={self.max_restarts}"] if self.max_restarts else []
+        port = self.master_port or "29500"  # torchrun's default; every node must agree on it
+        if self.nnodes == 1 and self.master_port is None:
+            # One machine and no port asked for: torchrun's standalone rendezvous on a port
+            # the kernel picks, so that two runs started at once do not both take 29500.
+            where = ["--standalone", *restarts]
+        elif self.max_restarts:
             # Restarts need torchrun's c10d rendezvous: the agents of all nodes stop their
             # workers before any attempt starts again (the static one restarts each node on
             # its own). Its node ranks follow the order of joining, not NODE_RANK.
             where = ["--rdzv-backend=c10d",
-                     f"--rdzv-endpoint={self.master_addr}:{self.master_port}",
-                     f"--rdzv-id={self.rdzv_id}", f"--max-restarts={self.max_restarts}"]
+                     f"--rdzv-endpoint={self.master_addr}:{port}",
+                     f"--rdzv-id={self.rdzv_id}", *restarts]
         else:
             where = [f"--node_rank={self.node_rank}", f"--master_addr={self.master_addr}",
-                     f"--master_port={self.master_port}"]
+                     f"--master_port={port}"]
         return [
             sys.executable, "-m", "torch.distributed.run",
             f"--nproc_per_node={self.nproc}", f"--nnodes={self.nnodes}", *where,
@@ -68,14 +75,30 @@ def torchrun_launch() -> Optional[TorchrunLaunch]:
         return number
 
     slurm = slurm_layout(os.environ)
+    nnodes = env_int("NNODES", slurm.get("NNODES", "1"))
     return TorchrunLaunch(
         nproc=env_int("NPROC_PER_NODE", "1"),
-        nnodes=env_int("NNODES", slurm.get("NNODES", "1")),
+        nnodes=nnodes,
         node_rank=env_int("NODE_RANK", slurm.get("NODE_RANK", "0")),
         master_addr=os.environ.get("MASTER_ADDR") or slurm.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=os.environ.get("MASTER_PORT", "29500"),
+        master_port=master_port(os.environ.get("MASTER_PORT"), nnodes),
         max_restarts=env_int("MAX_RESTARTS", "0"),
         rdzv_id=os.environ.get("RDZV_ID") or os.environ.get("SLURM_JOB_ID") or "swift-mcore")
+
+
+def master_port(value: Optional[str], nnodes: int) -> Optional[str]:
+    """MASTER_PORT checked; None (unset, or 0 on one node): any free port will do."""
+    if value is None or value == "":
+        return None
+    if not value.isdigit() or not 0 <= int(value) <= 65535:
+        raise SystemExit(f"swift-mcore: error: MASTER_PORT={value!r} must be a port number "
+                         f"(1 to 65535), or unset")
+    if int(value) == 0:
+        if nnodes > 1:
+            raise SystemExit("swift-mcore: error: MASTER_PORT=0: with NNODES > 1 every node "
+                             "must be given the same port (1 to 65535)")
+        return None
+    return value
 
 
 def slurm_layout(env) -> dict:

@@ -1,0 +1,62 @@
+"""swift-mcore's torchrun launcher on one machine (NPROC_PER_NODE...): without MASTER_PORT
+torchrun's standalone rendezvous on a free port, so two runs started at once both run;
+MASTER_PORT checked before torchrun starts."""
+
+import subprocess
+import sys
+
+import pytest
+
+import run_helpers as R
+from swift_mcore import launch
+
+
+def launcher_env(monkeypatch, **values):
+    for name in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS",
+                 "LOCAL_RANK", "RDZV_ID", "SLURM_JOB_ID", "SLURM_NODEID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"NPROC_PER_NODE": "2", **values}.items():
+        monkeypatch.setenv(name, value)
+    return launch.torchrun_launch().command(["pt"])
+
+
+@pytest.mark.parametrize("values, expected, absent", [
+    ({}, ["--standalone"], ("--master_port", "--rdzv")),
+    ({"MASTER_PORT": "0"}, ["--standalone"], ("--master_port", "--rdzv")),
+    ({"MAX_RESTARTS": "2"}, ["--standalone", "--max-restarts=2"], ("--master_port", "--rdzv")),
+    ({"MASTER_PORT": "6001"}, ["--master_port=6001", "--node_rank=0"], ("--standalone",)),
+    ({"MASTER_PORT": "6001", "MAX_RESTARTS": "1"},
+     ["--rdzv-endpoint=127.0.0.1:6001", "--max-restarts=1"], ("--standalone",)),
+    ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"},
+     ["--master_port=29500", "--master_addr=10.0.0.1"], ("--standalone",)),
+])
+def test_the_rendezvous_the_launcher_chooses(monkeypatch, values, expected, absent):
+    cmd = launcher_env(monkeypatch, **values)
+    assert all(arg in cmd for arg in expected), cmd
+    assert not any(arg.startswith(prefix) for arg in cmd for prefix in absent), cmd
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"MASTER_PORT": "http"}, "MASTER_PORT='http' must be a port number (1 to 65535)"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT='70000' must be a port number"),
+    ({"MASTER_PORT": "0", "NNODES": "2"}, "MASTER_PORT=0: with NNODES > 1 every node"),
+])
+def test_a_bad_master_port_is_refused(monkeypatch, values, message):
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+        launcher_env(monkeypatch, **values)
+
+
+@pytest.mark.slow
+def test_two_runs_started_at_once_on_one_machine_both_finish(tmp_path):
+    """NPROC_PER_NODE=1 swift-mcore pt ... twice at once, MASTER_PORT unset: with torchrun's
+    default port (29500) for both, the second agent could not bind it."""
+    env = R.child_env(NPROC_PER_NODE="1", PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen([sys.executable, "-m", "swift_mcore", "pt", *R.TINY,
+                               "--global_batch_size", "2", "--train_iters", "2",
+                               "--no_save", "--output_dir", str(tmp_path / f"run{i}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, cwd=R.ROOT) for i in (0, 1)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outputs]
+    for i in (0, 1):
+        assert sorted(R.losses(tmp_path / f"run{i}")) == [1, 2]
