@@ -27,22 +27,28 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
 
 class _SwiGLUFunction(torch.autograd.Function):
+    # The operators autograd runs for the unfused graph (silu, mul, mul's backward,
+    # silu_backward), each written into a tensor this function already holds: one new
+    # [tokens, ffn] tensor per forward (its output) and one fc1-sized gradient per backward.
+    # On CPU every fresh tensor of that size costs its page faults, which made the
+    # recomputed silu dearer than its arithmetic (benchmarks/README.md).
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        return swiglu(x)
+        gate, up = torch.chunk(x, 2, dim=-1)
+        out = torch.ops.aten.silu.out(
+            gate, out=torch.empty_like(gate, memory_format=torch.contiguous_format))
+        return out.mul_(up)
 
     @staticmethod
     def backward(ctx, grad_output):
         (x,) = ctx.saved_tensors
         gate, up = torch.chunk(x, 2, dim=-1)
-        # The operators autograd runs for the unfused graph (mul's backward, silu_backward),
-        # each written straight into its half of the fc1-sized gradient: no graph rebuilt
-        # for the recomputation and no cat of the two halves.
         grad_input = torch.empty_like(x, memory_format=torch.contiguous_format)
         grad_gate, grad_up = torch.chunk(grad_input, 2, dim=-1)
-        torch.mul(grad_output, F.silu(gate), out=grad_up)
-        torch.ops.aten.silu_backward.grad_input(grad_output * up, gate, grad_input=grad_gate)
+        torch.ops.aten.silu.out(gate, out=grad_up).mul_(grad_output)
+        torch.mul(grad_output, up, out=grad_gate)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return grad_input
 
 
