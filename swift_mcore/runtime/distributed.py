@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import cpu_compat
+from . import cpu_compat, gloo_device
 
 # How long a collective waits for the other ranks before torch.distributed gives up
 # (--distributed_timeout_minutes; this default where no RunConfig is at hand).
@@ -34,6 +34,8 @@ def initialize(config) -> None:
             os.environ.setdefault(name, value)
         if config.cuda:  # each rank on its own GPU, whatever the backend
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        else:  # before any group: megatron's twenty groups then share one gloo device
+            gloo_device.install()
         # A process the launcher did not start is a one-rank group on a local port, given
         # to torch directly: os.environ stays as it was (a later child process started with
         # plain subprocess must not inherit RANK or MASTER_PORT and think it is a rank).
