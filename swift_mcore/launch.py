@@ -92,7 +92,7 @@ def master_port(value: Optional[str], nnodes: int) -> Optional[str]:
         return None
     if not value.isdigit() or not 0 <= int(value) <= 65535:
         raise SystemExit(f"swift-mcore: error: MASTER_PORT={value!r} must be a port number "
-                         f"(1 to 65535), or unset")
+                         f"(0 to 65535; 0 or unset: a free port on one machine)")
     if int(value) == 0:
         if nnodes > 1:
             raise SystemExit("swift-mcore: error: MASTER_PORT=0: with NNODES > 1 every node "

@@ -37,7 +37,7 @@ def test_the_rendezvous_the_launcher_chooses(monkeypatch, values, expected, abse
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"MASTER_PORT": "http"}, "MASTER_PORT='http' must be a port number (1 to 65535)"),
+    ({"MASTER_PORT": "http"}, "MASTER_PORT='http' must be a port number (0 to 65535;"),
     ({"MASTER_PORT": "70000"}, "MASTER_PORT='70000' must be a port number"),
     ({"MASTER_PORT": "0", "NNODES": "2"}, "MASTER_PORT=0: with NNODES > 1 every node"),
 ])
