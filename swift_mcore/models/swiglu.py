@@ -29,9 +29,8 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 class _SwiGLUFunction(torch.autograd.Function):
     # The operators autograd runs for the unfused graph (silu, mul, mul's backward,
     # silu_backward), each written into a tensor this function already holds: one new
-    # [tokens, ffn] tensor per forward (its output) and one fc1-sized gradient per backward.
-    # On CPU every fresh tensor of that size costs its page faults, which made the
-    # recomputed silu dearer than its arithmetic (benchmarks/README.md).
+    # [tokens, ffn] tensor per forward (its output) and one fc1-sized gradient per backward,
+    # since on CPU every fresh tensor of that size is paid for in page faults.
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
