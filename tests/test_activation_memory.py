@@ -58,7 +58,7 @@ def test_a_layer_keeps_what_its_shape_needs(gloo_group):
         + HIDDEN + HIDDEN         # the inputs of linear_qkv and linear_fc1
         + 2 * q + 2 * kv + HEADS  # SDPA: rotated q and k, v, output, log-sum-exp
         + 2 * FFN + FFN           # SwiGLU: the fc1 output; linear_fc2's input
-    ) + 4 * SEQ * head_dim        # RoPE's cos and sin, for q and for k
+    ) + 2 * SEQ * head_dim        # RoPE's cos and sin: one pair for q, k and all layers
     # Without models/swiglu.py 2 x t x FFN more floats (silu's output, megatron's copy of
     # `up`); without the copy of v in SdpaAttention the whole q+k+v output of linear_qkv.
     assert got == 4 * floats, (got, 4 * floats)  # exactly: nothing kept twice or in excess

@@ -210,3 +210,79 @@ def test_activate_installs_the_eager_rope():
 
     cpu_compat.activate()
     assert hasattr(rope_utils._apply_rotary_pos_emb_bshd, "_swift_mcore_original")
+
+
+def test_eager_rope_takes_cos_and_sin_once_per_freqs_tensor(monkeypatch):
+    """megatron hands every layer the same (lru-cached) freqs tensor: cos and sin are taken
+    once for it, again when it changes in place, and for each freqs tensor of its own."""
+    from swift_mcore.runtime import eager_rope
+
+    calls = []
+    real_cos = torch.cos
+    monkeypatch.setattr(eager_rope.torch, "cos", lambda x: calls.append(x) or real_cos(x))
+    apply = eager_rope.make_apply_rotary_bshd(lambda *a, **k: pytest.fail("fast path"))
+    freqs = torch.outer(torch.arange(6).float(), torch.rand(4)).repeat(1, 2)[:, None, None, :]
+    t = torch.randn(6, 2, 3, 8)
+    first = apply(t, freqs)
+    assert torch.equal(apply(t, freqs), first) and len(calls) == 1
+    freqs.mul_(2.0)  # the version counter moves: a fresh cos and sin, and a new result
+    assert not torch.equal(apply(t, freqs), first) and len(calls) == 2
+    apply(t, freqs.clone())
+    apply(t, freqs, mscale=0.5)
+    assert len(calls) == 4
+    with torch.inference_mode():
+        apply(t, freqs)
+    assert len(calls) == 5
+
+
+def _megatron_cross_entropy():
+    from megatron.core import tensor_parallel
+
+    ours = tensor_parallel.vocab_parallel_cross_entropy
+    return ours, getattr(ours, "_swift_mcore_original", ours)
+
+
+@pytest.mark.parametrize("vocab", [4096, 151936])
+def test_eager_cross_entropy_equals_megatrons(gloo_group, vocab):
+    ours, original = _megatron_cross_entropy()
+    assert ours is not original  # activate() installed it
+    g = torch.Generator().manual_seed(5)
+    tokens = 64 if vocab > 10000 else 256
+    logits = torch.randn(tokens, 2, vocab, generator=g) * 4
+    target = torch.randint(0, vocab, (tokens, 2), generator=g)
+    grad = torch.rand(tokens, 2, generator=g)
+    results = []
+    for fn in (original, ours):
+        x = logits.clone().requires_grad_()
+        loss = fn(x * 1.0, target)  # both overwrite their input: give them a fresh one
+        loss.backward(grad)
+        results.append((loss.detach(), x.grad))
+    # Against float64: megatron's loss is within 2e-6 of it, ours (torch's log_softmax
+    # accumulation, as in F.cross_entropy) within 3e-5 at 151,936 columns.
+    reference = logits.double()
+    expected_loss = -torch.log_softmax(reference, -1).gather(-1, target[..., None])[..., 0]
+    softmax = torch.softmax(reference, -1)
+    softmax.scatter_add_(-1, target[..., None], -torch.ones(tokens, 2, 1, dtype=torch.double))
+    expected_grad = softmax * grad[..., None].double()
+    for loss, x_grad in results:
+        assert torch.allclose(loss.double(), expected_loss, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(x_grad.double(), expected_grad, rtol=1e-4, atol=1e-10)
+    (loss_a, grad_a), (loss_b, grad_b) = results
+    assert torch.allclose(loss_b, loss_a, rtol=1e-5) and torch.allclose(grad_b, grad_a, rtol=1e-4)
+
+
+def test_eager_cross_entropy_hands_other_cases_to_megatron(gloo_group, monkeypatch):
+    from swift_mcore.runtime import eager_cross_entropy
+
+    seen = []
+    ours = eager_cross_entropy.make_cross_entropy(lambda *args: seen.append(args) or "megatron")
+    logits, target = torch.randn(4, 2, 10), torch.randint(0, 10, (4, 2))
+    assert torch.is_tensor(ours(logits.clone(), target)) and not seen
+    assert ours(logits.clone(), target, 0.1) == "megatron"  # label smoothing
+    assert ours(logits.clone(), torch.where(target > 4, -100, target)) == "megatron"
+    assert ours(logits.clone(), torch.full_like(target, 10)) == "megatron"  # out of vocab
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    assert ours(logits.clone(), target) == "megatron"
+    assert len(seen) == 4

@@ -278,6 +278,7 @@ def activate() -> bool:
     _patch_checkpoint_without_output()
     _install_weight_gradient_accumulation()
     _install_eager_rope()
+    _install_eager_cross_entropy()
     _ACTIVE = True
     return True
 
@@ -298,6 +299,20 @@ def _install_eager_rope():
     original = rope_utils._apply_rotary_pos_emb_bshd
     if not hasattr(original, "_swift_mcore_original"):
         rope_utils._apply_rotary_pos_emb_bshd = make_apply_rotary_bshd(original)
+
+
+def _install_eager_cross_entropy():
+    """The language-model loss is ``tensor_parallel.vocab_parallel_cross_entropy``, looked
+    up on the package at each call (language_module.py:167): on CPU it becomes
+    runtime/eager_cross_entropy.py's, which with one TP rank takes fewer passes over the
+    logits and hands every other case to megatron's."""
+    from megatron.core import tensor_parallel
+
+    from .eager_cross_entropy import make_cross_entropy
+
+    original = tensor_parallel.vocab_parallel_cross_entropy
+    if not hasattr(original, "_swift_mcore_original"):
+        tensor_parallel.vocab_parallel_cross_entropy = make_cross_entropy(original)
 
 
 def _patch_router_gemm_without_te():

@@ -12,7 +12,9 @@ k. On a GPU those are fused kernels (TE's, or torch.compile's); on CPU they run 
 in place: ``t1*cos1 - t2*sin1`` is, bit for bit, ``t1*cos1 + (-t2)*sin1`` (negation and
 a - b = a + (-b) are exact), and the backward is the transposed rotation of the same
 products, so outputs and gradients equal megatron's exactly
-(``tests/test_cpu_compat.py``). It handles what the fast path covers (the whole head
+(``tests/test_cpu_compat.py``). It takes cos and sin once per freqs tensor (megatron's
+``RotaryEmbedding`` returns the same one to every layer and micro-batch) where megatron
+takes them on every call. It handles what the fast path covers (the whole head
 rotated, not interleaved, no multi-latent attention) and hands anything else to megatron's
 own function. ``runtime/cpu_compat.py`` installs it without CUDA.
 """
@@ -53,6 +55,35 @@ def fast_path_applies(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: 
             and not freqs.requires_grad)
 
 
+class _CosSinCache:
+    """cos and sin of the last few freqs tensors. megatron's ``RotaryEmbedding.forward`` is
+    an ``lru_cache``: every layer, q and k, and every micro-batch of a run get the same
+    freqs tensor, of which megatron takes cos and sin again each time (2 x layers x 2 per
+    micro-batch). An entry holds its freqs tensor, so the identity it is found by cannot be
+    reused by another tensor, and the version counter catches a freqs changed in place."""
+
+    SIZE = 4
+
+    def __init__(self):
+        self.entries = []  # (freqs, version, mscale, dtype, inference, cos, sin), newest last
+
+    def get(self, freqs, mscale, dtype):
+        inference = torch.is_inference_mode_enabled()
+        for entry in self.entries:
+            if (entry[0] is freqs and entry[1] == freqs._version and entry[2] == mscale
+                    and entry[3] == dtype and entry[4] == inference):
+                return entry[5], entry[6]
+        # cos and sin exactly as megatron forms them (rope_utils.py:122-123).
+        cos = (torch.cos(freqs) * mscale).to(dtype)
+        sin = (torch.sin(freqs) * mscale).to(dtype)
+        self.entries = [*self.entries[-(self.SIZE - 1):],
+                        (freqs, freqs._version, mscale, dtype, inference, cos, sin)]
+        return cos, sin
+
+
+cos_sin = _CosSinCache().get
+
+
 def make_apply_rotary_bshd(original):
     """A drop-in for megatron's ``_apply_rotary_pos_emb_bshd`` (same signature) that takes
     the fast path where it applies and calls ``original`` everywhere else."""
@@ -62,9 +93,7 @@ def make_apply_rotary_bshd(original):
         if not fast_path_applies(t, freqs, rotary_interleaved, multi_latent_attention):
             return original(t, freqs, rotary_interleaved=rotary_interleaved,
                             multi_latent_attention=multi_latent_attention, mscale=mscale)
-        # cos and sin exactly as megatron forms them (rope_utils.py:122-123).
-        cos = (torch.cos(freqs) * mscale).to(t.dtype)
-        sin = (torch.sin(freqs) * mscale).to(t.dtype)
+        cos, sin = cos_sin(freqs, mscale, t.dtype)
         return _RotaryBshd.apply(t, cos, sin)
 
     apply_rotary_bshd._swift_mcore_original = original
