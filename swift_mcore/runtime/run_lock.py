@@ -15,6 +15,9 @@ with one line naming the folder and the process that holds it (pid, host, start 
 - The file holds who took it, as JSON, for the refusal message. A clean release deletes it
   (a run stopped by bad input leaves its folder as it found it); one left by a killed run
   is taken over by the next.
+- A child closes its copy when it first runs, which on a loaded machine can be after its
+  parent has already died: a lock whose recorded holder has ended is therefore waited for
+  (``ENDED_HOLDER_GRACE_S``) before the run is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ except ImportError:  # Windows: no lock (documented in docs/resume.md)
 
 LOCK_FILENAME = ".run.lock"
 ENV = "SWIFT_MCORE_RUN_LOCK"  # "<token> <lock file>": a launcher's lock, handed to its ranks
+ENDED_HOLDER_GRACE_S = 5.0    # how long a lock left only to the children of an ended holder
+                              # is waited for: time for them to close their inherited copy
 
 
 @dataclass
@@ -65,12 +70,25 @@ def describe(info: Optional[dict]) -> str:
     if not info:
         return "a process whose details cannot be read"
     what = f"{info['command']}, " if info.get("command") else ""
-    text = (f"pid {info.get('pid', '?')} on host {info.get('host', '?')} ({what}started "
+    return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')} ({what}started "
             f"{info.get('started', '?')})")
-    if info.get("host") == hostname() and isinstance(info.get("pid"), int) and not \
-            pid_alive(info["pid"]):
-        text += "; that process has ended, but a process it started still holds the lock"
-    return text
+
+
+def holder_ended(info: Optional[dict]) -> bool:
+    """The recorded holder ran on this host and is gone: what holds the lock now is a
+    process it started that still has the lock file open."""
+    return bool(info) and info.get("host") == hostname() and isinstance(info.get("pid"), int) \
+        and not pid_alive(info["pid"])
+
+
+def refusal(folder: str, path: str, info: Optional[dict]) -> str:
+    if holder_ended(info):
+        return (f"--output_dir {folder} is in use by another run: {describe(info)} has ended, "
+                f"but a process it started still holds its lock file {path} (`fuser -v "
+                f"{path}` names it). Stop that process, or choose another --output_dir.")
+    return (f"--output_dir {folder} is in use by another run: {describe(info)} holds its "
+            f"lock file {path}. Wait for that run to end or stop it, or choose another "
+            f"--output_dir.")
 
 
 def acquire(folder: str, command: str) -> RunLock:
@@ -88,6 +106,7 @@ def acquire(folder: str, command: str) -> RunLock:
         return _held[path]
     if fcntl is None:
         return _register(RunLock(path, None, {}, created, locked=False))
+    ended_since = None  # when the lock was first seen held only for an ended holder
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -99,13 +118,14 @@ def acquire(folder: str, command: str) -> RunLock:
         except BlockingIOError:
             info = _read_info(fd)
             os.close(fd)
-            handed = _handed_over(path, info)
-            if handed:
+            if _handed_over(path, info):
                 return _register(RunLock(path, None, info, created))
-            raise ArgumentError(
-                f"--output_dir {folder} is in use by another run: {describe(info)} holds "
-                f"its lock file {path}. Wait for that run to end or stop it, or choose "
-                f"another --output_dir.") from None
+            if holder_ended(info):
+                ended_since = ended_since or time.monotonic()
+                if time.monotonic() - ended_since < ENDED_HOLDER_GRACE_S:
+                    time.sleep(0.05)
+                    continue
+            raise ArgumentError(refusal(folder, path, info)) from None
         except OSError as err:  # a file system without flock: run, but say so
             os.close(fd)
             print(f"WARNING: cannot lock {path} ({err.strerror or err}); a second run on "

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -62,17 +63,40 @@ def refused_run(out, *flags, capsys, monkeypatch):
 
 # ---- the lock itself, between processes ----------------------------------------------------
 HOLDER = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, subprocess, sys, time
     from swift_mcore.runtime import run_lock
-    run_lock.acquire(sys.argv[1], "holder")
-    child = os.fork()
-    if child == 0:          # a forked child (a data loader worker, say) outlives the holder
-        time.sleep(120)
-        os._exit(0)
+    lock = run_lock.acquire(sys.argv[1], "holder")
+    if sys.argv[2] == "fork":  # a forked child (a data loader worker, say) outlives the holder
+        ready, done = os.pipe()
+        child = os.fork()
+        if child == 0:         # the at-fork hook has run by now: say so, then live on
+            os.write(done, b"x")
+            time.sleep(120)
+            os._exit(0)
+        os.read(ready, 1)
+    else:                      # a child that did inherit the open lock file, for argv[2] s
+        child = subprocess.Popen([sys.executable, "-c", "import sys, time; "
+                                  "time.sleep(float(sys.argv[1]))", sys.argv[2]],
+                                 pass_fds=[lock.fd]).pid
     print(json.dumps({"pid": os.getpid(), "child": child}), flush=True)
     sys.stdin.readline()
-    os._exit(0)             # ends without releasing, like a crash
+    os._exit(0)                # ends without releasing, like a crash
 """)
+
+
+def start_holder(out, child):
+    """A process that takes the lock on ``out`` and starts a child ("fork", or a number of
+    seconds for a child that keeps the lock file open); it ends at end_holder."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, out, child], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return holder, json.loads(holder.stdout.readline())
+
+
+def end_holder(holder):
+    holder.stdin.write("end\n")
+    holder.stdin.flush()
+    holder.wait(30)
+
 
 HANDED = textwrap.dedent("""
     import os, sys
@@ -90,19 +114,18 @@ HANDED = textwrap.dedent("""
 
 def test_lock_between_processes(tmp_path):
     out = str(tmp_path / "run")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, out], cwd=ROOT, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    pids = json.loads(holder.stdout.readline())
+    holder, pids = start_holder(out, "fork")
     try:
         with pytest.raises(ArgumentError) as refused:
             run_lock.acquire(out, "test")
         assert f"is in use by another run: pid {pids['pid']} on host " in str(refused.value)
+        assert "Wait for that run to end" in str(refused.value)
         assert not run_lock.holds(out)
-        holder.stdin.write("end\n")
-        holder.stdin.flush()
-        holder.wait(30)
+        end_holder(holder)
         assert run_lock.pid_alive(pids["child"])   # its forked child lives on ...
+        started = time.monotonic()
         lock = run_lock.acquire(out, "test")       # ... but does not hold the lock
+        assert time.monotonic() - started < 1.0    # (so nothing waited for it)
         assert run_lock.acquire(out, "again") is lock and run_lock.holds(out)  # re-entrant
         assert json.load(open(lock.path))["pid"] == os.getpid()
 
@@ -117,6 +140,47 @@ def test_lock_between_processes(tmp_path):
         holder.kill()
         run_lock.release(out)
     assert not os.path.exists(os.path.join(out, run_lock.LOCK_FILENAME))
+
+
+def test_a_lock_left_to_the_children_of_an_ended_holder(tmp_path, monkeypatch):
+    """Such a child may be about to close its copy (a forked one does when first scheduled):
+    the lock is waited for, ENDED_HOLDER_GRACE_S; one kept beyond that is refused, naming
+    the ended holder and what to do."""
+    out = str(tmp_path / "run")
+    holder, pids = start_holder(out, "1.0")   # the child closes it 1 s after it started
+    try:
+        end_holder(holder)
+        started = time.monotonic()
+        lock = run_lock.acquire(out, "test")
+        assert time.monotonic() - started >= 0.3   # it waited for the child (0.8 s or more)
+        assert json.load(open(lock.path))["pid"] == os.getpid()
+    finally:
+        os.kill(pids["child"], signal.SIGKILL)
+        run_lock.release(out)
+
+    holder, pids = start_holder(out, "120")
+    monkeypatch.setattr(run_lock, "ENDED_HOLDER_GRACE_S", 0.3)
+    try:
+        end_holder(holder)
+        started = time.monotonic()
+        with pytest.raises(ArgumentError) as refused:
+            run_lock.acquire(out, "test")
+        assert time.monotonic() - started >= 0.3
+        lock_path = os.path.realpath(os.path.join(out, run_lock.LOCK_FILENAME))
+        assert str(refused.value) == (
+            f"--output_dir {os.path.abspath(out)} is in use by another run: pid {pids['pid']} "
+            f"on host {socket.gethostname()} (holder, started "
+            f"{json.load(open(lock_path))['started']}) has ended, but a process it started "
+            f"still holds its lock file {lock_path} (`fuser -v {lock_path}` names it). Stop "
+            f"that process, or choose another --output_dir.")
+        os.kill(pids["child"], signal.SIGKILL)
+        monkeypatch.setattr(run_lock, "ENDED_HOLDER_GRACE_S", 5.0)  # (SIGKILL takes a moment)
+        run_lock.acquire(out, "test")   # once the child is gone, the lock is free
+        assert run_lock.holds(out)
+    finally:
+        if run_lock.pid_alive(pids["child"]):
+            os.kill(pids["child"], signal.SIGKILL)
+        run_lock.release(out)
 
 
 # ---- real runs -------------------------------------------------------------------------------
