@@ -1,10 +1,14 @@
 """Tokenizers: the default BPE trains once, cached; HF folders and files load; bad input fails."""
 
 import json
-import multiprocessing
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
+from run_helpers import ROOT
 from swift_mcore.errors import ArgumentError
 from swift_mcore.arguments import PretrainArguments
 from swift_mcore.data import tokenizer as tok_mod
@@ -44,32 +48,49 @@ def test_default_vocabulary_and_specials(tokenizer):
     json.dumps(tokenizer.unique_identifiers)  # megatron puts it into its cache descriptions
 
 
-def _build_in_child(queue):
-    queue.put(tok_mod.default_tokenizer().fingerprint)
+# A builder in its own interpreter: forking a pytest worker, whose torch, gloo and pyarrow
+# threads may hold locks at the fork, once crashed the child in CI. Each builder says it is
+# ready, starts when the test says go, and counts its trainings; the one that trains sleeps
+# while it holds the lock, so the other is certainly waiting on it.
+BUILDER = """
+import os, sys, time
+from swift_mcore.data import tokenizer as tok_mod
+calls, ready, go = sys.argv[1:4]
+real_train = tok_mod.train_bpe
+def counting_train(*args, **kwargs):
+    with open(calls, "a") as fh:
+        fh.write("trained\\n")
+    time.sleep(1.0)
+    return real_train(*args, **kwargs)
+tok_mod.train_bpe = counting_train
+open(ready, "w").close()
+while not os.path.exists(go):
+    time.sleep(0.01)
+print(tok_mod.default_tokenizer().fingerprint)
+"""
 
 
-def test_concurrent_builders_train_once_and_agree(fresh_cache, tmp_path, monkeypatch):
-    calls = tmp_path / "training_calls"
-    real_train = tok_mod.train_bpe
-
-    def counting_train(*args, **kwargs):
-        with open(calls, "a") as fh:
-            fh.write("trained\n")
-        return real_train(*args, **kwargs)
-
-    monkeypatch.setattr(tok_mod, "train_bpe", counting_train)  # inherited by the forks
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_build_in_child, args=(queue,)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    assert results[0] == results[1]
+def test_concurrent_builders_train_once_and_agree(fresh_cache, tmp_path):
+    calls, go = tmp_path / "training_calls", tmp_path / "go"
+    ready = [tmp_path / f"ready{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(calls), str(r), str(go)],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in ready]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.02)
+        go.touch()
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], results
+    fingerprints = [out.strip() for out, _ in results]
+    assert fingerprints[0] == fingerprints[1]
     assert calls.read_text() == "trained\n"  # the waiting process found the file, no retrain
-    assert tok_mod.default_tokenizer().fingerprint == results[0]
+    assert tok_mod.default_tokenizer().fingerprint == fingerprints[0]
     (folder,) = list((fresh_cache / "tokenizers").iterdir())
     assert sorted(p.name for p in folder.iterdir()) == [".lock", "tokenizer.json"]
 
