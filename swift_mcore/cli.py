@@ -136,8 +136,19 @@ COMMANDS = {
 
 def entry_point() -> None:
     """Console script: flush and leave without running interpreter teardown (commands shut
-    their process groups down themselves; see runtime.distributed.exit_process)."""
-    code = main()
+    their process groups down themselves; see runtime.distributed.exit_process).
+
+    A command that crashes leaves the same way, after its traceback, with exit code 1 (130
+    for Ctrl-C): teardown could otherwise turn the code into gloo's abort at exit.
+    ``SystemExit`` (argparse's --help and usage errors) keeps Python's own handling.
+    """
+    try:
+        code = main()
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - every crash gets its traceback, then the exit
+        sys.excepthook(*sys.exc_info())
+        code = 130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

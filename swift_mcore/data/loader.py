@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -101,5 +103,32 @@ def build_data_iterator(dataset, consumed_samples: int, args, dp_rank: int = 0,
         # torch RNG, which a resumed run has just restored (the dropout stream).
         generator=torch.Generator().manual_seed(args.training.seed + seed_offset),
     )
-    return iter(loader)
+    iterator = iter(loader)
+    if workers > 0:
+        close_workers_at_exit(iterator)
+    return iterator
+
+
+def close_workers_at_exit(iterator) -> None:
+    """Ends ``iterator``'s workers when the interpreter exits, before multiprocessing joins
+    its children.
+
+    At exit, multiprocessing stops daemonic children with SIGTERM and then joins them. Our
+    workers ignore SIGTERM (``ignore_stop_signals``), so a process that leaves through
+    interpreter teardown while an iterator is alive would wait on them forever. That
+    happens after an uncaught exception in the CLI, or when an API script returns without
+    ``exit_process``; the trainer's own SIGTERM handler then keeps ``kill`` from ending it
+    too. torch's shutdown hands each worker its end-of-work sentinel, which the worker
+    obeys whatever its signal handlers. Registered after torch's and multiprocessing's own
+    exit hooks, so it runs before them.
+    """
+    ref = weakref.ref(iterator)
+
+    def close() -> None:
+        alive = ref()
+        shutdown = getattr(alive, "_shutdown_workers", None)  # torch's, also run by __del__
+        if shutdown is not None:
+            shutdown()
+
+    atexit.register(close)
 
