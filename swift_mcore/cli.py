@@ -146,9 +146,9 @@ def entry_point() -> None:
         code = main()
     except SystemExit:
         raise
-    except BaseException:  # noqa: BLE001 - every crash gets its traceback, then the exit
-        sys.excepthook(*sys.exc_info())
-        code = 130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1
+    except BaseException as err:  # noqa: BLE001 - every crash gets its traceback, then the exit
+        sys.excepthook(type(err), err, err.__traceback__)
+        code = 130 if isinstance(err, KeyboardInterrupt) else 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

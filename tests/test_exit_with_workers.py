@@ -51,4 +51,4 @@ def test_an_api_script_that_returns_without_exit_process_exits(tmp_path):
     assert "main returned 0" in proc.stdout, proc.stderr[-3000:]
     # Interpreter teardown itself may meet gloo's abort at exit (docs/architecture.md,
     # "Platform facts"); what this test holds is that the process ends at all.
-    assert proc.returncode in (0, -6, 134), proc.stderr[-3000:]
+    assert proc.returncode in (0, -6), proc.stderr[-3000:]  # -6: SIGABRT
