@@ -40,7 +40,8 @@ def add_flags(group, dataclass_type, cls=None) -> None:
             help_text += f" [choices: {', '.join(map(str, f.metadata['choices']))}]"
         if "range" in f.metadata:
             help_text += f" [{f.metadata['range'].bound()}]"
-        kwargs = dict(dest=f.name, help=help_text)
+        # argparse %-formats help strings: a literal % ("13% faster") would crash --help
+        kwargs = dict(dest=f.name, help=help_text.replace("%", "%%"))
         if kind is bool:
             # `--flag` alone means true; `--flag false` is accepted too (ms-swift style).
             kwargs.update(nargs="?", const="true", metavar="BOOL")
