@@ -68,6 +68,9 @@ class RunConfig:
     # --trim_host_memory on a CPU run with glibc: the free heap is released before each
     # micro-batch (runtime/host_memory.py)
     trim_host_memory: bool = False
+    # --cpu_matmul: the linear layers' GEMM on CPU, onednn | mkl; None on CUDA
+    # (runtime/onednn_linear.py, applied by distributed.initialize)
+    cpu_matmul: Optional[str] = None
 
     # The flag groups (model, data, training, parallel, checkpoint, logging, sft) read as on
     # the arguments: config.model.hidden_size; properties made below the class.
@@ -118,6 +121,9 @@ class RunConfig:
             chosen += [f"{name}={value}" for name, value in self.environment]
             text += " (" + ", ".join(chosen) + ")"
         text += f", activation recompute {self.describe_recompute()}"
+        if self.cpu_matmul:
+            text += (", linear layers on oneDNN" if self.cpu_matmul == "onednn"
+                     else ", linear layers on torch.matmul (MKL)")
         if self.trim_host_memory:
             text += ", free heap released before each micro-batch (--trim_host_memory)"
         return text
@@ -204,6 +210,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
                      precision=precision, base_model=base_model, lora_import=lora_import,
                      trim_host_memory=(flags.training.trim_host_memory and not cuda
                                        and host_memory.available()),
+                     cpu_matmul=choose_cpu_matmul(flags.training.cpu_matmul, cuda),
                      **choose_gpu_defaults(flags, world, cuda, transformer_engine))
 
 
@@ -278,6 +285,22 @@ def choose_attention(flag: str, cuda: bool, transformer_engine: bool) -> str:
         raise ArgumentError("--attention_backend transformer_engine needs CUDA and "
                             "Transformer Engine (pip install -r requirements/gpu.txt); choose "
                             "auto, local or sdpa")
+    return flag
+
+
+def choose_cpu_matmul(flag: str, cuda: bool) -> Optional[str]:
+    """--cpu_matmul -> the GEMM megatron's linears use on CPU: 'auto' is oneDNN where this
+    torch has it (faster than MKL on the CPUs measured, benchmarks/README.md), else MKL.
+    None on CUDA, where the flag does nothing."""
+    if cuda:
+        return None
+    from .runtime import onednn_linear
+
+    if flag == "onednn" and not onednn_linear.available():
+        raise ArgumentError("--cpu_matmul onednn: this torch build has no oneDNN linear "
+                            "(torch.ops.mkldnn._linear_pointwise); choose auto or mkl")
+    if flag == "auto":
+        return "onednn" if onednn_linear.available() else "mkl"
     return flag
 
 

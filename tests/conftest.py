@@ -65,9 +65,12 @@ def gloo_group():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from swift_mcore.runtime import cpu_compat
+    from swift_mcore.runtime import cpu_compat, onednn_linear
 
     cpu_compat.activate()
+    # Models built here multiply on megatron's own torch.matmul; a run through the Trainer
+    # sets --cpu_matmul's choice itself (distributed.initialize), which then stays in force.
+    onednn_linear.enable(False)
     created = not dist.is_initialized()
     # Put MASTER_ADDR/PORT back afterwards: subprocesses started later inherit os.environ,
     # and a one-rank run would then try to bind this port, which may still be held here.

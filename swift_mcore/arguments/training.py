@@ -63,6 +63,14 @@ class TrainingArguments:
         "micro-batch's forward. Lowers the peak RSS (by about a twelfth at 100M parameters) "
         "but costs speed (about a seventh of the tokens/s there): the next forward faults "
         "the pages in again. Ignored on CUDA (docs/gpu.md, 'Host memory on CPU').")
+    cpu_matmul: str = flag(
+        "auto", "On CPU, the GEMM of the linear layers' forward and input-gradient products: "
+        "onednn = torch's oneDNN linear (5 to 13% faster training steps than mkl on the AMD "
+        "CPU benchmarks/README.md measures), mkl = torch.matmul (MKL's sgemm, megatron's own "
+        "path), auto = onednn where the torch build has it. The two agree within fp32 "
+        "rounding, not bit for bit: resume under the same choice for a bit-exact "
+        "continuation. Ignored on CUDA; the start-up line says what runs.",
+        choices=("auto", "onednn", "mkl"))
     recompute_granularity: Optional[str] = flag(
         None, "Activation recompute (megatron-core's): full = keep only the input of each "
         "recomputed layer chunk and run its forward again in the backward pass; selective = "

@@ -279,6 +279,7 @@ def activate() -> bool:
     _install_weight_gradient_accumulation()
     _install_eager_rope()
     _install_eager_cross_entropy()
+    _install_onednn_linear()
     _ACTIVE = True
     return True
 
@@ -313,6 +314,24 @@ def _install_eager_cross_entropy():
     original = tensor_parallel.vocab_parallel_cross_entropy
     if not hasattr(original, "_swift_mcore_original"):
         tensor_parallel.vocab_parallel_cross_entropy = make_cross_entropy(original)
+
+
+def _install_onednn_linear():
+    """megatron's linears apply ``LinearWithGradAccumulationAndAsyncCommunication`` and,
+    for a frozen weight, ``LinearWithFrozenWeight``, both looked up in layers.py at each call
+    (745, 440): on CPU they become runtime/onednn_linear.py's, which multiply on oneDNN when
+    --cpu_matmul chose it (distributed.initialize) and hand every call to megatron's class
+    otherwise."""
+    from megatron.core.tensor_parallel import layers
+
+    from .onednn_linear import make_frozen_linear, make_linear
+
+    if not hasattr(layers.LinearWithGradAccumulationAndAsyncCommunication,
+                   "_swift_mcore_original"):
+        layers.LinearWithGradAccumulationAndAsyncCommunication = make_linear(
+            layers.LinearWithGradAccumulationAndAsyncCommunication)
+    if not hasattr(layers.LinearWithFrozenWeight, "_swift_mcore_original"):
+        layers.LinearWithFrozenWeight = make_frozen_linear(layers.LinearWithFrozenWeight)
 
 
 def _patch_router_gemm_without_te():

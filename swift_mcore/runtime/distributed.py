@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import cpu_compat, gloo_device
+from . import cpu_compat, gloo_device, onednn_linear
 
 # How long a collective waits for the other ranks before torch.distributed gives up
 # (--distributed_timeout_minutes; this default where no RunConfig is at hand).
@@ -26,7 +26,8 @@ def initialize(config) -> None:
     A single process started without torchrun gets a one-rank group on a free local port,
     so `python -c 'Trainer(args).train()'` works as well as `swift-mcore pt`.
     """
-    cpu_compat.activate()
+    if cpu_compat.activate():
+        onednn_linear.enable(getattr(config, "cpu_matmul", None) == "onednn")
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
