@@ -166,3 +166,15 @@ def test_wgrad_accumulation_smoke():
     assert result["fused_linears"] == 2 * 4 + 1  # qkv, proj, fc1, fc2 per layer; output
     assert all(len(times) == 2 and min(times) > 0 for times in result["step_s"].values())
     assert set(result["micro_step_memory"]) == {"fused", "unfused"}
+
+
+def test_cpu_matmul_smoke():
+    (result,) = run_script("cpu_matmul.py", "--tiny")
+    # tiny: qkv (128, 64), proj (64, 64), fc1 (384, 64), fc2 (64, 192), output (4096, 64)
+    assert [g["weight"] for g in result["gemms"]] == [[64, 64], [64, 192], [128, 64],
+                                                      [384, 64], [4096, 64]]
+    assert all(g["forward_onednn_GFLOPs"] > 0 and g["dgrad_onednn_over_mkl_time"] > 0
+               for g in result["gemms"])
+    assert all(len(times) == 2 and min(times) > 0 for times in result["step_s"].values())
+    # the two settings compute the same gradients to fp32 rounding
+    assert result["largest_relative_gradient_difference"] < 1e-4
