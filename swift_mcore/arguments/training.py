@@ -65,7 +65,7 @@ class TrainingArguments:
         "the pages in again. Ignored on CUDA (docs/gpu.md, 'Host memory on CPU').")
     cpu_matmul: str = flag(
         "auto", "On CPU, the GEMM of the linear layers' forward and input-gradient products: "
-        "onednn = torch's oneDNN linear (5 to 13% faster training steps than mkl on the AMD "
+        "onednn = torch's oneDNN linear (7 to 16% faster training steps than mkl on the AMD "
         "CPU benchmarks/README.md measures), mkl = torch.matmul (MKL's sgemm, megatron's own "
         "path), auto = onednn where the torch build has it. The two agree within fp32 "
         "rounding, not bit for bit: resume under the same choice for a bit-exact "

@@ -5,7 +5,7 @@ Without CUDA, megatron-core's ColumnParallelLinear and RowParallelLinear multipl
 ships a second fp32 GEMM, oneDNN's, as ``torch.ops.mkldnn._linear_pointwise`` (the kernel
 torch.compile's CPU backend emits for linears). On the AMD EPYC this project is measured on,
 it runs the layers' forward and input-gradient products 15 to 60% faster than MKL
-(``benchmarks/cpu_matmul.py``; benchmarks/README.md), and a whole training step 5 to 13%
+(``benchmarks/cpu_matmul.py``; benchmarks/README.md), and a whole training step 7 to 16%
 faster. ``--cpu_matmul auto`` (the default, run_config.choose_cpu_matmul) takes it wherever
 torch has it.
 
