@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from throughput import LLAMA, SIZES  # noqa: E402  (benchmarks/ is on the path)
+from throughput import SIZES  # noqa: E402  (benchmarks/ is on the path)
+from wgrad_accumulation import build_ddp_model  # noqa: E402
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -92,21 +93,12 @@ def main() -> None:
     from swift_mcore._quiet import quiet_third_party
 
     quiet_third_party()
-    from swift_mcore.arguments import parse_args
-    from swift_mcore.models.gpt import build_model
-    from swift_mcore.run_config import resolve
-    from swift_mcore.runtime import distributed, onednn_linear, seed
-    from swift_mcore.runtime.ddp import wrap_model
+    from swift_mcore.runtime import distributed, onednn_linear
 
     if not onednn_linear.available():
         sys.exit("this torch build has no oneDNN linear: nothing to compare")
     vocab = 4096
-    args = resolve(parse_args([*SIZES[opts.size], *LLAMA, "--seq_length", str(opts.seq_length),
-                               "--micro_batch_size", "2", "--global_batch_size", "2"]))
-    args = args.complete(vocab, None, padded_vocab_size=vocab)
-    distributed.initialize(args)
-    seed.set_seed(0)
-    (ddp,) = wrap_model(args, build_model(args))
+    ddp = build_ddp_model(opts.size, opts.seq_length, vocab)
     seq = opts.seq_length
     shapes = sorted({tuple(m.weight.shape) for m in ddp.modules()
                      if hasattr(m, "gradient_accumulation_fusion") and m.weight is not None})

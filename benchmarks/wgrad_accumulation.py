@@ -32,6 +32,24 @@ from activation_memory import allocator_peak  # noqa: E402  (benchmarks/ is on t
 from throughput import LLAMA, SIZES  # noqa: E402
 
 
+def build_ddp_model(size: str, seq_length: int, vocab: int):
+    """The GPTModel as `swift-mcore pt` builds it for ``size`` (sdpa, fp32, micro-batch 2),
+    in megatron's DDP, on a one-rank group; seeded, so every call has the same weights."""
+    from swift_mcore.arguments import parse_args
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.run_config import resolve
+    from swift_mcore.runtime import distributed, seed
+    from swift_mcore.runtime.ddp import wrap_model
+
+    args = resolve(parse_args([*SIZES[size], *LLAMA, "--seq_length", str(seq_length),
+                               "--micro_batch_size", "2", "--global_batch_size", "2"]))
+    args = args.complete(vocab, None, padded_vocab_size=vocab)
+    distributed.initialize(args)
+    seed.set_seed(0)
+    (ddp,) = wrap_model(args, build_model(args))
+    return ddp
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="10m", choices=sorted(SIZES))
@@ -48,19 +66,11 @@ def main() -> None:
     from swift_mcore._quiet import quiet_third_party
 
     quiet_third_party()
-    from swift_mcore.arguments import parse_args
-    from swift_mcore.models.gpt import build_model
-    from swift_mcore.run_config import resolve
-    from swift_mcore.runtime import distributed, seed
-    from swift_mcore.runtime.ddp import accumulate_weight_gradients_in_place, wrap_model
+    from swift_mcore.runtime import distributed
+    from swift_mcore.runtime.ddp import accumulate_weight_gradients_in_place
 
     vocab = 4096
-    args = resolve(parse_args([*SIZES[opts.size], *LLAMA, "--seq_length", str(opts.seq_length),
-                               "--micro_batch_size", "2", "--global_batch_size", "2"]))
-    args = args.complete(vocab, None, padded_vocab_size=vocab)
-    distributed.initialize(args)
-    seed.set_seed(0)
-    (ddp,) = wrap_model(args, build_model(args))
+    ddp = build_ddp_model(opts.size, opts.seq_length, vocab)
     linears = [m for m in ddp.modules() if hasattr(m, "gradient_accumulation_fusion")]
     fused_count = accumulate_weight_gradients_in_place(ddp)
     seq = opts.seq_length
