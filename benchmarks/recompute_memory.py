@@ -42,7 +42,7 @@ def one(setting: str, tiny: bool, steps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from swift_mcore.runtime import cpu_compat
+    from swift_mcore.runtime.cpu import cpu_compat
 
     cpu_compat.activate()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29911"))

@@ -73,7 +73,7 @@ def main(out_dir: str) -> None:  # one rank of a world of 2: TP=2
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from swift_mcore.runtime import cpu_compat
+    from swift_mcore.runtime.cpu import cpu_compat
 
     cpu_compat.activate()
     rank = int(os.environ["RANK"])

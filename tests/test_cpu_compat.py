@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from swift_mcore.runtime import cpu_compat
+from swift_mcore.runtime.cpu import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only adaptation")
 
@@ -185,7 +185,7 @@ def test_uneven_gather_and_reduce_scatter_on_gloo():
 def test_eager_rope_equals_megatrons_unfused_rope_bit_for_bit():
     from megatron.core.models.common.embeddings import rope_utils
 
-    from swift_mcore.runtime.eager_rope import make_apply_rotary_bshd
+    from swift_mcore.runtime.cpu.eager_rope import make_apply_rotary_bshd
 
     original = getattr(rope_utils._apply_rotary_pos_emb_bshd, "_swift_mcore_original",
                        rope_utils._apply_rotary_pos_emb_bshd)
@@ -215,7 +215,7 @@ def test_activate_installs_the_eager_rope():
 def test_eager_rope_takes_cos_and_sin_once_per_freqs_tensor(monkeypatch):
     """megatron hands every layer the same (lru-cached) freqs tensor: cos and sin are taken
     once for it, again when it changes in place, and for each freqs tensor of its own."""
-    from swift_mcore.runtime import eager_rope
+    from swift_mcore.runtime.cpu import eager_rope
 
     calls = []
     real_cos = torch.cos
@@ -272,7 +272,7 @@ def test_eager_cross_entropy_equals_megatrons(gloo_group, vocab):
 
 
 def test_eager_cross_entropy_hands_other_cases_to_megatron(gloo_group, monkeypatch):
-    from swift_mcore.runtime import eager_cross_entropy
+    from swift_mcore.runtime.cpu import eager_cross_entropy
 
     seen = []
     ours = eager_cross_entropy.make_cross_entropy(lambda *args: seen.append(args) or "megatron")

@@ -20,7 +20,7 @@ less in the loss (13 against 7 ms per micro-batch); with Qwen2.5's vocabulary ab
 less per micro-batch.
 
 The fast path takes one TP rank, no label smoothing and targets inside the vocabulary;
-anything else goes to megatron's own function. ``runtime/cpu_compat.py`` installs it
+anything else goes to megatron's own function. ``cpu_compat.py`` installs it
 without CUDA.
 """
 
