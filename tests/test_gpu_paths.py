@@ -407,7 +407,6 @@ def test_each_rank_saves_and_restores_its_own_gpus_rng(monkeypatch):
     def get_all():
         raise AssertionError("every device's state: the other GPUs are other ranks'")
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "get_rng_state",
@@ -416,8 +415,8 @@ def test_each_rank_saves_and_restores_its_own_gpus_rng(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", get_all)
     monkeypatch.setattr(torch.cuda, "set_rng_state",
                         lambda state, device="cuda": restored.append((device, state[0].item())))
-    captured = rng.capture()
+    captured = rng.capture(gpu().cuda)  # RunConfig.cuda decides, not torch
     # restored on a node where this rank's GPU has another index
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert "cuda" in rng.apply(captured)
+    assert "cuda" in rng.apply(captured, gpu().cuda)
     assert restored.pop() == (1, 3)  # GPU 3's state onto this rank's GPU 1, not GPU 0's

@@ -131,11 +131,11 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
 
     rng_restored, rng_note = False, ""
     if load_rng and foreign:
-        rng_restored, rng_note = _restore_megatron_lm_rng(folder, info["run"]["layout"])
+        rng_restored, rng_note = _restore_megatron_lm_rng(folder, info["run"]["layout"], config.cuda)
         if rng_restored:
             restored.append("RNG")
     elif load_rng:
-        rng_restored, rng_note = _restore_rng(folder, info["run"])
+        rng_restored, rng_note = _restore_rng(folder, info["run"], config.cuda)
         if rng_restored:
             restored.append("RNG")
     state = TrainState.from_dict(info["train_state"])
@@ -312,7 +312,7 @@ def _apply_current_optimizer_settings(config, optimizer) -> None:
             group["eps"] = t.adam_eps
 
 
-def _restore_rng(folder: str, run: Dict[str, Any]) -> Tuple[bool, str]:
+def _restore_rng(folder: str, run: Dict[str, Any], cuda: bool) -> Tuple[bool, str]:
     """Restore this rank's RNG states. Returns (whether every rank restored one, a note
     from the first rank that has one: how its state was chosen, or why it was not)."""
     layouts = {int(r): lay for r, lay in run.get("rng_layouts", {}).items()}
@@ -320,7 +320,7 @@ def _restore_rng(folder: str, run: Dict[str, Any]) -> Tuple[bool, str]:
     error = None
     if source is not None:
         try:
-            rng.apply(rng.load(folder, source))
+            rng.apply(rng.load(folder, source), cuda)
         except (OSError, ValueError, KeyError, TypeError) as err:
             error = f"checkpoint {folder}: RNG state of rank {source} is unreadable ({err})"
     comm.raise_if_any(error)
@@ -329,10 +329,11 @@ def _restore_rng(folder: str, run: Dict[str, Any]) -> Tuple[bool, str]:
     return all(ok for ok, _ in results), (notes[0] if notes else "")
 
 
-def _restore_megatron_lm_rng(folder: str, layout: Dict[str, Any]) -> Tuple[bool, str]:
+def _restore_megatron_lm_rng(folder: str, layout: Dict[str, Any], cuda: bool
+                             ) -> Tuple[bool, str]:
     error, result = None, (False, "")
     try:
-        result = megatron_lm.restore_rng(folder, layout)
+        result = megatron_lm.restore_rng(folder, layout, cuda)
     except CheckpointError as err:
         error = str(err)
     comm.raise_if_any(error)
