@@ -104,7 +104,7 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.one:
         print(json.dumps(one(opts.one, opts.tiny, opts.steps)), flush=True)
-        os._exit(0)  # skip gloo's interpreter teardown (docs/architecture.md)
+        os._exit(0)  # skip gloo's interpreter teardown (docs/cpu.md)
     rows = []
     for i, setting in enumerate(SETTINGS):
         env = dict(os.environ, PORT=str(29911 + i), PYTHONWARNINGS="ignore")

@@ -84,7 +84,7 @@ def main(out_dir: str) -> None:  # one rank of a world of 2: TP=2
         json.dump(result, fh)
     dist.barrier()
     sys.stdout.flush()
-    os._exit(0)  # results written; skip gloo's interpreter teardown (docs/architecture.md)
+    os._exit(0)  # results written; skip gloo's interpreter teardown (docs/cpu.md)
 
 
 if __name__ == "__main__":
