@@ -35,23 +35,17 @@ import subprocess
 import sys
 from collections import defaultdict
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_common import LLAMA, ROOT, SIZES  # puts the checkout on sys.path
 
 CONTENDERS = ("megatron", "megatron-local", "hf")
 # --whole_step: one optimizer step of the real trainers (swift-mcore's Trainer.train_step;
 # for HF the Trainer's loop body: micro-batch backward passes, clip_grad_norm_, fused AdamW).
 STEP_CONTENDERS = ("swift-mcore-step", "hf-step")
 # The 10M model of throughput.py, Llama-shaped, micro-batch 2.
-DEFAULT = ["--num_layers", "4", "--hidden_size", "384", "--num_attention_heads", "6",
-           "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
+DEFAULT = [*SIZES["10m"], "--micro_batch_size", "2", "--global_batch_size", "2",
            "--seq_length", "512"]
-TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-        "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
+TINY = [*SIZES["tiny"], "--micro_batch_size", "2", "--global_batch_size", "2",
         "--seq_length", "32"]
-LLAMA = ["--swiglu", "true", "--normalization", "RMSNorm", "--position_embedding_type",
-         "rope", "--untie_embeddings_and_output_weights", "true"]
 # The first layer's modules are listed by their name inside the layer.
 FIRST_LAYER = {"megatron": "decoder.layers.0.", "hf": "model.layers.0."}
 OTHER_LAYERS = {"megatron": "decoder.layers.", "hf": "model.layers."}

@@ -22,11 +22,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench_common import ROOT, SIZES  # puts the checkout on sys.path
 
-TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-        "--num_query_groups", "2", "--seq_length", "32", "--micro_batch_size", "2",
+TINY = [*SIZES["tiny"], "--seq_length", "32", "--micro_batch_size", "2",
         "--global_batch_size", "8"]
 
 

@@ -32,13 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SIZES = {
-    "10m": ["--num_layers", "4", "--hidden_size", "384", "--num_attention_heads", "6",
-            "--num_query_groups", "2", "--seq_length", "256"],
-    "tiny": ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-             "--num_query_groups", "2", "--seq_length", "32"],
-}
+from bench_common import ROOT, SIZES as SHAPE_FLAGS  # puts the checkout on sys.path
+
+SIZES = {"10m": [*SHAPE_FLAGS["10m"], "--seq_length", "256"],
+         "tiny": [*SHAPE_FLAGS["tiny"], "--seq_length", "32"]}
 LORA = ["--tuner_type", "lora", "--lora_rank", "8", "--lora_alpha", "32"]
 
 

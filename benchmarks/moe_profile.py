@@ -25,10 +25,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
+from bench_common import ROOT  # puts the checkout on sys.path
 from moe_throughput import add_shape_arguments  # noqa: E402
 
 # MoE layer phase -> megatron methods whose time it is (moe_layer.py:357, token_dispatcher.py)

@@ -30,10 +30,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_common import ROOT, SIZES  # puts the checkout on sys.path
+
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-MODEL = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-         "--num_query_groups", "2", "--seq_length", "32", "--micro_batch_size", "2",
+MODEL = [*SIZES["tiny"], "--seq_length", "32", "--micro_batch_size", "2",
          "--global_batch_size", "8", "--lr", "1e-3", "--lr_warmup_iters", "0",
          "--lr_decay_style", "constant", "--min_lr", "1e-3", "--log_interval", "1",
          "--eval_steps", "0", "--progress_bar", "false", "--tensorboard", "false",

@@ -23,9 +23,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_common import LLAMA, ROOT, SIZES  # puts the checkout on sys.path
 
 CONTENDERS = ("megatron-local", "megatron-sdpa", "hf-sdpa", "hf-eager")
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
@@ -33,14 +31,10 @@ MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul
 ATTENTION = ("softmax", "masked_fill", "scaled_dot_product", "flash_attention",
              "_efficient_attention")
 # The 10M model of throughput.py, Llama-shaped, seq 1024, micro-batch 2.
-DEFAULT = ["--num_layers", "4", "--hidden_size", "384", "--num_attention_heads", "6",
-           "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
+DEFAULT = [*SIZES["10m"], "--micro_batch_size", "2", "--global_batch_size", "2",
            "--seq_length", "1024"]
-TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-        "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
+TINY = [*SIZES["tiny"], "--micro_batch_size", "2", "--global_batch_size", "2",
         "--seq_length", "32"]
-LLAMA = ["--swiglu", "true", "--normalization", "RMSNorm", "--position_embedding_type",
-         "rope", "--untie_embeddings_and_output_weights", "true"]
 
 
 def kind(name: str) -> str:
