@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from collections import defaultdict
 
-from bench_common import LLAMA, ROOT, SIZES  # puts the checkout on sys.path
+# bench_common puts the checkout on sys.path
+from bench_common import LLAMA, SIZES, child_env, print_child_result
 
 CONTENDERS = ("megatron", "megatron-local", "hf")
 # --whole_step: one optimizer step of the real trainers (swift-mcore's Trainer.train_step;
@@ -269,17 +267,10 @@ def main():
     flags = [*(TINY if opts.tiny else DEFAULT), *LLAMA, *rest]
     if opts.child:
         return child(opts.child, flags, opts.vocab)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    env = child_env(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     for contender in opts.contenders:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", contender, "--vocab", str(opts.vocab),
-             *(["--tiny"] if opts.tiny else []), *rest],
-            capture_output=True, text=True, cwd=ROOT, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"{contender} failed:\n{proc.stderr[-4000:]}")
-        print(proc.stdout.strip().splitlines()[-1], flush=True)
+        print_child_result(contender, [__file__, "--child", contender, "--vocab", str(opts.vocab),
+                                       *(["--tiny"] if opts.tiny else []), *rest], env)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ own folder is already on the path.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
@@ -54,3 +55,25 @@ def flags(**values) -> list[str]:
 
 SIZES = {name: flags(**shape) for name, shape in SHAPES.items()}
 LLAMA = flags(**LLAMA_SETTINGS)
+
+
+# torchrun's variables: a benchmark's child process is a run of its own, not a rank of the
+# process that started it.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(**settings: str) -> dict:
+    """This process's environment without the launch variables, with ``settings`` added."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env.update(settings)
+    return env
+
+
+def print_child_result(name: str, argv: list, env: dict) -> None:
+    """Runs ``python ARGV`` in ROOT and prints the last line of its stdout (the child's JSON
+    record); a failed child stops the benchmark with its name and the end of its stderr."""
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT,
+                          env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
+    print(proc.stdout.strip().splitlines()[-1], flush=True)

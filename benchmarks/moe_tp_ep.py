@@ -30,9 +30,8 @@ import sys
 import tempfile
 import time
 
-from bench_common import ROOT, SIZES  # puts the checkout on sys.path
+from bench_common import ROOT, SIZES, child_env  # puts the checkout on sys.path
 
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 MODEL = [*SIZES["tiny"], "--seq_length", "32", "--micro_batch_size", "2",
          "--global_batch_size", "8", "--lr", "1e-3", "--lr_warmup_iters", "0",
          "--lr_decay_style", "constant", "--min_lr", "1e-3", "--log_interval", "1",
@@ -52,8 +51,7 @@ def free_port() -> int:
 
 def run(out: str, *flags: str, nproc: int = 1) -> dict:
     """swift-mcore pt on nproc ranks; its train records by iteration."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env.update(PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
+    env = child_env(PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
     if nproc > 1:
         env.update(NPROC_PER_NODE=str(nproc), MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, "-m", "swift_mcore", "pt", *MODEL, *flags,

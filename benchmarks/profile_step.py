@@ -18,12 +18,10 @@ Plus the top operators by self CPU time. The optimizer is not part of it
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
-from bench_common import LLAMA, ROOT, SIZES  # puts the checkout on sys.path
+# bench_common puts the checkout on sys.path
+from bench_common import LLAMA, SIZES, child_env, print_child_result
 
 CONTENDERS = ("megatron-local", "megatron-sdpa", "hf-sdpa", "hf-eager")
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
@@ -122,17 +120,11 @@ def main():
     flags = [*(TINY if opts.tiny else DEFAULT), *LLAMA, *rest]
     if opts.child:
         return child(opts.child, flags, opts.warmup, opts.steps)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    env = child_env(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     for contender in opts.contenders:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", contender, "--warmup", str(opts.warmup),
-             "--steps", str(opts.steps), *(["--tiny"] if opts.tiny else []), *rest],
-            capture_output=True, text=True, cwd=ROOT, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"{contender} failed:\n{proc.stderr[-4000:]}")
-        print(proc.stdout.strip().splitlines()[-1], flush=True)
+        print_child_result(contender, [__file__, "--child", contender, "--warmup", str(opts.warmup),
+                                       "--steps", str(opts.steps),
+                                       *(["--tiny"] if opts.tiny else []), *rest], env)
 
 
 if __name__ == "__main__":

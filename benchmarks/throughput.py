@@ -47,7 +47,8 @@ import tempfile
 import time
 
 # heap_phases.py and rss_breakdown.py read SIZES from here too.
-from bench_common import LLAMA, ROOT, SIZES  # puts the checkout on sys.path
+# bench_common puts the checkout on sys.path
+from bench_common import LLAMA, ROOT, SIZES, child_env as launch_free_env
 
 # (micro batch, global batch, warmup steps, timed steps) per device and size: on 2 CPU
 # cores a 100M step at seq 1024 takes about half a minute.
@@ -113,9 +114,7 @@ def run_measured(cmd, env):
 
 
 def child_env(device):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONWARNINGS"] = "ignore"
+    env = launch_free_env(PYTHONWARNINGS="ignore")
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU numbers even on a machine with a GPU
     return env
