@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from bench_common import ROOT, SIZES  # puts the checkout on sys.path
 
