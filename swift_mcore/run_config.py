@@ -275,8 +275,8 @@ def choose_attention(flag: str, cuda: bool, transformer_engine: bool) -> str:
     """--attention_backend -> the core attention that runs. 'auto' is the fastest exact path
     this machine has: Transformer Engine's fused attention with CUDA and TE; torch's SDPA
     without CUDA (the same result within float rounding, faster, and it keeps no attention
-    scores for the backward pass: benchmarks/README.md); megatron's local module on CUDA
-    without TE (SDPA's kernels on a GPU have not been measured against it yet)."""
+    scores for the backward pass: benchmarks/README.md#where-a-training-step-goes);
+    megatron's local module on CUDA without TE (SDPA's kernels on a GPU have not been measured against it yet)."""
     if flag == "auto":
         if transformer_engine:
             return "transformer_engine"
@@ -290,7 +290,8 @@ def choose_attention(flag: str, cuda: bool, transformer_engine: bool) -> str:
 
 def choose_cpu_matmul(flag: str, cuda: bool) -> Optional[str]:
     """--cpu_matmul -> the GEMM megatron's linears use on CPU: 'auto' is oneDNN where this
-    torch has it (faster than MKL on the CPUs measured, benchmarks/README.md), else MKL.
+    torch has it (faster than MKL on the CPU measured:
+    benchmarks/README.md#the-cpu-gemm-onednn-against-mkl), else MKL.
     None on CUDA, where the flag does nothing."""
     if cuda:
         return None

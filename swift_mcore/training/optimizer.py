@@ -33,9 +33,8 @@ def use_fused_adamw_on_cpu(optimizer) -> int:
     Without CUDA (no TE/apex FusedAdam) megatron-core falls back to ``torch.optim.AdamW``
     with default flags, which torch runs as a per-parameter loop of a dozen element-wise ops
     on CPU tensors (foreach and fused are only defaulted on for CUDA). The fused CPU kernel is
-    the same update in one pass: megatron's optimizer step of the 97M benchmark model takes
-    0.054 s instead of 0.240 s (the AdamW update in it 0.040 s instead of 0.227 s), 1 to 3%
-    of that model's training step (benchmarks/optimizer_step.py, benchmarks/README.md).
+    the same update in one pass, several times faster (benchmarks/optimizer_step.py;
+    benchmarks/README.md#the-optimizer-step).
     Results agree to float rounding. A checkpoint keeps the flag in its param groups, so a run
     resumed from an older checkpoint keeps its original loop.
     """
