@@ -95,7 +95,7 @@ def next_step_batches():
 
 
 def param_stats(trainer):
-    from swift_mcore.checkpointing.io import unwrap
+    from swift_mcore.runtime.ddp import unwrap
 
     return {name: (p.detach().double().sum().item(), p.detach().double().norm().item())
             for name, p in unwrap(trainer.model[0]).named_parameters()}
@@ -374,7 +374,7 @@ def test_megatron_lm_style_load_of_a_swift_checkpoint(saved_by_swift):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from swift_mcore.checkpointing.io import unwrap
+    from swift_mcore.runtime.ddp import unwrap
 
     folder, trainer = saved_by_swift
     metadata = dist_checkpointing.load_content_metadata(folder)
