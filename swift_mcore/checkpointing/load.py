@@ -209,7 +209,7 @@ def _read_record(folder: str, config, data_fingerprint
     saved_flags = files.read_json(folder, files.ARGS)
     contents = run.get("contents", {})
     record = CheckpointRecord(
-        train_state=read_train_state(folder), id=manifest.get("id"), megatron_lm=False,
+        train_state=files.read_train_state(folder), id=manifest.get("id"), megatron_lm=False,
         has_optimizer=bool(contents.get("optimizer")),
         # checkpoints from before this entry existed were saved after a step
         optimizer_stepped=bool(contents.get("optimizer_stepped", True)),
@@ -223,15 +223,6 @@ def _read_record(folder: str, config, data_fingerprint
     differences += compat.base_model_differences(
         run.get("base_model"), config.base_model, config.model.model)
     return record, differences
-
-
-def read_train_state(folder: str) -> TrainState:
-    """train_state.json of a swift-mcore checkpoint; invalid counters are a CheckpointError."""
-    try:
-        return TrainState.from_dict(files.read_json(folder, files.TRAIN_STATE))
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {folder}: {files.TRAIN_STATE} is invalid ({err})"
-                              ) from None
 
 
 def _read_megatron_lm_record(folder: str, config) -> Tuple[CheckpointRecord, List[str]]:
