@@ -40,6 +40,8 @@ def disagreement(folder: str, flag: str) -> Optional[str]:
     named = parse_iter_dir(name)
     other = f"pass {flag} another checkpoint"
     if megatron_lm.is_megatron_lm(folder):
+        # Only common.pt's own iteration: Megatron-LM's args.iteration and curr_iteration
+        # are not the checkpoint's (0 and 9 in tests/fixtures/megatron_lm's iteration 10).
         saved = megatron_lm.read(folder)["iteration"]
         if named is not None and saved != named:
             return _misnamed(folder, "common.pt", saved, name, named, other)
