@@ -26,15 +26,15 @@ class CheckpointRecord:
     shape ``restore`` reads."""
 
     train_state: TrainState            # the counters the run continues from
-    id: Optional[str]                  # the manifest's id (the next save's parent); None: Megatron-LM's
-    megatron_lm: bool                  # written by Megatron-LM (or ms-swift)
+    id: Optional[str]                  # the manifest's id, the next save's parent (None:
+    megatron_lm: bool                  # written by Megatron-LM or ms-swift, no manifest)
     has_optimizer: bool                # optimizer state saved (not --no_save_optim)
     optimizer_stepped: bool            # ... and the optimizer had stepped (Adam has state)
     has_rng: bool                      # RNG states saved (not --no_save_rng)
     scheduler_unit: int                # common.pt's scheduler steps per iteration
     layout: Dict[str, Optional[int]]   # tp_size, pp_size, dp_size of the saving run
+    # each saving rank's layout, by rank, for swift-mcore's rng/ files (rng.choose)
     rng_layouts: Dict[int, Dict[str, int]] = dataclasses.field(default_factory=dict)
-    # ^ each saving rank's layout, by rank (swift-mcore's rng/ files; rng.choose)
 
 
 @dataclass(frozen=True)
