@@ -86,7 +86,7 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     must be filled. Returns the number of parameters this rank loaded."""
     from megatron.core import parallel_state
 
-    from ..checkpointing.io import unwrap
+    from ..runtime.ddp import unwrap
 
     start = time.time()
     folder = HFFolder(config.model.model, flag="--model")

@@ -1,4 +1,5 @@
-"""Wraps model chunks in megatron's bucketed DistributedDataParallel."""
+"""Wraps model chunks in megatron's bucketed DistributedDataParallel, and finds the model
+inside such wrappers again."""
 
 from __future__ import annotations
 
@@ -64,6 +65,15 @@ def wrap_model(args, models: List[torch.nn.Module], wrap_with_ddp: bool = True) 
     for chunk in wrapped:
         accumulate_weight_gradients_in_place(chunk)
     return wrapped
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside megatron's DDP / Float16Module wrappers (megatron-LM stores the
+    unwrapped keys: ``decoder.layers...``, not ``module.decoder...``)."""
+    while type(chunk).__name__ in ("DistributedDataParallel", "Float16Module",
+                                   "FullyShardedDataParallel") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
 
 def accumulate_weight_gradients_in_place(chunk) -> int:
