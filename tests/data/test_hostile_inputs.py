@@ -111,9 +111,8 @@ def test_inside_refuses_names_that_leave_the_folder(tmp_path):
     folder.mkdir()
     (folder / "sub").mkdir()
     assert input_files.inside(str(folder), "sub/a.bin", "idx") == str(folder / "sub/a.bin")
-    for name in ("../../../../etc/passwd", "/etc/passwd", "sub/../../x", "~/x", "", None):
+    assert input_files.inside(str(folder), "sub/../a.bin", "idx") == str(folder / "a.bin")
+    for name in ("../../../../etc/passwd", "/etc/passwd", "sub/../../x", "~/x", "..", "",
+                 None, 3):
         with pytest.raises(ArgumentError, match=r"^idx: "):
             input_files.inside(str(folder), name, "idx")
-    os.symlink("/etc/passwd", folder / "link.safetensors")
-    with pytest.raises(ArgumentError, match="leads outside its folder"):
-        input_files.inside(str(folder), "link.safetensors", "idx")
