@@ -116,3 +116,22 @@ def test_inside_refuses_names_that_leave_the_folder(tmp_path):
                  None, 3):
         with pytest.raises(ArgumentError, match=r"^idx: "):
             input_files.inside(str(folder), name, "idx")
+
+
+def test_a_fifo_among_the_tokenizer_files_is_refused_without_blocking(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests" / "models"))
+    import hf_helpers
+
+    folder = tmp_path / "tok"
+    hf_helpers.write_tokenizer(str(folder))
+    config = folder / "tokenizer_config.json"
+    os.remove(config)
+    os.mkfifo(config)
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    line = error_line(swift("preprocess", "--input", data, "--output_prefix", tmp_path / "x",
+                            "--tokenizer", folder, "--workers", "1", timeout=60))
+    assert line == (f"swift-mcore preprocess: error: --tokenizer {config}: is a FIFO (named "
+                    f"pipe), not a regular file; swift-mcore reads input only from regular "
+                    f"files")
+    assert not (tmp_path / "x.bin").exists()
