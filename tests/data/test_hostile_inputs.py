@@ -135,3 +135,27 @@ def test_a_fifo_among_the_tokenizer_files_is_refused_without_blocking(tmp_path):
                     f"pipe), not a regular file; swift-mcore reads input only from regular "
                     f"files")
     assert not (tmp_path / "x.bin").exists()
+
+
+def test_a_fifo_named_like_megatron_data_or_a_yaml_config_is_refused(tmp_path):
+    prefix = tmp_path / "tokens"
+    os.mkfifo(f"{prefix}.idx")
+    (tmp_path / "tokens.bin").write_bytes(b"")
+    config = tmp_path / "run.yaml"
+    os.mkfifo(config)
+    line = error_line(swift("pt", "--data_path", prefix, "--output_dir", tmp_path / "a",
+                            timeout=60))
+    assert line == (f"swift-mcore pt: error: --data_path: {prefix}.idx: is a FIFO (named "
+                    f"pipe), not a regular file; swift-mcore reads input only from regular "
+                    f"files")
+    line = error_line(swift("pt", config, "--output_dir", tmp_path / "b", timeout=60))
+    assert line == (f"swift-mcore pt: error: config file {config} is not a regular file; "
+                    f"give a YAML file of flags")
+
+
+def test_a_yaml_config_nested_100000_deep_is_one_line(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("lr: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    line = error_line(swift("pt", config, "--output_dir", tmp_path / "b"))
+    assert line == (f"swift-mcore pt: error: config file {config} nests too deeply to be a "
+                    f"file of flags")
