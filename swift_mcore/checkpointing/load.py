@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..runtime import collectives as comm
-from . import commit, compat, files, io, locate, megatron_lm, rng
+from . import commit, compat, files, finite, io, locate, megatron_lm, rng
 from .state import TrainState
 from .tracker import checkpoint_root
 
@@ -134,6 +134,7 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
     check_shapes(folder, state_dict)
     loaded = _load(state_dict, folder)
     io.restore_model(model, loaded)
+    comm.raise_if_any(finite.model_problem(model, folder))
     restored = ["model"]
     if stepped:
         optimizer.load_state_dict(io.conform_optimizer_state(loaded["optimizer"], optimizer))
@@ -190,6 +191,7 @@ def load_weights(folder: str, model) -> None:
     state_dict = io.sharded_state_dict(model, None, with_optimizer=False, is_loading=True)
     check_shapes(folder, state_dict)
     io.restore_model(model, _load(state_dict, folder))
+    comm.raise_if_any(finite.model_problem(model, folder))
 
 
 def read_run_flags(folder: str) -> Dict[str, Dict[str, Any]]:
