@@ -30,28 +30,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from collections import defaultdict
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+# bench_common puts the checkout on sys.path
+from bench_common import LLAMA, SIZES, child_env, print_child_result
 
 CONTENDERS = ("megatron", "megatron-local", "hf")
 # --whole_step: one optimizer step of the real trainers (swift-mcore's Trainer.train_step;
 # for HF the Trainer's loop body: micro-batch backward passes, clip_grad_norm_, fused AdamW).
 STEP_CONTENDERS = ("swift-mcore-step", "hf-step")
 # The 10M model of throughput.py, Llama-shaped, micro-batch 2.
-DEFAULT = ["--num_layers", "4", "--hidden_size", "384", "--num_attention_heads", "6",
-           "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
+DEFAULT = [*SIZES["10m"], "--micro_batch_size", "2", "--global_batch_size", "2",
            "--seq_length", "512"]
-TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-        "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
+TINY = [*SIZES["tiny"], "--micro_batch_size", "2", "--global_batch_size", "2",
         "--seq_length", "32"]
-LLAMA = ["--swiglu", "true", "--normalization", "RMSNorm", "--position_embedding_type",
-         "rope", "--untie_embeddings_and_output_weights", "true"]
 # The first layer's modules are listed by their name inside the layer.
 FIRST_LAYER = {"megatron": "decoder.layers.0.", "hf": "model.layers.0."}
 OTHER_LAYERS = {"megatron": "decoder.layers.", "hf": "model.layers."}
@@ -275,17 +267,10 @@ def main():
     flags = [*(TINY if opts.tiny else DEFAULT), *LLAMA, *rest]
     if opts.child:
         return child(opts.child, flags, opts.vocab)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    env = child_env(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     for contender in opts.contenders:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", contender, "--vocab", str(opts.vocab),
-             *(["--tiny"] if opts.tiny else []), *rest],
-            capture_output=True, text=True, cwd=ROOT, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"{contender} failed:\n{proc.stderr[-4000:]}")
-        print(proc.stdout.strip().splitlines()[-1], flush=True)
+        print_child_result(contender, [__file__, "--child", contender, "--vocab", str(opts.vocab),
+                                       *(["--tiny"] if opts.tiny else []), *rest], env)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "checkpointing"))
+from bench_common import ROOT, SHAPES, on_path  # puts the checkout on sys.path
+
+on_path("tests", "checkpointing")
 
 BIG = dict(num_layers=4, hidden_size=768, num_attention_heads=12, num_query_groups=4,
            seq_length=128, micro_batch_size=2, global_batch_size=4)
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-            seq_length=32, micro_batch_size=2, global_batch_size=4)
+TINY = dict(SHAPES["tiny"], seq_length=32, micro_batch_size=2, global_batch_size=4)
 
 
 def child(spec_path):

@@ -27,11 +27,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench_common import SHAPES  # puts the checkout on sys.path
 
-BIG = dict(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=4)
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
+BIG = SHAPES["100m"]
+TINY = SHAPES["tiny"]
 
 
 class Clock:

@@ -20,16 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-from throughput import SIZES  # noqa: E402  (benchmarks/ is on the path)
+from bench_common import SIZES  # puts the checkout on sys.path
 from wgrad_accumulation import build_ddp_model  # noqa: E402
 
 

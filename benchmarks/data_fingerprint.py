@@ -20,14 +20,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import bench_common  # noqa: F401  (puts the checkout on sys.path
 
 
 def make_pair(prefix: str, n_bytes: int, doc_tokens: int, real: bool) -> dict:

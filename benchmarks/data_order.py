@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import bench_common  # noqa: F401  (puts the checkout on sys.path
 GBS, MBS = 8, 8
 
 

@@ -11,15 +11,16 @@ left out.
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-        "--num_query_groups", "2", "--seq_length", "32", "--micro_batch_size", "2",
+from bench_common import ROOT, SIZES  # puts the checkout on sys.path
+
+TINY = [*SIZES["tiny"], "--seq_length", "32", "--micro_batch_size", "2",
         "--global_batch_size", "8"]
 
 
@@ -38,7 +39,7 @@ def framework_tokens_per_s(model_flags, iters, window):
 
 def bare_tokens_per_s(model_flags, iters, warmup):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bare_megatron_loop.py"), "--iters",
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bare_megatron_loop.py"), "--iters",
          str(iters), "--warmup", str(warmup), *model_flags, "--lr_warmup_iters", "1"],
         check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(proc.stdout.strip().splitlines()[-1])["tokens_per_s"]

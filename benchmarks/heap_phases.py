@@ -24,9 +24,7 @@ import runpy
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+import bench_common  # noqa: F401  (puts the checkout on sys.path)
 
 PROBE_LOG = "HEAP_PHASES_LOG"
 

@@ -22,9 +22,11 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "checkpointing"))
-sys.path.insert(0, ROOT)
+from bench_common import on_path  # puts the checkout on sys.path
+
+# ckpt_harness imports the tests' run_helpers
+on_path("tests")
+on_path("tests", "checkpointing")
 
 import ckpt_harness as H  # noqa: E402
 

@@ -22,18 +22,15 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench_common import ROOT, SIZES, child_env  # puts the checkout on sys.path
 
-TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-        "--num_query_groups", "2", "--seq_length", "32", "--micro_batch_size", "2",
+TINY = [*SIZES["tiny"], "--seq_length", "32", "--micro_batch_size", "2",
         "--global_batch_size", "8"]
 
 
 def trainer_samples_per_s(model_flags, iters: int, window: int, out: str) -> float:
     # Not this process's one-rank group: the run makes its own.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-m", "swift_mcore", "pt", *model_flags, "--train_iters", str(iters),
          "--lr_warmup_iters", "1", "--log_interval", str(window), "--eval_steps", "0",

@@ -32,13 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SIZES = {
-    "10m": ["--num_layers", "4", "--hidden_size", "384", "--num_attention_heads", "6",
-            "--num_query_groups", "2", "--seq_length", "256"],
-    "tiny": ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-             "--num_query_groups", "2", "--seq_length", "32"],
-}
+from bench_common import ROOT, SIZES as SHAPE_FLAGS, child_env  # puts the checkout on sys.path
+
+SIZES = {"10m": [*SHAPE_FLAGS["10m"], "--seq_length", "256"],
+         "tiny": [*SHAPE_FLAGS["tiny"], "--seq_length", "32"]}
 LORA = ["--tuner_type", "lora", "--lora_rank", "8", "--lora_alpha", "32"]
 
 
@@ -135,10 +132,8 @@ def profile_child(kind: str, shape, iters: int, warmup: int) -> None:
 
 
 def profile_round(kind: str, shape, iters: int, warmup: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-           "PYTHONWARNINGS": "ignore"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
+    env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+                    PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, __file__, "--child", kind, "--profile", "--shape",
                            json.dumps(shape), "--iters", str(iters), "--warmup", str(warmup)],
                           capture_output=True, text=True, cwd=ROOT, env=env)

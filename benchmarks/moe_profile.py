@@ -20,15 +20,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
+from bench_common import ROOT, child_env, print_child_result  # puts the checkout on sys.path
 from moe_throughput import add_shape_arguments  # noqa: E402
 
 # MoE layer phase -> megatron methods whose time it is (moe_layer.py:357, token_dispatcher.py)
@@ -221,17 +216,11 @@ def main():
         if opts.child in ("gemm", "glu"):
             return gemms(opts) if opts.child == "gemm" else glu_ab(opts)
         return child(opts, opts.child)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT,
-               OMP_NUM_THREADS=str(opts.threads))
+    env = child_env(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT,
+                    OMP_NUM_THREADS=str(opts.threads))
     passed = [a for a in sys.argv[1:]]
     for kind in opts.only:
-        proc = subprocess.run([sys.executable, __file__, "--child", kind, *passed],
-                              capture_output=True, text=True, cwd=ROOT, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"{kind} failed:\n{proc.stderr[-4000:]}")
-        print(proc.stdout.strip().splitlines()[-1], flush=True)
+        print_child_result(kind, [__file__, "--child", kind, *passed], env)
 
 
 if __name__ == "__main__":

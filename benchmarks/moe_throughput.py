@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_common import ROOT  # puts the checkout on sys.path
 
 
 def run(kind: str, args, out: str) -> float:

@@ -30,10 +30,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-MODEL = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-         "--num_query_groups", "2", "--seq_length", "32", "--micro_batch_size", "2",
+from bench_common import ROOT, SIZES, child_env  # puts the checkout on sys.path
+
+MODEL = [*SIZES["tiny"], "--seq_length", "32", "--micro_batch_size", "2",
          "--global_batch_size", "8", "--lr", "1e-3", "--lr_warmup_iters", "0",
          "--lr_decay_style", "constant", "--min_lr", "1e-3", "--log_interval", "1",
          "--eval_steps", "0", "--progress_bar", "false", "--tensorboard", "false",
@@ -52,8 +51,7 @@ def free_port() -> int:
 
 def run(out: str, *flags: str, nproc: int = 1) -> dict:
     """swift-mcore pt on nproc ranks; its train records by iteration."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env.update(PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
+    env = child_env(PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
     if nproc > 1:
         env.update(NPROC_PER_NODE=str(nproc), MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, "-m", "swift_mcore", "pt", *MODEL, *flags,

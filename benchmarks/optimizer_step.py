@@ -15,18 +15,14 @@ hits both alike. Prints one JSON line with the median and best step of each.
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench_common import LLAMA_SETTINGS, SHAPES  # puts the checkout on sys.path
 
-BIG = dict(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=4)
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
-LLAMA = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
-             untie_embeddings_and_output_weights=True)
+BIG = SHAPES["100m"]
+TINY = SHAPES["tiny"]
+LLAMA = LLAMA_SETTINGS
 
 
 def set_kernel(optimizer, fused: bool):

@@ -20,11 +20,9 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import bench_common  # noqa: F401  (puts the checkout on sys.path
 
 def make_corpus(path: str, megabytes: float, seed: int = 0) -> dict:
     from swift_mcore.data import corpus

@@ -18,14 +18,10 @@ Plus the top operators by self CPU time. The optimizer is not part of it
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+# bench_common puts the checkout on sys.path
+from bench_common import LLAMA, SIZES, child_env, print_child_result
 
 CONTENDERS = ("megatron-local", "megatron-sdpa", "hf-sdpa", "hf-eager")
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
@@ -33,14 +29,10 @@ MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul
 ATTENTION = ("softmax", "masked_fill", "scaled_dot_product", "flash_attention",
              "_efficient_attention")
 # The 10M model of throughput.py, Llama-shaped, seq 1024, micro-batch 2.
-DEFAULT = ["--num_layers", "4", "--hidden_size", "384", "--num_attention_heads", "6",
-           "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
+DEFAULT = [*SIZES["10m"], "--micro_batch_size", "2", "--global_batch_size", "2",
            "--seq_length", "1024"]
-TINY = ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-        "--num_query_groups", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
+TINY = [*SIZES["tiny"], "--micro_batch_size", "2", "--global_batch_size", "2",
         "--seq_length", "32"]
-LLAMA = ["--swiglu", "true", "--normalization", "RMSNorm", "--position_embedding_type",
-         "rope", "--untie_embeddings_and_output_weights", "true"]
 
 
 def kind(name: str) -> str:
@@ -128,17 +120,11 @@ def main():
     flags = [*(TINY if opts.tiny else DEFAULT), *LLAMA, *rest]
     if opts.child:
         return child(opts.child, flags, opts.warmup, opts.steps)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    env = child_env(PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     for contender in opts.contenders:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", contender, "--warmup", str(opts.warmup),
-             "--steps", str(opts.steps), *(["--tiny"] if opts.tiny else []), *rest],
-            capture_output=True, text=True, cwd=ROOT, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"{contender} failed:\n{proc.stderr[-4000:]}")
-        print(proc.stdout.strip().splitlines()[-1], flush=True)
+        print_child_result(contender, [__file__, "--child", contender, "--warmup", str(opts.warmup),
+                                       "--steps", str(opts.steps),
+                                       *(["--tiny"] if opts.tiny else []), *rest], env)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench_common import ROOT  # puts the checkout on sys.path
 
 SETTINGS = {
     "none": {},

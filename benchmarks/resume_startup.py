@@ -41,9 +41,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-            seq_length=32, micro_batch_size=2, global_batch_size=4)
+from bench_common import ROOT, SHAPES  # puts the checkout on sys.path
+
+TINY = dict(SHAPES["tiny"], seq_length=32, micro_batch_size=2, global_batch_size=4)
 
 
 def flags_for(opts, out, consumed):

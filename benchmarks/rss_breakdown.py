@@ -26,9 +26,7 @@ import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+import bench_common  # noqa: F401  (puts the checkout on sys.path)
 import throughput  # noqa: E402  (the contenders, rows and flags are throughput.py's)
 
 SOURCES = ("swift_mcore", "megatron", "transformers", "torch/optim", "benchmarks")

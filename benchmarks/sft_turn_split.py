@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "sft"))
+from bench_common import on_path  # puts the checkout on sys.path
+
+on_path("tests", "sft")
 
 WORDS = "alpha beta gamma delta river stone cloud paper orange silver seven north".split()
 

@@ -46,26 +46,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# heap_phases.py and rss_breakdown.py read SIZES from here too.
+# bench_common puts the checkout on sys.path
+from bench_common import LLAMA, ROOT, SIZES, child_env as launch_free_env
 
-LLAMA = ["--swiglu", "true", "--normalization", "RMSNorm", "--position_embedding_type",
-         "rope", "--untie_embeddings_and_output_weights", "true"]
-SIZES = {
-    # 9.4M parameters with the default 4096-token vocabulary.
-    "10m": ["--num_layers", "4", "--hidden_size", "384", "--num_attention_heads", "6",
-            "--num_query_groups", "2"],
-    # 97M parameters (the model of checkpoint_io.py).
-    "100m": ["--num_layers", "8", "--hidden_size", "1024", "--num_attention_heads", "16",
-             "--num_query_groups", "4"],
-    # The 10m model with Qwen2.5's vocabulary (151,936 rows, 126M parameters): the output
-    # layer and the loss dominate memory ([tokens, 151936] fp32 logits, 0.6 GB per
-    # micro-batch of 2 x 512 tokens). The rows are still the 4,096-token corpus's.
-    "vocab152k": ["--num_layers", "4", "--hidden_size", "384", "--num_attention_heads", "6",
-                  "--num_query_groups", "2", "--vocab_size", "151936"],
-    "tiny": ["--num_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4",
-             "--num_query_groups", "2"],
-}
 # (micro batch, global batch, warmup steps, timed steps) per device and size: on 2 CPU
 # cores a 100M step at seq 1024 takes about half a minute.
 BATCH = {
@@ -130,9 +114,7 @@ def run_measured(cmd, env):
 
 
 def child_env(device):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONWARNINGS"] = "ignore"
+    env = launch_free_env(PYTHONWARNINGS="ignore")
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU numbers even on a machine with a GPU
     return env

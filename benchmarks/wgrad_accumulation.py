@@ -19,17 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_common import LLAMA, SIZES  # puts the checkout on sys.path
 
-from activation_memory import allocator_peak  # noqa: E402  (benchmarks/ is on the path)
-from throughput import LLAMA, SIZES  # noqa: E402
+from activation_memory import allocator_peak  # noqa: E402
 
 
 def build_ddp_model(size: str, seq_length: int, vocab: int):

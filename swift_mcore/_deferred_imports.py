@@ -7,7 +7,7 @@ import types
 
 # megatron-core imports wandb when it is imported (megatron/core/timers.py and
 # inference/contexts/dynamic_context.py, each in a try/except) and only binds the name;
-# wandb, with its pydantic, click and protobuf, is about a fifth of a CPU process's start-up,
+# wandb, with its pydantic, click and protobuf, is a large share of a CPU process's start-up,
 # for a package that only --report_to wandb (training/trackers.py) uses.
 DEFERRED = ("wandb",)
 

@@ -57,8 +57,8 @@ def run_training(argv: List[str], cls) -> int:
     from .run_config import resolve
 
     prog = f"swift-mcore {cls.COMMAND}"
-    launch = torchrun_launch()
     try:
+        launch = torchrun_launch()  # the layout first: a wrong one would wait forever
         config = resolve(parse_args(argv, prog=prog, cls=cls),
                          world_size=launch.world_size if launch else None)
     except ArgumentError as err:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from typing import List, Optional
 
+from .errors import ArgumentError
+
 
 class TorchrunLaunch:
     """ms-swift's convention: NPROC_PER_NODE (and NNODES, NODE_RANK, MASTER_ADDR,
@@ -59,6 +61,8 @@ class TorchrunLaunch:
 
 
 def torchrun_launch() -> Optional[TorchrunLaunch]:
+    """The launcher the environment asks for (None: run in this process). A layout that
+    could never start (NODE_RANK >= NNODES, a bad number or port) is an ArgumentError."""
     if "NPROC_PER_NODE" not in os.environ or "LOCAL_RANK" in os.environ:
         return None
 
@@ -71,16 +75,24 @@ def torchrun_launch() -> Optional[TorchrunLaunch]:
             number = -1
         if number < 0 or number == 0 and not zero_ok:
             kind = "a non-negative" if zero_ok else "a positive"
-            raise SystemExit(f"swift-mcore: error: {name}={value!r} must be {kind} integer")
+            raise ArgumentError(f"{name}={value!r} must be {kind} integer")
         return number
 
     slurm = slurm_layout(os.environ)
     nnodes = env_int("NNODES", slurm.get("NNODES", "1"))
+    node_rank = env_int("NODE_RANK", slurm.get("NODE_RANK", "0"))
+    if node_rank >= nnodes:
+        # torchrun would wait forever for node ranks that can never join
+        raise ArgumentError(f"NODE_RANK={node_rank} must be below NNODES={nnodes} (the nodes "
+                            f"are numbered 0 to {nnodes - 1})")
+    master_addr = os.environ.get("MASTER_ADDR") or slurm.get("MASTER_ADDR", "127.0.0.1")
+    if any(c.isspace() or not c.isprintable() for c in master_addr):
+        raise ArgumentError(f"MASTER_ADDR={master_addr!r} must be a host name or address")
     return TorchrunLaunch(
         nproc=env_int("NPROC_PER_NODE", "1"),
         nnodes=nnodes,
-        node_rank=env_int("NODE_RANK", slurm.get("NODE_RANK", "0")),
-        master_addr=os.environ.get("MASTER_ADDR") or slurm.get("MASTER_ADDR", "127.0.0.1"),
+        node_rank=node_rank,
+        master_addr=master_addr,
         master_port=master_port(os.environ.get("MASTER_PORT"), nnodes),
         max_restarts=env_int("MAX_RESTARTS", "0"),
         rdzv_id=os.environ.get("RDZV_ID") or os.environ.get("SLURM_JOB_ID") or "swift-mcore")
@@ -91,11 +103,11 @@ def master_port(value: Optional[str], nnodes: int) -> Optional[str]:
     if value is None or value == "":
         return None
     if not value.isdigit() or not 0 <= int(value) <= 65535:
-        raise SystemExit(f"swift-mcore: error: MASTER_PORT={value!r} must be a port number "
+        raise ArgumentError(f"MASTER_PORT={value!r} must be a port number "
                          f"(0 to 65535; 0 or unset: a free port on one machine)")
     if int(value) == 0:
         if nnodes > 1:
-            raise SystemExit("swift-mcore: error: MASTER_PORT=0: with NNODES > 1 every node "
+            raise ArgumentError("MASTER_PORT=0: with NNODES > 1 every node "
                              "must be given the same port (1 to 65535)")
         return None
     return value

@@ -272,8 +272,8 @@ def choose_attention(flag: str, cuda: bool, transformer_engine: bool) -> str:
     """--attention_backend -> the core attention that runs. 'auto' is the fastest exact path
     this machine has: Transformer Engine's fused attention with CUDA and TE; torch's SDPA
     without CUDA (the same result within float rounding, faster, and it keeps no attention
-    scores for the backward pass: benchmarks/README.md); megatron's local module on CUDA
-    without TE (SDPA's kernels on a GPU have not been measured against it yet)."""
+    scores for the backward pass: benchmarks/README.md#where-a-training-step-goes);
+    megatron's local module on CUDA without TE (SDPA's kernels on a GPU have not been measured against it yet)."""
     if flag == "auto":
         if transformer_engine:
             return "transformer_engine"

@@ -2,9 +2,12 @@
 
 The cheap ones run with the suite; the ones that start several training processes are
 marked ``benchmark`` and run with ``bash scripts/test.sh -m benchmark`` (the suite's own
-tests already cover the behaviour they time)."""
+tests already cover the behaviour they time). The tests check what a run writes: its keys,
+shapes, byte counts and numerics. Times and rates are only checked to be numbers: on a busy
+machine a tiny case's rate rounds to 0, and timing is what the benchmarks themselves report."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,40 +29,48 @@ def run_script(script, *argv, timeout=300):
     return [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
 
 
+def measured(*values) -> bool:
+    """Each value is a time, rate or ratio as the scripts print them: a finite number >= 0
+    (rounded, so 0 where a loaded machine made a tiny case slow)."""
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+               and v >= 0 for v in values)
+
+
 def test_checkpoint_io_smoke():
     result = run_script("checkpoint_io.py", "--tiny", "--repeats", "1")[-1]
-    assert result["save_MB_per_s"] > 0 and result["load_MB_per_s"] > 0
+    assert measured(result["save_MB_per_s"], result["load_MB_per_s"])
     # The torch.save baseline holds the same state: weights and Adam moments, so about as
     # many bytes as the sharded checkpoint.
     assert 0.8 < result["torch_MB"] / result["checkpoint_MB"] < 1.25
-    assert result["save_time_ratio"] > 0 and result["load_time_ratio"] > 0
+    assert measured(result["save_time_ratio"], result["load_time_ratio"])
 
 
 def test_optimizer_step_smoke():
     result = run_script("optimizer_step.py", "--tiny", "--steps", "2")[-1]
     assert set(result["step_s_median"]) == {"loop", "fused"}
-    assert all(v > 0 for v in result["step_s_median"].values())
+    assert measured(*result["step_s_median"].values())
 
 
 def test_preprocess_throughput_smoke():
     result = run_script("preprocess_throughput.py", "--mb", "0.3", "--repeats", "1")[-1]
     assert result["identical_output"] is True
-    assert result["tokens_per_s_w1"] > 0 and result["tokens_per_s_w2"] > 0
-    assert result["speedup_w2_over_w1"] > 0 and result["corpus_mb"] >= 0.3
+    assert measured(result["tokens_per_s_w1"], result["tokens_per_s_w2"],
+                    result["speedup_w2_over_w1"])
+    assert result["corpus_mb"] >= 0.3
 
 
 def test_data_fingerprint_smoke():
     result = run_script("data_fingerprint.py", "--gb", "0.08", "--repeats", "1")[-1]
     assert result["bin_bytes"] > result["sampled_MiB"] * 2 ** 20  # the sampled path runs
-    assert result["fingerprint_without_record_s"] > 0 and result["fingerprint_with_record_s"] > 0
-    assert result["full_sha256_GB_per_s"] > 0
+    assert measured(result["fingerprint_without_record_s"], result["fingerprint_with_record_s"],
+                    result["full_sha256_GB_per_s"])
 
 
 @pytest.mark.benchmark
 def test_framework_overhead_smoke():
     result = run_script("framework_overhead.py", "--rounds", "1", "--iters", "8", "--tiny")[-1]
-    assert result["swift_mcore_tokens_per_s"] > 0 and result["bare_megatron_tokens_per_s"] > 0
-    assert result["ratio"] > 0
+    assert measured(result["swift_mcore_tokens_per_s"], result["bare_megatron_tokens_per_s"],
+                    result["ratio"])
 
 
 @pytest.mark.benchmark
@@ -72,10 +83,11 @@ def test_throughput_smoke():
     assert case["parameters"] > 0 and case["flops_per_token"] > 6 * case["parameters"] * 0.5
     assert set(case["contenders"]) == {"swift-mcore", "megatron-bare", "hf-trainer"}
     for name, c in case["contenders"].items():
-        assert c["tokens_per_s_median"] > 0 and c["rss_MB_median"] > 100, name
-        assert 0 < c["utilisation_median"] and c["vs_bare_median"] > 0, name
-    assert case["contenders"]["megatron-bare"]["vs_bare_median"] == 1.0
-    assert result["matmul_peak_tflops"] > 0
+        assert c["rss_MB_median"] > 100, name  # a training process's memory, not a time
+        assert measured(c["tokens_per_s_median"], c["utilisation_median"],
+                        c["vs_bare_median"]), name
+    assert case["contenders"]["megatron-bare"]["vs_bare_median"] == 1.0  # its own baseline
+    assert measured(result["matmul_peak_tflops"])
 
 
 @pytest.mark.benchmark
@@ -84,9 +96,9 @@ def test_resume_startup_smoke():
     # processes, each paying its imports.
     result = run_script("resume_startup.py", "--tiny", "--repeats", "1", "--consumed", "400",
                         "--hf_variants", "hf_streaming")[-1]
-    assert set(result["median"]) == {"400"} and result["median"]["400"]["total_s"] > 0
+    assert set(result["median"]) == {"400"} and measured(result["median"]["400"]["total_s"])
     assert set(result["hf"]) == {"hf_streaming"}
-    assert all(r > 0 for per in result["hf_total_over_swift"].values() for r in per.values())
+    assert measured(*(r for per in result["hf_total_over_swift"].values() for r in per.values()))
 
 
 @pytest.mark.benchmark
@@ -95,7 +107,7 @@ def test_profile_step_smoke():
                          "megatron-local", "hf-sdpa")
     assert [r["contender"] for r in results] == ["megatron-local", "hf-sdpa"]
     for r in results:
-        assert r["micro_step_s"] > 0 and r["by_kind_s"]["matmul"] > 0 and r["top_ops"]
+        assert measured(r["micro_step_s"], r["by_kind_s"]["matmul"]) and r["top_ops"]
 
 
 @pytest.mark.benchmark
@@ -108,14 +120,14 @@ def test_kill_resume_smoke():
 def test_loader_throughput_smoke():
     result = run_script("loader_throughput.py", "--tiny", "--repeats", "1", "--seconds", "0.5",
                         "--iters", "3")[-1]
-    assert result["trainer_samples_per_s"] > 0
-    assert result["loader_samples_per_s_workers0"] > 0 and result["ratio_workers1"] > 0
+    assert measured(result["trainer_samples_per_s"], result["loader_samples_per_s_workers0"],
+                    result["ratio_workers1"])
 
 
 @pytest.mark.benchmark
 def test_moe_throughput_smoke():
     result = run_script("moe_throughput.py", "--tiny", "--rounds", "1")[-1]
-    assert result["moe_tokens_per_s_median"] > 0 and result["moe_vs_dense_median"] > 0
+    assert measured(result["moe_tokens_per_s_median"], result["moe_vs_dense_median"])
 
 
 @pytest.mark.benchmark
@@ -124,7 +136,7 @@ def test_moe_profile_smoke():
                                        "--warmup", "1")
     assert set(moe["moe_forward_phases_s"]) == {"router", "permute", "experts", "unpermute"}
     assert dense["model"] == "dense" and not dense["moe_forward_phases_s"]
-    assert gemm["experts_s"] > 0 and gemm["dense_s"] > 0
+    assert measured(gemm["experts_s"], gemm["dense_s"])
     assert set(glu["median_s"]) == {"swiglu", "megatron_glu"}
 
 
@@ -134,7 +146,7 @@ def test_lora_vs_full_smoke():
                         "--warmup", "1")[-1]
     assert result["lora"]["trainable"].startswith("--tuner_type lora: 16,384 of")
     assert 0 < result["lora_over_full"]["checkpoint_MB"] < 0.2
-    assert result["lora_over_full"]["tokens_per_s"] > 0
+    assert measured(result["lora_over_full"]["tokens_per_s"])
 
 
 @pytest.mark.benchmark
@@ -164,7 +176,7 @@ def test_heap_phases_smoke():
 def test_wgrad_accumulation_smoke():
     (result,) = run_script("wgrad_accumulation.py", "--tiny")
     assert result["fused_linears"] == 2 * 4 + 1  # qkv, proj, fc1, fc2 per layer; output
-    assert all(len(times) == 2 and min(times) > 0 for times in result["step_s"].values())
+    assert all(len(times) == 2 and measured(*times) for times in result["step_s"].values())
     assert set(result["micro_step_memory"]) == {"fused", "unfused"}
 
 
@@ -173,8 +185,14 @@ def test_cpu_matmul_smoke():
     # tiny: qkv (128, 64), proj (64, 64), fc1 (384, 64), fc2 (64, 192), output (4096, 64)
     assert [g["weight"] for g in result["gemms"]] == [[64, 64], [64, 192], [128, 64],
                                                       [384, 64], [4096, 64]]
-    assert all(g["forward_onednn_GFLOPs"] > 0 and g["dgrad_onednn_over_mkl_time"] > 0
-               for g in result["gemms"])
-    assert all(len(times) == 2 and min(times) > 0 for times in result["step_s"].values())
+    for g in result["gemms"]:
+        assert measured(*(g[f"{product}_onednn_over_mkl_time"]
+                          for product in ("forward", "dgrad", "wgrad"))), g
+        assert measured(*(g[f"{name}_GFLOPs"] for name in (
+            "forward_mkl", "forward_onednn", "dgrad_mkl", "dgrad_onednn", "wgrad_mkl_addmm",
+            "wgrad_onednn_add"))), g
+    assert set(result["step_s"]) == {"onednn", "mkl"}
+    assert all(len(times) == 2 and measured(*times) for times in result["step_s"].values())
+    assert measured(result["onednn_over_mkl_step_time_median"])
     # the two settings compute the same gradients to fp32 rounding
     assert result["largest_relative_gradient_difference"] < 1e-4

@@ -2,6 +2,8 @@
 torchrun's standalone rendezvous on a free port, so two runs started at once both run;
 MASTER_PORT checked before torchrun starts."""
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -9,6 +11,7 @@ import pytest
 
 import run_helpers as R
 from swift_mcore import launch
+from swift_mcore.errors import ArgumentError
 
 
 def launcher_env(monkeypatch, **values):
@@ -42,8 +45,42 @@ def test_the_rendezvous_the_launcher_chooses(monkeypatch, values, expected, abse
     ({"MASTER_PORT": "0", "NNODES": "2"}, "MASTER_PORT=0: with NNODES > 1 every node"),
 ])
 def test_a_bad_master_port_is_refused(monkeypatch, values, message):
-    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
         launcher_env(monkeypatch, **values)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2 must be below NNODES=2 (the nodes are "
+                                        "numbered 0 to 1)"),
+    ({"NODE_RANK": "1"}, "NODE_RANK=1 must be below NNODES=1"),
+    ({"MASTER_ADDR": "10.0.0.1 --evil"}, "MASTER_ADDR='10.0.0.1 --evil' must be a host name"),
+    ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE='0' must be a positive integer"),
+])
+def test_a_layout_that_could_never_start_is_refused(monkeypatch, values, message):
+    with pytest.raises(ArgumentError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        launcher_env(monkeypatch, **values)
+
+
+def test_node_rank_beyond_nnodes_exits_2_at_once_instead_of_waiting(tmp_path):
+    """Before the check torchrun waited forever for nodes 0 and 1; the timeout turns such a
+    regression into a failure."""
+    env = R.child_env(NPROC_PER_NODE="1", NNODES="2", NODE_RANK="2", MASTER_PORT="29555")
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "swift_mcore", "pt", *R.TINY,
+                             "--train_iters", "2", "--output_dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=R.ROOT, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun too, which would wait on
+        proc.communicate()
+        raise
+    assert proc.returncode == 2, stderr[-3000:]
+    assert stderr.strip().splitlines() == [
+        "swift-mcore pt: error: NODE_RANK=2 must be below NNODES=2 (the nodes are numbered "
+        "0 to 1)"]
+    assert not out.exists()
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from swift_mcore import launch
+from swift_mcore.errors import ArgumentError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +57,7 @@ def test_explicit_variables_win_over_slurm_and_no_restarts_keeps_the_static_laun
 def test_bad_launch_variables_are_refused(monkeypatch, name, value):
     slurm_env(monkeypatch)
     monkeypatch.setenv(name, value)
-    with pytest.raises(SystemExit, match=f"{name}="):
+    with pytest.raises(ArgumentError, match=f"^{name}="):
         launch.torchrun_launch()
 
 

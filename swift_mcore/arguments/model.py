@@ -64,9 +64,9 @@ class ModelArguments:
         "auto", "Core attention: transformer_engine = Transformer Engine's layer spec and fused "
         "attention (CUDA); local = megatron's local spec with its DotProductAttention; sdpa = "
         "the local spec with torch's scaled_dot_product_attention (the same result within "
-        "1e-5, faster, less memory; benchmarks/README.md); auto = transformer_engine with CUDA "
-        "and Transformer Engine installed, sdpa without CUDA, local on CUDA without Transformer "
-        "Engine. The start-up line says what runs.",
+        "1e-5, faster, less memory; benchmarks/README.md#where-a-training-step-goes); auto = "
+        "transformer_engine with CUDA and Transformer Engine installed, sdpa without CUDA, "
+        "local on CUDA without Transformer Engine. The start-up line says what runs.",
         choices=("auto", "local", "sdpa", "transformer_engine"))
     # ---- mixture of experts (megatron-core's MoE layer; docs/models.md) -----------------
     num_experts: Optional[int] = flag(

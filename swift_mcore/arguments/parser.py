@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import Field, fields
 from typing import List, Optional, Sequence
 
@@ -66,7 +67,15 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "swift-mcore pt
 
 
 def load_yaml(path: str, cls=PretrainArguments) -> dict:
+    import stat
+
     try:
+        # a FIFO or device would block open() or never end (input_files.py, not importable
+        # from this ground floor, does the same for every other input)
+        if os.path.exists(path) and not os.path.isdir(path) and not stat.S_ISREG(
+                os.stat(path).st_mode):
+            raise ArgumentError(f"config file {path} is not a regular file; give a YAML "
+                                f"file of flags")
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
     except FileNotFoundError:
@@ -83,6 +92,9 @@ def load_yaml(path: str, cls=PretrainArguments) -> dict:
     except yaml.YAMLError as err:
         text = " ".join(str(err).split())
         raise ArgumentError(f"config file {path} is not valid YAML: {text}") from None
+    except RecursionError:
+        raise ArgumentError(f"config file {path} nests too deeply to be a file of flags"
+                            ) from None
     if not isinstance(data, dict):
         raise ArgumentError(f"config file {path} must map flag names to values")
     known = {f.name for t in cls.GROUPS.values() for f in fields(t)}

@@ -87,7 +87,7 @@ def column_map(columns: Optional[List[str]]) -> Dict[str, str]:
     if text.startswith("{"):
         try:
             pairs = json.loads(text)  # text starting with "{" parses to an object or fails
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:
             raise ArgumentError(f"--columns: not a valid JSON object ({err})") from None
     else:
         pairs = {}

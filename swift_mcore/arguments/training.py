@@ -60,16 +60,16 @@ class TrainingArguments:
                       "--precision fp16.")
     trim_host_memory: bool = flag(
         False, "On CPU (glibc): hand the heap's free pages back to the system before each "
-        "micro-batch's forward. Lowers the peak RSS (by about a twelfth at 100M parameters) "
-        "but costs speed (about a seventh of the tokens/s there): the next forward faults "
-        "the pages in again. Ignored on CUDA (docs/gpu.md, 'Host memory on CPU').")
+        "micro-batch's forward. Lowers the peak RSS but costs speed: the next forward "
+        "faults the pages in again (measured: benchmarks/README.md#host-memory-on-cpu). "
+        "Ignored on CUDA (docs/gpu.md, 'Host memory on CPU').")
     cpu_matmul: str = flag(
         "auto", "On CPU, the GEMM of the linear layers' forward and input-gradient products: "
-        "onednn = torch's oneDNN linear (7 to 16% faster training steps than mkl on the AMD "
-        "CPU benchmarks/README.md measures), mkl = torch.matmul (MKL's sgemm, megatron's own "
-        "path), auto = onednn where the torch build has it. The two agree within fp32 "
-        "rounding, not bit for bit: resume under the same choice for a bit-exact "
-        "continuation. Ignored on CUDA; the start-up line says what runs.",
+        "onednn = torch's oneDNN linear (faster training steps than mkl on the CPU measured: "
+        "benchmarks/README.md#the-cpu-gemm-onednn-against-mkl), mkl = torch.matmul (MKL's "
+        "sgemm, megatron's own path), auto = onednn where the torch build has it. The two "
+        "agree within fp32 rounding, not bit for bit: resume under the same choice for a "
+        "bit-exact continuation. Ignored on CUDA; the start-up line says what runs.",
         choices=("auto", "onednn", "mkl"))
     recompute_granularity: Optional[str] = flag(
         None, "Activation recompute (megatron-core's): full = keep only the input of each "

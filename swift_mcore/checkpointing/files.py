@@ -7,6 +7,7 @@ import os
 from typing import Any, Dict
 
 from ..errors import CheckpointError
+from .state import TrainState
 
 TRAIN_STATE = "train_state.json"   # TrainState: iteration and sample counters
 ARGS = "args.json"                 # every flag of the run, grouped by concern
@@ -35,6 +36,16 @@ def read_json(folder: str, name: str) -> Dict[str, Any]:
         raise CheckpointError(f"checkpoint {folder}: {name} is unreadable (it holds a JSON "
                               f"{type(data).__name__}, not an object)")
     return data
+
+
+def read_train_state(folder: str) -> TrainState:
+    """train_state.json as a TrainState; counters of the wrong type or missing are a one-line
+    CheckpointError naming the file."""
+    try:
+        return TrainState.from_dict(read_json(folder, TRAIN_STATE))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {folder}: {TRAIN_STATE} is invalid ({err})"
+                              ) from None
 
 
 def versions() -> dict:

@@ -12,17 +12,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
+from ..runtime.ddp import unwrap
 from .safe_load import (load_failure, read_dcp_metadata, safe_common_strategy,
                         safe_loading)
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model inside megatron's DDP / Float16Module wrappers (megatron-LM stores the
-    unwrapped keys: ``decoder.layers...``, not ``module.decoder...``)."""
-    while type(chunk).__name__ in ("DistributedDataParallel", "Float16Module",
-                                   "FullyShardedDataParallel") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def model_keys(model: List[torch.nn.Module]) -> List[str]:

@@ -5,13 +5,14 @@ model alone (--finetune, export, infer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..runtime import collectives as comm
-from . import commit, compat, files, io, locate, megatron_lm, rng
+from . import commit, compat, files, finite, io, locate, megatron_lm, rng
 from .state import TrainState
 from .tracker import checkpoint_root
 
@@ -19,13 +20,31 @@ Log = Callable[[str], None]
 
 
 @dataclass(frozen=True)
+class CheckpointRecord:
+    """What a checkpoint to resume from records of its run, read on rank 0 by ``plan_load``:
+    from swift-mcore's JSON files, or from a Megatron-LM checkpoint's common.pt, in the one
+    shape ``restore`` reads."""
+
+    train_state: TrainState            # the counters the run continues from
+    id: Optional[str]                  # the manifest's id, the next save's parent (None:
+    megatron_lm: bool                  # written by Megatron-LM or ms-swift, no manifest)
+    has_optimizer: bool                # optimizer state saved (not --no_save_optim)
+    optimizer_stepped: bool            # ... and the optimizer had stepped (Adam has state)
+    has_rng: bool                      # RNG states saved (not --no_save_rng)
+    scheduler_unit: int                # common.pt's scheduler steps per iteration
+    layout: Dict[str, Optional[int]]   # tp_size, pp_size, dp_size of the saving run
+    # each saving rank's layout, by rank, for swift-mcore's rng/ files (rng.choose)
+    rng_layouts: Dict[int, Dict[str, int]] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class LoadPlan:
     """What ``restore`` will do: resume a run, or take a checkpoint's weights (finetune)."""
 
-    kind: str                    # "resume" | "finetune"
+    kind: str                          # "resume" | "finetune"
     folder: str
-    info: Dict[str, Any] = field(default_factory=dict)   # rank 0's read of the JSON files
-    differences: Tuple[str, ...] = ()                    # accepted with the override
+    record: Optional[CheckpointRecord] = None   # resume: what the checkpoint records
+    differences: Tuple[str, ...] = ()           # accepted with the override
 
 
 def plan_load(config, data_fingerprint, log: Log = print) -> Optional[LoadPlan]:
@@ -57,20 +76,18 @@ def plan_load(config, data_fingerprint, log: Log = print) -> Optional[LoadPlan]:
     if folder is None:
         log(f"--resume: no checkpoint under {root}; starting from scratch (iteration 0)")
         return None
-    info = comm.decide(_read_info, folder, config, data_fingerprint)
-    differences = info.pop("differences")
+    record, differences = comm.decide(_read_record, folder, config, data_fingerprint)
     if differences and not c.override_resume_check:
         raise CheckpointError(compat.refusal(folder, differences))
-    contents = info["run"].get("contents", {})
-    if not c.no_load_optim and not contents.get("optimizer"):
+    if not c.no_load_optim and not record.has_optimizer:
         raise CheckpointError(
             f"checkpoint {folder} has no optimizer state (it was saved with --no_save_optim); "
             f"pass --no_load_optim to resume with a fresh optimizer")
-    if not c.no_load_rng and not contents.get("rng"):
+    if not c.no_load_rng and not record.has_rng:
         raise CheckpointError(
             f"checkpoint {folder} has no RNG states (it was saved with --no_save_rng); pass "
             f"--no_load_rng to resume with freshly seeded RNGs")
-    return LoadPlan("resume", folder, info, tuple(differences))
+    return LoadPlan("resume", folder, record, tuple(differences))
 
 
 def find_checkpoint(spec: str, default_root: Optional[str], flag: str,
@@ -90,14 +107,14 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
         log(f"--finetune: model weights from {plan.folder}; optimizer, LR schedule, RNG and "
             f"counters start fresh (iteration 0)")
         return TrainState(), None
-    c, folder, info = config.checkpoint, plan.folder, plan.info
-    foreign = info.get("megatron_lm", False)
+    c, folder, record = config.checkpoint, plan.folder, plan.record
+    foreign = record.megatron_lm
     common = comm.decide(lambda: {k: v for k, v in io.read_common(folder).items()
                                   if k in ("opt_param_scheduler", "content_metadata")})
     # Megatron-LM's scheduler and swift-mcore's since it writes Megatron-LM's layout count
     # samples; older swift-mcore checkpoints, iterations (scheduler_unit 1).
     saved_scheduler = megatron_lm.scheduler_in_iterations(common.get("opt_param_scheduler"),
-                                                         info.get("scheduler_unit", 1))
+                                                         record.scheduler_unit)
     if saved_scheduler is None:
         raise CheckpointError(f"checkpoint {folder} holds no LR scheduler state (a weights-only "
                               f"checkpoint): start from it with --load PATH --finetune")
@@ -105,19 +122,19 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
         saved_scheduler, scheduler.state_dict())
     if differences and not c.override_resume_check:
         raise CheckpointError(compat.refusal(folder, differences))
-    contents = info["run"].get("contents", {})
     load_optim, load_rng = not c.no_load_optim, not c.no_load_rng
 
     verify(folder)
     # A checkpoint saved before the first optimizer step holds no optimizer state: the
     # fresh optimizer is then exactly what was saved.
-    stepped = load_optim and contents.get("optimizer_stepped", True)
+    stepped = load_optim and record.optimizer_stepped
     state_dict = io.sharded_state_dict(model, optimizer, with_optimizer=stepped,
                                        is_loading=True,
                                        metadata=common.get("content_metadata"))
     check_shapes(folder, state_dict)
     loaded = _load(state_dict, folder)
     io.restore_model(model, loaded)
+    comm.raise_if_any(finite.model_problem(model, folder))
     restored = ["model"]
     if stepped:
         optimizer.load_state_dict(io.conform_optimizer_state(loaded["optimizer"], optimizer))
@@ -131,14 +148,14 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
 
     rng_restored, rng_note = False, ""
     if load_rng and foreign:
-        rng_restored, rng_note = _restore_megatron_lm_rng(folder, info["run"]["layout"], config.cuda)
+        rng_restored, rng_note = _restore_megatron_lm_rng(folder, record.layout, config.cuda)
         if rng_restored:
             restored.append("RNG")
     elif load_rng:
-        rng_restored, rng_note = _restore_rng(folder, info["run"], config.cuda)
+        rng_restored, rng_note = _restore_rng(folder, record.rng_layouts, config.cuda)
         if rng_restored:
             restored.append("RNG")
-    state = TrainState.from_dict(info["train_state"])
+    state = dataclasses.replace(record.train_state)  # the trainer's own, to advance
 
     for line in differences:
         log(f"--override_resume_check: resuming although {line}")
@@ -162,8 +179,8 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
         log("NOT checked against the Megatron-LM checkpoint: the training data (it records "
             "no data fingerprint; give the same data, --split and --seed, and --data_order "
             "megatron for Megatron-LM's sample order)")
-    _log_layout_change(info["run"], log)
-    return state, info["id"]
+    _log_layout_change(record.layout, log)
+    return state, record.id
 
 
 def load_weights(folder: str, model) -> None:
@@ -174,6 +191,7 @@ def load_weights(folder: str, model) -> None:
     state_dict = io.sharded_state_dict(model, None, with_optimizer=False, is_loading=True)
     check_shapes(folder, state_dict)
     io.restore_model(model, _load(state_dict, folder))
+    comm.raise_if_any(finite.model_problem(model, folder))
 
 
 def read_run_flags(folder: str) -> Dict[str, Dict[str, Any]]:
@@ -181,32 +199,36 @@ def read_run_flags(folder: str) -> Dict[str, Dict[str, Any]]:
     return files.read_json(folder, files.ARGS)
 
 
-def _read_info(folder: str, config, data_fingerprint) -> Dict[str, Any]:
-    """Rank 0: the checkpoint's JSON files and the resume check's findings."""
+def _read_record(folder: str, config, data_fingerprint
+                 ) -> Tuple[CheckpointRecord, List[str]]:
+    """Rank 0: what the checkpoint records, and the resume check's findings."""
     if megatron_lm.is_megatron_lm(folder):
-        return _read_megatron_lm_info(folder, config)
+        return _read_megatron_lm_record(folder, config)
     manifest, problem = commit.read_manifest(folder)
     if problem:
         raise CheckpointError(f"checkpoint {folder} cannot be used: {problem}")
-    info = {"id": manifest.get("id"),
-            "run": files.read_json(folder, files.RUN),
-            "train_state": files.read_json(folder, files.TRAIN_STATE),
-            "args": files.read_json(folder, files.ARGS)}
-    info["scheduler_unit"] = int(info["run"].get("scheduler_unit", 1))
-    try:
-        TrainState.from_dict(info["train_state"])
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {folder}: {files.TRAIN_STATE} is invalid ({err})"
-                              ) from None
-    info["differences"] = compat.resume_differences(
-        info["args"], config.to_dict(), info["run"].get("data_fingerprint"), data_fingerprint)
-    info["differences"] += compat.base_model_differences(
-        info["run"].get("base_model"), config.base_model, config.model.model)
-    return info
+    run = files.read_json(folder, files.RUN)
+    saved_flags = files.read_json(folder, files.ARGS)
+    contents = run.get("contents", {})
+    record = CheckpointRecord(
+        train_state=files.read_train_state(folder), id=manifest.get("id"), megatron_lm=False,
+        has_optimizer=bool(contents.get("optimizer")),
+        # checkpoints from before this entry existed were saved after a step
+        optimizer_stepped=bool(contents.get("optimizer_stepped", True)),
+        has_rng=bool(contents.get("rng")),
+        # before scheduler_unit existed, common.pt's scheduler counted iterations
+        scheduler_unit=int(run.get("scheduler_unit", 1)),
+        layout=dict(run.get("layout", {})),
+        rng_layouts={int(r): lay for r, lay in run.get("rng_layouts", {}).items()})
+    differences = compat.resume_differences(
+        saved_flags, config.to_dict(), run.get("data_fingerprint"), data_fingerprint)
+    differences += compat.base_model_differences(
+        run.get("base_model"), config.base_model, config.model.model)
+    return record, differences
 
 
-def _read_megatron_lm_info(folder: str, config) -> Dict[str, Any]:
-    """Rank 0: ``_read_info`` of a Megatron-LM checkpoint, from its common.pt and .metadata."""
+def _read_megatron_lm_record(folder: str, config) -> Tuple[CheckpointRecord, List[str]]:
+    """Rank 0: ``_read_record`` of a Megatron-LM checkpoint, from its common.pt and .metadata."""
     common = megatron_lm.read(folder)
     refusals = megatron_lm.resume_refusals(folder, common)
     if refusals:
@@ -216,18 +238,15 @@ def _read_megatron_lm_info(folder: str, config) -> Dict[str, Any]:
     args = common["args"]
     flags = megatron_lm.run_flags(args)
     stepped = any(key.startswith("optimizer.state.") for key in io.tensor_shapes(folder))
-    info = {"id": None, "megatron_lm": True, "args": flags,
-            "train_state": megatron_lm.train_state(common),
-            "scheduler_unit": int(args.global_batch_size),
-            "run": {"contents": {"model": True, "optimizer": stepped,
-                                 "optimizer_stepped": stepped, "rng": True,
-                                 "scheduler": common.get("opt_param_scheduler") is not None},
-                    "layout": {"tp_size": getattr(args, "tensor_model_parallel_size", None),
-                               "pp_size": getattr(args, "pipeline_model_parallel_size", None),
-                               "dp_size": getattr(args, "data_parallel_size", None)}}}
+    record = CheckpointRecord(
+        train_state=TrainState.from_dict(megatron_lm.train_state(common)), id=None,
+        megatron_lm=True, has_optimizer=stepped, optimizer_stepped=stepped, has_rng=True,
+        scheduler_unit=int(args.global_batch_size),
+        layout={"tp_size": getattr(args, "tensor_model_parallel_size", None),
+                "pp_size": getattr(args, "pipeline_model_parallel_size", None),
+                "dp_size": getattr(args, "data_parallel_size", None)})
     # No data fingerprint to compare (restore logs that the data was not checked).
-    info["differences"] = compat.resume_differences(flags, config.to_dict(), None, None)
-    return info
+    return record, compat.resume_differences(flags, config.to_dict(), None, None)
 
 
 def _saved_flags(folder: str) -> Dict[str, Dict[str, Any]]:
@@ -312,10 +331,10 @@ def _apply_current_optimizer_settings(config, optimizer) -> None:
             group["eps"] = t.adam_eps
 
 
-def _restore_rng(folder: str, run: Dict[str, Any], cuda: bool) -> Tuple[bool, str]:
+def _restore_rng(folder: str, layouts: Dict[int, Dict[str, int]], cuda: bool
+                 ) -> Tuple[bool, str]:
     """Restore this rank's RNG states. Returns (whether every rank restored one, a note
     from the first rank that has one: how its state was chosen, or why it was not)."""
-    layouts = {int(r): lay for r, lay in run.get("rng_layouts", {}).items()}
     source, note = rng.choose(layouts, rng.layout())
     error = None
     if source is not None:
@@ -341,8 +360,7 @@ def _restore_megatron_lm_rng(folder: str, layout: Dict[str, Any], cuda: bool
     return all(ok for ok, _ in results), results[0][1]
 
 
-def _log_layout_change(run: Dict[str, Any], log) -> None:
-    saved = run.get("layout", {})
+def _log_layout_change(saved: Dict[str, Optional[int]], log) -> None:
     now = rng.layout()
     pairs = [("tp_size", "TP"), ("pp_size", "PP"), ("dp_size", "DP")]
     if any(saved.get(k) is not None and saved.get(k) != now[k] for k, _ in pairs):

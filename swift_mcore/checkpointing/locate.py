@@ -11,6 +11,9 @@ The tracker decides. Two exceptions, each returned as a warning that every calle
 
 A folder Megatron-LM (or ms-swift) wrote is usable when whole (``check_usable``): it has no
 manifest, and is never reported as a half-finished swift-mcore save.
+
+The checkpoint found is refused, not replaced by another, when the facts it stores twice
+disagree (its folder's name and train_state.json, say: consistency.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Callable, List, Optional, Tuple
 from .commit import (MANIFEST_FILENAME, check_complete, complete_checkpoints,
                      list_checkpoints, read_manifest)
 from ..errors import CheckpointError
-from . import megatron_lm
+from . import consistency, megatron_lm
 from .tracker import (CHECKPOINT_SUBDIR, TRACKER_FILENAME, iter_dir_name, parse_iter_dir,
                       read_tracker)
 
@@ -54,7 +57,15 @@ def check_usable(folder: str) -> Optional[str]:
 
 def resolve(spec: str, default_root: str, flag: str = "--resume") -> Found:
     """``spec`` is 'auto' (look under ``default_root``) or a path. Raises CheckpointError
-    for an explicit path that is missing or unusable."""
+    for an explicit path that is missing or unusable, and for a checkpoint whose facts
+    stored twice disagree (consistency.py), whichever way it was found."""
+    found = _find(spec, default_root, flag)
+    if found[0] is not None:
+        consistency.check(found[0], flag)
+    return found
+
+
+def _find(spec: str, default_root: str, flag: str) -> Found:
     if spec == "auto":
         return in_root(default_root, explicit=None)
     path = os.path.abspath(os.path.expanduser(spec))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from ..errors import ArgumentError
+from ..input_files import check_json_depth
 from .sources import Source, read_batches
 
 Message = Dict[str, Any]
@@ -25,18 +26,48 @@ class Conversation:
     where: str = "a conversation"
 
 
+# Columns of multimodal rows (ms-swift's names): today's models read text only.
+MEDIA_COLUMNS = ("images", "videos", "audios")
+
+
 def read_conversations(sources: Sequence[Source], columns: Dict[str, str],
                        flag: str = "--dataset") -> List[Conversation]:
     """Every row of every source as a Conversation, in file order."""
     conversations: List[Conversation] = []
+    present: Dict[str, None] = {}
     for source in sources:
         before = len(conversations)
         for index, row in enumerate(_rows(source, flag)):
+            present.update(dict.fromkeys(row))
+            where = f"{flag} {source.path}, row {index}"
             row = {columns.get(k, k): v for k, v in row.items()}
-            conversations.append(to_conversation(row, f"{flag} {source.path}, row {index}"))
+            _refuse_media(row, where)
+            conversations.append(to_conversation(row, where))
         if len(conversations) == before:
             raise ArgumentError(f"{flag} {source.path}: is empty (no rows)")
+    missing = [c for c in columns if c not in present]
+    if missing:
+        what = sources[0].path if len(sources) == 1 else f"{len(sources)} files"
+        raise ArgumentError(
+            f"{flag} {what}: --columns renames '{missing[0]}', a column the data does not "
+            f"have (its columns: {', '.join(repr(c) for c in present) or 'none'})")
     return conversations
+
+
+def _refuse_media(row: Dict[str, Any], where: str) -> None:
+    """A multimodal row trained as plain text would lose its images without a word."""
+    for name in MEDIA_COLUMNS:
+        value = row.get(name)
+        if value is None or (isinstance(value, (list, tuple, str, dict)) and not value):
+            continue
+        tag = f"<{name[:-1]}>"
+        mentioned = tag in json.dumps(row.get("messages") or row.get("query") or "",
+                                      default=str)
+        raise ArgumentError(
+            f"{where}: column '{name}' holds {name}"
+            f"{f' (the text refers to them with {tag})' if mentioned else ''}; swift-mcore "
+            f"trains text-only models, and training on the text alone would drop them: "
+            f"multimodal data is not supported yet (remove the column to train on the text)")
 
 
 def _rows(source: Source, flag: str) -> Iterator[Dict[str, Any]]:
@@ -80,6 +111,7 @@ def _json_value(value: Any, where: str, what: str, kind: type) -> Any:
     """A value given as JSON text (as OpenAI-style data stores tools and arguments) parsed;
     chat templates expect the objects themselves (they render them with tojson)."""
     if isinstance(value, str):
+        check_json_depth(value, f"{where}: {what}")
         try:
             value = json.loads(value)
         except json.JSONDecodeError as err:

@@ -69,7 +69,7 @@ def iter_documents(root: str | None = None) -> Iterator[str]:
 def fingerprint(root: str | None = None) -> str:
     """sha256 over names and bytes of the selection.
 
-    Hashing the content (about 40 ms for 6 MB) is cheap enough to do at every start, and
+    Hashing the content (a few MB) is cheap enough to do at every start, and
     unlike (size, mtime) it is identical on two machines with the same Python.
     """
     root = root or stdlib_root()

@@ -21,6 +21,7 @@ from typing import Iterable, Optional, Tuple
 import numpy as np
 
 from ..errors import ArgumentError
+from ..input_files import check_regular, open_regular
 from ..atomic_write import temp_name, write_atomic
 
 BATCH_DOCUMENTS = 256  # enough per encode_batch call to keep every core busy
@@ -186,12 +187,12 @@ def _recorded_sha256(prefix: str, size: int, mtime_ns: int) -> Optional[str]:
     """The sha256 in PREFIX.hash.json if it still describes the .bin (same size and mtime),
     else None: a stale or unreadable record is never trusted."""
     path = prefix + HASH_SUFFIX
-    try:
-        with open(path, encoding="utf-8") as fh:
-            record = json.load(fh)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except (OSError, ValueError) as err:
+    try:
+        with open_regular(path, "r") as fh:
+            record = json.load(fh)
+    except (OSError, ValueError, RecursionError) as err:
         _warn(f"{path} cannot be read ({err}); the data fingerprint covers sampled blocks "
               f"of {prefix}.bin only")
         return None
@@ -248,7 +249,9 @@ def check_indexed(prefix: str, flag: str = "--data_path") -> dict:
         if os.path.isdir(path):
             raise _bad(flag, path, "is a folder, not a file (each prefix names a .bin and a "
                                    ".idx file, e.g. from `swift-mcore preprocess`)")
-        if not os.path.isfile(path):
+        if os.path.exists(path):
+            check_regular(path, f"{flag}: {path}")  # a FIFO would block the reader
+        else:
             raise _bad(flag, path, "does not exist (each prefix needs a .bin and a .idx file, "
                                    "e.g. from `swift-mcore preprocess`)")
     stat = os.stat(idx)

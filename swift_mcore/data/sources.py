@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError
+from ..input_files import check_json_lines, check_regular
 
 # suffix -> the `datasets` builder that reads it. A .txt file holds one document per line.
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv",
@@ -54,6 +55,8 @@ def _source(path: str, flag: str) -> Source:
     if suffix not in BUILDERS:
         raise ArgumentError(f"{flag} {path}: unsupported file type '{suffix or '(none)'}'; "
                             f"accepted: {ACCEPTED}")
+    # a FIFO or device named data.jsonl would block the reader or never end
+    check_regular(path, f"{flag} {path}")
     if os.path.getsize(path) == 0:
         raise ArgumentError(f"{flag} {path}: is empty (0 bytes)")
     return Source(path, BUILDERS[suffix])
@@ -159,7 +162,7 @@ def json_error_line(path: str, skip_rows: int = 0) -> Optional[Tuple[int, str]]:
                 fh.seek(0)
                 try:
                     json.loads(fh.read())
-                except ValueError as err:
+                except (ValueError, RecursionError) as err:
                     return _decode_error(err)
                 return None
             fh.seek(0)
@@ -172,7 +175,7 @@ def json_error_line(path: str, skip_rows: int = 0) -> Optional[Tuple[int, str]]:
                     continue
                 try:
                     json.loads(line)
-                except ValueError as err:
+                except (ValueError, RecursionError) as err:
                     return number, _decode_error(err)[1]
     except OSError:
         return None
@@ -190,6 +193,9 @@ def read_batches(source: Source, flag: str = "--input",
     """Batches of rows of ``source`` ({column: values}), in file order. A file that cannot
     be read is an ArgumentError naming it (problems of the caller's own are not caught)."""
     rows_read = 0
+    if source.kind == "json":
+        # before a parser recurses into it: deep nesting exhausts its stack
+        check_json_lines(source.path, f"{flag} {source.path}")
     try:
         rows = _open(source, flag).iter(batch_size=batch_size)
         while True:

@@ -10,6 +10,7 @@ from typing import Any, Iterable, List, Optional, Sequence
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from ..errors import ArgumentError
+from ..input_files import check_regular, load_json
 from . import corpus
 from ..atomic_write import write_atomic
 from .cache import cache_dir, locked
@@ -192,8 +193,7 @@ def custom_code(folder: str) -> List[str]:
     found: List[str] = []
     for name in ("tokenizer_config.json", "config.json"):
         try:
-            with open(os.path.join(folder, name), encoding="utf-8") as fh:
-                auto_map = json.load(fh).get("auto_map") or {}
+            auto_map = load_json(os.path.join(folder, name)).get("auto_map") or {}
         except (OSError, ValueError, AttributeError):
             continue
         if not isinstance(auto_map, dict):
@@ -222,6 +222,22 @@ def has_tokenizer_files(folder: str) -> bool:
     return any(n in TOKENIZER_FILES or n.endswith(".tiktoken") for n in names)
 
 
+# Files of a tokenizer folder transformers may open, besides TOKENIZER_FILES.
+_READ_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
+
+
+def _check_files_regular(path: str, flag: str) -> None:
+    """A FIFO or device among the files transformers opens would block it or never end."""
+    if not os.path.isdir(path):
+        check_regular(path, f"{flag} {path}")
+        return
+    for name in sorted(os.listdir(path)):
+        if name in TOKENIZER_FILES or name.endswith(_READ_SUFFIXES):
+            full = os.path.join(path, name)
+            if not os.path.isdir(full):
+                check_regular(full, f"{flag} {full}")
+
+
 def load_tokenizer(path: str, flag: str = "--tokenizer",
                    trust_remote_code: bool = False) -> Tokenizer:
     """A Hugging Face tokenizer folder (or model folder), or a single tokenizer.json file.
@@ -235,6 +251,7 @@ def load_tokenizer(path: str, flag: str = "--tokenizer",
             f"{flag} {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])} ...): "
             f"a folder of weights only; give the tokenizer with --tokenizer PATH (a Hugging "
             f"Face tokenizer folder or a tokenizer.json file)")
+    _check_files_regular(path, flag)
     try:
         if os.path.isfile(path):
             from tokenizers import Tokenizer as Backend

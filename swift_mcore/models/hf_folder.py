@@ -4,11 +4,11 @@ slice by slice) and what is wrong with it, named by file and key."""
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Any, Dict, Optional, Tuple
 
 from ..errors import ArgumentError
+from ..input_files import check_regular, inside, load_json
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -41,11 +41,7 @@ class HFFolder:
                     if _looks_like_checkpoint(self.path) else "")
             raise ArgumentError(f"{flag} {path}: no config.json in {self.path}; expected a "
                                 f"Hugging Face model folder{hint}")
-        try:
-            with open(self.config_path, encoding="utf-8") as fh:
-                self.config: Dict[str, Any] = json.load(fh)
-        except (OSError, ValueError) as err:
-            raise ArgumentError(f"{self.config_path} is not readable JSON: {err}") from None
+        self.config: Dict[str, Any] = load_json(self.config_path)
         if not isinstance(self.config, dict):
             raise ArgumentError(f"{self.config_path} must hold a JSON object")
         self.files = self._weight_files()
@@ -55,20 +51,26 @@ class HFFolder:
     def _weight_files(self) -> Tuple[str, ...]:
         index = os.path.join(self.path, INDEX)
         if os.path.isfile(index):
-            try:
-                with open(index, encoding="utf-8") as fh:
-                    weight_map = json.load(fh)["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as err:
-                raise ArgumentError(f"{index} is not a safetensors index ({err})") from None
-            files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not os.path.isfile(os.path.join(self.path, f))]
+            document = load_json(index)
+            weight_map = document.get("weight_map") if isinstance(document, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ArgumentError(f"{index} is not a safetensors index (no \"weight_map\" "
+                                    f"object of tensor name -> file)")
+            # the index's file names stay inside the folder (no ../, no absolute paths)
+            paths = {k: inside(self.path, v, f"{index}: {k}") for k, v in weight_map.items()}
+            files = sorted(set(paths.values()))
+            missing = [os.path.relpath(f, self.path) for f in files if not os.path.exists(f)]
             if missing:
                 raise ArgumentError(f"{index} names weight files that are missing: "
                                     f"{', '.join(missing)}")
-            self._index_map = {k: os.path.join(self.path, v) for k, v in weight_map.items()}
-            return tuple(os.path.join(self.path, f) for f in files)
+            for path in files:
+                check_regular(path, f"{self.flag} {path}")
+            self._index_map = paths
+            return tuple(files)
         self._index_map = None
         files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
+        for path in files:  # a FIFO would block the reader, a device never end
+            check_regular(path, f"{self.flag} {path}")
         if files:
             return tuple(files)
         others = sorted(os.path.basename(p) for ext in ("bin", "pt", "pth", "gguf")
@@ -88,25 +90,32 @@ class HFFolder:
             if self._index_map is not None:
                 self._weight_map = dict(self._index_map)
             else:
-                from safetensors import safe_open
-
                 self._weight_map = {}
                 for path in self.files:
-                    with safe_open(path, framework="pt") as fh:
+                    with self.open(path) as fh:
                         for key in fh.keys():
                             self._weight_map[key] = path
         return self._weight_map
 
-    def shapes(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
-        """tensor name -> (shape, file), from the headers only."""
+    def open(self, path: str):
+        """safetensors' reader of one weight file (a context manager); a file it cannot
+        read (truncated, not safetensors) is one ArgumentError naming the file."""
         from safetensors import safe_open
 
+        check_regular(path, f"{self.flag} {path}")
+        try:
+            return safe_open(path, framework="pt")
+        except Exception as err:  # SafetensorError, OSError, ...: the library's, unnamed
+            raise unreadable(self.flag, path, err) from None
+
+    def shapes(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """tensor name -> (shape, file), from the headers only."""
         out = {}
         by_file: Dict[str, list] = {}
         for name, path in self.weight_map.items():
             by_file.setdefault(path, []).append(name)
         for path, names in by_file.items():
-            with safe_open(path, framework="pt") as fh:
+            with self.open(path) as fh:
                 present = set(fh.keys())
                 for name in names:
                     if name not in present:
@@ -136,22 +145,32 @@ class Reader:
         self._handles.clear()
 
     def read(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None):
-        from safetensors import safe_open
-
         path = self.folder.weight_map.get(name)
         if path is None:
             raise ArgumentError(f"{self.folder.flag} {self.folder.path}: the weights have no "
                                 f"tensor {name}")
         handle = self._handles.get(path)
         if handle is None:
-            handle = safe_open(path, framework="pt").__enter__()
+            handle = self.folder.open(path).__enter__()
             self._handles[path] = handle
-        part = handle.get_slice(name)
-        if rows is None and cols is None:
-            return part[:]
-        if cols is None:
-            return part[rows]
-        return part[rows if rows is not None else slice(None), cols]
+        try:
+            part = handle.get_slice(name)
+            if rows is None and cols is None:
+                return part[:]
+            if cols is None:
+                return part[rows]
+            return part[rows if rows is not None else slice(None), cols]
+        except Exception as err:  # a file cut short after its header, ...
+            raise unreadable(self.folder.flag, path, err, name) from None
+
+
+def unreadable(flag: str, path: str, err: Exception, tensor: Optional[str] = None
+               ) -> ArgumentError:
+    """One line for a weight file the safetensors library could not read."""
+    lines = str(err).strip().splitlines()
+    reason = f"{type(err).__name__}: {lines[0][:300]}" if lines else type(err).__name__
+    what = f" (reading {tensor})" if tensor else ""
+    return ArgumentError(f"{flag} {path}: not a readable safetensors file{what} ({reason})")
 
 
 def _looks_like_checkpoint(path: str) -> bool:

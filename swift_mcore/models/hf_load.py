@@ -15,7 +15,9 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from ..checkpointing.finite import nonfinite
 from ..errors import ArgumentError
+from ..runtime import collectives
 from .convert import Layout, global_name, layer_offset
 from .hf_folder import IGNORABLE_SUFFIXES, HFFolder
 
@@ -86,7 +88,7 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     must be filled. Returns the number of parameters this rank loaded."""
     from megatron.core import parallel_state
 
-    from ..checkpointing.io import unwrap
+    from ..runtime.ddp import unwrap
 
     start = time.time()
     folder = HFFolder(config.model.model, flag="--model")
@@ -96,19 +98,28 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
-    loaded = 0
+    loaded, problems = 0, []
     with folder.reader() as reader, torch.no_grad():
+        def read(name, rows=None, cols=None):
+            value = reader.read(name, rows, cols)
+            bad = not problems and nonfinite(value)
+            if bad:  # this rank's slice: the ranks agree below
+                problems.append(f"--model {folder.weight_map[name]}: the weights are not "
+                                f"finite ({name} holds {bad}); nothing was trained or written")
+            return value
+
         for chunk in model_chunks:
             module = unwrap(chunk)
             offset = layer_offset(module)
             for local, param in module.named_parameters():
                 name = global_name(local, offset)
-                value = layout.to_mcore(name, reader.read, tp_rank, tp_size, ep_rank, ep_size)
+                value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size)
                 if tuple(value.shape) != tuple(param.shape):
                     raise AssertionError(f"{name}: converted shape {list(value.shape)}, "
                                          f"model shape {list(param.shape)}")
                 param.data.copy_(value)
                 loaded += param.numel()
+    collectives.raise_if_any(problems[0] if problems else None)
     log(f"loaded Hugging Face weights from {folder.path} ({len(folder.files)} file(s), "
         f"{loaded / 1e6:.2f}M parameters on this rank) in {time.time() - start:.1f}s")
     return loaded

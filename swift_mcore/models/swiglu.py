@@ -7,7 +7,8 @@ and that copy: four [tokens, ffn] tensors per layer. Hugging Face's Llama keeps 
 ``SwiGLU`` keeps the fc1 output alone (two) and recomputes silu in the backward pass,
 running the operators autograd runs for megatron's graph, so outputs and gradients are
 bit-identical to megatron's (``tests/test_activation_memory.py``); the recomputation is
-elementwise, small next to the layer's matmuls. ``benchmarks/README.md`` has the bytes.
+elementwise, small next to the layer's matmuls.
+``benchmarks/README.md#activation-memory-against-hf`` has the bytes.
 
 megatron builds it as the MLP's ``activation_func`` submodule (``MLPSubmodules``), which its
 MLP calls on the whole fc1 output when ``use_te_activation_func`` is set

@@ -1,4 +1,5 @@
-"""Wraps model chunks in megatron's bucketed DistributedDataParallel."""
+"""Wraps model chunks in megatron's bucketed DistributedDataParallel, and finds the model
+inside such wrappers again."""
 
 from __future__ import annotations
 
@@ -65,6 +66,15 @@ def wrap_model(args, models: List[torch.nn.Module], wrap_with_ddp: bool = True) 
         torch.cuda.current_stream().wait_stream(stream)
     cpu.after_ddp(wrapped, args)
     return wrapped
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside megatron's DDP / Float16Module wrappers (megatron-LM stores the
+    unwrapped keys: ``decoder.layers...``, not ``module.decoder...``)."""
+    while type(chunk).__name__ in ("DistributedDataParallel", "Float16Module",
+                                   "FullyShardedDataParallel") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
 
 def num_grad_buckets(ddp_chunk) -> int:

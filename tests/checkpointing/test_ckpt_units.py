@@ -12,16 +12,23 @@ import numpy as np
 import pytest
 import torch
 
-from swift_mcore.checkpointing import commit, compat, locate, rng, safe_load, tracker
+from swift_mcore.checkpointing import (TrainState, commit, compat, locate, rng, safe_load,
+                                       tracker)
 from swift_mcore.errors import CheckpointError
 
 
 def make_sealed(root, iteration, parent_id=None, checkpoint_id=None, payload=b"weights"):
-    """A sealed checkpoint folder with one data file, as save_checkpoint leaves it."""
+    """A sealed checkpoint folder with one data file, the iteration where save_checkpoint
+    writes it (train_state.json, common.pt) and a run.json, as save_checkpoint leaves it."""
     staging = commit.staging_dir(root, iteration, commit.new_token())
     os.makedirs(staging)
     with open(os.path.join(staging, "data.bin"), "wb") as fh:
         fh.write(payload)
+    with open(os.path.join(staging, "train_state.json"), "w") as fh:
+        json.dump(TrainState(iteration=iteration).to_dict(), fh)
+    torch.save({"iteration": iteration}, os.path.join(staging, "common.pt"))
+    with open(os.path.join(staging, "run.json"), "w") as fh:
+        json.dump({}, fh)
     commit.seal(staging, extra={"id": checkpoint_id or f"id{iteration}",
                                 "parent_id": parent_id})
     final = os.path.join(root, tracker.iter_dir_name(iteration))
@@ -191,6 +198,53 @@ def test_locate_explicit_paths(tmp_path):
     os.makedirs(os.path.join(root, "iter_0000004"))
     with pytest.raises(CheckpointError, match="not a usable checkpoint: it has no manifest"):
         locate.resolve(os.path.join(root, "iter_0000004"), None)
+
+
+def reseal(folder, **extra):
+    """The manifest rewritten for the folder's files as they are now (and ``extra``)."""
+    commit.write_manifest(folder, {**commit.read_manifest(folder)[0], **extra, "files": {
+        rel: dict(zip(("size", "crc32"), commit.checksum(os.path.join(folder, rel))))
+        for rel in commit.list_files(folder) if rel != commit.MANIFEST_FILENAME}})
+
+
+def test_locate_refuses_rather_than_replaces_a_folder_whose_files_disagree(tmp_path):
+    """The tracker's checkpoint says another iteration inside than its name: refused (the
+    user must decide), not silently replaced by an older complete checkpoint. A common.pt
+    of the earliest layout, without an iteration, is not a disagreement."""
+    root = str(tmp_path)
+    make_sealed(root, 1)
+    tracked = make_sealed(root, 2)
+    with open(os.path.join(tracked, "train_state.json"), "w") as fh:
+        json.dump(TrainState(iteration=7).to_dict(), fh)
+    reseal(tracked)
+    tracker.write_tracker(root, 2)
+    with pytest.raises(CheckpointError) as info:
+        locate.resolve("auto", root, "--resume")
+    assert str(info.value) == (
+        f"{tracked}/train_state.json says iteration 7 but its folder is iter_0000002 "
+        f"(iteration 2): the folder was renamed or holds another save's files; if it is "
+        f"iteration 7's save, rename the folder iter_0000007, else pass --resume another "
+        f"checkpoint")
+    earliest = make_sealed(root, 3)
+    torch.save({}, os.path.join(earliest, "common.pt"))
+    reseal(earliest)
+    assert locate.resolve(earliest, None) == (earliest, [])
+
+
+@pytest.mark.parametrize("file", ["manifest.json", "run.json"])
+def test_the_first_layouts_second_iteration_must_agree_too(tmp_path, file):
+    """Checkpoints of the first layout kept the iteration in manifest.json and run.json as
+    well: no longer read, but not allowed to disagree unseen."""
+    folder = make_sealed(str(tmp_path), 4)
+    if file == "run.json":
+        with open(os.path.join(folder, file), "w") as fh:
+            json.dump({"iteration": 5}, fh)
+    reseal(folder, iteration=5 if file == "manifest.json" else None)
+    with pytest.raises(CheckpointError) as info:
+        locate.resolve(str(tmp_path), None, "--load")
+    assert str(info.value) == (
+        f"{folder}/{file} says iteration 5, train_state.json iteration 4: the two files come "
+        f"from different saves; pass --load another checkpoint")
 
 
 # ---- resume checks --------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def next_step_batches():
 
 
 def param_stats(trainer):
-    from swift_mcore.checkpointing.io import unwrap
+    from swift_mcore.runtime.ddp import unwrap
 
     return {name: (p.detach().double().sum().item(), p.detach().double().norm().item())
             for name, p in unwrap(trainer.model[0]).named_parameters()}
@@ -170,6 +170,30 @@ def test_a_megatron_lm_checkpoint_is_not_a_half_finished_save(mlm_root):
     text = str(info.value)
     assert "Megatron-LM checkpoint whose __0_1.distcp has" in text and "truncated" in text
     assert "manifest" not in text
+
+
+@pytest.mark.parametrize("command", ["resume", "finetune"])
+def test_folder_named_for_another_iteration_is_refused(in_process, tmp_path, mlm_root,
+                                                        command):
+    """common.pt says iteration 10, the folder (and the tracker) 6: refused, naming both,
+    before anything is loaded or written (checkpointing/consistency.py)."""
+    from swift_mcore.checkpointing.tracker import write_tracker
+
+    folder = os.path.join(mlm_root, "iter_0000006")
+    os.rename(os.path.join(mlm_root, "iter_0000010"), folder)
+    write_tracker(mlm_root, 6)
+    before = H.tree_snapshot(mlm_root)
+    flags, flag = (({"resume": mlm_root}, "--resume") if command == "resume"
+                   else ({"load": folder, "finetune": True}, "--load"))
+    with pytest.raises(CheckpointError) as info:
+        in_process(output_dir=str(tmp_path / "out"), **flags)
+    text = str(info.value)
+    for part in (f"{folder}/common.pt says iteration 10 but its folder is iter_0000006 "
+                 f"(iteration 6)", "rename the folder iter_0000010",
+                 f"pass {flag} another checkpoint"):
+        assert part in text, text
+    assert "\n" not in text
+    assert H.tree_snapshot(mlm_root) == before
 
 
 @pytest.mark.parametrize("command", ["resume", "finetune"])
@@ -374,7 +398,7 @@ def test_megatron_lm_style_load_of_a_swift_checkpoint(saved_by_swift):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from swift_mcore.checkpointing.io import unwrap
+    from swift_mcore.runtime.ddp import unwrap
 
     folder, trainer = saved_by_swift
     metadata = dist_checkpointing.load_content_metadata(folder)

@@ -172,3 +172,69 @@ def test_pp2_a_loss_known_only_on_the_last_stage_stops_both_stages(tmp_path, fla
         assert message.startswith("iteration 2: the loss is nan (gradient norm finite); "
                                   "stopped before the optimizer step"), message
     assert_finite_checkpoints(out, tmp_path, [1])
+
+
+def poison_weights(folder, tmp_path, name="embedding.word_embeddings.weight"):
+    """What bit rot sealed over, or an external writer, leaves: one value of the weights
+    ``name`` set to nan in the shard files, the manifest's checksums written to match (a
+    Megatron-LM checkpoint has none to update). Returns how many values of it there are."""
+    found = tensors(folder, tmp_path)
+    keys = [k for k in found if k.endswith(name) and "optimizer" not in k]
+    assert len(keys) == 1, sorted(found)
+    value = found[keys[0]]
+    pattern = value.reshape(-1)[:16].numpy().tobytes()
+    hits = 0
+    for file in sorted(os.listdir(folder)):
+        if not file.endswith(".distcp"):
+            continue
+        path = os.path.join(folder, file)
+        data = bytearray(open(path, "rb").read())
+        at = data.find(pattern)
+        while at >= 0:  # the weights, and the optimizer's copy of them if it keeps one
+            data[at:at + 4] = torch.tensor([float("nan")], dtype=value.dtype).numpy().tobytes()
+            hits += 1
+            at = data.find(pattern, at + 1)
+        open(path, "wb").write(bytes(data))
+    assert hits, "the weights' bytes were not found"
+    manifest_path = os.path.join(folder, commit.MANIFEST_FILENAME)
+    manifest = json.load(open(manifest_path))
+    for rel, entry in manifest["files"].items():
+        entry["size"], entry["crc32"] = commit.checksum(os.path.join(folder, rel))
+    json.dump(manifest, open(manifest_path, "w"))
+    return value.numel()
+
+
+def test_a_checkpoint_holding_nan_is_refused_on_resume_and_export(tmp_path):
+    """NaN written into a saved checkpoint's weights: resuming refuses it before the first
+    step (one line naming the checkpoint and the tensor, exit 2), so the non-finite stop can
+    never name it as the newest good one; export refuses it too; nothing on disk changes."""
+    out = tmp_path / "run"
+    corpus = H.write_corpus(str(tmp_path / "corpus.jsonl"))
+    flags = [f"--{k}={v}" for k, v in {**H.TINY, "log_sample_ids": False, "lr_warmup_iters": 0,
+                                         "lr_decay_style": "constant"}.items()]
+    base = [sys.executable, "-m", "swift_mcore", "pt", "--dataset", corpus, "--split", "90,10,0",
+            *flags, "--train_iters", "4", "--save_steps", "2", "--output_dir", str(out)]
+    first = subprocess.run([*base, "--exit_interval", "2"], capture_output=True, text=True,
+                           timeout=240, cwd=H.REPO)
+    assert first.returncode == 0, first.stderr[-3000:]
+    folder = ckpt(str(out), 2)
+    numel = poison_weights(folder, tmp_path)
+    before = H.tree_snapshot(str(out / "checkpoint"))
+
+    expected = (f"checkpoint {folder} cannot be used: its weights are not finite "
+                f"(embedding.word_embeddings.weight holds 1 nan of {numel} values); use an "
+                f"earlier checkpoint. Nothing was changed on disk.")
+    resumed = subprocess.run([*base, "--resume", "auto"], capture_output=True, text=True,
+                             timeout=240, cwd=H.REPO)
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert resumed.stderr.strip().splitlines()[-1] == f"swift-mcore pt: error: {expected}"
+    assert "iteration 3" not in resumed.stdout
+
+    exported = subprocess.run([sys.executable, "-m", "swift_mcore", "export", "--to_hf",
+                               "--model", folder, "--output_dir", str(tmp_path / "hf")],
+                              capture_output=True, text=True, timeout=240, cwd=H.REPO)
+    assert exported.returncode == 2, exported.stderr[-3000:]
+    assert exported.stderr.strip().splitlines()[-1] == f"swift-mcore export: error: {expected}"
+    assert not (tmp_path / "hf").exists()
+    assert H.tree_snapshot(str(out / "checkpoint")) == before

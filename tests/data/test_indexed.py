@@ -50,10 +50,7 @@ def test_nothing_to_write_is_an_error(tokenizer, tmp_path):
 
 
 def test_default_corpus_is_tokenized_once(tokenizer, fresh_cache, monkeypatch):
-    start = time.perf_counter()
     prefix = token_cache.default_corpus_prefix(tokenizer)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 30, f"tokenizing the embedded corpus took {elapsed:.1f}s"
     assert prefix.startswith(str(fresh_cache))
     info = json.loads(open(os.path.join(os.path.dirname(prefix), "info.json")).read())
     assert info["tokens"] > 500_000

@@ -199,3 +199,84 @@ def test_cli_reports_bad_model_with_exit_code_2(tmp_path, capsys):
     assert main(["export", "--model", str(tmp_path / "nope"), "--to_hf",
                  "--output_dir", str(tmp_path / "o")]) == 2
     assert "swift-mcore export: error: --model" in capsys.readouterr().err
+
+
+# ---- hostile files in the folder (issue 35): each run as the CLI, in a subprocess with a
+# timeout, so a regression that hangs (a FIFO) or crashes fails the test instead of pytest.
+
+def export_to_mcore(model, out, timeout=180):
+    import subprocess
+    import sys
+
+    from run_helpers import ROOT, child_env
+
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "export", "--to_mcore",
+                           "--model", str(model), "--output_dir", str(out)],
+                          capture_output=True, text=True, timeout=timeout, env=child_env(),
+                          cwd=ROOT)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert not os.path.exists(out), "the refused export wrote its output folder"
+    return lines[-1]
+
+
+def test_a_fifo_named_model_safetensors_is_refused_without_blocking(copy, tmp_path):
+    weights = copy / "model.safetensors"
+    os.remove(weights)
+    os.mkfifo(weights)
+    line = export_to_mcore(copy, tmp_path / "out", timeout=90)
+    assert line == (f"swift-mcore export: error: --model {weights}: is a FIFO (named pipe), "
+                    f"not a regular file; swift-mcore reads input only from regular files")
+
+
+def test_a_device_linked_as_model_safetensors_is_refused(copy, tmp_path):
+    weights = copy / "model.safetensors"
+    os.remove(weights)
+    os.symlink("/dev/zero", weights)
+    line = export_to_mcore(copy, tmp_path / "out", timeout=90)
+    assert line == (f"swift-mcore export: error: --model {weights}: is a character device, "
+                    f"not a regular file; swift-mcore reads input only from regular files")
+
+
+def test_an_index_naming_a_file_outside_the_folder_is_refused(copy, tmp_path):
+    import json
+
+    names = list(H.safetensors_state(str(copy)))
+    index = copy / "model.safetensors.index.json"
+    weight_map = {name: "model.safetensors" for name in names}
+    weight_map[names[0]] = "../../../../etc/passwd"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    line = export_to_mcore(copy, tmp_path / "out")
+    assert line == (f"swift-mcore export: error: {index}: {names[0]}: names "
+                    f"'../../../../etc/passwd', a path outside its folder {copy}; only files "
+                    f"inside the folder are read")
+
+
+def test_a_truncated_safetensors_file_is_one_line_naming_it(copy, tmp_path):
+    weights = copy / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    line = export_to_mcore(copy, tmp_path / "out")
+    assert line.startswith(f"swift-mcore export: error: --model {weights}: not a readable "
+                           f"safetensors file ("), line
+
+
+def test_nan_in_the_weights_is_refused_naming_the_tensor(copy, tmp_path):
+    from safetensors.torch import save_file
+
+    state = H.safetensors_state(str(copy))
+    name = "model.layers.1.mlp.down_proj.weight"
+    state[name][3, 5] = float("nan")
+    save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    line = export_to_mcore(copy, tmp_path / "out")
+    assert line == (f"swift-mcore export: error: --model {copy / 'model.safetensors'}: the "
+                    f"weights are not finite ({name} holds 1 nan of "
+                    f"{state[name].numel()} values); nothing was trained or written")
+
+
+def test_a_config_json_nested_100000_deep_is_refused(copy):
+    config = copy / "config.json"
+    config.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ArgumentError, match=rf"^{config}: JSON nested 100001 levels deep"):
+        validate(model=str(copy))

@@ -101,7 +101,7 @@ def preprocess(folder, tmp_path, *flags):
         [sys.executable, "-m", "swift_mcore", "preprocess", "--input",
          str(tmp_path / "docs.jsonl"), "--output_prefix", str(tmp_path / "data"),
          "--tokenizer", str(folder), "--workers", "1", "--progress_bar", "false", *flags],
-        capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
         stdin=subprocess.DEVNULL)
 
 

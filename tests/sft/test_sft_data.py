@@ -445,6 +445,62 @@ def test_read_conversations_names_file_and_row(tmp_path):
     assert "--columns" in str(err.value)
 
 
+def test_multimodal_rows_are_refused_naming_row_and_column(tmp_path):
+    """An images/videos/audios column would be dropped by a text-only model without a word."""
+    path = write_jsonl(tmp_path / "mm.jsonl", [
+        {"messages": [user("Q"), assistant("A")], "images": []},
+        {"messages": [user("<image>What is shown?"), assistant("A cat.")],
+         "images": ["cat.png"]}])
+    with pytest.raises(ArgumentError) as err:
+        read_conversations(expand_inputs([path]), {})
+    assert str(err.value) == (
+        f"--dataset {path}, row 1: column 'images' holds images (the text refers to them "
+        f"with <image>); swift-mcore trains text-only models, and training on the text alone "
+        f"would drop them: multimodal data is not supported yet (remove the column to train "
+        f"on the text)")
+    path = write_jsonl(tmp_path / "audio.jsonl", [
+        {"query": "Transcribe", "response": "hello", "speech": ["a.wav"]}])
+    with pytest.raises(ArgumentError, match=r"row 0: column 'audios' holds audios; "):
+        read_conversations(expand_inputs([path]), {"speech": "audios"})
+
+
+def test_tools_given_as_json_text_nested_100000_deep_are_refused():
+    row = {"messages": [user("Q"), assistant("A")], "tools": "[" * 100_000 + "]" * 100_000}
+    with pytest.raises(ArgumentError, match=r"^f.jsonl, row 0: 'tools': JSON nested 100000 "):
+        read_rows_of([row])
+
+
+def read_rows_of(rows):
+    from swift_mcore.data.conversations import to_conversation
+
+    return [to_conversation(row, f"f.jsonl, row {i}") for i, row in enumerate(rows)]
+
+
+def test_columns_naming_a_column_the_data_lacks_are_refused(tmp_path):
+    path = write_jsonl(tmp_path / "instr.jsonl", [{"query": "Q", "response": "A"}])
+    with pytest.raises(ArgumentError) as err:
+        read_conversations(expand_inputs([path]), {"instruction": "query"})
+    assert str(err.value) == (f"--dataset {path}: --columns renames 'instruction', a column "
+                              f"the data does not have (its columns: 'query', 'response')")
+
+
+def test_sft_cli_refuses_a_multimodal_dataset_before_writing(tmp_path):
+    path = write_jsonl(tmp_path / "mm.jsonl", [
+        {"messages": [user("<image>What?"), assistant("A cat.")], "images": ["cat.png"]}])
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "sft", "--dataset", str(path),
+                           "--num_layers", "1", "--hidden_size", "32", "--num_attention_heads",
+                           "2", "--num_query_groups", "1", "--seq_length", "32",
+                           "--train_iters", "1", "--output_dir", str(out)],
+                          capture_output=True, text=True, timeout=240,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"swift-mcore sft: error: --dataset {path}, row 0: column 'images' holds images")
+    assert not (out / "checkpoint").exists()
+
+
 # ---- arguments ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 Without CUDA (no TE/apex FusedAdam) megatron-core falls back to ``torch.optim.AdamW`` with
 default flags, which torch runs as a per-parameter loop of a dozen element-wise ops on CPU
 tensors (foreach and fused are only defaulted on for CUDA). The fused CPU kernel is the same
-update in one pass (what it saves: benchmarks/optimizer_step.py, benchmarks/README.md).
+update in one pass (what it saves: benchmarks/optimizer_step.py;
+benchmarks/README.md#the-optimizer-step).
 Results agree to float rounding. A checkpoint keeps the flag in its param groups, so a run
 resumed from an older checkpoint keeps its original loop.
 """

@@ -5,7 +5,7 @@ Without CUDA, megatron-core's ColumnParallelLinear and RowParallelLinear multipl
 ships a second fp32 GEMM, oneDNN's, as ``torch.ops.mkldnn._linear_pointwise`` (the kernel
 torch.compile's CPU backend emits for linears). On the CPUs this project is measured on it
 runs the layers' forward and input-gradient products, and whole training steps, faster than
-MKL (``benchmarks/cpu_matmul.py``; the figures are in benchmarks/README.md).
+MKL (``benchmarks/cpu_matmul.py``; benchmarks/README.md#the-cpu-gemm-onednn-against-mkl).
 ``--cpu_matmul auto`` (the default, ``choose``) takes it wherever torch has it.
 
 oneDNN sums in another order than MKL, so the products agree within fp32 rounding, not bit
