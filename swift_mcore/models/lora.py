@@ -27,7 +27,6 @@ from ..arguments.tuner import MCORE_LINEARS, SAVABLE_MODULES, mcore_targets
 from ..errors import ArgumentError, CheckpointError
 
 ADAPTER = "default"  # peft's adapter name: one adapter per model
-_BLOCK = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)$")
 _PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
            "linear_fc1": "mlp", "linear_fc2": "mlp"}
 
@@ -378,6 +377,47 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     return model
 
 
+_LINEAR = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
+
+
+def _hf_parts(layout, layer: int, suffix: str) -> Tuple[str, ...]:
+    """The HF modules (under model.layers.N) of megatron layer ``suffix``: a MoE layer's
+    experts and shared expert by the family's names (convert.Experts.hf_names)."""
+    if suffix.startswith("mlp.") and layout.is_moe(layer):
+        hf = layout.experts.hf_names(layer)[suffix + ".weight"]
+        return tuple(h[: -len(".weight")] for h in (hf if isinstance(hf, tuple) else (hf,)))
+    return _HF_PARTS[suffix]
+
+
+def _check_peft_experts(layout, experts, ranks) -> None:
+    """What peft (0.21, transformers 5) can load of expert adapters. transformers 5 stacks a
+    MoE layer's experts into 3-D parameters; peft converts per-expert adapters (the names
+    written here) into LoRA on those parameters, and for that maps every targeted module
+    named gate_proj/up_proj/down_proj (w1/w3/w2) onto the experts: so an adapter of a dense
+    MLP or of the shared expert of the same model would not be loaded, and a layer's experts
+    are adapted all or none."""
+
+    why = "peft loads expert adapters onto transformers 5's stacked expert parameters"
+    for (layer, fc), adapted in sorted(experts.items()):
+        if adapted != set(range(layout.experts.count)):
+            raise ArgumentError(
+                f"--to_peft: decoder.layers.{layer} has {fc} adapters on experts "
+                f"{sorted(adapted)} of {layout.experts.count}; {why}, all of a layer's "
+                f"experts or none (export --to_hf --merge_lora instead)")
+    clash = sorted(hf for hf in ranks if ".experts." not in hf and
+                   hf.rsplit(".", 1)[1] in _EXPERT_PROJS)
+    if clash:
+        raise ArgumentError(
+            f"--to_peft: {clash[0]} has an adapter, and peft maps every module of that name "
+            f"onto the MoE experts' stacked parameters ({why}): it would not be loaded. "
+            f"Export the merged model with --to_hf --merge_lora, or train without adapters "
+            f"on the dense/shared-expert MLP")
+
+
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
 # megatron module suffix -> the HF modules it is fused from (Layout.to_hf splits B's rows).
 _HF_PARTS = {"self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj",
                                            "self_attn.v_proj"),
@@ -397,20 +437,27 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     tensors: Dict[str, torch.Tensor] = {}
     targets = set()
     ranks: Dict[str, Tuple[int, float]] = {}  # HF module -> (rank, alpha)
+    experts: Dict[Tuple[int, str], set] = {}  # (layer, fc) -> the adapted experts
     for name, module in model.named_modules():
         if not isinstance(module, LoraParallelLinear):
             continue
-        match = _BLOCK.match(name)
-        layer, kind = int(match.group(1)), f"{match.group(2)}.{match.group(3)}"
+        match = _LINEAR.match(name)
+        layer, suffix = int(match.group(1)), match.group(2)
+        parts = _hf_parts(layout, layer, suffix)
+        expert = _EXPERT.match(suffix)
+        if expert:
+            experts.setdefault((layer, expert.group(2)), set()).add(int(expert.group(1)))
         a = module.lora_A[ADAPTER].weight.detach().float().cpu()
         b = module.lora_B[ADAPTER].weight.detach().float().cpu()
-        for part in _HF_PARTS[kind]:
+        for part in parts:
             hf = f"model.layers.{layer}.{part}"
             targets.add(part.rsplit(".", 1)[1])
             ranks[hf] = (module.r[ADAPTER], module.lora_alpha[ADAPTER])
             b_part = layout.to_hf(hf + ".weight", lambda _name, b=b: b)
             tensors[f"base_model.model.{hf}.lora_A.weight"] = a.clone()  # one file entry each
             tensors[f"base_model.model.{hf}.lora_B.weight"] = b_part.contiguous()
+    if experts:
+        _check_peft_experts(layout, experts, ranks)
     saved = []
     for name in tuner.modules_to_save:
         mcore = SAVABLE_MODULES[name]
@@ -426,7 +473,9 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     other = {hf: value for hf, value in ranks.items() if value != (rank, alpha)}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": tuner.lora_dropout,
+        # peft's LoRA on the experts' stacked parameters refuses dropout (inference
+        # ignores it anyway)
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0 if experts else tuner.lora_dropout,
         "rank_pattern": {hf: r for hf, (r, _) in other.items()},
         "alpha_pattern": {hf: a for hf, (_, a) in other.items()},
         "use_rslora": tuner.use_rslora, "bias": "none", "fan_in_fan_out": False,

@@ -59,3 +59,80 @@ def test_naming_only_the_expert_linears_trains_them(gloo_group):
                if p.requires_grad}
     assert adapted == {f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc2"
                        for e in range(4)}
+
+
+LORA = ["--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "16", "--lora_dropout",
+        "0", "--attention_backend", "sdpa"]
+
+
+def hf_adapter_size(hf, r: int) -> int:
+    """r * (in + out) of every linear megatron adapts, from the HF model's own weights:
+    q/k/v fused, each expert's gate/up fused (transformers 5 stacks the experts)."""
+    total = 0
+    for layer in hf.model.layers:
+        attn = layer.self_attn
+        qkv_out = sum(getattr(attn, p).weight.shape[0] for p in ("q_proj", "k_proj", "v_proj"))
+        total += r * (attn.q_proj.weight.shape[1] + qkv_out) + r * sum(attn.o_proj.weight.shape)
+        experts = layer.mlp.experts
+        for e in range(experts.gate_up_proj.shape[0]):
+            total += r * sum(experts.gate_up_proj[e].shape) + r * sum(experts.down_proj[e].shape)
+    return total
+
+
+@pytest.mark.slow
+def test_qwen3_moe_expert_adapters_train_merge_and_export_to_peft(tmp_path, train_here):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import hf_helpers as H
+    from test_hf_training import run_flags
+    from test_moe_families import convert, make_moe
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    source = tmp_path / "hf"
+    hf = make_moe(source, "qwen3_moe")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    out = tmp_path / "run"
+    stdout = train_here(out, "--model", source, "--dataset", data, "--train_iters", "3",
+                        "--save_steps", "3", "--lr", "1e-2", *LORA, command="pt",
+                        base=run_flags()).stdout
+    line = next(l for l in stdout.splitlines() if l.startswith("--tuner_type lora:"))
+    assert line.startswith(f"--tuner_type lora: {hf_adapter_size(hf, 4):,} of ")
+
+    checkpoint = out / "checkpoint" / "iter_0000003"
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    convert(checkpoint, merged, "to_hf", merge_lora=True)
+    convert(checkpoint, adapter, "to_peft")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["lora_dropout"] == 0.0
+    assert "base_model.model.model.layers.1.mlp.experts.3.up_proj.lora_B.weight" in \
+        H.safetensors_state(str(adapter))
+
+    tokens = H.tokens(vocab=300, length=32)
+    quiet = lambda line: None  # noqa: E731
+    ours = forward_logits(load_model(str(checkpoint), log=quiet).model, tokens)[..., :320]
+    merged_logits = H.hf_logits(str(merged), tokens)
+    base_logits = H.hf_logits(str(source), tokens)
+    base = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32,
+                                                attn_implementation="eager")
+    peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    with torch.no_grad():
+        peft_logits = peft_model(tokens).logits
+    # megatron's MoE layer against transformers' sums in another order (test_moe_training's
+    # bound)
+    assert (merged_logits - ours).abs().max() < 1e-4
+    assert (merged_logits - base_logits).abs().max() > 1e-2  # the adapters trained
+    # peft's model of the exported adapter, unmerged (x W + (x A) B, in its own order) and
+    # merged by peft: the function of our merged export.
+    assert (peft_logits - merged_logits).abs().max() < 1e-4
+    peft_merged = peft_model.merge_and_unload()
+    with torch.no_grad():
+        assert (peft_merged(tokens).logits - merged_logits).abs().max() < 1e-5
+    theirs = peft_merged.state_dict()
+    mine = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).state_dict()
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+                 "model.layers.0.self_attn.k_proj.weight"):
+        assert torch.allclose(mine[name], theirs[name], rtol=0, atol=1e-6), name
