@@ -136,3 +136,35 @@ def test_qwen3_moe_expert_adapters_train_merge_and_export_to_peft(tmp_path, trai
     for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
                  "model.layers.0.self_attn.k_proj.weight"):
         assert torch.allclose(mine[name], theirs[name], rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("flags, message", [
+    # a dense layer's (and the shared expert's) gate/up/down: peft maps those names onto
+    # the experts' stacked parameters
+    ({}, "--to_peft: model.layers.0.mlp.down_proj has an adapter, and peft maps every "
+         "module of that name onto the MoE experts' stacked parameters"),
+    (dict(target_regex=r".*local_experts\.[01]\.linear_fc2"),
+     "--to_peft: decoder.layers.1 has linear_fc2 adapters on experts [0, 1] of 4; peft "
+     "loads expert adapters onto transformers 5's stacked expert parameters, all of a "
+     "layer's experts or none (export --to_hf --merge_lora instead)"),
+])
+def test_what_peft_cannot_load_is_refused_by_name(gloo_group, flags, message):
+    from swift_mcore.models import lora
+    from swift_mcore.models.convert import Layout
+
+    config, model = lora_model(**flags)
+    layout = Layout.from_model_args(config.model, config.padded_vocab_size)
+    with pytest.raises(ArgumentError) as err:
+        lora.peft_adapter(model, config.tuner, layout, None)
+    assert message in str(err.value)
+
+
+def test_grouped_experts_with_adapters_are_refused():
+    from swift_mcore.models import lora
+
+    # resolve's part for LoRA (on the CPU resolve refuses --moe_grouped_gemm before it)
+    args = PretrainArguments.from_flags(**SHAPE, **MOE, moe_grouped_gemm=True,
+                                        tuner_type="lora")
+    with pytest.raises(ArgumentError, match="--tuner_type lora with --moe_grouped_gemm: the "
+                                            "grouped experts' linears have no LoRA layer"):
+        lora.check(args, "local")
