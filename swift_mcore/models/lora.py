@@ -216,7 +216,7 @@ def apply(config, chunks) -> list:
         if local:  # a pipeline stage may hold none of the chosen layers
             patterns = {}
             if imported is not None:  # exact names: peft matches the keys as regexes
-                names = {re.escape(n): global_name(n, offset) for n in local}
+                names = {re.escape(n): full[n] for n in local}
                 patterns = dict(rank_pattern={k: imported.fused_rank(g) for k, g in names.items()},
                                 alpha_pattern={k: imported.fused_alpha(g)
                                                for k, g in names.items()})
