@@ -80,7 +80,11 @@ def hf_adapter_size(hf, r: int) -> int:
 
 
 @pytest.mark.slow
-def test_qwen3_moe_expert_adapters_train_merge_and_export_to_peft(tmp_path, train_here):
+@pytest.mark.parametrize("family, expert", [
+    ("qwen3_moe", "mlp.experts.3.up_proj"),
+    ("mixtral", "block_sparse_moe.experts.3.w3"),  # transformers 4's names, on disk
+])
+def test_expert_adapters_train_merge_and_export_to_peft(tmp_path, train_here, family, expert):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -91,7 +95,7 @@ def test_qwen3_moe_expert_adapters_train_merge_and_export_to_peft(tmp_path, trai
     from swift_mcore.loaded_model import forward_logits, load_model
 
     source = tmp_path / "hf"
-    hf = make_moe(source, "qwen3_moe")
+    hf = make_moe(source, family)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
                             + "\n" for i in range(100)))
@@ -108,7 +112,7 @@ def test_qwen3_moe_expert_adapters_train_merge_and_export_to_peft(tmp_path, trai
     convert(checkpoint, adapter, "to_peft")
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["lora_dropout"] == 0.0
-    assert "base_model.model.model.layers.1.mlp.experts.3.up_proj.lora_B.weight" in \
+    assert f"base_model.model.model.layers.1.{expert}.lora_B.weight" in \
         H.safetensors_state(str(adapter))
 
     tokens = H.tokens(vocab=300, length=32)
