@@ -172,3 +172,39 @@ def test_grouped_experts_with_adapters_are_refused():
     with pytest.raises(ArgumentError, match="--tuner_type lora with --moe_grouped_gemm: the "
                                             "grouped experts' linears have no LoRA layer"):
         lora.check(args, "local")
+
+
+@pytest.mark.slow
+def test_ep2_trains_the_expert_adapters_as_one_rank_does(tmp_path, train_here):
+    """EP=2: each rank holds, reduces and checkpoints its experts' adapters; the losses, the
+    logged count and the merged export are the one-rank run's."""
+    import hf_helpers as H
+    from run_helpers import losses
+    from test_hf_training import continue_pretraining, run_flags
+    from test_moe_families import convert, make_moe
+
+    source = tmp_path / "hf"
+    hf = make_moe(source, "qwen3_moe")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    flags = ["--train_iters", "3", "--save_steps", "3", "--lr", "1e-2", *LORA]
+    one = train_here(tmp_path / "ep1", "--model", source, "--dataset", data, *flags,
+                     command="pt", base=run_flags()).stdout
+    two = continue_pretraining(source, data, tmp_path / "ep2", *flags,
+                               "--expert_model_parallel_size", "2", nproc=2)
+    count = f"--tuner_type lora: {hf_adapter_size(hf, 4):,} of "
+    assert count in one and count in two
+    ref, got = losses(tmp_path / "ep1"), losses(tmp_path / "ep2")
+    assert sorted(got) == [1, 2, 3]
+    assert max(abs(got[i] - ref[i]) for i in ref) < 1e-5
+    merged = {}
+    for run in ("ep1", "ep2"):
+        convert(tmp_path / run / "checkpoint" / "iter_0000003", tmp_path / f"{run}_merged",
+                "to_hf", merge_lora=True)
+        merged[run] = H.safetensors_state(str(tmp_path / f"{run}_merged"))
+    base = H.safetensors_state(str(source))
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # an expert of EP rank 1
+    assert not torch.equal(merged["ep2"][name], base[name])
+    for key, value in merged["ep1"].items():
+        assert torch.allclose(merged["ep2"][key], value, rtol=0, atol=1e-5), key
