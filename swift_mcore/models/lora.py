@@ -462,7 +462,12 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     for name in tuner.modules_to_save:
         mcore = SAVABLE_MODULES[name]
         hf = _HF_SAVED[mcore]
-        weight = model.get_submodule(mcore).weight.detach().float().cpu()[: layout.vocab]
+        weight = getattr(model.get_submodule(mcore), "weight", None)
+        if weight is None:  # a checkpoint trained before resolve refused this
+            raise ArgumentError(f"--to_peft: the checkpoint's --modules_to_save {name} is the "
+                                f"tied word embedding, no module of its own; nothing trained "
+                                f"it apart from word_embeddings")
+        weight = weight.detach().float().cpu()[: layout.vocab]
         tensors[f"base_model.model.{hf}.weight"] = weight.contiguous()
         saved.append(hf.rsplit(".", 1)[-1])
     if not ranks:
