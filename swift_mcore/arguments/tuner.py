@@ -22,7 +22,7 @@ SAVABLE_MODULES = {"word_embeddings": "embedding.word_embeddings",
                    "embed_tokens": "embedding.word_embeddings",
                    "output_layer": "output_layer", "lm_head": "output_layer"}
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "target_regex",
-              "modules_to_save", "use_rslora", "adapters")
+              "modules_to_save", "use_rslora", "adapters", "lora_max_fraction")
 
 
 @dataclass
@@ -37,7 +37,8 @@ class TunerArguments:
     lora_dropout: float = flag(0.05, "Dropout on the adapter's input.", range=FRACTION)
     target_modules: List[str] = flag(
         [ALL_LINEAR], "Layers that get an adapter: 'all-linear' (every linear layer of the "
-        "transformer blocks, not the output layer), or names: megatron's "
+        "transformer blocks, MoE experts included; not the router or the output layer), "
+        "or names: megatron's "
         + ", ".join(MCORE_LINEARS) + " or Hugging Face's " + ", ".join(HF_LINEARS)
         + " (q/k/v and gate/up are fused in megatron: give all of a fused layer's parts).",
         comma_separated=True)
@@ -46,8 +47,14 @@ class TunerArguments:
         "megatron module name (e.g. 'decoder\\.layers\\.[01]\\..*linear_qkv').")
     modules_to_save: List[str] = flag(
         [], "Whole modules trained and saved with the adapters: word_embeddings (alias "
-        "embed_tokens), output_layer (alias lm_head).", comma_separated=True)
+        "embed_tokens), output_layer (alias lm_head; not with tied embeddings).",
+        comma_separated=True)
     use_rslora: bool = flag(False, "Rank-stabilized LoRA: scale by alpha/sqrt(r).")
+    lora_max_fraction: float = flag(
+        0.5, "The most parameters the adapters may hold, as a fraction of the parameters of "
+        "the layers they adapt (r*(in+out) against in*out, summed); a --lora_rank above it "
+        "is refused, naming both counts (a rank that large is no longer low-rank: train "
+        "with --tuner_type full). Raise it to train such adapters anyway.", range=POSITIVE)
     adapters: Optional[str] = flag(
         None, "Continue training a LoRA adapter made with peft on --model: a folder of "
         "adapter_config.json and adapter_model.safetensors (peft's save_pretrained). Its "

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
+from ..models import finite
 from ..runtime import collectives as comm
-from . import commit, compat, files, finite, io, locate, megatron_lm, rng
+from . import commit, compat, files, io, locate, megatron_lm, rng
 from .state import TrainState
 from .tracker import checkpoint_root
 

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from ..checkpointing.finite import nonfinite
+from .finite import nonfinite
 from ..errors import ArgumentError
 from ..runtime import collectives
 from .convert import Layout, global_name, layer_offset

@@ -27,7 +27,6 @@ from ..arguments.tuner import MCORE_LINEARS, SAVABLE_MODULES, mcore_targets
 from ..errors import ArgumentError, CheckpointError
 
 ADAPTER = "default"  # peft's adapter name: one adapter per model
-_BLOCK = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)$")
 _PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
            "linear_fc1": "mlp", "linear_fc2": "mlp"}
 
@@ -37,15 +36,37 @@ def enabled(config) -> bool:
 
 
 # ---- which layers ------------------------------------------------------------------------
-def linear_names(num_layers: int) -> List[str]:
-    """The global names of the transformer blocks' linear layers, in model order."""
-    return [f"decoder.layers.{i}.{_PARENT[name]}.{name}"
-            for i in range(num_layers) for name in MCORE_LINEARS]
+def _moe_pattern(m) -> List[int]:
+    if getattr(m, "num_experts", None) is None:
+        return [0] * m.num_layers
+    from ..arguments.model import moe_layer_pattern
+
+    return moe_layer_pattern(m)
 
 
-def select_targets(tuner, num_layers: int) -> List[str]:
+def linear_names(m) -> List[str]:
+    """The global names of the transformer blocks' linear layers, in model order: in a MoE
+    layer (SequentialMLP) each routed expert's linear_fc1/linear_fc2 (global expert index)
+    and the shared expert's; the router is not a linear layer here (megatron's TopKRouter)."""
+    names = []
+    for i, moe in enumerate(_moe_pattern(m)):
+        layer = f"decoder.layers.{i}."
+        names += [layer + "self_attention.linear_qkv", layer + "self_attention.linear_proj"]
+        if not moe:
+            names += [layer + "mlp.linear_fc1", layer + "mlp.linear_fc2"]
+            continue
+        for e in range(m.num_experts):
+            names += [f"{layer}mlp.experts.local_experts.{e}.{fc}"
+                      for fc in ("linear_fc1", "linear_fc2")]
+        if m.moe_shared_expert_intermediate_size:
+            names += [layer + "mlp.shared_experts.linear_fc1",
+                      layer + "mlp.shared_experts.linear_fc2"]
+    return names
+
+
+def select_targets(tuner, m) -> List[str]:
     """The global module names that get an adapter; ArgumentError if none does."""
-    names = linear_names(num_layers)
+    names = linear_names(m)
     if tuner.target_regex is not None:
         pattern = re.compile(tuner.target_regex)
         chosen = [n for n in names if pattern.fullmatch(n)]
@@ -53,17 +74,75 @@ def select_targets(tuner, num_layers: int) -> List[str]:
             raise ArgumentError(
                 f"--target_regex {tuner.target_regex!r} matches no linear layer of this "
                 f"model; it is matched against whole names such as {names[0]} (the layers: "
-                f"{', '.join(MCORE_LINEARS)} of decoder.layers.0..{num_layers - 1})")
+                f"{', '.join(MCORE_LINEARS)} of decoder.layers.0..{m.num_layers - 1}"
+                + (", the experts' mlp.experts.local_experts.E.linear_fc1/2"
+                   if getattr(m, "num_experts", None) else "") + ")")
         return chosen
     kinds = set(mcore_targets(tuner.target_modules))
     return [n for n in names if n.rsplit(".", 1)[1] in kinds]
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's linear (mlp.experts.local_experts.E.linear_fc1/2)."""
+    return ".mlp.experts.local_experts." in name
+
+
+def layer_shape(m, name: str) -> Tuple[int, int]:
+    """(in, out) of the whole linear layer ``name`` (global), from the model flags."""
+    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    kind = name.rsplit(".", 1)[1]
+    if kind == "linear_qkv":
+        return m.hidden_size, (m.num_attention_heads + 2 * groups) * head_dim
+    if kind == "linear_proj":
+        return m.num_attention_heads * head_dim, m.hidden_size
+    ffn = (m.moe_ffn_hidden_size if is_expert(name) else
+           m.moe_shared_expert_intermediate_size if ".shared_experts." in name
+           else m.ffn_hidden_size)
+    if kind == "linear_fc1":
+        return m.hidden_size, ffn * (2 if m.swiglu else 1)
+    return ffn, m.hidden_size
+
+
+# Above this share of the adapted layers' own parameters an "adapter" is not low-rank any
+# more (r*(in+out) against in*out): refused unless --lora_max_fraction is raised.
+def check_size(tuner, m, targets: List[str]) -> None:
+    adapter = base = 0
+    for name in targets:
+        fan_in, fan_out = layer_shape(m, name)
+        adapter += tuner.lora_rank * (fan_in + fan_out)
+        base += fan_in * fan_out
+    if adapter > tuner.lora_max_fraction * base:
+        raise ArgumentError(
+            f"--lora_rank {tuner.lora_rank}: the adapters would hold {adapter:,} parameters, "
+            f"{100 * adapter / base:.0f}% of the {base:,} of the {len(targets)} layers they "
+            f"adapt (--lora_max_fraction {tuner.lora_max_fraction:g}); that is no longer a "
+            f"low-rank adapter: lower --lora_rank, train with --tuner_type full, or raise "
+            f"--lora_max_fraction")
 
 
 def check(flags, layer_spec: str) -> None:
     """resolve's part: what the LoRA flags need of the model and the layer spec."""
     # Either spec: resolve chose Transformer Engine's only where TE is usable, and its
     # linears have the LoRA layer of megatron's own (models/lora_layer.py, lora_te.py).
-    select_targets(flags.tuner, flags.model.num_layers)
+    m, t = flags.model, flags.tuner
+    targets = select_targets(t, m)
+    experts = [n for n in targets if is_expert(n)]
+    if experts and m.moe_grouped_gemm:
+        raise ArgumentError(
+            f"--tuner_type lora with --moe_grouped_gemm: the grouped experts' linears have "
+            f"no LoRA layer ({experts[0]} is chosen); drop --moe_grouped_gemm (each expert "
+            f"then has its own linears and adapters), or leave the experts out of "
+            f"--target_modules/--target_regex")
+    tied = not m.untie_embeddings_and_output_weights
+    for name in t.modules_to_save:
+        if tied and SAVABLE_MODULES[name] == "output_layer":
+            raise ArgumentError(
+                f"--modules_to_save {name}: this model ties its output layer to the word "
+                f"embeddings (no separate weight to train or save); give word_embeddings "
+                f"(the one shared weight) instead")
+    if not t.adapters:  # an imported adapter's ranks are its own
+        check_size(t, m, targets)
 
 
 def base_reference(flags, cuda: bool) -> str:
@@ -113,29 +192,31 @@ def apply(config, chunks) -> list:
         return chunks
     from peft import LoraConfig, inject_adapter_in_model
 
-    from .convert import global_name, layer_offset
+    from .convert import layer_offset
     from .lora_layer import LoraParallelLinear, base_classes, describe
 
     t = config.tuner
     imported = config.lora_import  # --adapters: per-layer ranks of the fused parts
     wanted = (set(imported.parts()) if imported is not None
-              else set(select_targets(t, config.model.num_layers)))
+              else set(select_targets(t, config.model)))
     for chunk in chunks:
         chunk.swift_mcore_lora = True  # also a pipeline stage without adapters: base frozen
         offset = layer_offset(chunk)
-        local = [name for name, module in chunk.named_modules()
-                 if global_name(name, offset) in wanted]
+        full = {name: global_module_name(name, offset, config)
+                for name, _ in chunk.named_modules()}
+        local = [name for name, g in full.items() if g in wanted]
         for name in local:
             module = chunk.get_submodule(name)
             if describe(module) is None:  # the layer spec made it of a class we do not know
-                raise ArgumentError(f"--tuner_type lora: {global_name(name, offset)} is a "
+                raise ArgumentError(f"--tuner_type lora: {full[name]} is a "
                                     f"{type(module).__name__}, which has no LoRA layer")
+        _check_all_found(chunk, offset, wanted, set(full.values()), config)
         for param in chunk.parameters():
             param.requires_grad_(False)
         if local:  # a pipeline stage may hold none of the chosen layers
             patterns = {}
             if imported is not None:  # exact names: peft matches the keys as regexes
-                names = {re.escape(n): global_name(n, offset) for n in local}
+                names = {re.escape(n): full[n] for n in local}
                 patterns = dict(rank_pattern={k: imported.fused_rank(g) for k, g in names.items()},
                                 alpha_pattern={k: imported.fused_alpha(g)
                                                for k, g in names.items()})
@@ -148,10 +229,10 @@ def apply(config, chunks) -> list:
             inject_adapter_in_model(lora_config, chunk, adapter_name=ADAPTER)
         for name, module in chunk.named_modules():
             if isinstance(module, LoraParallelLinear):
-                full = global_name(name, offset)
-                module.gated_rows = (name.endswith("mlp.linear_fc1")
+                module.gated_rows = (name.endswith("linear_fc1")
                                      and chunk.config.gated_linear_unit)
-                module.init_adapter(config.training.seed * 1000003 + zlib.crc32(full.encode()))
+                module.init_adapter(config.training.seed * 1000003
+                                    + zlib.crc32(full[name].encode()))
         if imported is not None:
             load_imported(config, chunk, offset)
         for name in t.modules_to_save:
@@ -166,6 +247,47 @@ def apply(config, chunks) -> list:
             # recomputed layer would train (the case HF's enable_input_require_grads is for).
             embedding.register_forward_hook(_output_requires_grad)
     return chunks
+
+
+def global_module_name(local: str, offset: int, config) -> str:
+    """A chunk's module name as the whole model names it: its layer's global index (PP) and,
+    for a routed expert, its global expert index (EP rank r holds experts r*E/EP ...)."""
+    from .convert import global_name
+
+    name = global_name(local, offset)
+    match = _LOCAL_EXPERT.match(name)
+    if match is None or not config.model.num_experts:
+        return name
+    from megatron.core import parallel_state
+
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    first = parallel_state.get_expert_model_parallel_rank() * (config.model.num_experts
+                                                               // ep_size)
+    return f"{match.group(1)}{first + int(match.group(2))}{match.group(3)}"
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*|)$")
+
+
+def _check_all_found(chunk, offset: int, wanted, present, config) -> None:
+    """Every chosen layer this chunk should hold is there: a name the model does not have
+    would otherwise leave that layer silently without an adapter."""
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None) or []
+    held = range(offset, offset + len(layers))
+    num_experts = config.model.num_experts
+    if num_experts:
+        from megatron.core import parallel_state
+
+        per_rank = num_experts // parallel_state.get_expert_model_parallel_world_size()
+        first = parallel_state.get_expert_model_parallel_rank() * per_rank
+    for name in sorted(wanted - present):
+        layer = int(name.split(".")[2])
+        expert = _LOCAL_EXPERT.match(name)
+        if layer not in held or (expert and not first <= int(expert.group(2)) < first
+                                 + per_rank):
+            continue  # another pipeline stage's or expert-parallel rank's
+        raise ArgumentError(f"--tuner_type lora: the model built has no layer {name} to "
+                            f"adapt (its layer spec differs from the flags')")
 
 
 def _output_requires_grad(module, inputs, output):
@@ -255,6 +377,47 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     return model
 
 
+_LINEAR = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
+
+
+def _hf_parts(layout, layer: int, suffix: str) -> Tuple[str, ...]:
+    """The HF modules (under model.layers.N) of megatron layer ``suffix``: a MoE layer's
+    experts and shared expert by the family's names (convert.Experts.hf_names)."""
+    if suffix.startswith("mlp.") and layout.is_moe(layer):
+        hf = layout.experts.hf_names(layer)[suffix + ".weight"]
+        return tuple(h[: -len(".weight")] for h in (hf if isinstance(hf, tuple) else (hf,)))
+    return _HF_PARTS[suffix]
+
+
+def _check_peft_experts(layout, experts, ranks) -> None:
+    """What peft (0.21, transformers 5) can load of expert adapters. transformers 5 stacks a
+    MoE layer's experts into 3-D parameters; peft converts per-expert adapters (the names
+    written here) into LoRA on those parameters, and for that maps every targeted module
+    named gate_proj/up_proj/down_proj (w1/w3/w2) onto the experts: so an adapter of a dense
+    MLP or of the shared expert of the same model would not be loaded, and a layer's experts
+    are adapted all or none."""
+
+    why = "peft loads expert adapters onto transformers 5's stacked expert parameters"
+    for (layer, fc), adapted in sorted(experts.items()):
+        if adapted != set(range(layout.experts.count)):
+            raise ArgumentError(
+                f"--to_peft: decoder.layers.{layer} has {fc} adapters on experts "
+                f"{sorted(adapted)} of {layout.experts.count}; {why}, all of a layer's "
+                f"experts or none (export --to_hf --merge_lora instead)")
+    clash = sorted(hf for hf in ranks if ".experts." not in hf and
+                   hf.rsplit(".", 1)[1] in _EXPERT_PROJS)
+    if clash:
+        raise ArgumentError(
+            f"--to_peft: {clash[0]} has an adapter, and peft maps every module of that name "
+            f"onto the MoE experts' stacked parameters ({why}): it would not be loaded. "
+            f"Export the merged model with --to_hf --merge_lora, or train without adapters "
+            f"on the dense/shared-expert MLP")
+
+
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
 # megatron module suffix -> the HF modules it is fused from (Layout.to_hf splits B's rows).
 _HF_PARTS = {"self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj",
                                            "self_attn.v_proj"),
@@ -274,25 +437,37 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     tensors: Dict[str, torch.Tensor] = {}
     targets = set()
     ranks: Dict[str, Tuple[int, float]] = {}  # HF module -> (rank, alpha)
+    experts: Dict[Tuple[int, str], set] = {}  # (layer, fc) -> the adapted experts
     for name, module in model.named_modules():
         if not isinstance(module, LoraParallelLinear):
             continue
-        match = _BLOCK.match(name)
-        layer, kind = int(match.group(1)), f"{match.group(2)}.{match.group(3)}"
+        match = _LINEAR.match(name)
+        layer, suffix = int(match.group(1)), match.group(2)
+        parts = _hf_parts(layout, layer, suffix)
+        expert = _EXPERT.match(suffix)
+        if expert:
+            experts.setdefault((layer, expert.group(2)), set()).add(int(expert.group(1)))
         a = module.lora_A[ADAPTER].weight.detach().float().cpu()
         b = module.lora_B[ADAPTER].weight.detach().float().cpu()
-        for part in _HF_PARTS[kind]:
+        for part in parts:
             hf = f"model.layers.{layer}.{part}"
             targets.add(part.rsplit(".", 1)[1])
             ranks[hf] = (module.r[ADAPTER], module.lora_alpha[ADAPTER])
             b_part = layout.to_hf(hf + ".weight", lambda _name, b=b: b)
             tensors[f"base_model.model.{hf}.lora_A.weight"] = a.clone()  # one file entry each
             tensors[f"base_model.model.{hf}.lora_B.weight"] = b_part.contiguous()
+    if experts:
+        _check_peft_experts(layout, experts, ranks)
     saved = []
     for name in tuner.modules_to_save:
         mcore = SAVABLE_MODULES[name]
         hf = _HF_SAVED[mcore]
-        weight = model.get_submodule(mcore).weight.detach().float().cpu()[: layout.vocab]
+        weight = getattr(model.get_submodule(mcore), "weight", None)
+        if weight is None:  # a checkpoint trained before resolve refused this
+            raise ArgumentError(f"--to_peft: the checkpoint's --modules_to_save {name} is the "
+                                f"tied word embedding, no module of its own; nothing trained "
+                                f"it apart from word_embeddings")
+        weight = weight.detach().float().cpu()[: layout.vocab]
         tensors[f"base_model.model.{hf}.weight"] = weight.contiguous()
         saved.append(hf.rsplit(".", 1)[-1])
     if not ranks:
@@ -303,7 +478,9 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     other = {hf: value for hf, value in ranks.items() if value != (rank, alpha)}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": tuner.lora_dropout,
+        # peft's LoRA on the experts' stacked parameters refuses dropout (inference
+        # ignores it anyway)
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0 if experts else tuner.lora_dropout,
         "rank_pattern": {hf: r for hf, (r, _) in other.items()},
         "alpha_pattern": {hf: a for hf, (_, a) in other.items()},
         "use_rslora": tuner.use_rslora, "bias": "none", "fan_in_fan_out": False,

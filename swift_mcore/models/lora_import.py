@@ -170,9 +170,22 @@ def _read_shapes(folder: str, where: str) -> Dict[str, Tuple[int, ...]]:
         raise ArgumentError(f"{where}: no {WEIGHTS} in {folder}{hint}")
     try:
         with safe_open(path, framework="pt") as fh:
-            return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+            slices = {k: fh.get_slice(k) for k in fh.keys()}
+            shapes = {k: tuple(v.get_shape()) for k, v in slices.items()}
+            dtypes = {k: v.get_dtype() for k, v in slices.items()}
     except Exception as err:  # a truncated or foreign file: safetensors' own message
         raise ArgumentError(f"{path} is not a readable safetensors file: {err}") from None
+    for key, dtype in dtypes.items():
+        # An integer factor (a quantized adapter, or not a LoRA factor) cast to float would
+        # be a different adapter, silently.
+        if dtype not in _FLOAT_DTYPES:
+            raise ArgumentError(f"{path}: tensor {key} has dtype {dtype}; LoRA factors are "
+                                f"floating point ({', '.join(_FLOAT_DTYPES)})")
+    return shapes
+
+
+# safetensors' names of the floating-point dtypes
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def _layers(config: dict, shapes, model, folder: str, where: str) -> AdapterImport:

@@ -113,6 +113,12 @@ class LoraParallelLinear(nn.Module, LoraLayer):
             lora_b = tensor_parallel.ColumnParallelLinear(
                 r, self.out_features, config=mc, init_method=zeros, bias=False,
                 gather_output=False, skip_bias_add=True)
+        # A routed expert's weight is reduced over its expert-data-parallel group, not the
+        # whole data-parallel one (megatron marks it allreduce=False under EP): its adapter
+        # belongs to the same expert, so its factors are marked as the weight is.
+        allreduce = getattr(base.weight, "allreduce", True)
+        for param in (*lora_a.parameters(), *lora_b.parameters()):
+            param.allreduce = allreduce
         self.lora_A[adapter_name] = lora_a.to(base.weight.device)
         self.lora_B[adapter_name] = lora_b.to(base.weight.device)
         self.scaling[adapter_name] = (lora_alpha / math.sqrt(r) if config.use_rslora

@@ -473,7 +473,9 @@ class Trainer:
 
         if not lora.enabled(self.config):
             return
-        trainable, total = map(self.count_all_parameters, lora.parameter_counts(self.model))
+        trainable, total = lora.parameter_counts(self.model)
+        trainable = self.count_all_parameters(trainable, trainable_only=True)
+        total = self.count_all_parameters(total)
         t = self.config.tuner
         where = t.target_regex and f"--target_regex {t.target_regex}" or ",".join(
             t.target_modules)
@@ -484,7 +486,7 @@ class Trainer:
             f"{t.lora_alpha:g}{' (rslora)' if t.use_rslora else ''} on {where}{saved}; base "
             f"frozen ({self.config.base_model})")
 
-    def count_all_parameters(self, local: int) -> int:
+    def count_all_parameters(self, local: int, trainable_only: bool = False) -> int:
         """Parameters of the whole model: summed over TP and PP ranks of one replica, and
         the routed experts over the expert-parallel ranks (each holds its own)."""
         from megatron.core import parallel_state
@@ -493,7 +495,8 @@ class Trainer:
                                        group=parallel_state.get_model_parallel_group())
         if self.config.world.expert_parallel > 1:
             experts = sum(p.numel() for chunk in self.model
-                          for name, p in chunk.named_parameters() if ".local_experts." in name)
+                          for name, p in chunk.named_parameters() if ".local_experts." in name
+                          and (p.requires_grad or not trainable_only))
             others = collectives.all_reduce(torch.tensor([experts], dtype=torch.int64),
                                             group=parallel_state.get_expert_model_parallel_group())
             total += others - experts

@@ -35,11 +35,44 @@ SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_grou
     (dict(tuner_type="lora", target_regex="(("), "is not a valid regular expression"),
     (dict(lora_rank=4), "--lora_rank configures LoRA adapters: add --tuner_type lora"),
     (dict(tuner_type="lora", modules_to_save="norm"), "--modules_to_save 'norm'"),
+    # the output layer of a tied model is the embedding: nothing of its own to save
+    (dict(tuner_type="lora", modules_to_save="lm_head",
+          untie_embeddings_and_output_weights=False),
+     "--modules_to_save lm_head: this model ties its output layer to the word embeddings"),
+    # 2 layers x r*(192 + 128 + 448 + 256) against 2 x (8192 + 4096 + 24576 + 12288)
+    (dict(tuner_type="lora", lora_rank=44),
+     "--lora_rank 44: the adapters would hold 90,112 parameters, 92% of the 98,304 of the 8 "
+     "layers they adapt (--lora_max_fraction 0.5); that is no longer a low-rank adapter: "
+     "lower --lora_rank, train with --tuner_type full, or raise --lora_max_fraction"),
+    (dict(tuner_type="lora", lora_rank=25, target_modules="linear_qkv"), "--lora_rank 25: "),
 ])
 def test_bad_lora_flags_are_refused_naming_the_flag(flags, message):
     with pytest.raises(ArgumentError) as err:
         resolve(PretrainArguments.from_flags(**SHAPE, **flags), world_size=1)
     assert message in str(err.value)
+
+
+def test_lora_rank_bounds_and_its_override():
+    resolve(PretrainArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=24),
+            world_size=1)  # exactly half of the adapted layers' parameters: accepted
+    resolve(PretrainArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=44,
+                                         lora_max_fraction=1.0), world_size=1)
+
+
+def test_the_cli_refuses_a_huge_rank_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "pt", *run_flags(),
+                           "--num_layers", "2", "--hidden_size", "64", "--num_attention_heads",
+                           "4", "--num_query_groups", "2", "--tuner_type", "lora",
+                           "--lora_rank", "44", "--output_dir", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env=child_env())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "--lora_rank 44: the adapters would hold 90,112 parameters, 92% of the 98,304 of the "
+        "8 layers they adapt (--lora_max_fraction 0.5); that is no longer a low-rank adapter: "
+        "lower --lora_rank, train with --tuner_type full, or raise --lora_max_fraction")
+    assert not out.exists()
 
 
 def test_merge_lora_needs_to_hf():

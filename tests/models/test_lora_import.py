@@ -4,13 +4,16 @@ too), export --to_peft gives it back to peft, and bad adapters are refused namin
 and field."""
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import hf_helpers as H
 from test_hf_training import continue_pretraining, run_flags
-from run_helpers import losses
+from run_helpers import ROOT, child_env, losses
 
 from swift_mcore.arguments import PretrainArguments
 from swift_mcore.errors import ArgumentError
@@ -186,3 +189,23 @@ def test_adapters_needs_lora_and_the_base_model(base, tmp_path):
                                              attention_backend="sdpa"), world_size=1)
     with pytest.raises(ArgumentError, match="no adapter_config.json in"):
         lora_config(base / "hf", tmp_path)
+
+
+def test_an_integer_adapter_is_refused_naming_the_tensor_and_dtype(base, tmp_path):
+    # int8 factors (a quantized adapter) used to be read as floats of their integer values
+    folder = fake_adapter(tmp_path / "adapter", {
+        Q + ".lora_A.weight": torch.ones(2, 64, dtype=torch.int8),
+        Q + ".lora_B.weight": torch.zeros(64, 2)})
+    message = (f"adapter_model.safetensors: tensor {Q}.lora_A.weight has dtype I8; LoRA "
+               f"factors are floating point (F64, F32, F16, BF16)")
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        lora_config(base / "hf", folder)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "pt", "--model",
+                           str(base / "hf"), "--tuner_type", "lora", "--adapters", str(folder),
+                           "--attention_backend", "sdpa", "--output_dir", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env=child_env())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith(message)
+    assert not out.exists()
