@@ -16,7 +16,6 @@ import pytest
 import hf_helpers as H
 from run_helpers import ROOT, TINY, child_env, run_pt
 from swift_mcore.arguments import PretrainArguments
-from swift_mcore.models import footprint
 
 LIMIT = 4_000_000_000  # bytes of address space a refused command may take (torch: ~1.5 GB)
 
@@ -161,7 +160,7 @@ def reseal(folder) -> None:
 
 def test_parameter_count_equals_the_built_models(gloo_group):
     """The estimate counts what megatron builds: dense, MoE (shared, gated) and LoRA."""
-    from swift_mcore.models import lora
+    from swift_mcore.models import footprint, lora
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
 
