@@ -62,7 +62,7 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log: Log, trust: bool,
     tokenizer = None
     if tokenizer_path or not tokenizer_optional or has_tokenizer_files(path):
         tokenizer = build_tokenizer(flags)
-    resolved = resolve(flags, world_size=1)
+    resolved = resolve(flags, world_size=1, weights_only=True)
     config = resolved.complete(tokenizer.vocab_size if tokenizer is not None
                                else resolved.model.vocab_size, None)
     model = _build(config)
@@ -93,7 +93,7 @@ def _from_checkpoint(path: str, tokenizer_path: Optional[str], flag: str, log: L
     if rows is None:
         raise CheckpointError(f"{folder} holds no embedding.word_embeddings.weight: not a GPT "
                               f"checkpoint of swift-mcore")
-    resolved = resolve(flags, world_size=1)
+    resolved = resolve(flags, world_size=1, weights_only=True)
     config = resolved.complete(tokenizer.vocab_size if tokenizer is not None
                                else resolved.model.vocab_size or rows[0], None,
                                padded_vocab_size=rows[0])
@@ -134,7 +134,8 @@ def _from_lora_checkpoint(folder: str, saved, base: str, tokenizer_path: Optiona
                                   f"the adapters cannot be used without their base weights")
         flags.update(model=hf_folder)
     tokenizer = _checkpoint_tokenizer(flags, saved, tokenizer_path, folder, trust)
-    config = resolve(flags, world_size=1).complete(tokenizer.vocab_size, None)
+    config = resolve(flags, world_size=1, weights_only=True).complete(tokenizer.vocab_size,
+                                                                     None)
     if config.base_model != base:
         raise CheckpointError(f"{folder}: base_model (the frozen base weights) was {base}, "
                               f"now {config.base_model}"

@@ -149,12 +149,14 @@ for _name in ("model", "data", "training", "parallel", "checkpoint", "logging", 
 
 def resolve(args: PretrainArguments, world_size: Optional[int] = None,
             cuda: Optional[bool] = None, transformer_engine: Optional[bool] = None,
-            apex: Optional[bool] = None) -> RunConfig:
+            apex: Optional[bool] = None, weights_only: bool = False) -> RunConfig:
     """Check ``args`` and decide the run. Reads config.json, the data files' headers and the
     hardware; creates nothing, writes nothing, and leaves ``args`` untouched. Raises
     ArgumentError naming the flag. Runs before any process group exists: the world size
     comes from the launcher's environment (WORLD_SIZE) unless given. ``cuda``,
-    ``transformer_engine`` and ``apex`` stand in for the hardware (tests simulate a GPU)."""
+    ``transformer_engine`` and ``apex`` stand in for the hardware (tests simulate a GPU).
+    ``weights_only``: only the weights must fit in memory (export, infer)."""
+    from .models import footprint
     from .runtime import cpu, hardware
 
     if world_size is None:
@@ -181,6 +183,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     lora_import = read_adapter(flags)  # --adapters' adapter_config.json sets the LoRA flags
     flags.check(world_size)
     precision = choose_precision(flags, cuda)
+    footprint.check(flags, world_size, cuda, precision, weights_only)  # before anything is built
     backend = check_hardware(flags, cuda)
     check_trackers(flags)
     sources, val_sources = check_inputs(flags)

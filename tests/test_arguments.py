@@ -307,3 +307,30 @@ def test_cli_refuses_non_finite_and_out_of_range_floats_before_any_work(
     assert proc.stderr.strip() == f"swift-mcore {command}: error: {message}"
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) in (
         [], ["run.yaml"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(num_experts=4, moe_router_topk=1),
+     r"^--moe_router_topk 1 needs --moe_router_pre_softmax: top-1 routing weights the chosen "
+     r"expert by its softmax probability"),
+    (dict(num_experts=4, moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.01),
+     r"^--moe_router_load_balancing_type sinkhorn balances the experts without a loss; set "
+     r"--moe_aux_loss_coeff 0"),
+])
+def test_moe_routing_megatron_refuses_is_refused_in_our_words(flags, message):
+    from swift_mcore.run_config import resolve
+
+    with pytest.raises(ArgumentError, match=message):
+        resolve(PretrainArguments.from_flags(**flags), world_size=1, cuda=False)
+    ok = resolve(PretrainArguments.from_flags(num_experts=4, moe_router_topk=1,
+                                              moe_router_pre_softmax=True),
+                 world_size=1, cuda=False)
+    assert ok.model.moe_router_topk == 1
+
+
+def test_num_layers_has_an_upper_bound():
+    from swift_mcore.run_config import resolve
+
+    with pytest.raises(ArgumentError, match=r"^--num_layers must be <= 1000000 \(at most a "
+                                            r"million\), got 10000000$"):
+        resolve(PretrainArguments.from_flags(num_layers=10**7), world_size=1, cuda=False)

@@ -8,7 +8,15 @@ from typing import List, Optional
 
 from ..errors import ArgumentError
 
-from .fields import FRACTION, NON_NEGATIVE, NONZERO_FRACTION, POSITIVE, flag
+from .fields import FRACTION, NON_NEGATIVE, NONZERO_FRACTION, POSITIVE, Range, flag
+
+# More layers than any model has: the per-layer structures built before the memory estimate
+# (the MoE layer pattern, LoRA's target names) stay small. models/footprint.py refuses what
+# does not fit long before this.
+MAX_LAYERS = 1_000_000
+# --moe_layer_freq's expression: nesting depth and text length (per layer) it may have.
+MAX_FREQ_DEPTH = 32
+FREQ_CHARS_PER_LAYER = 8
 
 
 @dataclass
@@ -22,7 +30,8 @@ class ModelArguments:
         "qwen2_moe, qwen3_moe, mixtral; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
-    num_layers: int = flag(4, "Number of transformer layers.")
+    num_layers: int = flag(4, "Number of transformer layers.",
+                           range=Range(high=MAX_LAYERS, words="at most a million"))
     hidden_size: int = flag(256, "Hidden size.")
     ffn_hidden_size: Optional[int] = flag(
         None, "MLP inner size; default: the Llama rule (8/3 * hidden, rounded up to 64).")
@@ -105,37 +114,66 @@ class ModelArguments:
 def moe_layer_pattern(m: ModelArguments) -> List[int]:
     """--moe_layer_freq as one 0/1 per layer (1: MoE). An integer k makes every k-th layer
     MoE, counting from the first (megatron's rule); a list, or megatron's expression of
-    lists ('([0]*1+[1]*3)'), gives each layer. Raises ArgumentError naming the flag."""
+    lists ('([0]*1+[1]*3)'), gives each layer. Raises ArgumentError naming the flag. The
+    expression is bounded as a whole, before anything is built: its text, its nesting
+    depth and every list it makes (at most --num_layers items)."""
     text = str(m.moe_layer_freq).strip()
-    bad = ArgumentError(f"--moe_layer_freq takes an integer k >= 1 or a list of {m.num_layers} "
+    layers = int(m.num_layers)
+    bad = ArgumentError(f"--moe_layer_freq takes an integer k >= 1 or a list of {layers} "
                         f"0/1 values (one per layer, e.g. '[0,1]' or '([0]*1+[1]*3)'); got "
-                        f"{text!r}")
+                        f"{_shown(text)}")
+    if len(text) > FREQ_CHARS_PER_LAYER * layers + 256:
+        raise bad
     try:
-        value = _list_expression(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError):
+        tree = ast.parse(text, mode="eval").body
+        if _depth(tree) > MAX_FREQ_DEPTH:
+            raise ValueError("nested too deeply")
+        value = _list_expression(tree, layers)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise bad from None
     if isinstance(value, int):
-        if value < 1:
+        if not 1 <= value:
             raise bad
-        return [1 if i % value == 0 else 0 for i in range(m.num_layers)]
-    if len(value) != m.num_layers or any(v not in (0, 1) for v in value):
+        return [1 if i % value == 0 else 0 for i in range(layers)]
+    if len(value) != layers or any(v not in (0, 1) for v in value):
         raise bad
     return list(value)
 
 
-def _list_expression(node):
-    """An integer, a list of integers, list + list or list * integer; nothing else runs."""
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 80 else f"{text[:60]!r}... ({len(text)} characters)"
+
+
+def _depth(tree: ast.AST) -> int:
+    """How deeply ``tree`` nests (counted without recursion: the tree may be deep)."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
+def _list_expression(node, limit: int):
+    """An integer, a list of integers, list + list or list * integer; nothing else runs, and
+    no list longer than ``limit`` is made."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
     if isinstance(node, ast.List):
-        items = [_list_expression(item) for item in node.elts]
+        if len(node.elts) > limit:
+            raise ValueError("too long")
+        items = [_list_expression(item, limit) for item in node.elts]
         if all(isinstance(item, int) for item in items):
             return items
     if isinstance(node, ast.BinOp):
-        left, right = _list_expression(node.left), _list_expression(node.right)
+        left, right = _list_expression(node.left, limit), _list_expression(node.right, limit)
         if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            if len(left) + len(right) > limit:
+                raise ValueError("too long")
             return left + right
         if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int) \
-                and 0 <= right <= 10**6:
+                and right >= 0:
+            if len(left) * right > limit:
+                raise ValueError("too long")
             return left * right
     raise ValueError("not a list expression")

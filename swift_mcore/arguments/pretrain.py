@@ -254,6 +254,17 @@ class PretrainArguments:
         if m.moe_router_topk > m.num_experts:
             raise ArgumentError(f"--moe_router_topk ({m.moe_router_topk}) must not exceed "
                                 f"--num_experts ({m.num_experts}){source}")
+        if m.moe_router_topk == 1 and not m.moe_router_pre_softmax \
+                and m.moe_router_load_balancing_type != "sinkhorn":
+            raise ArgumentError(
+                f"--moe_router_topk 1 needs --moe_router_pre_softmax{source}: top-1 routing "
+                f"weights the chosen expert by its softmax probability over all experts "
+                f"(Switch Transformers); a softmax over the one chosen expert is always 1 and "
+                f"the router would learn nothing from the loss")
+        if m.moe_router_load_balancing_type == "sinkhorn" and m.moe_aux_loss_coeff:
+            raise ArgumentError(f"--moe_router_load_balancing_type sinkhorn balances the "
+                                f"experts without a loss; set --moe_aux_loss_coeff 0 (now "
+                                f"{m.moe_aux_loss_coeff}{source})")
         moe_layer_pattern(m)
         if m.num_experts % ep:
             raise ArgumentError(f"--expert_model_parallel_size ({ep}) must divide "

@@ -1,7 +1,8 @@
-"""What this machine offers the run: CUDA, Transformer Engine, apex (asked once, by run_config)."""
+"""What this machine offers the run: CUDA and its GPU memory, Transformer Engine, apex (asked by run_config)."""
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 
@@ -11,6 +12,20 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def gpu_memory() -> int:
+    """Bytes of memory of this rank's GPU (LOCAL_RANK's), or 0 without a usable one (as
+    where resolve(cuda=True) simulates a GPU in tests)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    except Exception:  # a GPU that cannot be asked: no refusal from its memory
+        return 0
 
 
 @lru_cache(maxsize=None)

@@ -82,3 +82,11 @@ def test_family_of_a_model_trained_from_scratch():
         family(normalization="LayerNorm")
     with pytest.raises(ArgumentError, match="--add_qkv_bias True \\(a qwen3 model has False\\)"):
         family(model_type="qwen3", add_qkv_bias=True)
+
+
+def test_every_key_a_family_reads_has_declared_values():
+    from swift_mcore.models.families import families
+    from swift_mcore.models.families.base import VALUES
+
+    for family in families().values():
+        assert not family.read_keys() - set(VALUES), family.name

@@ -280,3 +280,63 @@ def test_a_config_json_nested_100000_deep_is_refused(copy):
     config.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
     with pytest.raises(ArgumentError, match=rf"^{config}: JSON nested 100001 levels deep"):
         validate(model=str(copy))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"head_dim": 0}, r"has values no llama model has: head_dim 0 \(at least 1\)$"),
+    ({"num_key_value_heads": 0}, r"num_key_value_heads 0 \(at least 1\)$"),
+    ({"torch_dtype": "int8"}, r"torch_dtype 'int8' \(the weights' floating-point type: "
+                              r"bfloat16, float16, float32, float64"),
+    ({"hidden_size": "64"}, r"hidden_size '64' is a string \(write the number without "
+                            r"quotes\)$"),
+    ({"intermediate_size": "96.5", "vocab_size": "abc"},
+     r"intermediate_size '96.5' is a string .*; vocab_size 'abc' is a string"),
+    ({"tie_word_embeddings": "no"}, r"tie_word_embeddings 'no' \(true or false\)$"),
+    ({"num_hidden_layers": 10**12}, r"num_hidden_layers 1000000000000 \(at most 1_000_000\)$"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "x"}},
+     r"rope_parameters.rope_theta 'x' \(a positive number\)"),
+])
+def test_config_values_no_model_has_are_refused_by_key(copy, changes, message):
+    H.edit_config(str(copy), **changes)
+    with pytest.raises(ArgumentError, match=message):
+        validate(model=str(copy))
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bad") / "qwen2_moe"
+    H.make_model(str(path), "qwen2_moe", tokenizer=False, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"shared_expert_intermediate_size": 0}, r"shared_expert_intermediate_size 0 \(at least 1\)"),
+    ({"decoder_sparse_step": 0}, r"decoder_sparse_step 0 \(at least 1\)"),
+    ({"mlp_only_layers": ["a"]}, r"mlp_only_layers \['a'\] \(a list of integers\)"),
+    ({"num_experts": "4"}, r"num_experts '4' is a string"),
+    ({"norm_topk_prob": True, "num_experts_per_tok": 1},
+     r"num_experts_per_tok 1 with norm_topk_prob true \(the one expert's weight is always 1"),
+])
+def test_moe_config_values_are_refused_by_key(qwen2_moe, tmp_path, changes, message):
+    target = tmp_path / "model"
+    shutil.copytree(qwen2_moe, target)
+    H.edit_config(str(target), **changes)
+    with pytest.raises(ArgumentError, match=message):
+        validate(model=str(target), seq_length=32)
+
+
+def test_moe_keys_a_config_omits_take_transformers_defaults(qwen2_moe, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(qwen2_moe, target)
+    H.edit_config(str(target), num_experts_per_tok=None, moe_intermediate_size=None)
+    m = validate(model=str(target), seq_length=32).model
+    assert (m.moe_router_topk, m.moe_ffn_hidden_size) == (4, 1408)
+
+
+def test_switch_style_top1_from_config_json_is_representable(qwen2_moe, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(qwen2_moe, target)
+    H.edit_config(str(target), num_experts_per_tok=1)  # norm_topk_prob false
+    m = validate(model=str(target), seq_length=32).model
+    assert (m.moe_router_topk, m.moe_router_pre_softmax) == (1, True)

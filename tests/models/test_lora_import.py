@@ -91,7 +91,9 @@ def test_an_imported_adapter_gives_peft_logits(base, kind, gloo_group):
     lora.apply(config, [model])
     ours = forward_logits(model, tokens)[..., :320]
     theirs = peft_logits(base / "hf", adapter, tokens)
-    assert (ours - theirs).abs().max() < 1e-5
+    # rslora's scale (alpha / sqrt(r): 8 on the rank-1 down_proj) multiplies the fp32
+    # rounding in which our fused q/k/v and gate/up GEMMs differ from peft's separate ones
+    assert (ours - theirs).abs().max() < 5e-5
     assert (ours - plain).abs().max() > 1e-2  # the adapter does something
     t = config.tuner
     spec = ADAPTERS[kind]

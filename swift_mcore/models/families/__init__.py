@@ -14,7 +14,7 @@ import pkgutil
 from typing import Any, Dict, List, Optional
 
 from ...errors import ArgumentError
-from .base import Family, UnsupportedConfig
+from .base import Family, InvalidConfig, UnsupportedConfig
 
 logger = logging.getLogger("swift_mcore")
 
@@ -102,6 +102,9 @@ def apply_hf_config(args) -> Optional[Family]:
                             f"(a {family.name} model); drop --model_type")
     try:
         values = family.model_values(folder.config, m)
+    except InvalidConfig as err:
+        raise ArgumentError(f"--model {m.model}: {folder.config_path} has values no "
+                            f"{family.name} model has: {err}") from None
     except UnsupportedConfig as err:
         raise ArgumentError(f"--model {m.model}: {folder.config_path} describes a "
                             f"{family.name} model swift-mcore cannot represent exactly: "

@@ -46,6 +46,117 @@ class UnsupportedConfig(ValueError):
     """A config.json this family cannot represent exactly; the message names the key(s)."""
 
 
+class InvalidConfig(UnsupportedConfig):
+    """A config.json value no model has (a string for a number, a size of 0, a dtype that is
+    not floating point); the message names the key(s)."""
+
+
+@dataclass(frozen=True)
+class Value:
+    """What one config.json key accepts; null (or absent) means the family's default.
+
+    kind    int | number | bool | str | dtype | dict | int_list | str_list
+    low     the smallest number accepted (ints: inclusive; numbers: > low when low_open)
+    high    the largest number accepted (inclusive)
+    """
+
+    kind: str
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+
+    def problem(self, key: str, value: Any) -> Optional[str]:
+        if value is None:
+            return None
+        if isinstance(value, str) and self.kind in ("int", "number", "int_list"):
+            return f"{key} {value!r} is a string (write the number without quotes)"
+        if self.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not float(value).is_integer():
+                return f"{key} {value!r} (an integer)"
+            return self._range(key, value)
+        if self.kind == "number":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return f"{key} {value!r} (a number)"
+            return None if value != value else self._range(key, value)  # nan: the flag's check
+        if self.kind == "bool":
+            return None if isinstance(value, bool) else f"{key} {value!r} (true or false)"
+        if self.kind == "str":
+            return None if isinstance(value, str) else f"{key} {value!r} (a string)"
+        if self.kind == "dtype":
+            return None if value in FLOAT_DTYPES else (
+                f"{key} {value!r} (the weights' floating-point type: "
+                f"{', '.join(sorted(FLOAT_DTYPES))}; quantized models are not supported)")
+        if self.kind == "dict":
+            return None if isinstance(value, dict) else f"{key} {value!r} (an object)"
+        if self.kind in ("int_list", "str_list"):
+            item = int if self.kind == "int_list" else str
+            if not isinstance(value, list) or any(
+                    isinstance(v, bool) or not isinstance(v, item) for v in value):
+                return f"{key} {value!r} (a list of {'integers' if item is int else 'strings'})"
+            for v in value if item is int else ():
+                problem = self._range(f"{key} item", v)
+                if problem:
+                    return problem
+        return None
+
+    def _range(self, key: str, value: float) -> Optional[str]:
+        low, high = self.low, self.high
+        below = low is not None and (value <= low if self.low_open else value < low)
+        if below or (high is not None and value > high):
+            if low is not None and high is not None:
+                return f"{key} {value!r} (from {_num(low)} to {_num(high)})"
+            if low is not None:
+                return f"{key} {value!r} ({'above' if self.low_open else 'at least'} " \
+                       f"{_num(low)})"
+            return f"{key} {value!r} (at most {_num(high)})"
+        return None
+
+
+def _num(value: float) -> str:
+    return f"{int(value):,}".replace(",", "_") if float(value).is_integer() else str(value)
+
+
+FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+# Every key any family reads, with what it accepts (null: the family default). A key a
+# family reads must be here: tests/models/test_families.py checks it.
+VALUES: Dict[str, Value] = {
+    "hidden_size": Value("int", 1), "intermediate_size": Value("int", 1),
+    "num_hidden_layers": Value("int", 1),  # the upper bound: --num_layers' (MAX_LAYERS)
+    "num_attention_heads": Value("int", 1), "num_key_value_heads": Value("int", 1),
+    "head_dim": Value("int", 1), "max_position_embeddings": Value("int", 1),
+    "vocab_size": Value("int", 1), "rms_norm_eps": Value("number"),
+    "tie_word_embeddings": Value("bool"), "hidden_act": Value("str"),
+    "rope_theta": Value("number", 0, low_open=True), "rope_scaling": Value("dict"),
+    "rope_parameters": Value("dict"), "partial_rotary_factor": Value("number"),
+    "torch_dtype": Value("dtype"), "dtype": Value("dtype"),
+    "quantization_config": Value("dict"),
+    # family traits
+    "attention_bias": Value("bool"), "qkv_bias": Value("bool"), "mlp_bias": Value("bool"),
+    "pretraining_tp": Value("int", 1),
+    "use_sliding_window": Value("bool"), "sliding_window": Value("int", 0),
+    "max_window_layers": Value("int", 0), "layer_types": Value("str_list"),
+    # mixture of experts
+    "num_experts": Value("int", 0), "num_local_experts": Value("int", 0),
+    "moe_intermediate_size": Value("int", 1), "shared_expert_intermediate_size": Value("int", 1),
+    "num_experts_per_tok": Value("int", 1), "router_aux_loss_coef": Value("number", 0),
+    "output_router_logits": Value("bool"), "norm_topk_prob": Value("bool"),
+    "router_jitter_noise": Value("number", 0), "decoder_sparse_step": Value("int", 1),
+    "mlp_only_layers": Value("int_list", 0),
+}
+
+
+def value_problems(config: Dict[str, Any], keys) -> List[str]:
+    """Every key of ``keys`` in ``config`` whose value its VALUES entry refuses."""
+    from ...arguments.model import MAX_LAYERS
+
+    problems = [VALUES[k].problem(k, config.get(k)) for k in sorted(keys) if k in config]
+    layers = config.get("num_hidden_layers")
+    if isinstance(layers, (int, float)) and not isinstance(layers, bool) and layers > MAX_LAYERS:
+        problems.append(f"num_hidden_layers {layers} (at most {MAX_LAYERS:_})")
+    return [p for p in problems if p]
+
+
 Check = Callable[[Dict[str, Any], Any], List[str]]
 
 
@@ -82,6 +193,9 @@ class Family:
         missing = [k for k in REQUIRED_KEYS if config.get(k) is None]
         if missing:
             raise UnsupportedConfig(f"config.json lacks {', '.join(missing)}")
+        invalid = value_problems(config, self.read_keys())
+        if invalid:
+            raise InvalidConfig("; ".join(invalid))
         def get(key: str) -> Any:
             value = config.get(key)
             return self.defaults.get(key) if value is None else value
@@ -133,10 +247,13 @@ class Family:
         values.update(moe_values)
         return values
 
+    def read_keys(self) -> frozenset:
+        """The keys this family reads (each checked against VALUES)."""
+        keys = MAPPED_KEYS | self.known_keys | {"quantization_config", "torch_dtype", "dtype"}
+        return keys | self.moe.keys() if self.moe is not None else keys
+
     def unknown_keys(self, config: Dict[str, Any]) -> List[str]:
-        known = MAPPED_KEYS | IGNORED_KEYS | self.known_keys | {"quantization_config"}
-        if self.moe is not None:
-            known |= self.moe.keys()
+        known = IGNORED_KEYS | self.read_keys()
         return sorted(k for k in config if k not in known)
 
     # ---- ModelArguments -> config.json --------------------------------------------------
@@ -201,6 +318,11 @@ def rope_settings(config: Dict[str, Any], default_theta: float
         key = "rope_scaling"
     if theta is None:
         theta = default_theta
+    numbers = {"rope_theta": theta, **{k: scaling.get(k) for k in ("factor", *LLAMA3_FIXED)}}
+    for name, value in numbers.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            return 0, None, [f"{key}.{name} {value!r} (a positive number)"]
     if float(theta) != math.floor(float(theta)):
         problems.append(f"rope_theta {theta} (megatron's rotary_base is an integer)")
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
@@ -293,16 +415,26 @@ class MoeKeys:
         if config.get("router_jitter_noise"):
             problems.append(f"router_jitter_noise {config['router_jitter_noise']} (megatron's "
                             f"router has no multiplicative jitter; only 0)")
-        topk = int(config.get("num_experts_per_tok") or 0)
+        topk = int(get("num_experts_per_tok") or 0)
         if not 1 <= topk <= int(count):
             problems.append(f"num_experts_per_tok {topk} (1 to {self.experts[0]} {count})")
-        shared = int(config.get(self.shared_ffn) or 0) if self.shared_ffn else 0
+        shared = int(get(self.shared_ffn) or 0) if self.shared_ffn else 0
         norm = True if self.norm_topk is None else bool(config.get("norm_topk_prob",
                                                                    self.norm_topk))
+        if topk == 1 and norm:
+            # renormalised over one expert, its weight is always 1: the LM loss gives the
+            # router no gradient, and megatron-core refuses to train such a router
+            problems.append(
+                "num_experts_per_tok 1 with " + ("norm_topk_prob true" if self.norm_topk
+                                                 is not None else "a router that always "
+                                                 "renormalises")
+                + " (the one expert's weight is always 1, so the router would learn nothing "
+                  "from the loss; megatron-core trains top-1 routing only as Switch "
+                  "Transformers do, softmax before the choice: norm_topk_prob false)")
         values = {
             "num_experts": int(count),
             "moe_router_topk": topk,
-            "moe_ffn_hidden_size": int(config[self.expert_ffn]),
+            "moe_ffn_hidden_size": int(get(self.expert_ffn)),
             "moe_shared_expert_intermediate_size": shared or None,
             "moe_shared_expert_gate": bool(shared),
             "moe_layer_freq": "[" + ",".join(map(str, pattern)) + "]",

@@ -8,7 +8,8 @@ FAMILY = Family(
     model_types=("mixtral",),
     architecture="MixtralForCausalLM",
     # transformers' MixtralConfig defaults for keys a config.json may omit
-    defaults={"hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    defaults={"num_experts_per_tok": 2, "hidden_act": "silu",
+              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
               "rope_theta": 1000000.0, "tie_word_embeddings": False},
     known_keys=frozenset({"sliding_window"}),
     checks=sliding_window_check("sliding_window"),

@@ -8,8 +8,10 @@ FAMILY = Family(
     model_types=("qwen2_moe",),
     architecture="Qwen2MoeForCausalLM",
     # transformers' Qwen2MoeConfig defaults for keys a config.json may omit
-    defaults={"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "tie_word_embeddings": False},
+    defaults={"num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+              "shared_expert_intermediate_size": 5632, "hidden_act": "silu",
+              "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "tie_word_embeddings": False},
     fixed={"add_qkv_bias": True},
     known_keys=frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
                           "layer_types", "qkv_bias"}),

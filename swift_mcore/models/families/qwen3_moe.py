@@ -8,8 +8,9 @@ FAMILY = Family(
     model_types=("qwen3_moe",),
     architecture="Qwen3MoeForCausalLM",
     # transformers' Qwen3MoeConfig defaults for keys a config.json may omit
-    defaults={"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "tie_word_embeddings": False},
+    defaults={"num_experts_per_tok": 8, "moe_intermediate_size": 768, "hidden_act": "silu",
+              "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "tie_word_embeddings": False},
     fixed={"qk_layernorm": True},
     known_keys=frozenset({"attention_bias", "use_sliding_window", "sliding_window",
                           "max_window_layers", "layer_types"}),

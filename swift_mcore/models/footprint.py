@@ -1,0 +1,246 @@
+"""The memory a model needs, estimated from the resolved flags before anything is built, and
+the refusal of a model that cannot fit (naming the field that makes it so large).
+
+The estimate is a lower bound: the parameters of every part (embedding, layers, experts,
+LoRA adapters) counted from the flags as megatron builds them, times the bytes each one
+takes (weights, gradients and Adam's two moments for what trains; weights alone for what is
+frozen or only loaded), plus the hidden states a training step must keep and the Python
+modules of each layer. What it leaves out (temporary buffers, the allocator's slack) only
+makes the real need larger, so a model refused here could never have run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from ..errors import ArgumentError
+
+# Bytes a trained parameter takes with the data-parallel optimizer: 16 in fp32 (weight,
+# gradient, Adam's two moments); bf16/fp16 keep a 2-byte weight and gradient and a float32
+# master copy with the moments (2 + 2 + 12). The distributed optimizer shards the 12.
+TRAINED_BYTES = 16
+OPTIMIZER_BYTES = 12
+# The Python objects of one megatron transformer layer on the host (modules, parameters'
+# wrappers): about 58 KiB measured on CPU with the local spec; half of it is a safe floor.
+LAYER_OBJECT_BYTES = 32 * 1024
+# config.json's names of the model flags, to name the key a tampered config.json sets.
+CONFIG_KEYS = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
+               "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim",
+               "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+               "vocab_size": "vocab_size", "num_experts": "num_experts",
+               "moe_ffn_hidden_size": "moe_intermediate_size",
+               "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
+               "max_position_embeddings": "max_position_embeddings"}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the model's memory: what it is, its parameters (or 0), its bytes on one
+    rank, and the flags that size it (name -> value)."""
+
+    name: str
+    parameters: int
+    bytes: int
+    fields: Tuple[Tuple[str, int], ...]
+
+    def lead(self, given) -> Tuple[str, int]:
+        """The flag that makes this part large: the largest of its values, among the flags
+        ``given`` (explicitly or by config.json) when any is."""
+        chosen = [item for item in self.fields if item[0] in given] or self.fields
+        return max(chosen, key=lambda item: item[1])
+
+
+def parameter_counts(m, tuner=None) -> Dict[str, int]:
+    """Parameters of each part of the whole model (all ranks together), as megatron builds
+    it: embedding, output layer, the dense layers, the MoE layers' experts (router and
+    shared expert included), the final norm and the LoRA adapters (an upper bound: every
+    targeted linear of every layer)."""
+    from ..arguments.model import moe_layer_pattern
+
+    h, heads = m.hidden_size, m.num_attention_heads
+    groups = m.num_query_groups or heads
+    kv = m.kv_channels or h // heads
+    ffn = m.ffn_hidden_size
+    gated = 2 if m.swiglu else 1
+    norm = h * (2 if m.normalization == "LayerNorm" else 1)
+    qkv_out = kv * (heads + 2 * groups)
+    bias = m.add_bias_linear
+    attention = (h * qkv_out + heads * kv * h + (qkv_out if bias or m.add_qkv_bias else 0)
+                 + (h if bias else 0) + (2 * kv if m.qk_layernorm else 0))
+    dense_mlp = h * ffn * gated + ffn * h + ((ffn * gated + h) if bias else 0)
+    moe_layers = sum(moe_layer_pattern(m)) if m.num_experts else 0
+    layers = m.num_layers
+    vocab = padded_vocab(m)
+    counts = {
+        "embedding": vocab * h + (m.max_position_embeddings * h
+                                  if m.position_embedding_type == "learned_absolute" else 0),
+        "output layer": vocab * h if m.untie_embeddings_and_output_weights else 0,
+        "layers": layers * (attention + 2 * norm) + (layers - moe_layers) * dense_mlp + norm,
+        "experts": 0,
+        "LoRA adapters": 0,
+    }
+    if moe_layers:
+        expert_ffn = m.moe_ffn_hidden_size or ffn
+        shared = m.moe_shared_expert_intermediate_size or 0
+        per_layer = (m.num_experts * h  # router
+                     + m.num_experts * (h * expert_ffn * gated + expert_ffn * h)
+                     + h * shared * gated + shared * h + (h if m.moe_shared_expert_gate else 0))
+        counts["experts"] = moe_layers * per_layer
+    if tuner is not None and tuner.tuner_type == "lora":
+        from ..arguments.tuner import MCORE_LINEARS, mcore_targets
+
+        kinds = (MCORE_LINEARS if tuner.target_regex is not None
+                 else mcore_targets(tuner.target_modules))
+        sizes = {"linear_qkv": h + qkv_out, "linear_proj": heads * kv + h,
+                 "linear_fc1": h + ffn * gated, "linear_fc2": ffn + h}
+        counts["LoRA adapters"] = layers * tuner.lora_rank * sum(sizes[k] for k in kinds)
+    return counts
+
+
+def padded_vocab(m) -> int:
+    """The embedding's rows as far as the flags know them: --vocab_size (or, unset, the
+    smallest vocabulary) padded by megatron's rule. The tensor-parallel factor is left out:
+    the padding only grows with it."""
+    multiple = m.make_vocab_size_divisible_by
+    return -(-(m.vocab_size or 1) // multiple) * multiple
+
+
+def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Part]:
+    """The memory of one rank, part by part (a lower bound)."""
+    m, t, p, tuner = flags.model, flags.training, flags.parallel, flags.tuner
+    counts = parameter_counts(m, tuner)
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    ep = p.expert_model_parallel_size
+    dp = max(1, world_size // (tp * pp))
+    weight = 4 if precision == "fp32" else 2
+    lora = tuner.tuner_type == "lora"
+    saved = set(getattr(tuner, "modules_to_save", ()) or ())
+    trained = TRAINED_BYTES
+    if p.use_distributed_optimizer:
+        trained = TRAINED_BYTES - OPTIMIZER_BYTES + -(-OPTIMIZER_BYTES // dp)
+
+    def per_parameter(name: str) -> int:
+        if weights_only:
+            return weight
+        if not lora or name == "LoRA adapters":
+            return trained
+        if name == "embedding" and saved & {"word_embeddings", "embed_tokens"}:
+            return trained
+        if name == "output layer" and saved & {"output_layer", "lm_head"}:
+            return trained
+        return weight  # frozen base weights
+
+    shards = {"embedding": tp, "output layer": tp, "layers": tp * pp, "experts": ep * tp * pp,
+              "LoRA adapters": pp}
+    sizes = {
+        "embedding": (("vocab_size", padded_vocab(m)), ("hidden_size", m.hidden_size),
+                      ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)),
+        "layers": (("num_layers", m.num_layers), ("hidden_size", m.hidden_size),
+                   ("ffn_hidden_size", m.ffn_hidden_size),
+                   ("num_attention_heads", m.num_attention_heads),
+                   ("kv_channels", m.kv_channels or 0)),
+        "experts": (("num_experts", m.num_experts or 0),
+                    ("moe_ffn_hidden_size", m.moe_ffn_hidden_size or 0),
+                    ("moe_shared_expert_intermediate_size",
+                     m.moe_shared_expert_intermediate_size or 0),
+                    ("hidden_size", m.hidden_size), ("num_layers", m.num_layers)),
+        "LoRA adapters": (("lora_rank", tuner.lora_rank), ("hidden_size", m.hidden_size),
+                          ("num_layers", m.num_layers)),
+    }
+    if m.position_embedding_type == "learned_absolute":
+        sizes["embedding"] += (("max_position_embeddings", m.max_position_embeddings),)
+    sizes["output layer"] = sizes["embedding"][:3]
+    found = [Part(name, count, -(-count // shards[name]) * per_parameter(name), sizes[name])
+             for name, count in counts.items() if count]
+    layers_here = -(-m.num_layers // pp)
+    found.append(Part("Python modules", 0, layers_here * LAYER_OBJECT_BYTES,
+                      (("num_layers", m.num_layers),)))
+    if not weights_only:
+        # kept for the backward pass at least: each layer's input (also under full
+        # recompute) and the logits, per micro-batch (split over the TP ranks at most)
+        tokens = t.micro_batch_size * m.seq_length
+        kept = tokens * (layers_here * m.hidden_size + padded_vocab(m)) * weight // tp
+        found.append(Part("activations", 0, kept,
+                          (("seq_length", m.seq_length),
+                           ("micro_batch_size", t.micro_batch_size),
+                           ("hidden_size", m.hidden_size), ("vocab_size", padded_vocab(m)),
+                           ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by))))
+    return found
+
+
+def available(cuda: bool, ranks_here: int) -> Tuple[int, str]:
+    """(bytes one rank may use, where they are): the GPU's memory with CUDA; on CPU the
+    memory the machine has available, shared by the ranks on it, and at most what this
+    process's address-space limit (ulimit -v) leaves. None-like 0 when unknown."""
+    if cuda:
+        from ..runtime import hardware
+
+        total = hardware.gpu_memory()  # 0 without a usable GPU (a simulated one in tests)
+        if total:
+            return total, f"the {fmt_bytes(total)} of GPU memory of each rank"
+        return 0, ""
+    import psutil
+    import resource
+
+    memory = psutil.virtual_memory()
+    # A rank of a launched run sees its peers already allocating: the machine's total, the
+    # same on every rank, keeps the ranks' decisions alike.
+    launched = "LOCAL_RANK" in os.environ
+    machine = memory.total if launched else memory.available
+    have = machine // max(1, ranks_here)
+    where = (f"the {fmt_bytes(machine)} {'of' if launched else 'available on'} this machine"
+             + (f" shared by {ranks_here} ranks" if ranks_here > 1 else ""))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        left = max(0, soft - psutil.Process().memory_info().vms)
+        if left < have:
+            have, where = left, (f"the {fmt_bytes(left)} this process's address-space limit "
+                                 f"(ulimit -v) leaves")
+    return have, where
+
+
+def check(flags, world_size: int, cuda: bool, precision: str, weights_only: bool = False
+          ) -> None:
+    """Refuse (ArgumentError) a model whose lower-bound memory exceeds what one rank has,
+    naming the flag that makes it large, the parameters and the estimate."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC_PER_NODE")
+                     or 1) if not cuda else 1
+    ranks_here = min(ranks_here, world_size)
+    found = parts(flags, world_size, precision, weights_only)
+    need = sum(part.bytes for part in found)
+    have, where = available(cuda, ranks_here)
+    if not have or need <= have:
+        return
+    biggest = max(found, key=lambda part: part.bytes)
+    m = flags.model
+    given = set(flags.explicit) | (set(CONFIG_KEYS) if m.model else set())
+    name, value = biggest.lead(given)
+    source = ""
+    if m.model and name in CONFIG_KEYS and name not in flags.explicit:
+        source = f" ({CONFIG_KEYS[name]} in {m.model}/config.json)"
+    total = sum(part.parameters for part in found)
+    use = ("weights" if weights_only else
+           "weights, gradients, optimizer state and activations")
+    raise ArgumentError(
+        f"--{name} {value}{source} makes the model too large for this machine: it has "
+        f"{fmt_count(total)} parameters, and one rank needs at least {fmt_bytes(need)} for "
+        f"its {use} ({precision}; {fmt_bytes(biggest.bytes)} for its {biggest.name}), more "
+        f"than {where}")
+
+
+def fmt_bytes(count: int) -> str:
+    """'59.1 GB', '3.2 TB'; beyond petabytes '10^21 bytes' (ints of any size)."""
+    for unit, size in (("PB", 10**15), ("TB", 10**12), ("GB", 10**9), ("MB", 10**6)):
+        if size <= count < 1000 * size or (unit == "MB" and count < size):
+            return f"{count / size:.3g} {unit}"
+    return f"about 10^{len(str(count)) - 1} bytes"
+
+
+def fmt_count(count: int) -> str:
+    """'3.69 billion', '412 million', '5000'; beyond trillions '10^15' (ints of any size)."""
+    for unit, size in (("trillion", 10**12), ("billion", 10**9), ("million", 10**6)):
+        if size <= count < 1000 * size:
+            return f"{count / size:.3g} {unit}"
+    return str(count) if count < 10**6 else f"about 10^{len(str(count)) - 1}"

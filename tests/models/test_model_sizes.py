@@ -1,0 +1,184 @@
+"""Sizes no machine can hold are refused before memory is taken: a tampered config.json in a
+Hugging Face folder, a tampered args.json in a checkpoint, huge flags and --moe_layer_freq
+expressions. Each command runs as a user would start it, in a subprocess under an
+address-space limit (so a regression fails instead of eating the machine), and must end
+with exit code 2, one line naming the field and the estimate, and nothing written."""
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import hf_helpers as H
+from run_helpers import ROOT, TINY, child_env, run_pt
+from swift_mcore.arguments import PretrainArguments
+
+LIMIT = 4_000_000_000  # bytes of address space a refused command may take (torch: ~1.5 GB)
+
+
+def _limit():
+    resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
+
+
+def cli(*args, timeout=240):
+    """swift-mcore ARGS in a child limited to LIMIT bytes of address space."""
+    return subprocess.run([sys.executable, "-m", "swift_mcore", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=child_env(), preexec_fn=_limit)
+
+
+def snapshot(path):
+    """(relative path, size, mtime) of every file under ``path``."""
+    found = []
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            stat = os.stat(full)
+            found.append((os.path.relpath(full, path), stat.st_size, stat.st_mtime_ns))
+    return sorted(found)
+
+
+def assert_refused(proc, *parts):
+    """Exit code 2, no traceback, one error line holding every one of ``parts``."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    for part in parts:
+        assert part in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sizes") / "llama"
+    H.make_family(str(path), "llama")
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A one-iteration TINY run's checkpoint folder."""
+    out = tmp_path_factory.mktemp("sizes") / "run"
+    run_pt(out, "--train_iters", "1")
+    folder = out / "checkpoint" / "iter_0000001"
+    assert (folder / "args.json").exists()
+    return folder
+
+
+PT = ["--train_iters", "1", "--lr_warmup_iters", "0", "--seq_length", "32",
+      "--global_batch_size", "1", "--micro_batch_size", "1"]
+
+
+@pytest.mark.parametrize("key, value, flag", [
+    ("num_hidden_layers", 100_000, "--num_layers 100000 (num_hidden_layers in"),
+    ("hidden_size", 10**9, "--hidden_size 1000000000 (hidden_size in"),
+    ("vocab_size", 10**10, "--vocab_size 10000000000 (vocab_size in"),
+    ("intermediate_size", 10**11, "--ffn_hidden_size 100000000000 (intermediate_size in"),
+])
+def test_tampered_config_json_is_refused_before_building(llama, tmp_path, key, value, flag):
+    model = tmp_path / "model"
+    shutil.copytree(llama, model)
+    H.edit_config(str(model), **{key: value})
+    before = snapshot(model)
+    out = tmp_path / "out"
+    proc = cli("pt", "--model", model, *PT, "--output_dir", out)
+    assert_refused(proc, flag, "makes the model too large for this machine", "needs at least",
+                   "parameters")
+    assert not out.exists()
+    assert snapshot(model) == before
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--num_layers", "100000"], "--num_layers 100000 "),
+    (["--hidden_size", "1000000000"], "--hidden_size 1000000000 "),
+    (["--ffn_hidden_size", "100000000000"], "--ffn_hidden_size 100000000000 "),
+    (["--kv_channels", "100000000000"], "--kv_channels 100000000000 "),
+    (["--vocab_size", "10000000000"], "--vocab_size 10000000000 "),
+    (["--make_vocab_size_divisible_by", "10000000000"],
+     "--make_vocab_size_divisible_by 10000000000 "),
+    (["--seq_length", "100000000"], "--seq_length 100000000 "),
+    (["--num_experts", "100000000"], "--num_experts 100000000 "),
+    (["--tuner_type", "lora", "--lora_rank", "100000000"], "--lora_rank 100000000 "),
+])
+def test_huge_flags_are_refused_before_building(tmp_path, flags, named):
+    out = tmp_path / "out"
+    proc = cli("pt", *TINY, "--train_iters", "1", *flags, "--output_dir", out)
+    assert_refused(proc, named, "needs at least", "more than")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("freq", ["([1]*1000000)*1000000", "[1]*2" + "*1000" * 6,
+                                  "[1]" + "+[1]" * 30_000, "(" * 150 + "[1]*2" + ")" * 150])
+def test_moe_layer_freq_expressions_are_bounded(tmp_path, freq):
+    out = tmp_path / "out"
+    proc = cli("pt", *TINY, "--train_iters", "1", "--num_experts", "4",
+               "--moe_layer_freq", freq, "--output_dir", out)
+    assert_refused(proc, "--moe_layer_freq takes an integer k >= 1 or a list of 2 0/1 values")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["export", "--to_hf", "--output_dir", "{out}"],
+    ["infer", "--prompt", "hello", "--max_new_tokens", "2"],
+])
+@pytest.mark.parametrize("field, value", [("num_layers", 100_000), ("hidden_size", 10**9),
+                                          ("vocab_size", 10**10)])
+def test_tampered_args_json_is_refused_on_export_and_infer(checkpoint, tmp_path, command,
+                                                           field, value):
+    folder = tmp_path / "iter_0000001"
+    shutil.copytree(checkpoint, folder)
+    args_path = folder / "args.json"
+    saved = json.loads(args_path.read_text())
+    saved["model"][field] = value
+    args_path.write_text(json.dumps(saved))
+    reseal(folder)  # as an attacker would: the checksums pass
+    before = snapshot(folder)
+    out = tmp_path / "out"
+    proc = cli(command[0], "--model", folder, *[a.format(out=out) for a in command[1:]])
+    assert_refused(proc, f"--{field} {value} ", "needs at least", "for its weights")
+    assert not out.exists()
+    assert snapshot(folder) == before
+
+
+def reseal(folder) -> None:
+    """The manifest's sizes and CRCs recomputed for the files as they are now."""
+    from swift_mcore.checkpointing import commit
+
+    manifest = json.loads((folder / commit.MANIFEST_FILENAME).read_text())
+    manifest["files"] = {}
+    for rel in commit.list_files(str(folder)):
+        if rel != commit.MANIFEST_FILENAME:
+            size, crc = commit.checksum(str(folder / rel))
+            manifest["files"][rel] = {"size": size, "crc32": crc}
+    commit.write_manifest(str(folder), manifest)
+
+
+def test_parameter_count_equals_the_built_models(gloo_group):
+    """The estimate counts what megatron builds: dense, MoE (shared, gated) and LoRA."""
+    from swift_mcore.models import footprint, lora
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.run_config import resolve
+
+    cases = [
+        dict(),
+        dict(num_experts=4, moe_ffn_hidden_size=48, moe_layer_freq="[0,1]",
+             moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
+             moe_router_pre_softmax=True, moe_router_topk=1),
+        dict(untie_embeddings_and_output_weights=False, add_qkv_bias=True, qk_layernorm=True,
+             kv_channels=8),
+        dict(tuner_type="lora", lora_rank=4, target_modules=["linear_qkv", "linear_proj"]),
+    ]
+    for changes in cases:
+        flags = PretrainArguments.from_flags(
+            num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+            seq_length=32, vocab_size=300, train_iters=10, lr_warmup_iters=0, **changes)
+        config = resolve(flags, world_size=1, cuda=False).complete(300, None)
+        model = lora.apply(config, build_model(config))[0]
+        built = sum(p.numel() for p in model.parameters())
+        assert sum(footprint.parameter_counts(config.model, config.tuner).values()) == built, \
+            changes
