@@ -4,7 +4,7 @@ micro-steps of one model with the two alternated.
 Part 1 times, for each distinct weight shape of the model (qkv, proj, fc1, fc2, output
 layer), the three products of a linear on the micro-batch's rows: the forward (x @ W.T)
 and the input gradient (g @ W) on MKL (torch.mm, megatron's path) and on oneDNN
-(torch.ops.mkldnn._linear_pointwise, runtime/onednn_linear.py), and the weight gradient
+(torch.ops.mkldnn._linear_pointwise, runtime/cpu/onednn_linear.py), and the weight gradient
 added into main_grad (MKL's addmm_, what both settings use) against oneDNN's product plus
 a separate add (the form oneDNN offers, which this project does not use). Part 2 builds the
 GPTModel as ``swift-mcore pt`` does (sdpa, fp32, megatron's DDP), and times one step's
@@ -42,7 +42,7 @@ def gemm_table(shapes, rows: int, repeats: int) -> list:
     """GFLOP/s of each product per weight shape (out, in), MKL against oneDNN."""
     import torch
 
-    from swift_mcore.runtime.onednn_linear import _onednn
+    from swift_mcore.runtime.cpu.onednn_linear import _onednn
 
     table = []
     for out_features, in_features in shapes:
@@ -88,7 +88,8 @@ def main() -> None:
     from swift_mcore._quiet import quiet_third_party
 
     quiet_third_party()
-    from swift_mcore.runtime import distributed, onednn_linear
+    from swift_mcore.runtime import distributed
+    from swift_mcore.runtime.cpu import onednn_linear
 
     if not onednn_linear.available():
         sys.exit("this torch build has no oneDNN linear: nothing to compare")

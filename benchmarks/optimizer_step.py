@@ -1,8 +1,8 @@
 """megatron's optimizer step on CPU: its stock torch AdamW loop against the fused kernel.
 
 Without CUDA megatron-core falls back to ``torch.optim.AdamW`` with default flags, a
-per-parameter loop on CPU; ``swift_mcore/training/optimizer.py`` switches it to torch's
-fused kernel (``use_fused_adamw_on_cpu``). This script builds the model (default: the 97M
+per-parameter loop on CPU; the CPU port (``swift_mcore/runtime/cpu/fused_adamw.py``) switches
+it to torch's fused kernel (``use_fused_adamw``). This script builds the model (default: the 97M
 model of checkpoint_io.py and throughput.py's "100m"), fills its gradients with one real
 forward/backward, and times ``optimizer.step()`` (megatron's: gradient copy, norm,
 clipping, then the Adam update) on the same optimizer and state, switching the param
@@ -26,10 +26,10 @@ LLAMA = LLAMA_SETTINGS
 
 
 def set_kernel(optimizer, fused: bool):
-    from swift_mcore.training.optimizer import use_fused_adamw_on_cpu
+    from swift_mcore.runtime.cpu.fused_adamw import use_fused_adamw
 
     if fused:
-        return use_fused_adamw_on_cpu(optimizer)
+        return use_fused_adamw(optimizer)
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         for group in part.optimizer.param_groups:
             group["fused"], group["foreach"] = None, None  # torch's defaults: the loop on CPU

@@ -41,7 +41,7 @@ def one(setting: str, tiny: bool, steps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from swift_mcore.runtime import cpu_compat
+    from swift_mcore.runtime.cpu import cpu_compat
 
     cpu_compat.activate()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29911"))
@@ -103,7 +103,7 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.one:
         print(json.dumps(one(opts.one, opts.tiny, opts.steps)), flush=True)
-        os._exit(0)  # skip gloo's interpreter teardown (docs/architecture.md)
+        os._exit(0)  # skip gloo's interpreter teardown (docs/cpu.md)
     rows = []
     for i, setting in enumerate(SETTINGS):
         env = dict(os.environ, PORT=str(29911 + i), PYTHONWARNINGS="ignore")

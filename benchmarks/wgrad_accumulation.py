@@ -1,8 +1,8 @@
 """What adding the weight gradients straight into DDP's main_grad saves on CPU: one model,
 megatron's unfused path against the fused one, alternated micro-step by micro-step.
 
-runtime/ddp.py turns on megatron's ``gradient_accumulation_fusion`` for the linears of a
-DDP-wrapped chunk without CUDA (runtime/cpu_compat.py stands in for apex's kernel with one
+The CPU port turns on megatron's ``gradient_accumulation_fusion`` for the linears of a
+DDP-wrapped chunk without CUDA (runtime/cpu/cpu_compat.py stands in for apex's kernel with one
 ``main_grad.addmm_``). Unfused, every linear allocates a weight-sized gradient per
 micro-batch, which DDP's hook adds into ``main_grad`` and frees. This script builds the
 GPTModel as ``swift-mcore pt`` does (sdpa attention, fp32), wraps it in megatron's DDP and
@@ -62,7 +62,7 @@ def main() -> None:
 
     quiet_third_party()
     from swift_mcore.runtime import distributed
-    from swift_mcore.runtime.ddp import accumulate_weight_gradients_in_place
+    from swift_mcore.runtime.cpu.cpu_compat import accumulate_weight_gradients_in_place
 
     vocab = 4096
     ddp = build_ddp_model(opts.size, opts.seq_length, vocab)

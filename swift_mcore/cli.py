@@ -30,9 +30,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{', '.join(COMMANDS)}\n\n{usage}", file=sys.stderr)
         return 2
     if not {"-h", "--help"} & set(rest):
-        from .runtime.hardware import eager_fusions_without_cuda
+        from .runtime import cpu
 
-        eager_fusions_without_cuda()
+        cpu.before_import()
     return COMMANDS[command][0](rest)
 
 

@@ -196,7 +196,7 @@ def _build(config: RunConfig, initialize: bool = False):
     from .runtime import distributed, seed
 
     distributed.initialize(config)
-    seed.set_seed(config.training.seed)
+    seed.set_seed(config.training.seed, config.cuda)
     return build_model(config, initialize=initialize)[0]
 
 

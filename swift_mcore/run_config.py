@@ -65,11 +65,10 @@ class RunConfig:
     lora_import: Optional[Any] = None
     vocab_size: Optional[int] = None         # the tokenizer's (complete() sets both)
     padded_vocab_size: Optional[int] = None  # the embedding's rows: megatron's padding rule
+    # The CPU port's decisions (runtime/cpu.choose; on CUDA these defaults):
     # --trim_host_memory on a CPU run with glibc: the free heap is released before each
-    # micro-batch (runtime/host_memory.py)
+    # micro-batch; --cpu_matmul: the linear layers' GEMM on CPU, onednn | mkl
     trim_host_memory: bool = False
-    # --cpu_matmul: the linear layers' GEMM on CPU, onednn | mkl; None on CUDA
-    # (runtime/onednn_linear.py, applied by distributed.initialize)
     cpu_matmul: Optional[str] = None
 
     # The flag groups (model, data, training, parallel, checkpoint, logging, sft) read as on
@@ -158,7 +157,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
     ``transformer_engine`` and ``apex`` stand in for the hardware (tests simulate a GPU).
     ``weights_only``: only the weights must fit in memory (export, infer)."""
     from .models import footprint
-    from .runtime import hardware, host_memory
+    from .runtime import cpu, hardware
 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -211,9 +210,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
                      layer_spec=layer_spec, attention=attention, packed_rows=packed_rows,
                      dataset_sources=sources, val_dataset_sources=val_sources,
                      precision=precision, base_model=base_model, lora_import=lora_import,
-                     trim_host_memory=(flags.training.trim_host_memory and not cuda
-                                       and host_memory.available()),
-                     cpu_matmul=choose_cpu_matmul(flags.training.cpu_matmul, cuda),
+                     **cpu.choose(flags, cuda),
                      **choose_gpu_defaults(flags, world, cuda, transformer_engine))
 
 
@@ -291,23 +288,6 @@ def choose_attention(flag: str, cuda: bool, transformer_engine: bool) -> str:
     return flag
 
 
-def choose_cpu_matmul(flag: str, cuda: bool) -> Optional[str]:
-    """--cpu_matmul -> the GEMM megatron's linears use on CPU: 'auto' is oneDNN where this
-    torch has it (faster than MKL on the CPU measured:
-    benchmarks/README.md#the-cpu-gemm-onednn-against-mkl), else MKL.
-    None on CUDA, where the flag does nothing."""
-    if cuda:
-        return None
-    from .runtime import onednn_linear
-
-    if flag == "onednn" and not onednn_linear.available():
-        raise ArgumentError("--cpu_matmul onednn: this torch build has no oneDNN linear "
-                            "(torch.ops.mkldnn._linear_pointwise); choose auto or mkl")
-    if flag == "auto":
-        return "onednn" if onednn_linear.available() else "mkl"
-    return flag
-
-
 def check_hardware(flags: PretrainArguments, cuda: bool) -> str:
     """Flags this machine cannot run; returns the process-group backend."""
     p = flags.parallel
@@ -366,7 +346,7 @@ def check_recompute_hardware(flags: PretrainArguments, cuda: bool,
                              transformer_engine: bool) -> None:
     """--recompute_modules layernorm on a GPU without Transformer Engine: megatron-core
     0.16.1's CheckpointWithoutOutput then takes its FP8 path (random.py:636), which imports
-    Transformer Engine (on CPU runtime/cpu_compat.py passes it by)."""
+    Transformer Engine (on CPU the CPU port, runtime/cpu, passes it by)."""
     t = flags.training
     if (cuda and not transformer_engine and t.recompute_granularity == "selective"
             and "layernorm" in t.recompute_modules):

@@ -65,7 +65,7 @@ def gloo_group():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from swift_mcore.runtime import cpu_compat, onednn_linear
+    from swift_mcore.runtime.cpu import cpu_compat, onednn_linear
 
     cpu_compat.activate()
     # Models built here multiply on megatron's own torch.matmul; a run through the Trainer

@@ -73,7 +73,7 @@ def main(out_dir: str) -> None:  # one rank of a world of 2: TP=2
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from swift_mcore.runtime import cpu_compat
+    from swift_mcore.runtime.cpu import cpu_compat
 
     cpu_compat.activate()
     rank = int(os.environ["RANK"])
@@ -84,7 +84,7 @@ def main(out_dir: str) -> None:  # one rank of a world of 2: TP=2
         json.dump(result, fh)
     dist.barrier()
     sys.stdout.flush()
-    os._exit(0)  # results written; skip gloo's interpreter teardown (docs/architecture.md)
+    os._exit(0)  # results written; skip gloo's interpreter teardown (docs/cpu.md)
 
 
 if __name__ == "__main__":

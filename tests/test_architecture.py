@@ -229,3 +229,49 @@ def test_a_one_process_group_leaves_the_environment_as_it_was():
                           text=True, timeout=240, cwd=PACKAGE.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+# ---- CUDA is decided once, and the CPU port has one face -------------------------------------
+HARDWARE = "swift_mcore.runtime.hardware"
+CPU_WING = "swift_mcore.runtime.cpu"
+
+
+def cuda_probes(source: str):
+    """Line numbers where ``source`` calls ``<anything>.cuda.is_available()``."""
+    def dotted(node) -> str:
+        if isinstance(node, ast.Attribute):
+            return f"{dotted(node.value)}.{node.attr}"
+        return node.id if isinstance(node, ast.Name) else "?"
+
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and dotted(node.func).endswith("cuda.is_available")]
+
+
+def test_only_the_hardware_module_asks_torch_for_cuda():
+    """RunConfig.cuda is decided once (run_config.resolve, from runtime/hardware.py); every
+    other module reads it, so resolve(cuda=True) simulates a GPU for all of them."""
+    assert cuda_probes("import torch\nif torch.cuda.is_available():\n    pass\n") == [2]
+    probes = {module_name(p): cuda_probes(p.read_text()) for p in PACKAGE.rglob("*.py")}
+    assert {m for m, lines in probes.items() if lines} == {HARDWARE}
+
+
+def test_the_cpu_port_is_reached_only_through_its_face():
+    """Nothing outside runtime/cpu/ imports its inner modules: the general code calls the
+    functions of runtime/cpu/__init__.py, each a no-op on CUDA."""
+    graph = import_graph()
+    inner = {m for m in graph if m.startswith(CPU_WING + ".")}
+    assert {"swift_mcore.runtime.cpu.cpu_compat", "swift_mcore.runtime.cpu.onednn_linear"} <= inner
+    reaching_in = {m: sorted(deps & inner) for m, deps in graph.items()
+                   if m != CPU_WING and not m.startswith(CPU_WING + ".") and deps & inner}
+    assert reaching_in == {}
+    assert CPU_WING in graph["swift_mcore.runtime.distributed"]  # the face is what they use
+
+
+def test_the_cpu_port_stands_on_the_ground_floor():
+    """The port adapts megatron-core and torch: of swift-mcore it uses only the runtime
+    around it and errors, never models, training, checkpointing or data."""
+    graph = import_graph()
+    outside = {m: sorted(d for d in deps if not d.startswith("swift_mcore.runtime")
+                         and d != "swift_mcore.errors")
+               for m, deps in graph.items() if m == CPU_WING or m.startswith(CPU_WING + ".")}
+    assert {m: d for m, d in outside.items() if d} == {}

@@ -100,11 +100,11 @@ def _main_grads_after(args, fused: bool, micro_batches: int = 2):
 def test_weight_gradients_accumulate_into_main_grad_as_the_unfused_path(gloo_group, tied,
                                                                        monkeypatch):
     """On CPU the DDP-wrapped linears add their weight gradients straight into main_grad
-    (runtime/cpu_compat.py): over two micro-batches the gradients equal megatron's unfused
+    (runtime/cpu/cpu_compat.py): over two micro-batches the gradients equal megatron's unfused
     path's (a weight-gradient tensor per linear that DDP's hook adds), with the output
     layer sharing the embedding's weight too (megatron zero-fills its placeholder there)."""
-    from swift_mcore.runtime import cpu_compat
-    from swift_mcore.runtime.ddp import accumulate_weight_gradients_in_place
+    from swift_mcore.runtime.cpu import cpu_compat
+    from swift_mcore.runtime.cpu.cpu_compat import accumulate_weight_gradients_in_place
 
     stand_in = cpu_compat._WeightGradientAccumulation
     calls = []

@@ -1,5 +1,5 @@
 """Without CUDA the CLI has megatron's torch.compile'd fusions decorated as plain functions
-(runtime/hardware.eager_fusions_without_cuda): no inductor import per process."""
+(runtime/cpu.before_import): no inductor import per process."""
 
 import os
 import subprocess
@@ -26,21 +26,22 @@ def probe(setup: str, **env) -> str:
 def test_the_cli_leaves_megatrons_fusions_uncompiled_without_cuda():
     # What `python -m swift_mcore` does: the package, then cli.main before any command.
     setup = "import swift_mcore.cli; assert 'megatron.core' not in sys.modules; " \
-            "from swift_mcore.runtime.hardware import eager_fusions_without_cuda; " \
-            "eager_fusions_without_cuda()"
+            "from swift_mcore.runtime import cpu; cpu.before_import()"
     assert probe(setup) == ["False", "1"]
     # Left alone, megatron wraps them in torch.compile.
     assert probe("pass") == ["True", "None"]
 
 
 def test_a_users_own_dynamo_setting_is_kept(monkeypatch):
-    from swift_mcore.runtime import hardware
+    from swift_mcore.runtime import cpu, hardware
 
     monkeypatch.setattr(hardware, "cuda_available", lambda: False)
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
-    hardware.eager_fusions_without_cuda()
+    cpu.before_import()
     assert os.environ["TORCHDYNAMO_DISABLE"] == "0"
     monkeypatch.delenv("TORCHDYNAMO_DISABLE")
     monkeypatch.setattr(hardware, "cuda_available", lambda: True)
-    hardware.eager_fusions_without_cuda()  # with CUDA megatron's compiled fusions stay
+    cpu.before_import()  # with CUDA megatron's compiled fusions stay
+    assert "TORCHDYNAMO_DISABLE" not in os.environ
+    cpu.before_import(cuda=True)  # the caller's answer wins over the hardware's
     assert "TORCHDYNAMO_DISABLE" not in os.environ

@@ -49,6 +49,6 @@ def test_a_crash_in_training_exits_with_its_traceback(tmp_path):
 def test_an_api_script_that_returns_without_exit_process_exits(tmp_path):
     proc = run_script(RETURNS, tmp_path, "--train_iters", "2", "--no_save")
     assert "main returned 0" in proc.stdout, proc.stderr[-3000:]
-    # Interpreter teardown itself may meet gloo's abort at exit (docs/architecture.md,
+    # Interpreter teardown itself may meet gloo's abort at exit (docs/cpu.md,
     # "Platform facts"); what this test holds is that the process ends at all.
     assert proc.returncode in (0, -6), proc.stderr[-3000:]  # -6: SIGABRT

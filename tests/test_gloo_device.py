@@ -1,4 +1,4 @@
-"""runtime/gloo_device.py: on CPU every process group, megatron's twenty included, shares
+"""runtime/cpu/gloo_device.py: on CPU every process group, megatron's twenty included, shares
 one gloo device, so one gloo_tcp_loop thread runs instead of one per group; collectives
 over the shared device give what torch's own groups give."""
 
@@ -14,7 +14,8 @@ import torch, torch.distributed as dist
 from megatron.core import parallel_state
 from swift_mcore.arguments import parse_args
 from swift_mcore.run_config import resolve
-from swift_mcore.runtime import distributed, gloo_device
+from swift_mcore.runtime import distributed
+from swift_mcore.runtime.cpu import gloo_device
 
 def loops():
     return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop"

@@ -407,7 +407,6 @@ def test_each_rank_saves_and_restores_its_own_gpus_rng(monkeypatch):
     def get_all():
         raise AssertionError("every device's state: the other GPUs are other ranks'")
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "get_rng_state",
@@ -416,8 +415,111 @@ def test_each_rank_saves_and_restores_its_own_gpus_rng(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", get_all)
     monkeypatch.setattr(torch.cuda, "set_rng_state",
                         lambda state, device="cuda": restored.append((device, state[0].item())))
-    captured = rng.capture()
+    captured = rng.capture(gpu().cuda)  # RunConfig.cuda decides, not torch
     # restored on a node where this rank's GPU has another index
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert "cuda" in rng.apply(captured)
+    assert "cuda" in rng.apply(captured, gpu().cuda)
     assert restored.pop() == (1, 3)  # GPU 3's state onto this rank's GPU 1, not GPU 0's
+
+
+# ---- 8. RunConfig.cuda reaches every module that branches on CUDA -------------------------
+def _tiny_complete(**flags):
+    return cpu(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+               seq_length=32, **flags).complete(256, None, padded_vocab_size=256)
+
+
+def test_the_cpu_port_does_nothing_on_cuda(monkeypatch):
+    """Each call of the CPU port's face is a no-op for a CUDA config and reaches its CPU
+    piece for a CPU one."""
+    from swift_mcore.runtime import cpu as port
+    from swift_mcore.runtime.cpu import cpu_compat, fused_adamw, gloo_device, onednn_linear
+
+    calls = []
+
+    def spy(name, result=None):
+        return lambda *args, **kwargs: calls.append(name) or result
+
+    monkeypatch.setattr(cpu_compat, "activate", spy("activate", True))
+    monkeypatch.setattr(onednn_linear, "enable", spy("enable"))
+    monkeypatch.setattr(gloo_device, "install", spy("gloo_device"))
+    monkeypatch.setattr(cpu_compat, "accumulate_weight_gradients_in_place", spy("wgrad", 4))
+    monkeypatch.setattr(fused_adamw, "use_fused_adamw", spy("adamw", 2))
+    step = lambda: None  # noqa: E731
+
+    g = gpu(trim_host_memory=True, cpu_matmul="onednn")
+    assert (g.cpu_matmul, g.trim_host_memory) == (None, False)
+    assert port.install(g) is False
+    assert port.after_ddp(["chunk"], g) == 0 and port.after_optimizer(object(), g) == 0
+    assert port.wrap_forward_step(step, g) is step
+    assert calls == []
+
+    c = cpu(trim_host_memory=True)
+    assert port.install(c) is True and calls[:2] == ["activate", "enable"]
+    assert port.after_ddp(["chunk", "chunk"], c) == 8 and port.after_optimizer(object(), c) == 2
+    assert (port.wrap_forward_step(step, c) is not step) is c.trim_host_memory
+    assert {"wgrad", "adamw"} <= set(calls)
+
+
+def test_ddp_takes_its_gpu_path_from_the_config(gloo_group, monkeypatch):
+    """cuda=True: DDP is built on a side stream and the linears keep megatron's unfused
+    weight gradients (apex's kernel is the GPU's); cuda=False: no stream, the CPU port's
+    in-place accumulation."""
+    import contextlib
+    import dataclasses
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.runtime.ddp import wrap_model
+
+    streams = []
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            streams.append(self)
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    config = _tiny_complete()
+
+    def fused(run_config):
+        (chunk,) = wrap_model(run_config, build_model(config))
+        return {m.gradient_accumulation_fusion for m in chunk.modules()
+                if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+    assert fused(dataclasses.replace(config, cuda=True)) == {False} and streams
+    streams.clear()
+    assert fused(config) == {True} and streams == []
+
+
+def test_seeding_and_the_loader_take_cuda_from_the_config(gloo_group, monkeypatch):
+    import dataclasses
+
+    from megatron.core import tensor_parallel
+
+    from swift_mcore.data import loader
+    from swift_mcore.runtime import seed
+
+    trackers = []
+    monkeypatch.setattr(tensor_parallel, "model_parallel_cuda_manual_seed",
+                        lambda s, **kwargs: trackers.append(kwargs["inference_rng_tracker"]))
+    seed.set_seed(1, cuda=True)
+    seed.set_seed(1, cuda=False)
+    assert trackers == [False, True]  # the CUDA tracker forks a GPU generator; CPU: none
+
+    pinned = []
+
+    def data_loader(*args, **kwargs):
+        pinned.append(kwargs["pin_memory"])
+        raise Reached
+
+    monkeypatch.setattr(torch.utils.data, "DataLoader", data_loader)
+    config = _tiny_complete()
+    for run_config in (dataclasses.replace(config, cuda=True), config):
+        with pytest.raises(Reached):
+            loader.build_data_iterator(list(range(64)), 0, run_config)
+    assert pinned == [True, False]

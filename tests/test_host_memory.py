@@ -10,7 +10,7 @@ import pytest
 
 from swift_mcore import PretrainArguments
 from swift_mcore.run_config import resolve
-from swift_mcore.runtime import host_memory
+from swift_mcore.runtime.cpu import host_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_glibc = pytest.mark.skipif(not host_memory.available(), reason="needs glibc's malloc_trim")
@@ -28,7 +28,7 @@ page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * page / 2**20
-from swift_mcore.runtime import host_memory
+from swift_mcore.runtime.cpu import host_memory
 base = rss()
 big, small = [], []
 for _ in range(64):

@@ -148,7 +148,7 @@ def test_logged_z_loss_is_averaged_over_tp_and_dp(gloo_group):
     tracker.clear()
 
 
-# ---- the CPU adaptations the MoE layer needs (runtime/cpu_compat.py) ------------------
+# ---- the CPU adaptations the MoE layer needs (runtime/cpu/cpu_compat.py) ------------------
 def test_router_gating_without_transformer_engine(gloo_group):
     from megatron.core.transformer.moe import moe_utils
 
@@ -170,7 +170,7 @@ def test_split_sizes_reach_all_to_all_as_numpy(gloo_group):
 def test_avg_all_reduce_and_stream_events_on_gloo(gloo_group):
     import torch.distributed as dist
 
-    from swift_mcore.runtime import cpu_compat
+    from swift_mcore.runtime.cpu import cpu_compat
 
     proxy = cpu_compat._CpuTorch()
     value = torch.tensor([4.0, 2.0])

@@ -1,4 +1,4 @@
-"""runtime/onednn_linear.py: megatron's linears on oneDNN give megatron's outputs and
+"""runtime/cpu/onednn_linear.py: megatron's linears on oneDNN give megatron's outputs and
 gradients, take the fast path only where it applies, and --cpu_matmul decides it once."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from swift_mcore.arguments import PretrainArguments
 from swift_mcore.errors import ArgumentError
-from swift_mcore.run_config import choose_cpu_matmul, resolve
-from swift_mcore.runtime import onednn_linear
+from swift_mcore.run_config import resolve
+from swift_mcore.runtime.cpu import onednn_linear
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(),
                                 reason="this torch build has no oneDNN linear")
@@ -113,7 +113,7 @@ def test_other_cases_go_to_megatrons_function(onednn_calls, monkeypatch, case):
 
 
 def test_activate_installs_the_stand_ins_once(gloo_group):
-    from swift_mcore.runtime import cpu_compat
+    from swift_mcore.runtime.cpu import cpu_compat
 
     layers = _layers()
     linear, frozen = (layers.LinearWithGradAccumulationAndAsyncCommunication,
@@ -127,19 +127,21 @@ def test_activate_installs_the_stand_ins_once(gloo_group):
 
 
 def test_cpu_matmul_is_decided_once(monkeypatch):
-    assert choose_cpu_matmul("auto", cuda=False) == "onednn"
-    assert choose_cpu_matmul("mkl", cuda=False) == "mkl"
-    assert choose_cpu_matmul("onednn", cuda=True) is None  # nothing to choose on a GPU
+    assert onednn_linear.choose("auto") == "onednn"
+    assert onednn_linear.choose("mkl") == "mkl"
     default = resolve(PretrainArguments(), world_size=1, cuda=False)
     assert default.cpu_matmul == "onednn" and "linear layers on oneDNN" in default.describe()
     mkl = resolve(PretrainArguments.from_flags(cpu_matmul="mkl"), world_size=1, cuda=False)
     assert "linear layers on torch.matmul (MKL)" in mkl.describe()
     gpu = resolve(PretrainArguments(), world_size=1, cuda=True, transformer_engine=False)
     assert gpu.cpu_matmul is None and "linear layers" not in gpu.describe()
+    explicit = resolve(PretrainArguments.from_flags(cpu_matmul="onednn"), world_size=1,
+                       cuda=True, transformer_engine=False)
+    assert explicit.cpu_matmul is None  # nothing to choose on a GPU
     monkeypatch.setattr(onednn_linear, "available", lambda: False)
-    assert choose_cpu_matmul("auto", cuda=False) == "mkl"
+    assert onednn_linear.choose("auto") == "mkl"
     with pytest.raises(ArgumentError, match="--cpu_matmul onednn: this torch build"):
-        choose_cpu_matmul("onednn", cuda=False)
+        resolve(PretrainArguments.from_flags(cpu_matmul="onednn"), world_size=1, cuda=False)
 
 
 @pytest.mark.parametrize("choice", ["auto", "mkl"])

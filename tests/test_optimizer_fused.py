@@ -58,3 +58,23 @@ def test_fused_steps_match_megatrons_loop(gloo_group):
         runs[fused] = {n: p.detach().clone() for n, p in model[0].named_parameters()}
     for name, value in runs[False].items():
         assert float((runs[True][name] - value).abs().max()) <= 1e-5, name
+
+
+def test_a_cuda_config_leaves_megatrons_optimizer_as_it_built_it(gloo_group):
+    """RunConfig.cuda decides, not the machine: with cuda=True the CPU port does not touch
+    the optimizer (on a GPU megatron's fused Adam is TE's or apex's)."""
+    import dataclasses
+
+    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.run_config import resolve
+    from swift_mcore.runtime.ddp import wrap_model
+    from swift_mcore.training import optimizer as opt
+
+    args = resolve(PretrainArguments.from_flags(num_layers=2, hidden_size=64,
+                                                num_attention_heads=4, num_query_groups=2,
+                                                seq_length=32), world_size=1
+                   ).complete(256, None, padded_vocab_size=256)
+    model = wrap_model(args, build_model(args))
+    optimizer = opt.build_optimizer(dataclasses.replace(args, cuda=True), model)
+    assert groups(optimizer) and not any(g["fused"] for g in groups(optimizer))

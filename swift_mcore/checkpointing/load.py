@@ -149,11 +149,11 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
 
     rng_restored, rng_note = False, ""
     if load_rng and foreign:
-        rng_restored, rng_note = _restore_megatron_lm_rng(folder, record.layout)
+        rng_restored, rng_note = _restore_megatron_lm_rng(folder, record.layout, config.cuda)
         if rng_restored:
             restored.append("RNG")
     elif load_rng:
-        rng_restored, rng_note = _restore_rng(folder, record.rng_layouts)
+        rng_restored, rng_note = _restore_rng(folder, record.rng_layouts, config.cuda)
         if rng_restored:
             restored.append("RNG")
     state = dataclasses.replace(record.train_state)  # the trainer's own, to advance
@@ -332,14 +332,15 @@ def _apply_current_optimizer_settings(config, optimizer) -> None:
             group["eps"] = t.adam_eps
 
 
-def _restore_rng(folder: str, layouts: Dict[int, Dict[str, int]]) -> Tuple[bool, str]:
+def _restore_rng(folder: str, layouts: Dict[int, Dict[str, int]], cuda: bool
+                 ) -> Tuple[bool, str]:
     """Restore this rank's RNG states. Returns (whether every rank restored one, a note
     from the first rank that has one: how its state was chosen, or why it was not)."""
     source, note = rng.choose(layouts, rng.layout())
     error = None
     if source is not None:
         try:
-            rng.apply(rng.load(folder, source))
+            rng.apply(rng.load(folder, source), cuda)
         except (OSError, ValueError, KeyError, TypeError) as err:
             error = f"checkpoint {folder}: RNG state of rank {source} is unreadable ({err})"
     comm.raise_if_any(error)
@@ -348,10 +349,11 @@ def _restore_rng(folder: str, layouts: Dict[int, Dict[str, int]]) -> Tuple[bool,
     return all(ok for ok, _ in results), (notes[0] if notes else "")
 
 
-def _restore_megatron_lm_rng(folder: str, layout: Dict[str, Any]) -> Tuple[bool, str]:
+def _restore_megatron_lm_rng(folder: str, layout: Dict[str, Any], cuda: bool
+                             ) -> Tuple[bool, str]:
     error, result = None, (False, "")
     try:
-        result = megatron_lm.restore_rng(folder, layout)
+        result = megatron_lm.restore_rng(folder, layout, cuda)
     except CheckpointError as err:
         error = str(err)
     comm.raise_if_any(error)

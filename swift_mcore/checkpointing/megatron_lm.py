@@ -196,7 +196,7 @@ def common_entries(state, scheduler, config) -> Dict[str, Any]:
                   state.floating_point_operations_so_far),
               "content_metadata": dict(CONTENT_METADATA)}
     if not config.checkpoint.no_save_rng:
-        common["rng_state"] = sharded_rng_state(config.training.seed)
+        common["rng_state"] = sharded_rng_state(config.training.seed, config.cuda)
     return common
 
 
@@ -277,7 +277,7 @@ def philox_state(seed: int, offset: int = 0):
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
 
-def rng_state(seed: int) -> Dict[str, Any]:
+def rng_state(seed: int, cuda: bool) -> Dict[str, Any]:
     """This rank's RNG states in the dict Megatron-LM's get_rng_state builds. On a GPU the
     CUDA generator's and the tracker's own states; without CUDA none of them exist (no CUDA
     draw ever happened), so they are the states Megatron-LM's seeding gives them:
@@ -293,11 +293,11 @@ def rng_state(seed: int) -> Dict[str, Any]:
 
     tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
     base = int(seed) + 100 * ps.get_pipeline_model_parallel_rank()
-    if torch.cuda.is_available() and tracker:
-        cuda = torch.cuda.get_rng_state()
+    if cuda and tracker:
+        cuda_state = torch.cuda.get_rng_state()
         tracker = {name: state.clone() for name, state in tracker.items()}
     else:
-        cuda = philox_state(base)
+        cuda_state = philox_state(base)
         tracker = {
             "data-parallel-rng": philox_state(base),
             "model-parallel-rng": philox_state(
@@ -307,11 +307,11 @@ def rng_state(seed: int) -> Dict[str, Any]:
                 + ps.get_expert_tensor_parallel_rank()),
         }
     return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": cuda,
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": cuda_state,
             "rng_tracker_states": tracker}
 
 
-def sharded_rng_state(seed: int):
+def sharded_rng_state(seed: int, cuda: bool):
     """``rng_state`` as Megatron-LM's torch_dist save shards it: one object per (PP, TP)
     position, replicated over the data-parallel ranks (its key in .metadata:
     ``rng_state/shard_{pp}.{tp}_{PP}.{TP}``), holding a one-element list."""
@@ -319,7 +319,7 @@ def sharded_rng_state(seed: int):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return ShardedObject(
-        "rng_state", [rng_state(seed)],
+        "rng_state", [rng_state(seed, cuda)],
         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
@@ -327,7 +327,7 @@ def sharded_rng_state(seed: int):
 
 # ---- Megatron-LM's RNG states into this process -------------------------------------------
 
-def restore_rng(folder: str, layout: Dict[str, Any]) -> tuple:
+def restore_rng(folder: str, layout: Dict[str, Any], cuda: bool) -> tuple:
     """Collective: this rank's states from a Megatron-LM checkpoint's ``rng_state`` (read
     with safe_load's rng_state allow-list). Returns (restored, note). python's, numpy's and
     torch's generators always; the CUDA generator and megatron's tracker only on a GPU (on
@@ -360,7 +360,7 @@ def restore_rng(folder: str, layout: Dict[str, Any]) -> tuple:
         np.random.set_state(state["np_rng_state"])
         torch.set_rng_state(state["torch_rng_state"])
         restored = ["python", "numpy", "torch"]
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.set_rng_state(state["cuda_rng_state"])
             tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
             restored += ["CUDA", "megatron tracker"]
@@ -368,7 +368,7 @@ def restore_rng(folder: str, layout: Dict[str, Any]) -> tuple:
         raise CheckpointError(f"checkpoint {folder}: rng_state is not Megatron-LM's RNG "
                               f"state ({type(err).__name__}: {err})") from None
     note = (f"{', '.join(restored)} from Megatron-LM's rng_state"
-            + ("" if torch.cuda.is_available() else
+            + ("" if cuda else
                "; its CUDA and tracker streams not (no CUDA: dropout draws from torch's "
                "generator here, restored)"))
     return True, note

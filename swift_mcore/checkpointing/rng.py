@@ -58,16 +58,16 @@ def _tracker():
     return tensor_parallel.get_cuda_rng_tracker()
 
 
-def capture() -> Dict[str, Any]:
-    """Every RNG state of this process as JSON-ready data."""
+def capture(cuda: bool) -> Dict[str, Any]:
+    """Every RNG state of this process as JSON-ready data (``cuda``: RunConfig.cuda)."""
     version, py_state, gauss = random.getstate()
     np_state = np.random.get_state(legacy=False)
     tracker = {name: _b64(state) for name, state in _tracker().get_states().items()}
-    cuda = None
-    if torch.cuda.is_available():
+    cuda_state = None
+    if cuda:
         # This rank's own GPU only: the other devices' generators are other ranks' (or
         # unused), and touching them all would restore them all.
-        cuda = {"device": torch.cuda.current_device(),
+        cuda_state = {"device": torch.cuda.current_device(),
                 "state": _b64(torch.cuda.get_rng_state(torch.cuda.current_device()))}
     return {
         "python": {"version": version, "state": list(py_state), "gauss": gauss},
@@ -77,12 +77,12 @@ def capture() -> Dict[str, Any]:
                   "has_gauss": int(np_state["has_gauss"]),
                   "gauss": float(np_state["gauss"])},
         "torch": _b64(torch.get_rng_state()),
-        "cuda": cuda,
+        "cuda": cuda_state,
         "megatron_tracker": tracker,
     }
 
 
-def apply(states: Dict[str, Any]) -> List[str]:
+def apply(states: Dict[str, Any], cuda: bool) -> List[str]:
     """Set every RNG from ``capture()`` data. Returns the names of what was restored."""
     restored = []
     py = states["python"]
@@ -96,8 +96,8 @@ def apply(states: Dict[str, Any]) -> List[str]:
     restored.append("numpy")
     torch.set_rng_state(_bytes_tensor(states["torch"]))
     restored.append("torch")
-    state = _cuda_state(states.get("cuda"))
-    if state is not None and torch.cuda.is_available():
+    state = _cuda_state(states.get("cuda"), cuda)
+    if state is not None and cuda:
         # The saved rank's GPU state goes to this rank's GPU (the device index may differ:
         # another node, another number of GPUs per node).
         torch.cuda.set_rng_state(_bytes_tensor(state), torch.cuda.current_device())
@@ -109,22 +109,22 @@ def apply(states: Dict[str, Any]) -> List[str]:
     return restored
 
 
-def _cuda_state(saved: Any) -> Optional[str]:
+def _cuda_state(saved: Any, cuda: bool) -> Optional[str]:
     """The saved rank's own CUDA generator state, from ``{"device", "state"}``. An older
     file holds a list of every device's states: its entry at this rank's device index."""
     if not saved:
         return None
     if isinstance(saved, dict):
         return saved.get("state")
-    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    index = torch.cuda.current_device() if cuda else 0
     return saved[index] if index < len(saved) else None
 
 
-def save(folder: str, rank: int) -> str:
+def save(folder: str, rank: int, cuda: bool) -> str:
     """Write this rank's RNG file (fsynced by the commit's seal)."""
     path = rank_file(folder, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    data = {"rank": rank, "layout": layout(), "states": capture()}
+    data = {"rank": rank, "layout": layout(), "states": capture(cuda)}
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(data, fh)
     return path

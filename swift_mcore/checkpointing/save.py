@@ -57,7 +57,7 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
 
     layouts = comm.all_gather(rng.layout())
     if not c.no_save_rng:
-        comm.raise_if_any(comm.attempt(rng.save, staging, comm.rank()))
+        comm.raise_if_any(comm.attempt(rng.save, staging, comm.rank(), config.cuda))
     comm.decide(_write_json, staging, {
         files.TRAIN_STATE: state.to_dict(),
         files.ARGS: config.to_dict(),

@@ -98,7 +98,7 @@ def build_data_iterator(dataset, consumed_samples: int, args, dp_rank: int = 0,
         persistent_workers=workers > 0,
         worker_init_fn=ignore_stop_signals if workers > 0 else None,
         prefetch_factor=2 if workers > 0 else None,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=args.cuda,
         # Its own generator: iter() draws the workers' base seed from it, not from the global
         # torch RNG, which a resumed run has just restored (the dropout stream).
         generator=torch.Generator().manual_seed(args.training.seed + seed_offset),

@@ -9,7 +9,7 @@ a cache folder (``output_dir/data_cache`` or a shared ``--data_cache_path``) wou
 code when a run starts.
 
 ``activate()`` gives each of those two modules a private ``numpy`` name (the approach of
-runtime/cpu_compat.py, but active on CPU and GPU alike) that is numpy itself except:
+runtime/cpu/cpu_compat.py, but active on CPU and GPU alike) that is numpy itself except:
 
 * ``load`` first checks the file (``check_index_file``): the ``.npy`` magic and version, a
   header parsed as a literal (never evaluated), the dtype, rank and shape this kind of

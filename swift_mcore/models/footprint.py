@@ -175,15 +175,11 @@ def available(cuda: bool, ranks_here: int) -> Tuple[int, str]:
     memory the machine has available, shared by the ranks on it, and at most what this
     process's address-space limit (ulimit -v) leaves. None-like 0 when unknown."""
     if cuda:
-        try:
-            import torch
+        from ..runtime import hardware
 
-            if torch.cuda.is_available():
-                index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-                total = torch.cuda.get_device_properties(index).total_memory
-                return total, f"the {fmt_bytes(total)} of GPU memory of each rank"
-        except Exception:  # no usable GPU to ask (a simulated one in tests): no refusal
-            pass
+        total = hardware.gpu_memory()  # 0 without a usable GPU (a simulated one in tests)
+        if total:
+            return total, f"the {fmt_bytes(total)} of GPU memory of each rank"
         return 0, ""
     import psutil
     import resource

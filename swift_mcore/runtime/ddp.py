@@ -9,6 +9,8 @@ from typing import List
 
 import torch
 
+from . import cpu
+
 
 def bucket_size_for(args, models) -> int | None:
     """--bucket_size if given, else ceil(trainable parameters / --num_buckets), else None
@@ -43,7 +45,7 @@ def wrap_model(args, models: List[torch.nn.Module], wrap_with_ddp: bool = True) 
         use_distributed_optimizer=p.use_distributed_optimizer,
         bucket_size=bucket_size_for(args, models),
     )
-    cuda = torch.cuda.is_available()
+    cuda = args.cuda
     # On GPU, DDP is built on a side stream (as Megatron-LM does) so that its buffer
     # allocations do not serialize with work queued on the default stream.
     stream = torch.cuda.Stream() if cuda else None
@@ -62,8 +64,7 @@ def wrap_model(args, models: List[torch.nn.Module], wrap_with_ddp: bool = True) 
         ]
     if cuda:
         torch.cuda.current_stream().wait_stream(stream)
-    for chunk in wrapped:
-        accumulate_weight_gradients_in_place(chunk)
+    cpu.after_ddp(wrapped, args)
     return wrapped
 
 
@@ -74,24 +75,6 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
                                    "FullyShardedDataParallel") and hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
-
-
-def accumulate_weight_gradients_in_place(chunk) -> int:
-    """Without CUDA, megatron's linears of a DDP-wrapped chunk add their weight gradients
-    straight into DDP's ``main_grad`` (runtime/cpu_compat.py's stand-in for apex's fused
-    kernel), as Megatron-LM's GPU default does with apex. Only after DDP: the fused path
-    reads ``weight.main_grad``, which a bare model lacks. Returns how many linears."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    from . import cpu_compat
-
-    if not cpu_compat.active():
-        return 0
-    linears = [m for m in chunk.modules() if isinstance(m, (ColumnParallelLinear,
-                                                             RowParallelLinear))]
-    for linear in linears:
-        linear.gradient_accumulation_fusion = True
-    return len(linears)
 
 
 def num_grad_buckets(ddp_chunk) -> int:

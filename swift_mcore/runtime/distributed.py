@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import cpu_compat, gloo_device, onednn_linear
+from . import cpu, mcore_adaptation
 
 # How long a collective waits for the other ranks before torch.distributed gives up
 # (--distributed_timeout_minutes; this default where no RunConfig is at hand).
@@ -26,8 +26,8 @@ def initialize(config) -> None:
     A single process started without torchrun gets a one-rank group on a free local port,
     so `python -c 'Trainer(args).train()'` works as well as `swift-mcore pt`.
     """
-    if cpu_compat.activate():
-        onednn_linear.enable(getattr(config, "cpu_matmul", None) == "onednn")
+    mcore_adaptation.patch_router_gemm_without_te()
+    cpu.install(config)  # before any process group
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
@@ -35,8 +35,6 @@ def initialize(config) -> None:
             os.environ.setdefault(name, value)
         if config.cuda:  # each rank on its own GPU, whatever the backend
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        else:  # before any group: megatron's twenty groups then share one gloo device
-            gloo_device.install()
         # A process the launcher did not start is a one-rank group on a local port, given
         # to torch directly: os.environ stays as it was (a later child process started with
         # plain subprocess must not inherit RANK or MASTER_PORT and think it is a rank).
@@ -147,7 +145,7 @@ def exit_process(code: int = 0) -> None:
 
     gloo's worker threads occasionally abort the process ("terminate called without an
     active exception") while C++ statics are destroyed at exit, after every output is
-    written (docs/architecture.md, "Platform facts"). Ending deliberately keeps the real exit code. The CLI ends this
+    written (docs/cpu.md, "Platform facts"). Ending deliberately keeps the real exit code. The CLI ends this
     way; a script on the Python API should too (examples/custom_trainer.py).
     """
     import os

@@ -1,6 +1,7 @@
 """What swift-mcore's adaptations of megatron-core share: the versions they were tested with
-(one check refuses any other unless SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1), and the module
-look-alike a patched megatron module gets in place of torch or numpy."""
+(one check refuses any other unless SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1), the module
+look-alike a patched megatron module gets in place of torch or numpy, and the one fix every
+machine without Transformer Engine needs (the MoE router's GEMM), CPU or GPU."""
 
 from __future__ import annotations
 
@@ -34,3 +35,16 @@ class ModuleProxy:
         value = getattr(self.MODULE, name)
         setattr(self, name, value)  # later lookups are plain attribute reads
         return value
+
+
+def patch_router_gemm_without_te() -> None:
+    """megatron-core 0.16.1's MoE router gating (moe_utils.RouterGatingLinearFunction, 1192)
+    tests ``te_general_gemm is not None``, a name its module defines only when Transformer
+    Engine imports: without TE every MoE forward raises NameError. Defining the name as None
+    takes megatron's own torch.mm/addmm branch, which is what it means."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        require_tested_version("MoE router without Transformer Engine",
+                               "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+        moe_utils.te_general_gemm = None

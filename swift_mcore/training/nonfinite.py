@@ -126,7 +126,7 @@ def clip(optimizer, grad_norm: float) -> None:
             continue
         params = part.get_parameters()
         if params and part.config.clip_grad > 0.0:
-            # Looked up at call time: runtime/cpu_compat replaces it on CPU.
+            # Looked up at call time: the CPU port (runtime/cpu) replaces it on CPU.
             mcore_optimizer.clip_grad_by_total_norm_fp32(
                 params, max_norm=part.config.clip_grad, total_norm=grad_norm,
                 use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..runtime import cpu
+
 
 def build_optimizer(args, model_chunks):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -22,37 +24,8 @@ def build_optimizer(args, model_chunks):
         use_distributed_optimizer=args.parallel.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, model_chunks)
-    use_fused_adamw_on_cpu(optimizer)
+    cpu.after_optimizer(optimizer, args)
     return optimizer
-
-
-def use_fused_adamw_on_cpu(optimizer) -> int:
-    """Switches megatron's torch AdamW to torch's fused kernel on CPU; returns the number of
-    parameter groups switched.
-
-    Without CUDA (no TE/apex FusedAdam) megatron-core falls back to ``torch.optim.AdamW``
-    with default flags, which torch runs as a per-parameter loop of a dozen element-wise ops
-    on CPU tensors (foreach and fused are only defaulted on for CUDA). The fused CPU kernel is
-    the same update in one pass, several times faster (benchmarks/optimizer_step.py;
-    benchmarks/README.md#the-optimizer-step).
-    Results agree to float rounding. A checkpoint keeps the flag in its param groups, so a run
-    resumed from an older checkpoint keeps its original loop.
-    """
-    import torch
-
-    if torch.cuda.is_available():
-        return 0
-    switched = 0
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(part, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in inner.param_groups:
-            if all(p.dtype == torch.float32 and p.device.type == "cpu"
-                   for p in group["params"]):
-                group["fused"], group["foreach"] = True, False
-                switched += 1
-    return switched
 
 
 def build_scheduler(args, optimizer):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..arguments import PretrainArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
-from ..runtime import collectives, distributed, host_memory, run_lock, seed
+from ..runtime import collectives, cpu, distributed, run_lock, seed
 from . import best, moe_metrics
 from .metrics import LogWindow, executed_flops_per_token, flops_per_token
 from .nonfinite import NonFiniteGuard
@@ -97,7 +97,7 @@ class Trainer:
         run_lock.acquire_for_run(plan.logging.output_dir, f"swift-mcore {plan.COMMAND}")
         self.tokenizer = data.build_tokenizer(plan)
         check_vocab(plan.model, self.tokenizer.vocab_size)
-        seed.set_seed(plan.training.seed)
+        seed.set_seed(plan.training.seed, plan.cuda)
         # What would be resumed, and whether it may be, is settled before anything is
         # written (megatron's index cache, the model, the logs).
         self.data_fingerprint = self.fingerprint_data()
@@ -279,9 +279,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         config = self.config
-        forward_step = self.forward_step
-        if config.trim_host_memory:
-            forward_step = host_memory.trimming(forward_step)
+        forward_step = cpu.wrap_forward_step(self.forward_step, config)
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=data_iterator,

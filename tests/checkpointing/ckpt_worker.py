@@ -23,9 +23,9 @@ def main() -> None:
     # CPU its fusions stay uncompiled functions, with the same losses, and start-up is
     # seconds shorter. Else a worker's start-up would depend on whether an earlier
     # in-process test happened to set TORCHDYNAMO_DISABLE in the test process.
-    from swift_mcore.runtime.hardware import eager_fusions_without_cuda
+    from swift_mcore.runtime import cpu
 
-    eager_fusions_without_cuda()
+    cpu.before_import()
 
     import torch
     import torch.distributed as dist

@@ -17,7 +17,7 @@ from run_helpers import free_port
 
 WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
-    from swift_mcore.runtime import cpu_compat
+    from swift_mcore.runtime.cpu import cpu_compat
     cpu_compat.activate()
     from megatron.core import parallel_state
     from swift_mcore.arguments import PretrainArguments

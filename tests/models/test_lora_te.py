@@ -313,7 +313,8 @@ def _tp2_rank(rank, port):
 
     from swift_mcore.models import lora
     from swift_mcore.models.gpt import build_model
-    from swift_mcore.runtime import cpu_compat, seed
+    from swift_mcore.runtime import seed
+    from swift_mcore.runtime.cpu import cpu_compat
 
     cpu_compat.activate()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

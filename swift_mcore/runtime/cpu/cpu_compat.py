@@ -1,13 +1,14 @@
-"""Adapts megatron-core 0.16.1 to run on CPU (gloo); the only place that does so.
+"""Adapts megatron-core 0.16.1's CUDA-only spots to run on CPU (gloo).
 
 megatron-core hard-codes CUDA in a handful of spots (PATCHED_MODULES lists each with its
-file:line; docs/architecture.md, "megatron-core on CPU"): factory calls with ``device='cuda'`` or ``device=torch.cuda.current_device()``,
+file:line; docs/cpu.md): factory calls with ``device='cuda'`` or ``device=torch.cuda.current_device()``,
 ``torch.cuda.synchronize()``/streams, and one ``'torch.cuda.FloatTensor'`` assert. Rather
 than copying megatron functions, each affected megatron module gets a private ``torch``
 name that points to a thin proxy: identical to ``torch`` except that CUDA devices become
 the CPU and CUDA-only calls become no-ops. Everything else in torch is untouched.
 
-``activate()`` is a no-op when CUDA is available, and refuses a megatron-core version this
+``activate()`` is a no-op when CUDA is available (the CPU port's ``install`` calls it only
+for a run without CUDA), and refuses a megatron-core version this
 module was not tested against (unless SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1).
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .mcore_adaptation import ModuleProxy, require_tested_version
+from ..mcore_adaptation import ModuleProxy, patch_router_gemm_without_te, require_tested_version
 
 
 # module -> why it needs the proxy (file:line in megatron-core 0.16.1)
@@ -249,7 +250,9 @@ _ACTIVE = False
 
 
 def needed() -> bool:
-    return not torch.cuda.is_available()
+    from .. import hardware
+
+    return not hardware.cuda_available()
 
 
 def check_version() -> str:
@@ -261,7 +264,7 @@ def check_version() -> str:
 def activate() -> bool:
     """Install the CPU adaptation if there is no CUDA. Returns True when it is active."""
     global _ACTIVE
-    _patch_router_gemm_without_te()  # a GPU without Transformer Engine needs it too
+    patch_router_gemm_without_te()  # a GPU without Transformer Engine needs it too
     if not needed():
         return False
     if _ACTIVE:
@@ -292,7 +295,7 @@ def active() -> bool:
 def _install_eager_rope():
     """RoPE without TE runs megatron's unfused ``_apply_rotary_pos_emb_bshd`` (rope_utils.py
     92-126), looked up by name on each call from ``apply_rotary_pos_emb``: on CPU it becomes
-    runtime/eager_rope.py's, which gives the same values without the copies."""
+    eager_rope.py's, which gives the same values without the copies."""
     from megatron.core.models.common.embeddings import rope_utils
 
     from .eager_rope import make_apply_rotary_bshd
@@ -305,7 +308,7 @@ def _install_eager_rope():
 def _install_eager_cross_entropy():
     """The language-model loss is ``tensor_parallel.vocab_parallel_cross_entropy``, looked
     up on the package at each call (language_module.py:167): on CPU it becomes
-    runtime/eager_cross_entropy.py's, which with one TP rank takes fewer passes over the
+    eager_cross_entropy.py's, which with one TP rank takes fewer passes over the
     logits and hands every other case to megatron's."""
     from megatron.core import tensor_parallel
 
@@ -319,7 +322,7 @@ def _install_eager_cross_entropy():
 def _install_onednn_linear():
     """megatron's linears apply ``LinearWithGradAccumulationAndAsyncCommunication`` and,
     for a frozen weight, ``LinearWithFrozenWeight``, both looked up in layers.py at each call
-    (745, 440): on CPU they become runtime/onednn_linear.py's, which multiply on oneDNN when
+    (745, 440): on CPU they become onednn_linear.py's, which multiply on oneDNN when
     --cpu_matmul chose it (distributed.initialize) and hand every call to megatron's class
     otherwise."""
     from megatron.core.tensor_parallel import layers
@@ -332,18 +335,6 @@ def _install_onednn_linear():
             layers.LinearWithGradAccumulationAndAsyncCommunication)
     if not hasattr(layers.LinearWithFrozenWeight, "_swift_mcore_original"):
         layers.LinearWithFrozenWeight = make_frozen_linear(layers.LinearWithFrozenWeight)
-
-
-def _patch_router_gemm_without_te():
-    """megatron-core 0.16.1's MoE router gating (moe_utils.RouterGatingLinearFunction, 1192)
-    tests ``te_general_gemm is not None``, a name its module defines only when Transformer
-    Engine imports: without TE every MoE forward raises NameError. Defining the name as None
-    takes megatron's own torch.mm/addmm branch, which is what it means."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
-        check_version()
-        moe_utils.te_general_gemm = None
 
 
 def _patch_split_sizes_to_host():
@@ -471,9 +462,27 @@ class _WeightGradientAccumulation:
 def _install_weight_gradient_accumulation():
     """Makes ``gradient_accumulation_fusion`` usable on CPU (layers.py:44-48 sets
     ``_grad_accum_fusion_available`` from the extension's import, and ColumnParallelLinear
-    refuses the flag without it, 924). runtime/ddp.py turns the flag on once DDP has given
-    every trainable weight its ``main_grad``: megatron's fused path needs one."""
+    refuses the flag without it, 924). ``accumulate_weight_gradients_in_place`` turns the flag
+    on once DDP has given every trainable weight its ``main_grad``: megatron's fused path
+    needs one."""
     from megatron.core.tensor_parallel import layers
 
     layers.fused_weight_gradient_mlp_cuda = _WeightGradientAccumulation
     layers._grad_accum_fusion_available = True
+
+
+def accumulate_weight_gradients_in_place(chunk) -> int:
+    """megatron's linears of a DDP-wrapped chunk add their weight gradients straight into
+    DDP's ``main_grad`` (``_WeightGradientAccumulation``, the stand-in for apex's fused
+    kernel), as Megatron-LM's GPU default does with apex. Only after DDP: the fused path
+    reads ``weight.main_grad``, which a bare model lacks. Returns how many linears (none
+    where the adaptation is not active)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if not active():
+        return 0
+    linears = [m for m in chunk.modules() if isinstance(m, (ColumnParallelLinear,
+                                                             RowParallelLinear))]
+    for linear in linears:
+        linear.gradient_accumulation_fusion = True
+    return len(linears)

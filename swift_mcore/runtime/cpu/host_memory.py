@@ -5,9 +5,9 @@ frees hundreds of them in an order glibc cannot coalesce well, so the heap grows
 is live and keeps the freed pages resident (benchmarks/README.md, "The free heap handed
 back"). ``malloc_trim(0)`` hands the pages of every free chunk back (the chunks stay, so
 nothing is moved or copied). Called before each micro-batch's forward, when the previous
-backward has freed the activations, it lowered the peak RSS at 100M parameters by 8 to 15%,
-but the next forward faults those pages in again, which cost 9 to 21% of the tokens/s: so
-it is ``--trim_host_memory true``, off by default. ``RunConfig.trim_host_memory`` decides
+backward has freed the activations, it lowers the peak RSS, but the next forward faults
+those pages in again, which costs tokens/s (both measured in benchmarks/README.md): so it
+is ``--trim_host_memory true``, off by default. ``RunConfig.trim_host_memory`` decides
 whether a run does it (CPU only: on CUDA the activations are not on the host heap).
 """
 

@@ -16,7 +16,7 @@ products, so outputs and gradients equal megatron's exactly
 ``RotaryEmbedding`` returns the same one to every layer and micro-batch) where megatron
 takes them on every call. It handles what the fast path covers (the whole head
 rotated, not interleaved, no multi-latent attention) and hands anything else to megatron's
-own function. ``runtime/cpu_compat.py`` installs it without CUDA.
+own function. ``cpu_compat.py`` installs it without CUDA.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 
 torch gives each ``ProcessGroupGloo`` a device of its own, and each device runs a thread
 (``gloo_tcp_loop``) that wakes about a hundred times a second. megatron-core makes about
-twenty groups even on one rank, so a CPU run carried twenty such threads and about 2,000
-wake-ups a second. Each one preempts one of the two compute threads, and the other then
-waits for it at the next barrier. Forty more groups made a micro-step of the 10m model 7%
-slower (benchmarks/README.md). gloo lets process groups share a device (the options of
+twenty groups even on one rank, so a CPU run carried twenty such threads and their
+wake-ups. Each one preempts a compute thread, and the others then wait for it at the next
+barrier (what that costs a micro-step: benchmarks/README.md). gloo lets process groups share a device (the options of
 ``ProcessGroupGloo`` take the device list), and ``install`` makes every group created
 afterwards use one. Checked against torch 2.13. With another torch, or without the options
 API, torch's own class stays in place.

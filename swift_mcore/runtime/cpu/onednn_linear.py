@@ -3,11 +3,10 @@
 Without CUDA, megatron-core's ColumnParallelLinear and RowParallelLinear multiply with
 ``torch.matmul`` (layers.py:341, 351, 488, 531), which for fp32 on CPU is MKL's sgemm. torch
 ships a second fp32 GEMM, oneDNN's, as ``torch.ops.mkldnn._linear_pointwise`` (the kernel
-torch.compile's CPU backend emits for linears). On the AMD EPYC this project is measured on,
-it runs the layers' forward and input-gradient products 15 to 60% faster than MKL
-(``benchmarks/cpu_matmul.py``; benchmarks/README.md), and a whole training step 7 to 16%
-faster. ``--cpu_matmul auto`` (the default, run_config.choose_cpu_matmul) takes it wherever
-torch has it.
+torch.compile's CPU backend emits for linears). On the CPUs this project is measured on it
+runs the layers' forward and input-gradient products, and whole training steps, faster than
+MKL (``benchmarks/cpu_matmul.py``; benchmarks/README.md#the-cpu-gemm-onednn-against-mkl).
+``--cpu_matmul auto`` (the default, ``choose``) takes it wherever torch has it.
 
 oneDNN sums in another order than MKL, so the products agree within fp32 rounding, not bit
 for bit: a run resumes bit-exactly only under the same --cpu_matmul, as under the same
@@ -31,6 +30,19 @@ def available() -> bool:
     """Whether this torch has the oneDNN linear (a CPU build with mkldnn)."""
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def choose(flag: str) -> str:
+    """--cpu_matmul -> the GEMM megatron's linears use: 'auto' is oneDNN where this torch
+    has it, else MKL. Raises ArgumentError for 'onednn' on a torch without it."""
+    if flag == "onednn" and not available():
+        from ...errors import ArgumentError
+
+        raise ArgumentError("--cpu_matmul onednn: this torch build has no oneDNN linear "
+                            "(torch.ops.mkldnn._linear_pointwise); choose auto or mkl")
+    if flag == "auto":
+        return "onednn" if available() else "mkl"
+    return flag
 
 
 def enable(on: bool) -> None:

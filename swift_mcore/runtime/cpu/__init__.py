@@ -1,0 +1,99 @@
+"""The CPU port of megatron-core: the calls the general code makes, each a no-op on CUDA.
+
+Everything swift-mcore does because a run has no GPU lives in this folder, and the rest of
+the package reaches it only through the functions below (tests/test_architecture.py holds
+that). Each takes the run's decision about CUDA (``RunConfig.cuda``, or the bool) and does
+nothing when it is True. docs/cpu.md says what the port changes and why.
+
+The order a run calls them in:
+
+* ``before_import()``: before megatron is imported (cli.main): its compiled fusions stay
+  plain functions.
+* ``choose(flags, cuda)``: inside run_config.resolve: the CPU-only decisions, as values the
+  RunConfig keeps.
+* ``install(config)``: distributed.initialize, before the first process group: megatron's
+  CUDA-only spots made to run on the CPU, the eager kernels, the shared gloo device.
+* ``after_ddp(chunks, config)``: once DDP has wrapped the model (runtime/ddp.py).
+* ``after_optimizer(optimizer, config)``: once megatron has built the optimizer.
+* ``wrap_forward_step(forward_step, config)``: the trainer's forward step per micro-batch.
+
+A new CPU adaptation (another megatron module, kernel or collective) is a module here,
+installed by ``install`` or one of the others; the general code does not change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+
+def before_import(cuda: Optional[bool] = None) -> None:
+    """Without CUDA, megatron's torch.compile'd fusions become plain functions (eager_fusions.py).
+    Runs before megatron is imported, so before any RunConfig exists: ``cuda`` defaults to
+    the hardware module's answer. A user's own TORCHDYNAMO_DISABLE is kept either way."""
+    from .. import hardware
+    from .eager_fusions import eager_fusions_without_cuda
+
+    eager_fusions_without_cuda(hardware.cuda_available() if cuda is None else cuda)
+
+
+def choose(flags, cuda: bool) -> Dict[str, Any]:
+    """The CPU-only decisions of run_config.resolve, as RunConfig fields: ``cpu_matmul``
+    (--cpu_matmul resolved: onednn | mkl) and ``trim_host_memory`` (--trim_host_memory where
+    the C library can). Empty on CUDA (the fields keep their defaults, None and False).
+    Raises ArgumentError naming the flag."""
+    if cuda:
+        return {}
+    from . import host_memory, onednn_linear
+
+    t = flags.training
+    return {"cpu_matmul": onednn_linear.choose(t.cpu_matmul),
+            "trim_host_memory": bool(t.trim_host_memory and host_memory.available())}
+
+
+def install(config) -> bool:
+    """megatron-core adapted to the CPU (cpu_compat.py), with the linears on the GEMM that
+    ``config.cpu_matmul`` chose; then, unless a process group exists already, every gloo
+    group of this process on one transport device (gloo_device.py). True when the CPU
+    adaptation is active."""
+    if config.cuda:
+        return False
+    import torch.distributed as dist
+
+    from . import cpu_compat, gloo_device, onednn_linear
+
+    active = cpu_compat.activate()
+    if active:
+        onednn_linear.enable(config.cpu_matmul == "onednn")
+    if not dist.is_initialized():  # before any group: megatron's twenty then share it
+        gloo_device.install()
+    return active
+
+
+def after_ddp(chunks, config) -> int:
+    """The linears of each DDP-wrapped chunk add their weight gradients straight into DDP's
+    ``main_grad`` (cpu_compat.accumulate_weight_gradients_in_place). Returns how many."""
+    if config.cuda:
+        return 0
+    from .cpu_compat import accumulate_weight_gradients_in_place
+
+    return sum(accumulate_weight_gradients_in_place(chunk) for chunk in chunks)
+
+
+def after_optimizer(optimizer, config) -> int:
+    """megatron's AdamW on torch's fused CPU kernel (fused_adamw.py). Returns the number of
+    parameter groups switched."""
+    if config.cuda:
+        return 0
+    from .fused_adamw import use_fused_adamw
+
+    return use_fused_adamw(optimizer)
+
+
+def wrap_forward_step(forward_step: Callable, config) -> Callable:
+    """``forward_step``, releasing the free heap before each micro-batch where
+    ``config.trim_host_memory`` asks for it (host_memory.py); else ``forward_step`` itself."""
+    if config.cuda or not config.trim_host_memory:
+        return forward_step
+    from .host_memory import trimming
+
+    return trimming(forward_step)
