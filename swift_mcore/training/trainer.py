@@ -255,12 +255,13 @@ class Trainer:
         losses = self.forward_backward(self.train_iterator, forward_only=False)
         loss_sum, targets, tokens = self.reduce_losses(losses)
         loss = loss_sum / max(targets, 1.0) if targets is not None else None
+        lr = self.optimizer.param_groups[0]["lr"]  # this iteration's, before the scheduler's step
         update_successful, grad_norm = self.optimizer_step(loss)
         if update_successful:
             self.scheduler.step(increment=1)
         return {
             "loss": loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": lr,
             "grad_norm": grad_norm,
             "skipped": 0.0 if update_successful else 1.0,
             "tokens": tokens,
