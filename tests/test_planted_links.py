@@ -233,3 +233,97 @@ def test_a_garbage_trackers_json_stops_a_resume_with_one_line(tmp_path, content)
     assert "\n" not in message
     assert (out / "trackers.json").read_text(encoding="latin-1") == content
     assert trackers.read_run_ids(str(tmp_path / "no_such")) == {}
+
+
+# ---- outputs the user names: `plot --output`, `export --output_dir` ------------------------
+def plot(argv, capsys):
+    from swift_mcore.plot import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr()
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"iteration": it, "split": "train", "loss": 5.0 - it / 10, "lr": 1e-3})
+        + "\n" for it in range(1, 6)))
+    (run / "checkpoint" / "latest_checkpointed_iteration.txt").write_text("5")
+    return run
+
+
+@pytest.mark.parametrize("target", ["metrics.jsonl",
+                                    "checkpoint/latest_checkpointed_iteration.txt"])
+def test_plot_output_never_replaces_the_run_s_records(run_dir, target, capsys):
+    path = run_dir / target
+    before = path.read_bytes()
+    code, captured = plot([run_dir, "--output", path], capsys)
+    assert code == 2 and captured.out == ""
+    assert captured.err == (
+        f"swift-mcore plot: error: --output {path} exists and is not a PNG image; it is "
+        f"written only as a new file or over a PNG image written before, never over another "
+        f"file: choose another name\n")
+    assert path.read_bytes() == before
+    assert not [n for n in os.listdir(path.parent) if ".tmp-" in n]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_plot_output_through_a_planted_link_is_refused(run_dir, victim, kind, capsys):
+    link = plant(run_dir, "picture.png", victim, kind)
+    code, captured = plot([run_dir, "--output", link], capsys)
+    problem = "is a symbolic link" if kind == "symlink" else "is a hard link"
+    assert code == 2 and f"--output {link} {problem}" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+    assert_untouched(victim, link, kind)
+
+
+def test_plot_replaces_its_own_png_and_refuses_bad_paths_in_one_line(run_dir, tmp_path, capsys):
+    png = tmp_path / "curves.png"
+    assert plot([run_dir, "--output", png], capsys)[0] == 0
+    first = png.read_bytes()
+    assert first.startswith(b"\x89PNG")
+    assert plot([run_dir, "--output", png], capsys)[0] == 0  # a plot it wrote: replaced
+    for bad, says in ((tmp_path, f"--output {tmp_path} is a folder"),
+                      (tmp_path / "no" / "x.png",
+                       f"--output {tmp_path}/no/x.png: its folder {tmp_path}/no does not exist")):
+        code, captured = plot([run_dir, "--output", bad], capsys)
+        assert code == 2 and captured.err.startswith(f"swift-mcore plot: error: {says}")
+        assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+
+
+def test_plot_errors_name_the_file(run_dir, capsys):
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_bytes(b"\xff\xfe garbage\n")
+    code, captured = plot([run_dir], capsys)
+    assert code == 2
+    assert captured.err.startswith(f"swift-mcore plot: error: {metrics} cannot be read (not "
+                                   f"utf-8 text")
+    metrics.write_text('{"iteration": 1, "split": "train", "loss": "high"}\n')
+    code, captured = plot([run_dir], capsys)
+    assert (code, captured.err) == (2, f"swift-mcore plot: error: {metrics} has no training "
+                                       f"loss to plot\n")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "file"])
+def test_export_output_dir_is_never_written_through_a_link(tmp_path, victim, kind, capsys):
+    from swift_mcore.export import main
+
+    target = tmp_path / "empty"
+    target.mkdir()
+    out = tmp_path / "out"
+    if kind == "symlink":
+        os.symlink(target, out)
+    else:
+        out.write_text(VICTIM_TEXT)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    capsys.readouterr()
+    code = main(["--to_hf", "--model", str(ckpt), "--output_dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f"--output_dir {out} is a symbolic link" if kind == "symlink"
+            else f"--output_dir {out} is a file") in err
+    assert os.listdir(target) == [] and victim.read_text() == VICTIM_TEXT
