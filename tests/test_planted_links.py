@@ -327,3 +327,17 @@ def test_export_output_dir_is_never_written_through_a_link(tmp_path, victim, kin
     assert (f"--output_dir {out} is a symbolic link" if kind == "symlink"
             else f"--output_dir {out} is a file") in err
     assert os.listdir(target) == [] and victim.read_text() == VICTIM_TEXT
+
+
+def test_the_checkpoint_tracker_is_never_written_through_a_planted_temporary_name(
+        tmp_path, victim):
+    """The tracker used to be written at ``<tracker>.tmp-<pid>``, a name anyone can guess
+    and plant a link at: the victim was truncated and given the iteration."""
+    from swift_mcore.checkpointing import tracker
+
+    root = tmp_path / "run" / "checkpoint"
+    root.mkdir(parents=True)
+    guessed = plant(root, f"{tracker.TRACKER_FILENAME}.tmp-{os.getpid()}", victim, "symlink")
+    tracker.write_tracker(str(root), 7)
+    assert (root / tracker.TRACKER_FILENAME).read_text() == "7\n"
+    assert_untouched(victim, guessed, "symlink")
