@@ -207,7 +207,7 @@ def test_best_record_and_links_replace_names_never_planted_targets(tmp_path, vic
 
 
 # ---- trackers.json -------------------------------------------------------------------------
-def test_trackers_json_is_replaced_by_name(tmp_path, victim):
+def test_trackers_json_is_never_written_through_a_link(tmp_path, victim, monkeypatch):
     from swift_mcore.training import trackers
 
     out = tmp_path / "run"
@@ -215,6 +215,25 @@ def test_trackers_json_is_replaced_by_name(tmp_path, victim):
     hard = plant(out, run_files.TRACKER_IDS, victim, "hardlink")
     with pytest.raises(OutputError, match="is a hard link"):
         trackers.write_run_ids(str(out), {"wandb": "abc"})
+    assert_untouched(victim, hard, "hardlink")
+    # Where the trackers start (planted after the run's own check): the ArgumentError every
+    # rank raises, the tracker that started closed again.
+    closed = []
+
+    class Fake(trackers.Tracker):
+        name = "wandb"
+
+        def __init__(self, *args):
+            pass
+
+        def close(self, failed=False):
+            closed.append(failed)
+
+    monkeypatch.setitem(trackers.KINDS, "wandb", (Fake, "hint"))
+    with pytest.raises(ArgumentError, match=r"^--report_to wandb: .*trackers.json is a hard "
+                                            r"link"):
+        trackers.start(["wandb"], str(out), {}, None, resumed=False)
+    assert closed == [True]
     assert_untouched(victim, hard, "hardlink")
 
 

@@ -15,7 +15,7 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from ..atomic_write import write_atomic
-from ..errors import ArgumentError
+from ..errors import ArgumentError, OutputError
 from ..runtime import run_files
 
 RUN_IDS = run_files.TRACKER_IDS  # {"wandb": "<run id>", "swanlab": "<run id>"}
@@ -148,7 +148,15 @@ def start(names: Sequence[str], output_dir: str, config: dict, run_name: Optiona
                                 f"({type(err).__name__}: {message[:300]}); {hint}") from None
         started.append(tracker)
     if keeps_ids:
-        write_run_ids(output_dir, ids)
+        try:
+            write_run_ids(output_dir, ids)
+        except (OSError, OutputError) as err:  # a planted link, a full disk: on every rank
+            for tracker in started:
+                close_quietly(tracker, failed=True)
+            text = str(err) if isinstance(err, OutputError) else run_files.write_failure(
+                os.path.join(output_dir, RUN_IDS), err, "it was left as it was",
+                "then run it again")
+            raise ArgumentError(f"--report_to {','.join(names)}: {text}") from None
     return started
 
 
