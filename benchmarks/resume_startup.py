@@ -111,7 +111,6 @@ def child_resume(spec):
     t_setup = time.perf_counter()
     assert "restore_s" in timings, "setup did not restore the checkpoint"
     timings["load_checkpoint_s"] = timings["plan_load_s"] + timings["restore_s"]
-    trainer._sample_ids = []
     batch = trainer.get_batch(trainer.train_iterator)
     t_batch = time.perf_counter()
     rest = [next(trainer.train_iterator)

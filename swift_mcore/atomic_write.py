@@ -1,11 +1,18 @@
 """Writing a file so that readers see its old content or its new one, never a part (a
-temporary sibling, fsync, rename); a leaf that the data and checkpoint modules share."""
+temporary sibling, fsync, rename); a leaf that the data and checkpoint modules share.
+
+The rename replaces the name ``path``: a link planted there is replaced itself, never
+followed, and the file it pointed to is left as it was. The temporary sibling is a new file
+(``O_EXCL``, never a link), so nothing planted under its name is written through either."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from typing import IO, Callable, Union
+
+_NEW_FILE = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+             | getattr(os, "O_CLOEXEC", 0))
 
 
 def temp_name(path: str) -> str:
@@ -17,9 +24,12 @@ def write_atomic(path: str, content: Union[str, bytes, Callable[[IO], None]]) ->
     """``path`` holds ``content`` (text, bytes, or what a writer function writes into the
     open binary file), or keeps what it held: a failure leaves no temporary file behind."""
     tmp = temp_name(path)
+    created = False
     try:
-        with open(tmp, "w" if isinstance(content, str) else "wb",
-                  **({"encoding": "utf-8"} if isinstance(content, str) else {})) as fh:
+        fd = os.open(tmp, _NEW_FILE, 0o644)
+        created = True
+        with os.fdopen(fd, "w" if isinstance(content, str) else "wb",
+                       **({"encoding": "utf-8"} if isinstance(content, str) else {})) as fh:
             if callable(content):
                 content(fh)
             else:
@@ -27,6 +37,10 @@ def write_atomic(path: str, content: Union[str, bytes, Callable[[IO], None]]) ->
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        created = False
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if created:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass

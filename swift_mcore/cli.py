@@ -92,14 +92,14 @@ def _no_restart_on_bad_flags(prog: str) -> None:
 
 def _train(prog: str, config) -> int:
     from ._quiet import quiet_third_party
-    from .errors import ArgumentError, CheckpointError, NonFiniteError
+    from .errors import ArgumentError, CheckpointError, NonFiniteError, OutputError
     from .runtime import distributed
     from .training.trainer import Trainer
 
     quiet_third_party()
     try:
         Trainer(config).train()
-    except (ArgumentError, CheckpointError, NonFiniteError) as err:
+    except (ArgumentError, CheckpointError, NonFiniteError, OutputError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     distributed.shutdown()

@@ -18,3 +18,9 @@ class NonFiniteError(RuntimeError):
     """Training met a nan or inf loss or gradient norm and stopped before the optimizer step
     (on every rank, at the same iteration). The message names the iteration and the newest
     good checkpoint; no checkpoint holding nan or inf was written."""
+
+
+class OutputError(RuntimeError):
+    """A file swift-mcore writes cannot be written as asked: a link or a foreign file planted
+    where it writes, an output path that names a file it did not create, a full disk. The
+    message names the path; nothing half-written is left, and no other file was touched."""

@@ -40,7 +40,14 @@ def check_source(args: ExportArguments) -> ExportArguments:
                                 f"{args.model} is a Hugging Face folder (use --to_mcore)")
     if args.to_mcore:
         HFFolder(args.model, flag="--model")
+    if args.to_hf or args.to_peft:  # written into, never through a link (models/hf_save.py)
+        from .models.hf_save import check_output_folder
+
+        check_output_folder(args.output_dir)
     return args
+
+
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
 def run(args: ExportArguments, log: Callable[[str], None] = print) -> Dict[str, object]:
@@ -100,7 +107,10 @@ def to_peft(args: ExportArguments, log) -> Dict[str, object]:
 
     from safetensors.torch import save_file
 
+    from .atomic_write import temp_name, write_atomic
+    from .errors import OutputError
     from .models import lora
+    from .models.hf_save import is_full_disk
     from .models.convert import Layout
     from .loaded_model import load_model
 
@@ -118,10 +128,23 @@ def to_peft(args: ExportArguments, log) -> Dict[str, object]:
         tensors = {k: v.to(DTYPES[args.dtype]) for k, v in tensors.items()}
     out = os.path.abspath(os.path.expanduser(args.output_dir))
     os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(out, "adapter_config.json"), "w", encoding="utf-8") as fh:
-        json.dump(config, fh, indent=2)  # last: a folder with it holds the whole adapter
+    # New temporary names renamed over the files: a link planted there is replaced, never
+    # written through.
+    weights = os.path.join(out, PEFT_FILES[0])
+    tmp = temp_name(weights)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, weights)
+        # last: a folder with it holds the whole adapter
+        write_atomic(os.path.join(out, PEFT_FILES[1]), json.dumps(config, indent=2))
+    except BaseException as err:
+        for name in (tmp, weights):  # a half-written adapter is removed again
+            if os.path.lexists(name):
+                os.remove(name)
+        if is_full_disk(err):
+            raise OutputError(f"writing {out} failed: out of disk space; the partial adapter "
+                              f"was removed. Free some space, then run it again") from None
+        raise
     log(f"wrote {out}: a peft LoRA adapter (r {config['r']}, alpha {config['lora_alpha']:g}, "
         f"{len(tensors)} tensors on {', '.join(config['target_modules'])}) for the base "
         f"{loaded.hf_folder or 'model (randomly initialised: no folder to name)'}")

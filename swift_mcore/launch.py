@@ -1,5 +1,5 @@
-"""Starting processes: swift-mcore's torchrun launcher (NPROC_PER_NODE...), a one-process
-command's error handling, and child commands with a clean environment."""
+"""Starting processes: swift-mcore's torchrun launcher (NPROC_PER_NODE...) and a one-process
+command's error handling (the export child of a save is runtime/export_child.py)."""
 
 from __future__ import annotations
 
@@ -143,8 +143,9 @@ def first_host(nodelist: str) -> str:
 
 def run_command(name: str, argv: List[str], parse, work, shutdown: bool = True) -> int:
     """A one-process command (preprocess, export, infer): ``work(parse(argv))``. Bad input,
-    an ArgumentError or a CheckpointError, is one line on stderr and exit code 2."""
-    from .errors import ArgumentError, CheckpointError
+    an ArgumentError, a CheckpointError or an OutputError, is one line on stderr and exit
+    code 2."""
+    from .errors import ArgumentError, CheckpointError, OutputError
 
     try:
         args = parse(argv)
@@ -156,7 +157,7 @@ def run_command(name: str, argv: List[str], parse, work, shutdown: bool = True) 
     quiet_third_party()
     try:
         work(args)
-    except (ArgumentError, CheckpointError) as err:
+    except (ArgumentError, CheckpointError, OutputError) as err:
         print(f"swift-mcore {name}: error: {err}", file=sys.stderr)
         return 2
     if shutdown:
@@ -164,47 +165,3 @@ def run_command(name: str, argv: List[str], parse, work, shutdown: bool = True) 
 
         distributed.shutdown()
     return 0
-
-
-# torchrun's variables: a child command must build its own one-rank process group.
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
-                "MASTER_PORT", "NPROC_PER_NODE", "NNODES", "NODE_RANK")
-
-
-def export_in_subprocess(checkpoint: str, out_dir: str, timeout: Optional[float] = None,
-                         dtype: Optional[str] = None,
-                         group_timeout: Optional[float] = None) -> str:
-    """`swift-mcore export --to_hf` in a fresh process (its own one-rank process group, so a
-    training run of any layout can call it); returns its last output line.
-
-    The child runs on the CPU (CUDA_VISIBLE_DEVICES empty): on a GPU it would take device 0,
-    next to rank 0's training memory. It is bounded by ``timeout`` (default: 5 minutes, or a
-    fifth where that is less, less than the process group's timeout, which the other ranks
-    wait in meanwhile); past it the
-    child is killed and the error names the command that converts the saved checkpoint by
-    hand. ``dtype``: the weights' dtype in the folder (--dtype), e.g. the training precision.
-    ``group_timeout``: the process group's timeout in seconds (--distributed_timeout_minutes;
-    default runtime.distributed.TIMEOUT)."""
-    from .runtime.distributed import TIMEOUT
-
-    if timeout is None:
-        group = TIMEOUT.total_seconds() if group_timeout is None else group_timeout
-        timeout = max(group - 300, 0.8 * group)
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "swift_mcore", "export", "--to_hf", "--model", checkpoint,
-           "--output_dir", out_dir, *(["--dtype", dtype] if dtype else [])]
-    by_hand = "swift-mcore " + " ".join(cmd[3:])
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"`{by_hand}` did not finish within {timeout / 60:.0f} minutes and "
-                           f"was stopped; the checkpoint {checkpoint} is saved: run that "
-                           f"command to convert it") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"`{by_hand}` failed ({proc.returncode}): "
-                           f"{proc.stderr.strip()[-2000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    return lines[-1] if lines else f"wrote {out_dir}"

@@ -36,7 +36,9 @@ def run(args: PlotArguments) -> str:
     from .training.plot import write_plot
 
     try:
-        path = write_plot(os.path.expanduser(args.output_dir), args.output)
+        path = write_plot(os.path.expanduser(args.output_dir),
+                          args.output and os.path.expanduser(args.output),
+                          flag="--output" if args.output else "")
     except ValueError as err:
         raise ArgumentError(str(err)) from None
     print(f"wrote {path}")

@@ -247,7 +247,7 @@ def test_transformer_engine_counts_only_with_its_pytorch_layers(monkeypatch):
 
 # ---- 5. the end-of-training conversion child: on the CPU, bounded -----------------------
 def test_export_child_runs_on_the_cpu_and_is_bounded(monkeypatch):
-    from swift_mcore import launch
+    from swift_mcore.runtime import export_child as launch
     from swift_mcore.runtime.distributed import TIMEOUT
 
     calls = []

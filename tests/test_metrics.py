@@ -137,3 +137,26 @@ def test_metrics_jsonl_has_mfu_and_memory(tmp_path, monkeypatch):
         assert record["tflops"] > 0
         assert record["mfu_percent"] == pytest.approx(100 * record["tflops"] / 0.5)
         assert 0.05 < record["peak_memory_gb"] < 64  # the process's RSS peak, in GB
+
+
+def test_the_lr_logged_at_an_iteration_is_the_rate_it_trained_with(gloo_group, tmp_path):
+    """The optimizer step of iteration k uses the scheduler's rate of step k-1; the record
+    of iteration k says that rate (not the next iteration's, set by the scheduler's step
+    after the update). Warmup and cosine decay make every iteration's rate differ."""
+    from in_process import train_in_process
+    from run_helpers import train_records
+    from swift_mcore.training.trainer import Trainer
+
+    used = {}
+
+    class Watching(Trainer):
+        def optimizer_step(self, loss):
+            used[self.state.iteration + 1] = self.optimizer.param_groups[0]["lr"]
+            return super().optimizer_step(loss)
+
+    train_in_process(tmp_path, "--train_iters", "4", "--lr_warmup_iters", "2",
+                     "--lr_decay_style", "cosine", "--min_lr", "1e-4", "--no_save",
+                     command="pt", trainer=Watching)
+    logged = {r["iteration"]: r["lr"] for r in train_records(tmp_path)}
+    assert len(set(used.values())) == 4  # the rate changes every iteration
+    assert logged == used

@@ -15,7 +15,9 @@ class PlotArguments:
     output_dir: Optional[str] = flag(
         None, "The run's output_dir (the folder holding metrics.jsonl); also accepted as the "
         "first argument: `swift-mcore plot OUTPUT_DIR`. Required.")
-    output: Optional[str] = flag(None, "Where to write the PNG; default OUTPUT_DIR/loss.png.")
+    output: Optional[str] = flag(
+        None, "Where to write the PNG; default OUTPUT_DIR/loss.png. A new file, or a PNG "
+        "image (a plot written before): any other file there is refused, never replaced.")
 
     def validate(self) -> "PlotArguments":
         check_flags(self)

@@ -1,6 +1,7 @@
 """The best checkpoint's record: ``checkpoint/best.json`` (metric, value, iteration, folders)
 and the links ``checkpoint/best -> iter_NNNNNNN`` and ``checkpoint/best-hf ->
-iter_NNNNNNN-hf``, replaced atomically; no second copy of the weights. The TrainState
+iter_NNNNNNN-hf``, replaced atomically (the names are replaced or removed, never a file a
+link planted there points to); no second copy of the weights. The TrainState
 (training/best.py) decides which checkpoint is best; rotation never deletes it."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 from typing import Optional
 
 from ..atomic_write import write_atomic
+from ..runtime import run_files
 from .commit import HF_SUFFIX, new_token
 from .state import TrainState
 from .tracker import fsync_dir, iter_dir_name
@@ -68,9 +70,10 @@ def _link(root: str, name: str, target: str) -> None:
         os.replace(tmp, path)
     except OSError:
         if os.path.lexists(tmp):
-            os.remove(tmp)
+            run_files.unlink(tmp)
 
 
 def _remove(path: str) -> None:
+    """The name removed in its folder: a link itself, never its target."""
     if os.path.lexists(path) and (os.path.islink(path) or os.path.isfile(path)):
-        os.remove(path)
+        run_files.unlink(path)

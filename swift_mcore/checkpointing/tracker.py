@@ -63,17 +63,11 @@ def read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
 def write_tracker(root: str, iteration: int) -> None:
     """Replace the tracker atomically: readers see the old value or the new one, never a
     partial file."""
-    path = tracker_path(root)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(f"{iteration}\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):  # a failed write (a full disk) leaves no temp file
-            os.remove(tmp)
+    from ..atomic_write import write_atomic
+
+    # A new temporary file (never one planted under a guessable name), renamed over the name;
+    # a failed write (a full disk) leaves no temp file.
+    write_atomic(tracker_path(root), f"{iteration}\n")
     fsync_dir(root)
 
 

@@ -3,7 +3,9 @@ with their index, tokenizer files (and generation_config.json when the source ha
 
 Tensors are converted and written one shard at a time, so the writer holds the megatron
 model plus at most one shard. The folder appears complete or not at all (written under a
-temporary name, then renamed).
+new temporary folder, then renamed); a write that fails (a full disk) removes that folder
+and leaves the output as it was. The output is a new folder or one an export wrote before
+(config.json and safetensors), never a link, a file or any other folder.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, OutputError
 from .convert import Layout
 
 INDEX = "model.safetensors.index.json"
@@ -43,8 +46,6 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     """Write the folder. ``get(name)`` returns a full (TP=1) megatron tensor by global name;
     ``base_folder`` is the Hugging Face folder the model came from, whose config keys
     swift-mcore does not model (token ids, ...) and generation_config.json are kept."""
-    from safetensors.torch import save_file
-
     from . import families
     from .hf_folder import CONFIG, is_hf_folder
 
@@ -59,9 +60,84 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     config["dtype"] = next(k for k, v in DTYPES.items() if v == dtype)
 
     out_dir = os.path.abspath(out_dir)
-    staging = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
+    check_output_folder(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f"{os.path.basename(out_dir)}.tmp-",
+                               dir=os.path.dirname(out_dir))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # as os.makedirs would (mkdtemp's is 0o700)
+    try:
+        result = _write_folder(staging, out_dir, family, config, layout, get, tokenizer,
+                               dtype, base_folder, max_shard_bytes)
+    except BaseException as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        if is_full_disk(err):
+            raise OutputError(f"writing {out_dir} failed: out of disk space ({_cause(err)}); "
+                              f"the partial folder was removed and {out_dir} is as it was. "
+                              f"Free some space, then run it again") from None
+        raise
+    _replace_folder(staging, out_dir)
+    return result
+
+
+def check_output_folder(out_dir: str, flag: str = "--output_dir") -> None:
+    """ArgumentError unless ``out_dir`` may be written: missing, an empty folder, or a
+    Hugging Face folder (config.json and safetensors) an export wrote before."""
+    from .hf_folder import is_hf_folder
+
+    path = os.path.abspath(os.path.expanduser(out_dir))
+    if os.path.islink(path):
+        raise ArgumentError(f"{flag} {out_dir} is a symbolic link; give the folder itself "
+                            f"(an export never writes through a link)")
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise ArgumentError(f"{flag} {out_dir} is a file; give a folder to write the Hugging "
+                            f"Face model into (a new one, or one an export wrote)")
+    names = os.listdir(path)
+    if names and not (is_hf_folder(path) and any(n.endswith(".safetensors") for n in names)):
+        raise ArgumentError(f"{flag} {out_dir} is a folder that holds other files (not a "
+                            f"Hugging Face model folder an export wrote): an export replaces "
+                            f"only such a folder; choose a new --output_dir")
+
+
+def is_full_disk(err: BaseException) -> bool:
+    """ENOSPC/EDQUOT, also as safetensors' Rust error (which is no OSError)."""
+    import errno
+
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(err)
+    return "No space left on device" in text or "StorageFull" in text or \
+        "Disk quota exceeded" in text
+
+
+def _cause(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return "No space left on device"
+
+
+def _replace_folder(staging: str, out_dir: str) -> None:
+    """``staging`` renamed to ``out_dir``; an older folder there is moved aside first and
+    removed after (a reader never sees a half-replaced folder)."""
+    old = None
+    if os.path.isdir(out_dir) and not os.path.islink(out_dir):
+        old = tempfile.mkdtemp(prefix=f"{os.path.basename(out_dir)}.old-",
+                               dir=os.path.dirname(out_dir))
+        os.replace(out_dir, os.path.join(old, "folder"))
+    os.replace(staging, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_folder(staging: str, out_dir: str, family, config, layout: Layout, get, tokenizer,
+                  dtype: torch.dtype, base_folder: Optional[str], max_shard_bytes: int
+                  ) -> Dict[str, Any]:
+    """Every file of the folder, into ``staging``."""
+    from safetensors.torch import save_file
+
     _write_config(staging, family, config)
 
     plan = plan_shards(layout.hf_tensors(), torch.tensor([], dtype=dtype).element_size(),
@@ -84,10 +160,6 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
         tokenizer.save_pretrained(staging)
     if base_folder and os.path.isfile(os.path.join(base_folder, "generation_config.json")):
         shutil.copy2(os.path.join(base_folder, "generation_config.json"), staging)
-
-    if os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(staging, out_dir)
     return {"path": out_dir, "family": family.name, "shards": len(plan), "bytes": total,
             "tensors": len(weight_map)}
 

@@ -7,7 +7,7 @@ repeats exactly (two attempts in a row that started from the same iteration and 
 the same iteration with the same error) will repeat on every further attempt: the rank that
 sees it says why and ends torchrun's agent, so that the job stops instead of spending its
 restarts. Failures are recorded in ``output_dir/elastic_failures.jsonl``, one line per
-failing rank and attempt.
+failing rank and attempt, appended as a run file (run_files.py: never through a link).
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-FAILURES = "elastic_failures.jsonl"
+from ..errors import OutputError
+from . import run_files
+
+FAILURES = run_files.ELASTIC_FAILURES
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,9 @@ def record_failure(output_dir: str, attempt: Attempt, rank: int, started_at: Opt
     path = os.path.join(output_dir, FAILURES)
     previous = [r for r in read_failures(path) if r.get("attempt") == attempt.restart - 1]
     try:
-        with open(path, "a", encoding="utf-8") as fh:  # one short line: appended whole
-            fh.write(json.dumps(record) + "\n")
-    except OSError:
+        run_files.append_line(path, json.dumps(record) + "\n")
+    except OutputError as err:  # the failure itself is what the rank reports
+        print(f"swift-mcore: WARNING: {err}", file=sys.stderr, flush=True)
         return None
     same = [r for r in previous if started_at is not None
             and (r["started_at"], r["iteration"], r["error"]) == (
@@ -94,6 +97,17 @@ def record_failure(output_dir: str, attempt: Attempt, rank: int, started_at: Opt
     return (f"attempts {attempt.restart} and {attempt.restart + 1} both resumed at iteration "
             f"{started_at} and failed in iteration {iteration} with {record['error']}; a "
             f"restart would fail the same way, so the run stops here (records: {path})")
+
+
+def report_failure(output_dir: str, attempt: Attempt, rank: int, started_at: Optional[int],
+                   iteration: int, err: BaseException) -> None:
+    """A rank's failure under torchrun: said on stderr, recorded; one that repeats the
+    previous attempt's exactly ends the job instead of restarting it."""
+    print(f"swift-mcore: rank {rank} failed in iteration {iteration} "
+          f"({attempt.describe()}): {signature(err)}", file=sys.stderr, flush=True)
+    reason = record_failure(output_dir, attempt, rank, started_at, iteration, err)
+    if reason:
+        stop_restarts(reason)
 
 
 def read_failures(path: str) -> list:

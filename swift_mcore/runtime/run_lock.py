@@ -15,6 +15,11 @@ with one line naming the folder and the process that holds it (pid, host, start 
 - The file holds who took it, as JSON, for the refusal message. A clean release deletes it
   (a run stopped by bad input leaves its folder as it found it); one left by a killed run
   is taken over by the next.
+- The lock is taken in the folder's real path (a --output_dir given through a link locks the
+  folder it names). Its file is opened and removed as run files are (runtime/run_files.py):
+  a link or a hard link planted as ``.run.lock`` is refused, never followed, written or
+  deleted; so is a planted link among the run's records or as its checkpoint folder (which
+  would take the saves into a folder this lock does not cover, another run's, say).
 - A child closes its copy when it first runs, which on a loaded machine can be after its
   parent has already died: a lock whose recorded holder has ended is therefore waited for
   (``ENDED_HOLDER_GRACE_S``) before the run is refused.
@@ -31,7 +36,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, OutputError
+from . import run_files
 
 try:
     import fcntl
@@ -42,11 +48,14 @@ LOCK_FILENAME = ".run.lock"
 ENV = "SWIFT_MCORE_RUN_LOCK"  # "<token> <lock file>": a launcher's lock, handed to its ranks
 ENDED_HOLDER_GRACE_S = 5.0    # how long a lock left only to the children of an ended holder
                               # is waited for: time for them to close their inherited copy
+# Folders of a run that must be its own (checkpointing.CHECKPOINT_SUBDIR: the ground floor
+# cannot import it): a link there would take writes outside the folder this lock covers.
+OWN_FOLDERS = ("checkpoint",)
 
 
 @dataclass
 class RunLock:
-    path: str                # the lock file (real path)
+    path: str                # the lock file, in the folder's real path
     fd: Optional[int]        # None: held for this process by the launcher that started it
     info: dict               # pid, host, started, command, token
     created_folder: bool     # the folder did not exist before (removed again if left empty)
@@ -58,7 +67,9 @@ _fork_hook = {"installed": False}
 
 
 def lock_file(folder: str) -> str:
-    return os.path.join(os.path.abspath(os.path.expanduser(folder)), LOCK_FILENAME)
+    """The lock file of ``folder``: in the folder's real path, the file's own name kept
+    (a link planted as the lock file is never resolved)."""
+    return os.path.join(os.path.realpath(os.path.expanduser(folder)), LOCK_FILENAME)
 
 
 def hostname() -> str:
@@ -101,18 +112,18 @@ def acquire(folder: str, command: str) -> RunLock:
     except OSError as err:
         raise ArgumentError(f"--output_dir {folder} cannot be created ({err.strerror or err})"
                             ) from None
-    path = os.path.realpath(lock_file(folder))
+    path = lock_file(folder)
     if path in _held:
         return _held[path]
+    check_own_files(folder)
     if fcntl is None:
         return _register(RunLock(path, None, {}, created, locked=False))
     ended_since = None  # when the lock was first seen held only for an ended holder
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise ArgumentError(f"--output_dir {folder}: cannot open its lock file {path} "
-                                f"({err.strerror or err})") from None
+            fd = run_files.open_fd(path, os.O_RDWR | os.O_CREAT)
+        except OutputError as err:
+            raise ArgumentError(f"--output_dir {folder}: its lock file {err}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -187,15 +198,32 @@ def child_env(lock: Optional[RunLock]) -> Dict[str, str]:
     return {ENV: f"{lock.info['token']} {lock.path}"}
 
 
+def check_own_files(folder: str) -> None:
+    """Before any work: the run's records in ``folder`` are no planted links, and its
+    checkpoint folder is its own (ArgumentError naming the path otherwise)."""
+    try:
+        run_files.check_folder(folder)
+    except OutputError as err:
+        raise ArgumentError(f"--output_dir {folder}: {err}") from None
+    for name in OWN_FOLDERS:
+        sub = os.path.join(folder, name)
+        if os.path.islink(sub):
+            raise ArgumentError(
+                f"--output_dir {folder}: {sub} is a link (to {os.readlink(sub)}); a run keeps "
+                f"its checkpoints in a folder of its own, which its lock covers (a link could "
+                f"take them into another run's folder): remove the link, or choose another "
+                f"--output_dir")
+
+
 def holds(folder: str) -> bool:
     """Whether this process (or the launcher that started it) holds the lock on ``folder``."""
-    lock = _held.get(os.path.realpath(lock_file(folder)))
+    lock = _held.get(lock_file(folder))
     return lock is not None and lock.locked
 
 
 def release(folder: str) -> None:
     """Give the lock on ``folder`` up (and delete the file) if this process holds it."""
-    lock = _held.pop(os.path.realpath(lock_file(folder)), None)
+    lock = _held.pop(lock_file(folder), None)
     if lock is not None:
         _close(lock)
 
@@ -229,9 +257,8 @@ def _forget_in_child() -> None:
 
 def _close(lock: RunLock) -> None:
     if lock.fd is not None:
-        try:
-            if _same_file(lock.fd, lock.path):
-                os.unlink(lock.path)  # while still holding it: nobody can lock it meanwhile
+        try:  # while still holding it: nobody can lock it meanwhile
+            run_files.unlink(lock.path, expected=os.fstat(lock.fd))
         except OSError:
             pass
         os.close(lock.fd)
@@ -244,7 +271,7 @@ def _close(lock: RunLock) -> None:
 
 def _same_file(fd: int, path: str) -> bool:
     try:
-        a, b = os.fstat(fd), os.stat(path)
+        a, b = os.fstat(fd), os.lstat(path)
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
@@ -266,8 +293,8 @@ def _read_info(fd: int) -> Optional[dict]:
 def _handed_over(path: str, info: Optional[dict]) -> bool:
     """The lock is held by the launcher that started this process (SWIFT_MCORE_RUN_LOCK)."""
     token, _, handed_path = os.environ.get(ENV, "").partition(" ")
-    return bool(token and info and info.get("token") == token
-                and os.path.realpath(handed_path) == path)
+    return bool(token and info and info.get("token") == token and handed_path
+                and lock_file(os.path.dirname(handed_path)) == path)
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,10 +1,13 @@
 """The loss plot, ``output_dir/loss.png`` (at the end of a run, and `swift-mcore plot`): train
 and validation loss against iterations (tokens on the top axis), the learning rate below,
-resumed segments and the best checkpoint marked. Read from metrics.jsonl alone."""
+resumed segments and the best checkpoint marked. Read from metrics.jsonl alone; written
+through a new temporary file renamed over the target, which is only ever a new name or a
+PNG image written before (runtime/run_files.py)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -12,6 +15,7 @@ from typing import Dict, List, Optional
 SIZE_INCHES = (10.0, 6.0)
 DPI = 100  # -> 1000 x 600 pixels
 PLOT_FILENAME = "loss.png"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"  # what every PNG file starts with
 
 
 @dataclass
@@ -26,35 +30,54 @@ class RunRecords:
 
 
 def read_records(path: str) -> RunRecords:
+    """Raises ValueError naming ``path`` when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except (OSError, UnicodeDecodeError) as err:
+        cause = err.strerror if isinstance(err, OSError) and err.strerror else \
+            f"not utf-8 text: {err.reason}" if isinstance(err, UnicodeDecodeError) else err
+        raise ValueError(f"{path} cannot be read ({cause})") from None
+    return parse_records(lines)
+
+
+def number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def parse_records(lines) -> RunRecords:
     run = RunRecords()
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a crash
-            split, iteration = record.get("split"), record.get("iteration")
-            if not isinstance(iteration, int):
-                continue
-            if split == "start":
-                for table in (run.train, run.valid):
-                    for later in [it for it in table if it > iteration]:
-                        del table[later]
-                if iteration > 0:
-                    run.resumed_at.append(iteration)
-            elif split == "train":
-                run.train[iteration] = record
-            elif split == "valid":
-                run.valid[iteration] = record
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if not isinstance(record, dict):
+            continue
+        split, iteration = record.get("split"), record.get("iteration")
+        if not isinstance(iteration, int) or isinstance(iteration, bool):
+            continue
+        if split == "start":
+            for table in (run.train, run.valid):
+                for later in [it for it in table if it > iteration]:
+                    del table[later]
+            if iteration > 0:
+                run.resumed_at.append(iteration)
+        elif split in ("train", "valid"):  # what is drawn: numbers only
+            table = run.train if split == "train" else run.valid
+            table[iteration] = {k: v for k, v in record.items() if number(v)}
     return run
 
 
-def write_plot(output_dir: str, path: Optional[str] = None) -> str:
+def write_plot(output_dir: str, path: Optional[str] = None, flag: str = "") -> str:
     """Draw ``output_dir``'s metrics.jsonl into ``path`` (default output_dir/loss.png);
-    returns the path. Raises ValueError when there is nothing to draw."""
+    returns the path. Raises ValueError naming metrics.jsonl when it cannot be read or has
+    nothing to draw, OutputError naming ``path`` when that may not be written (a file the
+    plot did not write) or the write fails (a full disk; nothing is left half-written)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,8 +86,9 @@ def write_plot(output_dir: str, path: Optional[str] = None) -> str:
     from matplotlib.ticker import EngFormatter, FuncFormatter
 
     from ..checkpointing import CHECKPOINT_SUBDIR, best
+    from ..runtime import run_files
 
-    metrics_path = os.path.join(output_dir, "metrics.jsonl")
+    metrics_path = os.path.join(output_dir, run_files.METRICS)
     if not os.path.exists(metrics_path):
         raise ValueError(f"{metrics_path} does not exist (is {output_dir} a run's output_dir?)")
     run = read_records(metrics_path)
@@ -72,6 +96,7 @@ def write_plot(output_dir: str, path: Optional[str] = None) -> str:
     if not train_its:
         raise ValueError(f"{metrics_path} has no training loss to plot")
     path = path or os.path.join(output_dir, PLOT_FILENAME)
+    run_files.check_replaceable(path, PNG_MAGIC, "a PNG image", flag)
 
     fig = Figure(figsize=SIZE_INCHES, dpi=DPI)
     loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
@@ -132,7 +157,20 @@ def write_plot(output_dir: str, path: Optional[str] = None) -> str:
         title += f", validation loss {run.valid[valid_its[-1]]['val_loss']:.4f}"
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=DPI)
-    os.replace(tmp, path)
+    save_png(fig, path)
     return path
+
+
+def save_png(fig, path: str) -> None:
+    """The figure as a new temporary sibling (never a planted file or link), renamed over
+    ``path``; a failed write leaves ``path`` as it was and no temporary file."""
+    from ..atomic_write import write_atomic
+    from ..errors import OutputError
+
+    try:
+        write_atomic(path, lambda fh: fig.savefig(fh, format="png", dpi=DPI))
+    except OSError as err:
+        from ..runtime.run_files import write_failure
+
+        raise OutputError(write_failure(path, err, "it was left as it was",
+                                        "then run it again")) from None

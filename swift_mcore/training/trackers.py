@@ -4,7 +4,8 @@ own libraries, behind one small interface the MetricWriter fans out to (last ran
 A tracker that cannot start stops the run before its first iteration with one line naming
 --report_to; one that fails later is switched off with a warning and training goes on
 (writers.py). W&B and SwanLab keep their run id in ``output_dir/trackers.json``, so a
-resumed run continues the same tracked run.
+resumed run continues the same tracked run; a resume that finds that file unreadable stops
+with one line naming it (starting new tracked runs silently would split the run's history).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence
 
-from ..errors import ArgumentError
+from ..atomic_write import write_atomic
+from ..errors import ArgumentError, OutputError
+from ..runtime import run_files
 
-RUN_IDS = "trackers.json"  # {"wandb": "<run id>", "swanlab": "<run id>"}
+RUN_IDS = run_files.TRACKER_IDS  # {"wandb": "<run id>", "swanlab": "<run id>"}
 DEFAULT_PROJECT = "swift-mcore"
 
 
@@ -124,7 +127,8 @@ def start(names: Sequence[str], output_dir: str, config: dict, run_name: Optiona
     runs whose ids ``output_dir/trackers.json`` holds (a fresh run starts new ones).
     Raises ArgumentError naming --report_to and the tracker if one cannot start; those
     already started are closed again."""
-    ids = read_run_ids(output_dir) if resumed else {}
+    keeps_ids = any(n != "tensorboard" for n in names)
+    ids = read_run_ids(output_dir, names) if resumed and keeps_ids else {}
     name = run_name or os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
     started: List[Tracker] = []
     for tracker_name in names:
@@ -143,8 +147,16 @@ def start(names: Sequence[str], output_dir: str, config: dict, run_name: Optiona
             raise ArgumentError(f"--report_to {tracker_name}: {tracker_name} failed to start "
                                 f"({type(err).__name__}: {message[:300]}); {hint}") from None
         started.append(tracker)
-    if any(n != "tensorboard" for n in names):
-        write_run_ids(output_dir, ids)
+    if keeps_ids:
+        try:
+            write_run_ids(output_dir, ids)
+        except (OSError, OutputError) as err:  # a planted link, a full disk: on every rank
+            for tracker in started:
+                close_quietly(tracker, failed=True)
+            text = str(err) if isinstance(err, OutputError) else run_files.write_failure(
+                os.path.join(output_dir, RUN_IDS), err, "it was left as it was",
+                "then run it again")
+            raise ArgumentError(f"--report_to {','.join(names)}: {text}") from None
     return started
 
 
@@ -164,22 +176,36 @@ def close_quietly(tracker: Tracker, failed: bool) -> Optional[str]:
     return None
 
 
-def read_run_ids(output_dir: str) -> Dict[str, str]:
+def read_run_ids(output_dir: str, names: Sequence[str] = ()) -> Dict[str, str]:
+    """The run ids a resumed run continues ({} where the file does not exist). An
+    unreadable file (not JSON, not {"tracker": "id"}) raises ArgumentError naming it."""
+    path = os.path.join(output_dir, RUN_IDS)
+    trackers = ",".join(n for n in names if n != "tensorboard") or "wandb,swanlab"
     try:
-        with open(os.path.join(output_dir, RUN_IDS), encoding="utf-8") as fh:
+        with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
-    return {k: v for k, v in data.items() if isinstance(v, str)} if isinstance(data, dict) \
-        else {}
+    except (OSError, ValueError) as err:
+        problem = err.strerror if isinstance(err, OSError) and err.strerror else \
+            f"not JSON: {' '.join(str(err).split())[:120]}"
+        data, bad = None, problem
+    else:
+        bad = None if isinstance(data, dict) and all(
+            isinstance(k, str) and isinstance(v, str) and v for k, v in data.items()) else \
+            'not {"tracker": "run id", ...}'
+    if bad:
+        raise ArgumentError(
+            f"--report_to {trackers}: {path} cannot be read ({bad}); it holds the tracked "
+            f"runs this resumed run continues. Restore it, or delete it to start new "
+            f"tracked runs")
+    return dict(data)
 
 
 def write_run_ids(output_dir: str, ids: Dict[str, str]) -> None:
-    """``output_dir/trackers.json``, replaced atomically."""
+    """``output_dir/trackers.json``, replaced atomically (the name, never a file a link
+    planted there points to; run_lock refuses such a link before the run starts)."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, RUN_IDS)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(dict(sorted(ids.items())), fh, indent=1)
-        fh.write("\n")
-    os.replace(tmp, path)
+    run_files.check(path)
+    write_atomic(path, json.dumps(dict(sorted(ids.items())), indent=1) + "\n")

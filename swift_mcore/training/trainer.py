@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import sys
 import time
 from functools import partial
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,7 +15,7 @@ from ..arguments import PretrainArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
 from ..runtime import collectives, cpu, distributed, run_lock, seed
-from . import best, moe_metrics
+from . import best, moe_metrics, run_log
 from .metrics import LogWindow, executed_flops_per_token, flops_per_token
 from .nonfinite import NonFiniteGuard
 from .peak import device_peak, peak_memory_gb
@@ -38,7 +36,7 @@ class Trainer:
         self.start_time = time.time()
         self.state = TrainState()
         self._stop_signal: Optional[int] = None
-        self._sample_ids: List[torch.Tensor] = []
+        self.sample_audit = None  # training/sample_audit.py under --log_sample_ids
         self.trackers: list = []  # started in setup (--report_to), handed to the writer
         self.writer: Optional[MetricWriter] = None
         self.watchdog = None  # runtime/watchdog.py, started at the end of setup
@@ -132,6 +130,10 @@ class Trainer:
         self.valid_iterator = self.build_iterator(self.valid_ds,
                                                   self.state.consumed_valid_samples)
         self.writer = self.build_writer()
+        if config.logging.log_sample_ids:
+            from .sample_audit import SampleAudit
+
+            self.sample_audit = SampleAudit(config.logging.output_dir)
         self.writer.start(self.state.iteration,
                           load_plan.folder if load_plan and load_plan.kind == "resume" else None)
         self.nonfinite_guard = NonFiniteGuard.for_args(config, log=self.writer.print)
@@ -248,16 +250,18 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._sample_ids = []
+        if self.sample_audit is not None:
+            self.sample_audit.reset()
         losses = self.forward_backward(self.train_iterator, forward_only=False)
         loss_sum, targets, tokens = self.reduce_losses(losses)
         loss = loss_sum / max(targets, 1.0) if targets is not None else None
+        lr = self.optimizer.param_groups[0]["lr"]  # this iteration's, before the scheduler's step
         update_successful, grad_norm = self.optimizer_step(loss)
         if update_successful:
             self.scheduler.step(increment=1)
         return {
             "loss": loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": lr,
             "grad_norm": grad_norm,
             "skipped": 0.0 if update_successful else 1.0,
             "tokens": tokens,
@@ -304,8 +308,8 @@ class Trainer:
         mask that keeps their conversations apart, as ``config.packed_rows`` decided: a
         block-diagonal causal mask, or variable-length parameters for Transformer Engine."""
         batch = next(data_iterator)
-        if model_is_training(self.model):
-            self._sample_ids.append(batch["sample_ids"])
+        if self.sample_audit is not None and model_is_training(self.model):
+            self.sample_audit.add(batch["sample_ids"])
         device = self.device()
         packed = None
         if "segment_ids" in batch and self.config.packed_rows == "thd":
@@ -367,8 +371,8 @@ class Trainer:
         if tokens is None:
             tokens = gbs * self.config.model.seq_length
         state.floating_point_operations_so_far += tokens * self.flops_per_token
-        if self.config.logging.log_sample_ids:
-            self.write_sample_ids()
+        if self.sample_audit is not None:
+            self.sample_audit.write(state.iteration, self.writer.active)
 
     # ---- validation ---------------------------------------------------------------------
     def evaluate(self) -> Optional[Dict[str, float]]:
@@ -407,18 +411,10 @@ class Trainer:
         metrics = collectives.broadcast(metrics, src=collectives.world_size() - 1)
         previous = (self.state.best_value, self.state.best_iteration)
         improved = best.judge(self.state, metrics, c)
-        value = (metrics or {}).get(c.metric_for_best)
-        shown = "no value" if value is None else f"{value:.6g}"
-        if improved:
-            self.writer.print(f"--metric_for_best: {c.metric_for_best} {shown} is the best so "
-                              f"far (iteration {self.state.iteration})")
-        elif previous[0] is not None:
-            patience = c.early_stopping_patience
-            count = (f"{self.state.evals_without_improvement} of {patience}" if patience
-                     else str(self.state.evals_without_improvement))
-            self.writer.print(f"--metric_for_best: {c.metric_for_best} {shown}, best "
-                              f"{previous[0]:.6g} at iteration {previous[1]} ({count} "
-                              f"evaluations without improvement)")
+        line = run_log.best_line(c, self.state, (metrics or {}).get(c.metric_for_best),
+                                 improved, previous)
+        if line:
+            self.writer.print(line)
         return improved
 
     # ---- reporting ----------------------------------------------------------------------
@@ -433,20 +429,6 @@ class Trainer:
             self.writer.record(it, metrics)
             self.writer.print(format_log_line(it, total, metrics))
 
-    def write_sample_ids(self) -> None:
-        """Audit log: the global sample positions this iteration really fed the model."""
-        from megatron.core import parallel_state
-
-        mine = torch.cat(self._sample_ids) if self._sample_ids else torch.zeros(0)
-        group = parallel_state.get_data_parallel_group()
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine.tolist(), group=group)
-        if self.writer.active:
-            ids = sorted(i for part in gathered for i in part)
-            path = os.path.join(self.config.logging.output_dir, "sample_ids.jsonl")
-            with open(path, "a", encoding="utf-8") as fh:
-                fh.write(f'{{"iteration": {self.state.iteration}, "sample_ids": {ids}}}\n')
-
     def log_start(self, resumed_from: Optional[str] = None) -> None:
         from ..runtime import elastic
 
@@ -454,18 +436,8 @@ class Trainer:
         if self.attempt is not None:  # under torchrun: which attempt, and where it resumed
             self.writer.print(elastic.start_line(self.attempt, self.state.iteration,
                                                  resumed_from))
-        c, w = self.config, self.config.world
-        ep = f" (EP {w.expert_parallel})" if w.expert_parallel > 1 else ""
-        self.writer.print(
-            f"swift-mcore: {self.num_parameters / 1e6:.2f}M parameters, "
-            f"vocab {c.vocab_size} (padded {c.padded_vocab_size}), "
-            f"world {w.world_size} = TP {w.tensor_parallel} x PP {w.pipeline_parallel} x "
-            f"DP {w.data_parallel}{ep}, global batch {c.training.global_batch_size} = micro "
-            f"{c.training.micro_batch_size} x {w.num_microbatches} micro-batches x DP "
-            f"{w.data_parallel}, seq {c.model.seq_length}; {c.describe()}; MFU against "
-            f"{self.peak.describe() if self.peak else 'no peak'}; starting at "
-            f"iteration {self.state.iteration} ({self.state.consumed_train_samples} samples "
-            f"consumed)")
+        self.writer.print(run_log.start_line(self.config, self.num_parameters, self.peak,
+                                             self.state))
 
     def log_tuner(self) -> None:
         """--tuner_type lora: how many parameters train out of how many, and where."""
@@ -476,15 +448,7 @@ class Trainer:
         trainable, total = lora.parameter_counts(self.model)
         trainable = self.count_all_parameters(trainable, trainable_only=True)
         total = self.count_all_parameters(total)
-        t = self.config.tuner
-        where = t.target_regex and f"--target_regex {t.target_regex}" or ",".join(
-            t.target_modules)
-        saved = f", modules_to_save {','.join(t.modules_to_save)}" if t.modules_to_save else ""
-        self.writer.print(
-            f"--tuner_type lora: {trainable:,} of {total:,} parameters train "
-            f"({100 * trainable / max(total, 1):.2f}%): rank {t.lora_rank}, alpha "
-            f"{t.lora_alpha:g}{' (rslora)' if t.use_rslora else ''} on {where}{saved}; base "
-            f"frozen ({self.config.base_model})")
+        self.writer.print(run_log.tuner_line(self.config, trainable, total))
 
     def count_all_parameters(self, local: int, trainable_only: bool = False) -> int:
         """Parameters of the whole model: summed over TP and PP ranks of one replica, and
@@ -537,15 +501,9 @@ class Trainer:
         from ..runtime import elastic
 
         attempt = self.attempt or elastic.current()  # (a failure before the group's is known)
-        if attempt is None:
-            return
-        iteration = self.state.iteration + 1
-        print(f"swift-mcore: rank {distributed.rank()} failed in iteration {iteration} "
-              f"({attempt.describe()}): {elastic.signature(err)}", file=sys.stderr, flush=True)
-        reason = elastic.record_failure(self.config.logging.output_dir, attempt,
-                                        distributed.rank(), self.started_at, iteration, err)
-        if reason:
-            elastic.stop_restarts(reason)
+        if attempt is not None:
+            elastic.report_failure(self.config.logging.output_dir, attempt, distributed.rank(),
+                                   self.started_at, self.state.iteration + 1, err)
 
     def due(self, every: Optional[int]) -> bool:
         return bool(every) and self.state.iteration % every == 0
@@ -557,16 +515,12 @@ class Trainer:
             return None
         path = self.checkpoints.save(self.state, self.model, self.optimizer, self.scheduler,
                                      self.data_fingerprint)
-        verb = "saving" if self.config.checkpoint.async_save else "saved"
-        self.writer.print(f"{verb} checkpoint {path} (iteration {self.state.iteration}, "
-                          f"{self.state.consumed_train_samples} samples consumed)"
-                          + (" in the background" if verb == "saving" else ""))
+        self.writer.print(run_log.saved_line(path, self.state,
+                                             background=self.config.checkpoint.async_save))
         if self.config.checkpoint.save_safetensors:
             self.checkpoints.finish_saves(blocking=True)  # the conversion reads it
             if self._stop_signal is not None:  # a grace period is too short for it
-                self.writer.print(f"--save_safetensors: {path} is not converted (stopping on "
-                                  f"a signal); convert it with `swift-mcore export --to_hf "
-                                  f"--model {path} --output_dir {path}-hf`")
+                self.writer.print(run_log.not_converted_line(path))
             else:
                 self.save_hf_folder()
         return path
@@ -577,7 +531,7 @@ class Trainer:
         committed as checkpoints are (checkpointing/manager.py). A failed conversion is a
         warning: the checkpoint itself is saved and training goes on."""
         from ..errors import CheckpointError
-        from ..launch import export_in_subprocess
+        from ..runtime.export_child import export_in_subprocess
 
         # The child converts on the CPU (launch.py), where it would build float32: the folder
         # keeps the training precision unless --model's config.json names a dtype.
@@ -589,10 +543,7 @@ class Trainer:
                     checkpoint, out, dtype=dtype,
                     group_timeout=distributed.timeout_of(self.config).total_seconds()))
         except CheckpointError as err:
-            last = str(err).strip().splitlines()[-1] if str(err).strip() else "unknown error"
-            self.writer.print(f"WARNING: --save_safetensors: converting iteration "
-                              f"{self.state.iteration} failed ({last}); the checkpoint is "
-                              f"saved, training goes on")
+            self.writer.print(run_log.conversion_failed_line(self.state.iteration, str(err)))
             return None
         self.writer.print(f"--save_safetensors: {line}")
         return line
@@ -604,28 +555,14 @@ class Trainer:
     def finish(self, exit_reason: Optional[str]) -> None:
         self.checkpoints.finish_saves(blocking=True)  # a background save is committed first
         self.watchdog.disarm()  # the closing outputs are not an iteration
-        lg, c = self.config.logging, self.config.checkpoint
-        out = os.path.abspath(lg.output_dir)
-        lines = [f"finished at iteration {self.state.iteration}"
-                 + (f" ({exit_reason})" if exit_reason else "")]
-        if not c.no_save:
-            lines.append(f"  checkpoints:  {os.path.join(out, 'checkpoint')}")
-        if c.metric_for_best and self.state.best_iteration is not None and not c.no_save:
-            lines.append(f"  best:         {os.path.join(out, 'checkpoint', 'best')} "
-                         f"(iteration {self.state.best_iteration}, {c.metric_for_best} "
-                         f"{self.state.best_value:.6g})")
-        lines.append(f"  metrics:      {os.path.join(out, 'metrics.jsonl')}")
-        failed = self.writer.failed_trackers
-        for name in lg.report_to:
-            lines.append(f"  {name + ':':<13} " + TRACKER_WHERE[name].format(out=out)
-                         + (" (switched off after an error)" if name in failed else ""))
-        if lg.log_sample_ids:
-            lines.append(f"  sample ids:   {os.path.join(out, 'sample_ids.jsonl')}")
+        lg = self.config.logging
+        lines = run_log.finish_lines(self.config, self.state, exit_reason,
+                                     self.writer.failed_trackers)
         self.writer.close()
         if self.writer.active and lg.plot:
             plot = self.write_plot()
             if plot:
-                lines.append(f"  plot:         {plot}")
+                lines.append(run_log.plot_line(plot))
         if self.writer.active:
             print("\n".join(lines), flush=True)
         distributed.barrier()  # every rank is done with output_dir
@@ -652,14 +589,6 @@ class Trainer:
             for tracker in self.trackers:
                 close_quietly(tracker, failed=failed)
         self.trackers = []
-
-
-# Where each --report_to tracker's files are, for the closing lines.
-TRACKER_WHERE = {
-    "tensorboard": "tensorboard --logdir {out}/runs",
-    "wandb": "{out}/wandb (offline runs: wandb sync {out}/wandb/offline-run-*)",
-    "swanlab": "{out}/swanlog (offline runs: swanlab sync {out}/swanlog/run-*)",
-}
 
 
 def model_is_training(model_chunks) -> bool:

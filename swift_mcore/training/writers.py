@@ -1,5 +1,7 @@
 """Where metrics go: the log line, tqdm, metrics.jsonl and the --report_to trackers (last
-rank only). metrics.jsonl is the record every tracker and the plot are checked against."""
+rank only). metrics.jsonl is the record every tracker and the plot are checked against; it
+is appended to as a run file (runtime/run_files.py: never through a planted link, a record
+whole or not at all)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
+from ..runtime import run_files
 from .trackers import Tracker, close_quietly
 
 
@@ -61,7 +64,7 @@ class MetricWriter:
                  trackers: Sequence[Tracker] = (), progress_bar: bool = True):
         self.active = active
         self.total_iters = total_iters
-        self.jsonl_path = os.path.join(output_dir, "metrics.jsonl")
+        self.jsonl_path = os.path.join(output_dir, run_files.METRICS)
         self.trackers: List[Tracker] = list(trackers) if active else []
         self.failed_trackers: List[str] = []
         self._bar: Optional[tqdm] = None
@@ -69,7 +72,7 @@ class MetricWriter:
         if not active:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        self._jsonl = run_files.Record(self.jsonl_path)
         if progress_bar:
             self._bar = tqdm(total=total_iters, initial=start_iter, desc="train",
                              dynamic_ncols=True, leave=True)
@@ -100,8 +103,7 @@ class MetricWriter:
                 self._switch_off(tracker, f"{type(err).__name__}: {err}")
 
     def _write(self, record: dict) -> None:
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        self._jsonl.append(json.dumps(record) + "\n")
 
     def _switch_off(self, tracker: Tracker, error: str) -> None:
         self.trackers.remove(tracker)
