@@ -36,7 +36,7 @@ def child(spec_path):
     """One run: train, then print the per-iteration times as JSON."""
     with open(spec_path, encoding="utf-8") as fh:
         spec = json.load(fh)
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.runtime import distributed
     from swift_mcore.training.trainer import Trainer
 
@@ -48,7 +48,7 @@ def child(spec_path):
             return super().train_step()
 
     began = time.perf_counter()
-    Timed(PretrainArguments.from_flags(**spec["flags"])).train()
+    Timed(RunArguments.from_flags(**spec["flags"])).train()
     ended = time.perf_counter()
     starts.append(ended)  # the last iteration ends with the final save's commit
     print(json.dumps({"durations": [b - a for a, b in zip(starts, starts[1:])],

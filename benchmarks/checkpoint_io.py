@@ -118,7 +118,7 @@ def main():
                              "stderr")
     opts = parser.parse_args()
 
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.checkpointing import load, save
     from swift_mcore.training.trainer import Trainer
 
@@ -137,7 +137,7 @@ def main():
              "eval_steps": 0, "tensorboard": False, "progress_bar": False,
              "num_workers": 0, "output_dir": os.path.join(workdir, "run")}
     try:
-        trainer = Trainer(PretrainArguments.from_flags(**flags))
+        trainer = Trainer(RunArguments.from_flags(**flags))
         trainer.setup()
         trainer.train_step()
         trainer.state.iteration = 1
@@ -165,7 +165,7 @@ def main():
         if opts.profile:
             profile_saves(trainer, path, plain)
         for _ in range(opts.repeats):
-            resumed = Trainer(PretrainArguments.from_flags(**flags, resume="auto"))
+            resumed = Trainer(RunArguments.from_flags(**flags, resume="auto"))
             clock.take()
             resumed.setup()
             spent = clock.take()

@@ -28,12 +28,12 @@ def samples(order: str, train_iters: int, out: str, tokenizer):
     """(tokens of each position 0 .. train_iters x GBS, build seconds, dataset length)."""
     import itertools
 
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.data.gpt_datasets import build_datasets
     from swift_mcore.data.loader import build_data_iterator
     from swift_mcore.run_config import resolve
 
-    config = resolve(PretrainArguments.from_flags(
+    config = resolve(RunArguments.from_flags(
         seq_length=64, micro_batch_size=MBS, global_batch_size=GBS, train_iters=train_iters,
         lr_warmup_iters=0, seed=1234, split="969,30,1", data_order=order, eval_steps=0,
         num_workers=0, output_dir=os.path.join(out, f"{order}_{train_iters}")), world_size=1)

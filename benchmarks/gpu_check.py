@@ -142,12 +142,12 @@ def argv_of(path: Path, work: str) -> List[str]:
 def dry_run(selected: List[Path], work: str) -> None:
     """Parses and resolves every command as a GPU machine with Transformer Engine would
     (cuda=True, transformer_engine=True), and checks the decisions each path is about."""
-    from swift_mcore.arguments import PretrainArguments, SftArguments, parse_args
+    from swift_mcore.arguments import RunArguments, SftArguments, parse_args
     from swift_mcore.run_config import resolve
 
     for path in selected:
         argv = argv_of(path, work)
-        cls = SftArguments if path.command == "sft" else PretrainArguments
+        cls = SftArguments if path.command == "sft" else RunArguments
         start = time.perf_counter()
         try:
             config = resolve(parse_args(argv[1:], prog=f"swift-mcore {path.command}", cls=cls),

@@ -47,7 +47,7 @@ def main():
     from swift_mcore._quiet import quiet_third_party
 
     quiet_third_party()
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model, count_parameters
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime import distributed, seed
@@ -55,7 +55,7 @@ def main():
     from swift_mcore.training.optimizer import build_optimizer
 
     vocab = 4096
-    args = resolve(PretrainArguments.from_flags(**(TINY if opts.tiny else BIG), **LLAMA,
+    args = resolve(RunArguments.from_flags(**(TINY if opts.tiny else BIG), **LLAMA,
                                                 seq_length=32, micro_batch_size=1,
                                                 global_batch_size=1)
                    ).complete(vocab, None, padded_vocab_size=vocab)

@@ -49,7 +49,7 @@ def one(setting: str, tiny: bool, steps: int) -> dict:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
@@ -62,7 +62,7 @@ def one(setting: str, tiny: bool, steps: int) -> dict:
                  attention_dropout=0.1, attention_backend="sdpa", **SETTINGS[setting])
     if tiny and flags.get("recompute_num_layers") == 4:
         flags["recompute_num_layers"] = 2
-    config = resolve(PretrainArguments.from_flags(**flags), world_size=1, cuda=False).complete(
+    config = resolve(RunArguments.from_flags(**flags), world_size=1, cuda=False).complete(
         4096, None)
     seed.set_seed(0)
     model = build_model(config)[0]

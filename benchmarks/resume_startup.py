@@ -57,10 +57,10 @@ def flags_for(opts, out, consumed):
 
 
 def child_make(spec):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.training.trainer import Trainer
 
-    trainer = Trainer(PretrainArguments.from_flags(**spec["flags"]))
+    trainer = Trainer(RunArguments.from_flags(**spec["flags"]))
     trainer.setup()
     trainer.train_step()  # both checkpoints then hold the same model and optimizer state
     st = trainer.state
@@ -88,7 +88,7 @@ def timed(module, name, timings, key):
 
 def child_resume(spec):
     t0 = time.perf_counter()
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.checkpointing import load
     from swift_mcore.training.trainer import Trainer
 
@@ -106,7 +106,7 @@ def child_resume(spec):
             timings.setdefault("build_iterator_s", time.perf_counter() - start)
             return it
 
-    trainer = Timed(PretrainArguments.from_flags(**spec["flags"], resume="auto"))
+    trainer = Timed(RunArguments.from_flags(**spec["flags"], resume="auto"))
     trainer.setup()
     t_setup = time.perf_counter()
     assert "restore_s" in timings, "setup did not restore the checkpoint"
@@ -134,11 +134,11 @@ def hf_trainer(spec, rows, max_steps, clock=None, **overrides):
     from transformers.utils import logging as hf_logging
 
     from hf_peer import Rows, StreamedRows, build_model, training_arguments
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.run_config import resolve
 
     hf_logging.set_verbosity_error()
-    args = resolve(PretrainArguments.from_flags(**spec["flags"]))
+    args = resolve(RunArguments.from_flags(**spec["flags"]))
     # One epoch that outlasts the resume point (plus the step to train), or the rows as they
     # are (hf_same_data: many epochs).
     length = spec["consumed"] + 4 * args.training.global_batch_size
@@ -155,12 +155,12 @@ def child_hf_make(spec):
     saved as checkpoint-1 (model, optimizer, scheduler, RNG, trainer state)."""
     import torch
 
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.data import build_datasets, build_tokenizer
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime import distributed
 
-    args = resolve(PretrainArguments.from_flags(**spec["flags"]))
+    args = resolve(RunArguments.from_flags(**spec["flags"]))
     distributed.initialize(args)
     tokenizer = build_tokenizer(args)
     train, _, _ = build_datasets(args, tokenizer)

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from swift_mcore import PretrainArguments, SftArguments, Trainer
+from swift_mcore import RunArguments, SftArguments, Trainer
 from swift_mcore.arguments import build_parser
 from swift_mcore.runtime.distributed import exit_process
 
@@ -53,7 +53,7 @@ class LabelSmoothingTrainer(Trainer):
 
 def main():
     argv = sys.argv[1:]
-    cls = PretrainArguments
+    cls = RunArguments
     if argv[:1] == ["sft"]:
         cls, argv = SftArguments, argv[1:]
     own = argparse.ArgumentParser(add_help=False)

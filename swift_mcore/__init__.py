@@ -4,10 +4,10 @@ from ._deferred_imports import defer_optional_imports
 
 defer_optional_imports()  # before anything imports megatron-core
 
-from .arguments import PretrainArguments, SftArguments  # noqa: E402
+from .arguments import PretrainArguments, RunArguments, SftArguments  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["PretrainArguments", "SftArguments", "Trainer", "__version__"]
+__all__ = ["PretrainArguments", "RunArguments", "SftArguments", "Trainer", "__version__"]
 
 
 def __getattr__(name):

@@ -37,9 +37,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run_pretrain(argv: List[str]) -> int:
-    from .arguments import PretrainArguments
+    from .arguments import RunArguments
 
-    return run_training(argv, PretrainArguments)
+    return run_training(argv, RunArguments)
 
 
 def run_sft(argv: List[str]) -> int:

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .arguments import PretrainArguments
+from .arguments import RunArguments
 from .errors import ArgumentError, CheckpointError
 from .run_config import RunConfig, resolve
 
@@ -19,7 +19,7 @@ Log = Callable[[str], None]
 
 @dataclass
 class LoadedModel:
-    flags: PretrainArguments    # what the model was resolved from (one process)
+    flags: RunArguments    # what the model was resolved from (one process)
     config: RunConfig           # complete: the padded vocabulary is the embedding's rows
     model: torch.nn.Module      # megatron GPTModel, eval mode
     tokenizer: Optional[object]  # None: a weights-only HF folder converted without one
@@ -56,7 +56,7 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log: Log, trust: bool,
     # Only the model matters; a sequence length its positions allow keeps the checks happy.
     positions = HFFolder(path, flag="--model").config.get("max_position_embeddings") or 256
     # float32, on a GPU too (--precision auto would be bf16 there): the weights as stored.
-    flags = PretrainArguments.from_flags(model=path, tokenizer=tokenizer_path,
+    flags = RunArguments.from_flags(model=path, tokenizer=tokenizer_path,
                                          seq_length=min(256, int(positions)), precision="fp32",
                                          trust_remote_code=trust)
     tokenizer = None
@@ -150,11 +150,11 @@ def _from_lora_checkpoint(folder: str, saved, base: str, tokenizer_path: Optiona
                        hf_folder)
 
 
-def one_process_flags(saved) -> PretrainArguments:
+def one_process_flags(saved) -> RunArguments:
     """The model a checkpoint was trained with, to rebuild in one process: its model flags
     (``--model`` dropped: they already hold its config, and the folder may be gone), and its
     precision on CUDA (float32 on CPU); everything else at its default."""
-    flags = PretrainArguments()
+    flags = RunArguments()
     known = {name for name in vars(flags.model)}
     model = {k: v for k, v in saved.get("model", {}).items() if k in known and k != "model"}
     flags.update(**model)
@@ -166,7 +166,7 @@ def one_process_flags(saved) -> PretrainArguments:
     return flags
 
 
-def with_flags(flags: PretrainArguments, **changes) -> PretrainArguments:
+def with_flags(flags: RunArguments, **changes) -> RunArguments:
     """A copy of ``flags`` with ``changes`` applied (the original is left as it is)."""
     return copy.deepcopy(flags).update(**changes)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
 from .arguments.fields import check_flags
-from .arguments.pretrain import PretrainArguments, check_schedule_length
+from .arguments.run import RunArguments, check_schedule_length
 from .errors import ArgumentError
 
 # --attention_backend -> (layer spec, core attention) when Transformer Engine is not used.
@@ -39,7 +39,7 @@ class World:
 
 @dataclass(frozen=True)
 class RunConfig:
-    args: PretrainArguments      # read-only: --model's config applied, defaults filled, checked
+    args: RunArguments      # read-only: --model's config applied, defaults filled, checked
     world: World
     cuda: bool
     backend: str                 # process-group backend: nccl | gloo
@@ -147,7 +147,7 @@ for _name in ("model", "data", "training", "parallel", "checkpoint", "logging", 
     setattr(RunConfig, _name, _group(_name))
 
 
-def resolve(args: PretrainArguments, world_size: Optional[int] = None,
+def resolve(args: RunArguments, world_size: Optional[int] = None,
             cuda: Optional[bool] = None, transformer_engine: Optional[bool] = None,
             apex: Optional[bool] = None, weights_only: bool = False) -> RunConfig:
     """Check ``args`` and decide the run. Reads config.json, the data files' headers and the
@@ -214,7 +214,7 @@ def resolve(args: PretrainArguments, world_size: Optional[int] = None,
                      **choose_gpu_defaults(flags, world, cuda, transformer_engine))
 
 
-def check_lora(flags: PretrainArguments, layer_spec: str, cuda: bool) -> Optional[str]:
+def check_lora(flags: RunArguments, layer_spec: str, cuda: bool) -> Optional[str]:
     """--tuner_type lora: the layers it targets exist, the layer spec has LoRA layers, and
     what the base weights are (their reference). None for --tuner_type full."""
     if flags.tuner.tuner_type != "lora":
@@ -229,7 +229,7 @@ def check_lora(flags: PretrainArguments, layer_spec: str, cuda: bool) -> Optiona
     return lora.base_reference(flags, cuda)
 
 
-def choose_precision(flags: PretrainArguments, cuda: bool) -> str:
+def choose_precision(flags: RunArguments, cuda: bool) -> str:
     """--precision (auto: bf16 on CUDA, as Megatron-LM's and Megatron-Bridge's GPU recipes
     train, fp32 on CPU), or --bf16/--fp16. Writes the choice back into ``flags`` (a private
     copy), so args.json records what ran and ``training.bf16/fp16`` agree with it."""
@@ -248,7 +248,7 @@ def choose_precision(flags: PretrainArguments, cuda: bool) -> str:
     return precision
 
 
-def choose_gpu_defaults(flags: PretrainArguments, world: World, cuda: bool,
+def choose_gpu_defaults(flags: RunArguments, world: World, cuda: bool,
                         transformer_engine: bool) -> Dict[str, Any]:
     """The settings that differ on a GPU, chosen as Megatron-LM's defaults are: weights
     initialised on the GPU (its --use-cpu-initialization is off), Transformer Engine's fused
@@ -288,7 +288,7 @@ def choose_attention(flag: str, cuda: bool, transformer_engine: bool) -> str:
     return flag
 
 
-def check_hardware(flags: PretrainArguments, cuda: bool) -> str:
+def check_hardware(flags: RunArguments, cuda: bool) -> str:
     """Flags this machine cannot run; returns the process-group backend."""
     p = flags.parallel
     if p.use_distributed_optimizer and not cuda:
@@ -304,7 +304,7 @@ def check_hardware(flags: PretrainArguments, cuda: bool) -> str:
     return p.distributed_backend or ("nccl" if cuda else "gloo")
 
 
-def check_sequence_parallel(flags: PretrainArguments, cuda: bool, layer_spec: str,
+def check_sequence_parallel(flags: RunArguments, cuda: bool, layer_spec: str,
                             apex: bool) -> None:
     """--sequence_parallel needs norms that support it: Transformer Engine's (its layer spec)
     or apex's fused LayerNorm on a GPU. megatron's torch norms (the local spec without apex,
@@ -335,14 +335,14 @@ def check_sequence_parallel(flags: PretrainArguments, cuda: bool, layer_spec: st
         "LayerNorm: megatron's torch norms of the local spec do not support it")
 
 
-def check_moe_hardware(flags: PretrainArguments, cuda: bool, layer_spec: str) -> None:
+def check_moe_hardware(flags: RunArguments, cuda: bool, layer_spec: str) -> None:
     """--moe_grouped_gemm runs the local experts as one grouped GEMM: Transformer Engine's
     (its layer spec, CUDA). On CPU the experts are megatron's SequentialMLP."""
     if flags.model.moe_grouped_gemm and (not cuda or layer_spec != "transformer_engine"):
         raise ArgumentError("--moe_grouped_gemm needs CUDA and Transformer Engine's layer spec "
                             "(--attention_backend auto or transformer_engine); without them the "
                             "experts run one after another (drop the flag)")
-def check_recompute_hardware(flags: PretrainArguments, cuda: bool,
+def check_recompute_hardware(flags: RunArguments, cuda: bool,
                              transformer_engine: bool) -> None:
     """--recompute_modules layernorm on a GPU without Transformer Engine: megatron-core
     0.16.1's CheckpointWithoutOutput then takes its FP8 path (random.py:636), which imports
@@ -356,7 +356,7 @@ def check_recompute_hardware(flags: PretrainArguments, cuda: bool,
             "requirements/gpu.txt, or drop layernorm from --recompute_modules")
 
 
-def check_trackers(flags: PretrainArguments) -> None:
+def check_trackers(flags: RunArguments) -> None:
     """Every --report_to tracker is installed (whether it starts is known only when it
     does: Trainer.setup, before the first iteration)."""
     import importlib.util
@@ -372,7 +372,7 @@ def check_trackers(flags: PretrainArguments) -> None:
                                 f"pip install -r {pins}, or drop {name} from --report_to")
 
 
-def check_inputs(flags: PretrainArguments) -> Tuple[tuple, tuple]:
+def check_inputs(flags: RunArguments) -> Tuple[tuple, tuple]:
     """The files the flags name: data inputs (headers and sizes only, so bad data stops
     here, before anything is built), checkpoints to resume or load, and whether the model
     can be written as a Hugging Face family when --save_safetensors asks for it. Returns

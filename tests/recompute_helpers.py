@@ -33,12 +33,12 @@ CASES = {
 
 def gradients(flags: dict, tp: int = 1, dropout_seed: int = 5) -> dict:
     """{parameter name: gradient} of the summed token losses of one fixed micro-batch."""
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
 
-    config = resolve(PretrainArguments.from_flags(
+    config = resolve(RunArguments.from_flags(
         **MODEL, tensor_model_parallel_size=tp, **flags), world_size=tp, cuda=False).complete(
         256, None, padded_vocab_size=256)
     seed.set_seed(0)

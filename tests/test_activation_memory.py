@@ -6,12 +6,12 @@ SEQ, BATCH, HIDDEN, FFN, HEADS, GROUPS = 64, 2, 64, 160, 4, 2
 
 
 def build(**flags):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
 
-    args = PretrainArguments.from_flags(
+    args = RunArguments.from_flags(
         num_layers=2, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=GROUPS, seq_length=SEQ, swiglu=True, normalization="RMSNorm",
         position_embedding_type="rope", **flags)

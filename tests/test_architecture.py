@@ -11,7 +11,7 @@ from typing import Dict, Set
 
 import pytest
 
-from swift_mcore import PretrainArguments, SftArguments
+from swift_mcore import RunArguments, SftArguments
 from swift_mcore.run_config import RunConfig, resolve
 
 PACKAGE = Path(__file__).resolve().parents[1] / "swift_mcore"
@@ -133,7 +133,7 @@ FLAGS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_grou
 
 
 def test_resolving_twice_gives_equal_configs_and_leaves_the_arguments():
-    args = PretrainArguments.from_flags(**FLAGS)
+    args = RunArguments.from_flags(**FLAGS)
     before = copy.deepcopy(args)
     first, second = resolve(args, world_size=2), resolve(args, world_size=2)
     assert first == second and isinstance(first, RunConfig)
@@ -158,7 +158,7 @@ def test_a_resolved_config_cannot_be_changed(tmp_path):
 
 
 def test_completing_with_epochs_resolves_train_iters_once():
-    args = PretrainArguments.from_flags(num_train_epochs=2.5, lr_warmup_iters=0)
+    args = RunArguments.from_flags(num_train_epochs=2.5, lr_warmup_iters=0)
     plan = resolve(args, world_size=1)
     done = plan.complete(4000, 100)
     assert done.training.train_iters == 16  # ceil(2.5 * 100 / 16)
@@ -169,19 +169,19 @@ def test_completing_with_epochs_resolves_train_iters_once():
 def test_the_attention_is_decided_once():
     # auto is the fastest exact path: torch's SDPA without CUDA, TE's with CUDA and TE,
     # megatron's local module on CUDA without TE.
-    cpu = resolve(PretrainArguments(), world_size=1, cuda=False)
+    cpu = resolve(RunArguments(), world_size=1, cuda=False)
     assert (cpu.attention, cpu.layer_spec, cpu.packed_rows) == ("sdpa", "local",
                                                                 "block_causal_mask")
     assert "scaled_dot_product_attention" in cpu.describe()
-    no_te = resolve(PretrainArguments(), world_size=1, cuda=True, transformer_engine=False)
+    no_te = resolve(RunArguments(), world_size=1, cuda=True, transformer_engine=False)
     assert (no_te.attention, no_te.layer_spec) == ("local", "local")
-    local = resolve(PretrainArguments.from_flags(attention_backend="local"), world_size=1,
+    local = resolve(RunArguments.from_flags(attention_backend="local"), world_size=1,
                     cuda=False)
     assert local.attention == "local" and "DotProductAttention" in local.describe()
-    te = resolve(PretrainArguments(), world_size=1, cuda=True, transformer_engine=True)
+    te = resolve(RunArguments(), world_size=1, cuda=True, transformer_engine=True)
     assert (te.attention, te.layer_spec, te.packed_rows) == (
         "transformer_engine", "transformer_engine", "thd")
-    chosen = resolve(PretrainArguments.from_flags(attention_backend="sdpa"), world_size=1,
+    chosen = resolve(RunArguments.from_flags(attention_backend="sdpa"), world_size=1,
                      cuda=True, transformer_engine=True)
     assert (chosen.attention, chosen.layer_spec) == ("sdpa", "local")  # the flag is obeyed
     assert "Transformer Engine" in te.describe() and "scaled_dot_product" in chosen.describe()
@@ -190,7 +190,7 @@ def test_the_attention_is_decided_once():
 def test_training_leaves_the_arguments_as_they_were(gloo_group, tmp_path):
     from swift_mcore.training.trainer import Trainer
 
-    args = PretrainArguments.from_flags(**FLAGS, output_dir=str(tmp_path / "run"))
+    args = RunArguments.from_flags(**FLAGS, output_dir=str(tmp_path / "run"))
     before = copy.deepcopy(args)
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -215,11 +215,11 @@ def test_a_one_process_group_leaves_the_environment_as_it_was():
     code = (
         "import json, os, sys\n"
         "before = dict(os.environ)\n"
-        "from swift_mcore import PretrainArguments\n"
+        "from swift_mcore import RunArguments\n"
         "from swift_mcore.run_config import resolve\n"
         "from swift_mcore.runtime import distributed\n"
         "import torch.distributed as dist\n"
-        "distributed.initialize(resolve(PretrainArguments(), world_size=1))\n"
+        "distributed.initialize(resolve(RunArguments(), world_size=1))\n"
         "assert dist.get_world_size() == 1\n"
         "print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))\n"
         "sys.stdout.flush(); os._exit(0)\n")

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from swift_mcore.errors import ArgumentError
-from swift_mcore.arguments import PretrainArguments, parse_args
+from swift_mcore.arguments import RunArguments, parse_args
 from swift_mcore.arguments.parser import all_flags, build_parser
-from swift_mcore.arguments.pretrain import flag_owners
+from swift_mcore.arguments.run import flag_owners
 from swift_mcore.run_config import resolve
 
 
@@ -66,11 +66,11 @@ def test_every_flag_is_defined_once_and_listed_in_help():
 
 
 def test_python_api_and_from_flags_agree():
-    a = PretrainArguments.from_flags(lr=2e-4, num_layers=3)
+    a = RunArguments.from_flags(lr=2e-4, num_layers=3)
     b = parse_args(["--lr", "2e-4", "--num_layers", "3"])
     assert a.to_dict() == b.to_dict()
     with pytest.raises(ArgumentError, match="unknown flag 'nope'"):
-        PretrainArguments.from_flags(nope=1)
+        RunArguments.from_flags(nope=1)
 
 
 @pytest.mark.parametrize("argv, world_size, message", [
@@ -149,13 +149,13 @@ def test_cli_reference_in_docs_is_current():
 
 
 def test_num_train_epochs_resolves_train_iters_once_the_data_size_is_known():
-    args = PretrainArguments.from_flags(num_train_epochs=2.5, global_batch_size=16,
+    args = RunArguments.from_flags(num_train_epochs=2.5, global_batch_size=16,
                                         lr_warmup_iters=5)
     config = resolve(args, world_size=1, cuda=False)  # the schedule check waits for the length
     done = config.complete(1000, 100)
     assert done.training.train_iters == 16  # ceil(2.5 * 100 / 16)
     assert config.training.train_iters != 16  # complete returns a new config
-    short = PretrainArguments.from_flags(num_train_epochs=0.1, global_batch_size=16,
+    short = RunArguments.from_flags(num_train_epochs=0.1, global_batch_size=16,
                                          lr_warmup_iters=5)
     short_config = resolve(short, world_size=1, cuda=False)
     with pytest.raises(ArgumentError, match=r"--lr_warmup_iters \(5\) must be smaller than "
@@ -163,9 +163,9 @@ def test_num_train_epochs_resolves_train_iters_once_the_data_size_is_known():
         short_config.complete(1000, 100)
     with pytest.raises(ArgumentError, match=r"--num_train_epochs must be > 0 \(a positive "
                                             r"number\), got 0.0"):
-        resolve(PretrainArguments.from_flags(num_train_epochs=0), world_size=1, cuda=False)
+        resolve(RunArguments.from_flags(num_train_epochs=0), world_size=1, cuda=False)
     # Without epochs, --train_iters stands.
-    plain = PretrainArguments.from_flags(train_iters=7, lr_warmup_iters=1)
+    plain = RunArguments.from_flags(train_iters=7, lr_warmup_iters=1)
     assert resolve(plain, world_size=1, cuda=False).complete(1000, 100).training.train_iters == 7
 
 
@@ -195,7 +195,7 @@ def float_flags():
     from swift_mcore.preprocess import PreprocessArguments
 
     found = []
-    for command, cls in (("pt", PretrainArguments), ("sft", SftArguments)):
+    for command, cls in (("pt", RunArguments), ("sft", SftArguments)):
         seen = {f.name for c, _, f in found if c == "pt"}
         found += [(command, cls, f) for f in all_flags(cls)
                   if base_type(f)[0] is float and f.name not in seen]
@@ -321,8 +321,8 @@ def test_moe_routing_megatron_refuses_is_refused_in_our_words(flags, message):
     from swift_mcore.run_config import resolve
 
     with pytest.raises(ArgumentError, match=message):
-        resolve(PretrainArguments.from_flags(**flags), world_size=1, cuda=False)
-    ok = resolve(PretrainArguments.from_flags(num_experts=4, moe_router_topk=1,
+        resolve(RunArguments.from_flags(**flags), world_size=1, cuda=False)
+    ok = resolve(RunArguments.from_flags(num_experts=4, moe_router_topk=1,
                                               moe_router_pre_softmax=True),
                  world_size=1, cuda=False)
     assert ok.model.moe_router_topk == 1
@@ -333,4 +333,4 @@ def test_num_layers_has_an_upper_bound():
 
     with pytest.raises(ArgumentError, match=r"^--num_layers must be <= 1000000 \(at most a "
                                             r"million\), got 10000000$"):
-        resolve(PretrainArguments.from_flags(num_layers=10**7), world_size=1, cuda=False)
+        resolve(RunArguments.from_flags(num_layers=10**7), world_size=1, cuda=False)

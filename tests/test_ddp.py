@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.models.gpt import build_model
 from swift_mcore.run_config import resolve
 from swift_mcore.runtime.ddp import bucket_size_for, num_grad_buckets, wrap_model
@@ -16,7 +16,7 @@ TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_group
 
 def tiny_args(padded_vocab=256, **flags):
     """A complete RunConfig whose embedding has ``padded_vocab`` rows."""
-    args = PretrainArguments.from_flags(**{**TINY, **flags})
+    args = RunArguments.from_flags(**{**TINY, **flags})
     config = resolve(args, world_size=1, cuda=False)
     return config.complete(args.model.vocab_size, None, padded_vocab_size=padded_vocab)
 

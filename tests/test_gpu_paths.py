@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.errors import ArgumentError, CheckpointError
 from swift_mcore.run_config import resolve
 
@@ -23,12 +23,12 @@ META = torch.device("meta")  # a device whose values the host cannot read: a syn
 
 
 def gpu(world_size=1, transformer_engine=True, **flags):
-    return resolve(PretrainArguments.from_flags(**flags), world_size=world_size, cuda=True,
+    return resolve(RunArguments.from_flags(**flags), world_size=world_size, cuda=True,
                    transformer_engine=transformer_engine)
 
 
 def cpu(world_size=1, **flags):
-    return resolve(PretrainArguments.from_flags(**flags), world_size=world_size, cuda=False)
+    return resolve(RunArguments.from_flags(**flags), world_size=world_size, cuda=False)
 
 
 # ---- 1. every collective's tensor lives on the backend's device -------------------------
@@ -286,7 +286,7 @@ def test_sequence_parallel_needs_norms_that_support_it():
     with pytest.raises(ArgumentError, match="--sequence_parallel needs Transformer Engine"):
         gpu(world_size=2, attention_backend="sdpa", **sp)  # TE there, but the local spec
     assert gpu(world_size=2, **sp).layer_spec == "transformer_engine"
-    with_apex = resolve(PretrainArguments.from_flags(normalization="LayerNorm", **sp),
+    with_apex = resolve(RunArguments.from_flags(normalization="LayerNorm", **sp),
                         world_size=2, cuda=True, transformer_engine=False, apex=True)
     assert with_apex.parallel.sequence_parallel
 

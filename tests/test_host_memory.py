@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from swift_mcore import PretrainArguments
+from swift_mcore import RunArguments
 from swift_mcore.run_config import resolve
 from swift_mcore.runtime.cpu import host_memory
 
@@ -54,9 +54,9 @@ def test_release_hands_the_freed_heap_back():
 
 
 def test_the_decision_is_made_once_and_only_for_cpu_runs():
-    default = resolve(PretrainArguments(), world_size=1, cuda=False)
+    default = resolve(RunArguments(), world_size=1, cuda=False)
     assert default.trim_host_memory is False and "free heap" not in default.describe()
-    on = PretrainArguments.from_flags(trim_host_memory=True)
+    on = RunArguments.from_flags(trim_host_memory=True)
     cpu = resolve(on, world_size=1, cuda=False)
     assert cpu.trim_host_memory is host_memory.available()
     assert ("free heap released" in cpu.describe()) is host_memory.available()

@@ -10,13 +10,13 @@ import torch
          seq_length=128, swiglu=False, kv_channels=8),
 ])
 def test_flops_per_token_counts_the_built_models_matmuls(gloo_group, flags):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
     from swift_mcore.training.metrics import flops_per_token
 
-    args = resolve(PretrainArguments.from_flags(**flags), world_size=1, cuda=False).complete(
+    args = resolve(RunArguments.from_flags(**flags), world_size=1, cuda=False).complete(
         256, None, padded_vocab_size=256)
     seed.set_seed(0)
     model = build_model(args)[0]
@@ -31,12 +31,12 @@ def test_flops_per_token_counts_the_built_models_matmuls(gloo_group, flags):
 
 
 def tiny(**flags):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.run_config import resolve
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                 seq_length=32)
-    return resolve(PretrainArguments.from_flags(**base, **flags), world_size=1,
+    return resolve(RunArguments.from_flags(**base, **flags), world_size=1,
                    cuda=False).complete(256, None, padded_vocab_size=256)
 
 

@@ -13,14 +13,14 @@ from swift_mcore.training.nonfinite import NonFiniteGuard, agree, describe, kind
 
 
 def build(clip_grad=0.05):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
     from swift_mcore.runtime.ddp import wrap_model
     from swift_mcore.training.optimizer import build_optimizer
 
-    args = PretrainArguments.from_flags(num_layers=2, hidden_size=64, num_attention_heads=4,
+    args = RunArguments.from_flags(num_layers=2, hidden_size=64, num_attention_heads=4,
                                         num_query_groups=2, seq_length=32, lr=1e-2,
                                         clip_grad=clip_grad, lr_warmup_iters=0)
     config = resolve(args, world_size=1).complete(256, None)

@@ -4,7 +4,7 @@ gradients, take the fast path only where it applies, and --cpu_matmul decides it
 import pytest
 import torch
 
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
 from swift_mcore.runtime.cpu import onednn_linear
@@ -129,19 +129,19 @@ def test_activate_installs_the_stand_ins_once(gloo_group):
 def test_cpu_matmul_is_decided_once(monkeypatch):
     assert onednn_linear.choose("auto") == "onednn"
     assert onednn_linear.choose("mkl") == "mkl"
-    default = resolve(PretrainArguments(), world_size=1, cuda=False)
+    default = resolve(RunArguments(), world_size=1, cuda=False)
     assert default.cpu_matmul == "onednn" and "linear layers on oneDNN" in default.describe()
-    mkl = resolve(PretrainArguments.from_flags(cpu_matmul="mkl"), world_size=1, cuda=False)
+    mkl = resolve(RunArguments.from_flags(cpu_matmul="mkl"), world_size=1, cuda=False)
     assert "linear layers on torch.matmul (MKL)" in mkl.describe()
-    gpu = resolve(PretrainArguments(), world_size=1, cuda=True, transformer_engine=False)
+    gpu = resolve(RunArguments(), world_size=1, cuda=True, transformer_engine=False)
     assert gpu.cpu_matmul is None and "linear layers" not in gpu.describe()
-    explicit = resolve(PretrainArguments.from_flags(cpu_matmul="onednn"), world_size=1,
+    explicit = resolve(RunArguments.from_flags(cpu_matmul="onednn"), world_size=1,
                        cuda=True, transformer_engine=False)
     assert explicit.cpu_matmul is None  # nothing to choose on a GPU
     monkeypatch.setattr(onednn_linear, "available", lambda: False)
     assert onednn_linear.choose("auto") == "mkl"
     with pytest.raises(ArgumentError, match="--cpu_matmul onednn: this torch build"):
-        resolve(PretrainArguments.from_flags(cpu_matmul="onednn"), world_size=1, cuda=False)
+        resolve(RunArguments.from_flags(cpu_matmul="onednn"), world_size=1, cuda=False)
 
 
 @pytest.mark.parametrize("choice", ["auto", "mkl"])

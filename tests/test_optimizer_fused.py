@@ -4,14 +4,14 @@ import torch
 
 
 def build(fused: bool):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
     from swift_mcore.runtime.ddp import wrap_model
     from swift_mcore.training import optimizer as opt
 
-    args = resolve(PretrainArguments.from_flags(num_layers=2, hidden_size=64,
+    args = resolve(RunArguments.from_flags(num_layers=2, hidden_size=64,
                                                 num_attention_heads=4, num_query_groups=2,
                                                 seq_length=32), world_size=1
                    ).complete(256, None, padded_vocab_size=256)
@@ -65,13 +65,13 @@ def test_a_cuda_config_leaves_megatrons_optimizer_as_it_built_it(gloo_group):
     the optimizer (on a GPU megatron's fused Adam is TE's or apex's)."""
     import dataclasses
 
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime.ddp import wrap_model
     from swift_mcore.training import optimizer as opt
 
-    args = resolve(PretrainArguments.from_flags(num_layers=2, hidden_size=64,
+    args = resolve(RunArguments.from_flags(num_layers=2, hidden_size=64,
                                                 num_attention_heads=4, num_query_groups=2,
                                                 seq_length=32), world_size=1
                    ).complete(256, None, padded_vocab_size=256)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
 
@@ -16,7 +16,7 @@ import recompute_helpers as R
 
 
 def config(world_size=1, cuda=False, transformer_engine=False, **flags):
-    return resolve(PretrainArguments.from_flags(num_layers=4, **flags), world_size=world_size,
+    return resolve(RunArguments.from_flags(num_layers=4, **flags), world_size=world_size,
                    cuda=cuda, transformer_engine=transformer_engine)
 
 

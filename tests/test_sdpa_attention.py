@@ -77,12 +77,12 @@ def test_dropout_is_applied_in_training_only(gloo_group):
 
 
 def build(backend, seq=64):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
 
-    args = PretrainArguments.from_flags(num_layers=2, hidden_size=64, num_attention_heads=4,
+    args = RunArguments.from_flags(num_layers=2, hidden_size=64, num_attention_heads=4,
                                         num_query_groups=2, seq_length=seq,
                                         attention_backend=backend)
     config = resolve(args, world_size=1).complete(256, None, padded_vocab_size=256)
@@ -134,18 +134,18 @@ def test_training_run_matches_local(tmp_path):
 
 def test_flag_is_validated():
     from swift_mcore.errors import ArgumentError
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
 
     from swift_mcore.run_config import resolve
 
-    assert PretrainArguments().model.attention_backend == "auto"
+    assert RunArguments().model.attention_backend == "auto"
     # auto without CUDA is this module, in megatron's local spec.
-    cpu = resolve(PretrainArguments(), world_size=1, cuda=False)
+    cpu = resolve(RunArguments(), world_size=1, cuda=False)
     assert (cpu.attention, cpu.layer_spec) == ("sdpa", "local")
     with pytest.raises(ArgumentError, match="--attention_backend must be one of auto, local, "
                                             "sdpa, transformer_engine"):
-        resolve(PretrainArguments.from_flags(attention_backend="flash"), world_size=1)
+        resolve(RunArguments.from_flags(attention_backend="flash"), world_size=1)
     with pytest.raises(ArgumentError, match="--attention_backend transformer_engine needs CUDA "
                                             "and Transformer Engine"):
-        resolve(PretrainArguments.from_flags(attention_backend="transformer_engine"),
+        resolve(RunArguments.from_flags(attention_backend="transformer_engine"),
                 world_size=1, cuda=False)

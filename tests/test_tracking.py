@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from swift_mcore import PretrainArguments, SftArguments
+from swift_mcore import RunArguments, SftArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
 
 from run_helpers import ROOT, TINY
 
 
-def resolved(cls=PretrainArguments, **flags):
+def resolved(cls=RunArguments, **flags):
     return resolve(cls.from_flags(**flags), world_size=1)
 
 
@@ -57,19 +57,19 @@ def test_best_and_early_stopping_flags_need_evaluations_and_validation_data():
     assert (c.metric_for_best, c.greater_is_better) == ("val_loss", None)  # the default
     assert resolved(early_stopping_patience=2, no_save=True).checkpoint.no_save
     for cls, flags, message in [
-        (PretrainArguments, dict(metric_for_best="val_loss", eval_steps=0),
+        (RunArguments, dict(metric_for_best="val_loss", eval_steps=0),
          "--metric_for_best val_loss judges evaluations: set --eval_steps N > 0"),
-        (PretrainArguments, dict(early_stopping_patience=2, eval_steps=0),
+        (RunArguments, dict(early_stopping_patience=2, eval_steps=0),
          "--early_stopping_patience 2 judges evaluations"),
-        (PretrainArguments, dict(metric_for_best="val_loss", split="100,0,0"),
+        (RunArguments, dict(metric_for_best="val_loss", split="100,0,0"),
          "needs validation data: --split 100,0,0 holds out nothing"),
-        (PretrainArguments, dict(metric_for_best="val_loss", no_save=True),
+        (RunArguments, dict(metric_for_best="val_loss", no_save=True),
          "keeps the best checkpoint; it cannot be combined with --no_save"),
-        (PretrainArguments, dict(metric_for_best="accuracy"),
+        (RunArguments, dict(metric_for_best="accuracy"),
          "--metric_for_best must be one of val_loss, val_ppl"),
-        (PretrainArguments, dict(greater_is_better=True), "--greater_is_better needs "
+        (RunArguments, dict(greater_is_better=True), "--greater_is_better needs "
                                                           "--metric_for_best"),
-        (PretrainArguments, dict(early_stopping_patience=0),
+        (RunArguments, dict(early_stopping_patience=0),
          "--early_stopping_patience must be a positive integer"),
         (SftArguments, dict(dataset=["x.jsonl"], metric_for_best="val_loss"),
          "give --val_dataset or --split_dataset_ratio"),
@@ -160,7 +160,7 @@ def test_a_crashing_tracker_does_not_stop_training(gloo_group, tmp_path, capsys)
     out = tmp_path / "run"
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        state = WithCrashingTracker(PretrainArguments.from_flags(
+        state = WithCrashingTracker(RunArguments.from_flags(
             **FLAGS, output_dir=str(out))).train()
     finally:
         for s, handler in saved.items():

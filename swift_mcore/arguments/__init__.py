@@ -1,4 +1,4 @@
-"""Arguments: one dataclass per concern, composed into PretrainArguments and SftArguments."""
+"""Arguments: one dataclass per concern, composed into RunArguments and SftArguments."""
 
 from .checkpoint import CheckpointArguments
 from .data import DataArguments
@@ -6,14 +6,14 @@ from .logging import LoggingArguments
 from .model import ModelArguments
 from .parallel import ParallelArguments
 from .parser import build_parser, parse_args
-from .pretrain import PretrainArguments
+from .run import PretrainArguments, RunArguments
 from .sft import SftArguments, SftDataArguments
 from .training import TrainingArguments
 from .tuner import TunerArguments
 
 __all__ = [
     "CheckpointArguments", "DataArguments", "LoggingArguments",
-    "ModelArguments", "ParallelArguments", "PretrainArguments", "SftArguments",
-    "SftDataArguments", "TrainingArguments", "TunerArguments",
+    "ModelArguments", "ParallelArguments", "PretrainArguments", "RunArguments",
+    "SftArguments", "SftDataArguments", "TrainingArguments", "TunerArguments",
     "build_parser", "parse_args",
 ]

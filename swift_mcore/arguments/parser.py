@@ -1,4 +1,4 @@
-"""Command line and YAML -> PretrainArguments or SftArguments: YAML first, flags override it."""
+"""Command line and YAML -> RunArguments or SftArguments: YAML first, flags override it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import yaml
 
 from ..errors import ArgumentError
 from .fields import base_type
-from .pretrain import PretrainArguments, flag_default
+from .run import RunArguments, flag_default
 
 
 def _describe_default(f: Field, cls=None) -> str:
@@ -20,7 +20,7 @@ def _describe_default(f: Field, cls=None) -> str:
 
 
 def build_parser(prog: str = "swift-mcore pt", description: str = "",
-                 cls=PretrainArguments) -> argparse.ArgumentParser:
+                 cls=RunArguments) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=description, argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +56,7 @@ def add_flags(group, dataclass_type, cls=None) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "swift-mcore pt",
-               cls=PretrainArguments) -> PretrainArguments:
+               cls=RunArguments) -> RunArguments:
     parser = build_parser(prog, cls=cls)
     ns = parser.parse_args(list(argv) if argv is not None else None)
     values = vars(ns)
@@ -66,7 +66,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "swift-mcore pt
     return cls.from_flags(**flags)
 
 
-def load_yaml(path: str, cls=PretrainArguments) -> dict:
+def load_yaml(path: str, cls=RunArguments) -> dict:
     import stat
 
     try:
@@ -105,5 +105,5 @@ def load_yaml(path: str, cls=PretrainArguments) -> dict:
     return data
 
 
-def all_flags(cls=PretrainArguments) -> List[Field]:
+def all_flags(cls=RunArguments) -> List[Field]:
     return [f for t in cls.GROUPS.values() for f in fields(t)]

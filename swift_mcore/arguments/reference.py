@@ -6,7 +6,7 @@ from dataclasses import fields
 from typing import List
 
 from .fields import field_default
-from .pretrain import PretrainArguments
+from .run import RunArguments
 
 HEADER = """# CLI reference: `swift-mcore pt` and `swift-mcore sft`
 
@@ -15,7 +15,7 @@ Generated from the argument dataclasses in `swift_mcore/arguments/` by
 
 Flags are snake_case. A YAML file given as the first argument sets any of them; flags on
 the command line override it. Boolean flags take `--flag` alone (true) or `--flag false`.
-From Python: `PretrainArguments.from_flags(lr=1e-4, num_layers=8)`, or
+From Python: `RunArguments.from_flags(lr=1e-4, num_layers=8)`, or
 `SftArguments.from_flags(dataset=["train.jsonl"], packing=True)`.
 
 Flags are checked before any work starts. A float flag takes a finite number
@@ -27,7 +27,7 @@ the flag, the range and the value.
 
 def render() -> str:
     lines = [HEADER]
-    for group_name, group_type in PretrainArguments.GROUPS.items():
+    for group_name, group_type in RunArguments.GROUPS.items():
         lines.append(f"\n## {group_name} (`{group_type.__name__}`)\n")
         lines.extend(flag_table(group_type))
     lines.extend(sft_section())

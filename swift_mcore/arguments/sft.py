@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 from ..errors import ArgumentError
 from .fields import FRACTION, flag
-from .pretrain import PretrainArguments
+from .run import RunArguments
 
 TEMPLATES = ("auto", "tokenizer", "chatml", "plain")
 # The columns a row can hold after --columns renames it (docs/sft.md, "Data formats").
@@ -47,7 +47,7 @@ class SftDataArguments:
 
 
 @dataclass
-class SftArguments(PretrainArguments):
+class SftArguments(RunArguments):
     sft: SftDataArguments = field(default_factory=SftDataArguments)
 
     COMMAND = "sft"
@@ -104,4 +104,4 @@ def column_map(columns: Optional[List[str]]) -> Dict[str, str]:
     return {str(k): str(v) for k, v in pairs.items()}
 
 
-SftArguments.GROUPS = {**PretrainArguments.GROUPS, "sft": SftDataArguments}
+SftArguments.GROUPS = {**RunArguments.GROUPS, "sft": SftDataArguments}

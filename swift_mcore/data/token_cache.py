@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 from . import corpus, indexed
 from ..atomic_write import write_atomic
-from .cache import cache_dir, locked
+from ..cache import cache_dir, locked
 
 
 def cached_prefix(kind: str, key: str, name: str, build: Callable[[str], dict]) -> str:

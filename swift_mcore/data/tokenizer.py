@@ -13,7 +13,7 @@ from ..errors import ArgumentError
 from ..input_files import check_regular, load_json
 from . import corpus
 from ..atomic_write import write_atomic
-from .cache import cache_dir, locked
+from ..cache import cache_dir, locked
 
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

@@ -108,7 +108,7 @@ def router_loss_scale(tensor_parallel: int) -> int:
     global batch's target count in finalize_model_grads). megatron-core 0.16.1's router
     multiplies each rank's load-balancing and z-loss by the tokens that rank routes
     (router.py:466, 498) before their gradients join the LM loss's; with TP (always with
-    sequence parallelism for MoE, arguments/pretrain.py) a rank routes its 1/TP slice of
+    sequence parallelism for MoE, arguments/run.py) a rank routes its 1/TP slice of
     the sequence, so the router losses would weigh 1/TP of what they weigh on one rank.
     The values megatron logs are each loss over its coefficient: unchanged. Megatron-LM
     fixed this after 0.16 (PR 5047: the scale times the tp_cp size), so a later

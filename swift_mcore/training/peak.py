@@ -126,7 +126,7 @@ def _cpu_model() -> str:
 def cached_matmul_peak(device: str) -> float:
     """The measured matmul peak of this device, from the cache when measured before."""
     from ..atomic_write import write_atomic
-    from ..data.cache import cache_dir
+    from ..cache import cache_dir
 
     path = os.path.join(cache_dir("peak"), "matmul_tflops.json")
     key = _device_key(device)

@@ -11,7 +11,7 @@ from typing import Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..arguments import PretrainArguments
+from ..arguments import RunArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
 from ..runtime import collectives, cpu, distributed, run_lock, seed
@@ -30,7 +30,7 @@ class Trainer:
     ``self.args`` are the arguments as given (never changed); everything reads
     ``self.config``, the RunConfig resolved from them (complete once the data is read)."""
 
-    def __init__(self, args: PretrainArguments | RunConfig):
+    def __init__(self, args: RunArguments | RunConfig):
         self.config = args if isinstance(args, RunConfig) else resolve(args)
         self.args = args.args if isinstance(args, RunConfig) else args
         self.start_time = time.time()

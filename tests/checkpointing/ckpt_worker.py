@@ -30,7 +30,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.training.trainer import Trainer, model_is_training
 
     def append(name, record):
@@ -101,7 +101,7 @@ def main() -> None:
             return metrics
 
     try:
-        args = PretrainArguments.from_flags(**flags)
+        args = RunArguments.from_flags(**flags)
         trainer = RecordingTrainer(args)
         state = trainer.train()
         append("done", {"state": state.to_dict()})

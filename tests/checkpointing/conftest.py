@@ -60,10 +60,10 @@ def trainer_setup(gloo_group):
     trainers = []
 
     def setup(**flags):
-        from swift_mcore.arguments import PretrainArguments
+        from swift_mcore.arguments import RunArguments
         from swift_mcore.training.trainer import Trainer
 
-        trainer = Trainer(PretrainArguments.from_flags(**flags))
+        trainer = Trainer(RunArguments.from_flags(**flags))
         trainers.append(trainer)
         trainer.setup()
         return trainer

@@ -308,11 +308,11 @@ def test_metadata_unpickler_refuses_arbitrary_globals():
 # ---- flag validation --------------------------------------------------------------------
 def test_resume_and_load_flags_are_checked_before_any_work(tmp_path):
     from swift_mcore.errors import ArgumentError
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.run_config import resolve
 
     def validate(**flags):
-        resolve(PretrainArguments.from_flags(**flags), world_size=1, cuda=False)
+        resolve(RunArguments.from_flags(**flags), world_size=1, cuda=False)
 
     with pytest.raises(ArgumentError, match="--resume .*missing: no such checkpoint folder"):
         validate(resume=str(tmp_path / "missing"))

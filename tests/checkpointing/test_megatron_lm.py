@@ -15,7 +15,7 @@ import torch
 
 import ckpt_harness as H
 import tamper as T
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.checkpointing import safe_load
 from swift_mcore.errors import CheckpointError
 
@@ -306,7 +306,7 @@ def saved_by_swift(gloo_group, data_flags, tmp_path_factory):
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     out = tmp_path_factory.mktemp("swift_run") / "out"
-    trainer = Trainer(PretrainArguments.from_flags(**{**FLAGS, **data_flags, "exit_interval": 2,
+    trainer = Trainer(RunArguments.from_flags(**{**FLAGS, **data_flags, "exit_interval": 2,
                                                       "output_dir": str(out)}))
     trainer.train()
     for s, handler in saved.items():

@@ -2,7 +2,7 @@
 
 import random
 
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega def class return "
          "import yield while for if else print self value data 0 1 2 42 ( ) : = + -").split()
@@ -17,7 +17,7 @@ def make_documents(n_docs: int, seed: int, min_words: int = 20, max_words: int =
 def make_flags(tmp_path, **flags):
     defaults = dict(seq_length=32, micro_batch_size=2, global_batch_size=8, num_workers=0,
                     output_dir=str(tmp_path / "out"), seed=1234)
-    return PretrainArguments.from_flags(**{**defaults, **flags})
+    return RunArguments.from_flags(**{**defaults, **flags})
 
 
 def make_args(tmp_path, world_size=1, **flags):

@@ -99,3 +99,22 @@ def test_sample_order_depends_on_the_seed_only(small_prefixes, tokenizer, tmp_pa
     first = stream("one", 1234)
     assert torch.equal(stream("two", 1234), first)  # a separate cache, the same order
     assert not torch.equal(stream("three", 99), first)
+
+
+@pytest.mark.parametrize("plant", ["symlink", "fifo"])
+def test_a_link_planted_as_the_cache_lock_is_refused_and_its_target_kept(tmp_path, plant):
+    from swift_mcore.cache import locked
+    from swift_mcore.errors import OutputError
+
+    folder = tmp_path / "shared_cache"
+    folder.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    if plant == "symlink":
+        os.symlink(victim, folder / ".lock")
+    else:
+        os.mkfifo(folder / ".lock")
+    with pytest.raises(OutputError, match=r"\.lock: .*(remove it)"):
+        with locked(str(folder)):
+            pytest.fail("the lock was taken through the planted file")
+    assert victim.read_text() == "keep me"

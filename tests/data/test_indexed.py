@@ -102,13 +102,13 @@ def test_raw_file_errors_name_the_flag(tokenizer, tmp_path, fresh_cache):
         raw_prefix([str(tmp_path / "data.jsonl")], "text", tokenizer)
     assert raw_prefix([str(tmp_path / "data.jsonl")], "content", tokenizer)
     # Refused when the run is resolved, before any process group or model exists.
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.run_config import resolve
 
     (tmp_path / "empty.jsonl").write_text("")
     for name, message in (("empty.jsonl", r"--dataset .*empty\.jsonl: is empty \(0 bytes\)"),
                           ("data.xml", r"--dataset .*data\.xml: unsupported file type")):
-        args = PretrainArguments.from_flags(dataset=[str(tmp_path / name)])
+        args = RunArguments.from_flags(dataset=[str(tmp_path / name)])
         with pytest.raises(ArgumentError, match=message):
             resolve(args, world_size=1, cuda=False)
 
@@ -153,7 +153,7 @@ CORRUPTIONS = {
 
 @pytest.mark.parametrize("how", sorted(CORRUPTIONS))
 def test_corrupted_pairs_are_refused_at_validation(how, tokenizer, tmp_path):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.run_config import resolve
 
     prefix = str(tmp_path / "data")
@@ -165,7 +165,7 @@ def test_corrupted_pairs_are_refused_at_validation(how, tokenizer, tmp_path):
     with pytest.raises(ArgumentError, match=r"--data_path: .*" + CORRUPTIONS[how]):
         indexed.check_indexed(prefix)
     # resolve refuses it: before any process group or model exists.
-    args = PretrainArguments.from_flags(data_path=["0.5", prefix, "0.5", prefix],
+    args = RunArguments.from_flags(data_path=["0.5", prefix, "0.5", prefix],
                                         output_dir=str(tmp_path / "out"))
     with pytest.raises(ArgumentError, match=CORRUPTIONS[how]):
         resolve(args, world_size=1, cuda=False)

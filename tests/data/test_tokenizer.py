@@ -9,7 +9,7 @@ import pytest
 
 from run_helpers import ROOT
 from swift_mcore.errors import ArgumentError
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.data import tokenizer as tok_mod
 from swift_mcore.data.tokenizer import EOD_TOKEN, PAD_TOKEN, build_tokenizer, load_tokenizer
 
@@ -17,7 +17,7 @@ TEXTS = ["def add(a, b):\n    return a + b\n", "naïve café ✓ 日本語", "",
 
 
 def test_default_trains_then_hits_the_cache(fresh_cache, monkeypatch):
-    first = build_tokenizer(PretrainArguments())
+    first = build_tokenizer(RunArguments())
     path = fresh_cache / "tokenizers"
     (folder,) = list(path.iterdir())
     assert (folder / "tokenizer.json").is_file()
@@ -27,7 +27,7 @@ def test_default_trains_then_hits_the_cache(fresh_cache, monkeypatch):
         raise AssertionError("the cached tokenizer should have been used")
 
     monkeypatch.setattr(tok_mod, "train_bpe", no_training)
-    second = build_tokenizer(PretrainArguments())
+    second = build_tokenizer(RunArguments())
     assert second.fingerprint == first.fingerprint
     for text in TEXTS:
         assert second.encode(text) == first.encode(text)
@@ -103,7 +103,7 @@ def test_saved_folder_and_file_load_back(tokenizer, tmp_path):
         assert (loaded.eod, loaded.pad) == (tokenizer.eod, tokenizer.pad)
         assert [loaded.encode(t) for t in TEXTS] == [tokenizer.encode(t) for t in TEXTS]
         assert loaded.fingerprint == tokenizer.fingerprint
-    args = PretrainArguments.from_flags(tokenizer=str(tmp_path / "tok"))
+    args = RunArguments.from_flags(tokenizer=str(tmp_path / "tok"))
     assert build_tokenizer(args).source == str(tmp_path / "tok")
 
 
@@ -117,14 +117,14 @@ def test_hf_tokenizer_wrapper(tokenizer):
 def test_missing_path_names_the_flag(tmp_path):
     missing = str(tmp_path / "nope")
     with pytest.raises(ArgumentError, match=r"--tokenizer .*nope.* does not exist"):
-        build_tokenizer(PretrainArguments.from_flags(tokenizer=missing))
+        build_tokenizer(RunArguments.from_flags(tokenizer=missing))
 
 
 def test_unloadable_path_names_the_flag(tmp_path):
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
     with pytest.raises(ArgumentError, match=r"--tokenizer .*tokenizer.json could not be loaded"):
-        build_tokenizer(PretrainArguments.from_flags(tokenizer=str(bad)))
+        build_tokenizer(RunArguments.from_flags(tokenizer=str(bad)))
     empty = tmp_path / "empty_folder"
     empty.mkdir()
     with pytest.raises(ArgumentError, match=r"--tokenizer .*empty_folder"):

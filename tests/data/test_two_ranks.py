@@ -20,7 +20,7 @@ WORKER = textwrap.dedent("""
     from swift_mcore.runtime.cpu import cpu_compat
     cpu_compat.activate()
     from megatron.core import parallel_state
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.data import build_tokenizer, build_datasets, build_data_iterator
     from swift_mcore.data import dataset_fingerprint
     from swift_mcore.run_config import resolve
@@ -29,7 +29,7 @@ WORKER = textwrap.dedent("""
     dist.init_process_group("gloo", rank=rank, world_size=2)
     parallel_state.initialize_model_parallel()
     out_dir, data_path, n_batches = sys.argv[1], sys.argv[2:-1], int(sys.argv[-1])
-    args = resolve(PretrainArguments.from_flags(
+    args = resolve(RunArguments.from_flags(
         data_path=data_path, seq_length=32, micro_batch_size=2, global_batch_size=8,
         num_workers=1, seed=1234, output_dir=out_dir), world_size=2)
     tokenizer = build_tokenizer(args)

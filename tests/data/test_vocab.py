@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from swift_mcore.errors import ArgumentError
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.run_config import padded_vocab, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ def test_padding_rule(vocab, divisible_by, tp, padded):
 
 
 def resolved(tokenizer, world_size=1, **flags):
-    args = PretrainArguments.from_flags(**flags)
+    args = RunArguments.from_flags(**flags)
     config = resolve(args, world_size=world_size, cuda=False)
     return config.complete(tokenizer.vocab_size, None).padded_vocab_size
 

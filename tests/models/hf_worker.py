@@ -33,7 +33,7 @@ def forward_logits(model_chunks, ids):
 
 
 def main():
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.checkpointing import TrainState, save_checkpoint
     from swift_mcore.data import build_tokenizer
     from swift_mcore.models.gpt import build_model
@@ -49,7 +49,7 @@ def main():
     parser.add_argument("--tokens")
     cli = parser.parse_args()
     ids = torch.load(cli.tokens)
-    args = PretrainArguments.from_flags(
+    args = RunArguments.from_flags(
         model=cli.model, tensor_model_parallel_size=cli.tp, pipeline_model_parallel_size=cli.pp,
         seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
         global_batch_size=ids.shape[0] * int(os.environ["WORLD_SIZE"]) // (cli.tp * cli.pp),

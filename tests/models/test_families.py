@@ -5,13 +5,13 @@ import pytest
 
 import hf_helpers as H
 from swift_mcore.errors import ArgumentError
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.models import families
 from swift_mcore.run_config import resolve
 
 
 def flags_from(path, **extra):
-    args = PretrainArguments.from_flags(model=str(path), **extra)
+    args = RunArguments.from_flags(model=str(path), **extra)
     return resolve(args, world_size=1, cuda=False).model
 
 
@@ -71,7 +71,7 @@ def test_exported_config_reads_back_to_the_same_flags(folders, family):
 
 def test_family_of_a_model_trained_from_scratch():
     def family(**flags):
-        args = PretrainArguments.from_flags(**flags)
+        args = RunArguments.from_flags(**flags)
         return families.for_model_args(resolve(args, world_size=1, cuda=False).model).name
 
     assert family() == "llama"

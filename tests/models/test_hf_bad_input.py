@@ -8,14 +8,14 @@ import pytest
 
 import hf_helpers as H
 from swift_mcore.errors import ArgumentError
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.run_config import resolve
 
 
 def validate(**flags):
     """The RunConfig these flags resolve to (ArgumentError naming the flag, else)."""
     world = flags.pop("world_size", 1)
-    return resolve(PretrainArguments.from_flags(**flags), world_size=world, cuda=False)
+    return resolve(RunArguments.from_flags(**flags), world_size=world, cuda=False)
 
 
 @pytest.fixture(scope="module")

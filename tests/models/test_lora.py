@@ -15,7 +15,7 @@ import hf_helpers as H
 from run_helpers import ROOT, child_env, losses
 from test_hf_training import continue_pretraining, run_flags
 
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
 
@@ -48,14 +48,14 @@ SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_grou
 ])
 def test_bad_lora_flags_are_refused_naming_the_flag(flags, message):
     with pytest.raises(ArgumentError) as err:
-        resolve(PretrainArguments.from_flags(**SHAPE, **flags), world_size=1)
+        resolve(RunArguments.from_flags(**SHAPE, **flags), world_size=1)
     assert message in str(err.value)
 
 
 def test_lora_rank_bounds_and_its_override():
-    resolve(PretrainArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=24),
+    resolve(RunArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=24),
             world_size=1)  # exactly half of the adapted layers' parameters: accepted
-    resolve(PretrainArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=44,
+    resolve(RunArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=44,
                                          lora_max_fraction=1.0), world_size=1)
 
 
@@ -91,7 +91,7 @@ def test_adapters_start_as_the_base_model_and_merge_as_peft_does(gloo_group):
     from swift_mcore.models.gpt import build_model
     from swift_mcore.runtime import seed
 
-    config = resolve(PretrainArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=4,
+    config = resolve(RunArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=4,
                                                   lora_dropout=0.0,
                                                   target_regex=r".*(linear_qkv|linear_fc2)"),
                      world_size=1).complete(256, None)

@@ -15,7 +15,7 @@ import hf_helpers as H
 from test_hf_training import continue_pretraining, run_flags
 from run_helpers import ROOT, child_env, losses
 
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
 
@@ -70,7 +70,7 @@ def peft_logits(hf, adapter, tokens):
 
 
 def lora_config(hf, adapter, **flags):
-    args = PretrainArguments.from_flags(model=str(hf), tuner_type="lora", adapters=str(adapter),
+    args = RunArguments.from_flags(model=str(hf), tuner_type="lora", adapters=str(adapter),
                                         attention_backend="sdpa", **flags)
     return resolve(args, world_size=1).complete(320, None)
 
@@ -184,10 +184,10 @@ def test_bad_adapters_are_refused_naming_the_file(base, tmp_path, tensors, confi
 def test_adapters_needs_lora_and_the_base_model(base, tmp_path):
     with pytest.raises(ArgumentError, match="--adapters configures LoRA adapters: add "
                                             "--tuner_type lora"):
-        resolve(PretrainArguments.from_flags(model=str(base / "hf"), adapters=str(tmp_path)),
+        resolve(RunArguments.from_flags(model=str(base / "hf"), adapters=str(tmp_path)),
                 world_size=1)
     with pytest.raises(ArgumentError, match="give that folder as --model"):
-        resolve(PretrainArguments.from_flags(tuner_type="lora", adapters=str(tmp_path),
+        resolve(RunArguments.from_flags(tuner_type="lora", adapters=str(tmp_path),
                                              attention_backend="sdpa"), world_size=1)
     with pytest.raises(ArgumentError, match="no adapter_config.json in"):
         lora_config(base / "hf", tmp_path)

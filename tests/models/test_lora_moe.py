@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
 
@@ -22,7 +22,7 @@ def lora_model(**flags):
     from swift_mcore.models.gpt import build_model
     from swift_mcore.runtime import seed
 
-    config = resolve(PretrainArguments.from_flags(**SHAPE, **MOE, tuner_type="lora",
+    config = resolve(RunArguments.from_flags(**SHAPE, **MOE, tuner_type="lora",
                                                   lora_rank=4, lora_dropout=0.0, **flags),
                      world_size=1).complete(256, None)
     seed.set_seed(1)
@@ -167,7 +167,7 @@ def test_grouped_experts_with_adapters_are_refused():
     from swift_mcore.models import lora
 
     # resolve's part for LoRA (on the CPU resolve refuses --moe_grouped_gemm before it)
-    args = PretrainArguments.from_flags(**SHAPE, **MOE, moe_grouped_gemm=True,
+    args = RunArguments.from_flags(**SHAPE, **MOE, moe_grouped_gemm=True,
                                         tuner_type="lora")
     with pytest.raises(ArgumentError, match="--tuner_type lora with --moe_grouped_gemm: the "
                                             "grouped experts' linears have no LoRA layer"):

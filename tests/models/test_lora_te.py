@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.models import lora_te
 from swift_mcore.run_config import resolve
@@ -129,7 +129,7 @@ def te_model(config, monkeypatch):
 
 
 def lora_config(**flags):
-    return resolve(PretrainArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=4,
+    return resolve(RunArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=4,
                                                 lora_alpha=16, lora_dropout=0.0, **flags),
                    world_size=1).complete(256, None)
 
@@ -275,11 +275,11 @@ def test_the_fused_norm_linear_adapter_sees_the_normalised_input(
 
 def test_lora_is_accepted_on_the_te_spec_and_refused_without_te():
     flags = dict(SHAPE, attention_backend="auto")
-    config = resolve(PretrainArguments.from_flags(**flags, tuner_type="lora"), world_size=1,
+    config = resolve(RunArguments.from_flags(**flags, tuner_type="lora"), world_size=1,
                      cuda=True, transformer_engine=True)
     assert config.layer_spec == "transformer_engine"
     with pytest.raises(ArgumentError, match="--attention_backend transformer_engine needs"):
-        resolve(PretrainArguments.from_flags(**dict(flags, attention_backend=
+        resolve(RunArguments.from_flags(**dict(flags, attention_backend=
                                                     "transformer_engine"), tuner_type="lora"),
                 world_size=1, cuda=True, transformer_engine=False)
     assert lora_te.linear_kinds() == {}  # without TE: megatron's classes are mocks
@@ -321,7 +321,7 @@ def _tp2_rank(rank, port):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     parallel_state.initialize_model_parallel(2, 1)
     lora_te.linear_kinds = lambda: STAND_INS
-    config = resolve(PretrainArguments.from_flags(
+    config = resolve(RunArguments.from_flags(
         **SHAPE, tuner_type="lora", lora_rank=4, lora_alpha=16, lora_dropout=0.0,
         tensor_model_parallel_size=2), world_size=2).complete(256, None)
     seed.set_seed(1)

@@ -15,7 +15,7 @@ import pytest
 
 import hf_helpers as H
 from run_helpers import ROOT, TINY, child_env, run_pt
-from swift_mcore.arguments import PretrainArguments
+from swift_mcore.arguments import RunArguments
 
 LIMIT = 4_000_000_000  # bytes of address space a refused command may take (torch: ~1.5 GB)
 
@@ -174,7 +174,7 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         dict(tuner_type="lora", lora_rank=4, target_modules=["linear_qkv", "linear_proj"]),
     ]
     for changes in cases:
-        flags = PretrainArguments.from_flags(
+        flags = RunArguments.from_flags(
             num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
             seq_length=32, vocab_size=300, train_iters=10, lr_warmup_iters=0, **changes)
         config = resolve(flags, world_size=1, cuda=False).complete(300, None)

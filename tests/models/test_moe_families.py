@@ -80,36 +80,36 @@ def test_logits_match_and_round_trip_is_bit_identical(tmp_path, gloo_group, fami
 
 
 def test_router_settings_come_from_config_json(tmp_path):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.run_config import resolve
 
     make_moe(tmp_path / "q2", "qwen2_moe", decoder_sparse_step=2, mlp_only_layers=[],
              router_aux_loss_coef=0.02, num_hidden_layers=4)
-    m = resolve(PretrainArguments.from_flags(model=str(tmp_path / "q2")), world_size=1).model
+    m = resolve(RunArguments.from_flags(model=str(tmp_path / "q2")), world_size=1).model
     assert m.moe_layer_freq == "[0,1,0,1]" and m.moe_router_pre_softmax
     assert m.moe_shared_expert_intermediate_size == 48 and m.moe_shared_expert_gate
     assert m.moe_aux_loss_coeff == 0.02 and m.add_qkv_bias
     # the coefficient is a finetuning choice: an explicit flag wins over the config
-    m = resolve(PretrainArguments.from_flags(model=str(tmp_path / "q2"), moe_aux_loss_coeff=0.0),
+    m = resolve(RunArguments.from_flags(model=str(tmp_path / "q2"), moe_aux_loss_coeff=0.0),
                 world_size=1).model
     assert m.moe_aux_loss_coeff == 0.0
     with pytest.raises(ArgumentError, match="must divide --num_experts"):
-        resolve(PretrainArguments.from_flags(model=str(tmp_path / "q2"),
+        resolve(RunArguments.from_flags(model=str(tmp_path / "q2"),
                                              expert_model_parallel_size=3,
                                              global_batch_size=12), world_size=3)
 
 
 def test_what_megatron_cannot_express_is_named(tmp_path):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.run_config import resolve
 
     make_moe(tmp_path / "mx", "mixtral")
     H.edit_config(str(tmp_path / "mx"), router_jitter_noise=0.1)
     with pytest.raises(ArgumentError, match="router_jitter_noise 0.1"):
-        resolve(PretrainArguments.from_flags(model=str(tmp_path / "mx")), world_size=1)
+        resolve(RunArguments.from_flags(model=str(tmp_path / "mx")), world_size=1)
     H.edit_config(str(tmp_path / "mx"), router_jitter_noise=0.0, num_experts_per_tok=5)
     with pytest.raises(ArgumentError, match="num_experts_per_tok 5"):
-        resolve(PretrainArguments.from_flags(model=str(tmp_path / "mx")), world_size=1)
+        resolve(RunArguments.from_flags(model=str(tmp_path / "mx")), world_size=1)
 
 
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))

@@ -50,12 +50,12 @@ def test_a_llama_folder_without_tokenizer_converts_both_ways(tmp_path, gloo_grou
 
 
 def test_training_and_infer_ask_for_a_tokenizer(tmp_path, gloo_group, llama):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.data import build_tokenizer
     from swift_mcore.loaded_model import load_model
 
     with pytest.raises(ArgumentError) as err:
-        build_tokenizer(PretrainArguments.from_flags(model=str(llama)))
+        build_tokenizer(RunArguments.from_flags(model=str(llama)))
     assert str(err.value) == f"--model {llama} {NO_TOKENIZER} (a Hugging Face tokenizer " \
                              f"folder or a tokenizer.json file)"
     with pytest.raises(ArgumentError, match="give the tokenizer with --tokenizer PATH"):

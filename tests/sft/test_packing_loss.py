@@ -10,12 +10,12 @@ VOCAB = 256
 
 
 def build(backend, position_embedding):
-    from swift_mcore.arguments import PretrainArguments
+    from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
     from swift_mcore.runtime import seed
 
-    args = PretrainArguments.from_flags(
+    args = RunArguments.from_flags(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
         seq_length=SEQ, attention_backend=backend,
         position_embedding_type=position_embedding)

@@ -1,10 +1,14 @@
-"""The data cache folder, and how concurrent ranks and processes fill it safely."""
+"""The package's cache folder (tokenizers, tokenized inputs, measured peaks), and how
+concurrent ranks and processes fill it safely."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from typing import Iterator
+
+from .errors import OutputError
 
 try:
     import fcntl
@@ -30,11 +34,24 @@ def locked(folder: str) -> Iterator[None]:
     in-memory copies.
     """
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, ".lock"), "a+") as fh:
+    path = os.path.join(folder, ".lock")
+    # A link planted at the lock's name (a shared cache) is refused, never created through.
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise OutputError(f"{path}: cannot be opened as the cache's lock file ({err.strerror}"
+                          f"); a link or another file is in its place: remove it") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OutputError(f"{path}: is not a regular file, so it cannot be the cache's "
+                              f"lock file: remove it")
         if fcntl is not None:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
             if fcntl is not None:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

@@ -1,4 +1,5 @@
-"""PretrainArguments: pt's flag groups composed, and the checks that need only the flags."""
+"""RunArguments: a run's flag groups (pt takes them as they are; sft adds its own), and the
+checks that need only the flags."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from .tuner import TunerArguments
 
 
 @dataclass
-class PretrainArguments:
-    """The flags of one command, grouped by concern. Checks here read nothing but the flags;
-    what needs files, a Hugging Face config or the hardware is ``run_config.resolve``'s."""
+class RunArguments:
+    """A run's flags, grouped by concern: what ``run_config.resolve`` makes a RunConfig of.
+    ``swift-mcore pt`` takes them as they are; sft adds its group; export and infer resolve
+    a model from them. Checks here read nothing but the flags; what needs files, a Hugging Face config or the hardware is ``run_config.resolve``'s."""
 
     model: ModelArguments = field(default_factory=ModelArguments)
     data: DataArguments = field(default_factory=DataArguments)
@@ -47,13 +49,13 @@ class PretrainArguments:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_flags(cls, **flags: Any) -> "PretrainArguments":
+    def from_flags(cls, **flags: Any) -> "RunArguments":
         """Build from flat flag names, as on the command line: ``from_flags(lr=1e-4)``."""
         args = cls()
         args.update(**flags)
         return args
 
-    def update(self, **flags: Any) -> "PretrainArguments":
+    def update(self, **flags: Any) -> "RunArguments":
         owner = flag_owners(type(self))
         for name, value in flags.items():
             if name not in owner:
@@ -71,7 +73,7 @@ class PretrainArguments:
     def groups(self):
         return [getattr(self, name) for name in self.GROUPS]
 
-    def frozen(self) -> "PretrainArguments":
+    def frozen(self) -> "RunArguments":
         """A deep copy in which every assignment raises (what the resolved run holds)."""
         return freeze(copy.deepcopy(self), nested=self.GROUPS)
 
@@ -419,7 +421,7 @@ def check_schedule_length(t, train_iters: int) -> None:
             f"length ({decay}, from --lr_decay_iters or else --train_iters)")
 
 
-PretrainArguments.GROUPS = {
+RunArguments.GROUPS = {
     "model": ModelArguments,
     "data": DataArguments,
     "training": TrainingArguments,
@@ -430,7 +432,7 @@ PretrainArguments.GROUPS = {
 }
 
 
-def flag_owners(cls=PretrainArguments) -> Dict[str, str]:
+def flag_owners(cls=RunArguments) -> Dict[str, str]:
     """flag name -> the group that defines it. Each flag is defined in exactly one group."""
     owners: Dict[str, str] = {}
     for group_name, group_type in cls.GROUPS.items():
@@ -478,3 +480,8 @@ def _non_negative(group, name):
     value = getattr(group, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ArgumentError(f"--{name} must be a non-negative number, got {value!r}")
+
+
+# `swift-mcore pt` takes the training flags as they are; scripts written against this name
+# keep working.
+PretrainArguments = RunArguments
