@@ -352,11 +352,11 @@ def test_the_checkpoint_tracker_is_never_written_through_a_planted_temporary_nam
         tmp_path, victim):
     """The tracker used to be written at ``<tracker>.tmp-<pid>``, a name anyone can guess
     and plant a link at: the victim was truncated and given the iteration."""
-    from swift_mcore.checkpointing import tracker
+    from swift_mcore.checkpointing import folders
 
     root = tmp_path / "run" / "checkpoint"
     root.mkdir(parents=True)
-    guessed = plant(root, f"{tracker.TRACKER_FILENAME}.tmp-{os.getpid()}", victim, "symlink")
-    tracker.write_tracker(str(root), 7)
-    assert (root / tracker.TRACKER_FILENAME).read_text() == "7\n"
+    guessed = plant(root, f"{folders.LATEST_FILENAME}.tmp-{os.getpid()}", victim, "symlink")
+    folders.write_latest(str(root), 7)
+    assert (root / folders.LATEST_FILENAME).read_text() == "7\n"
     assert_untouched(victim, guessed, "symlink")

@@ -16,8 +16,8 @@ from .paths import check_output_dir
 class ExportArguments:
     model: Optional[str] = flag(
         None, "What to convert: with --to_hf a swift-mcore checkpoint (an iter_NNNNNNN folder, "
-        "the checkpoint folder holding the tracker, or a run's output_dir); with --to_mcore a "
-        "Hugging Face model folder. Required.")
+        "the checkpoint folder holding latest_checkpointed_iteration.txt, or a run's "
+        "output_dir); with --to_mcore a Hugging Face model folder. Required.")
     output_dir: Optional[str] = flag(
         None, "Where to write: the Hugging Face folder (--to_hf), or the run folder whose "
         "checkpoint/ receives iter_0000000 (--to_mcore). Must not exist or be empty. Required.")

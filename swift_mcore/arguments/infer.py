@@ -15,7 +15,8 @@ from .sft import TEMPLATES
 class InferArguments:
     model: Optional[str] = flag(
         None, "A Hugging Face model folder, or a swift-mcore checkpoint (an iter_NNNNNNN "
-        "folder, the checkpoint folder holding the tracker, or a run's output_dir). Required.")
+        "folder, the checkpoint folder holding latest_checkpointed_iteration.txt, or a run's "
+        "output_dir). Required.")
     prompt: Optional[str] = flag(
         None, "Text to continue; with --template, the user's message to answer. Required.")
     template: Optional[str] = flag(

@@ -1,4 +1,4 @@
-"""Checkpoints: TrainState, save/load with dist_checkpointing, tracker and commit protocol.
+"""Checkpoints: TrainState, save/load with dist_checkpointing, the commit protocol.
 
 - ``CheckpointManager(config)``: the trainer's handle (plan the load, restore, save).
 - ``load_weights(folder, model)``, ``find_checkpoint(path, ...)``, ``read_run_flags(folder)``:
@@ -14,8 +14,8 @@ from .load import find_checkpoint, load_weights, read_run_flags
 from .manager import CheckpointManager
 from .save import save_checkpoint
 from .state import TrainState
-from .tracker import CHECKPOINT_SUBDIR, TRACKER_FILENAME, checkpoint_root, iter_dir_name
+from .folders import CHECKPOINT_SUBDIR, LATEST_FILENAME, checkpoint_root, iter_dir_name
 
-__all__ = ["CHECKPOINT_SUBDIR", "CheckpointManager", "TRACKER_FILENAME", "TrainState",
+__all__ = ["CHECKPOINT_SUBDIR", "CheckpointManager", "LATEST_FILENAME", "TrainState",
            "checkpoint_root", "find_checkpoint", "iter_dir_name", "load_weights",
            "read_run_flags", "save_checkpoint", "tensor_shapes"]

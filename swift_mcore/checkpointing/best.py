@@ -14,7 +14,7 @@ from ..atomic_write import write_atomic
 from ..runtime import run_files
 from .commit import HF_SUFFIX, new_token
 from .state import TrainState
-from .tracker import fsync_dir, iter_dir_name
+from .folders import fsync_dir, iter_dir_name
 
 RECORD = "best.json"
 LINK = "best"

@@ -1,9 +1,9 @@
-"""The commit protocol: a checkpoint is written into a hidden staging folder, then sealed
-with a manifest (every file's size and CRC-32, fsynced), renamed into place and only then
-named by the tracker. A folder without a valid manifest is never resumed from. Rotation
-and replacement move folders out of sight before deleting them. A checkpoint's Hugging
-Face folder (``iter_NNNNNNN-hf``, --save_safetensors) is staged, fsynced and renamed the
-same way, and is deleted with its checkpoint."""
+"""The commit protocol: a checkpoint is written into a hidden staging folder, then sealed with a
+manifest (every file's size and CRC-32, fsynced), renamed into place and only then named by the
+latest-iteration file. A folder without a valid manifest is never resumed from. Rotation and
+replacement move folders out of sight before deleting them. A checkpoint's Hugging Face folder
+(``iter_NNNNNNN-hf``, --save_safetensors) is staged, fsynced and renamed the same way, and is
+deleted with its checkpoint."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..runtime import collectives as comm
-from .tracker import fsync_dir, iter_dir_name, parse_iter_dir
+from .folders import fsync_dir, iter_dir_name, parse_iter_dir
 
 MANIFEST_FILENAME = "manifest.json"
 FORMAT = "swift-mcore-checkpoint"
@@ -268,7 +268,7 @@ def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
 def rotate(root: str, keep: int, protect: Optional[int], newest: int,
            also_protect: Sequence[Optional[int]] = ()) -> List[str]:
     """Delete sealed checkpoints beyond the newest ``keep`` up to iteration ``newest`` (the
-    one just saved), never the one numbered ``protect`` (the tracker's) nor those in
+    one just saved), never the one numbered ``protect`` (the latest-iteration file's) nor those in
     ``also_protect`` (the best checkpoint). A checkpoint's Hugging Face folder goes with
     it. Folders of a later iteration (an abandoned branch, left by a run that resumed from
     an older checkpoint) and unsealed folders are left alone. Returns what was removed."""

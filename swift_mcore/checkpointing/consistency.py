@@ -3,12 +3,12 @@ name, train_state.json and common.pt (and in manifest.json and run.json, where c
 of the first layout kept it too), and common.pt's sample counters with train_state.json's
 (a Megatron-LM checkpoint: common.pt's iteration with its folder's name).
 
-``locate.resolve`` checks the checkpoint every command picks (pt/sft --resume and --load,
-export, infer), before anything reads it for use. A folder renamed, or holding files of
-another save, would otherwise resume at the wrong step or data position, or be rotated and
-tracked under the wrong number. The tracker names a folder by its iteration, so it agrees
-with the folder's name by construction; the manifest's file table is checked against the
-files on every load (commit.verify_checksums)."""
+``locate.resolve`` checks the checkpoint every command picks (pt/sft --resume and --load, export,
+infer), before anything reads it for use. A folder renamed, or holding files of another save, would
+otherwise resume at the wrong step or data position, or be rotated and tracked under the wrong
+number. The latest-iteration file names a folder by its iteration, so it agrees with the folder's
+name by construction; the manifest's file table is checked against the files on every load
+(commit.verify_checksums)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Optional
 
 from ..errors import CheckpointError
 from . import commit, files, megatron_lm
-from .tracker import iter_dir_name, parse_iter_dir
+from .folders import iter_dir_name, parse_iter_dir
 
 # TrainState counters that common.pt's args repeat for Megatron-LM's loader
 # (megatron_lm.args_namespace), which resumes at them.

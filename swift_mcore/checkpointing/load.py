@@ -15,7 +15,7 @@ from ..models import finite
 from ..runtime import collectives as comm
 from . import commit, compat, files, io, locate, megatron_lm, rng
 from .state import TrainState
-from .tracker import checkpoint_root
+from .folders import checkpoint_root
 
 Log = Callable[[str], None]
 
@@ -95,7 +95,7 @@ def find_checkpoint(spec: str, default_root: Optional[str], flag: str,
                     log: Log = print) -> Optional[str]:
     """Collective: the folder ``spec`` names ('auto': the newest under ``default_root``; a
     run's output_dir, a checkpoint root or an iter_ folder), decided on rank 0. Every
-    fallback to another checkpoint than the tracker's is logged as a warning, here."""
+    fallback to another checkpoint than the latest-iteration file's is logged as a warning, here."""
     return locate.announce(comm.decide(locate.resolve, spec, default_root, flag), log)
 
 

@@ -1,13 +1,13 @@
 """Which checkpoint a run resumes from: ``--resume`` (auto: under output_dir),
 ``--resume PATH`` / ``--load PATH`` / export's and infer's ``--model PATH`` (a checkpoint
-folder, a root holding the tracker, or a run's output_dir).
+folder, a root holding latest_checkpointed_iteration.txt, or a run's output_dir).
 
-The tracker decides. Two exceptions, each returned as a warning that every caller (pt/sft
-``--resume`` and ``--load``, export, infer) prints through ``announce``:
+The latest-iteration file decides. Two exceptions, each returned as a warning that every caller
+(pt/sft ``--resume`` and ``--load``, export, infer) prints through ``announce``:
 - it names a missing or incomplete folder, or is unreadable: the newest complete one;
-- the save after it was sealed and renamed but the tracker update was cut off: that
-  newer checkpoint (its manifest names the tracker's checkpoint as its parent). Newer
-  checkpoints of an abandoned branch (a run that resumed from an older one) are ignored.
+- the save after it was sealed and renamed but the update of the latest-iteration file was cut off:
+  that newer checkpoint (its manifest names the latest-iteration file's checkpoint as its parent).
+  Newer checkpoints of an abandoned branch (a run that resumed from an older one) are ignored.
 
 A folder Megatron-LM (or ms-swift) wrote is usable when whole (``check_usable``): it has no
 manifest, and is never reported as a half-finished swift-mcore save.
@@ -25,8 +25,8 @@ from .commit import (MANIFEST_FILENAME, check_complete, complete_checkpoints,
                      list_checkpoints, read_manifest)
 from ..errors import CheckpointError
 from . import consistency, megatron_lm
-from .tracker import (CHECKPOINT_SUBDIR, TRACKER_FILENAME, iter_dir_name, parse_iter_dir,
-                      read_tracker)
+from .folders import (CHECKPOINT_SUBDIR, LATEST_FILENAME, iter_dir_name, parse_iter_dir,
+                      read_latest)
 
 Found = Tuple[Optional[str], List[str]]  # (checkpoint folder or None, warnings)
 
@@ -74,10 +74,10 @@ def _find(spec: str, default_root: str, flag: str) -> Found:
     if not os.path.isdir(path):
         raise CheckpointError(f"{flag} {spec}: {path} is not a folder (give a checkpoint "
                               f"folder such as .../checkpoint/iter_0000100, or the "
-                              f"checkpoint folder holding {TRACKER_FILENAME})")
+                              f"checkpoint folder holding {LATEST_FILENAME})")
     run_root = os.path.join(path, CHECKPOINT_SUBDIR)
     if os.path.isdir(run_root) and not is_checkpoint_folder(path):
-        path = run_root  # a run's output_dir: its checkpoint folder holds the tracker
+        path = run_root  # a run's output_dir: its checkpoint folder holds the latest file
     if is_checkpoint_folder(path):
         problem = check_usable(path)
         if problem:
@@ -91,8 +91,8 @@ def _find(spec: str, default_root: str, flag: str) -> Found:
 
 
 def in_root(root: str, explicit: Optional[str]) -> Found:
-    tracked, why = read_tracker(root)
-    tracker_exists = os.path.exists(os.path.join(root, TRACKER_FILENAME))
+    tracked, why = read_latest(root)
+    latest_exists = os.path.exists(os.path.join(root, LATEST_FILENAME))
     folders = list_checkpoints(root)
     complete = complete_checkpoints(root)
     warnings: List[str] = []
@@ -103,20 +103,21 @@ def in_root(root: str, explicit: Optional[str]) -> Found:
             successor = _unrecorded_successor(folder, complete)
             if successor:
                 warnings.append(
-                    f"{successor} was sealed after the tracker's checkpoint {folder} but "
-                    f"the tracker update did not happen (interrupted); resuming from it")
+                    f"{successor} was sealed after the latest-iteration file's checkpoint "
+                    f"{folder} but latest_checkpointed_iteration.txt was not updated "
+                    f"(interrupted); resuming from it")
                 return successor, warnings
             return folder, warnings
-        reason = (f"{TRACKER_FILENAME} names iteration {tracked}, but {folder} is not "
+        reason = (f"{LATEST_FILENAME} names iteration {tracked}, but {folder} is not "
                   f"usable: {problem}")
-    elif tracker_exists:
+    elif latest_exists:
         reason = why
     elif folders:
-        reason = f"{root} has checkpoint folders but no {TRACKER_FILENAME}"
+        reason = f"{root} has checkpoint folders but no {LATEST_FILENAME}"
     else:
         if explicit:
             raise CheckpointError(f"{explicit}: {root} holds no checkpoint (no "
-                                  f"{TRACKER_FILENAME} and no iter_* folder)")
+                                  f"{LATEST_FILENAME} and no iter_* folder)")
         return None, warnings
     if complete:
         newest = complete[-1][1]

@@ -13,7 +13,7 @@ from ..runtime import collectives as comm
 from . import best, commit, load, space
 from .save import save_checkpoint
 from .state import TrainState
-from .tracker import checkpoint_root, iter_dir_name
+from .folders import checkpoint_root, iter_dir_name
 
 
 class CheckpointManager:

@@ -2,15 +2,14 @@
 checking it is whole, and reading its args, counters and scheduler as swift-mcore's.
 
 Megatron-LM's torch_dist ``save_checkpoint`` writes ``iter_NNNNNNN/`` with megatron's
-dist_checkpointing files only (``metadata.json``, ``.metadata``, ``__*_*.distcp``,
-``common.pt``) and the same tracker file as swift-mcore. It has no manifest: such a folder is
-a foreign checkpoint, not a half-finished swift-mcore save (a swift-mcore save becomes an
-``iter_`` folder only once its manifest is sealed). Its facts live in ``common.pt``:
-``iteration``, ``num_floating_point_operations_so_far``, ``opt_param_scheduler`` (counted in
-samples) and ``args``, the run's ``argparse.Namespace`` (the consumed sample counters and
-every flag), read with safe_load's common.pt allow-list; its RNG states are the sharded
-``rng_state`` object (``restore_rng``).
-"""
+dist_checkpointing files only (``metadata.json``, ``.metadata``, ``__*_*.distcp``, ``common.pt``)
+and the same latest-iteration file as swift-mcore. It has no manifest: such a folder is a foreign
+checkpoint, not a half-finished swift-mcore save (a swift-mcore save becomes an ``iter_`` folder
+only once its manifest is sealed). Its facts live in ``common.pt``: ``iteration``,
+``num_floating_point_operations_so_far``, ``opt_param_scheduler`` (counted in samples) and ``args``,
+the run's ``argparse.Namespace`` (the consumed sample counters and every flag), read with
+safe_load's common.pt allow-list; its RNG states are the sharded ``rng_state`` object
+(``restore_rng``). """
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from ..runtime import collectives as comm
 from ..runtime import run_lock
 from . import best, commit, files, io, megatron_lm, rng, space
 from .state import TrainState
-from .tracker import checkpoint_root, iter_dir_name, read_tracker, write_tracker
+from .folders import checkpoint_root, iter_dir_name, read_latest, write_latest
 
 
 @space.guarded  # a failed save: one clear error, its staging folder removed
@@ -27,7 +27,7 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
     are untouched, the hidden staging folder removed (space.py).
 
     ``background`` (--async_save): the shards are left to megatron's AsyncRequest, returned
-    third; everything else is written now, and the seal, rename and tracker are the
+    third; everything else is written now, and the seal, rename and latest-iteration file are the
     request's last finalize step, run once every rank's shards are written (manager.py).
     Until then the folder is a staging folder, which resume never picks.
 
@@ -104,14 +104,14 @@ def _write_json(staging: str, contents: dict) -> None:
 
 def _publish(staging: str, final: str, root: str, state: TrainState,
              save_total_limit: Optional[int]) -> None:
-    """Rank 0: rename into place, then the tracker, the best-checkpoint record, rotation
-    (never of the tracker's nor of the best checkpoint)."""
+    """Rank 0: rename into place, then the latest-iteration file, the best-checkpoint record,
+    rotation (never of the latest-iteration file's nor of the best checkpoint)."""
     # A Hugging Face folder of the same iteration belongs to the checkpoint replaced here.
     commit.remove_folder(final + commit.HF_SUFFIX)
     commit.publish(staging, final)
-    write_tracker(root, state.iteration)
+    write_latest(root, state.iteration)
     best.write(root, state)
     if save_total_limit:
-        tracked, _ = read_tracker(root)
+        tracked, _ = read_latest(root)
         commit.rotate(root, save_total_limit, protect=tracked, newest=state.iteration,
                       also_protect=(state.best_iteration,))

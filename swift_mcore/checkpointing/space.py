@@ -1,6 +1,6 @@
 """Disk space for a save: what it needs, a refusal before writing when the disk clearly lacks
 it, and a failed save (a full disk, say) turned into one clear error, its staging folder
-removed, the previous checkpoint left in place as the tracker's.
+removed, the previous checkpoint left in place as the latest-iteration file's.
 
 A full disk used to show as torch's ``unexpected pos 704 vs 598``: the zip writer behind
 ``torch.save`` (used by DCP for every item of a ``.distcp`` file) gets a short write from
@@ -27,7 +27,7 @@ import torch
 from ..errors import CheckpointError
 from ..runtime import collectives as comm
 from . import commit
-from .tracker import iter_dir_name, read_tracker
+from .folders import iter_dir_name, read_latest
 
 TEST_FAIL_AFTER_BYTES = "SWIFT_MCORE_TEST_FAIL_SAVE_AFTER_BYTES"
 _PER_TENSOR = 2 << 10    # torch.save's zip framing of one tensor in a .distcp file
@@ -90,7 +90,7 @@ def guarded(save):
 
     @functools.wraps(save)
     def wrapper(args, state, *rest, **kwargs):
-        from .tracker import checkpoint_root
+        from .folders import checkpoint_root
 
         root = checkpoint_root(args)
         _current["need"] = None
@@ -156,17 +156,17 @@ def _remove_own_staging(root: str) -> List[str]:
 
 
 def _previous(root: str) -> str:
-    tracked, _ = read_tracker(root)
+    tracked, _ = read_latest(root)
     if tracked is None:
         return "no earlier checkpoint had been committed."
-    return (f"the tracker still names iteration {tracked} "
+    return (f"latest_checkpointed_iteration.txt still names iteration {tracked} "
             f"({os.path.join(root, iter_dir_name(tracked))}, untouched).")
 
 
 def _checkpoint_bytes(root: str) -> Optional[int]:
-    """Size of the tracker's checkpoint from its manifest (the estimate when a save failed
-    before its state dict was measured)."""
-    tracked, _ = read_tracker(root)
+    """Size of the latest-iteration file's checkpoint from its manifest (the estimate when a save
+    failed before its state dict was measured)."""
+    tracked, _ = read_latest(root)
     if tracked is None:
         return None
     manifest, _ = commit.read_manifest(os.path.join(root, iter_dir_name(tracked)))

@@ -125,15 +125,15 @@ def check_split(split: str) -> str:
 
 # ---- megatron config and build ----------------------------------------------------------
 
-def gpt_config(args, tokenizer, blend: Blend):
+def gpt_config(config, tokenizer, blend: Blend):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     return GPTDatasetConfig(
-        random_seed=args.training.seed,
-        sequence_length=args.model.seq_length,
+        random_seed=config.training.seed,
+        sequence_length=config.model.seq_length,
         blend=blend,
-        split=check_split(args.data.split),
-        path_to_cache=index_cache_path(args, blend[0]),
+        split=check_split(config.data.split),
+        path_to_cache=index_cache_path(config, blend[0]),
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
@@ -143,7 +143,7 @@ def gpt_config(args, tokenizer, blend: Blend):
     )
 
 
-def index_cache_path(args, prefixes: Sequence[str]) -> str:
+def index_cache_path(config, prefixes: Sequence[str]) -> str:
     """--data_cache_path (default output_dir/data_cache), then a folder per data content.
 
     megatron names its index files by a hash of the prefix *path*, split, seed, sequence
@@ -151,19 +151,19 @@ def index_cache_path(args, prefixes: Sequence[str]) -> str:
     would reuse stale indices (samples cut at the old document boundaries, or indices past
     the new end). A folder keyed by the content of the .idx files rules that out.
     """
-    base = args.data.data_cache_path or os.path.join(args.logging.output_dir, "data_cache")
+    base = config.data.data_cache_path or os.path.join(config.logging.output_dir, "data_cache")
     key = hashlib.sha256("\0".join(index_identity(p) for p in prefixes).encode())
     return os.path.join(base, key.hexdigest()[:16])
 
 
-def build_datasets(args, tokenizer):
+def build_datasets(config, tokenizer):
     """(train, valid, test) datasets; an empty split is None.
 
     Call on every rank after torch.distributed is initialized: rank 0 builds the index caches,
     the others wait at a barrier and load them (so the cache folder must be shared by all
     ranks, as megatron requires). By default every rank builds its datasets: our loaders are
     deterministic, so tensor- and pipeline-parallel peers read identical batches on their own
-    instead of needing a broadcast. ``args`` is a RunConfig.
+    instead of needing a broadcast. ``config`` is a RunConfig.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder)
@@ -173,39 +173,39 @@ def build_datasets(args, tokenizer):
     from .indexed import check_token_range
 
     safe_index_cache.activate()  # megatron's index caches: never unpickled, checked on load
-    prefixes, weights = resolve_blend(args, tokenizer)
+    prefixes, weights = resolve_blend(config, tokenizer)
     for prefix in prefixes:
         check_token_range(prefix, tokenizer.vocab_size)
-    config = gpt_config(args, tokenizer, (prefixes, weights))
-    safe_index_cache.check_folder(config.path_to_cache)
+    dataset_config = gpt_config(config, tokenizer, (prefixes, weights))
+    safe_index_cache.check_folder(dataset_config.path_to_cache)
     on_rank = lambda: True  # noqa: E731  (every rank: see above)
-    epoch_samples = [samples_per_split(p, config) for p in prefixes]
+    epoch_samples = [samples_per_split(p, dataset_config) for p in prefixes]
     if sum(per_split[0] for per_split in epoch_samples) == 0:
         raise ArgumentError(
             f"the training split holds no complete sample: {_describe(prefixes)} has fewer than "
-            f"--seq_length + 1 = {config.sequence_length + 1} tokens in the train part of "
-            f"--split {args.data.split}; use more data or a shorter --seq_length")
-    if args.data.data_order == "megatron":
-        sizes = megatron_num_samples(args)
+            f"--seq_length + 1 = {dataset_config.sequence_length + 1} tokens in the train part of "
+            f"--split {config.data.split}; use more data or a shorter --seq_length")
+    if config.data.data_order == "megatron":
+        sizes = megatron_num_samples(config)
         if len(prefixes) == 1:
             # A split without a sample: one (empty) epoch, where megatron-core 0.16.1 would
             # loop forever looking for the samples asked of it (see the module docstring).
             sizes = [n if epoch_samples[0][i] else None for i, n in enumerate(sizes)]
-        splits = BlendedMegatronDatasetBuilder(GPTDataset, sizes, on_rank, config).build()
+        splits = BlendedMegatronDatasetBuilder(GPTDataset, sizes, on_rank, dataset_config).build()
     elif len(prefixes) == 1:
-        builder = BlendedMegatronDatasetBuilder(GPTDataset, [None] * 3, on_rank, config)
+        builder = BlendedMegatronDatasetBuilder(GPTDataset, [None] * 3, on_rank, dataset_config)
         splits = builder.build()
     else:
-        splits = _build_blend(prefixes, weights, epoch_samples, config, on_rank)
+        splits = _build_blend(prefixes, weights, epoch_samples, dataset_config, on_rank)
     return tuple(None if d is not None and len(d) == 0 else d for d in splits)
 
 
-def megatron_num_samples(args) -> List[int]:
+def megatron_num_samples(config) -> List[int]:
     """The train/valid/test sizes Megatron-LM asks of its datasets (``--data_order
     megatron``): train_iters x GBS; (train_iters // eval_interval + 1) x eval_iters x GBS
     (an --eval_steps of 0 counts as one evaluation); eval_iters x GBS. GPTDataset's shuffle
     covers that many samples, so these flags set the order."""
-    t, lg = args.training, args.logging
+    t, lg = config.training, config.logging
     gbs = t.global_batch_size
     evaluations = (t.train_iters // lg.eval_steps + 1) if lg.eval_steps else 1
     return [t.train_iters * gbs, evaluations * lg.eval_iters * gbs, lg.eval_iters * gbs]

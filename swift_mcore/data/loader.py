@@ -72,7 +72,7 @@ def ignore_stop_signals(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def build_data_iterator(dataset, consumed_samples: int, args, dp_rank: int = 0,
+def build_data_iterator(dataset, consumed_samples: int, config, dp_rank: int = 0,
                         dp_size: int = 1, seed_offset: int = 0) -> Optional[Iterator[dict]]:
     """An endless iterator of micro-batch dicts, starting at ``consumed_samples``.
 
@@ -84,24 +84,24 @@ def build_data_iterator(dataset, consumed_samples: int, args, dp_rank: int = 0,
     """
     if dataset is None or len(dataset) == 0:
         return None
-    megatron_order = args.data.data_order == "megatron"
+    megatron_order = config.data.data_order == "megatron"
     order = (SequentialOrder(len(dataset)) if megatron_order
-             else GlobalOrder(len(dataset), args.training.seed + seed_offset))
-    workers = int(args.data.num_workers)
+             else GlobalOrder(len(dataset), config.training.seed + seed_offset))
+    workers = int(config.data.num_workers)
     loader = torch.utils.data.DataLoader(
         _PositionedSamples(dataset, order),
-        batch_sampler=_BatchPositions(consumed_samples, args.training.micro_batch_size,
-                                      args.training.global_batch_size, dp_rank, dp_size,
+        batch_sampler=_BatchPositions(consumed_samples, config.training.micro_batch_size,
+                                      config.training.global_batch_size, dp_rank, dp_size,
                                       megatron_order),
         collate_fn=_Collate(dataset),
         num_workers=workers,
         persistent_workers=workers > 0,
         worker_init_fn=ignore_stop_signals if workers > 0 else None,
         prefetch_factor=2 if workers > 0 else None,
-        pin_memory=args.cuda,
+        pin_memory=config.cuda,
         # Its own generator: iter() draws the workers' base seed from it, not from the global
         # torch RNG, which a resumed run has just restored (the dropout stream).
-        generator=torch.Generator().manual_seed(args.training.seed + seed_offset),
+        generator=torch.Generator().manual_seed(config.training.seed + seed_offset),
     )
     iterator = iter(loader)
     if workers > 0:

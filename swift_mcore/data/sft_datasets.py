@@ -191,17 +191,17 @@ class SftDataset(torch.utils.data.Dataset):
         return batch
 
 
-def build_sft_datasets(args, tokenizer, log: Callable[[str], None] = print):
+def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print):
     """(train, valid, None) SftDatasets from --dataset (and --val_dataset or
-    --split_dataset_ratio); ``args`` is a RunConfig. Raises ArgumentError naming the file,
+    --split_dataset_ratio); ``config`` is a RunConfig. Raises ArgumentError naming the file,
     row and flag."""
     from ..arguments.sft import column_map
     from .conversations import read_conversations
-    s, seq = args.sft, args.model.seq_length
+    s, seq = config.sft, config.model.seq_length
     template = Template(s.template, tokenizer, system=s.system,
                         train_separator=s.train_separator)
     columns = column_map(s.columns)
-    train_sources, val_sources = list(args.dataset_sources), list(args.val_dataset_sources)
+    train_sources, val_sources = list(config.dataset_sources), list(config.val_dataset_sources)
 
     def encode(sources, flag):
         report = EncodingReport()
@@ -217,13 +217,13 @@ def build_sft_datasets(args, tokenizer, log: Callable[[str], None] = print):
     train = encode(train_sources, "--dataset")
     valid = encode(val_sources, "--val_dataset") if val_sources else None
     if s.split_dataset_ratio:
-        train, valid = split(train, s.split_dataset_ratio, args.training.seed)
+        train, valid = split(train, s.split_dataset_ratio, config.training.seed)
 
-    fingerprint = sft_fingerprint(args, tokenizer, template)
+    fingerprint = sft_fingerprint(config, tokenizer, template)
     pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
-    pad_fixed = args.parallel.pipeline_model_parallel_size > 1
-    pad_multiple = (args.parallel.tensor_model_parallel_size
-                    if args.parallel.sequence_parallel else 1)
+    pad_fixed = config.parallel.pipeline_model_parallel_size > 1
+    pad_multiple = (config.parallel.tensor_model_parallel_size
+                    if config.parallel.sequence_parallel else 1)
 
     def dataset(encoded, name):
         if encoded is None:

@@ -145,13 +145,13 @@ class Tokenizer(MegatronTokenizerBase):
 
 # ---- building ---------------------------------------------------------------------------
 
-def build_tokenizer(args) -> Tokenizer:
+def build_tokenizer(config) -> Tokenizer:
     """--tokenizer wins, then the tokenizer of --model, then the built-in default."""
-    trust = args.data.trust_remote_code
-    if args.data.tokenizer:
-        return load_tokenizer(args.data.tokenizer, flag="--tokenizer", trust_remote_code=trust)
-    if args.model.model:
-        return load_tokenizer(args.model.model, flag="--model", trust_remote_code=trust)
+    trust = config.data.trust_remote_code
+    if config.data.tokenizer:
+        return load_tokenizer(config.data.tokenizer, flag="--tokenizer", trust_remote_code=trust)
+    if config.model.model:
+        return load_tokenizer(config.model.model, flag="--model", trust_remote_code=trust)
     return default_tokenizer()
 
 

@@ -12,10 +12,10 @@ import torch
 from . import cpu
 
 
-def bucket_size_for(args, models) -> int | None:
+def bucket_size_for(config, models) -> int | None:
     """--bucket_size if given, else ceil(trainable parameters / --num_buckets), else None
     (megatron's default)."""
-    p = args.parallel
+    p = config.parallel
     if p.bucket_size is not None:
         return p.bucket_size
     if p.num_buckets is None:
@@ -24,7 +24,7 @@ def bucket_size_for(args, models) -> int | None:
     return math.ceil(trainable / p.num_buckets)
 
 
-def wrap_model(args, models: List[torch.nn.Module], wrap_with_ddp: bool = True) -> list:
+def wrap_model(config, models: List[torch.nn.Module], wrap_with_ddp: bool = True) -> list:
     """Returns the list of model chunks, DDP-wrapped unless ``wrap_with_ddp`` is False.
 
     Bucketing applies to the first chunk only (megatron itself turns it off on pipeline
@@ -38,14 +38,14 @@ def wrap_model(args, models: List[torch.nn.Module], wrap_with_ddp: bool = True) 
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    p = args.parallel
+    p = config.parallel
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.training.bf16 or args.training.fp16,
+        grad_reduce_in_fp32=config.training.bf16 or config.training.fp16,
         overlap_grad_reduce=p.overlap_grad_reduce,
         use_distributed_optimizer=p.use_distributed_optimizer,
-        bucket_size=bucket_size_for(args, models),
+        bucket_size=bucket_size_for(config, models),
     )
-    cuda = args.cuda
+    cuda = config.cuda
     # On GPU, DDP is built on a side stream (as Megatron-LM does) so that its buffer
     # allocations do not serialize with work queued on the default stream.
     stream = torch.cuda.Stream() if cuda else None
@@ -64,7 +64,7 @@ def wrap_model(args, models: List[torch.nn.Module], wrap_with_ddp: bool = True) 
         ]
     if cuda:
         torch.cuda.current_stream().wait_stream(stream)
-    cpu.after_ddp(wrapped, args)
+    cpu.after_ddp(wrapped, config)
     return wrapped
 
 

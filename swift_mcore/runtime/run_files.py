@@ -75,9 +75,9 @@ def check_folder(folder: str, names: Iterable[str] = RUN_RECORDS) -> None:
 
 
 def check_replaceable(path: str, magic: bytes, kind: str, flag: str = "") -> None:
-    """An output path a command may write: a new name in an existing folder, or a file it
-    wrote before (a regular file with one link that starts with ``magic``, ``kind``). Any
-    other file (a run's records, a checkpoint's tracker, a link) is refused: OutputError
+    """An output path a command may write: a new name in an existing folder, or a file it wrote
+    before (a regular file with one link that starts with ``magic``, ``kind``). Any other file (a
+    run's records, a checkpoint folder's latest-iteration file, a link) is refused: OutputError
     naming the path (after ``flag``, the option that gave it)."""
     who = f"{flag} {path}" if flag else path
     folder = os.path.dirname(os.path.abspath(path))

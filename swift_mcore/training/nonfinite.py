@@ -75,10 +75,10 @@ class NonFiniteGuard:
         self.consecutive_skips = 0
 
     @classmethod
-    def for_args(cls, args, log: Callable[[str], None]) -> "NonFiniteGuard":
-        t = args.training
+    def for_config(cls, config, log: Callable[[str], None]) -> "NonFiniteGuard":
+        t = config.training
         return cls(t.nonfinite_policy, t.nonfinite_skip_limit,
-                   newest_checkpoint=lambda: newest_checkpoint_text(args), log=log)
+                   newest_checkpoint=lambda: newest_checkpoint_text(config), log=log)
 
     @torch.no_grad()
     def step(self, optimizer, loss: Optional[float], iteration: int
@@ -132,14 +132,14 @@ def clip(optimizer, grad_norm: float) -> None:
                 use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
-def newest_checkpoint_text(args) -> str:
+def newest_checkpoint_text(config) -> str:
     """One sentence: which checkpoint ``--resume`` takes now."""
-    from ..checkpointing.tracker import checkpoint_root, iter_dir_name, read_tracker
+    from ..checkpointing.folders import checkpoint_root, iter_dir_name, read_latest
 
-    if args.checkpoint.no_save:
+    if config.checkpoint.no_save:
         return "No checkpoint is written (--no_save). "
-    root = checkpoint_root(args)
-    iteration, _ = read_tracker(root)
+    root = checkpoint_root(config)
+    iteration, _ = read_latest(root)
     if iteration is None:
         return "No checkpoint was written yet. "
     return (f"The newest good checkpoint, {root}/{iter_dir_name(iteration)}, is what "

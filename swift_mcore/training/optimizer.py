@@ -5,11 +5,11 @@ from __future__ import annotations
 from ..runtime import cpu
 
 
-def build_optimizer(args, model_chunks):
+def build_optimizer(config, model_chunks):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    t = args.training
-    config = OptimizerConfig(
+    t = config.training
+    optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=t.lr,
         min_lr=t.min_lr,
@@ -21,18 +21,18 @@ def build_optimizer(args, model_chunks):
         bf16=t.bf16,
         fp16=t.fp16,
         params_dtype=_params_dtype(t),
-        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
+        use_distributed_optimizer=config.parallel.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(config, model_chunks)
-    cpu.after_optimizer(optimizer, args)
+    optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+    cpu.after_optimizer(optimizer, config)
     return optimizer
 
 
-def build_scheduler(args, optimizer):
+def build_scheduler(config, optimizer):
     """Steps are counted in iterations: the scheduler is stepped once per optimizer step."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    t = args.training
+    t = config.training
     decay_iters = t.lr_decay_iters or t.train_iters
     return OptimizerParamScheduler(
         optimizer,

@@ -136,7 +136,7 @@ class Trainer:
             self.sample_audit = SampleAudit(config.logging.output_dir)
         self.writer.start(self.state.iteration,
                           load_plan.folder if load_plan and load_plan.kind == "resume" else None)
-        self.nonfinite_guard = NonFiniteGuard.for_args(config, log=self.writer.print)
+        self.nonfinite_guard = NonFiniteGuard.for_config(config, log=self.writer.print)
         self.flops_per_token = flops_per_token(config)  # the model's: TrainState's count
         self.peak = self.device_peak()
         self.log_window = LogWindow(executed_flops_per_token(config), config.world.world_size,

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import ckpt_harness as H
-from swift_mcore.checkpointing import commit, tracker
+from swift_mcore.checkpointing import commit, folders
 
 N = 12
 GBS = H.TINY["global_batch_size"]
@@ -34,9 +34,9 @@ def test_async_saves_commit_when_written_and_resume_exactly(tmp_path, flags, str
     f = {**flags, "train_iters": N, "save_steps": 2, "async_save": True}
     seg = H.run(out, {**f, "exit_interval": 4})
     root = os.path.join(out, "checkpoint")
-    assert tracker.read_tracker(root)[0] == 4
+    assert folders.read_latest(root)[0] == 4
     for it in (2, 4):
-        assert commit.check_complete(os.path.join(root, tracker.iter_dir_name(it))) is None
+        assert commit.check_complete(os.path.join(root, folders.iter_dir_name(it))) is None
     log = seg.log_tail(100_000)
     assert "in the background" in log and "written in the background" in log
     assert not H.staging_folders(out)
@@ -60,7 +60,7 @@ def test_a_kill_during_a_background_save_resumes_from_the_previous_one(tmp_path,
                       and any("iter_0000004" in s for s in H.staging_folders(out)), seg)
     seg.kill()
     assert commit.complete_checkpoints(root)[-1][0] == 2
-    assert tracker.read_tracker(root)[0] == 2
+    assert folders.read_latest(root)[0] == 2
     newest = 2
     H.run(out, f, tag="resume")
     assert H.records(out, "setup")[-1]["state"]["iteration"] == newest

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from swift_mcore.checkpointing import (TrainState, commit, compat, locate, rng, safe_load,
-                                       tracker)
+from swift_mcore.checkpointing import (TrainState, commit, compat, folders, locate, rng,
+                                       safe_load)
 from swift_mcore.errors import CheckpointError
 
 
@@ -31,7 +31,7 @@ def make_sealed(root, iteration, parent_id=None, checkpoint_id=None, payload=b"w
         json.dump({}, fh)
     commit.seal(staging, extra={"id": checkpoint_id or f"id{iteration}",
                                 "parent_id": parent_id})
-    final = os.path.join(root, tracker.iter_dir_name(iteration))
+    final = os.path.join(root, folders.iter_dir_name(iteration))
     commit.publish(staging, final)
     return final
 
@@ -39,21 +39,21 @@ def make_sealed(root, iteration, parent_id=None, checkpoint_id=None, payload=b"w
 # ---- tracker ------------------------------------------------------------------------------
 def test_tracker_roundtrip_and_atomic_replace(tmp_path):
     root = str(tmp_path)
-    assert tracker.read_tracker(root)[0] is None
-    tracker.write_tracker(root, 100)
-    tracker.write_tracker(root, 200)
-    assert tracker.read_tracker(root) == (200, None)
-    assert os.listdir(root) == [tracker.TRACKER_FILENAME]  # no temp file left behind
-    (tmp_path / tracker.TRACKER_FILENAME).write_text("garbage")
-    value, why = tracker.read_tracker(root)
+    assert folders.read_latest(root)[0] is None
+    folders.write_latest(root, 100)
+    folders.write_latest(root, 200)
+    assert folders.read_latest(root) == (200, None)
+    assert os.listdir(root) == [folders.LATEST_FILENAME]  # no temp file left behind
+    (tmp_path / folders.LATEST_FILENAME).write_text("garbage")
+    value, why = folders.read_latest(root)
     assert value is None and "does not hold an iteration number" in why
 
 
 def test_iter_dir_names():
-    assert tracker.iter_dir_name(100) == "iter_0000100"
-    assert tracker.parse_iter_dir("iter_0000100") == 100
-    assert tracker.parse_iter_dir(".iter_0000100.tmp-abc") is None
-    assert tracker.parse_iter_dir("iter_12") is None
+    assert folders.iter_dir_name(100) == "iter_0000100"
+    assert folders.parse_iter_dir("iter_0000100") == 100
+    assert folders.parse_iter_dir(".iter_0000100.tmp-abc") is None
+    assert folders.parse_iter_dir("iter_12") is None
 
 
 # ---- commit protocol ----------------------------------------------------------------------
@@ -146,9 +146,9 @@ def test_locate_follows_the_tracker(tmp_path):
     root = str(tmp_path)
     make_sealed(root, 1, checkpoint_id="a")
     make_sealed(root, 2, parent_id="a", checkpoint_id="b")
-    tracker.write_tracker(root, 1)
+    folders.write_latest(root, 1)
     make_sealed(root, 9, parent_id="zzz", checkpoint_id="c")  # newer, another lineage
-    tracker.write_tracker(root, 2)
+    folders.write_latest(root, 2)
     folder, warnings = locate.resolve("auto", root)
     assert folder.endswith("iter_0000002") and warnings == []
 
@@ -156,18 +156,18 @@ def test_locate_follows_the_tracker(tmp_path):
 def test_locate_takes_a_sealed_successor_whose_tracker_update_was_cut(tmp_path):
     root = str(tmp_path)
     make_sealed(root, 2, checkpoint_id="b")
-    tracker.write_tracker(root, 2)
+    folders.write_latest(root, 2)
     make_sealed(root, 3, parent_id="b", checkpoint_id="c")  # killed before the tracker
     folder, warnings = locate.resolve("auto", root)
     assert folder.endswith("iter_0000003")
-    assert "tracker update did not happen" in warnings[0]
+    assert "latest_checkpointed_iteration.txt was not updated" in warnings[0]
 
 
 def test_locate_falls_back_when_the_tracker_points_nowhere(tmp_path):
     root = str(tmp_path)
     make_sealed(root, 2)
     make_sealed(root, 4)
-    tracker.write_tracker(root, 99)
+    folders.write_latest(root, 99)
     folder, warnings = locate.resolve("auto", root)
     assert folder.endswith("iter_0000004")
     assert "names iteration 99" in warnings[0] and "falling back" in warnings[0]
@@ -175,7 +175,7 @@ def test_locate_falls_back_when_the_tracker_points_nowhere(tmp_path):
 
 def test_locate_errors_when_nothing_complete_is_left(tmp_path):
     root = str(tmp_path)
-    tracker.write_tracker(root, 99)
+    folders.write_latest(root, 99)
     before = sorted(os.listdir(root))
     with pytest.raises(CheckpointError, match="no other complete checkpoint"):
         locate.resolve("auto", root)
@@ -208,16 +208,16 @@ def reseal(folder, **extra):
 
 
 def test_locate_refuses_rather_than_replaces_a_folder_whose_files_disagree(tmp_path):
-    """The tracker's checkpoint says another iteration inside than its name: refused (the
-    user must decide), not silently replaced by an older complete checkpoint. A common.pt
-    of the earliest layout, without an iteration, is not a disagreement."""
+    """The latest-iteration file's checkpoint says another iteration inside than its name: refused
+    (the user must decide), not silently replaced by an older complete checkpoint. A common.pt of
+    the earliest layout, without an iteration, is not a disagreement."""
     root = str(tmp_path)
     make_sealed(root, 1)
     tracked = make_sealed(root, 2)
     with open(os.path.join(tracked, "train_state.json"), "w") as fh:
         json.dump(TrainState(iteration=7).to_dict(), fh)
     reseal(tracked)
-    tracker.write_tracker(root, 2)
+    folders.write_latest(root, 2)
     with pytest.raises(CheckpointError) as info:
         locate.resolve("auto", root, "--resume")
     assert str(info.value) == (

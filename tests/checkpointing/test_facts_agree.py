@@ -22,7 +22,7 @@ import ckpt_harness as H
 import tamper as T
 from run_helpers import TINY, run_pt
 from swift_mcore.checkpointing import locate, safe_load
-from swift_mcore.checkpointing.tracker import write_tracker
+from swift_mcore.checkpointing.folders import write_latest
 from swift_mcore.errors import CheckpointError
 
 GBS = 8  # run_helpers.TINY's global batch
@@ -77,7 +77,7 @@ def train_state_says_1000(out):
 
 def folder_renamed(out):
     os.rename(ckpt(out, 4), ckpt(out, 6))
-    write_tracker(os.path.join(out, "checkpoint"), 6)
+    write_latest(os.path.join(out, "checkpoint"), 6)
     return [f"{ckpt(out, 6)}/train_state.json says iteration 4", "iter_0000006 (iteration 6)"]
 
 

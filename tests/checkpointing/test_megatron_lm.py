@@ -179,11 +179,11 @@ def test_folder_named_for_another_iteration_is_refused(in_process, tmp_path, mlm
                                                         command):
     """common.pt says iteration 10, the folder (and the tracker) 6: refused, naming both,
     before anything is loaded or written (checkpointing/consistency.py)."""
-    from swift_mcore.checkpointing.tracker import write_tracker
+    from swift_mcore.checkpointing.folders import write_latest
 
     folder = os.path.join(mlm_root, "iter_0000006")
     os.rename(os.path.join(mlm_root, "iter_0000010"), folder)
-    write_tracker(mlm_root, 6)
+    write_latest(mlm_root, 6)
     before = H.tree_snapshot(mlm_root)
     flags, flag = (({"resume": mlm_root}, "--resume") if command == "resume"
                    else ({"load": folder, "finetune": True}, "--load"))

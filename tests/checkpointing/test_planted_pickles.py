@@ -5,8 +5,8 @@ refused type (never torch's advice to load with weights_only=False), exit code 2
 on disk changed. The manifest is re-sealed after each tamper, so the file passes its
 checksum and reaches the unpickler itself.
 
-Also: export and infer warn (as pt does) when the tracker's checkpoint is damaged and they
-fall back to an older one, and a tracker of binary garbage falls back too.
+Also: export and infer warn (as pt does) when the latest-iteration file's checkpoint is damaged and
+they fall back to an older one, and a tracker of binary garbage falls back too.
 
 The checkpoint comes from one tiny training subprocess; the refusals run the command line
 in this process (cli.main, on a one-rank gloo group), a few in real subprocesses."""
@@ -27,7 +27,7 @@ import ckpt_harness as H
 import tamper as T
 from run_helpers import ROOT, TINY, run_pt
 from swift_mcore.checkpointing import locate, safe_load
-from swift_mcore.checkpointing.tracker import TRACKER_FILENAME, read_tracker
+from swift_mcore.checkpointing.folders import LATEST_FILENAME, read_latest
 from swift_mcore.errors import CheckpointError
 
 SYSTEM = f"{os.system.__module__}.system"  # posix.system
@@ -190,20 +190,20 @@ def test_refusals_from_real_processes(made, tmp_path):
 
 
 def test_export_and_infer_warn_when_they_fall_back(made, tmp_path):
-    """The tracker's checkpoint is damaged: export and infer use the newest complete one and
-    say so, as pt --resume does (one place: locate.announce)."""
+    """The latest-iteration file's checkpoint is damaged: export and infer use the newest complete
+    one and say so, as pt --resume does (one place: locate.announce)."""
     out = copy_run(made, tmp_path)
     with open(os.path.join(ckpt(out), "__0_0.distcp"), "r+b") as fh:
         fh.truncate(100)
     proc = run_cli("export", "--to_hf", "--model", out, "--output_dir", tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (f"WARNING: {TRACKER_FILENAME} names iteration 4, but {ckpt(out)} is not usable"
+    assert (f"WARNING: {LATEST_FILENAME} names iteration 4, but {ckpt(out)} is not usable"
             in proc.stdout), proc.stdout
     assert f"falling back to the newest complete checkpoint {ckpt(out, 2)}" in proc.stdout
     assert f"loaded checkpoint {ckpt(out, 2)}" in proc.stdout
 
     # a tracker of binary garbage: the documented fallback, not a UnicodeDecodeError
-    with open(os.path.join(out, "checkpoint", TRACKER_FILENAME), "wb") as fh:
+    with open(os.path.join(out, "checkpoint", LATEST_FILENAME), "wb") as fh:
         fh.write(T.GARBAGE[128:160])
     proc = run_cli("infer", "--model", out, "--prompt", "hello", "--max_new_tokens", 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -216,15 +216,15 @@ def test_export_and_infer_warn_when_they_fall_back(made, tmp_path):
 def test_tracker_of_binary_garbage_is_unreadable_not_an_exception(tmp_path):
     root = tmp_path / "checkpoint"
     root.mkdir()
-    (root / TRACKER_FILENAME).write_bytes(b"\xff\xfe\x00garbage\x80")
-    value, why = read_tracker(str(root))
+    (root / LATEST_FILENAME).write_bytes(b"\xff\xfe\x00garbage\x80")
+    value, why = read_latest(str(root))
     assert value is None and "does not hold an iteration number" in why
-    (root / TRACKER_FILENAME).write_bytes(b"1" * 1000)
-    assert read_tracker(str(root))[0] is None
-    (root / TRACKER_FILENAME).write_bytes(b"12\n")
-    assert read_tracker(str(root)) == (12, None)
+    (root / LATEST_FILENAME).write_bytes(b"1" * 1000)
+    assert read_latest(str(root))[0] is None
+    (root / LATEST_FILENAME).write_bytes(b"12\n")
+    assert read_latest(str(root)) == (12, None)
     with pytest.raises(CheckpointError, match="no other complete checkpoint"):
-        (root / TRACKER_FILENAME).write_bytes(b"\x80")
+        (root / LATEST_FILENAME).write_bytes(b"\x80")
         locate.resolve("auto", str(root))
 
 

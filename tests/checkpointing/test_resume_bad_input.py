@@ -16,7 +16,7 @@ import ckpt_harness as H
 from swift_mcore.errors import ArgumentError
 from swift_mcore.errors import CheckpointError
 from swift_mcore.checkpointing import commit
-from swift_mcore.checkpointing.tracker import TRACKER_FILENAME, write_tracker
+from swift_mcore.checkpointing.folders import LATEST_FILENAME, write_latest
 
 GBS = H.TINY["global_batch_size"]
 
@@ -102,7 +102,7 @@ def test_corrupted_checkpoint(made, tmp_path, in_process):
 
 def test_tracker_pointing_nowhere_falls_back(made, tmp_path, in_process, capsys):
     out = copy_run(made, tmp_path)
-    write_tracker(os.path.join(out, "checkpoint"), 999)
+    write_latest(os.path.join(out, "checkpoint"), 999)
     trainer = in_process(**made["flags"], output_dir=out, resume="auto")
     assert trainer.state.iteration == 4
     assert "names iteration 999" in capsys.readouterr().out
@@ -111,7 +111,7 @@ def test_tracker_pointing_nowhere_falls_back(made, tmp_path, in_process, capsys)
 def test_tracker_pointing_nowhere_without_any_checkpoint(made, tmp_path, in_process):
     out = str(tmp_path / "run")
     os.makedirs(os.path.join(out, "checkpoint"))
-    with open(os.path.join(out, "checkpoint", TRACKER_FILENAME), "w") as fh:
+    with open(os.path.join(out, "checkpoint", LATEST_FILENAME), "w") as fh:
         fh.write("7\n")
     expect_error(in_process, ["names iteration 7", "no other complete checkpoint"], out,
                  **made["flags"], output_dir=out, resume="auto")
@@ -275,7 +275,8 @@ def test_failed_save_changes_nothing_visible(made, tmp_path, in_process, monkeyp
     text = str(failed.value)
     assert f"saving checkpoint iteration 5 failed: out of disk space in {root}" in text
     assert "No space left on device" in text and "needs about" in text
-    assert "The partial save was removed; the tracker still names iteration 4" in text
+    assert ("The partial save was removed; latest_checkpointed_iteration.txt still names "
+            "iteration 4") in text
     assert "\n" not in text
     assert H.tree_snapshot(root) == before  # no staging folder left either
 
@@ -284,7 +285,8 @@ def test_failed_save_changes_nothing_visible(made, tmp_path, in_process, monkeyp
     with pytest.raises(space.DiskSpaceError,
                        match=f"not enough disk space to save checkpoint iteration 5 in {root}: "
                              f"it needs about [0-9,]+ bytes .*, 1,000 bytes .* are free. "
-                             f"Nothing was written; the tracker still names iteration 4"):
+                             f"Nothing was written; latest_checkpointed_iteration.txt still names "
+                             f"iteration 4"):
         trainer.save_checkpoint()
     assert H.tree_snapshot(root) == before
     monkeypatch.undo()

@@ -15,7 +15,7 @@ import pytest
 
 import ckpt_harness as H
 from run_helpers import losses, run_pt
-from swift_mcore.checkpointing import commit, space, tracker
+from swift_mcore.checkpointing import commit, space, folders
 
 
 def data_bytes(folder):
@@ -33,10 +33,10 @@ def check_failed_save(proc, out, phrase):
     assert phrase in line and root in line, line
     need = int(re.search(r"needs about ([\d,]+) bytes", line).group(1).replace(",", ""))
     assert need > 7 << 20, line
-    assert "the tracker still names iteration 2" in line, line
+    assert "latest_checkpointed_iteration.txt still names iteration 2" in line, line
     assert not H.staging_folders(out), os.listdir(root)
-    assert tracker.read_tracker(root)[0] == 2
-    assert sorted(os.listdir(root)) == ["iter_0000002", tracker.TRACKER_FILENAME]
+    assert folders.read_latest(root)[0] == 2
+    assert sorted(os.listdir(root)) == ["iter_0000002", folders.LATEST_FILENAME]
     commit.verify_checksums(os.path.join(root, "iter_0000002"))
 
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import ckpt_harness as H
-from swift_mcore.checkpointing import commit, tracker
+from swift_mcore.checkpointing import commit, folders
 
 GBS = H.TINY["global_batch_size"]
 
 
 def ckpt(out, iteration):
-    return os.path.join(out, "checkpoint", tracker.iter_dir_name(iteration))
+    return os.path.join(out, "checkpoint", folders.iter_dir_name(iteration))
 
 
 def tensors(folder, tmp_path):
@@ -53,7 +53,7 @@ def assert_finite_checkpoints(out, tmp_path, expected):
     root = os.path.join(out, "checkpoint")
     assert [it for it, _ in commit.complete_checkpoints(root)] == expected
     assert not H.staging_folders(out), "a save was started after the non-finite step"
-    assert tracker.read_tracker(root)[0] == expected[-1]
+    assert folders.read_latest(root)[0] == expected[-1]
     for it in expected:
         values = tensors(ckpt(out, it), tmp_path)
         bad = [k for k, v in values.items() if not torch.isfinite(v).all()]
@@ -109,7 +109,7 @@ def test_nan_mid_run_stops_and_resume_continues_from_the_last_good_checkpoint(
     assert H.records(out, "setup")[-1]["state"]["iteration"] == 4
     done = H.records(out, "done")[-1]["state"]
     assert done["iteration"] == 6 and done["skipped_train_samples"] == 0
-    assert tracker.read_tracker(os.path.join(out, "checkpoint"))[0] == 6
+    assert folders.read_latest(os.path.join(out, "checkpoint"))[0] == 6
 
 
 @pytest.mark.slow

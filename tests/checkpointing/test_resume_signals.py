@@ -10,7 +10,7 @@ import signal
 import pytest
 
 import ckpt_harness as H
-from swift_mcore.checkpointing import commit, tracker
+from swift_mcore.checkpointing import commit, folders
 
 N = 12  # the three kills below end well before it (a save at every iteration)
 GBS = H.TINY["global_batch_size"]
@@ -48,8 +48,8 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, flags, straight)
     stopped = H.records(out, "done")[0]["state"]["iteration"]
     assert 3 <= stopped < N
     root = os.path.join(out, "checkpoint")
-    assert tracker.read_tracker(root)[0] == stopped
-    assert commit.check_complete(os.path.join(root, tracker.iter_dir_name(stopped))) is None
+    assert folders.read_latest(root)[0] == stopped
+    assert commit.check_complete(os.path.join(root, folders.iter_dir_name(stopped))) is None
     H.run(out, {**f, "resume": "auto"}, 1, tag="resume")
     assert H.records(out, "setup")[-1]["state"]["consumed_train_samples"] == stopped * GBS
     check_equal_to_straight(straight, out)
@@ -67,8 +67,8 @@ def test_sigterm_to_one_of_two_ranks_stops_both(tmp_path, flags):
     assert codes == [0, 0], seg.log_tail()
     done = [H.records(out, "done", r)[0]["state"]["iteration"] for r in (0, 1)]
     assert done[0] == done[1] < N
-    assert tracker.read_tracker(os.path.join(out, "checkpoint"))[0] == done[0]
-    assert len(os.listdir(os.path.join(out, "checkpoint", tracker.iter_dir_name(done[0]),
+    assert folders.read_latest(os.path.join(out, "checkpoint"))[0] == done[0]
+    assert len(os.listdir(os.path.join(out, "checkpoint", folders.iter_dir_name(done[0]),
                                        "rng"))) == 2
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import ckpt_harness as H
 from run_helpers import ROOT, TINY, losses, run_pt
-from swift_mcore.checkpointing import commit, tracker
+from swift_mcore.checkpointing import commit, folders
 from swift_mcore.errors import ArgumentError
 from swift_mcore.runtime import run_lock
 
@@ -220,7 +220,7 @@ def test_second_run_on_a_live_output_dir_exits_2_and_the_first_is_intact(
     assert first.wait(240) == 0, open(out + ".stderr").read()[-3000:]
 
     root = os.path.join(out, "checkpoint")
-    assert tracker.read_tracker(root)[0] == 4
+    assert folders.read_latest(root)[0] == 4
     assert [it for it, _ in commit.complete_checkpoints(root)] == [2, 4]
     for _, folder in commit.complete_checkpoints(root):
         commit.verify_checksums(folder)

@@ -1,5 +1,5 @@
-"""Checkpoint folder names and the tracker file (latest_checkpointed_iteration.txt), written
-atomically: temp file, fsync, rename, fsync of the folder."""
+"""Checkpoint folder names, and the latest-iteration file (latest_checkpointed_iteration.txt,
+Megatron's "tracker"; swift-mcore's trackers are the --report_to ones) written atomically."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import os
 import re
 from typing import Optional, Tuple
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+LATEST_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_SUBDIR = "checkpoint"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
-_TRACKER_MAX_BYTES = 64  # "1234567\n" and then some; more is not a tracker
+_LATEST_MAX_BYTES = 64  # "1234567\n" and then some; more is not a latest-iteration file
 
 
-def checkpoint_root(args) -> str:
-    """``output_dir/checkpoint``: where a run's checkpoints and its tracker live."""
-    return os.path.join(os.path.abspath(args.logging.output_dir), CHECKPOINT_SUBDIR)
+def checkpoint_root(config) -> str:
+    """``output_dir/checkpoint``: where a run's checkpoints and their latest-iteration file live."""
+    return os.path.join(os.path.abspath(config.logging.output_dir), CHECKPOINT_SUBDIR)
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -27,16 +27,17 @@ def parse_iter_dir(name: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def tracker_path(root: str) -> str:
-    return os.path.join(root, TRACKER_FILENAME)
+def latest_path(root: str) -> str:
+    return os.path.join(root, LATEST_FILENAME)
 
 
-def read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
-    """(iteration, None), or (None, why not) when the tracker is absent or unreadable."""
-    path = tracker_path(root)
+def read_latest(root: str) -> Tuple[Optional[int], Optional[str]]:
+    """(iteration, None), or (None, why not) when the latest-iteration file is absent or
+    unreadable."""
+    path = latest_path(root)
     try:
         with open(path, "rb") as fh:
-            raw = fh.read(_TRACKER_MAX_BYTES + 1)
+            raw = fh.read(_LATEST_MAX_BYTES + 1)
     except FileNotFoundError:
         return None, f"{path} does not exist"
     except OSError as err:
@@ -46,7 +47,7 @@ def read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
     except UnicodeDecodeError:  # binary garbage: as unreadable as a wrong number
         return None, (f"{path} does not hold an iteration number (it holds binary data: "
                       f"{raw[:16]!r})")
-    if len(raw) > _TRACKER_MAX_BYTES:
+    if len(raw) > _LATEST_MAX_BYTES:
         return None, (f"{path} does not hold an iteration number (it holds "
                       f"{len(raw)}+ bytes: {text[:40]!r})")
     if text == "release":
@@ -60,14 +61,14 @@ def read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
     return value, None
 
 
-def write_tracker(root: str, iteration: int) -> None:
-    """Replace the tracker atomically: readers see the old value or the new one, never a
-    partial file."""
+def write_latest(root: str, iteration: int) -> None:
+    """Replace the latest-iteration file atomically: readers see the old value or the new one, never
+    a partial file."""
     from ..atomic_write import write_atomic
 
     # A new temporary file (never one planted under a guessable name), renamed over the name;
     # a failed write (a full disk) leaves no temp file.
-    write_atomic(tracker_path(root), f"{iteration}\n")
+    write_atomic(latest_path(root), f"{iteration}\n")
     fsync_dir(root)
 
 
