@@ -47,8 +47,8 @@ class RunConfig:
     attention: str               # core attention: local | sdpa | transformer_engine
     packed_rows: str             # how packed sft rows keep conversations apart:
                                  # block_causal_mask (local/sdpa) | thd (TE variable length)
-    # What --precision auto and the hardware gave (GPU defaults as Megatron-LM's); the CPU
-    # values are the CPU path as it always was. ``choose_gpu_defaults``.
+    # What --precision auto and the hardware gave: on a GPU Megatron-LM's defaults, on the
+    # CPU the values its path is tested with. ``choose_gpu_defaults``.
     precision: str = "fp32"      # bf16 | fp16 | fp32 (args.training.bf16/fp16 agree)
     cpu_initialization: bool = True   # weights created on the CPU, then sliced per TP rank
     rope_fusion: bool = False    # Transformer Engine's fused RoPE (no host sync per layer)

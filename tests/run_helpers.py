@@ -97,9 +97,21 @@ def replace_tokens(prefix, in_place=False):
         data.flush()
         del data
         return
-    docs = indexed.read_documents(prefix)
+    docs = read_documents(prefix)
     tokens = np.array([t for d in docs for t in d], dtype=np.uint16)
     tokens[:64] = tokens[:64][::-1].copy()
     with indexed.IndexedWriter(prefix, np.uint16) as writer:
         writer.add_documents(tokens, np.array([len(d) for d in docs]))
         writer.commit()
+
+
+def read_documents(prefix: str):
+    """Every document's token ids of a small .bin/.idx pair; None if the pair is missing."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from swift_mcore.data import indexed
+
+    if not indexed.exists(prefix):
+        return None
+    dataset = IndexedDataset(prefix)  # held while copying: its arrays are views of its mmap
+    return [dataset[i].tolist() for i in range(len(dataset))]

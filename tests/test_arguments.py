@@ -8,10 +8,14 @@ import pytest
 
 from swift_mcore.errors import ArgumentError
 from swift_mcore.arguments import RunArguments, parse_args
-from swift_mcore.arguments.parser import all_flags, build_parser
+from swift_mcore.arguments.parser import build_parser
 from swift_mcore.arguments.run import flag_owners
 from swift_mcore.run_config import resolve
 
+
+
+def all_flags(cls=RunArguments):
+    return [f for t in cls.GROUPS.values() for f in dataclasses.fields(t)]
 
 def validated(*argv, world_size=1, cuda=False):
     return resolve(parse_args(list(argv)), world_size=world_size, cuda=cuda)

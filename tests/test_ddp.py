@@ -8,11 +8,16 @@ import torch
 from swift_mcore.arguments import RunArguments
 from swift_mcore.models.gpt import build_model
 from swift_mcore.run_config import resolve
-from swift_mcore.runtime.ddp import bucket_size_for, num_grad_buckets, wrap_model
+from swift_mcore.runtime.ddp import bucket_size_for, wrap_model
 
 TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
             seq_length=32, vocab_size=256, lr_warmup_iters=1, train_iters=2)
 
+
+
+def num_grad_buckets(ddp_chunk) -> int:
+    """How many gradient buckets megatron really built for one DDP chunk."""
+    return sum(len(group.buckets) for group in ddp_chunk.bucket_groups)
 
 def tiny_args(padded_vocab=256, **flags):
     """A complete RunConfig whose embedding has ``padded_vocab`` rows."""

@@ -2,7 +2,6 @@
 Transformer Engine's _extra_state in strict loads, the pinned GPU extras, the conversion
 child, the flag checks and the GPU defaults (docs/gpu.md)."""
 
-import datetime
 import importlib.metadata
 import re
 import subprocess

@@ -5,7 +5,7 @@ of RoPE positions it is a warning."""
 
 import pytest
 
-from run_helpers import TINY, run_pt
+from run_helpers import run_pt
 
 PROMPT_WORDS = "def add(a, b): return a + b"
 

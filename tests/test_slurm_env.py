@@ -86,7 +86,6 @@ def test_the_sbatch_script_saves_on_the_time_limit_signal_and_requeues(tmp_path)
     import signal
     import subprocess
     import sys
-    import time
 
     sys.path.insert(0, str(ROOT / "tests" / "checkpointing"))
     import ckpt_harness as H

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import Field, fields
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import yaml
 
@@ -104,6 +104,3 @@ def load_yaml(path: str, cls=RunArguments) -> dict:
                             f"see `swift-mcore {cls.COMMAND} --help`")
     return data
 
-
-def all_flags(cls=RunArguments) -> List[Field]:
-    return [f for t in cls.GROUPS.values() for f in fields(t)]

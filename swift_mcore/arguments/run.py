@@ -133,7 +133,7 @@ class RunArguments:
     def check(self, world_size: int) -> None:
         """Ranges and combinations of the flags, and the layout over ``world_size`` ranks.
         Raises ArgumentError naming the flag and what it accepts."""
-        m, t, p, c, lg = self.model, self.training, self.parallel, self.checkpoint, self.logging
+        m, t, p, lg = self.model, self.training, self.parallel, self.logging
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "make_vocab_size_divisible_by"):
             _positive(m, name)

@@ -2,11 +2,11 @@
 it, and a failed save (a full disk, say) turned into one clear error, its staging folder
 removed, the previous checkpoint left in place as the latest-iteration file's.
 
-A full disk used to show as torch's ``unexpected pos 704 vs 598``: the zip writer behind
+Left to torch, a full disk shows as ``unexpected pos 704 vs 598``: the zip writer behind
 ``torch.save`` (used by DCP for every item of a ``.distcp`` file) gets a short write from
 the full disk, and its next write finds the file position off. The OS error (ENOSPC) never
-reaches the caller. And the staging folder it left kept filling the disk until the next
-save started, so a resumed run trained and then failed at its first save the same way.
+reaches the caller. And the staging folder it leaves keeps filling the disk until the next
+save starts, so a resumed run would train and then fail at its first save the same way.
 
 Test hook: ``SWIFT_MCORE_TEST_FAIL_SAVE_AFTER_BYTES=N`` makes the DCP writer behave as on a
 disk that fills up after N bytes of checkpoint data in this process (a short write, then

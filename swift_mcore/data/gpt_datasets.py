@@ -31,7 +31,7 @@ import json
 import math
 import os
 from functools import lru_cache
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError
 

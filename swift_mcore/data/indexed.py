@@ -341,12 +341,3 @@ def check_token_range(prefix: str, vocab_size: int, flag: str = "--data_path") -
 def _max_token_id(prefix: str, stamp: Tuple[int, int]) -> int:
     return max_token_id(prefix)
 
-
-def read_documents(prefix: str) -> Optional[list]:
-    """Every document's token ids (small data, tests and tools); None if the pair is missing."""
-    if not exists(prefix):
-        return None
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    dataset = IndexedDataset(prefix)  # held while copying: its arrays are views of its mmap
-    return [dataset[i].tolist() for i in range(len(dataset))]

@@ -187,6 +187,3 @@ def activate() -> None:
         module.numpy = proxy
     _ACTIVE = True
 
-
-def is_active() -> bool:
-    return _ACTIVE

@@ -76,7 +76,3 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
         chunk = chunk.module
     return chunk
 
-
-def num_grad_buckets(ddp_chunk) -> int:
-    """How many gradient buckets megatron really built for one DDP chunk."""
-    return sum(len(group.buckets) for group in ddp_chunk.bucket_groups)

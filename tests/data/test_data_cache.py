@@ -9,11 +9,12 @@ import shutil
 import pytest
 import torch
 
-from swift_mcore.data import encoding, indexed, token_cache
+from swift_mcore.data import encoding, indexed
 from swift_mcore.data.gpt_datasets import build_datasets
 from swift_mcore.data.loader import build_data_iterator
 
 from data_helpers import make_args, make_documents, raw_prefix
+from run_helpers import read_documents
 
 
 def write_jsonl(path, texts):
@@ -42,7 +43,7 @@ def test_dataset_files_are_tokenized_once_per_content(tokenizer, tmp_path, fresh
     write_jsonl(path, ["first document", "an edited second one"])
     edited = raw_prefix([path], "text", tokenizer)
     assert edited != prefix
-    assert [tokenizer.decode(d[:-1]) for d in indexed.read_documents(edited)] == [
+    assert [tokenizer.decode(d[:-1]) for d in read_documents(edited)] == [
         "first document", "an edited second one"]
     # Another column or tokenizer of the same files is another cache entry too.
     write_jsonl(path, [""])

@@ -2,7 +2,6 @@
 
 import json
 import os
-import time
 
 import numpy as np
 import pytest

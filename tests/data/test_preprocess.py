@@ -11,10 +11,11 @@ import pytest
 
 from swift_mcore.errors import ArgumentError
 from swift_mcore.data import encoding, sources
-from swift_mcore.data.indexed import check_indexed, read_documents
+from swift_mcore.data.indexed import check_indexed
 from swift_mcore.preprocess import PreprocessArguments, parse, preprocess
 
 from data_helpers import make_documents
+from run_helpers import read_documents
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["def f(x):\n    return x + 1\n", "naïve café ✓", "", "plain words here", None, "z"]
