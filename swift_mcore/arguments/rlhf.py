@@ -60,9 +60,10 @@ class RlhfArguments(RunArguments):
 
     COMMAND = "rlhf"
     # TRL's DPOConfig defaults where they differ from pretraining's: a small learning rate,
-    # no warmup, one pass over the data.
+    # no warmup, one pass over the data, no dropout in the adapters (TRL's disable_dropout:
+    # the policy's and the reference's log-probabilities of a pair are then comparable).
     DEFAULTS = {"lr": 1e-6, "min_lr": 0.0, "lr_warmup_iters": 0, "num_train_epochs": 1.0,
-                "output_dir": "output/swift-mcore-rlhf"}
+                "lora_dropout": 0.0, "output_dir": "output/swift-mcore-rlhf"}
 
     def check_command(self) -> None:
         d, r, p = self.data, self.rlhf, self.parallel

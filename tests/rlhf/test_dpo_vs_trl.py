@@ -4,7 +4,7 @@ loss and the policy's gradients of one step, per loss type; the data tokenized a
 import pytest
 import torch
 
-from conftest import ROWS, run_flags
+from rlhf_helpers import ROWS, run_flags
 
 LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
               "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
