@@ -107,3 +107,50 @@ def test_loss_and_gradients_equal_trl(ours, trl_trainer, loss_type):
     for name, theirs in their_grads.items():
         mine = grad_of(name)
         assert (mine - theirs).abs().max().item() <= 1e-5, name
+
+
+CHATML = ("{% if tools %}<|im_start|>system\ntools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+USER = {"role": "user", "content": "def add(a, b):"}
+GOOD = {"role": "assistant", "content": "return a + b"}
+BAD = {"role": "assistant", "content": "pass"}
+TOOL = {"type": "function", "function": {"name": "add", "description": "adds",
+                                         "parameters": {"type": "object", "properties": {}}}}
+# (our row, the same pair in TRL's form)
+FORMATS = {
+    "conversational": ({"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]},) * 2,
+    "conversational_tools": ({"prompt": [USER], "chosen": [GOOD], "rejected": [BAD],
+                              "tools": [TOOL]},) * 2,
+    "implicit_conversational": ({"chosen": [USER, GOOD], "rejected": [USER, BAD]},) * 2,
+    "implicit_text": ({"chosen": "def add(a, b): return a + b",
+                       "rejected": "def add(a, b): pass"},) * 2,
+    "ms_swift": ({"messages": [USER, GOOD], "rejected_response": "pass"},
+                 {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMATS))
+def test_each_format_is_tokenized_as_trl_tokenizes_it(tiny_hf, trl_trainer, form):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from swift_mcore.data.preference import to_pair, tokenize_pair
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_hf[0]))
+    tokenizer.chat_template = CHATML
+    row, trl_row = FORMATS[form]
+    prompt, chosen, rejected = tokenize_pair(to_pair(row, "row 0"), tokenizer)
+    args = trl_trainer.args
+    saved, args.max_length = args.max_length, None  # TRL would drop a long prompt silently
+    try:
+        theirs = trl_trainer._prepare_dataset(Dataset.from_list([trl_row]), tokenizer, args,
+                                              "test")[0]
+    finally:
+        args.max_length = saved
+    assert (prompt, chosen, rejected) == (theirs["prompt_ids"], theirs["chosen_ids"],
+                                          theirs["rejected_ids"])
+    assert chosen and rejected
+    if form == "conversational_tools":  # the tools reach the template
+        plain = tokenize_pair(to_pair(FORMATS["conversational"][0], "row 0"), tokenizer)
+        assert plain[0] != prompt
