@@ -33,9 +33,14 @@ class DpoTrainer(Trainer):
 
     # ---- data -------------------------------------------------------------------------
     def fingerprint_data(self) -> str:
+        """The data's fingerprint with the reference's identity after it: a checkpoint
+        records both, and a resume against another reference is refused
+        (checkpointing/compat.py names --ref_model)."""
+        from ..checkpointing.compat import with_reference
         from ..data.preference import preference_fingerprint
 
-        return preference_fingerprint(self.config, self.tokenizer)
+        return with_reference(preference_fingerprint(self.config, self.tokenizer),
+                              reference_identity(self.config))
 
     def build_datasets(self):
         from ..data.preference import build_preference_datasets
@@ -181,6 +186,19 @@ class DpoTrainer(Trainer):
             extra = " | ".join(f"{n} {metrics[n]:.4f}" for n in names)
             line = format_log_line(it, total, metrics)
             self.writer.print(f"{line} | {extra}" if extra else line)
+
+
+def reference_identity(config) -> str:
+    """What the reference is, by content: sha256 of --ref_model's safetensors files, or of
+    the starting weights (--model's files; the random initialization's seed without one)."""
+    from ..models import lora
+
+    r = config.rlhf
+    if r.reference_free:
+        return "none (--reference_free)"
+    if r.ref_model:
+        return "sha256:" + lora.folder_fingerprint(r.ref_model)
+    return lora.base_reference(config, config.cuda)
 
 
 def base_state(chunk) -> dict:
