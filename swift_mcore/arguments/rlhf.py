@@ -90,6 +90,12 @@ class RlhfArguments(RunArguments):
         if r.reference_free and r.ref_model:
             raise ArgumentError("--reference_free trains without a reference; it cannot be "
                                 "combined with --ref_model")
+        if (self.checkpoint.load and not r.ref_model and not r.reference_free
+                and self.tuner.tuner_type != "lora"):
+            raise ArgumentError("rlhf --load: the reference would not be the loaded weights "
+                                "(it is a copy of --model's, taken before the checkpoint is "
+                                "read); export the checkpoint (swift-mcore export --to_hf) and "
+                                "give it as --model, or name the reference with --ref_model")
         seq = self.model.seq_length
         if r.max_length is not None and r.max_length > seq + 1:
             raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} + 1 "

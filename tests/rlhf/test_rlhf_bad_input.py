@@ -74,6 +74,7 @@ def test_prompts_that_fill_max_length_are_counted_and_refused(tiny_hf):
     (["--reference_free", "--ref_model", "x"], "--reference_free trains without a reference"),
     (["--max_length", "100"], "--max_length 100 exceeds --seq_length 64 \\+ 1"),
     (["--rlhf_type", "kto"], "--rlhf_type"),
+    (["--load", ".", "--finetune"], "rlhf --load: the reference would not be the loaded weights"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):
     from swift_mcore.arguments import RlhfArguments, parse_args
