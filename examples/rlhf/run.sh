@@ -2,7 +2,7 @@
 # End to end: sft a tiny random Hugging Face Llama, then DPO on preference pairs (the right
 # answer chosen, a wrong one rejected), export the result and ask it with `infer`.
 #
-#   bash examples/rlhf/run.sh [OUT]          (about three minutes on 2 CPU cores)
+#   bash examples/rlhf/run.sh [OUT]          (a few minutes on 2 CPU cores)
 #
 # Run from the repository root after `bash scripts/setup.sh` (or with swift-mcore installed).
 set -euo pipefail
