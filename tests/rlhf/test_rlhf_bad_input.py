@@ -86,3 +86,24 @@ def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):
     argv = ["--dataset", str(data), "--output_dir", str(tmp_path / "o"), *run_flags(*flags)]
     with pytest.raises(ArgumentError, match=message):
         resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
+
+
+def test_the_memory_estimate_counts_the_reference_copy_but_not_with_lora(tmp_path):
+    from swift_mcore.arguments import RlhfArguments, SftArguments
+    from swift_mcore.models import footprint
+
+    def reference_bytes(cls, **flags):
+        args = cls.from_flags(num_layers=2, hidden_size=64, num_attention_heads=4,
+                              vocab_size=320, **flags)
+        args.fill_defaults()
+        found = {p.name: p for p in footprint.parts(args, 1, "fp32", weights_only=False)}
+        return found.get("reference model"), found
+
+    ref, found = reference_bytes(RlhfArguments)
+    weights = sum(p.bytes // footprint.TRAINED_BYTES * 4 for name, p in found.items()
+                  if name in ("embedding", "output layer", "layers"))
+    assert ref is not None and ref.bytes == weights and ref.parameters == 0
+    assert reference_bytes(RlhfArguments, tuner_type="lora")[0] is None
+    assert reference_bytes(RlhfArguments, tuner_type="lora", ref_model=str(tmp_path))[0]
+    assert reference_bytes(RlhfArguments, reference_free=True)[0] is None
+    assert reference_bytes(SftArguments)[0] is None
