@@ -39,6 +39,8 @@ class DpoTrainer(Trainer):
         from ..checkpointing.compat import with_reference
         from ..data.preference import preference_fingerprint
 
+        if self.config.rlhf.ref_model:  # before anything is read or built
+            check_reference_folder(self.config, self.tokenizer.vocab_size)
         return with_reference(preference_fingerprint(self.config, self.tokenizer),
                               reference_identity(self.config))
 
@@ -186,6 +188,35 @@ class DpoTrainer(Trainer):
             extra = " | ".join(f"{n} {metrics[n]:.4f}" for n in names)
             line = format_log_line(it, total, metrics)
             self.writer.print(f"{line} | {extra}" if extra else line)
+
+
+def check_reference_folder(config, tokenizer_vocab: int) -> None:
+    """--ref_model must be the policy's architecture and vocabulary: every tensor of the
+    same name and shape (else ArgumentError naming the flag and the first difference)."""
+    from ..errors import ArgumentError
+    from ..models.convert import Layout
+    from ..models.hf_load import expected_hf_shapes
+    from ..run_config import padded_vocab
+
+    folder, m = config.rlhf.ref_model, config.model
+    try:
+        theirs = expected_hf_shapes(folder)
+    except (OSError, ValueError) as err:
+        raise ArgumentError(f"--ref_model {folder}: not a Hugging Face model folder "
+                            f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    vocab = m.vocab_size or tokenizer_vocab
+    layout = Layout.from_model_args(
+        m, padded_vocab(vocab, m.make_vocab_size_divisible_by, config.world.tensor_parallel))
+    ours = dict(layout.hf_tensors())
+    if layout.vocab is None or ours.get("model.embed_tokens.weight", (None,))[0] is None:
+        ours["model.embed_tokens.weight"] = (vocab, m.hidden_size)
+    for name in sorted(set(ours) | set(theirs)):
+        if ours.get(name) != theirs.get(name):
+            what = (f"has no {name}" if name not in theirs else
+                    f"has {name} of shape {list(theirs[name])}, the policy "
+                    + (f"{list(ours[name])}" if name in ours else "none"))
+            raise ArgumentError(f"--ref_model {folder}: not the policy's architecture and "
+                                f"vocabulary: it {what}")
 
 
 def reference_identity(config) -> str:

@@ -107,3 +107,30 @@ def test_the_memory_estimate_counts_the_reference_copy_but_not_with_lora(tmp_pat
     assert reference_bytes(RlhfArguments, tuner_type="lora", ref_model=str(tmp_path))[0]
     assert reference_bytes(RlhfArguments, reference_free=True)[0] is None
     assert reference_bytes(SftArguments)[0] is None
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vocab_size": 400}, "it has lm_head.weight of shape \\[400, 64\\], the policy \\[320, 64\\]"),
+    ({"num_hidden_layers": 3}, "it has model.layers.2.input_layernorm.weight of shape \\[64\\], "
+                               "the policy none"),
+])
+def test_a_reference_of_another_architecture_or_vocabulary_is_refused(tiny_hf, tmp_path,
+                                                                      change, message):
+    import hf_helpers as H
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+    from swift_mcore.training.rlhf_trainer import check_reference_folder
+
+    folder, data = tiny_hf
+    other = tmp_path / "other"
+    H.make_model(str(other), "llama", tokenizer=False, **change)
+    argv = ["--model", str(folder), "--ref_model", str(other), "--dataset", str(data),
+            "--output_dir", str(tmp_path / "o"), *run_flags()]
+    same = argv[:2] + ["--ref_model", str(folder)] + argv[4:]
+    check_reference_folder(resolve(parse_args(same, prog="swift-mcore rlhf", cls=RlhfArguments),
+                                   world_size=1), 274)  # the policy's own folder passes
+    config = resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
+    with pytest.raises(ArgumentError, match=f"^--ref_model {other}: not the policy's "
+                                            f"architecture and vocabulary: {message}$"):
+        check_reference_folder(config, 274)
