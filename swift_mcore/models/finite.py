@@ -44,7 +44,7 @@ def first_nonfinite(named: Iterable[Tuple[str, torch.Tensor]]) -> Optional[str]:
 def model_problem(model_chunks, folder: str) -> Optional[str]:
     """This rank's view of a model just loaded from ``folder``: None if all its parameters
     are finite, else one line naming the first that is not (for comm.raise_if_any)."""
-    from .io import unwrap
+    from ..runtime.ddp import unwrap
 
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     for chunk in chunks:
