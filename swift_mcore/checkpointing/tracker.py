@@ -7,6 +7,9 @@ import os
 import re
 from typing import Optional, Tuple
 
+from ..errors import ArgumentError
+from ..input_files import open_regular
+
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_SUBDIR = "checkpoint"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
@@ -34,11 +37,13 @@ def tracker_path(root: str) -> str:
 def read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
     """(iteration, None), or (None, why not) when the tracker is absent or unreadable."""
     path = tracker_path(root)
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(_TRACKER_MAX_BYTES + 1)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None, f"{path} does not exist"
+    try:  # a FIFO or device named like the tracker would block or never end
+        with open_regular(path, "rb") as fh:
+            raw = fh.read(_TRACKER_MAX_BYTES + 1)
+    except ArgumentError as err:
+        return None, str(err)
     except OSError as err:
         return None, f"{path} cannot be read ({err})"
     try:

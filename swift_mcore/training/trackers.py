@@ -14,6 +14,7 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from ..errors import ArgumentError
+from ..input_files import check_regular, load_json
 
 RUN_IDS = "trackers.json"  # {"wandb": "<run id>", "swanlab": "<run id>"}
 DEFAULT_PROJECT = "swift-mcore"
@@ -165,10 +166,13 @@ def close_quietly(tracker: Tracker, failed: bool) -> Optional[str]:
 
 
 def read_run_ids(output_dir: str) -> Dict[str, str]:
+    path = os.path.join(output_dir, RUN_IDS)
+    if not os.path.lexists(path):
+        return {}
+    check_regular(path)  # a FIFO or device would block the resume: refused, named
     try:
-        with open(os.path.join(output_dir, RUN_IDS), encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
+        data = load_json(path)
+    except ArgumentError:
         return {}
     return {k: v for k, v in data.items() if isinstance(v, str)} if isinstance(data, dict) \
         else {}
