@@ -46,13 +46,17 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     from safetensors.torch import save_file
 
     from . import families
+    from ..input_files import load_json
     from .hf_folder import CONFIG, is_hf_folder
 
     family = families.for_model_args(model_args)
     base = None
-    if base_folder and is_hf_folder(base_folder):
-        with open(os.path.join(base_folder, CONFIG), encoding="utf-8") as fh:
-            base = json.load(fh)
+    if base_folder and is_hf_folder(base_folder):  # regular files only, bounded JSON
+        base = load_json(os.path.join(base_folder, CONFIG))
+    generation = os.path.join(base_folder or "", "generation_config.json")
+    keep_generation = bool(base_folder) and os.path.lexists(generation)
+    if keep_generation:  # before anything is written: a regular file of bounded JSON
+        load_json(generation)
     config = family.hf_config(model_args, layout.vocab, base)
     if base is None and tokenizer is not None:
         config.update(eos_token_id=tokenizer.eod, bos_token_id=_bos_id(tokenizer))
@@ -82,8 +86,8 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
                   sort_keys=True)
     if tokenizer is not None:  # a weights-only source folder converts to a weights-only one
         tokenizer.save_pretrained(staging)
-    if base_folder and os.path.isfile(os.path.join(base_folder, "generation_config.json")):
-        shutil.copy2(os.path.join(base_folder, "generation_config.json"), staging)
+    if keep_generation:
+        shutil.copy2(generation, staging)
 
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
