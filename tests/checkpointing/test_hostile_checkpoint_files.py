@@ -192,9 +192,11 @@ def test_trackers_json_and_best_json_fifos_never_block(tmp_path):
         except Exception as err:
             print(type(err).__name__, "|", err)
     """)
-    assert out.splitlines() == ["None", f"ArgumentError | {tmp_path / 'trackers.json'}: "
-                                        f"{FIFO}; swift-mcore reads input only from regular "
-                                        f"files"]
+    assert out.splitlines() == [
+        "None", f"ArgumentError | --report_to wandb,swanlab: {tmp_path / 'trackers.json'} "
+                f"cannot be read ({FIFO}; swift-mcore reads input only from regular files); it "
+                f"holds the tracked runs this resumed run continues. Restore it, or delete it "
+                f"to start new tracked runs"]
 
 
 # ---- a Megatron-LM checkpoint (tests/fixtures/megatron_lm) ---------------------------------
