@@ -3,10 +3,7 @@
 before any output is written; the command runs in a subprocess with a timeout, so a hang or
 a crash of the parser fails the test instead of stalling or killing pytest."""
 
-import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +11,8 @@ import pytest
 
 from swift_mcore import input_files
 from swift_mcore.errors import ArgumentError
+
+from run_helpers import run_or_kill
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEP = 100_000
@@ -25,15 +24,10 @@ def swift(*argv, timeout=120):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     argv = [sys.executable, "-m", "swift_mcore", *map(str, argv)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    proc = run_or_kill(argv, timeout, env=env, cwd=ROOT)
+    if proc is None:
         pytest.fail(f"swift-mcore {argv[3]} still ran after {timeout} s (blocked on a FIFO?)")
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    return proc
 
 
 def error_line(proc):

@@ -13,7 +13,7 @@ import torch
 
 import hf_helpers as H
 from test_hf_training import continue_pretraining, run_flags
-from run_helpers import ROOT, child_env, losses
+from run_helpers import ROOT, child_env, losses, run_or_kill
 
 from swift_mcore.arguments import RunArguments
 from swift_mcore.errors import ArgumentError
@@ -217,20 +217,12 @@ def test_an_integer_adapter_is_refused_naming_the_tensor_and_dtype(base, tmp_pat
 # killed on timeout, so a regression that blocks on a FIFO fails instead of hanging.
 
 def refused_pt(base, folder, out, timeout=180):
-    import os
-    import signal
-
-    proc = subprocess.Popen([sys.executable, "-m", "swift_mcore", "pt", "--model",
-                             str(base / "hf"), "--tuner_type", "lora", "--adapters",
-                             str(folder), "--attention_backend", "sdpa", "--output_dir",
-                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env=child_env(), start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    proc = run_or_kill([sys.executable, "-m", "swift_mcore", "pt", "--model", str(base / "hf"),
+                        "--tuner_type", "lora", "--adapters", str(folder), "--attention_backend",
+                        "sdpa", "--output_dir", str(out)], timeout, cwd=ROOT, env=child_env())
+    if proc is None:
         pytest.fail(f"pt --adapters {folder} still ran after {timeout} s (blocked?)")
+    err = proc.stderr
     assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
     assert not out.exists()
     return err.strip().splitlines()[-1]
