@@ -111,7 +111,9 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
         for chunk in model_chunks:
             module = unwrap(chunk)
             offset = layer_offset(module)
-            for local, param in module.named_parameters():
+            # the router's expert bias is a buffer (moved by the balancing, not by gradients)
+            bias = [(n, b) for n, b in module.named_buffers() if n.endswith(".expert_bias")]
+            for local, param in [*module.named_parameters(), *bias]:
                 name = global_name(local, offset)
                 value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size)
                 if tuple(value.shape) != tuple(param.shape):

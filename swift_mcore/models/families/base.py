@@ -143,6 +143,17 @@ VALUES: Dict[str, Value] = {
     "output_router_logits": Value("bool"), "norm_topk_prob": Value("bool"),
     "router_jitter_noise": Value("number", 0), "decoder_sparse_step": Value("int", 1),
     "mlp_only_layers": Value("int_list", 0),
+    # multi-latent attention and sigmoid group-limited routing (DeepSeek-V3)
+    "q_lora_rank": Value("int", 1), "kv_lora_rank": Value("int", 1),
+    "qk_nope_head_dim": Value("int", 1), "qk_rope_head_dim": Value("int", 2),
+    "qk_head_dim": Value("int", 1), "v_head_dim": Value("int", 1),
+    "rope_interleave": Value("bool"), "n_routed_experts": Value("int", 1),
+    "n_shared_experts": Value("int", 0), "routed_scaling_factor": Value("number", 0,
+                                                                       low_open=True),
+    "n_group": Value("int", 1), "topk_group": Value("int", 1),
+    "first_k_dense_replace": Value("int", 0), "num_nextn_predict_layers": Value("int", 0),
+    "moe_layer_freq": Value("int", 1), "scoring_func": Value("str"), "topk_method": Value("str"),
+    "ep_size": Value("int", 1), "seq_aux": Value("bool"), "aux_loss_alpha": Value("number", 0),
 }
 
 
