@@ -78,3 +78,90 @@ def test_logits_match_and_round_trip_is_bit_identical(tmp_path, gloo_group, q_lo
     config = json.loads((back / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["first_k_dense_replace"] == 1
     assert H.hf_logits(str(back), ids).sub(theirs).abs().max() == 0
+
+
+def _train(config):
+    import signal
+
+    from swift_mcore.training.trainer import Trainer
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return Trainer(config).train()
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def test_sft_trains_exports_and_resumes_the_expert_bias_exactly(tmp_path, gloo_group):
+    """`sft --model FOLDER` in this process: the LM loss falls, the routers' expert bias moves
+    (aux-loss-free balancing), the checkpoint exports to a folder whose transformers logits
+    are ours, and a run resumed from iteration 2 repeats the losses and ends with the same
+    expert bias bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.arguments import SftArguments, parse_args
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from swift_mcore.run_config import resolve
+    from test_hf_training import run_flags
+    from test_moe_training import write_chat
+    from run_helpers import losses
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    data = tmp_path / "chat.jsonl"
+    write_chat(data, 32)
+    out, again = tmp_path / "sft", tmp_path / "again"
+    flags = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
+             "plain", "--seq_length", "64", "--train_iters", "4", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--moe_router_bias_update_rate", "0.01"]
+    config = resolve(parse_args([*flags, "--save_steps", "2", "--output_dir", str(out)],
+                                cls=SftArguments), world_size=1)
+    assert config.model.moe_router_enable_expert_bias and config.model.multi_latent_attention
+    assert _train(config).iteration == 4
+    ref = losses(out)
+    assert ref[4] < ref[1], ref
+
+    back = tmp_path / "back"
+    convert(out / "checkpoint", back, "to_hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
+    assert hf.config.model_type == "deepseek_v3"
+    ids = H.tokens()
+    loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (forward_logits(loaded.model, ids)[..., : loaded.vocab] - theirs).abs().max() <= 1e-4
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    trained, initial = H.safetensors_state(str(back)), H.safetensors_state(str(source))
+    assert not torch.equal(trained[bias], initial[bias])  # the balancing moved it
+
+    resumed = resolve(parse_args([*flags, "--save_steps", "4", "--output_dir", str(again),
+                                  "--resume", str(out / "checkpoint" / "iter_0000002")],
+                                 cls=SftArguments), world_size=1)
+    assert _train(resumed).iteration == 4
+    got = losses(again)
+    assert sorted(got) == [3, 4] and all(got[i] == ref[i] for i in got), (got, ref)
+    convert(again / "checkpoint", tmp_path / "back2", "to_hf")
+    repeated = H.safetensors_state(str(tmp_path / "back2"))
+    for name in (bias, "model.layers.2.mlp.gate.e_score_correction_bias"):
+        assert torch.equal(repeated[name], trained[name]), name
+
+
+def test_infer_gives_transformers_greedy_tokens(tmp_path, gloo_group, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.infer import run
+
+    make_deepseek(tmp_path / "hf")
+    capsys.readouterr()
+    run(InferArguments(model=str(tmp_path / "hf"), prompt="def add(", max_new_tokens=4,
+                       temperature=0.0).validate())
+    out = capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ids = torch.tensor([tokenizer.encode("def add(")])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                              attn_implementation="eager").eval()
+    new = hf.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:].tolist()
+    expected = "def add(" + tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
+    assert out.rstrip("\n") == expected, (out, expected)
