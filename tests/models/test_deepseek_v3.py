@@ -165,3 +165,46 @@ def test_infer_gives_transformers_greedy_tokens(tmp_path, gloo_group, capsys):
     new = hf.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:].tolist()
     expected = "def add(" + tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
     assert out.rstrip("\n") == expected, (out, expected)
+
+
+def test_what_megatron_cannot_express_is_named(tmp_path):
+    """Each config.json value megatron cannot compute as transformers does is refused by its
+    key before anything is built; so are MLA flags this version does not support."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    folder = tmp_path / "ds"
+    make_deepseek(folder)
+
+    def refused(match, world_size=1, **flags):
+        with pytest.raises(ArgumentError, match=match):
+            resolve(RunArguments.from_flags(model=str(folder), **flags), world_size=world_size)
+
+    cases = [
+        (dict(topk_group=2), "num_experts_per_tok 2 with topk_group 2"),
+        (dict(rope_interleave=False), "rope_interleave false"),
+        (dict(norm_topk_prob=False), "norm_topk_prob false"),
+        (dict(scoring_func="softmax"), "scoring_func 'softmax'"),
+        (dict(num_key_value_heads=2), "num_key_value_heads 2"),
+        (dict(rope_parameters={**YARN, "mscale": 0}), "mscale_all_dim 0.707 without mscale"),
+        (dict(rope_parameters={**YARN, "truncate": False}), "truncate false"),
+        (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+         "rope_type 'dynamic'"),
+        (dict(n_group=3), "n_group 3 does not divide n_routed_experts 8"),
+        (dict(attention_bias=True), "attention_bias True"),
+    ]
+    original = json.loads((folder / "config.json").read_text())
+    for change, match in cases:
+        (folder / "config.json").write_text(json.dumps({**original, **change}))
+        refused(match)
+    (folder / "config.json").write_text(json.dumps(original))
+    refused("--multi_latent_attention with --tensor_model_parallel_size 2",
+            world_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
+            global_batch_size=8)
+    refused("--multi_latent_attention with --attention_backend local",
+            attention_backend="local")
+    refused("--tuner_type lora with --multi_latent_attention", tuner_type="lora")
+    with pytest.raises(ArgumentError, match="--rope_type yarn is multi-latent attention's"):
+        resolve(RunArguments.from_flags(rope_type="yarn"), world_size=1)
+    with pytest.raises(ArgumentError, match="--moe_router_num_groups and --moe_router_group"):
+        resolve(RunArguments.from_flags(num_experts=4, moe_router_num_groups=2), world_size=1)
