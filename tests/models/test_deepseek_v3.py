@@ -208,3 +208,29 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
         resolve(RunArguments.from_flags(rope_type="yarn"), world_size=1)
     with pytest.raises(ArgumentError, match="--moe_router_num_groups and --moe_router_group"):
         resolve(RunArguments.from_flags(num_experts=4, moe_router_num_groups=2), world_size=1)
+
+
+def test_a_kimi_k2_folder_is_deepseek_v3(tmp_path, gloo_group):
+    """model_type kimi_k2 (Kimi-K2's folders; transformers knows the architecture only as
+    deepseek_v3) loads as DeepSeek-V3: the same logits, and exports as deepseek_v3 with the
+    same tensors."""
+    import shutil
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    source, kimi = tmp_path / "hf", tmp_path / "kimi"
+    make_deepseek(source, num_hidden_layers=2)
+    shutil.copytree(source, kimi)
+    H.edit_config(str(kimi), model_type="kimi_k2")
+    ids = H.tokens()
+    loaded = load_model(str(kimi), log=lambda line: None)
+    assert loaded.config.model.model_type == "deepseek_v3"
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - H.hf_logits(str(source), ids)).abs().max() <= 1e-4
+    convert(kimi, tmp_path / "mcore", "to_mcore")
+    convert(tmp_path / "mcore", tmp_path / "back", "to_hf")
+    original, exported = H.safetensors_state(str(kimi)), H.safetensors_state(str(tmp_path / "back"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == \
+        "deepseek_v3"
