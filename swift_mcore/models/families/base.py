@@ -154,6 +154,7 @@ VALUES: Dict[str, Value] = {
     "first_k_dense_replace": Value("int", 0), "num_nextn_predict_layers": Value("int", 0),
     "moe_layer_freq": Value("int", 1), "scoring_func": Value("str"), "topk_method": Value("str"),
     "ep_size": Value("int", 1), "seq_aux": Value("bool"), "aux_loss_alpha": Value("number", 0),
+    "use_qk_norm": Value("bool"),
 }
 
 

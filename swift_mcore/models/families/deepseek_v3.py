@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .base import Family, InvalidConfig, MoeKeys, UnsupportedConfig, require
+from . import sigmoid_moe
+from .base import require
+from .sigmoid_moe import SigmoidMoeFamily
 
 # transformers' DeepseekV3Config defaults for keys a config.json may omit
 DEFAULTS = {"hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
@@ -17,120 +19,44 @@ DEFAULTS = {"hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps
             "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
             "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
             "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True}
-# keys read here beyond base.MAPPED_KEYS and the MoE keys
-KEYS = frozenset({
-    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "qk_head_dim",
-    "v_head_dim", "rope_interleave", "attention_bias", "n_shared_experts",
-    "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
-    "num_nextn_predict_layers", "moe_layer_freq", "scoring_func", "topk_method", "ep_size",
-    "seq_aux", "aux_loss_alpha", "pretraining_tp"})
+# keys read here beyond base.MAPPED_KEYS and the router's (sigmoid_moe.py)
+KEYS = frozenset({"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "qk_head_dim", "v_head_dim", "rope_interleave", "attention_bias",
+                  "pretraining_tp"})
 _ROPE = ("rope_parameters", "rope_scaling")
 
 
 @dataclass(frozen=True)
-class DeepseekFamily(Family):
-    """The generic mapping (base.Family) plus MLA, YaRN and DeepSeek's router."""
+class DeepseekFamily(SigmoidMoeFamily):
+    """The sigmoid router's family (sigmoid_moe.py) with multi-latent attention and YaRN."""
 
-    def read_keys(self) -> frozenset:
-        return super().read_keys() | KEYS
-
-    def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
-        def get(key: str) -> Any:
-            value = config.get(key)
-            return self.defaults.get(key) if value is None else value
-
-        rope = next((config[k] for k in _ROPE if isinstance(config.get(k), dict)), None) or {}
-        # the generic part reads the RoPE base only; YaRN is mapped below
+    def generic_config(self, config: Dict[str, Any]) -> Dict[str, Any]:
+        # the generic part reads the RoPE base only; YaRN is mapped in attention_values
         plain = {k: v for k, v in config.items() if k not in _ROPE}
+        rope = _rope(config)
         if rope.get("rope_theta") is not None:
             plain["rope_theta"] = rope["rope_theta"]
-        problems: List[str] = []
-        try:
-            values = super().model_values(plain, model_args)
-        except InvalidConfig:
-            raise
-        except UnsupportedConfig as err:
-            values, problems = {}, [str(err)]
+        return plain
+
+    def attention_values(self, config: Dict[str, Any], get) -> tuple:
+        values, problems = _mla_values(config, _rope(config), get)
         heads = int(config["num_attention_heads"])
         if int(get("num_key_value_heads") or heads) != heads:
             problems.append(f"num_key_value_heads {config['num_key_value_heads']} (multi-latent "
                             f"attention has one key/value per head: {heads})")
-        if get("scoring_func") not in (None, "sigmoid"):
-            problems.append(f"scoring_func {config['scoring_func']!r} (only 'sigmoid')")
-        if get("topk_method") not in (None, "noaux_tc"):
-            problems.append(f"topk_method {config['topk_method']!r} (only 'noaux_tc')")
-        if not get("norm_topk_prob"):
-            problems.append("norm_topk_prob false (megatron's sigmoid router renormalises its "
-                            "top-k weights)")
-        layers, topk = int(config["num_hidden_layers"]), int(get("num_experts_per_tok"))
-        experts = int(get("n_routed_experts"))
-        groups, chosen = int(get("n_group")), int(get("topk_group"))
-        if experts % groups:
-            problems.append(f"n_group {groups} does not divide n_routed_experts {experts}")
-        elif chosen > groups or topk > chosen * (experts // groups):
-            problems.append(f"topk_group {chosen} (1 to n_group {groups}, its groups holding "
-                            f"num_experts_per_tok {topk} experts)")
-        grouped = 1 < groups and chosen < groups
-        if grouped and topk // chosen != 2:
-            # transformers scores a group by its two best experts, megatron by its
-            # top (top-k / chosen groups)
-            problems.append(f"num_experts_per_tok {topk} with topk_group {chosen} (megatron "
-                            f"scores a group by its top num_experts_per_tok // topk_group "
-                            f"experts, transformers by its top 2: only a ratio of 2)")
-        dense = int(get("first_k_dense_replace"))
-        if dense > layers:
-            problems.append(f"first_k_dense_replace {dense} (at most num_hidden_layers "
-                            f"{layers})")
-        attention, rope_problems = _mla_values(config, rope, get)
-        problems += rope_problems
-        if problems:
-            raise UnsupportedConfig("; ".join(problems))
-        shared = int(get("n_shared_experts"))
-        values.update(attention)
-        values.update(
-            num_experts=experts,
-            moe_layer_freq="[" + ",".join(["0"] * dense + ["1"] * (layers - dense)) + "]",
-            moe_shared_expert_intermediate_size=shared * int(get("moe_intermediate_size"))
-            or None,
-            moe_shared_expert_gate=False,
-            moe_router_pre_softmax=False,
-            moe_router_num_groups=groups if grouped else None,
-            moe_router_group_topk=chosen if grouped else None,
-            moe_router_topk_scaling_factor=float(get("routed_scaling_factor")),
-        )
-        return values
+        return values, problems
 
     def representation_problems(self, m: Any) -> List[str]:
-        from ...arguments.model import moe_layer_pattern
-
-        problems = [p for p in super().representation_problems(m)
-                    if not p.startswith(("--moe_layer_freq", "--moe_shared_expert_inter"))]
-        if getattr(m, "num_experts", None) is None:
-            return problems
-        pattern = moe_layer_pattern(m)
-        if pattern != sorted(pattern):
-            problems.append(f"--moe_layer_freq {m.moe_layer_freq} (a {self.name} model's dense "
-                            f"layers are its first ones)")
-        shared, ffn = m.moe_shared_expert_intermediate_size, m.moe_ffn_hidden_size
-        if shared and (m.moe_shared_expert_gate or shared % (ffn or m.ffn_hidden_size)):
-            problems.append(f"--moe_shared_expert_intermediate_size {shared} (ungated, a "
-                            f"multiple of --moe_ffn_hidden_size in a {self.name} model)")
-        if m.moe_router_num_groups and m.moe_router_topk // m.moe_router_group_topk != 2:
-            problems.append(f"--moe_router_topk {m.moe_router_topk} with "
-                            f"--moe_router_group_topk {m.moe_router_group_topk} (transformers "
-                            f"scores a group by its top 2 experts)")
+        problems = super().representation_problems(m)
         if m.num_query_groups not in (None, m.num_attention_heads):
             problems.append(f"--num_query_groups {m.num_query_groups} (MLA: one per head)")
         return problems
 
     def hf_config(self, m: Any, vocab_size: int, base: Optional[Dict[str, Any]] = None
                   ) -> Dict[str, Any]:
-        from ...arguments.model import moe_layer_pattern
-
         config = super().hf_config(m, vocab_size, base)
-        for key in ("router_aux_loss_coef", "head_dim", "rope_scaling"):
+        for key in ("head_dim", "rope_scaling"):
             config.pop(key, None)
-        ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
         rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
         if m.rope_type == "yarn":
             rope.update(rope_type="yarn", factor=m.rotary_scaling_factor,
@@ -142,12 +68,12 @@ class DeepseekFamily(Family):
             kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_head_dim,
             qk_rope_head_dim=m.qk_pos_emb_head_dim,
             qk_head_dim=m.qk_head_dim + m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
-            rope_interleave=True, attention_bias=False, rope_parameters=rope,
-            n_shared_experts=(m.moe_shared_expert_intermediate_size or 0) // ffn,
-            n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1,
-            routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
-            first_k_dense_replace=moe_layer_pattern(m).count(0), norm_topk_prob=True)
+            rope_interleave=True, attention_bias=False, rope_parameters=rope)
         return config
+
+
+def _rope(config: Dict[str, Any]) -> Dict[str, Any]:
+    return next((config[k] for k in _ROPE if isinstance(config.get(k), dict)), None) or {}
 
 
 def _mla_values(config: Dict[str, Any], rope: Dict[str, Any], get) -> tuple:
@@ -201,10 +127,8 @@ FAMILY = DeepseekFamily(
     model_types=("deepseek_v3", "kimi_k2"),
     architecture="DeepseekV3ForCausalLM",
     defaults=DEFAULTS,
-    fixed={"multi_latent_attention": True, "qk_layernorm": True,
-           "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+    fixed={"multi_latent_attention": True, "qk_layernorm": True, **sigmoid_moe.FIXED},
     known_keys=KEYS,
     checks=require(attention_bias=False, moe_layer_freq=1),
-    moe=MoeKeys(experts=("n_routed_experts",), expert_ffn="moe_intermediate_size",
-                dense_layers=False, norm_topk=True),
+    moe=sigmoid_moe.MOE,
 )
