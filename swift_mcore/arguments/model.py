@@ -76,10 +76,14 @@ class ModelArguments:
                                         range=POSITIVE)
     original_max_position_embeddings: int = flag(
         4096, "YaRN: the context length the model was first trained for.")
-    beta_fast: float = flag(32.0, "YaRN: beta_fast (high-frequency boundary).")
-    beta_slow: float = flag(1.0, "YaRN: beta_slow (low-frequency boundary).")
-    mscale: float = flag(1.0, "YaRN: mscale of the rotary embedding.")
-    mscale_all_dim: float = flag(0.0, "YaRN: mscale_all_dim (also scales the softmax).")
+    beta_fast: float = flag(32.0, "YaRN: beta_fast (high-frequency boundary).",
+                             range=POSITIVE)
+    beta_slow: float = flag(1.0, "YaRN: beta_slow (low-frequency boundary).",
+                             range=POSITIVE)
+    mscale: float = flag(1.0, "YaRN: mscale of the rotary embedding.",
+                          range=NON_NEGATIVE)
+    mscale_all_dim: float = flag(0.0, "YaRN: mscale_all_dim (also scales the softmax).",
+                                  range=NON_NEGATIVE)
     untie_embeddings_and_output_weights: bool = flag(
         True, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = flag(False, "Bias in the linear layers.")
