@@ -252,3 +252,28 @@ def test_a_folder_with_mtp_layers_is_refused_not_dropped(tmp_path, gloo_group):
     with pytest.raises(ArgumentError, match="model.layers.2.eh_proj.weight is not part of this "
                                             "model"):
         load_model(str(folder), log=lambda line: None)
+
+
+@pytest.mark.slow
+def test_ep2_gives_the_ep1_losses(tmp_path, train_here):
+    """Continued pretraining of a DeepSeek-V3 folder at EP=2 (each rank loads its experts and
+    their correction biases; the expert bias is updated from both ranks' loads) gives the
+    one-rank losses."""
+    from run_helpers import losses
+    from test_hf_training import continue_pretraining, run_flags
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    one, two = tmp_path / "ep1", tmp_path / "ep2"
+    rate = ("--moe_router_bias_update_rate", "0.05")
+    train_here(one, "--model", source, "--dataset", data, "--no_save", "--train_iters", "3",
+               *rate, command="pt", base=run_flags())
+    continue_pretraining(source, data, two, "--no_save", "--train_iters", "3", *rate,
+                         "--expert_model_parallel_size", "2", nproc=2)
+    ref, got = losses(one), losses(two)
+    assert sorted(got) == [1, 2, 3]
+    for it in ref:
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
