@@ -134,3 +134,33 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
         with pytest.raises(ArgumentError, match=match):
             resolve(RunArguments.from_flags(model=str(tmp_path / "glm")), world_size=1)
         make_glm(tmp_path / "glm")
+
+
+@pytest.mark.slow
+def test_lora_on_attention_and_experts_trains_and_merges(tmp_path, train_here):
+    """LoRA (all linear layers: attention, the dense MLP, every routed and shared expert)
+    on a GLM-4.5 folder trains, and its merged export gives our logits in transformers."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+    from test_lora_moe import LORA
+
+    source = tmp_path / "hf"
+    make_glm(source)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    out = tmp_path / "run"
+    train_here(out, "--model", source, "--dataset", data, "--train_iters", "3",
+               "--save_steps", "3", "--lr", "1e-2", *LORA, command="pt", base=run_flags())
+    checkpoint = out / "checkpoint" / "iter_0000003"
+    merged = tmp_path / "merged"
+    convert(checkpoint, merged, "to_hf", merge_lora=True)
+    tokens = H.tokens(vocab=300, length=32)
+    loaded = load_model(str(checkpoint), log=lambda line: None)
+    ours = forward_logits(loaded.model, tokens)[..., : loaded.vocab]
+    merged_logits = H.hf_logits(str(merged), tokens)
+    assert (merged_logits - ours).abs().max() < 1e-4
+    assert (merged_logits - H.hf_logits(str(source), tokens)).abs().max() > 1e-2
+    adapted = H.safetensors_state(str(merged))["model.layers.1.mlp.experts.3.up_proj.weight"]
+    assert not torch.equal(adapted, H.safetensors_state(str(source))[
+        "model.layers.1.mlp.experts.3.up_proj.weight"])
