@@ -54,8 +54,8 @@ def patch_mla_without_te() -> None:
     """megatron-core 0.16.1's multi-latent attention (multi_latent_attention.py, 55-66, 185)
     sets HAVE_TE when megatron's TE extension module imports, which it does without
     Transformer Engine too, with a MagicMock for TELinear: ``isinstance(x, TELinear)`` then
-    raises in every MLA layer's constructor. Without TE there is no TE linear to test for, so HAVE_TE
-    false is what megatron means."""
+    raises in every MLA layer's constructor. Without TE there is no TE linear to test for,
+    so HAVE_TE false is what megatron means."""
     from megatron.core.transformer import multi_latent_attention as mla
 
     if mla.HAVE_TE and not isinstance(mla.TELinear, type):
