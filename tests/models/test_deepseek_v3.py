@@ -277,3 +277,28 @@ def test_ep2_gives_the_ep1_losses(tmp_path, train_here):
     assert sorted(got) == [1, 2, 3]
     for it in ref:
         assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+
+
+def test_a_model_no_family_expresses_is_not_exported_as_another(tmp_path, gloo_group):
+    """Flags from scratch: MLA or a sigmoid router cannot be written as a Llama or Qwen
+    folder (which would compute something else); as deepseek_v3 they can."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.models.families import for_model_args
+    from swift_mcore.run_config import resolve
+
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                 vocab_size=300)
+    mla = dict(multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=16,
+               qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+    sigmoid = dict(num_experts=4, moe_router_score_function="sigmoid",
+                   moe_router_enable_expert_bias=True, moe_layer_freq="[0,1]")
+    for flags, match in [(dict(mla, model_type="llama", qk_layernorm=False),
+                          "--multi_latent_attention True"),
+                         (dict(num_experts=4, moe_router_score_function="sigmoid",
+                               model_type="qwen3_moe"),
+                          "--moe_router_score_function 'sigmoid'")]:
+        m = resolve(RunArguments.from_flags(**shape, **flags), world_size=1).model
+        with pytest.raises(ArgumentError, match=match):
+            for_model_args(m)
+    m = resolve(RunArguments.from_flags(**shape, **mla, **sigmoid), world_size=1).model
+    assert for_model_args(m).name == "deepseek_v3"

@@ -18,7 +18,7 @@ KEYS = frozenset({
 # the flags every model of such a family has
 FIXED = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
 MOE = MoeKeys(experts=("n_routed_experts",), expert_ffn="moe_intermediate_size",
-              dense_layers=False, norm_topk=True)
+              dense_layers=False, norm_topk=True, softmax_router=False)
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ class SigmoidMoeFamily(Family):
     def representation_problems(self, m: Any) -> List[str]:
         from ...arguments.model import moe_layer_pattern
 
-        problems = [p for p in super().representation_problems(m)
-                    if not p.startswith(("--moe_layer_freq", "--moe_shared_expert_inter"))]
+        own = ("--moe_layer_freq", "--moe_shared_expert_inter")
+        problems = [p for p in super().representation_problems(m) if not p.startswith(own)]
         if getattr(m, "num_experts", None) is None:
             return problems
         pattern = moe_layer_pattern(m)
