@@ -27,7 +27,7 @@ class ModelArguments:
         "are loaded.")
     model_type: Optional[str] = flag(
         None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral, "
-        "qwen2_moe, qwen3_moe, mixtral; "
+        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
     num_layers: int = flag(4, "Number of transformer layers.",
@@ -59,6 +59,31 @@ class ModelArguments:
         "original positions).")
     rope_scaling_factor: float = flag(8.0, "Factor of the Llama-3 RoPE scaling.",
                                       range=POSITIVE)
+    # ---- multi-latent attention (DeepSeek-V3; megatron's MLASelfAttention) -------------
+    multi_latent_attention: bool = flag(
+        False, "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through "
+        "low-rank projections, a separate RoPE part of each head.")
+    q_lora_rank: Optional[int] = flag(
+        None, "MLA: rank of the query's down projection; unset: queries projected directly.")
+    kv_lora_rank: int = flag(512, "MLA: rank of the key/value down projection.")
+    qk_head_dim: int = flag(128, "MLA: the per-head query/key channels without RoPE.")
+    qk_pos_emb_head_dim: int = flag(64, "MLA: the per-head query/key channels RoPE rotates.")
+    v_head_dim: int = flag(128, "MLA: the per-head value channels.")
+    rope_type: str = flag("rope", "MLA's RoPE: rope (plain) or yarn (YaRN context extension "
+                          "with the --rotary_scaling_factor and --mscale flags).",
+                          choices=("rope", "yarn"))
+    rotary_scaling_factor: float = flag(1.0, "YaRN: the context extension factor.",
+                                        range=POSITIVE)
+    original_max_position_embeddings: int = flag(
+        4096, "YaRN: the context length the model was first trained for.")
+    beta_fast: float = flag(32.0, "YaRN: beta_fast (high-frequency boundary).",
+                             range=POSITIVE)
+    beta_slow: float = flag(1.0, "YaRN: beta_slow (low-frequency boundary).",
+                             range=POSITIVE)
+    mscale: float = flag(1.0, "YaRN: mscale of the rotary embedding.",
+                          range=NON_NEGATIVE)
+    mscale_all_dim: float = flag(0.0, "YaRN: mscale_all_dim (also scales the softmax).",
+                                  range=NON_NEGATIVE)
     untie_embeddings_and_output_weights: bool = flag(
         True, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = flag(False, "Bias in the linear layers.")
@@ -104,6 +129,21 @@ class ModelArguments:
     moe_router_pre_softmax: bool = flag(
         False, "Softmax over all experts before top-k (the top-k weights then do not sum to "
         "1: Qwen's norm_topk_prob false); default top-k first, then softmax over the k.")
+    moe_router_score_function: str = flag(
+        "softmax", "Router scores: softmax, or sigmoid (DeepSeek-V3, GLM-4.5: the top-k "
+        "scores renormalised to sum 1).", choices=("softmax", "sigmoid"))
+    moe_router_enable_expert_bias: bool = flag(
+        False, "A per-expert bias added to the scores for the choice only, moved after each "
+        "step toward balanced loads (DeepSeek-V3's aux-loss-free balancing); saved state.")
+    moe_router_bias_update_rate: float = flag(
+        1e-3, "How far each step moves the expert bias.", range=NON_NEGATIVE)
+    moe_router_num_groups: Optional[int] = flag(
+        None, "Group-limited routing: experts in this many equal groups; unset: no groups.")
+    moe_router_group_topk: Optional[int] = flag(
+        None, "Group-limited routing: the groups each token may choose experts from.")
+    moe_router_topk_scaling_factor: Optional[float] = flag(
+        None, "Multiplies the routing weights (DeepSeek-V3's routed_scaling_factor).",
+        range=POSITIVE)
     moe_token_dispatcher_type: str = flag(
         "alltoall", "How tokens reach the experts of other expert-parallel ranks.",
         choices=("allgather", "alltoall"))

@@ -17,7 +17,13 @@ def transformer_config(config, initialize: bool = True):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision, torch.float32)
     cuda = config.cuda
     te = config.layer_spec == "transformer_engine"
-    return TransformerConfig(
+    config_class, attention = TransformerConfig, {}
+    if m.multi_latent_attention:
+        from .mla import mla_config
+
+        config_class, attention = mla_config(m)
+    return config_class(
+        **attention,
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
@@ -97,6 +103,12 @@ def moe_config(m, tensor_parallel: int = 1) -> dict:
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_grouped_gemm=m.moe_grouped_gemm,
         moe_expert_capacity_factor=None,
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
     )
 
 
@@ -138,9 +150,11 @@ def layer_spec(config, moe: bool = False):
         else {}
     if config.layer_spec == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=m.qk_layernorm, **experts)
+            qk_layernorm=m.qk_layernorm, multi_latent_attention=m.multi_latent_attention,
+            **experts)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=m.qk_layernorm, normalization=m.normalization, **experts)
+        qk_layernorm=m.qk_layernorm, normalization=m.normalization,
+        multi_latent_attention=m.multi_latent_attention, **experts)
     if config.attention == "sdpa":
         from .sdpa_attention import SdpaAttention
 

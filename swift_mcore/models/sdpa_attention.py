@@ -33,7 +33,10 @@ class SdpaAttention(DotProductAttention):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None):
+        # k_channels/v_channels: multi-latent attention's head sizes, which SDPA reads off
+        # the tensors (megatron's own DotProductAttention does not take them)
         super().__init__(config, layer_number, attn_mask_type, attention_type,
                          attention_dropout=attention_dropout, softmax_scale=softmax_scale,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
@@ -91,5 +94,5 @@ class SdpaAttention(DotProductAttention):
                 context = attend()
         else:
             context = attend()
-        # [b, n, sq, h] -> [sq, b, n * h]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+        # [b, n, sq, h] -> [sq, b, n * h]; h is the value's (MLA's differs from q's)
+        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * value.shape[-1])
