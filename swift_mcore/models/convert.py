@@ -37,6 +37,13 @@ _SAME = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
+# Gemma 3: its post_attention_layernorm is on the attention output (the end of
+# linear_proj, models/gemma3_layers.py), the MLP's input norm is pre_feedforward_layernorm
+_POST_NORMS = {
+    "pre_mlp_layernorm.weight": "pre_feedforward_layernorm.weight",
+    "self_attention.linear_proj.post_norm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.post_norm.weight": "post_feedforward_layernorm.weight",
+}
 # row-parallel layers: TP shards the input (column) dimension
 _ROW_PARALLEL = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
@@ -121,6 +128,7 @@ class Layout:
     qkv_bias: bool
     qk_norm: bool
     experts: Optional[Experts] = None
+    post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -139,7 +147,14 @@ class Layout:
                    head_dim=m.kv_channels or m.hidden_size // heads,
                    vocab=m.vocab_size or padded_vocab, padded_vocab=padded_vocab,
                    tied=not m.untie_embeddings_and_output_weights,
-                   qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts)
+                   qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
+                   post_norms=m.model_type == "gemma3")
+
+    def same(self) -> dict:
+        """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
+        if not self.post_norms:
+            return _SAME
+        return {**_SAME, **_POST_NORMS}
 
     def is_moe(self, layer: int) -> bool:
         return self.experts is not None and bool(self.experts.layers[layer])
@@ -182,6 +197,9 @@ class Layout:
                         (p + "self_attn.k_norm.weight", (hd,))]
             out += [(p + "self_attn.o_proj.weight", (h, self.heads * hd)),
                     (p + "post_attention_layernorm.weight", (h,))]
+            if self.post_norms:
+                out += [(p + "pre_feedforward_layernorm.weight", (h,)),
+                        (p + "post_feedforward_layernorm.weight", (h,))]
             if self.is_moe(i):
                 out += [(p + name, shape) for name, shape in self._moe_shapes(i)]
                 continue
@@ -206,7 +224,7 @@ class Layout:
             raise ConversionError(f"no megatron counterpart for {hf_name}")
         i, suffix = int(match.group(1)), match.group(2)
         layer = f"decoder.layers.{i}."
-        for mc, hf in {**_SAME, **_ROW_PARALLEL}.items():
+        for mc, hf in {**self.same(), **_ROW_PARALLEL}.items():
             if suffix == hf:
                 return get(layer + mc)
         qkv = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", suffix)
@@ -249,8 +267,8 @@ class Layout:
         if not match:
             raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
         prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
-        if suffix in _SAME:
-            return read(prefix + _SAME[suffix])
+        if suffix in self.same():
+            return read(prefix + self.same()[suffix])
         if self.is_moe(int(match.group(1))) and suffix.startswith("mlp.") \
                 and not suffix.startswith("mlp.linear_fc"):
             return self._moe_shard(int(match.group(1)), prefix, suffix, read, tp_rank, tp_size,

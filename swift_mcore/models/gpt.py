@@ -17,7 +17,7 @@ def transformer_config(config, initialize: bool = True):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision, torch.float32)
     cuda = config.cuda
     te = config.layer_spec == "transformer_engine"
-    return TransformerConfig(
+    fields = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
@@ -70,7 +70,26 @@ def transformer_config(config, initialize: bool = True):
         recompute_num_layers=t.recompute_num_layers,
         recompute_modules=(list(t.recompute_modules) if t.recompute_granularity == "selective"
                            else None),
+        **window_config(m),
     )
+    if m.model_type == "gemma3":
+        from . import gemma3_layers
+
+        fields.update(gemma3_layers.transformer_fields(m))
+    tc = TransformerConfig(**fields)
+    # read by gemma3_layers.Gemma3SelfAttention (TransformerConfig has no such field)
+    tc.rotary_base_local = m.rotary_base_local or m.rotary_base
+    return tc
+
+
+def window_config(m) -> dict:
+    """Sliding-window attention (--window_size, --window_attn_skip_freq) and the score scale
+    as megatron's TransformerConfig spells them: a window of w tokens is (w - 1, 0)."""
+    from ..arguments.model import window_layer_pattern
+
+    pattern = window_layer_pattern(m)
+    return dict(window_size=(m.window_size - 1, 0) if m.window_size else None,
+                window_attn_skip_freq=pattern or None, softmax_scale=m.softmax_scale)
 
 
 def moe_config(m, tensor_parallel: int = 1) -> dict:
@@ -157,6 +176,10 @@ def layer_spec(config, moe: bool = False):
         for slot in ([mlp.experts.submodules, mlp.shared_experts.submodules] if moe
                      else [mlp]):
             slot.activation_func = SwiGLU
+    if m.model_type == "gemma3":
+        from . import gemma3_layers
+
+        spec = gemma3_layers.adapt_spec(spec)
     if config.parallel.sequence_parallel:
         from . import sequence_parallel_norm
 
@@ -223,6 +246,10 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
         rope_scaling=m.use_rope_scaling,
         rope_scaling_factor=m.rope_scaling_factor,
     )
+    if m.model_type == "gemma3":
+        from . import gemma3_layers
+
+        gemma3_layers.scale_embedding(model, m.hidden_size)
     if config.cuda:
         model.cuda(torch.cuda.current_device())
     return [model]

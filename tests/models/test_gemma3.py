@@ -1,0 +1,197 @@
+"""Gemma 3 text: a tiny random gemma3_text folder (sliding-window and global layers, a window
+shorter than the sequence, norms off their init) gives transformers' logits; HF -> checkpoint
+-> HF is bit-identical; packed rows give each document's own logits; sft trains and exports;
+infer gives transformers' greedy tokens; what megatron cannot express is named."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_helpers as H
+from run_helpers import ROOT, child_env, train_records
+from swift_mcore.errors import ArgumentError
+
+WINDOW = 8
+GEMMA3 = dict(head_dim=16, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                           "full_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "default",
+                                                  "rope_theta": 1000000.0}})
+
+
+def make_gemma3(path, **overrides):
+    """A random gemma3_text model with every norm weight moved off its init (0)."""
+    model = H.make_model(str(path), "gemma3_text", **{**GEMMA3, **overrides})
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(str(path))
+    return model
+
+
+def convert(source, out, direction, **flags):
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.export import run
+
+    args = ExportArguments(model=str(source), output_dir=str(out), **{direction: True}, **flags)
+    return run(args.validate(), log=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3") / "hf"
+    make_gemma3(path)
+    return path
+
+
+def test_logits_match_and_round_trip_is_bit_identical(tmp_path, gloo_group, gemma_folder,
+                                                      monkeypatch):
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from swift_mcore.models import sdpa_attention
+
+    ids = H.tokens(length=4 * WINDOW)
+    loaded = load_model(str(gemma_folder), log=lambda line: None)
+    m = loaded.config.model
+    assert (m.model_type, m.window_size, m.window_attn_skip_freq, m.rotary_base_local,
+            m.rotary_base) == ("gemma3", WINDOW, "[1,0,1,0]", 10000, 1000000)
+    assert loaded.config.attention == "sdpa"
+    theirs = H.hf_logits(str(gemma_folder), ids)
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - theirs).abs().max() <= 1e-4
+    # the window matters here: attending over the whole sequence gives other logits
+    monkeypatch.setattr(sdpa_attention, "window_mask",
+                        lambda sq, sk, window, device: torch.ones(sq, sk, dtype=torch.bool)
+                        .tril())
+    assert (forward_logits(loaded.model, ids)[..., : loaded.vocab] - theirs).abs().max() > 1e-2
+    monkeypatch.undo()
+
+    checkpoint = tmp_path / "mcore"
+    convert(gemma_folder, checkpoint, "to_mcore")
+    back = tmp_path / "back"
+    convert(checkpoint, back, "to_hf")
+    original, exported = H.safetensors_state(str(gemma_folder)), H.safetensors_state(str(back))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    config = json.loads((back / "config.json").read_text())
+    source = json.loads((gemma_folder / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text"
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters",
+                "hidden_activation", "tie_word_embeddings"):
+        assert config[key] == source[key], key
+    assert (H.hf_logits(str(back), ids) - theirs).abs().max() == 0
+
+
+def test_packed_rows_give_each_documents_logits(gloo_group, gemma_folder):
+    """Two documents longer than the window in one row, kept apart by the block-causal mask
+    the trainer builds: each gets the logits it has alone."""
+    from swift_mcore.data.packing import block_causal_mask
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    loaded = load_model(str(gemma_folder), log=lambda line: None)
+    first, second = H.tokens(batch=1, length=20, seed=1), H.tokens(batch=1, length=13, seed=2)
+    row = torch.cat([first, second], dim=1)
+    segments = torch.tensor([[0] * 20 + [1] * 13])
+    with torch.no_grad():
+        packed = loaded.model(input_ids=row, position_ids=torch.arange(33)[None],
+                              attention_mask=block_causal_mask(segments)).float()
+    alone = [forward_logits(loaded.model, doc) for doc in (first, second)]
+    assert (packed[:, :20] - alone[0]).abs().max() <= 1e-5
+    assert (packed[:, 20:] - alone[1]).abs().max() <= 1e-5
+
+
+def test_infer_gives_transformers_greedy_tokens(gloo_group, capsys, gemma_folder):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.infer import run
+
+    prompt = "def add(a, b):\n    return"  # longer than the window
+    capsys.readouterr()
+    run(InferArguments(model=str(gemma_folder), prompt=prompt, max_new_tokens=6,
+                       temperature=0.0).validate())
+    out = capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(str(gemma_folder))
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    assert ids.shape[1] > WINDOW
+    hf = AutoModelForCausalLM.from_pretrained(str(gemma_folder),
+                                              attn_implementation="eager").eval()
+    new = hf.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+    expected = prompt + tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
+    assert out.rstrip("\n") == expected, (out, expected)
+
+
+def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group, gemma_folder):
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"add {i}"},
+        {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
+        for i in range(32)))
+    out = tmp_path / "sft"
+    cmd = [sys.executable, "-m", "swift_mcore", "sft", *run_flags(), "--model",
+           str(gemma_folder), "--dataset", str(data), "--template", "plain", "--seq_length",
+           "64", "--packing", "--train_iters", "6", "--lr", "1e-2", "--min_lr", "1e-2",
+           "--save_steps", "6", "--output_dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = train_records(out)
+    assert len(records) == 6 and records[-1]["loss"] < 0.7 * records[0]["loss"]
+
+    back = tmp_path / "back"
+    convert(out / "checkpoint", back, "to_hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
+    ids = H.tokens(length=4 * WINDOW)
+    loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - theirs).abs().max() <= 1e-4
+    exported, source = H.safetensors_state(str(back)), H.safetensors_state(str(gemma_folder))
+    name = "model.layers.0.post_feedforward_layernorm.weight"
+    assert not torch.equal(exported[name], source[name])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0"),
+    (dict(final_logit_softcapping=30.0), "final_logit_softcapping 30.0"),
+    (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                           "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                              "rope_theta": 1e6}}),
+     "rope_parameters.full_attention.rope_type 'linear'"),
+])
+def test_what_megatron_cannot_express_is_named(tmp_path, gemma_folder, change, message):
+    import shutil
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    folder = tmp_path / "hf"
+    shutil.copytree(gemma_folder, folder)
+    H.edit_config(str(folder), **change)
+    with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        resolve(RunArguments.from_flags(model=str(folder)), world_size=1)
+
+
+def test_sliding_windows_refuse_a_backend_without_them(gemma_folder):
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    with pytest.raises(ArgumentError, match="--attention_backend local with --window_size 8"):
+        resolve(RunArguments.from_flags(model=str(gemma_folder), attention_backend="local"),
+                world_size=1)
+    with pytest.raises(ArgumentError, match="--window_attn_skip_freq needs --window_size"):
+        resolve(RunArguments.from_flags(window_attn_skip_freq="2"), world_size=1)
