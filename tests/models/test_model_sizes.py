@@ -172,6 +172,8 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         dict(untie_embeddings_and_output_weights=False, add_qkv_bias=True, qk_layernorm=True,
              kv_channels=8),
         dict(tuner_type="lora", lora_rank=4, target_modules=["linear_qkv", "linear_proj"]),
+        dict(model_type="gemma3", window_size=8, window_attn_skip_freq="2", kv_channels=8,
+             rotary_base_local=10000, softmax_scale=0.25),
     ]
     for changes in cases:
         flags = RunArguments.from_flags(
