@@ -126,6 +126,10 @@ class Gemma3Family(Family):
         # the window, its pattern, the local RoPE base and the score scale are Gemma 3's
         own = tuple(f"--{name} " for name in UNSET_FLAGS)
         problems = [p for p in super().representation_problems(m) if not p.startswith(own)]
+        if m.model_type != self.name:
+            # its layers (norms, embedding scale, MLP) are built for --model_type gemma3 only
+            problems.append(f"--model_type {m.model_type} (a {self.name} model is built with "
+                            f"--model_type {self.name})")
         if m.window_attn_skip_freq is not None and not m.window_size:
             problems.append("--window_attn_skip_freq without --window_size")
         return problems
