@@ -75,6 +75,9 @@ class ModelArguments:
     rotary_base_local: Optional[int] = flag(
         None, "RoPE base of the sliding-window layers (Gemma 3's rope_local_base_freq); "
         "unset: --rotary_base.", range=POSITIVE)
+    rotary_seq_len_interpolation_factor: Optional[float] = flag(
+        None, "Linear RoPE scaling: positions divided by this factor (Gemma 3's global layers, "
+        "rope_type 'linear'); unset: none.", range=POSITIVE)
     softmax_scale: Optional[float] = flag(
         None, "Scale of the attention scores (Gemma 3: query_pre_attn_scalar ** -0.5); unset: "
         "1 / sqrt(head size).", range=POSITIVE)

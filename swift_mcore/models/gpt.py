@@ -245,6 +245,7 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
         rotary_base=m.rotary_base,
         rope_scaling=m.use_rope_scaling,
         rope_scaling_factor=m.rope_scaling_factor,
+        seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
     )
     if m.model_type == "gemma3":
         from . import gemma3_layers

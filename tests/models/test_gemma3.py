@@ -88,6 +88,23 @@ def test_logits_match_and_round_trip_is_bit_identical(tmp_path, gloo_group, gemm
     assert (H.hf_logits(str(back), ids) - theirs).abs().max() == 0
 
 
+def test_linear_rope_scaling_of_the_global_layers(tmp_path, gloo_group):
+    """Gemma 3 4B-27B: rope_type 'linear' (factor 8) on the full_attention layers only."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from swift_mcore.models.families import by_name
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+    make_gemma3(tmp_path / "hf", rope_parameters=rope)
+    ids = H.tokens(length=4 * WINDOW)
+    loaded = load_model(str(tmp_path / "hf"), log=lambda line: None)
+    assert loaded.config.model.rotary_seq_len_interpolation_factor == 8.0
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - H.hf_logits(str(tmp_path / "hf"), ids)).abs().max() <= 1e-4
+    written = by_name("gemma3").hf_config(loaded.config.model, loaded.vocab)
+    assert written["rope_parameters"] == rope
+
+
 def test_packed_rows_give_each_documents_logits(gloo_group, gemma_folder):
     """Two documents longer than the window in one row, kept apart by the block-causal mask
     the trainer builds: each gets the logits it has alone."""
@@ -168,10 +185,14 @@ def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group, gemma_fold
     (dict(final_logit_softcapping=30.0), "final_logit_softcapping 30.0"),
     (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
     (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 8.0,
+                                                 "rope_theta": 1e4},
+                           "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+     "rope_parameters.sliding_attention.rope_type 'linear'"),
     (dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                           "full_attention": {"rope_type": "linear", "factor": 8.0,
+                           "full_attention": {"rope_type": "yarn", "factor": 8.0,
                                               "rope_theta": 1e6}}),
-     "rope_parameters.full_attention.rope_type 'linear'"),
+     "rope_parameters.full_attention.rope_type 'yarn'"),
 ])
 def test_what_megatron_cannot_express_is_named(tmp_path, gemma_folder, change, message):
     import shutil

@@ -152,7 +152,8 @@ VALUES: Dict[str, Value] = {
 }
 # Flags only some families express (a family that does lists them in its ``fixed`` or
 # handles them in its own representation_problems); every other family needs them unset.
-UNSET_FLAGS = ("window_size", "window_attn_skip_freq", "rotary_base_local", "softmax_scale")
+UNSET_FLAGS = ("window_size", "window_attn_skip_freq", "rotary_base_local", "softmax_scale",
+               "rotary_seq_len_interpolation_factor")
 
 
 def value_problems(config: Dict[str, Any], keys) -> List[str]:

@@ -56,14 +56,23 @@ def rope_bases(config: Dict[str, Any]) -> Tuple[Dict[str, float], List[str]]:
         names = {WINDOW: "rope_local_base_freq", GLOBAL: "rope_parameters" if params else
                  "rope_scaling"}
         fallback = {WINDOW: DEFAULTS["rope_local_base_freq"], GLOBAL: DEFAULTS["rope_theta"]}
-    bases = {}
+    bases: Dict[str, Any] = {}
     for kind, rope in per_kind.items():
         theta = rope.get("rope_theta")
         theta = fallback[kind] if theta is None else theta
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if rope_type != "default":
-            problems.append(f"{names[kind]}.rope_type {rope_type!r} (only 'default': RoPE "
-                            f"scaling of Gemma 3's layers is not supported yet)")
+        factor = rope.get("factor")
+        if kind == GLOBAL and rope_type == "linear":
+            # positions divided by the factor: megatron's seq_len_interpolation_factor
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+                    or not math.isfinite(factor) or factor <= 0:
+                problems.append(f"{names[kind]}.factor {factor!r} (a positive number for "
+                                f"rope_type 'linear')")
+            else:
+                bases["factor"] = float(factor)
+        elif rope_type != "default":
+            problems.append(f"{names[kind]}.rope_type {rope_type!r} (supported: 'default', "
+                            f"and 'linear' on the full_attention layers)")
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) \
                 or not math.isfinite(theta) or theta <= 0:
             problems.append(f"{names[kind]} rope_theta {theta!r} (a positive number)")
@@ -116,6 +125,7 @@ class Gemma3Family(Family):
             window_attn_skip_freq=("[" + ",".join("1" if k == WINDOW else "0" for k in kinds)
                                    + "]") if windowed else None,
             rotary_base_local=bases[WINDOW] if windowed else None,
+            rotary_seq_len_interpolation_factor=bases.get("factor"),
         )
         return values
 
@@ -157,7 +167,10 @@ class Gemma3Family(Family):
             rope_parameters={
                 WINDOW: {"rope_type": "default",
                          "rope_theta": float(m.rotary_base_local or m.rotary_base)},
-                GLOBAL: {"rope_type": "default", "rope_theta": float(m.rotary_base)}},
+                GLOBAL: {"rope_type": "default", "rope_theta": float(m.rotary_base)}
+                if m.rotary_seq_len_interpolation_factor is None else
+                {"rope_type": "linear", "rope_theta": float(m.rotary_base),
+                 "factor": float(m.rotary_seq_len_interpolation_factor)}},
         )
         return config
 
