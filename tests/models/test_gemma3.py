@@ -216,3 +216,21 @@ def test_sliding_windows_refuse_a_backend_without_them(gemma_folder):
                 world_size=1)
     with pytest.raises(ArgumentError, match="--window_attn_skip_freq needs --window_size"):
         resolve(RunArguments.from_flags(window_attn_skip_freq="2"), world_size=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_tp_and_pp_match_transformers_and_export_bit_identical(tmp_path, gloo_group, tp, pp):
+    """TP=2 (the post-norms after the all-reduced projections) and PP=2 (window layers and
+    their RoPE base found by the global layer number) on gloo."""
+    from test_hf_parallel import run_two_ranks
+
+    make_gemma3(tmp_path / "hf")
+    ids, out = run_two_ranks(tmp_path, tmp_path / "hf", tp, pp)
+    assert (torch.load(out / "logits.pt") - H.hf_logits(str(tmp_path / "hf"), ids)).abs().max() \
+        <= 1e-4
+    convert(out, tmp_path / "exported", "to_hf")
+    original = H.safetensors_state(str(tmp_path / "hf"))
+    back = H.safetensors_state(str(tmp_path / "exported"))
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
