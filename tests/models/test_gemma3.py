@@ -214,6 +214,12 @@ def test_sliding_windows_refuse_a_backend_without_them(gemma_folder):
     with pytest.raises(ArgumentError, match="--attention_backend local with --window_size 8"):
         resolve(RunArguments.from_flags(model=str(gemma_folder), attention_backend="local"),
                 world_size=1)
+    with pytest.raises(ArgumentError, match="--tuner_type lora with a gemma3 model"):
+        resolve(RunArguments.from_flags(model=str(gemma_folder), tuner_type="lora"),
+                world_size=1)
+    with pytest.raises(ArgumentError, match="--sequence_parallel with a gemma3 model"):
+        resolve(RunArguments.from_flags(model=str(gemma_folder), sequence_parallel=True,
+                                        tensor_model_parallel_size=2), world_size=2)
     with pytest.raises(ArgumentError, match="--window_attn_skip_freq needs --window_size"):
         resolve(RunArguments.from_flags(window_attn_skip_freq="2"), world_size=1)
 
