@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_helpers as H
-from run_helpers import ROOT, child_env, train_records
+from run_helpers import ROOT, child_env, losses, train_records
 from swift_mcore.errors import ArgumentError
 
 WINDOW = 8
@@ -240,3 +240,23 @@ def test_tp_and_pp_match_transformers_and_export_bit_identical(tmp_path, gloo_gr
     back = H.safetensors_state(str(tmp_path / "exported"))
     assert sorted(back) == sorted(original)
     assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path, train_here, gemma_folder):
+    """pt on the folder for 4 steps saving at 2; resumed from step 2 it logs steps 3 and 4
+    exactly (the windows, both RoPE tables and the norms restored from the checkpoint)."""
+    from test_hf_training import run_flags
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ["--model", gemma_folder, "--dataset", data, "--seq_length", "32", "--lr", "1e-2",
+             "--train_iters", "4"]
+    train_here(straight, *flags, "--save_steps", "2", command="pt", base=run_flags())
+    train_here(resumed, *flags, "--no_save", "--resume",
+               straight / "checkpoint" / "iter_0000002", command="pt", base=run_flags())
+    ref, got = losses(straight), losses(resumed)
+    assert sorted(got) == [3, 4] and ref[4] != ref[1]
+    assert all(got[it] == ref[it] for it in (3, 4)), (got, ref)
