@@ -207,6 +207,23 @@ def test_what_megatron_cannot_express_is_named(tmp_path, gemma_folder, change, m
         resolve(RunArguments.from_flags(model=str(folder)), world_size=1)
 
 
+def test_a_vision_language_folder_is_refused_by_name(tmp_path, gemma_folder):
+    import shutil
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    folder = tmp_path / "vl"
+    shutil.copytree(gemma_folder, folder)
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}}))
+    with pytest.raises(ArgumentError, match="model_type 'gemma3' .*vision-language.* not "
+                                            "supported yet"):
+        resolve(RunArguments.from_flags(model=str(folder)), world_size=1)
+
+
 def test_sliding_windows_refuse_a_backend_without_them(gemma_folder):
     from swift_mcore.arguments import RunArguments
     from swift_mcore.run_config import resolve

@@ -89,6 +89,11 @@ class Gemma3Family(Family):
     """Family with Gemma 3's own reading and writing of config.json."""
 
     def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
+        if config.get("model_type") == "gemma3" or "text_config" in config:
+            raise UnsupportedConfig(
+                f"model_type {config.get('model_type')!r} (Gemma 3's vision-language model, "
+                f"its text model under text_config) is not supported yet; give a folder of "
+                f"the text model alone (model_type 'gemma3_text', Gemma3ForCausalLM)")
         problems: List[str] = []
         act = config.get("hidden_activation") or DEFAULTS["hidden_activation"]
         if act != "gelu_pytorch_tanh":
@@ -177,7 +182,8 @@ class Gemma3Family(Family):
 
 FAMILY = Gemma3Family(
     name="gemma3",
-    model_types=("gemma3_text",),
+    # gemma3 (the vision-language folder) is found to be refused by name
+    model_types=("gemma3_text", "gemma3"),
     architecture="Gemma3ForCausalLM",
     defaults=DEFAULTS,
     # the gated MLP is gelu-tanh, not SwiGLU (models/gemma3_layers.py builds it)
