@@ -277,3 +277,34 @@ def test_resume_continues_exactly(tmp_path, train_here, gemma_folder):
     ref, got = losses(straight), losses(resumed)
     assert sorted(got) == [3, 4] and ref[4] != ref[1]
     assert all(got[it] == ref[it] for it in (3, 4)), (got, ref)
+
+
+def test_a_transformers_4_config_reads_as_transformers_5_does():
+    """The Hub's Gemma 3 configs (transformers 4.5x): sliding_window_pattern,
+    rope_local_base_freq, rope_theta and the global layers' rope_scaling; transformers 5
+    reads them into the same layer_types and per-kind RoPE."""
+    from transformers import Gemma3TextConfig
+
+    from swift_mcore.models.families import by_name
+
+    old = dict(H.BASE, model_type="gemma3_text", head_dim=16, num_hidden_layers=7,
+               sliding_window=512, sliding_window_pattern=3, rope_local_base_freq=10000.0,
+               rope_theta=1000000.0, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+               query_pre_attn_scalar=168, cache_implementation="hybrid")
+    values = by_name("gemma3").model_values(old, None)
+    hf = Gemma3TextConfig(**{k: v for k, v in old.items() if k != "model_type"})
+    assert values["window_attn_skip_freq"] == "[" + ",".join(
+        "1" if kind == "sliding_attention" else "0" for kind in hf.layer_types) + "]" \
+        == "[1,1,0,1,1,0,1]"
+    assert (values["rotary_base_local"], values["rotary_base"]) == (
+        hf.rope_parameters["sliding_attention"]["rope_theta"],
+        hf.rope_parameters["full_attention"]["rope_theta"])
+    assert values["rotary_seq_len_interpolation_factor"] == \
+        hf.rope_parameters["full_attention"]["factor"] == 8.0
+    assert values["softmax_scale"] == 168 ** -0.5 and values["window_size"] == 512
+    # and written back as they were read (168 ** -0.5 back to 168)
+    from swift_mcore.arguments.model import ModelArguments
+
+    written = by_name("gemma3").hf_config(ModelArguments(**values), 320)
+    assert written["query_pre_attn_scalar"] == 168 and written["layer_types"] == hf.layer_types
+    assert written["rope_parameters"] == {k: dict(v) for k, v in hf.rope_parameters.items()}
