@@ -37,12 +37,12 @@ _SAME = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
-# Gemma 3: its post_attention_layernorm is on the attention output (the end of
-# linear_proj, models/gemma3_layers.py), the MLP's input norm is pre_feedforward_layernorm
+# Gemma 3: its post_attention_layernorm is on the attention output (in the bias-dropout-add
+# slot, models/gemma3_layers.py), the MLP's input norm is pre_feedforward_layernorm
 _POST_NORMS = {
     "pre_mlp_layernorm.weight": "pre_feedforward_layernorm.weight",
-    "self_attention.linear_proj.post_norm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.post_norm.weight": "post_feedforward_layernorm.weight",
+    "self_attn_bda.post_norm.weight": "post_attention_layernorm.weight",
+    "mlp_bda.post_norm.weight": "post_feedforward_layernorm.weight",
 }
 # row-parallel layers: TP shards the input (column) dimension
 _ROW_PARALLEL = {

@@ -3,9 +3,9 @@ attention and after the MLP, the sliding-window layers' own RoPE base, the scale
 
 Gemma 3's decoder layer is megatron's pre-norm layer with two more norms, one on the
 attention output and one on the MLP output, each before its residual add. megatron's
-TransformerLayer has no slot for them, so they sit at the end of the two row-parallel
-projections (``linear_proj`` and ``linear_fc2``), whose output is the whole hidden state
-(after the TP all-reduce): ``NormedRowParallelLinear``. Every Gemma norm multiplies by
+TransformerLayer has no norm slot there; its bias-dropout-add slots take the sublayer's
+whole output (after the TP all-reduce) and the residual, so the norms sit in them:
+``PostNormBiasDropoutAdd``. Every Gemma norm multiplies by
 ``1 + weight`` (weights stored around 0), computed in float32 as transformers does
 (``ZeroCenteredRMSNorm``; Qwen3-Next's norm is the same function). The local (sliding
 window) layers rotate with ``--rotary_base_local``, the global ones with ``--rotary_base``:
@@ -16,7 +16,9 @@ own for a window layer. The embedding is multiplied by sqrt(hidden) in the weigh
 from __future__ import annotations
 
 import torch
-from megatron.core.tensor_parallel.layers import RowParallelLinear
+from types import SimpleNamespace
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.utils import is_layer_window_attention
 
@@ -40,16 +42,25 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
-class NormedRowParallelLinear(RowParallelLinear):
-    """A row-parallel projection whose (all-reduced) output passes a ZeroCenteredRMSNorm."""
+class PostNormBiasDropoutAdd(torch.nn.Module):
+    """megatron's bias-dropout-add with a ZeroCenteredRMSNorm on the sublayer's output first:
+    residual + dropout(norm(output)). In the bda slot, not in the projection, the norm sees
+    the projection's whole output, a LoRA adapter's delta included."""
 
-    def __init__(self, input_size, output_size, *, config, **kwargs):
-        super().__init__(input_size, output_size, config=config, **kwargs)
-        self.post_norm = ZeroCenteredRMSNorm(config, output_size, eps=config.layernorm_epsilon)
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.post_norm = ZeroCenteredRMSNorm(SimpleNamespace(params_dtype=dtype,
+                                                             sequence_parallel=False),
+                                             hidden_size, eps=eps)
 
-    def forward(self, input_):
-        output, bias = super().forward(input_)
-        return self.post_norm(output), bias
+    def forward(self, training: bool, fused: bool):
+        add = get_bias_dropout_add(training, False)
+
+        def bias_dropout_add(x_with_bias, residual, prob):
+            output, bias = x_with_bias
+            return add((self.post_norm(output), bias), residual, prob)
+
+        return bias_dropout_add
 
 
 class Gemma3SelfAttention(SelfAttention):
@@ -77,17 +88,25 @@ class Gemma3SelfAttention(SelfAttention):
         return super().forward(hidden_states, attention_mask, *args, **kwargs)
 
 
-def adapt_spec(spec):
-    """The local layer spec with Gemma 3's norms, projections and attention."""
+def adapt_spec(spec, config):
+    """The local layer spec (of RunConfig ``config``) with Gemma 3's norms and attention."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    m = config.model
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision,
+                                                                 torch.float32)
     sub = spec.submodules
     sub.input_layernorm = ZeroCenteredRMSNorm
     sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+    post_norm = ModuleSpec(module=PostNormBiasDropoutAdd,
+                           params=dict(hidden_size=m.hidden_size, eps=m.norm_epsilon,
+                                       dtype=dtype))
+    sub.self_attn_bda = post_norm
+    sub.mlp_bda = post_norm
     attention = sub.self_attention
     attention.module = Gemma3SelfAttention
-    attention.submodules.linear_proj = NormedRowParallelLinear
     attention.submodules.q_layernorm = ZeroCenteredRMSNorm
     attention.submodules.k_layernorm = ZeroCenteredRMSNorm
-    sub.mlp.submodules.linear_fc2 = NormedRowParallelLinear
     return spec
 
 

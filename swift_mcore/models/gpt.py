@@ -179,7 +179,7 @@ def layer_spec(config, moe: bool = False):
     if m.model_type == "gemma3":
         from . import gemma3_layers
 
-        spec = gemma3_layers.adapt_spec(spec)
+        spec = gemma3_layers.adapt_spec(spec, config)
     if config.parallel.sequence_parallel:
         from . import sequence_parallel_norm
 
