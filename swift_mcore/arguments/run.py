@@ -206,8 +206,7 @@ class RunArguments:
     def check_window(self) -> None:
         """The sliding-window flags: a pattern needs a window; the local RoPE base is Gemma
         3's (only its attention swaps RoPE tables); Gemma 3's extra norms are the local
-        spec's and sum no gradients over TP ranks (no sequence parallelism), and end the
-        projections LoRA would wrap (no LoRA yet)."""
+        spec's and sum no gradients over TP ranks (no sequence parallelism)."""
         from .model import window_layer_pattern
 
         m = self.model
@@ -220,10 +219,6 @@ class RunArguments:
         if m.model_type == "gemma3" and self.parallel.sequence_parallel:
             raise ArgumentError("--sequence_parallel with a gemma3 model: its post-attention "
                                 "and post-MLP norms do not support it yet; drop the flag")
-        if m.model_type == "gemma3" and self.tuner.tuner_type == "lora":
-            # LoRA's delta would join after the norm that ends linear_proj and linear_fc2
-            raise ArgumentError("--tuner_type lora with a gemma3 model is not supported yet "
-                                "(its output projections end in a norm); use --tuner_type full")
 
     def check_parallel(self, world_size: int) -> None:
         p, t = self.parallel, self.training
