@@ -338,3 +338,20 @@ def test_lora_trains_and_exports_merged_and_as_peft(tmp_path, train_here, gloo_g
     peft = PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         assert (peft(ids).logits - ours).abs().max() <= 1e-4
+
+
+def test_a_mistral_window_shorter_than_the_sequence_is_exact(tmp_path, gloo_group):
+    """Mistral's sliding_window below --seq_length becomes --window_size (SDPA's window):
+    transformers' logits on a sequence four windows long, and the window written back."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    H.make_family(str(tmp_path / "hf"), "mistral", sliding_window=WINDOW)
+    ids = H.tokens(length=4 * WINDOW)
+    loaded = load_model(str(tmp_path / "hf"), log=lambda line: None)
+    assert loaded.config.model.window_size == WINDOW and loaded.config.attention == "sdpa"
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - H.hf_logits(str(tmp_path / "hf"), ids)).abs().max() <= 1e-4
+    convert(tmp_path / "hf", tmp_path / "mcore", "to_mcore")
+    convert(tmp_path / "mcore", tmp_path / "back", "to_hf")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["sliding_window"] == WINDOW
+    assert (H.hf_logits(str(tmp_path / "back"), ids) - ours).abs().max() <= 1e-4
