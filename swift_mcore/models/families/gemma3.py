@@ -47,7 +47,6 @@ def rope_bases(config: Dict[str, Any]) -> Tuple[Dict[str, float], List[str]]:
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
         per_kind = {kind: dict(params.get(kind) or {}) for kind in (WINDOW, GLOBAL)}
         names = {kind: f"rope_parameters.{kind}" for kind in per_kind}
-        fallback = {WINDOW: DEFAULTS["rope_local_base_freq"], GLOBAL: DEFAULTS["rope_theta"]}
     else:
         per_kind = {WINDOW: {"rope_theta": config.get("rope_local_base_freq")},
                     GLOBAL: {**dict(params or config.get("rope_scaling") or {}),
@@ -55,7 +54,7 @@ def rope_bases(config: Dict[str, Any]) -> Tuple[Dict[str, float], List[str]]:
                                                               config.get("rope_theta"))}}
         names = {WINDOW: "rope_local_base_freq", GLOBAL: "rope_parameters" if params else
                  "rope_scaling"}
-        fallback = {WINDOW: DEFAULTS["rope_local_base_freq"], GLOBAL: DEFAULTS["rope_theta"]}
+    fallback = {WINDOW: DEFAULTS["rope_local_base_freq"], GLOBAL: DEFAULTS["rope_theta"]}
     bases: Dict[str, Any] = {}
     for kind, rope in per_kind.items():
         theta = rope.get("rope_theta")
