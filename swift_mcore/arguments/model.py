@@ -27,7 +27,7 @@ class ModelArguments:
         "are loaded.")
     model_type: Optional[str] = flag(
         None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral, "
-        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe; "
+        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
     num_layers: int = flag(4, "Number of transformer layers.",
@@ -89,6 +89,23 @@ class ModelArguments:
     add_bias_linear: bool = flag(False, "Bias in the linear layers.")
     add_qkv_bias: bool = flag(False, "Bias in the query/key/value projection only (Qwen2).")
     qk_layernorm: bool = flag(False, "Normalize queries and keys per head (Qwen3).")
+    window_size: Optional[int] = flag(
+        None, "Sliding-window attention: each query attends to itself and the window_size - 1 "
+        "tokens before it (Gemma 3); unset: the whole sequence. Runs with --attention_backend "
+        "sdpa.", range=POSITIVE)
+    window_attn_skip_freq: Optional[str] = flag(
+        None, "Which layers attend to the whole sequence with --window_size: an integer k "
+        "(layers k, 2k, ... counting from 1) or a per-layer list of 1 (window) and 0 (whole "
+        "sequence), e.g. '[1,1,0]'; unset: every layer has the window.")
+    rotary_base_local: Optional[int] = flag(
+        None, "RoPE base of the sliding-window layers (Gemma 3's rope_local_base_freq); "
+        "unset: --rotary_base.", range=POSITIVE)
+    rotary_seq_len_interpolation_factor: Optional[float] = flag(
+        None, "Linear RoPE scaling: positions divided by this factor (Gemma 3's global layers, "
+        "rope_type 'linear'); unset: none.", range=POSITIVE)
+    softmax_scale: Optional[float] = flag(
+        None, "Scale of the attention scores (Gemma 3: query_pre_attn_scalar ** -0.5); unset: "
+        "1 / sqrt(head size).", range=POSITIVE)
     hidden_dropout: float = flag(0.0, "Dropout after attention and MLP.", range=FRACTION)
     attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.",
                                     range=FRACTION)
@@ -157,9 +174,26 @@ def moe_layer_pattern(m: ModelArguments) -> List[int]:
     lists ('([0]*1+[1]*3)'), gives each layer. Raises ArgumentError naming the flag. The
     expression is bounded as a whole, before anything is built: its text, its nesting
     depth and every list it makes (at most --num_layers items)."""
-    text = str(m.moe_layer_freq).strip()
-    layers = int(m.num_layers)
-    bad = ArgumentError(f"--moe_layer_freq takes an integer k >= 1 or a list of {layers} "
+    return _layer_pattern("moe_layer_freq", m.moe_layer_freq, int(m.num_layers),
+                          lambda i, k: 1 if i % k == 0 else 0)
+
+
+def window_layer_pattern(m: ModelArguments) -> List[int]:
+    """--window_attn_skip_freq as one 0/1 per layer (1: sliding window, 0: the whole
+    sequence), as megatron reads it: an integer k makes every k-th layer global (layers k,
+    2k, ... counting from 1), a list gives each layer. All 1 when unset; [] without
+    --window_size."""
+    if not m.window_size:
+        return []
+    if m.window_attn_skip_freq is None:
+        return [1] * int(m.num_layers)
+    return _layer_pattern("window_attn_skip_freq", m.window_attn_skip_freq,
+                          int(m.num_layers), lambda i, k: 0 if (i + 1) % k == 0 else 1)
+
+
+def _layer_pattern(flag: str, text, layers: int, every_kth) -> List[int]:
+    text = str(text).strip()
+    bad = ArgumentError(f"--{flag} takes an integer k >= 1 or a list of {layers} "
                         f"0/1 values (one per layer, e.g. '[0,1]' or '([0]*1+[1]*3)'); got "
                         f"{_shown(text)}")
     if len(text) > FREQ_CHARS_PER_LAYER * layers + 256:
@@ -174,7 +208,7 @@ def moe_layer_pattern(m: ModelArguments) -> List[int]:
     if isinstance(value, int):
         if not 1 <= value:
             raise bad
-        return [1 if i % value == 0 else 0 for i in range(layers)]
+        return [every_kth(i, value) for i in range(layers)]
     if len(value) != layers or any(v not in (0, 1) for v in value):
         raise bad
     return list(value)

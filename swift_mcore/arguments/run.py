@@ -202,6 +202,24 @@ class RunArguments:
             raise ArgumentError(
                 f"--pipeline_model_parallel_size ({pp}) must divide --num_layers "
                 f"({m.num_layers}){source}")
+        self.check_window()
+
+    def check_window(self) -> None:
+        """The sliding-window flags: a pattern needs a window; the local RoPE base is Gemma
+        3's (only its attention swaps RoPE tables); Gemma 3's extra norms are the local
+        spec's and sum no gradients over TP ranks (no sequence parallelism)."""
+        from .model import window_layer_pattern
+
+        m = self.model
+        if m.window_attn_skip_freq is not None and not m.window_size:
+            raise ArgumentError("--window_attn_skip_freq needs --window_size")
+        window_layer_pattern(m)
+        if m.rotary_base_local is not None and m.model_type != "gemma3":
+            raise ArgumentError("--rotary_base_local is Gemma 3's local RoPE base: it needs "
+                                "--model_type gemma3")
+        if m.model_type == "gemma3" and self.parallel.sequence_parallel:
+            raise ArgumentError("--sequence_parallel with a gemma3 model: its post-attention "
+                                "and post-MLP norms do not support it yet; drop the flag")
 
     def check_attention(self) -> None:
         """Multi-latent attention's flags (YaRN is MLA's RoPE only here)."""

@@ -39,6 +39,13 @@ _SAME = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
+# Gemma 3: its post_attention_layernorm is on the attention output (in the bias-dropout-add
+# slot, models/gemma3_layers.py), the MLP's input norm is pre_feedforward_layernorm
+_POST_NORMS = {
+    "pre_mlp_layernorm.weight": "pre_feedforward_layernorm.weight",
+    "self_attn_bda.post_norm.weight": "post_attention_layernorm.weight",
+    "mlp_bda.post_norm.weight": "post_feedforward_layernorm.weight",
+}
 # row-parallel layers: TP shards the input (column) dimension
 _ROW_PARALLEL = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
@@ -131,6 +138,7 @@ class Layout:
     qk_norm: bool
     experts: Optional[Experts] = None
     mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
+    post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -151,7 +159,14 @@ class Layout:
                    vocab=m.vocab_size or padded_vocab, padded_vocab=padded_vocab,
                    tied=not m.untie_embeddings_and_output_weights,
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
-                   mla=Mla.from_model_args(m) if m.multi_latent_attention else None)
+                   mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
+                   post_norms=m.model_type == "gemma3")
+
+    def same(self) -> dict:
+        """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
+        if not self.post_norms:
+            return _SAME
+        return {**_SAME, **_POST_NORMS}
 
     def is_moe(self, layer: int) -> bool:
         return self.experts is not None and bool(self.experts.layers[layer])
@@ -199,6 +214,9 @@ class Layout:
             if self.mla is None:
                 out += [(p + "self_attn.o_proj.weight", (h, self.heads * hd)),
                         (p + "post_attention_layernorm.weight", (h,))]
+            if self.post_norms:
+                out += [(p + "pre_feedforward_layernorm.weight", (h,)),
+                        (p + "post_feedforward_layernorm.weight", (h,))]
             if self.is_moe(i):
                 out += [(p + name, shape) for name, shape in self._moe_shapes(i)]
                 continue
@@ -225,7 +243,7 @@ class Layout:
         layer = f"decoder.layers.{i}."
         if self.mla is not None and self.mla.mcore_name(suffix):
             return get(layer + self.mla.mcore_name(suffix))
-        for mc, hf in {**_SAME, **_ROW_PARALLEL}.items():
+        for mc, hf in {**self.same(), **_ROW_PARALLEL}.items():
             if suffix == hf:
                 return get(layer + mc)
         qkv = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", suffix)
@@ -270,8 +288,8 @@ class Layout:
         prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
         if self.mla is not None and self.mla.hf_name(suffix):  # TP 1 (arguments/run.py)
             return read(prefix + self.mla.hf_name(suffix))
-        if suffix in _SAME:
-            return read(prefix + _SAME[suffix])
+        if suffix in self.same():
+            return read(prefix + self.same()[suffix])
         if self.is_moe(int(match.group(1))) and suffix.startswith("mlp.") \
                 and not suffix.startswith("mlp.linear_fc"):
             return self._moe_shard(int(match.group(1)), prefix, suffix, read, tp_rank, tp_size,

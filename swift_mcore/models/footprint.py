@@ -63,7 +63,8 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
     groups = m.num_query_groups or heads
     kv = m.kv_channels or h // heads
     ffn = m.ffn_hidden_size
-    gated = 2 if m.swiglu else 1
+    gemma3 = m.model_type == "gemma3"  # gated gelu-tanh; norms after attention and MLP
+    gated = 2 if m.swiglu or gemma3 else 1
     norm = h * (2 if m.normalization == "LayerNorm" else 1)
     qkv_out = kv * (heads + 2 * groups)
     bias = m.add_bias_linear
@@ -79,7 +80,8 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
         "embedding": vocab * h + (m.max_position_embeddings * h
                                   if m.position_embedding_type == "learned_absolute" else 0),
         "output layer": vocab * h if m.untie_embeddings_and_output_weights else 0,
-        "layers": layers * (attention + 2 * norm) + (layers - moe_layers) * dense_mlp + norm,
+        "layers": layers * (attention + (4 if gemma3 else 2) * norm)
+        + (layers - moe_layers) * dense_mlp + norm,
         "experts": 0,
         "LoRA adapters": 0,
     }

@@ -22,7 +22,7 @@ def transformer_config(config, initialize: bool = True):
         from .mla import mla_config
 
         config_class, attention = mla_config(m)
-    return config_class(
+    fields = dict(
         **attention,
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -76,7 +76,26 @@ def transformer_config(config, initialize: bool = True):
         recompute_num_layers=t.recompute_num_layers,
         recompute_modules=(list(t.recompute_modules) if t.recompute_granularity == "selective"
                            else None),
+        **window_config(m),
     )
+    if m.model_type == "gemma3":
+        from . import gemma3_layers
+
+        fields.update(gemma3_layers.transformer_fields(m))
+    tc = config_class(**fields)
+    # read by gemma3_layers.Gemma3SelfAttention (TransformerConfig has no such field)
+    tc.rotary_base_local = m.rotary_base_local or m.rotary_base
+    return tc
+
+
+def window_config(m) -> dict:
+    """Sliding-window attention (--window_size, --window_attn_skip_freq) and the score scale
+    as megatron's TransformerConfig spells them: a window of w tokens is (w - 1, 0)."""
+    from ..arguments.model import window_layer_pattern
+
+    pattern = window_layer_pattern(m)
+    return dict(window_size=(m.window_size - 1, 0) if m.window_size else None,
+                window_attn_skip_freq=pattern or None, softmax_scale=m.softmax_scale)
 
 
 def moe_config(m, tensor_parallel: int = 1) -> dict:
@@ -171,6 +190,10 @@ def layer_spec(config, moe: bool = False):
         for slot in ([mlp.experts.submodules, mlp.shared_experts.submodules] if moe
                      else [mlp]):
             slot.activation_func = SwiGLU
+    if m.model_type == "gemma3":
+        from . import gemma3_layers
+
+        spec = gemma3_layers.adapt_spec(spec, config)
     if config.parallel.sequence_parallel:
         from . import sequence_parallel_norm
 
@@ -236,7 +259,12 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
         rotary_base=m.rotary_base,
         rope_scaling=m.use_rope_scaling,
         rope_scaling_factor=m.rope_scaling_factor,
+        seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
     )
+    if m.model_type == "gemma3":
+        from . import gemma3_layers
+
+        gemma3_layers.scale_embedding(model, m.hidden_size)
     if config.cuda:
         model.cuda(torch.cuda.current_device())
     return [model]

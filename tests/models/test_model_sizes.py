@@ -181,6 +181,8 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              moe_router_enable_expert_bias=True),
         dict(multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=16, qk_head_dim=8,
              qk_pos_emb_head_dim=4, v_head_dim=12),
+        dict(model_type="gemma3", window_size=8, window_attn_skip_freq="2", kv_channels=8,
+             rotary_base_local=10000, softmax_scale=0.25),
     ]
     for changes in cases:
         flags = RunArguments.from_flags(

@@ -155,7 +155,17 @@ VALUES: Dict[str, Value] = {
     "moe_layer_freq": Value("int", 1), "scoring_func": Value("str"), "topk_method": Value("str"),
     "ep_size": Value("int", 1), "seq_aux": Value("bool"), "aux_loss_alpha": Value("number", 0),
     "use_qk_norm": Value("bool"),
+    # Gemma 3
+    "hidden_activation": Value("str"), "query_pre_attn_scalar": Value("number", 0, low_open=True),
+    "rope_local_base_freq": Value("number", 0, low_open=True),
+    "sliding_window_pattern": Value("int", 1), "_sliding_window_pattern": Value("int", 1),
+    "attn_logit_softcapping": Value("number"), "final_logit_softcapping": Value("number"),
+    "use_bidirectional_attention": Value("bool"),
 }
+# Flags only some families express (a family that does lists them in its ``fixed`` or
+# handles them in its own representation_problems); every other family needs them unset.
+UNSET_FLAGS = ("window_size", "window_attn_skip_freq", "rotary_base_local", "softmax_scale",
+               "rotary_seq_len_interpolation_factor")
 
 
 def value_problems(config: Dict[str, Any], keys) -> List[str]:
@@ -273,7 +283,8 @@ class Family:
         """Flags of ``m`` a config.json of this family cannot express (empty: exportable)."""
         wanted = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
                   "rotary_percent": 1.0, "add_bias_linear": False, "add_qkv_bias": False,
-                  "qk_layernorm": False, "multi_latent_attention": False, **self.fixed}
+                  "qk_layernorm": False, "multi_latent_attention": False,
+                  **{name: None for name in UNSET_FLAGS}, **self.fixed}
         problems = [f"--{name} {getattr(m, name)!r} (a {self.name} model has {value!r})"
                     for name, value in wanted.items() if getattr(m, name) != value]
         if self.moe is None and getattr(m, "num_experts", None) is not None:
