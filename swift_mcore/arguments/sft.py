@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ..errors import ArgumentError
-from .fields import FRACTION, flag
+from .fields import FRACTION, POSITIVE, flag
 from .run import RunArguments
 
 TEMPLATES = ("auto", "tokenizer", "chatml", "plain")
@@ -39,6 +39,10 @@ class SftDataArguments:
     columns: Optional[List[str]] = flag(
         None, "Rename columns before reading: 'instruction=query output=response', or a "
         "JSON object. Read columns: " + ", ".join(COLUMN_TARGETS) + ".")
+    dataset_num_proc: int = flag(
+        1, "Worker processes that tokenize conversations when they are not in the token "
+        "cache yet (docs/sft.md, 'Tokenized once'); the tokens are the same for any count.",
+        range=POSITIVE)
     val_dataset: Optional[List[str]] = flag(
         None, "Validation conversations (files, folders or globs, as --dataset).")
     split_dataset_ratio: float = flag(

@@ -12,119 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..errors import ArgumentError
 from .packing import pack
-from .templates import CONTEXT, Template
-
-# Part of the fingerprint: change it whenever encoding changes what a conversation becomes.
-ENCODING_VERSION = 2
-
-
-@dataclass
-class Encoded:
-    """Conversations as flat arrays: conversation k is ids[offsets[k]:offsets[k+1]];
-    ``targets`` marks the tokens trained on (as labels)."""
-
-    ids: np.ndarray
-    targets: np.ndarray
-    offsets: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def positions(self) -> np.ndarray:
-        """Training positions per conversation: n tokens predict n - 1 labels."""
-        return np.diff(self.offsets) - 1
-
-    def take(self, keep: Sequence[int]) -> "Encoded":
-        parts = [(self.ids[self.offsets[k]:self.offsets[k + 1]],
-                  self.targets[self.offsets[k]:self.offsets[k + 1]]) for k in keep]
-        return _flat(parts)
-
-
-def _flat(parts) -> Encoded:
-    lengths = [len(ids) for ids, _ in parts]
-    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum(lengths)
-    ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32)
-    targets = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, bool)
-    return Encoded(ids.astype(np.int32), targets.astype(bool), offsets)
-
-
-@dataclass
-class EncodingReport:
-    conversations: int = 0
-    truncated: int = 0  # cut and kept
-    dropped_long: int = 0
-    dropped_empty: int = 0  # no trained token left after truncation
-    samples: int = 0  # a conversation is one sample, or one per rewritten history
-    split: int = 0  # conversations rendered as several samples
-
-    def describe(self, strategy: str, seq_length: int) -> str:
-        kept = self.samples - self.dropped_long - self.dropped_empty
-        text = f"{kept} of {self.conversations} conversations kept"
-        if self.split:
-            text = (f"{kept} of {self.samples} samples kept from {self.conversations} "
-                    f"conversations ({self.split} split into one sample per assistant turn "
-                    f"whose history the template re-renders)")
-        if self.truncated:
-            text += f"; {self.truncated} cut on the {strategy} to --seq_length {seq_length}"
-        if self.dropped_long:
-            text += (f"; {self.dropped_long} dropped as longer than --seq_length {seq_length} "
-                     f"(--truncation_strategy drop)")
-        if self.dropped_empty:
-            text += f"; {self.dropped_empty} dropped with no answer token left after the cut"
-        return text
-
-
-def encode_conversations(conversations, template: Template, seq_length: int,
-                         truncation: str, loss_on: str,
-                         report: Optional[EncodingReport] = None,
-                         chunk: int = 1024) -> Encoded:
-    """Token ids and label targets of each conversation, fitted to ``seq_length`` training
-    positions (``seq_length + 1`` tokens). Dropped conversations are left out and counted."""
-    report = report if report is not None else EncodingReport()
-    parts: List[Tuple[np.ndarray, np.ndarray]] = []
-    for start in range(0, len(conversations), chunk):
-        for samples in template.encode_many(conversations[start:start + chunk]):
-            report.conversations += 1
-            report.split += len(samples) > 1
-            last = max(int(turns.max()) for _, turns in samples)
-            for ids, turns in samples:
-                # last_turn: a split conversation trains only the sample of its last answer
-                if loss_on == "last_turn" and turns.max() < last:
-                    continue
-                report.samples += 1
-                targets = turns == last if loss_on == "last_turn" else turns != CONTEXT
-                _fit(ids, targets, seq_length, truncation, report, parts)
-    return _flat(parts)
-
-
-def _fit(ids, targets, seq_length: int, truncation: str, report: EncodingReport,
-         parts: List[Tuple[np.ndarray, np.ndarray]]) -> None:
-    """One sample cut (or dropped) to ``seq_length + 1`` tokens and added to ``parts``."""
-    cut = len(ids) > seq_length + 1
-    if cut:
-        if truncation == "drop":
-            report.dropped_long += 1
-            return
-        keep = slice(0, seq_length + 1) if truncation == "right" else slice(
-            len(ids) - seq_length - 1, None)
-        ids, targets = ids[keep], targets[keep]
-    # The first token is never a label: it has no token before it.
-    if len(ids) < 2 or not targets[1:].any():
-        report.dropped_empty += 1
-        return
-    # Counted once: a cut conversation left with no answer counts as dropped only.
-    if cut:
-        report.truncated += 1
-    parts.append((ids, targets))
+# Encoding lives in sft_samples; its names are this module's API too.
+from .sft_samples import (ENCODING_VERSION, Encoded, EncodingReport, Tokenized,  # noqa: F401
+                          _flat, encode_chunk, encode_conversations, tokenize_conversations)
+from .templates import Template
 
 
 class SftDataset(torch.utils.data.Dataset):
@@ -156,8 +54,7 @@ class SftDataset(torch.utils.data.Dataset):
         e = self.encoded
         tokens, labels, mask, positions, segments = [], [], [], [], []
         for segment, k in enumerate(self.conversations(row)):
-            ids = e.ids[e.offsets[k]:e.offsets[k + 1]]
-            targets = e.targets[e.offsets[k]:e.offsets[k + 1]]
+            ids, targets = e.sample(k)
             tokens.append(ids[:-1])
             labels.append(ids[1:])
             mask.append(targets[1:])
@@ -191,12 +88,14 @@ class SftDataset(torch.utils.data.Dataset):
         return batch
 
 
-def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print):
+def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
+                       on_cache: Callable[[str], None] = lambda event: None):
     """(train, valid, None) SftDatasets from --dataset (and --val_dataset or
-    --split_dataset_ratio); ``config`` is a RunConfig. Raises ArgumentError naming the file,
-    row and flag."""
+    --split_dataset_ratio); ``config`` is a RunConfig. Conversations are tokenized once into
+    the token cache (token_cache.cached_sft_tokens; ``on_cache`` hears "built" or "reused"
+    per file set). Raises ArgumentError naming the file, row and flag."""
     from ..arguments.sft import column_map
-    from .conversations import read_conversations
+    from .token_cache import cached_sft_tokens
     s, seq = config.sft, config.model.seq_length
     template = Template(s.template, tokenizer, system=s.system,
                         train_separator=s.train_separator)
@@ -205,8 +104,9 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print):
 
     def encode(sources, flag):
         report = EncodingReport()
-        encoded = encode_conversations(read_conversations(sources, columns, flag), template,
-                                       seq, s.truncation_strategy, s.loss_on, report)
+        tokenized = cached_sft_tokens(sources, columns, flag, template, s.loss_on,
+                                      s.dataset_num_proc, on_event=on_cache)
+        encoded = tokenized.fit(seq, s.truncation_strategy, report)
         log(f"sft data {flag}: {report.describe(s.truncation_strategy, seq)} "
             f"(template: {template.describe()})")
         if len(encoded) == 0:

@@ -206,6 +206,14 @@ class Template:
         self._end: Optional[str] = None
         self._marked: Dict[bool, bool] = {}
 
+    def identity(self) -> dict:
+        """Everything of the template that decides tokens (for the token cache's key); the
+        tokenizer's fingerprint covers its vocabulary, not its Jinja text."""
+        return {"name": self.name, "system": self.default_system,
+                "train_separator": self.train_separator,
+                "chat_template": (self.tokenizer.chat_template if self.name == "tokenizer"
+                                  else None)}
+
     def marks_answers(self, tools: bool = False) -> bool:
         """Whether the tokenizer's template (its tool-use one, for a row with tools) marks
         answers with {% generation %}."""

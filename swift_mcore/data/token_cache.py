@@ -1,4 +1,4 @@
-"""Data tokenized on demand and cached by content: the embedded corpus, and --dataset raw files."""
+"""Data tokenized once and cached by content: the embedded corpus, raw --dataset files, sft samples."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 from typing import Callable, Sequence
+
+import numpy as np
 
 from . import corpus, indexed
 from ..atomic_write import write_atomic
@@ -56,3 +58,168 @@ def raw_files_prefix(sources: Sequence, text_key: str, tokenizer) -> str:
         return {**stats.as_dict(), "sources": [s.path for s in sources]}
 
     return cached_prefix("datasets", key, "data", build)
+
+
+# ---- sft conversations: every sample tokenized once, memory-mapped ----------------------
+
+SFT_SCHEMA = {"ids": ("int32", 1), "targets": ("bool", 1), "offsets": ("int64", 1),
+              "answers": ("int64", 1)}
+# Conversations per task sent to a worker: the same chunks whatever the worker count.
+SFT_CHUNK = 256
+# Checking every token id of a large cache at each start would read it all; windows this
+# large catch ids of another vocabulary (they are spread everywhere).
+ID_CHECK_BYTES = 64 << 20
+
+
+def sft_token_key(sources, tokenizer, template, loss_on: str, columns) -> str:
+    """What decides the tokens of every sample: the files' content, the tokenizer, the
+    template (its Jinja text when it is the tokenizer's) and the flags that change a
+    sample's tokens or targets. --seq_length, --truncation_strategy and --packing are not
+    part of it: they are applied to the cached samples at each start."""
+    from .sft_samples import ENCODING_VERSION
+    from .sources import content_fingerprint
+
+    identity = {
+        "what": "sft samples", "version": ENCODING_VERSION,
+        "sources": content_fingerprint(sources), "tokenizer": tokenizer.fingerprint,
+        "template": template.identity(), "loss_on": loss_on,
+        "columns": sorted(columns.items()),
+    }
+    return json.dumps(identity, sort_keys=True)
+
+
+def cached_sft_tokens(sources, columns, flag: str, template, loss_on: str,
+                      num_proc: int = 1, on_event=lambda event: None):
+    """The samples of ``sources`` tokenized (sft_samples.Tokenized), from the cache or built
+    into it once (``num_proc`` worker processes, a progress bar on a terminal)."""
+    from .array_cache import cached_arrays
+    from .sft_samples import Encoded, Tokenized
+
+    key = sft_token_key(sources, template.tokenizer, template, loss_on, columns)
+
+    def build(job) -> dict:
+        from .conversations import read_conversations
+
+        conversations = read_conversations(sources, columns, flag)
+        counts = _write_sft_tokens(conversations, template, loss_on, num_proc, job)
+        return {"conversations": len(conversations), "split": counts,
+                "sources": [s.path for s in sources]}
+
+    vocab = template.tokenizer.vocab_size
+    arrays, meta = cached_arrays("sft", key, SFT_SCHEMA, build,
+                                 check=lambda a, m: _check_sft_arrays(a, m, vocab),
+                                 on_event=on_event)
+    offsets = arrays["offsets"]
+    encoded = Encoded(arrays["ids"], arrays["targets"], np.asarray(offsets[:-1]),
+                      np.asarray(offsets[1:]))
+    return Tokenized(encoded, np.asarray(arrays["answers"]), int(meta["conversations"]),
+                     int(meta["split"]))
+
+
+def _check_sft_arrays(arrays, meta, vocab_size: int) -> None:
+    """Raises ValueError unless the arrays are a consistent set of samples."""
+    ids, targets, offsets, answers = (arrays[n] for n in ("ids", "targets", "offsets",
+                                                           "answers"))
+    for name in ("conversations", "split"):
+        if not isinstance(meta.get(name), int) or meta[name] < 0:
+            raise ValueError(f"the manifest's {name} is not a count")
+    if len(targets) != len(ids) or len(offsets) != len(answers) + 1:
+        raise ValueError("its arrays disagree in length")
+    if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or \
+            (np.diff(offsets) < 0).any():
+        raise ValueError("its sample offsets are out of order")
+    if (answers < 0).any():
+        raise ValueError("its answer counts are negative")
+    if len(ids):
+        if ids.nbytes <= ID_CHECK_BYTES:
+            parts = [ids]
+        else:
+            window = ID_CHECK_BYTES // 16 // ids.itemsize
+            parts = [ids[s:s + window] for s in np.linspace(0, len(ids) - window, 16
+                                                            ).astype(np.int64)]
+        if any(p.min() < 0 or p.max() >= vocab_size for p in parts):
+            raise ValueError(f"it holds token ids outside the vocabulary (0..{vocab_size - 1})")
+
+
+_sft_worker: dict = {}
+
+
+def _init_sft_worker(template, loss_on: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
+    _sft_worker.update(template=template, loss_on=loss_on)
+
+
+def _encode_sft_chunk(conversations):
+    from .sft_samples import encode_chunk
+
+    return encode_chunk(conversations, _sft_worker["template"], _sft_worker["loss_on"])
+
+
+def _write_sft_tokens(conversations, template, loss_on: str, num_proc: int, job) -> int:
+    """Encodes ``conversations`` in chunks (in this process, or in ``num_proc`` forked
+    workers, results taken in order) into the build's arrays; returns the split count."""
+    import collections
+    import multiprocessing
+
+    from .sft_samples import encode_chunk
+
+    chunks = (conversations[i:i + SFT_CHUNK] for i in range(0, len(conversations), SFT_CHUNK))
+    ids, targets, offsets, answers = (job.writer(n) for n in ("ids", "targets", "offsets",
+                                                               "answers"))
+    offsets.append(np.zeros(1, np.int64))
+    state = {"end": 0, "split": 0}
+
+    def add(result) -> None:
+        chunk_ids, chunk_targets, lengths, chunk_answers, split = result
+        ids.append(chunk_ids)
+        targets.append(chunk_targets)
+        offsets.append(state["end"] + np.cumsum(lengths))
+        state["end"] += int(lengths.sum())
+        answers.append(chunk_answers)
+        state["split"] += split
+
+    bar = _progress(len(conversations))
+    try:
+        if num_proc <= 1:
+            for chunk in chunks:
+                add(encode_chunk(chunk, template, loss_on))
+                bar.update(len(chunk))
+            return state["split"]
+        # fork: the workers inherit the loaded tokenizer and template (a Hugging Face
+        # tokenizer takes seconds to load); they run only the tokenizer and Jinja, none of
+        # the parent's other threads' work. spawn where fork does not exist.
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        pool = ctx.Pool(num_proc, initializer=_init_sft_worker, initargs=(template, loss_on))
+        try:
+            pending: collections.deque = collections.deque()
+            for chunk in chunks:
+                pending.append((len(chunk), pool.apply_async(_encode_sft_chunk, (chunk,))))
+                if len(pending) >= 3 * num_proc:  # bounded: the reader never runs far ahead
+                    n, result = pending.popleft()
+                    add(result.get())
+                    bar.update(n)
+            while pending:
+                n, result = pending.popleft()
+                add(result.get())
+                bar.update(n)
+        finally:
+            pool.terminate()
+            pool.join()
+            if saved is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
+        return state["split"]
+    finally:
+        bar.close()
+
+
+def _progress(total: int):
+    """A tqdm bar on a terminal (silent in logs and tests)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="tokenizing conversations", unit="conv", disable=None,
+                leave=False)
