@@ -27,6 +27,11 @@ class SftDataArguments:
         False, "Also train the text a template puts after an answer's end-of-turn marker (the "
         "newline after ChatML's <|im_end|>). Off by default, as in transformers' assistant "
         "masks: that text is context, the next message's start.")
+    ignore_empty_think: bool = flag(
+        True, "Leave an answer's empty reasoning block (<think></think>, which Qwen3-style "
+        "templates write into answers that have no reasoning) out of the loss, so the model "
+        "does not learn to skip thinking; 'false' trains it like the rest of the answer "
+        "(docs/sft.md, 'Empty reasoning blocks').")
     loss_on: str = flag(
         "all_turns", "Which assistant turns are trained on; every other token is masked from "
         "the loss.", choices=("all_turns", "last_turn"))

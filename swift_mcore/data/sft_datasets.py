@@ -98,7 +98,8 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
     from .token_cache import cached_sft_tokens
     s, seq = config.sft, config.model.seq_length
     template = Template(s.template, tokenizer, system=s.system,
-                        train_separator=s.train_separator)
+                        train_separator=s.train_separator,
+                        ignore_empty_think=s.ignore_empty_think)
     columns = column_map(s.columns)
     train_sources, val_sources = list(config.dataset_sources), list(config.val_dataset_sources)
 
@@ -147,7 +148,8 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
 
     s = config.sft
     template = template or Template(s.template, tokenizer, system=s.system,
-                                    train_separator=s.train_separator)
+                                    train_separator=s.train_separator,
+                                    ignore_empty_think=s.ignore_empty_think)
     identity = {
         "version": ENCODING_VERSION,
         "train": content_fingerprint(config.dataset_sources),
@@ -161,6 +163,10 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
         # the Jinja text decides the tokens; the tokenizer's fingerprint covers its vocabulary
         "chat_template": tokenizer.chat_template if template.name == "tokenizer" else None,
     }
+    # Named only when on, so checkpoints of runs that trained empty reasoning blocks (before
+    # the flag, or with it off) keep their fingerprint.
+    if s.ignore_empty_think:
+        identity["ignore_empty_think"] = True
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
