@@ -48,6 +48,11 @@ class SftDataArguments:
         1, "Worker processes that tokenize conversations when they are not in the token "
         "cache yet (docs/sft.md, 'Tokenized once'); the tokens are the same for any count.",
         range=POSITIVE)
+    cached_dataset: Optional[str] = flag(
+        None, "Train on a folder written by `swift-mcore preprocess sft` (the conversations "
+        "tokenized; the raw files are not read) instead of --dataset. Give the tokenizer and "
+        "the template flags it was prepared with; --seq_length, --truncation_strategy and "
+        "--packing may differ (docs/sft.md, 'Prepared offline').")
     val_dataset: Optional[List[str]] = flag(
         None, "Validation conversations (files, folders or globs, as --dataset).")
     split_dataset_ratio: float = flag(
@@ -70,9 +75,13 @@ class SftArguments(RunArguments):
             raise ArgumentError("--data_path holds pretraining .bin/.idx files; sft reads "
                                 "conversations from --dataset (jsonl, json, parquet, or a "
                                 "saved datasets folder)")
-        if not d.dataset:
+        if d.dataset and s.cached_dataset:
+            raise ArgumentError("--dataset and --cached_dataset are alternatives: give the "
+                                "raw files or the folder `swift-mcore preprocess sft` wrote")
+        if not d.dataset and not s.cached_dataset:
             raise ArgumentError("sft needs --dataset: conversation files (jsonl, json, "
-                                "parquet) or a saved datasets folder (docs/sft.md)")
+                                "parquet) or a saved datasets folder (docs/sft.md); or "
+                                "--cached_dataset: a folder from `swift-mcore preprocess sft`")
         column_map(s.columns)
         if d.data_order != "resumable":
             raise ArgumentError("--data_order megatron orders megatron's GPTDataset (pt); sft "

@@ -115,7 +115,19 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
                                 f"--seq_length or use --truncation_strategy left|right")
         return encoded
 
-    train = encode(train_sources, "--dataset")
+    if s.cached_dataset:
+        from .token_cache import load_sft_dataset
+
+        report = EncodingReport()
+        tokenized, _ = load_sft_dataset(s.cached_dataset, template, s.loss_on, columns)
+        train = tokenized.fit(seq, s.truncation_strategy, report)
+        log(f"sft data --cached_dataset {s.cached_dataset}: "
+            f"{report.describe(s.truncation_strategy, seq)} (template: {template.describe()})")
+        if len(train) == 0:
+            raise ArgumentError("--cached_dataset: no conversation is left to train on; raise "
+                                "--seq_length or use --truncation_strategy left|right")
+    else:
+        train = encode(train_sources, "--dataset")
     valid = encode(val_sources, "--val_dataset") if val_sources else None
     if s.split_dataset_ratio:
         train, valid = split(train, s.split_dataset_ratio, config.training.seed)
@@ -150,9 +162,19 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
     template = template or Template(s.template, tokenizer, system=s.system,
                                     train_separator=s.train_separator,
                                     ignore_empty_think=s.ignore_empty_think)
+    if s.cached_dataset:
+        # The files the folder was prepared from, as a raw-file run names them: the same
+        # data trained either way has one fingerprint, and resumes from either.
+        from ..arguments.sft import column_map
+        from .token_cache import load_sft_dataset
+
+        train = load_sft_dataset(s.cached_dataset, template, s.loss_on,
+                                 column_map(s.columns))[1]["sources"]
+    else:
+        train = content_fingerprint(config.dataset_sources)
     identity = {
         "version": ENCODING_VERSION,
-        "train": content_fingerprint(config.dataset_sources),
+        "train": train,
         "valid": (content_fingerprint(config.val_dataset_sources)
                   if config.val_dataset_sources else None),
         "tokenizer": tokenizer.fingerprint,

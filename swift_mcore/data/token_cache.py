@@ -12,6 +12,7 @@ import numpy as np
 from . import corpus, indexed
 from ..atomic_write import write_atomic
 from ..cache import cache_dir, locked
+from ..errors import ArgumentError
 
 
 def cached_prefix(kind: str, key: str, name: str, build: Callable[[str], dict]) -> str:
@@ -71,21 +72,51 @@ SFT_CHUNK = 256
 ID_CHECK_BYTES = 64 << 20
 
 
-def sft_token_key(sources, tokenizer, template, loss_on: str, columns) -> str:
+def sft_token_identity(sources_fingerprint: str, tokenizer, template, loss_on: str,
+                       columns) -> dict:
     """What decides the tokens of every sample: the files' content, the tokenizer, the
     template (its Jinja text when it is the tokenizer's) and the flags that change a
     sample's tokens or targets. --seq_length, --truncation_strategy and --packing are not
-    part of it: they are applied to the cached samples at each start."""
+    part of it: they are applied to the stored samples at each start."""
     from .sft_samples import ENCODING_VERSION
-    from .sources import content_fingerprint
 
-    identity = {
-        "what": "sft samples", "version": ENCODING_VERSION,
-        "sources": content_fingerprint(sources), "tokenizer": tokenizer.fingerprint,
-        "template": template.identity(), "loss_on": loss_on,
-        "columns": sorted(columns.items()),
-    }
-    return json.dumps(identity, sort_keys=True)
+    shape = template.identity()
+    return {"what": "sft samples", "version": ENCODING_VERSION,
+            "sources": sources_fingerprint, "tokenizer": tokenizer.fingerprint,
+            "template": shape.pop("name"), **shape, "loss_on": loss_on,
+            "columns": sorted([k, v] for k, v in columns.items())}
+
+
+# identity field -> how a user names it (a --cached_dataset made with other flags)
+IDENTITY_FLAGS = {
+    "version": "swift-mcore's encoding version", "tokenizer": "the tokenizer (--tokenizer or "
+    "--model)", "template": "--template", "system": "--system",
+    "train_separator": "--train_separator", "ignore_empty_think": "--ignore_empty_think",
+    "chat_template": "the tokenizer's chat template", "loss_on": "--loss_on",
+    "columns": "--columns", "what": "the kind of data"}
+
+
+def _sft_build(sources, columns, flag: str, template, loss_on: str, num_proc: int,
+               identity: dict):
+    def build(job) -> dict:
+        from .conversations import read_conversations
+
+        conversations = read_conversations(sources, columns, flag)
+        split = _write_sft_tokens(conversations, template, loss_on, num_proc, job)
+        return {"conversations": len(conversations), "split": split, "identity": identity,
+                "sources": [s.path for s in sources]}
+
+    return build
+
+
+def _tokenized(arrays, meta):
+    from .sft_samples import Encoded, Tokenized
+
+    offsets = arrays["offsets"]
+    encoded = Encoded(arrays["ids"], arrays["targets"], np.asarray(offsets[:-1]),
+                      np.asarray(offsets[1:]))
+    return Tokenized(encoded, np.asarray(arrays["answers"]), int(meta["conversations"]),
+                     int(meta["split"]))
 
 
 def cached_sft_tokens(sources, columns, flag: str, template, loss_on: str,
@@ -93,27 +124,65 @@ def cached_sft_tokens(sources, columns, flag: str, template, loss_on: str,
     """The samples of ``sources`` tokenized (sft_samples.Tokenized), from the cache or built
     into it once (``num_proc`` worker processes, a progress bar on a terminal)."""
     from .array_cache import cached_arrays
-    from .sft_samples import Encoded, Tokenized
+    from .sources import content_fingerprint
 
-    key = sft_token_key(sources, template.tokenizer, template, loss_on, columns)
+    identity = sft_token_identity(content_fingerprint(sources), template.tokenizer, template,
+                                  loss_on, columns)
+    vocab = template.tokenizer.vocab_size
+    arrays, meta = cached_arrays(
+        "sft", json.dumps(identity, sort_keys=True), SFT_SCHEMA,
+        _sft_build(sources, columns, flag, template, loss_on, num_proc, identity),
+        check=lambda a, m: _check_sft_arrays(a, m, vocab), on_event=on_event)
+    return _tokenized(arrays, meta)
 
-    def build(job) -> dict:
-        from .conversations import read_conversations
 
-        conversations = read_conversations(sources, columns, flag)
-        counts = _write_sft_tokens(conversations, template, loss_on, num_proc, job)
-        return {"conversations": len(conversations), "split": counts,
-                "sources": [s.path for s in sources]}
+def write_sft_dataset(folder: str, sources, columns, template, loss_on: str,
+                      num_proc: int = 1) -> dict:
+    """The samples of ``sources`` written to ``folder`` (which must not exist), in the token
+    cache's format: what `swift-mcore preprocess sft` writes and --cached_dataset reads."""
+    from .array_cache import build_folder
+    from .sources import content_fingerprint
+
+    identity = sft_token_identity(content_fingerprint(sources), template.tokenizer, template,
+                                  loss_on, columns)
+    build_folder(folder, json.dumps(identity, sort_keys=True), SFT_SCHEMA,
+                 _sft_build(sources, columns, "--dataset", template, loss_on, num_proc,
+                            identity))
+    return identity
+
+
+def load_sft_dataset(folder: str, template, loss_on: str, columns,
+                     flag: str = "--cached_dataset"):
+    """(Tokenized, identity) of a folder written by `swift-mcore preprocess sft`. Raises
+    ArgumentError for a folder that is not one, or was made with another tokenizer,
+    template or flag than this run's (naming it)."""
+    from .array_cache import CacheInvalid, load_arrays
 
     vocab = template.tokenizer.vocab_size
-    arrays, meta = cached_arrays("sft", key, SFT_SCHEMA, build,
-                                 check=lambda a, m: _check_sft_arrays(a, m, vocab),
-                                 on_event=on_event)
-    offsets = arrays["offsets"]
-    encoded = Encoded(arrays["ids"], arrays["targets"], np.asarray(offsets[:-1]),
-                      np.asarray(offsets[1:]))
-    return Tokenized(encoded, np.asarray(arrays["answers"]), int(meta["conversations"]),
-                     int(meta["split"]))
+    try:
+        arrays, meta = load_arrays(folder, None, SFT_SCHEMA,
+                                   check=lambda a, m: _check_sft_arrays(a, m, vocab))
+    except CacheInvalid as err:
+        raise ArgumentError(f"{flag} {folder}: not a dataset written by `swift-mcore "
+                            f"preprocess sft` ({err})") from None
+    theirs = meta.get("identity")
+    if not isinstance(theirs, dict) or not isinstance(theirs.get("sources"), str):
+        raise ArgumentError(f"{flag} {folder}: its manifest does not say how it was made")
+    ours = sft_token_identity(theirs["sources"], template.tokenizer, template, loss_on,
+                              columns)
+    for field in ours:
+        if ours[field] != theirs.get(field):
+            what = IDENTITY_FLAGS.get(field, field)
+            raise ArgumentError(
+                f"{flag} {folder}: was prepared with {what} {_short(theirs.get(field))}, this "
+                f"run has {_short(ours[field])}; give the flags `swift-mcore preprocess sft` "
+                f"had, or train from the files with --dataset")
+    return _tokenized(arrays, meta), theirs
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_sft_arrays(arrays, meta, vocab_size: int) -> None:
