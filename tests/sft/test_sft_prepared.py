@@ -101,3 +101,16 @@ def test_preprocess_sft_refuses_an_existing_folder_and_needs_output_dir(prepared
     assert sorted(os.listdir(folder)) == before
     assert preprocess.main(["sft", "--dataset", path]) == 2
     assert "--output_dir is required" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_training_from_the_folder_equals_training_from_the_files(prepared, tmp_path):
+    from run_helpers import losses, run_sft
+
+    path, folder = prepared
+    flags = ["--template", "plain", "--train_iters", "3", "--packing", "true", "--seed", "3"]
+    run_sft(tmp_path / "raw", "--dataset", path, *flags)
+    os.remove(path)
+    run_sft(tmp_path / "cached", "--cached_dataset", folder, *flags)
+    assert losses(tmp_path / "cached") == losses(tmp_path / "raw")
+    assert len(losses(tmp_path / "raw")) == 3
