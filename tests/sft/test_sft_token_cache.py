@@ -190,3 +190,16 @@ def test_tampered_cache_runs_no_code_and_is_rebuilt(cache, tmp_path, tok):
     (folder / "manifest.json").write_text(json.dumps(manifest))
     assert build(sft_args(dataset=[path]), tok)[2] == ["built"]
     assert build(sft_args(dataset=[path]), tok)[2] == ["reused"]
+
+
+def test_a_row_refused_in_a_worker_is_named_and_nothing_is_cached(cache, tmp_path, tok):
+    from swift_mcore.errors import ArgumentError
+
+    rows = [conversation(i) for i in range(300)]
+    rows[290]["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    with pytest.raises(ArgumentError, match=r"--dataset .*a.jsonl, row 290: the conversation "
+                                            r"has a 'tools' list, which the built-in template "
+                                            r"'plain' does not render"):
+        build(sft_args(dataset=[path], dataset_num_proc=2), tok)
+    assert [p.name for p in (cache / "sft").iterdir() if not p.name.startswith(".")] == []
