@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -82,6 +83,10 @@ class SftArguments(RunArguments):
             raise ArgumentError("sft needs --dataset: conversation files (jsonl, json, "
                                 "parquet) or a saved datasets folder (docs/sft.md); or "
                                 "--cached_dataset: a folder from `swift-mcore preprocess sft`")
+        if s.cached_dataset and not os.path.isfile(os.path.join(s.cached_dataset,
+                                                               "manifest.json")):
+            raise ArgumentError(f"--cached_dataset {s.cached_dataset}: not a folder written "
+                                f"by `swift-mcore preprocess sft` (it has no manifest.json)")
         column_map(s.columns)
         if d.data_order != "resumable":
             raise ArgumentError("--data_order megatron orders megatron's GPTDataset (pt); sft "

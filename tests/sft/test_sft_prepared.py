@@ -86,9 +86,15 @@ def test_other_flags_than_the_folders_are_refused(prepared, tok):
     with pytest.raises(ArgumentError, match=r"was prepared with --system null, this run has "
                                             r"\"Be brief.\""):
         build(tok, cached_dataset=folder, seq_length=64, system="Be brief.")
-    with pytest.raises(ArgumentError, match=r"--cached_dataset .*nowhere: not a dataset "
-                                            r"written by `swift-mcore preprocess sft` \(missing\)"):
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*nowhere: not a folder "
+                                            r"written by `swift-mcore preprocess sft` \(it has "
+                                            r"no manifest.json\)"):
         build(tok, cached_dataset=folder + "-nowhere", seq_length=64)
+    os.remove(os.path.join(folder, "ids.npy"))
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: not a dataset "
+                                            r"written by `swift-mcore preprocess sft` \(ids.npy: "
+                                            r".*cannot be read"):
+        build(tok, cached_dataset=folder, seq_length=64)
     with pytest.raises(ArgumentError, match=r"--dataset and --cached_dataset are alternatives"):
         sft_args(dataset=["x.jsonl"], cached_dataset=folder)
 
