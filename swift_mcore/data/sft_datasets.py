@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
-from .packing import pack
 # Encoding lives in sft_samples; its names are this module's API too.
 from .sft_samples import (ENCODING_VERSION, Encoded, EncodingReport, Tokenized,  # noqa: F401
                           _flat, encode_chunk, encode_conversations, tokenize_conversations)
@@ -28,13 +27,18 @@ from .templates import Template
 class SftDataset(torch.utils.data.Dataset):
     """Rows of conversations; ``collate`` pads a micro-batch of rows."""
 
-    def __init__(self, encoded: Encoded, rows: List[List[int]], seq_length: int, pad_id: int,
+    def __init__(self, encoded: Encoded, rows, seq_length: int, pad_id: int,
                  packed: bool, pad_to_seq_length: bool, fingerprint: str,
                  pad_multiple: int = 1):
+        """``rows``: the samples of each row, as lists, or as (members, row_offsets) arrays
+        (row r holds members[row_offsets[r]:row_offsets[r + 1]])."""
         self.encoded = encoded
-        self.row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        self.row_offsets[1:] = np.cumsum([len(r) for r in rows])
-        self.members = np.asarray([k for row in rows for k in row], dtype=np.int64)
+        if isinstance(rows, tuple):
+            self.members, self.row_offsets = rows
+        else:
+            self.row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+            self.row_offsets[1:] = np.cumsum([len(r) for r in rows])
+            self.members = np.asarray([k for row in rows for k in row], dtype=np.int64)
         self.seq_length = seq_length
         self.pad_id = pad_id
         self.packed = packed
@@ -93,9 +97,9 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
     """(train, valid, None) SftDatasets from --dataset (and --val_dataset or
     --split_dataset_ratio); ``config`` is a RunConfig. Conversations are tokenized once into
     the token cache (token_cache.cached_sft_tokens; ``on_cache`` hears "built" or "reused"
-    per file set). Raises ArgumentError naming the file, row and flag."""
+    per file set, and "packing built" or "packing reused" per packing plan). Raises ArgumentError naming the file, row and flag."""
     from ..arguments.sft import column_map
-    from .token_cache import cached_sft_tokens
+    from .token_cache import cached_pack_plan, cached_sft_tokens
     s, seq = config.sft, config.model.seq_length
     template = Template(s.template, tokenizer, system=s.system,
                         train_separator=s.train_separator,
@@ -142,11 +146,16 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
         if encoded is None:
             return None
         positions = encoded.positions()
-        rows = pack(positions, seq) if s.packing else [[k] for k in range(len(encoded))]
         if s.packing:
-            fill = positions.sum() / (len(rows) * seq)
-            log(f"sft data {name}: {len(encoded)} conversations packed into {len(rows)} rows "
+            rows = cached_pack_plan(positions, seq,
+                                    on_event=lambda event: on_cache(f"packing {event}"))
+            count = len(rows[1]) - 1
+            fill = positions.sum() / (count * seq)
+            log(f"sft data {name}: {len(encoded)} conversations packed into {count} rows "
                 f"of {seq} positions ({fill:.1%} filled)")
+        else:
+            n = len(encoded)
+            rows = (np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
         return SftDataset(encoded, rows, seq, pad_id, s.packing, pad_fixed,
                           f"{fingerprint}:{name}", pad_multiple)
 

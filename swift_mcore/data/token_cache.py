@@ -292,3 +292,45 @@ def _progress(total: int):
 
     return tqdm(total=total, desc="tokenizing conversations", unit="conv", disable=None,
                 leave=False)
+
+
+# ---- packing plans: the rows of a packed dataset, an index over its samples ----------------
+
+PACK_SCHEMA = {"members": ("int64", 1), "row_offsets": ("int64", 1)}
+
+
+def cached_pack_plan(positions: np.ndarray, capacity: int, on_event=lambda event: None):
+    """(members, row_offsets) of packing.pack(positions, capacity), cached by the positions'
+    content and the capacity: a pure function of them, planned once (seconds per million
+    samples) and mapped by later starts and the other ranks."""
+    from .array_cache import cached_arrays
+    from .packing import pack
+
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    key = json.dumps({"what": "sft packing", "version": 1, "capacity": int(capacity),
+                      "positions": hashlib.sha256(positions.tobytes()).hexdigest()})
+
+    def build(job) -> dict:
+        rows = pack(positions, capacity)
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(r) for r in rows])
+        job.writer("members").append(np.fromiter((k for row in rows for k in row), np.int64,
+                                                 count=int(offsets[-1])))
+        job.writer("row_offsets").append(offsets)
+        return {"rows": len(rows)}
+
+    def check(arrays, meta) -> None:
+        members, offsets = arrays["members"], arrays["row_offsets"]
+        if len(members) != len(positions) or not np.array_equal(
+                np.sort(members), np.arange(len(positions))):
+            raise ValueError("its rows do not hold every sample once")
+        if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != len(members) or \
+                (np.diff(offsets) <= 0).any():
+            raise ValueError("its row offsets are out of order")
+        used = np.add.reduceat(positions[members], offsets[:-1])
+        if (used > capacity).any():
+            raise ValueError(f"a row holds more than {capacity} positions")
+
+    arrays, _ = cached_arrays("sft-packing", key, PACK_SCHEMA, build, check=check,
+                              on_event=on_event)
+    return arrays["members"], arrays["row_offsets"]

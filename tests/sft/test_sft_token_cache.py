@@ -86,11 +86,47 @@ def test_second_run_reuses_the_cache_with_the_same_tokens(cache, tmp_path, tok):
     assert events == ["reused"]
     assert rows_of(again) == rows_of(first) and logs_again == logs
     # --seq_length, truncation and packing are applied to the cached samples: no rebuild.
-    for flags in ({"seq_length": 24, "truncation_strategy": "left"}, {"packing": True}):
-        other, _, events, _ = build(sft_args(dataset=[path], **flags), tok)
-        assert events == ["reused"], flags
-        if "seq_length" in flags:
-            assert samples_of(other) == uncached_rows(path, tok, seq=24, truncation="left")
+    other, _, events, _ = build(sft_args(dataset=[path], seq_length=24,
+                                         truncation_strategy="left"), tok)
+    assert events == ["reused"]
+    assert samples_of(other) == uncached_rows(path, tok, seq=24, truncation="left")
+    # The packing plan is an index over the samples, cached by their lengths.
+    packed, _, events, _ = build(sft_args(dataset=[path], packing=True), tok)
+    assert events == ["reused", "packing built"]
+    again, _, events, _ = build(sft_args(dataset=[path], packing=True), tok)
+    assert events == ["reused", "packing reused"] and rows_of(again) == rows_of(packed)
+
+
+def test_a_cached_packing_plan_equals_packing_afresh_and_a_bad_one_is_rebuilt(cache, tok):
+    from swift_mcore.data.packing import pack
+    from swift_mcore.data.token_cache import cached_pack_plan
+
+    positions = np.random.default_rng(0).integers(1, 60, 500)
+    fresh = pack(positions, 64)
+    for event in ("built", "reused"):
+        events = []
+        members, offsets = cached_pack_plan(positions, 64, on_event=events.append)
+        assert events == [event]
+        assert [members[offsets[r]:offsets[r + 1]].tolist() for r in range(len(fresh))] == \
+            fresh and len(offsets) == len(fresh) + 1
+    # A plan that drops a sample, or whose rows overflow, is not used.
+    [folder] = [p for p in (cache / "sft-packing").iterdir() if not p.name.startswith(".")]
+    for tamper in ("duplicate", "overflow"):
+        members = np.load(folder / "members.npy")
+        offsets = np.load(folder / "row_offsets.npy")
+        if tamper == "duplicate":
+            members[0] = members[1]
+        else:  # a row takes the next row's first sample, and overflows
+            r = next(r for r in range(len(offsets) - 2)
+                     if offsets[r + 2] - offsets[r + 1] > 1
+                     and positions[members[offsets[r]:offsets[r + 1] + 1]].sum() > 64)
+            offsets[r + 1] += 1
+        np.save(folder / "members.npy", members)
+        np.save(folder / "row_offsets.npy", offsets)
+        events = []
+        members, offsets = cached_pack_plan(positions, 64, on_event=events.append)
+        assert events == ["built"], tamper
+        assert [members[offsets[r]:offsets[r + 1]].tolist() for r in range(len(fresh))] == fresh
 
 
 def test_changed_file_template_or_tokenizer_builds_anew(cache, tmp_path, tok):
