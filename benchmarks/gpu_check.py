@@ -105,6 +105,17 @@ def paths(work: str, gpus: int) -> List[Path]:
               "activation recompute selective (core_attn,layernorm,mlp)"],
              output="recompute_selective", decisions={"layer_spec": "local",
                                                       "attention": "sdpa"}),
+        # Gemma 3's layers (windows and global layers, zero-centred norms) in bf16 with
+        # packed rows: SDPA picked over TE on a TE machine, the window mask on the GPU
+        Path("Gemma 3 layers, sliding windows, packed rows (SDPA)", "sft",
+             SMALL + ["--train_iters", "4", "--no_save", "--dataset", data, "--template",
+                      "plain", "--packing", "true", "--seq_length", "512", "--model_type",
+                      "gemma3", "--window_size", "64", "--window_attn_skip_freq", "2",
+                      "--rotary_base_local", "10000", "--rotary_base", "1000000",
+                      "--softmax_scale", "0.1"],
+             ["torch scaled_dot_product_attention", "bf16"], output="gemma3_windows",
+             decisions={"layer_spec": "local", "attention": "sdpa",
+                        "packed_rows": "block_causal_mask"}),
         Path("TP 2 + sequence parallel", "pt",
              SMALL + ["--train_iters", "4", "--no_save", "--tensor_model_parallel_size", "2",
                       "--sequence_parallel"], [te, "TP 2", "CUDA_DEVICE_MAX_CONNECTIONS=1"],

@@ -207,14 +207,13 @@ def compare_logits(loaded, hf_path: str, log) -> float:
 
 def _source_dtype(loaded) -> torch.dtype:
     """The source config.json's dtype when the model came from one, else the weights'."""
-    import json
-
+    from .input_files import load_json
     from .models.hf_save import DTYPES
 
-    if loaded.hf_folder:
-        with open(os.path.join(loaded.hf_folder, "config.json"), encoding="utf-8") as fh:
-            config = json.load(fh)
-        name = config.get("dtype") or config.get("torch_dtype")
+    if loaded.hf_folder:  # a regular file only, bounded JSON (input_files)
+        config = load_json(os.path.join(loaded.hf_folder, "config.json"))
+        name = config.get("dtype") or config.get("torch_dtype") if isinstance(
+            config, dict) else None
         if name in DTYPES:
             return DTYPES[name]
     return next(loaded.model.parameters()).dtype

@@ -55,6 +55,24 @@ def check_regular(path: str, where: str = "") -> None:
         raise _not_regular(path, mode, where)
 
 
+def first_not_regular(folder: str) -> Optional[str]:
+    """'NAME is a FIFO (named pipe)' (or a device, a socket, a link to nothing) for the first
+    entry under ``folder``, in sorted order, that is not a regular file or a folder; None if
+    there is none. stat only: nothing is opened, so nothing blocks."""
+    for base, dirs, names in os.walk(folder):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(base, name)
+            rel = os.path.relpath(path, folder)
+            try:
+                mode = os.stat(path).st_mode
+            except OSError as err:
+                return f"{rel} cannot be read ({err.strerror})"
+            if not stat.S_ISREG(mode):
+                return f"{rel} is {kind_of(mode)}, not a regular file"
+    return None
+
+
 def open_regular(path: str, mode: str = "rb", where: str = "", encoding: Optional[str] = None):
     """``open(path, mode)`` for reading, refusing anything but a regular file without ever
     blocking: opened non-blocking (a FIFO with no writer opens at once), checked with fstat

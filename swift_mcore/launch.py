@@ -4,6 +4,7 @@ command's error handling (the export child of a save is runtime/export_child.py)
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from typing import List, Optional
@@ -60,6 +61,16 @@ class TorchrunLaunch:
         return subprocess.call(self.command(subcommand_argv), env=env, pass_fds=fds)
 
 
+# Sanity bounds far above any real layout: torchrun starts NPROC_PER_NODE processes here at
+# once (each a Python with torch, hundreds of MB), so a typo of 80000 for 8 would exhaust
+# the machine before any rank could report it.
+LAYOUT_LIMITS = {
+    "NPROC_PER_NODE": (1024, "processes per machine (one per accelerator, or a few on a CPU "
+                             "node)"),
+    "NNODES": (65536, "machines"),
+}
+
+
 def torchrun_launch() -> Optional[TorchrunLaunch]:
     """The launcher the environment asks for (None: run in this process). A layout that
     could never start (NODE_RANK >= NNODES, a bad number or port) is an ArgumentError."""
@@ -69,13 +80,16 @@ def torchrun_launch() -> Optional[TorchrunLaunch]:
     def env_int(name, default):
         value = os.environ.get(name, default)
         zero_ok = name in ("NODE_RANK", "MAX_RESTARTS")
-        try:
-            number = int(value)
-        except ValueError:
-            number = -1
+        # decimal digits only: int() would also take "1_000", " 8" and other scripts' digits
+        # (and raise on 5,000 of them)
+        number = (-1 if not re.fullmatch(r"[0-9]+", value)
+                  else int(value) if len(value) <= 18 else 10 ** 18)
         if number < 0 or number == 0 and not zero_ok:
             kind = "a non-negative" if zero_ok else "a positive"
             raise ArgumentError(f"{name}={value!r} must be {kind} integer")
+        if name in LAYOUT_LIMITS and number > LAYOUT_LIMITS[name][0]:
+            limit, what = LAYOUT_LIMITS[name]
+            raise ArgumentError(f"{name}={value!r}: at most {limit} {what} are accepted")
         return number
 
     slurm = slurm_layout(os.environ)

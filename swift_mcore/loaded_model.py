@@ -124,8 +124,11 @@ def _from_lora_checkpoint(folder: str, saved, base: str, tokenizer_path: Optiona
     flags = one_process_flags(saved)
     flags.update(**saved.get("tuner", {}), seed=saved.get("training", {}).get("seed", 42))
     if flags.model.attention_backend in ("auto", "transformer_engine"):
-        # the local spec: TE-spec adapters have the same checkpoint keys (models/lora_te.py)
-        flags.update(attention_backend="local")
+        # the local spec: TE-spec adapters have the same checkpoint keys (models/lora_te.py);
+        # sliding windows and Gemma 3's layers run in its SDPA core attention only
+        m = flags.model
+        flags.update(attention_backend="sdpa" if m.window_size or m.model_type == "gemma3"
+                     else "local")
     hf_folder = saved.get("model", {}).get("model")
     if hf_folder:
         if not is_hf_folder(hf_folder):

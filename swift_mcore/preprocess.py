@@ -1,8 +1,9 @@
-"""`swift-mcore preprocess`: raw text files -> megatron .bin/.idx, with progress and a summary."""
+"""`swift-mcore preprocess`: text files -> .bin/.idx; `preprocess sft`: conversations -> a tokenized folder."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -171,7 +172,85 @@ def format_summary(s: dict) -> str:
 def main(argv: List[str]) -> int:
     from .launch import run_command
 
+    if argv[:1] == ["sft"]:
+        return run_command("preprocess sft", argv[1:], parse_sft, _preprocess_sft_and_report,
+                           shutdown=False)
     return run_command("preprocess", argv, parse, _preprocess_and_report, shutdown=False)
+
+
+# ---- sft: conversations tokenized into a folder for `sft --cached_dataset` -----------------
+
+def parse_sft(argv: List[str]):
+    """`preprocess sft` takes sft's own flags (the data, tokenizer and template ones matter;
+    the others are accepted and unused) and requires --output_dir, the folder to write."""
+    from .arguments import SftArguments
+    from .arguments.parser import parse_args
+    from .run_config import resolve
+
+    if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in argv):
+        raise ArgumentError("--output_dir is required (the folder to write; "
+                            "then train with `swift-mcore sft --cached_dataset FOLDER`)")
+    config = resolve(parse_args(argv, prog="swift-mcore preprocess sft", cls=SftArguments),
+                     world_size=1, cuda=False)
+    s, folder = config.sft, config.logging.output_dir
+    if s.cached_dataset:
+        raise ArgumentError("--cached_dataset is what it writes; give "
+                            "--dataset, the raw conversation files")
+    if s.val_dataset:
+        raise ArgumentError("--val_dataset is not stored; prepare it into a "
+                            "folder of its own, or hold out a share with "
+                            "--split_dataset_ratio when training")
+    if os.path.lexists(folder):
+        raise ArgumentError(f"--output_dir {folder}: exists; give a new folder (nothing is "
+                            f"overwritten)")
+    return config
+
+
+def preprocess_sft(config) -> dict:
+    """Tokenize --dataset into --output_dir; returns the summary."""
+    from .arguments.sft import column_map
+    from .data.templates import Template
+    from .data.token_cache import write_sft_dataset
+    from .data.tokenizer import build_tokenizer
+
+    start = time.perf_counter()
+    s, folder = config.sft, config.logging.output_dir
+    tokenizer = build_tokenizer(config)
+    template = Template(s.template, tokenizer, system=s.system,
+                        train_separator=s.train_separator,
+                        ignore_empty_think=s.ignore_empty_think)
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    write_sft_dataset(folder, list(config.dataset_sources), column_map(s.columns), template,
+                      s.loss_on, s.dataset_num_proc)
+    manifest = json.loads(open(os.path.join(folder, "manifest.json"), encoding="utf-8").read())
+    shapes = manifest["arrays"]
+    flags = [f"--{name} {value}" for name, value in (
+        ("tokenizer", config.data.tokenizer), ("model", config.model.model),
+        ("template", s.template if s.template != "auto" else None)) if value]
+    return {"folder": folder, "conversations": manifest["meta"]["conversations"],
+            "samples": shapes["answers"]["shape"][0], "tokens": shapes["ids"]["shape"][0],
+            "template": template.describe(), "flags": " ".join(flags),
+            "seconds": time.perf_counter() - start}
+
+
+def format_sft_summary(s: dict) -> str:
+    return "\n".join([
+        f"wrote {s['folder']}: {s['conversations']:,} conversations as {s['samples']:,} "
+        f"samples, {s['tokens']:,} tokens (template: {s['template']}) in {s['seconds']:,.1f} s",
+        f"  train on it: swift-mcore sft --cached_dataset {s['folder']}"
+        + (f" {s['flags']}" if s["flags"] else "")
+        + " (and the --system, --loss_on, --columns, --ignore_empty_think flags used here)",
+    ])
+
+
+def _preprocess_sft_and_report(config) -> None:
+    try:
+        summary = preprocess_sft(config)
+    except KeyboardInterrupt:
+        print("swift-mcore preprocess sft: interrupted; nothing was written", file=sys.stderr)
+        raise SystemExit(130) from None
+    print(format_sft_summary(summary), flush=True)
 
 
 def _preprocess_and_report(args) -> None:

@@ -188,6 +188,7 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
     check_trackers(flags)
     sources, val_sources = check_inputs(flags)
     attention = choose_attention(flags.model.attention_backend, cuda, transformer_engine)
+    attention = choose_window_attention(flags.model, attention)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
@@ -286,6 +287,24 @@ def choose_attention(flag: str, cuda: bool, transformer_engine: bool) -> str:
                             "Transformer Engine (pip install -r requirements/gpu.txt); choose "
                             "auto, local or sdpa")
     return flag
+
+
+def choose_window_attention(m, attention: str) -> str:
+    """The attention for a model with sliding windows or Gemma 3's layers, which only our
+    SDPA core attention and the local layer spec implement here: megatron's local
+    attention builds its window mask on CUDA only and drops the packed rows' mask with it,
+    and Gemma 3's extra norms are local-spec modules. 'auto' becomes sdpa; an explicit other
+    backend is refused."""
+    if not m.window_size and m.model_type != "gemma3":
+        return attention
+    if attention == "sdpa":
+        return attention
+    if m.attention_backend == "auto":
+        return "sdpa"
+    what = f"--window_size {m.window_size}" if m.window_size else "a gemma3 model"
+    raise ArgumentError(f"--attention_backend {m.attention_backend} with {what}: only sdpa "
+                        f"runs sliding-window attention and Gemma 3's layers exactly here; "
+                        f"use --attention_backend sdpa (or auto)")
 
 
 def check_hardware(flags: RunArguments, cuda: bool) -> str:

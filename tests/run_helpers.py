@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -115,3 +117,35 @@ def read_documents(prefix: str):
         return None
     dataset = IndexedDataset(prefix)  # held while copying: its arrays are views of its mmap
     return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def run_or_kill(argv, timeout: float, **popen) -> Optional[subprocess.CompletedProcess]:
+    """``argv`` in a session of its own (text output captured); None when it still runs after
+    ``timeout`` s, its whole process group killed first, so a regression that blocks (on a
+    FIFO, say) fails the test instead of hanging pytest."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str):
+    """A tmpfs of ``size`` (mount's -o size=) at ``mount``, unmounted afterwards; the test is
+    skipped where mounting is not allowed."""
+    import pytest
+
+    mount.mkdir(exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()[:200]})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

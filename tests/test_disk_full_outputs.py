@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from run_helpers import ROOT, child_env, run_pt
+from run_helpers import ROOT, child_env, run_pt, tmpfs
 
 PAGE = 4096  # tmpfs allocates whole pages
 
@@ -21,16 +21,8 @@ PAGE = 4096  # tmpfs allocates whole pages
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2 MiB tmpfs; unmounted after the test."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "2m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def fill(disk, leave_pages: int = 0):

@@ -21,7 +21,7 @@ def test_dry_run_parses_every_command():
     names = [p["name"] for p in result["paths"]]
     for wanted in ("TE spec", "resume", "THD", "LoRA on the TE spec", "fp16", "--use_distributed_optimizer",
                    "recompute full", "recompute selective", "sequence parallel", "grouped GEMM",
-                   "1B Llama"):
+                   "1B Llama", "sliding windows"):
         assert any(wanted in name for name in names), wanted
     assert all(p["status"] == "parses" for p in result["paths"]), result["paths"]
     assert proc.stdout.count("would run: ") == len(names)

@@ -55,6 +55,13 @@ def test_a_bad_master_port_is_refused(monkeypatch, values, message):
     ({"NODE_RANK": "1"}, "NODE_RANK=1 must be below NNODES=1"),
     ({"MASTER_ADDR": "10.0.0.1 --evil"}, "MASTER_ADDR='10.0.0.1 --evil' must be a host name"),
     ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE='0' must be a positive integer"),
+    ({"NPROC_PER_NODE": "80000"}, "NPROC_PER_NODE='80000': at most 1024 processes per "
+                                  "machine (one per accelerator, or a few on a CPU node) are "
+                                  "accepted"),
+    ({"NPROC_PER_NODE": "9" * 5000}, f"NPROC_PER_NODE='{'9' * 5000}': at most 1024 "),
+    ({"NPROC_PER_NODE": "1_000"}, "NPROC_PER_NODE='1_000' must be a positive integer"),
+    ({"NPROC_PER_NODE": " 2"}, "NPROC_PER_NODE=' 2' must be a positive integer"),
+    ({"NNODES": "100000"}, "NNODES='100000': at most 65536 machines are accepted"),
 ])
 def test_a_layout_that_could_never_start_is_refused(monkeypatch, values, message):
     with pytest.raises(ArgumentError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):

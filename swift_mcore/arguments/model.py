@@ -27,7 +27,7 @@ class ModelArguments:
         "are loaded.")
     model_type: Optional[str] = flag(
         None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral, "
-        "qwen2_moe, qwen3_moe, mixtral; "
+        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
     num_layers: int = flag(4, "Number of transformer layers.",
@@ -59,11 +59,53 @@ class ModelArguments:
         "original positions).")
     rope_scaling_factor: float = flag(8.0, "Factor of the Llama-3 RoPE scaling.",
                                       range=POSITIVE)
+    # ---- multi-latent attention (DeepSeek-V3; megatron's MLASelfAttention) -------------
+    multi_latent_attention: bool = flag(
+        False, "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through "
+        "low-rank projections, a separate RoPE part of each head.")
+    q_lora_rank: Optional[int] = flag(
+        None, "MLA: rank of the query's down projection; unset: queries projected directly.")
+    kv_lora_rank: int = flag(512, "MLA: rank of the key/value down projection.")
+    qk_head_dim: int = flag(128, "MLA: the per-head query/key channels without RoPE.")
+    qk_pos_emb_head_dim: int = flag(64, "MLA: the per-head query/key channels RoPE rotates.")
+    v_head_dim: int = flag(128, "MLA: the per-head value channels.")
+    rope_type: str = flag("rope", "MLA's RoPE: rope (plain) or yarn (YaRN context extension "
+                          "with the --rotary_scaling_factor and --mscale flags).",
+                          choices=("rope", "yarn"))
+    rotary_scaling_factor: float = flag(1.0, "YaRN: the context extension factor.",
+                                        range=POSITIVE)
+    original_max_position_embeddings: int = flag(
+        4096, "YaRN: the context length the model was first trained for.")
+    beta_fast: float = flag(32.0, "YaRN: beta_fast (high-frequency boundary).",
+                             range=POSITIVE)
+    beta_slow: float = flag(1.0, "YaRN: beta_slow (low-frequency boundary).",
+                             range=POSITIVE)
+    mscale: float = flag(1.0, "YaRN: mscale of the rotary embedding.",
+                          range=NON_NEGATIVE)
+    mscale_all_dim: float = flag(0.0, "YaRN: mscale_all_dim (also scales the softmax).",
+                                  range=NON_NEGATIVE)
     untie_embeddings_and_output_weights: bool = flag(
         True, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = flag(False, "Bias in the linear layers.")
     add_qkv_bias: bool = flag(False, "Bias in the query/key/value projection only (Qwen2).")
     qk_layernorm: bool = flag(False, "Normalize queries and keys per head (Qwen3).")
+    window_size: Optional[int] = flag(
+        None, "Sliding-window attention: each query attends to itself and the window_size - 1 "
+        "tokens before it (Gemma 3); unset: the whole sequence. Runs with --attention_backend "
+        "sdpa.", range=POSITIVE)
+    window_attn_skip_freq: Optional[str] = flag(
+        None, "Which layers attend to the whole sequence with --window_size: an integer k "
+        "(layers k, 2k, ... counting from 1) or a per-layer list of 1 (window) and 0 (whole "
+        "sequence), e.g. '[1,1,0]'; unset: every layer has the window.")
+    rotary_base_local: Optional[int] = flag(
+        None, "RoPE base of the sliding-window layers (Gemma 3's rope_local_base_freq); "
+        "unset: --rotary_base.", range=POSITIVE)
+    rotary_seq_len_interpolation_factor: Optional[float] = flag(
+        None, "Linear RoPE scaling: positions divided by this factor (Gemma 3's global layers, "
+        "rope_type 'linear'); unset: none.", range=POSITIVE)
+    softmax_scale: Optional[float] = flag(
+        None, "Scale of the attention scores (Gemma 3: query_pre_attn_scalar ** -0.5); unset: "
+        "1 / sqrt(head size).", range=POSITIVE)
     hidden_dropout: float = flag(0.0, "Dropout after attention and MLP.", range=FRACTION)
     attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.",
                                     range=FRACTION)
@@ -104,6 +146,21 @@ class ModelArguments:
     moe_router_pre_softmax: bool = flag(
         False, "Softmax over all experts before top-k (the top-k weights then do not sum to "
         "1: Qwen's norm_topk_prob false); default top-k first, then softmax over the k.")
+    moe_router_score_function: str = flag(
+        "softmax", "Router scores: softmax, or sigmoid (DeepSeek-V3, GLM-4.5: the top-k "
+        "scores renormalised to sum 1).", choices=("softmax", "sigmoid"))
+    moe_router_enable_expert_bias: bool = flag(
+        False, "A per-expert bias added to the scores for the choice only, moved after each "
+        "step toward balanced loads (DeepSeek-V3's aux-loss-free balancing); saved state.")
+    moe_router_bias_update_rate: float = flag(
+        1e-3, "How far each step moves the expert bias.", range=NON_NEGATIVE)
+    moe_router_num_groups: Optional[int] = flag(
+        None, "Group-limited routing: experts in this many equal groups; unset: no groups.")
+    moe_router_group_topk: Optional[int] = flag(
+        None, "Group-limited routing: the groups each token may choose experts from.")
+    moe_router_topk_scaling_factor: Optional[float] = flag(
+        None, "Multiplies the routing weights (DeepSeek-V3's routed_scaling_factor).",
+        range=POSITIVE)
     moe_token_dispatcher_type: str = flag(
         "alltoall", "How tokens reach the experts of other expert-parallel ranks.",
         choices=("allgather", "alltoall"))
@@ -117,9 +174,26 @@ def moe_layer_pattern(m: ModelArguments) -> List[int]:
     lists ('([0]*1+[1]*3)'), gives each layer. Raises ArgumentError naming the flag. The
     expression is bounded as a whole, before anything is built: its text, its nesting
     depth and every list it makes (at most --num_layers items)."""
-    text = str(m.moe_layer_freq).strip()
-    layers = int(m.num_layers)
-    bad = ArgumentError(f"--moe_layer_freq takes an integer k >= 1 or a list of {layers} "
+    return _layer_pattern("moe_layer_freq", m.moe_layer_freq, int(m.num_layers),
+                          lambda i, k: 1 if i % k == 0 else 0)
+
+
+def window_layer_pattern(m: ModelArguments) -> List[int]:
+    """--window_attn_skip_freq as one 0/1 per layer (1: sliding window, 0: the whole
+    sequence), as megatron reads it: an integer k makes every k-th layer global (layers k,
+    2k, ... counting from 1), a list gives each layer. All 1 when unset; [] without
+    --window_size."""
+    if not m.window_size:
+        return []
+    if m.window_attn_skip_freq is None:
+        return [1] * int(m.num_layers)
+    return _layer_pattern("window_attn_skip_freq", m.window_attn_skip_freq,
+                          int(m.num_layers), lambda i, k: 0 if (i + 1) % k == 0 else 1)
+
+
+def _layer_pattern(flag: str, text, layers: int, every_kth) -> List[int]:
+    text = str(text).strip()
+    bad = ArgumentError(f"--{flag} takes an integer k >= 1 or a list of {layers} "
                         f"0/1 values (one per layer, e.g. '[0,1]' or '([0]*1+[1]*3)'); got "
                         f"{_shown(text)}")
     if len(text) > FREQ_CHARS_PER_LAYER * layers + 256:
@@ -134,7 +208,7 @@ def moe_layer_pattern(m: ModelArguments) -> List[int]:
     if isinstance(value, int):
         if not 1 <= value:
             raise bad
-        return [1 if i % value == 0 else 0 for i in range(layers)]
+        return [every_kth(i, value) for i in range(layers)]
     if len(value) != layers or any(v not in (0, 1) for v in value):
         raise bad
     return list(value)

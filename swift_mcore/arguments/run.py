@@ -166,6 +166,7 @@ class RunArguments:
         self.check_model_shape(world_size)
         self.check_parallel(world_size)
         self.check_moe(world_size)
+        self.check_attention()
         self.check_recompute()
         self.check_checkpoint_flags()
         self.check_best_flags()
@@ -201,6 +202,48 @@ class RunArguments:
             raise ArgumentError(
                 f"--pipeline_model_parallel_size ({pp}) must divide --num_layers "
                 f"({m.num_layers}){source}")
+        self.check_window()
+
+    def check_window(self) -> None:
+        """The sliding-window flags: a pattern needs a window; the local RoPE base is Gemma
+        3's (only its attention swaps RoPE tables); Gemma 3's extra norms are the local
+        spec's and sum no gradients over TP ranks (no sequence parallelism)."""
+        from .model import window_layer_pattern
+
+        m = self.model
+        if m.window_attn_skip_freq is not None and not m.window_size:
+            raise ArgumentError("--window_attn_skip_freq needs --window_size")
+        window_layer_pattern(m)
+        if m.rotary_base_local is not None and m.model_type != "gemma3":
+            raise ArgumentError("--rotary_base_local is Gemma 3's local RoPE base: it needs "
+                                "--model_type gemma3")
+        if m.model_type == "gemma3" and self.parallel.sequence_parallel:
+            raise ArgumentError("--sequence_parallel with a gemma3 model: its post-attention "
+                                "and post-MLP norms do not support it yet; drop the flag")
+
+    def check_attention(self) -> None:
+        """Multi-latent attention's flags (YaRN is MLA's RoPE only here)."""
+        m, p = self.model, self.parallel
+        if m.rope_type == "yarn" and not m.multi_latent_attention:
+            raise ArgumentError("--rope_type yarn is multi-latent attention's RoPE here; it "
+                                "needs --multi_latent_attention")
+        if not m.multi_latent_attention:
+            return
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            _positive(m, name)
+        if m.q_lora_rank is not None:
+            _positive(m, "q_lora_rank")
+        if m.qk_pos_emb_head_dim % 2:
+            raise ArgumentError(f"--qk_pos_emb_head_dim {m.qk_pos_emb_head_dim} must be even "
+                                f"(RoPE rotates channel pairs)")
+        if m.attention_backend == "local":
+            raise ArgumentError("--multi_latent_attention with --attention_backend local: "
+                                "megatron's local attention cannot take MLA's head sizes; "
+                                "use sdpa, transformer_engine or auto")
+        if p.tensor_model_parallel_size > 1:
+            raise ArgumentError("--multi_latent_attention with --tensor_model_parallel_size "
+                                f"{p.tensor_model_parallel_size}: not supported yet; use "
+                                f"--expert_model_parallel_size or data parallelism")
 
     def check_parallel(self, world_size: int) -> None:
         p, t = self.parallel, self.training
@@ -285,6 +328,17 @@ class RunArguments:
         if m.add_bias_linear:
             raise ArgumentError("--num_experts with --add_bias_linear: megatron's MoE layer "
                                 "has no bias in its experts; drop --add_bias_linear")
+        groups, chosen = m.moe_router_num_groups, m.moe_router_group_topk
+        if (groups is None) != (chosen is None):
+            raise ArgumentError("--moe_router_num_groups and --moe_router_group_topk go "
+                                "together (group-limited routing); give both or neither")
+        if groups is not None and not (0 < chosen <= groups and m.num_experts % groups == 0
+                                       and m.moe_router_topk <= chosen * (m.num_experts //
+                                                                          groups)):
+            raise ArgumentError(
+                f"--moe_router_num_groups {groups} must divide --num_experts "
+                f"({m.num_experts}) and --moe_router_group_topk {chosen} be 1 to {groups}, "
+                f"with the chosen groups holding at least --moe_router_topk experts{source}")
     def check_recompute(self) -> None:
         """The combinations megatron-core's TransformerConfig accepts, and that its block can
         run: uniform chunks tile a pipeline stage's layers (megatron would index past the
@@ -362,6 +416,9 @@ class RunArguments:
             raise ArgumentError("--tuner_type lora does not support --sequence_parallel (the "
                                 "adapters' replicated weights would need its gradient "
                                 "reduction); leave --sequence_parallel off")
+        if self.tuner.tuner_type == "lora" and self.model.multi_latent_attention:
+            raise ArgumentError("--tuner_type lora with --multi_latent_attention (DeepSeek-V3): "
+                                "not supported yet; use --tuner_type full")
 
     def check_best_flags(self) -> None:
         """--metric_for_best, --greater_is_better, --early_stopping_patience: they judge
@@ -410,7 +467,9 @@ class RunArguments:
 MOE_FLAGS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
              "moe_shared_expert_gate", "moe_layer_freq", "moe_router_load_balancing_type",
              "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_pre_softmax",
-             "moe_token_dispatcher_type", "moe_grouped_gemm")
+             "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_score_function",
+             "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+             "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor")
 
 
 def check_schedule_length(t, train_iters: int) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ..errors import ArgumentError
-from .fields import FRACTION, flag
+from .fields import FRACTION, POSITIVE, flag
 from .run import RunArguments
 
 TEMPLATES = ("auto", "tokenizer", "chatml", "plain")
@@ -27,6 +28,11 @@ class SftDataArguments:
         False, "Also train the text a template puts after an answer's end-of-turn marker (the "
         "newline after ChatML's <|im_end|>). Off by default, as in transformers' assistant "
         "masks: that text is context, the next message's start.")
+    ignore_empty_think: bool = flag(
+        True, "Leave an answer's empty reasoning block (<think></think>, which Qwen3-style "
+        "templates write into answers that have no reasoning) out of the loss, so the model "
+        "does not learn to skip thinking; 'false' trains it like the rest of the answer "
+        "(docs/sft.md, 'Empty reasoning blocks').")
     loss_on: str = flag(
         "all_turns", "Which assistant turns are trained on; every other token is masked from "
         "the loss.", choices=("all_turns", "last_turn"))
@@ -39,6 +45,15 @@ class SftDataArguments:
     columns: Optional[List[str]] = flag(
         None, "Rename columns before reading: 'instruction=query output=response', or a "
         "JSON object. Read columns: " + ", ".join(COLUMN_TARGETS) + ".")
+    dataset_num_proc: int = flag(
+        1, "Worker processes that tokenize conversations when they are not in the token "
+        "cache yet (docs/sft.md, 'Tokenized once'); the tokens are the same for any count.",
+        range=POSITIVE)
+    cached_dataset: Optional[str] = flag(
+        None, "Train on a folder written by `swift-mcore preprocess sft` (the conversations "
+        "tokenized; the raw files are not read) instead of --dataset. Give the tokenizer and "
+        "the template flags it was prepared with; --seq_length, --truncation_strategy and "
+        "--packing may differ (docs/sft.md, 'Prepared offline').")
     val_dataset: Optional[List[str]] = flag(
         None, "Validation conversations (files, folders or globs, as --dataset).")
     split_dataset_ratio: float = flag(
@@ -61,9 +76,17 @@ class SftArguments(RunArguments):
             raise ArgumentError("--data_path holds pretraining .bin/.idx files; sft reads "
                                 "conversations from --dataset (jsonl, json, parquet, or a "
                                 "saved datasets folder)")
-        if not d.dataset:
+        if d.dataset and s.cached_dataset:
+            raise ArgumentError("--dataset and --cached_dataset are alternatives: give the "
+                                "raw files or the folder `swift-mcore preprocess sft` wrote")
+        if not d.dataset and not s.cached_dataset:
             raise ArgumentError("sft needs --dataset: conversation files (jsonl, json, "
-                                "parquet) or a saved datasets folder (docs/sft.md)")
+                                "parquet) or a saved datasets folder (docs/sft.md); or "
+                                "--cached_dataset: a folder from `swift-mcore preprocess sft`")
+        if s.cached_dataset and not os.path.isfile(os.path.join(s.cached_dataset,
+                                                               "manifest.json")):
+            raise ArgumentError(f"--cached_dataset {s.cached_dataset}: not a folder written "
+                                f"by `swift-mcore preprocess sft` (it has no manifest.json)")
         column_map(s.columns)
         if d.data_order != "resumable":
             raise ArgumentError("--data_order megatron orders megatron's GPTDataset (pt); sft "

@@ -11,6 +11,8 @@ import os
 from typing import Optional
 
 from ..atomic_write import write_atomic
+from ..errors import ArgumentError
+from ..input_files import load_json
 from ..runtime import run_files
 from .commit import HF_SUFFIX, new_token
 from .state import TrainState
@@ -50,10 +52,9 @@ def write(root: str, state: TrainState) -> Optional[dict]:
 
 def read(root: str) -> Optional[dict]:
     """The record ``write`` left (None if there is none or it is unreadable)."""
-    try:
-        with open(os.path.join(root, RECORD), encoding="utf-8") as fh:
-            record = json.load(fh)
-    except (OSError, ValueError):
+    try:  # a regular file only (a FIFO would block), bounded JSON
+        record = load_json(os.path.join(root, RECORD))
+    except ArgumentError:
         return None
     return record if isinstance(record, dict) else None
 

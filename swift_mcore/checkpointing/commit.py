@@ -16,6 +16,8 @@ import uuid
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..errors import ArgumentError
+from ..input_files import first_not_regular, inside, load_json, open_regular
 from ..runtime import collectives as comm
 from .folders import fsync_dir, iter_dir_name, parse_iter_dir
 
@@ -104,7 +106,7 @@ def list_files(folder: str) -> List[str]:
 def checksum(path: str, fsync: bool = False) -> Tuple[int, int]:
     """(size, CRC-32) of one file; with ``fsync`` its data is also forced to disk."""
     crc, size = 0, 0
-    with open(path, "rb") as fh:
+    with open_regular(path, "rb") as fh:  # a FIFO swapped in would block a plain open
         while True:
             block = fh.read(_CHUNK)
             if not block:
@@ -150,13 +152,12 @@ def write_manifest(folder: str, manifest: dict) -> None:
 
 def read_manifest(folder: str) -> Tuple[Optional[dict], Optional[str]]:
     path = os.path.join(folder, MANIFEST_FILENAME)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            manifest = json.load(fh)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None, f"it has no {MANIFEST_FILENAME} (the save did not finish)"
-    except (OSError, ValueError) as err:
-        return None, f"its {MANIFEST_FILENAME} is unreadable ({err})"
+    try:  # a regular file, its size and nesting bounded (input_files)
+        manifest = load_json(path, MANIFEST_FILENAME)
+    except ArgumentError as err:
+        return None, f"its {err}"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return None, f"its {MANIFEST_FILENAME} is not a swift-mcore checkpoint manifest"
     if manifest.get("version", 0) > FORMAT_VERSION:
@@ -164,15 +165,28 @@ def read_manifest(folder: str) -> Tuple[Optional[dict], Optional[str]]:
                       f"this swift-mcore reads up to {FORMAT_VERSION}")
     if not isinstance(manifest.get("files"), dict):
         return None, f"its {MANIFEST_FILENAME} lacks the file table"
+    for rel, entry in manifest["files"].items():
+        try:  # every name stays inside the folder: no ../, no absolute path
+            inside(folder, rel, f"its {MANIFEST_FILENAME}")
+        except ArgumentError as err:
+            return None, str(err)
+        if not isinstance(entry, dict) or not all(
+                type(entry.get(key)) is int and entry[key] >= 0 for key in ("size", "crc32")):
+            return None, (f"its {MANIFEST_FILENAME} records {rel!r:.200} without a size and "
+                          f"crc32 (non-negative integers)")
     return manifest, None
 
 
 def check_complete(folder: str) -> Optional[str]:
     """None if ``folder`` is a sealed checkpoint whose files all exist with their recorded
-    sizes (cheap: stat only); else why not."""
+    sizes, and which holds nothing but regular files and folders (cheap: stat only; a FIFO
+    or device would block or never end whatever later opens it); else why not."""
     if not os.path.isdir(folder):
         return "it does not exist"
     manifest, problem = read_manifest(folder)
+    if problem:
+        return problem
+    problem = first_not_regular(folder)
     if problem:
         return problem
     for rel, entry in manifest["files"].items():
@@ -199,7 +213,7 @@ def verify_checksums(folder: str) -> None:
             entry = manifest["files"][rel]
             try:
                 size, crc = checksum(os.path.join(folder, rel))
-            except OSError as err:
+            except (OSError, ArgumentError) as err:
                 error = f"checkpoint {folder} cannot be used: {rel} cannot be read ({err})"
                 break
             if (size, crc) != (entry["size"], entry["crc32"]):

@@ -6,7 +6,8 @@ import json
 import os
 from typing import Any, Dict
 
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
+from ..input_files import load_json
 from .state import TrainState
 
 TRAIN_STATE = "train_state.json"   # TrainState: iteration and sample counters
@@ -22,16 +23,17 @@ def write_json(folder: str, name: str, data: Any) -> None:
 
 
 def read_json(folder: str, name: str) -> Dict[str, Any]:
-    """A JSON object file of the checkpoint; anything else (garbage, binary, another JSON
-    value) is a one-line CheckpointError naming the file."""
+    """A JSON object file of the checkpoint, read as input_files reads untrusted JSON (a
+    regular file only, bounded in size and nesting); anything else (a FIFO, garbage, binary,
+    another JSON value) is a one-line CheckpointError naming the file."""
     path = os.path.join(folder, name)
+    if not os.path.lexists(path):
+        raise CheckpointError(f"checkpoint {folder} has no {name}")
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {folder} has no {name}") from None
-    except (OSError, ValueError) as err:  # ValueError: bad JSON, bad UTF-8
-        raise CheckpointError(f"checkpoint {folder}: {name} is unreadable ({err})") from None
+        data = load_json(path, name)
+    except ArgumentError as err:  # "NAME: why"
+        raise CheckpointError(f"checkpoint {folder}: {name} is unreadable "
+                              f"({str(err)[len(name) + 2:]})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint {folder}: {name} is unreadable (it holds a JSON "
                               f"{type(data).__name__}, not an object)")

@@ -7,6 +7,9 @@ import os
 import re
 from typing import Optional, Tuple
 
+from ..errors import ArgumentError
+from ..input_files import open_regular
+
 LATEST_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_SUBDIR = "checkpoint"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
@@ -35,11 +38,13 @@ def read_latest(root: str) -> Tuple[Optional[int], Optional[str]]:
     """(iteration, None), or (None, why not) when the latest-iteration file is absent or
     unreadable."""
     path = latest_path(root)
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(_LATEST_MAX_BYTES + 1)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None, f"{path} does not exist"
+    try:  # a FIFO or device named like the file would block or never end
+        with open_regular(path, "rb") as fh:
+            raw = fh.read(_LATEST_MAX_BYTES + 1)
+    except ArgumentError as err:
+        return None, str(err)
     except OSError as err:
         return None, f"{path} cannot be read ({err})"
     try:

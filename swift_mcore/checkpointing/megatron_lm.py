@@ -17,6 +17,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from ..errors import CheckpointError
+from ..input_files import first_not_regular
 
 # Only a swift-mcore save writes these into an iter_ folder (ms-swift keeps an args.json of
 # its own, so that name alone does not make a folder swift-mcore's).
@@ -31,8 +32,8 @@ def is_megatron_lm(folder: str) -> bool:
     """A dist_checkpointing folder that no swift-mcore save wrote: megatron's files, neither
     swift-mcore's manifest nor its train state."""
     return (os.path.isdir(folder)
-            and os.path.isfile(os.path.join(folder, "metadata.json"))
-            and os.path.isfile(os.path.join(folder, "common.pt"))
+            and os.path.lexists(os.path.join(folder, "metadata.json"))
+            and os.path.lexists(os.path.join(folder, "common.pt"))
             and not any(os.path.exists(os.path.join(folder, name)) for name in OWN_FILES))
 
 
@@ -43,10 +44,14 @@ def problem(folder: str) -> Optional[str]:
     from .safe_load import read_dcp_metadata
 
     for name in DCP_FILES:
-        if not os.path.isfile(os.path.join(folder, name)):
+        if not os.path.lexists(os.path.join(folder, name)):
             return f"it is a Megatron-LM checkpoint without {name} (the save did not finish)"
+    # stat only: a FIFO or device would block (or never end) whatever opens it next
+    not_regular = first_not_regular(folder)
+    if not_regular:
+        return f"it is a Megatron-LM checkpoint whose {not_regular}"
     try:
-        metadata = read_dcp_metadata(folder)
+        metadata = read_dcp_metadata(folder)  # its data files' names stay inside the folder
     except CheckpointError as err:
         return str(err).replace(f"checkpoint {folder}: ", "")
     ends: Dict[str, int] = {}

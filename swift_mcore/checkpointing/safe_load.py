@@ -26,7 +26,8 @@ from typing import Any, Iterator, List, Optional
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
+from ..input_files import inside, open_regular
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _EXTRA = {
@@ -72,14 +73,52 @@ def load_dcp_metadata(stream) -> Any:
 
 def read_dcp_metadata(folder: str) -> Any:
     path = os.path.join(folder, ".metadata")
+    if not os.path.lexists(path):
+        raise CheckpointError(f"checkpoint {folder} has no .metadata file")
     try:
-        with open(path, "rb") as fh:
-            return load_dcp_metadata(fh)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {folder} has no .metadata file") from None
+        with open_regular(path, "rb", f"checkpoint {folder}: .metadata") as fh:
+            metadata = load_dcp_metadata(fh)
+    except ArgumentError as err:  # a FIFO or device: refused before it is read
+        raise CheckpointError(str(err)) from None
     except Exception as err:
         raise CheckpointError(f"checkpoint {folder}: .metadata: "
                               f"{_reason(err, METADATA_ALLOWED)}") from None
+    check_storage_paths(metadata, folder)
+    return metadata
+
+
+def check_storage_paths(metadata: Any, folder: str) -> None:
+    """Every file torch DCP's ``.metadata`` names for its data stays inside ``folder``."""
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        try:
+            inside(str(folder), getattr(info, "relative_path", None),
+                   f"checkpoint {folder}: .metadata")
+        except ArgumentError as err:
+            raise CheckpointError(str(err)) from None
+
+
+def _regular_file_system(folder: str):
+    """torch DCP's file system whose reads open regular files only (a FIFO named like a
+    .distcp file would block ``open``): anything else is a CheckpointError naming it."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class RegularFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode: str):
+            if set(mode) - set("rb"):
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            where = f"checkpoint {folder}: {os.path.relpath(str(path), str(folder))}"
+            try:
+                stream = open_regular(str(path), mode, where)
+            except ArgumentError as err:
+                raise CheckpointError(str(err)) from None
+            with stream:
+                yield stream
+
+    return RegularFileSystem()
+
 
 
 # ---- torch.load: torch's own types and this list, nothing registered by anyone else --------
@@ -200,15 +239,22 @@ def _safe_reader_class():
     class SafeFileSystemReader(CachedMetadataFileSystemReader):
         _reading: Optional[Any] = None  # the _StorageInfo of the item being read
 
+        def __init__(self, path):
+            super().__init__(path)
+            self.fs = _regular_file_system(self.path)
+
         def read_metadata(self, *args, **kwargs):
             if self._cached_metadata is None:
                 path = self._get_metadata_path(kwargs.get("rank"))
                 try:
                     with self.fs.create_stream(path, "rb") as fh:
                         metadata = load_dcp_metadata(fh)
+                except CheckpointError:
+                    raise
                 except Exception as err:
                     raise CheckpointError(f"checkpoint {self.path}: .metadata: "
                                           f"{_reason(err, METADATA_ALLOWED)}") from None
+                check_storage_paths(metadata, self.path)
                 if getattr(metadata, "storage_meta", None) is None:
                     metadata.storage_meta = StorageMeta()
                 metadata.storage_meta.load_id = self.load_id
@@ -225,6 +271,8 @@ def _safe_reader_class():
             self._reading = None
             try:
                 return super().read_data(plan, planner)
+            except CheckpointError:
+                raise  # a file that is not a regular one, named by the file system
             except Exception as err:
                 raise CheckpointError(f"checkpoint {self.path}: {self._item()}: "
                                       f"{_reason(err)}") from None
@@ -273,10 +321,16 @@ def safe_common_strategy():
     class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
         def load_common(self, checkpoint_dir):
             path = os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME)
-            if not os.path.isfile(path):
+            if not os.path.lexists(path):
                 raise CheckpointingException(f"Common file {path} does not exist")
-            return torch_load(path, f"checkpoint {checkpoint_dir}: {COMMON_STATE_FNAME}",
-                              extra=common_pt_extra(), allowed=COMMON_PT_ALLOWED)
+            where = f"checkpoint {checkpoint_dir}: {COMMON_STATE_FNAME}"
+            try:
+                stream = open_regular(path, "rb", where)
+            except ArgumentError as err:  # a FIFO or device would block torch.load
+                raise CheckpointError(str(err)) from None
+            with stream:
+                return torch_load(stream, where, extra=common_pt_extra(),
+                                  allowed=COMMON_PT_ALLOWED)
 
         def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
             raise CheckpointingException("torch_dist checkpoints keep objects in .distcp")

@@ -12,131 +12,33 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..errors import ArgumentError
-from .packing import pack
-from .templates import CONTEXT, Template
-
-# Part of the fingerprint: change it whenever encoding changes what a conversation becomes.
-ENCODING_VERSION = 2
-
-
-@dataclass
-class Encoded:
-    """Conversations as flat arrays: conversation k is ids[offsets[k]:offsets[k+1]];
-    ``targets`` marks the tokens trained on (as labels)."""
-
-    ids: np.ndarray
-    targets: np.ndarray
-    offsets: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def positions(self) -> np.ndarray:
-        """Training positions per conversation: n tokens predict n - 1 labels."""
-        return np.diff(self.offsets) - 1
-
-    def take(self, keep: Sequence[int]) -> "Encoded":
-        parts = [(self.ids[self.offsets[k]:self.offsets[k + 1]],
-                  self.targets[self.offsets[k]:self.offsets[k + 1]]) for k in keep]
-        return _flat(parts)
-
-
-def _flat(parts) -> Encoded:
-    lengths = [len(ids) for ids, _ in parts]
-    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum(lengths)
-    ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32)
-    targets = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, bool)
-    return Encoded(ids.astype(np.int32), targets.astype(bool), offsets)
-
-
-@dataclass
-class EncodingReport:
-    conversations: int = 0
-    truncated: int = 0  # cut and kept
-    dropped_long: int = 0
-    dropped_empty: int = 0  # no trained token left after truncation
-    samples: int = 0  # a conversation is one sample, or one per rewritten history
-    split: int = 0  # conversations rendered as several samples
-
-    def describe(self, strategy: str, seq_length: int) -> str:
-        kept = self.samples - self.dropped_long - self.dropped_empty
-        text = f"{kept} of {self.conversations} conversations kept"
-        if self.split:
-            text = (f"{kept} of {self.samples} samples kept from {self.conversations} "
-                    f"conversations ({self.split} split into one sample per assistant turn "
-                    f"whose history the template re-renders)")
-        if self.truncated:
-            text += f"; {self.truncated} cut on the {strategy} to --seq_length {seq_length}"
-        if self.dropped_long:
-            text += (f"; {self.dropped_long} dropped as longer than --seq_length {seq_length} "
-                     f"(--truncation_strategy drop)")
-        if self.dropped_empty:
-            text += f"; {self.dropped_empty} dropped with no answer token left after the cut"
-        return text
-
-
-def encode_conversations(conversations, template: Template, seq_length: int,
-                         truncation: str, loss_on: str,
-                         report: Optional[EncodingReport] = None,
-                         chunk: int = 1024) -> Encoded:
-    """Token ids and label targets of each conversation, fitted to ``seq_length`` training
-    positions (``seq_length + 1`` tokens). Dropped conversations are left out and counted."""
-    report = report if report is not None else EncodingReport()
-    parts: List[Tuple[np.ndarray, np.ndarray]] = []
-    for start in range(0, len(conversations), chunk):
-        for samples in template.encode_many(conversations[start:start + chunk]):
-            report.conversations += 1
-            report.split += len(samples) > 1
-            last = max(int(turns.max()) for _, turns in samples)
-            for ids, turns in samples:
-                # last_turn: a split conversation trains only the sample of its last answer
-                if loss_on == "last_turn" and turns.max() < last:
-                    continue
-                report.samples += 1
-                targets = turns == last if loss_on == "last_turn" else turns != CONTEXT
-                _fit(ids, targets, seq_length, truncation, report, parts)
-    return _flat(parts)
-
-
-def _fit(ids, targets, seq_length: int, truncation: str, report: EncodingReport,
-         parts: List[Tuple[np.ndarray, np.ndarray]]) -> None:
-    """One sample cut (or dropped) to ``seq_length + 1`` tokens and added to ``parts``."""
-    cut = len(ids) > seq_length + 1
-    if cut:
-        if truncation == "drop":
-            report.dropped_long += 1
-            return
-        keep = slice(0, seq_length + 1) if truncation == "right" else slice(
-            len(ids) - seq_length - 1, None)
-        ids, targets = ids[keep], targets[keep]
-    # The first token is never a label: it has no token before it.
-    if len(ids) < 2 or not targets[1:].any():
-        report.dropped_empty += 1
-        return
-    # Counted once: a cut conversation left with no answer counts as dropped only.
-    if cut:
-        report.truncated += 1
-    parts.append((ids, targets))
+# Encoding lives in sft_samples; its names are this module's API too.
+from .sft_samples import (ENCODING_VERSION, Encoded, EncodingReport, Tokenized,  # noqa: F401
+                          _flat, encode_chunk, encode_conversations, tokenize_conversations)
+from .templates import Template
 
 
 class SftDataset(torch.utils.data.Dataset):
     """Rows of conversations; ``collate`` pads a micro-batch of rows."""
 
-    def __init__(self, encoded: Encoded, rows: List[List[int]], seq_length: int, pad_id: int,
+    def __init__(self, encoded: Encoded, rows, seq_length: int, pad_id: int,
                  packed: bool, pad_to_seq_length: bool, fingerprint: str,
                  pad_multiple: int = 1):
+        """``rows``: the samples of each row, as lists, or as (members, row_offsets) arrays
+        (row r holds members[row_offsets[r]:row_offsets[r + 1]])."""
         self.encoded = encoded
-        self.row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        self.row_offsets[1:] = np.cumsum([len(r) for r in rows])
-        self.members = np.asarray([k for row in rows for k in row], dtype=np.int64)
+        if isinstance(rows, tuple):
+            self.members, self.row_offsets = rows
+        else:
+            self.row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+            self.row_offsets[1:] = np.cumsum([len(r) for r in rows])
+            self.members = np.asarray([k for row in rows for k in row], dtype=np.int64)
         self.seq_length = seq_length
         self.pad_id = pad_id
         self.packed = packed
@@ -156,8 +58,7 @@ class SftDataset(torch.utils.data.Dataset):
         e = self.encoded
         tokens, labels, mask, positions, segments = [], [], [], [], []
         for segment, k in enumerate(self.conversations(row)):
-            ids = e.ids[e.offsets[k]:e.offsets[k + 1]]
-            targets = e.targets[e.offsets[k]:e.offsets[k + 1]]
+            ids, targets = e.sample(k)
             tokens.append(ids[:-1])
             labels.append(ids[1:])
             mask.append(targets[1:])
@@ -191,22 +92,26 @@ class SftDataset(torch.utils.data.Dataset):
         return batch
 
 
-def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print):
+def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
+                       on_cache: Callable[[str], None] = lambda event: None):
     """(train, valid, None) SftDatasets from --dataset (and --val_dataset or
-    --split_dataset_ratio); ``config`` is a RunConfig. Raises ArgumentError naming the file,
-    row and flag."""
+    --split_dataset_ratio); ``config`` is a RunConfig. Conversations are tokenized once into
+    the token cache (token_cache.cached_sft_tokens; ``on_cache`` hears "built" or "reused"
+    per file set, and "packing built" or "packing reused" per packing plan). Raises ArgumentError naming the file, row and flag."""
     from ..arguments.sft import column_map
-    from .conversations import read_conversations
+    from .token_cache import cached_pack_plan, cached_sft_tokens
     s, seq = config.sft, config.model.seq_length
     template = Template(s.template, tokenizer, system=s.system,
-                        train_separator=s.train_separator)
+                        train_separator=s.train_separator,
+                        ignore_empty_think=s.ignore_empty_think)
     columns = column_map(s.columns)
     train_sources, val_sources = list(config.dataset_sources), list(config.val_dataset_sources)
 
     def encode(sources, flag):
         report = EncodingReport()
-        encoded = encode_conversations(read_conversations(sources, columns, flag), template,
-                                       seq, s.truncation_strategy, s.loss_on, report)
+        tokenized = cached_sft_tokens(sources, columns, flag, template, s.loss_on,
+                                      s.dataset_num_proc, on_event=on_cache)
+        encoded = tokenized.fit(seq, s.truncation_strategy, report)
         log(f"sft data {flag}: {report.describe(s.truncation_strategy, seq)} "
             f"(template: {template.describe()})")
         if len(encoded) == 0:
@@ -214,7 +119,19 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print):
                                 f"--seq_length or use --truncation_strategy left|right")
         return encoded
 
-    train = encode(train_sources, "--dataset")
+    if s.cached_dataset:
+        from .token_cache import load_sft_dataset
+
+        report = EncodingReport()
+        tokenized, _ = load_sft_dataset(s.cached_dataset, template, s.loss_on, columns)
+        train = tokenized.fit(seq, s.truncation_strategy, report)
+        log(f"sft data --cached_dataset {s.cached_dataset}: "
+            f"{report.describe(s.truncation_strategy, seq)} (template: {template.describe()})")
+        if len(train) == 0:
+            raise ArgumentError("--cached_dataset: no conversation is left to train on; raise "
+                                "--seq_length or use --truncation_strategy left|right")
+    else:
+        train = encode(train_sources, "--dataset")
     valid = encode(val_sources, "--val_dataset") if val_sources else None
     if s.split_dataset_ratio:
         train, valid = split(train, s.split_dataset_ratio, config.training.seed)
@@ -229,11 +146,16 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print):
         if encoded is None:
             return None
         positions = encoded.positions()
-        rows = pack(positions, seq) if s.packing else [[k] for k in range(len(encoded))]
         if s.packing:
-            fill = positions.sum() / (len(rows) * seq)
-            log(f"sft data {name}: {len(encoded)} conversations packed into {len(rows)} rows "
+            rows = cached_pack_plan(positions, seq,
+                                    on_event=lambda event: on_cache(f"packing {event}"))
+            count = len(rows[1]) - 1
+            fill = positions.sum() / (count * seq)
+            log(f"sft data {name}: {len(encoded)} conversations packed into {count} rows "
                 f"of {seq} positions ({fill:.1%} filled)")
+        else:
+            n = len(encoded)
+            rows = (np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
         return SftDataset(encoded, rows, seq, pad_id, s.packing, pad_fixed,
                           f"{fingerprint}:{name}", pad_multiple)
 
@@ -247,10 +169,21 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
 
     s = config.sft
     template = template or Template(s.template, tokenizer, system=s.system,
-                                    train_separator=s.train_separator)
+                                    train_separator=s.train_separator,
+                                    ignore_empty_think=s.ignore_empty_think)
+    if s.cached_dataset:
+        # The files the folder was prepared from, as a raw-file run names them: the same
+        # data trained either way has one fingerprint, and resumes from either.
+        from ..arguments.sft import column_map
+        from .token_cache import load_sft_dataset
+
+        train = load_sft_dataset(s.cached_dataset, template, s.loss_on,
+                                 column_map(s.columns))[1]["sources"]
+    else:
+        train = content_fingerprint(config.dataset_sources)
     identity = {
         "version": ENCODING_VERSION,
-        "train": content_fingerprint(config.dataset_sources),
+        "train": train,
         "valid": (content_fingerprint(config.val_dataset_sources)
                   if config.val_dataset_sources else None),
         "tokenizer": tokenizer.fingerprint,
@@ -261,6 +194,10 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
         # the Jinja text decides the tokens; the tokenizer's fingerprint covers its vocabulary
         "chat_template": tokenizer.chat_template if template.name == "tokenizer" else None,
     }
+    # Named only when on, so checkpoints of runs that trained empty reasoning blocks (before
+    # the flag, or with it off) keep their fingerprint.
+    if s.ignore_empty_think:
+        identity["ignore_empty_think"] = True
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 

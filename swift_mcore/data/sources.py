@@ -17,7 +17,8 @@ from functools import lru_cache
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError
-from ..input_files import check_json_lines, check_regular
+from ..input_files import (check_json_lines, check_regular, first_not_regular, inside,
+                           load_json)
 
 # suffix -> the `datasets` builder that reads it. A .txt file holds one document per line.
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv",
@@ -41,13 +42,35 @@ class Source:
 
 def is_saved_dataset(folder: str) -> bool:
     """save_to_disk writes state.json (a Dataset) or dataset_dict.json (a DatasetDict)."""
-    return any(os.path.isfile(os.path.join(folder, name))
+    return any(os.path.lexists(os.path.join(folder, name))
                for name in ("state.json", "dataset_dict.json"))
+
+
+def check_saved(path: str, flag: str) -> None:
+    """A saved datasets folder holds regular files only (a FIFO would block `datasets`, a
+    device never end), its JSON files are bounded, and the files and splits they name stay
+    inside it; else an ArgumentError naming the file."""
+    problem = first_not_regular(path)
+    if problem:
+        raise ArgumentError(f"{flag} {path}: {problem}; swift-mcore reads input only from "
+                            f"regular files")
+    for base, _dirs, names in os.walk(path):
+        for name in sorted(n for n in names if n.endswith(".json")):
+            file = os.path.join(base, name)
+            document = load_json(file, f"{flag} {file}")
+            if name == "state.json" and isinstance(document, dict):
+                for entry in document.get("_data_files") or []:
+                    inside(base, entry.get("filename") if isinstance(entry, dict) else entry,
+                           f"{flag} {file}")
+            elif name == "dataset_dict.json" and isinstance(document, dict):
+                for split in document.get("splits") or []:
+                    inside(base, split, f"{flag} {file}")
 
 
 def _source(path: str, flag: str) -> Source:
     if os.path.isdir(path):
         if is_saved_dataset(path):
+            check_saved(path, flag)
             return Source(path, SAVED)
         raise ArgumentError(f"{flag} {path}: a folder that is not a saved datasets folder "
                             f"(no state.json or dataset_dict.json); accepted: {ACCEPTED}")

@@ -32,6 +32,9 @@ CONTEXT = -1  # turn index of a context token
 Piece = Tuple[Optional[str], int]
 # transformers' marker of the text an assistant generates (return_assistant_tokens_mask)
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# An answer that opens with a reasoning block holding nothing (Qwen3's template writes one
+# into answers without reasoning): --ignore_empty_think leaves it untrained.
+EMPTY_THINK = re.compile(r"\s*<think>\s*</think>\s*")
 
 
 @dataclass(frozen=True)
@@ -181,10 +184,11 @@ class Template:
     everything else). Most conversations are one sample (``encode``)."""
 
     def __init__(self, name: str, tokenizer, system: Optional[str] = None,
-                 train_separator: bool = False):
+                 train_separator: bool = False, ignore_empty_think: bool = False):
         self.tokenizer = tokenizer
         self.default_system = system
         self.train_separator = train_separator
+        self.ignore_empty_think = ignore_empty_think
         has_own = bool(tokenizer.chat_template)
         if name == "auto":
             name = "tokenizer" if has_own else "chatml" if has_chatml_tokens(
@@ -205,6 +209,15 @@ class Template:
         self._renders: Dict[str, bool] = {}
         self._end: Optional[str] = None
         self._marked: Dict[bool, bool] = {}
+
+    def identity(self) -> dict:
+        """Everything of the template that decides tokens (for the token cache's key); the
+        tokenizer's fingerprint covers its vocabulary, not its Jinja text."""
+        return {"name": self.name, "system": self.default_system,
+                "train_separator": self.train_separator,
+                "ignore_empty_think": self.ignore_empty_think,
+                "chat_template": (self.tokenizer.chat_template if self.name == "tokenizer"
+                                  else None)}
 
     def marks_answers(self, tools: bool = False) -> bool:
         """Whether the tokenizer's template (its tool-use one, for a row with tools) marks
@@ -241,9 +254,13 @@ class Template:
         conversation = self._with_system(conversation)
         self._check_renders(conversation)
         if self.name == "tokenizer":
-            return self._rendered_samples(conversation, generation_prompt)
-        return [BUILTIN[self.name].pieces(conversation.messages, generation_prompt,
-                                          self.train_separator)]
+            samples = self._rendered_samples(conversation, generation_prompt)
+        else:
+            samples = [BUILTIN[self.name].pieces(conversation.messages, generation_prompt,
+                                                 self.train_separator)]
+        if self.ignore_empty_think:
+            samples = [_untrain_empty_think(pieces) for pieces in samples]
+        return samples
 
     def prompt(self, messages) -> List[int]:
         """Token ids of a conversation that ends with a user message, followed by the
@@ -455,6 +472,19 @@ class Template:
                     end += 1
             marked.append((start, end, turn))
         return marked
+
+
+def _untrain_empty_think(pieces: List[Piece]) -> List[Piece]:
+    """An answer's leading empty reasoning block (and the whitespace around it) made
+    context: the rest of the answer, its end-of-turn marker included, stays trained."""
+    out: List[Piece] = []
+    for text, turn in pieces:
+        match = EMPTY_THINK.match(text) if text is not None and turn != CONTEXT else None
+        if match and match.end():
+            out.append((text[:match.end()], CONTEXT))
+            text = text[match.end():]
+        out.append((text, turn))
+    return out
 
 
 def _pieces(text: str, spans) -> List[Piece]:

@@ -1,4 +1,4 @@
-"""Data tokenized on demand and cached by content: the embedded corpus, and --dataset raw files."""
+"""Data tokenized once and cached by content: the embedded corpus, raw --dataset files, sft samples."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import json
 import os
 from typing import Callable, Sequence
 
+import numpy as np
+
 from . import corpus, indexed
 from ..atomic_write import write_atomic
 from ..cache import cache_dir, locked
+from ..errors import ArgumentError
 
 
 def cached_prefix(kind: str, key: str, name: str, build: Callable[[str], dict]) -> str:
@@ -56,3 +59,278 @@ def raw_files_prefix(sources: Sequence, text_key: str, tokenizer) -> str:
         return {**stats.as_dict(), "sources": [s.path for s in sources]}
 
     return cached_prefix("datasets", key, "data", build)
+
+
+# ---- sft conversations: every sample tokenized once, memory-mapped ----------------------
+
+SFT_SCHEMA = {"ids": ("int32", 1), "targets": ("bool", 1), "offsets": ("int64", 1),
+              "answers": ("int64", 1)}
+# Conversations per task sent to a worker: the same chunks whatever the worker count.
+SFT_CHUNK = 256
+# Checking every token id of a large cache at each start would read it all; windows this
+# large catch ids of another vocabulary (they are spread everywhere).
+ID_CHECK_BYTES = 64 << 20
+
+
+def sft_token_identity(sources_fingerprint: str, tokenizer, template, loss_on: str,
+                       columns) -> dict:
+    """What decides the tokens of every sample: the files' content, the tokenizer, the
+    template (its Jinja text when it is the tokenizer's) and the flags that change a
+    sample's tokens or targets. --seq_length, --truncation_strategy and --packing are not
+    part of it: they are applied to the stored samples at each start."""
+    from .sft_samples import ENCODING_VERSION
+
+    shape = template.identity()
+    return {"what": "sft samples", "version": ENCODING_VERSION,
+            "sources": sources_fingerprint, "tokenizer": tokenizer.fingerprint,
+            "template": shape.pop("name"), **shape, "loss_on": loss_on,
+            "columns": sorted([k, v] for k, v in columns.items())}
+
+
+# identity field -> how a user names it (a --cached_dataset made with other flags)
+IDENTITY_FLAGS = {
+    "version": "swift-mcore's encoding version", "tokenizer": "the tokenizer (--tokenizer or "
+    "--model)", "template": "--template", "system": "--system",
+    "train_separator": "--train_separator", "ignore_empty_think": "--ignore_empty_think",
+    "chat_template": "the tokenizer's chat template", "loss_on": "--loss_on",
+    "columns": "--columns", "what": "the kind of data"}
+
+
+def _sft_build(sources, columns, flag: str, template, loss_on: str, num_proc: int,
+               identity: dict):
+    def build(job) -> dict:
+        from .conversations import read_conversations
+
+        conversations = read_conversations(sources, columns, flag)
+        split = _write_sft_tokens(conversations, template, loss_on, num_proc, job)
+        return {"conversations": len(conversations), "split": split, "identity": identity,
+                "sources": [s.path for s in sources]}
+
+    return build
+
+
+def _tokenized(arrays, meta):
+    from .sft_samples import Encoded, Tokenized
+
+    offsets = arrays["offsets"]
+    encoded = Encoded(arrays["ids"], arrays["targets"], np.asarray(offsets[:-1]),
+                      np.asarray(offsets[1:]))
+    return Tokenized(encoded, np.asarray(arrays["answers"]), int(meta["conversations"]),
+                     int(meta["split"]))
+
+
+def cached_sft_tokens(sources, columns, flag: str, template, loss_on: str,
+                      num_proc: int = 1, on_event=lambda event: None):
+    """The samples of ``sources`` tokenized (sft_samples.Tokenized), from the cache or built
+    into it once (``num_proc`` worker processes, a progress bar on a terminal)."""
+    from .array_cache import cached_arrays
+    from .sources import content_fingerprint
+
+    identity = sft_token_identity(content_fingerprint(sources), template.tokenizer, template,
+                                  loss_on, columns)
+    vocab = template.tokenizer.vocab_size
+    arrays, meta = cached_arrays(
+        "sft", json.dumps(identity, sort_keys=True), SFT_SCHEMA,
+        _sft_build(sources, columns, flag, template, loss_on, num_proc, identity),
+        check=lambda a, m: _check_sft_arrays(a, m, vocab), on_event=on_event)
+    return _tokenized(arrays, meta)
+
+
+def write_sft_dataset(folder: str, sources, columns, template, loss_on: str,
+                      num_proc: int = 1) -> dict:
+    """The samples of ``sources`` written to ``folder`` (which must not exist), in the token
+    cache's format: what `swift-mcore preprocess sft` writes and --cached_dataset reads."""
+    from .array_cache import build_folder
+    from .sources import content_fingerprint
+
+    identity = sft_token_identity(content_fingerprint(sources), template.tokenizer, template,
+                                  loss_on, columns)
+    build_folder(folder, json.dumps(identity, sort_keys=True), SFT_SCHEMA,
+                 _sft_build(sources, columns, "--dataset", template, loss_on, num_proc,
+                            identity))
+    return identity
+
+
+def load_sft_dataset(folder: str, template, loss_on: str, columns,
+                     flag: str = "--cached_dataset"):
+    """(Tokenized, identity) of a folder written by `swift-mcore preprocess sft`. Raises
+    ArgumentError for a folder that is not one, or was made with another tokenizer,
+    template or flag than this run's (naming it)."""
+    from .array_cache import CacheInvalid, load_arrays
+
+    vocab = template.tokenizer.vocab_size
+    try:
+        arrays, meta = load_arrays(folder, None, SFT_SCHEMA,
+                                   check=lambda a, m: _check_sft_arrays(a, m, vocab))
+    except CacheInvalid as err:
+        raise ArgumentError(f"{flag} {folder}: not a dataset written by `swift-mcore "
+                            f"preprocess sft` ({err})") from None
+    theirs = meta.get("identity")
+    if not isinstance(theirs, dict) or not isinstance(theirs.get("sources"), str):
+        raise ArgumentError(f"{flag} {folder}: its manifest does not say how it was made")
+    ours = sft_token_identity(theirs["sources"], template.tokenizer, template, loss_on,
+                              columns)
+    for field in ours:
+        if ours[field] != theirs.get(field):
+            what = IDENTITY_FLAGS.get(field, field)
+            raise ArgumentError(
+                f"{flag} {folder}: was prepared with {what} {_short(theirs.get(field))}, this "
+                f"run has {_short(ours[field])}; give the flags `swift-mcore preprocess sft` "
+                f"had, or train from the files with --dataset")
+    return _tokenized(arrays, meta), theirs
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_sft_arrays(arrays, meta, vocab_size: int) -> None:
+    """Raises ValueError unless the arrays are a consistent set of samples."""
+    ids, targets, offsets, answers = (arrays[n] for n in ("ids", "targets", "offsets",
+                                                           "answers"))
+    for name in ("conversations", "split"):
+        if not isinstance(meta.get(name), int) or meta[name] < 0:
+            raise ValueError(f"the manifest's {name} is not a count")
+    if len(targets) != len(ids) or len(offsets) != len(answers) + 1:
+        raise ValueError("its arrays disagree in length")
+    if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or \
+            (np.diff(offsets) < 0).any():
+        raise ValueError("its sample offsets are out of order")
+    if (answers < 0).any():
+        raise ValueError("its answer counts are negative")
+    if len(ids):
+        if ids.nbytes <= ID_CHECK_BYTES:
+            parts = [ids]
+        else:
+            window = ID_CHECK_BYTES // 16 // ids.itemsize
+            parts = [ids[s:s + window] for s in np.linspace(0, len(ids) - window, 16
+                                                            ).astype(np.int64)]
+        if any(p.min() < 0 or p.max() >= vocab_size for p in parts):
+            raise ValueError(f"it holds token ids outside the vocabulary (0..{vocab_size - 1})")
+
+
+_sft_worker: dict = {}
+
+
+def _init_sft_worker(template, loss_on: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
+    _sft_worker.update(template=template, loss_on=loss_on)
+
+
+def _encode_sft_chunk(conversations):
+    from .sft_samples import encode_chunk
+
+    return encode_chunk(conversations, _sft_worker["template"], _sft_worker["loss_on"])
+
+
+def _write_sft_tokens(conversations, template, loss_on: str, num_proc: int, job) -> int:
+    """Encodes ``conversations`` in chunks (in this process, or in ``num_proc`` forked
+    workers, results taken in order) into the build's arrays; returns the split count."""
+    import collections
+    import multiprocessing
+
+    from .sft_samples import encode_chunk
+
+    chunks = (conversations[i:i + SFT_CHUNK] for i in range(0, len(conversations), SFT_CHUNK))
+    ids, targets, offsets, answers = (job.writer(n) for n in ("ids", "targets", "offsets",
+                                                               "answers"))
+    offsets.append(np.zeros(1, np.int64))
+    state = {"end": 0, "split": 0}
+
+    def add(result) -> None:
+        chunk_ids, chunk_targets, lengths, chunk_answers, split = result
+        ids.append(chunk_ids)
+        targets.append(chunk_targets)
+        offsets.append(state["end"] + np.cumsum(lengths))
+        state["end"] += int(lengths.sum())
+        answers.append(chunk_answers)
+        state["split"] += split
+
+    bar = _progress(len(conversations))
+    try:
+        if num_proc <= 1:
+            for chunk in chunks:
+                add(encode_chunk(chunk, template, loss_on))
+                bar.update(len(chunk))
+            return state["split"]
+        # fork: the workers inherit the loaded tokenizer and template (a Hugging Face
+        # tokenizer takes seconds to load); they run only the tokenizer and Jinja, none of
+        # the parent's other threads' work. spawn where fork does not exist.
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        pool = ctx.Pool(num_proc, initializer=_init_sft_worker, initargs=(template, loss_on))
+        try:
+            pending: collections.deque = collections.deque()
+            for chunk in chunks:
+                pending.append((len(chunk), pool.apply_async(_encode_sft_chunk, (chunk,))))
+                if len(pending) >= 3 * num_proc:  # bounded: the reader never runs far ahead
+                    n, result = pending.popleft()
+                    add(result.get())
+                    bar.update(n)
+            while pending:
+                n, result = pending.popleft()
+                add(result.get())
+                bar.update(n)
+        finally:
+            pool.terminate()
+            pool.join()
+            if saved is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
+        return state["split"]
+    finally:
+        bar.close()
+
+
+def _progress(total: int):
+    """A tqdm bar on a terminal (silent in logs and tests)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="tokenizing conversations", unit="conv", disable=None,
+                leave=False)
+
+
+# ---- packing plans: the rows of a packed dataset, an index over its samples ----------------
+
+PACK_SCHEMA = {"members": ("int64", 1), "row_offsets": ("int64", 1)}
+
+
+def cached_pack_plan(positions: np.ndarray, capacity: int, on_event=lambda event: None):
+    """(members, row_offsets) of packing.pack(positions, capacity), cached by the positions'
+    content and the capacity: a pure function of them, planned once (seconds per million
+    samples) and mapped by later starts and the other ranks."""
+    from .array_cache import cached_arrays
+    from .packing import pack
+
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    key = json.dumps({"what": "sft packing", "version": 1, "capacity": int(capacity),
+                      "positions": hashlib.sha256(positions.tobytes()).hexdigest()})
+
+    def build(job) -> dict:
+        rows = pack(positions, capacity)
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(r) for r in rows])
+        job.writer("members").append(np.fromiter((k for row in rows for k in row), np.int64,
+                                                 count=int(offsets[-1])))
+        job.writer("row_offsets").append(offsets)
+        return {"rows": len(rows)}
+
+    def check(arrays, meta) -> None:
+        members, offsets = arrays["members"], arrays["row_offsets"]
+        if len(members) != len(positions) or not np.array_equal(
+                np.sort(members), np.arange(len(positions))):
+            raise ValueError("its rows do not hold every sample once")
+        if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != len(members) or \
+                (np.diff(offsets) <= 0).any():
+            raise ValueError("its row offsets are out of order")
+        used = np.add.reduceat(positions[members], offsets[:-1])
+        if (used > capacity).any():
+            raise ValueError(f"a row holds more than {capacity} positions")
+
+    arrays, _ = cached_arrays("sft-packing", key, PACK_SCHEMA, build, check=check,
+                              on_event=on_event)
+    return arrays["members"], arrays["row_offsets"]

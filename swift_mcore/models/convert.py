@@ -21,6 +21,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from .mla import Mla
+
 # Transformer Engine fuses the pre-attention and pre-MLP norms into the next linear layer;
 # its names map to the local spec's.
 _TE_NAMES = {
@@ -37,11 +39,21 @@ _SAME = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
+# Gemma 3: its post_attention_layernorm is on the attention output (in the bias-dropout-add
+# slot, models/gemma3_layers.py), the MLP's input norm is pre_feedforward_layernorm
+_POST_NORMS = {
+    "pre_mlp_layernorm.weight": "pre_feedforward_layernorm.weight",
+    "self_attn_bda.post_norm.weight": "post_attention_layernorm.weight",
+    "mlp_bda.post_norm.weight": "post_feedforward_layernorm.weight",
+}
 # row-parallel layers: TP shards the input (column) dimension
 _ROW_PARALLEL = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+
+# the HF expert spelling of each family (Experts.names); the rest are Qwen's
+_EXPERT_NAMES = {"mixtral": "mixtral", "deepseek_v3": "deepseek", "glm4_moe": "deepseek"}
 
 Read = Callable[..., torch.Tensor]   # read(hf_name, rows=None, cols=None)
 Get = Callable[[str], torch.Tensor]  # get(megatron_name) -> full tensor
@@ -79,6 +91,7 @@ class Experts:
     shared_ffn: int = 0          # 0: no shared expert
     shared_gate: bool = False
     names: str = "qwen"
+    expert_bias: bool = False    # the router's expert bias (DeepSeek-V3's correction bias)
 
     def hf_names(self, i: int) -> dict:
         """megatron suffix (local spec, layer i) -> the HF suffix, for each MoE tensor."""
@@ -92,13 +105,16 @@ class Experts:
                 out[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = base + "w2.weight"
             return out
         out["mlp.router.weight"] = "mlp.gate.weight"
+        if self.expert_bias:
+            out["mlp.router.expert_bias"] = "mlp.gate.e_score_correction_bias"
         for e in range(self.count):
             base = f"mlp.experts.{e}."
             out[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (base + "gate_proj.weight",
                                                                       base + "up_proj.weight")
             out[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = base + "down_proj.weight"
         if self.shared_ffn:
-            base = "mlp.shared_expert."
+            # DeepSeek-V3 and GLM-4.5 say shared_experts (ungated), Qwen2-MoE shared_expert
+            base = "mlp.shared_experts." if self.names == "deepseek" else "mlp.shared_expert."
             out["mlp.shared_experts.linear_fc1.weight"] = (base + "gate_proj.weight",
                                                            base + "up_proj.weight")
             out["mlp.shared_experts.linear_fc2.weight"] = base + "down_proj.weight"
@@ -121,6 +137,8 @@ class Layout:
     qkv_bias: bool
     qk_norm: bool
     experts: Optional[Experts] = None
+    mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
+    post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -133,13 +151,22 @@ class Layout:
                               m.ffn_hidden_size, layers=tuple(moe_layer_pattern(m)),
                               shared_ffn=m.moe_shared_expert_intermediate_size or 0,
                               shared_gate=m.moe_shared_expert_gate,
-                              names="mixtral" if m.model_type == "mixtral" else "qwen")
+                              names=_EXPERT_NAMES.get(m.model_type, "qwen"),
+                              expert_bias=m.moe_router_enable_expert_bias)
         return cls(num_layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size,
                    heads=heads, groups=m.num_query_groups or heads,
                    head_dim=m.kv_channels or m.hidden_size // heads,
                    vocab=m.vocab_size or padded_vocab, padded_vocab=padded_vocab,
                    tied=not m.untie_embeddings_and_output_weights,
-                   qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts)
+                   qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
+                   mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
+                   post_norms=m.model_type == "gemma3")
+
+    def same(self) -> dict:
+        """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
+        if not self.post_norms:
+            return _SAME
+        return {**_SAME, **_POST_NORMS}
 
     def is_moe(self, layer: int) -> bool:
         return self.experts is not None and bool(self.experts.layers[layer])
@@ -150,6 +177,8 @@ class Layout:
         for mc, hf in x.hf_names(layer).items():
             if mc == "mlp.router.weight":
                 shapes.append((hf, (x.count, h)))
+            elif mc == "mlp.router.expert_bias":
+                shapes.append((hf, (x.count,)))
             elif mc == "mlp.shared_experts.gate_weight":
                 shapes.append((hf, (1, h)))
             else:
@@ -172,16 +201,22 @@ class Layout:
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             out.append((p + "input_layernorm.weight", (h,)))
+            if self.mla is not None:
+                out += self.mla.hf_tensors(p) + [(p + "post_attention_layernorm.weight", (h,))]
             for proj, rows in (("q", self.heads * hd), ("k", self.groups * hd),
-                               ("v", self.groups * hd)):
+                               ("v", self.groups * hd)) if self.mla is None else ():
                 out.append((p + f"self_attn.{proj}_proj.weight", (rows, h)))
                 if self.qkv_bias:
                     out.append((p + f"self_attn.{proj}_proj.bias", (rows,)))
-            if self.qk_norm:
+            if self.qk_norm and self.mla is None:
                 out += [(p + "self_attn.q_norm.weight", (hd,)),
                         (p + "self_attn.k_norm.weight", (hd,))]
-            out += [(p + "self_attn.o_proj.weight", (h, self.heads * hd)),
-                    (p + "post_attention_layernorm.weight", (h,))]
+            if self.mla is None:
+                out += [(p + "self_attn.o_proj.weight", (h, self.heads * hd)),
+                        (p + "post_attention_layernorm.weight", (h,))]
+            if self.post_norms:
+                out += [(p + "pre_feedforward_layernorm.weight", (h,)),
+                        (p + "post_feedforward_layernorm.weight", (h,))]
             if self.is_moe(i):
                 out += [(p + name, shape) for name, shape in self._moe_shapes(i)]
                 continue
@@ -206,7 +241,9 @@ class Layout:
             raise ConversionError(f"no megatron counterpart for {hf_name}")
         i, suffix = int(match.group(1)), match.group(2)
         layer = f"decoder.layers.{i}."
-        for mc, hf in {**_SAME, **_ROW_PARALLEL}.items():
+        if self.mla is not None and self.mla.mcore_name(suffix):
+            return get(layer + self.mla.mcore_name(suffix))
+        for mc, hf in {**self.same(), **_ROW_PARALLEL}.items():
             if suffix == hf:
                 return get(layer + mc)
         qkv = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", suffix)
@@ -249,8 +286,10 @@ class Layout:
         if not match:
             raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
         prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
-        if suffix in _SAME:
-            return read(prefix + _SAME[suffix])
+        if self.mla is not None and self.mla.hf_name(suffix):  # TP 1 (arguments/run.py)
+            return read(prefix + self.mla.hf_name(suffix))
+        if suffix in self.same():
+            return read(prefix + self.same()[suffix])
         if self.is_moe(int(match.group(1))) and suffix.startswith("mlp.") \
                 and not suffix.startswith("mlp.linear_fc"):
             return self._moe_shard(int(match.group(1)), prefix, suffix, read, tp_rank, tp_size,
@@ -280,7 +319,8 @@ class Layout:
         if hf is None:
             raise ConversionError(f"no Hugging Face counterpart for megatron parameter "
                                   f"{prefix}{suffix}")
-        if suffix in ("mlp.router.weight", "mlp.shared_experts.gate_weight"):
+        if suffix in ("mlp.router.weight", "mlp.router.expert_bias",
+                      "mlp.shared_experts.gate_weight"):
             return read(prefix + hf)
         ffn = x.shared_ffn if "shared" in suffix else x.ffn
         if isinstance(hf, tuple):  # fc1: [gate; up], this TP rank's rows of each

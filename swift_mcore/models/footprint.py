@@ -63,12 +63,15 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
     groups = m.num_query_groups or heads
     kv = m.kv_channels or h // heads
     ffn = m.ffn_hidden_size
-    gated = 2 if m.swiglu else 1
+    gemma3 = m.model_type == "gemma3"  # gated gelu-tanh; norms after attention and MLP
+    gated = 2 if m.swiglu or gemma3 else 1
     norm = h * (2 if m.normalization == "LayerNorm" else 1)
     qkv_out = kv * (heads + 2 * groups)
     bias = m.add_bias_linear
     attention = (h * qkv_out + heads * kv * h + (qkv_out if bias or m.add_qkv_bias else 0)
                  + (h if bias else 0) + (2 * kv if m.qk_layernorm else 0))
+    if m.multi_latent_attention:
+        attention = mla_parameters(m)
     dense_mlp = h * ffn * gated + ffn * h + ((ffn * gated + h) if bias else 0)
     moe_layers = sum(moe_layer_pattern(m)) if m.num_experts else 0
     layers = m.num_layers
@@ -77,7 +80,8 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
         "embedding": vocab * h + (m.max_position_embeddings * h
                                   if m.position_embedding_type == "learned_absolute" else 0),
         "output layer": vocab * h if m.untie_embeddings_and_output_weights else 0,
-        "layers": layers * (attention + 2 * norm) + (layers - moe_layers) * dense_mlp + norm,
+        "layers": layers * (attention + (4 if gemma3 else 2) * norm)
+        + (layers - moe_layers) * dense_mlp + norm,
         "experts": 0,
         "LoRA adapters": 0,
     }
@@ -97,6 +101,21 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
                  "linear_fc1": h + ffn * gated, "linear_fc2": ffn + h}
         counts["LoRA adapters"] = layers * tuner.lora_rank * sum(sizes[k] for k in kinds)
     return counts
+
+
+def mla_parameters(m) -> int:
+    """One multi-latent attention block (models/mla.py): the query path (direct, or down
+    projection, norm and up projection), the key/value down projection with the shared RoPE
+    key, its norm and up projection, and the output projection; the norms only with
+    --qk_layernorm (megatron's identity otherwise)."""
+    h, heads, rope = m.hidden_size, m.num_attention_heads, m.qk_pos_emb_head_dim
+    q_out = heads * (m.qk_head_dim + rope)
+    norm = 1 if m.qk_layernorm else 0
+    query = h * q_out if m.q_lora_rank is None else \
+        m.q_lora_rank * (h + norm + q_out)
+    key_value = h * (m.kv_lora_rank + rope) + m.kv_lora_rank * (
+        norm + heads * (m.qk_head_dim + m.v_head_dim))
+    return query + key_value + heads * m.v_head_dim * h
 
 
 def padded_vocab(m) -> int:

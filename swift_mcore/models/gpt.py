@@ -17,7 +17,13 @@ def transformer_config(config, initialize: bool = True):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision, torch.float32)
     cuda = config.cuda
     te = config.layer_spec == "transformer_engine"
-    return TransformerConfig(
+    config_class, attention = TransformerConfig, {}
+    if m.multi_latent_attention:
+        from .mla import mla_config
+
+        config_class, attention = mla_config(m)
+    fields = dict(
+        **attention,
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
@@ -70,7 +76,26 @@ def transformer_config(config, initialize: bool = True):
         recompute_num_layers=t.recompute_num_layers,
         recompute_modules=(list(t.recompute_modules) if t.recompute_granularity == "selective"
                            else None),
+        **window_config(m),
     )
+    if m.model_type == "gemma3":
+        from . import gemma3_layers
+
+        fields.update(gemma3_layers.transformer_fields(m))
+    tc = config_class(**fields)
+    # read by gemma3_layers.Gemma3SelfAttention (TransformerConfig has no such field)
+    tc.rotary_base_local = m.rotary_base_local or m.rotary_base
+    return tc
+
+
+def window_config(m) -> dict:
+    """Sliding-window attention (--window_size, --window_attn_skip_freq) and the score scale
+    as megatron's TransformerConfig spells them: a window of w tokens is (w - 1, 0)."""
+    from ..arguments.model import window_layer_pattern
+
+    pattern = window_layer_pattern(m)
+    return dict(window_size=(m.window_size - 1, 0) if m.window_size else None,
+                window_attn_skip_freq=pattern or None, softmax_scale=m.softmax_scale)
 
 
 def moe_config(m, tensor_parallel: int = 1) -> dict:
@@ -97,6 +122,12 @@ def moe_config(m, tensor_parallel: int = 1) -> dict:
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_grouped_gemm=m.moe_grouped_gemm,
         moe_expert_capacity_factor=None,
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
     )
 
 
@@ -138,9 +169,11 @@ def layer_spec(config, moe: bool = False):
         else {}
     if config.layer_spec == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=m.qk_layernorm, **experts)
+            qk_layernorm=m.qk_layernorm, multi_latent_attention=m.multi_latent_attention,
+            **experts)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=m.qk_layernorm, normalization=m.normalization, **experts)
+        qk_layernorm=m.qk_layernorm, normalization=m.normalization,
+        multi_latent_attention=m.multi_latent_attention, **experts)
     if config.attention == "sdpa":
         from .sdpa_attention import SdpaAttention
 
@@ -157,6 +190,10 @@ def layer_spec(config, moe: bool = False):
         for slot in ([mlp.experts.submodules, mlp.shared_experts.submodules] if moe
                      else [mlp]):
             slot.activation_func = SwiGLU
+    if m.model_type == "gemma3":
+        from . import gemma3_layers
+
+        spec = gemma3_layers.adapt_spec(spec, config)
     if config.parallel.sequence_parallel:
         from . import sequence_parallel_norm
 
@@ -222,7 +259,12 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
         rotary_base=m.rotary_base,
         rope_scaling=m.use_rope_scaling,
         rope_scaling_factor=m.rope_scaling_factor,
+        seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
     )
+    if m.model_type == "gemma3":
+        from . import gemma3_layers
+
+        gemma3_layers.scale_embedding(model, m.hidden_size)
     if config.cuda:
         model.cuda(torch.cuda.current_device())
     return [model]

@@ -30,10 +30,20 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .families import for_config
+
+    raw = HFFolder(folder).config
+    family = for_config(raw, os.path.join(folder, "config.json"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True,
-                                               trust_remote_code=False)
+        if raw.get("model_type") in family.model_types[1:]:
+            # another name for the family's architecture (kimi_k2: DeepSeek-V3), which
+            # transformers knows only by the first
+            hf_config = AutoConfig.for_model(family.model_types[0], **{
+                k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
+        else:
+            hf_config = AutoConfig.from_pretrained(folder, local_files_only=True,
+                                                   trust_remote_code=False)
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(hf_config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -111,7 +121,9 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
         for chunk in model_chunks:
             module = unwrap(chunk)
             offset = layer_offset(module)
-            for local, param in module.named_parameters():
+            # the router's expert bias is a buffer (moved by the balancing, not by gradients)
+            bias = [(n, b) for n, b in module.named_buffers() if n.endswith(".expert_bias")]
+            for local, param in [*module.named_parameters(), *bias]:
                 name = global_name(local, offset)
                 value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size)
                 if tuple(value.shape) != tuple(param.shape):

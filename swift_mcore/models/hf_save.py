@@ -47,13 +47,16 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     ``base_folder`` is the Hugging Face folder the model came from, whose config keys
     swift-mcore does not model (token ids, ...) and generation_config.json are kept."""
     from . import families
+    from ..input_files import load_json
     from .hf_folder import CONFIG, is_hf_folder
 
     family = families.for_model_args(model_args)
     base = None
-    if base_folder and is_hf_folder(base_folder):
-        with open(os.path.join(base_folder, CONFIG), encoding="utf-8") as fh:
-            base = json.load(fh)
+    if base_folder and is_hf_folder(base_folder):  # regular files only, bounded JSON
+        base = load_json(os.path.join(base_folder, CONFIG))
+    generation = os.path.join(base_folder or "", "generation_config.json")
+    if base_folder and os.path.lexists(generation):  # before anything is written: a regular
+        load_json(generation)                        # file of bounded JSON
     config = family.hf_config(model_args, layout.vocab, base)
     if base is None and tokenizer is not None:
         config.update(eos_token_id=tokenizer.eod, bos_token_id=_bos_id(tokenizer))
@@ -158,8 +161,9 @@ def _write_folder(staging: str, out_dir: str, family, config, layout: Layout, ge
                   sort_keys=True)
     if tokenizer is not None:  # a weights-only source folder converts to a weights-only one
         tokenizer.save_pretrained(staging)
-    if base_folder and os.path.isfile(os.path.join(base_folder, "generation_config.json")):
-        shutil.copy2(os.path.join(base_folder, "generation_config.json"), staging)
+    generation = os.path.join(base_folder or "", "generation_config.json")
+    if base_folder and os.path.lexists(generation):  # checked regular by save_hf_folder
+        shutil.copy2(generation, staging)
     return {"path": out_dir, "family": family.name, "shards": len(plan), "bytes": total,
             "tensors": len(weight_map)}
 

@@ -17,7 +17,6 @@ trains with the rest of its fused layer.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import ArgumentError
+from ..input_files import check_regular, load_json
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.(model\.layers\.(\d+)\.(self_attn|mlp)\."
@@ -130,14 +130,10 @@ def read_adapter(flags) -> Optional[AdapterImport]:
 
 def _read_config(folder: str, where: str) -> dict:
     path = os.path.join(folder, CONFIG)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise ArgumentError(f"{where}: no {CONFIG} in {folder}; expected a folder written by "
                             f"peft's save_pretrained ({CONFIG}, {WEIGHTS})")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            config = json.load(fh)
-    except (OSError, ValueError) as err:
-        raise ArgumentError(f"{path} is not readable JSON: {err}") from None
+    config = load_json(path)  # a regular file only, bounded (input_files)
     if not isinstance(config, dict):
         raise ArgumentError(f"{path} must hold a JSON object")
     if config.get("peft_type") != "LORA":
@@ -163,18 +159,19 @@ def _read_shapes(folder: str, where: str) -> Dict[str, Tuple[int, ...]]:
     from safetensors import safe_open
 
     path = os.path.join(folder, WEIGHTS)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         hint = (" (adapter_model.bin is a pickle swift-mcore does not read: save the adapter "
                 "with safe_serialization=True)"
                 if os.path.isfile(os.path.join(folder, "adapter_model.bin")) else "")
         raise ArgumentError(f"{where}: no {WEIGHTS} in {folder}{hint}")
+    check_regular(path)  # a FIFO would block the reader, a device never end
     try:
         with safe_open(path, framework="pt") as fh:
             slices = {k: fh.get_slice(k) for k in fh.keys()}
             shapes = {k: tuple(v.get_shape()) for k, v in slices.items()}
             dtypes = {k: v.get_dtype() for k, v in slices.items()}
     except Exception as err:  # a truncated or foreign file: safetensors' own message
-        raise ArgumentError(f"{path} is not a readable safetensors file: {err}") from None
+        raise unreadable_weights(path, err) from None
     for key, dtype in dtypes.items():
         # An integer factor (a quantized adapter, or not a LoRA factor) cast to float would
         # be a different adapter, silently.
@@ -296,4 +293,16 @@ def fused_factors(imported: AdapterImport, name: str, tensors, layout, scaling: 
 def load_tensors(imported: AdapterImport):
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(imported.folder, WEIGHTS))
+    path = os.path.join(imported.folder, WEIGHTS)
+    check_regular(path)
+    try:
+        return load_file(path)
+    except Exception as err:  # changed since it was checked: one line naming it
+        raise unreadable_weights(path, err) from None
+
+
+def unreadable_weights(path: str, err: Exception) -> ArgumentError:
+    """One line for an adapter file the safetensors library could not read."""
+    lines = str(err).strip().splitlines()
+    reason = f"{type(err).__name__}: {lines[0][:300]}" if lines else type(err).__name__
+    return ArgumentError(f"{path} is not a readable safetensors file ({reason})")

@@ -14,13 +14,15 @@ It subclasses ``DotProductAttention`` for the constructor, the attributes megatr
 and ``sharded_state_dict`` (no parameters: checkpoints are interchangeable with the local
 spec). One difference by construction: masked scores are -inf here and -10000 in megatron,
 which is the same after softmax unless a row is masked entirely (padding masks only; a
-causal row always sees itself).
+causal row always sees itself). Sliding windows (``--window_size``) are masks built here on
+the row's device, combined with a packed row's block-causal mask.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -33,15 +35,19 @@ class SdpaAttention(DotProductAttention):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None):
+        # k_channels/v_channels: multi-latent attention's head sizes, which SDPA reads off
+        # the tensors (megatron's own DotProductAttention does not take them)
         super().__init__(config, layer_number, attn_mask_type, attention_type,
                          attention_dropout=attention_dropout, softmax_scale=softmax_scale,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         if self.config.softmax_type != "vanilla":
             raise ValueError(f"SdpaAttention supports softmax_type 'vanilla' only, not "
                              f"{self.config.softmax_type!r}")
-        if self.scale_mask_softmax.window_size is not None:
-            raise ValueError("SdpaAttention does not support sliding-window attention")
+        # (left, right) of this layer's sliding window, or None (DotProductAttention chose it
+        # from window_size and window_attn_skip_freq by the layer number).
+        self.window = self.scale_mask_softmax.window_size
         # DotProductAttention divides its scale by the layer number under
         # apply_query_key_layer_scaling and multiplies it back inside the softmax; SDPA
         # takes the product in one go.
@@ -63,7 +69,12 @@ class SdpaAttention(DotProductAttention):
         if attention_mask is not None:
             # megatron's mask marks the positions to hide; SDPA's boolean mask the ones to keep.
             mask = ~attention_mask
-        elif mask_type == AttnMaskType.causal and sq > 1:
+        if self.window is not None:
+            # A packed row's block-causal mask narrowed to the window, or the window alone
+            # (which is causal: right is 0).
+            window = window_mask(sq, sk, self.window, query.device)
+            mask = window if mask is None else mask & window
+        elif mask is None and mask_type == AttnMaskType.causal and sq > 1:
             # As megatron's softmax (fused_softmax.py, "causal mask is only for self
             # attention"): SDPA's is_causal aligns the triangle top-left, which is only the
             # causal mask when sq == sk.
@@ -91,5 +102,16 @@ class SdpaAttention(DotProductAttention):
                 context = attend()
         else:
             context = attend()
-        # [b, n, sq, h] -> [sq, b, n * h]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+        # [b, n, sq, h] -> [sq, b, n * h]; h is the value's (MLA's differs from q's)
+        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * value.shape[-1])
+
+
+def window_mask(sq: int, sk: int, window, device) -> torch.Tensor:
+    """[sq, sk] True where query i may see key j: the last sq queries of sk positions, key
+    j from i - left to i + right (megatron's get_sliding_window_causal_mask, kept not
+    hidden, on any device)."""
+    left, right = window
+    q = torch.arange(sk - sq, sk, device=device)[:, None]
+    k = torch.arange(sk, device=device)[None, :]
+    keep = k >= q - left if left >= 0 else torch.ones(sq, sk, dtype=torch.bool, device=device)
+    return keep & (k <= q + right) if right >= 0 else keep

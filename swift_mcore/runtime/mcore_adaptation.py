@@ -48,3 +48,17 @@ def patch_router_gemm_without_te() -> None:
         require_tested_version("MoE router without Transformer Engine",
                                "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
         moe_utils.te_general_gemm = None
+
+
+def patch_mla_without_te() -> None:
+    """megatron-core 0.16.1's multi-latent attention (multi_latent_attention.py, 55-66, 185)
+    sets HAVE_TE when megatron's TE extension module imports, which it does without
+    Transformer Engine too, with a MagicMock for TELinear: ``isinstance(x, TELinear)`` then
+    raises in every MLA layer's constructor. Without TE there is no TE linear to test for,
+    so HAVE_TE false is what megatron means."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if mla.HAVE_TE and not isinstance(mla.TELinear, type):
+        require_tested_version("multi-latent attention without Transformer Engine",
+                               "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+        mla.HAVE_TE = False

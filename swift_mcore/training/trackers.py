@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..atomic_write import write_atomic
 from ..errors import ArgumentError, OutputError
+from ..input_files import load_json
 from ..runtime import run_files
 
 RUN_IDS = run_files.TRACKER_IDS  # {"wandb": "<run id>", "swanlab": "<run id>"}
@@ -178,18 +179,18 @@ def close_quietly(tracker: Tracker, failed: bool) -> Optional[str]:
 
 def read_run_ids(output_dir: str, names: Sequence[str] = ()) -> Dict[str, str]:
     """The run ids a resumed run continues ({} where the file does not exist). An
-    unreadable file (not JSON, not {"tracker": "id"}) raises ArgumentError naming it."""
+    unreadable file (not a regular file, not JSON, not {"tracker": "id"}) raises
+    ArgumentError naming it."""
     path = os.path.join(output_dir, RUN_IDS)
     trackers = ",".join(n for n in names if n != "tensorboard") or "wandb,swanlab"
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return {}
-    except (OSError, ValueError) as err:
-        problem = err.strerror if isinstance(err, OSError) and err.strerror else \
-            f"not JSON: {' '.join(str(err).split())[:120]}"
-        data, bad = None, problem
+    try:  # a FIFO or device would block the resume: load_json opens regular files only
+        data = load_json(path)
+    except ArgumentError as err:
+        data, bad = None, str(err).removeprefix(f"{path}: ")
+    except OSError as err:
+        data, bad = None, err.strerror or str(err)
     else:
         bad = None if isinstance(data, dict) and all(
             isinstance(k, str) and isinstance(v, str) and v for k, v in data.items()) else \

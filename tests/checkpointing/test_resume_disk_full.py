@@ -14,8 +14,8 @@ import subprocess
 import pytest
 
 import ckpt_harness as H
-from run_helpers import losses, run_pt
-from swift_mcore.checkpointing import commit, space, folders
+from run_helpers import losses, run_pt, tmpfs
+from swift_mcore.checkpointing import commit, folders, space
 
 
 def data_bytes(folder):
@@ -60,17 +60,9 @@ def test_disk_fills_up_during_the_write_then_exact_resume(tmp_path, straight_cli
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    size = 12 << 20  # one checkpoint of the test model (7.3 MiB), not two
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()[:200]})")
-    try:
+    # one checkpoint of the test model (7.3 MiB), not two
+    with tmpfs(tmp_path / "disk", str(12 << 20)) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ before any output is written; the command runs in a subprocess with a timeout, s
 a crash of the parser fails the test instead of stalling or killing pytest."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,15 +12,22 @@ import pytest
 from swift_mcore import input_files
 from swift_mcore.errors import ArgumentError
 
+from run_helpers import run_or_kill
+
 ROOT = Path(__file__).resolve().parents[2]
 DEEP = 100_000
 
 
 def swift(*argv, timeout=120):
+    """The CLI in its own process group; on timeout the group is killed and the test fails
+    (a regression that blocks on a FIFO must not hang pytest)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "swift_mcore", *map(str, argv)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    argv = [sys.executable, "-m", "swift_mcore", *map(str, argv)]
+    proc = run_or_kill(argv, timeout, env=env, cwd=ROOT)
+    if proc is None:
+        pytest.fail(f"swift-mcore {argv[3]} still ran after {timeout} s (blocked on a FIFO?)")
+    return proc
 
 
 def error_line(proc):
@@ -159,3 +165,71 @@ def test_a_yaml_config_nested_100000_deep_is_one_line(tmp_path):
     line = error_line(swift("pt", config, "--output_dir", tmp_path / "b"))
     assert line == (f"swift-mcore pt: error: config file {config} nests too deeply to be a "
                     f"file of flags")
+
+
+# ---- a saved datasets folder (save_to_disk) -----------------------------------------------
+
+def saved_dataset(folder):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["first row", "second row"]}).save_to_disk(
+        str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("name", ["state.json", "dataset_info.json",
+                                  "data-00000-of-00001.arrow"])
+def test_a_fifo_in_a_saved_datasets_folder_is_refused(tmp_path, name):
+    folder = saved_dataset(tmp_path / "saved")
+    os.remove(folder / name)
+    os.mkfifo(folder / name)
+    line = error_line(swift("preprocess", "--input", folder, "--output_prefix",
+                            tmp_path / "out" / "x", "--workers", "1", timeout=90))
+    assert line == (f"swift-mcore preprocess: error: --input {folder}: {name} is a FIFO "
+                    f"(named pipe), not a regular file; swift-mcore reads input only from "
+                    f"regular files")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda text: text.replace('"data-00000-of-00001.arrow"', '"../../../../etc/passwd"'),
+     "names '../../../../etc/passwd', a path outside its folder"),
+    (lambda text: text[:-1] + ', "deep": ' + "[" * DEEP + "]" * DEEP + "}",
+     f"JSON nested {DEEP + 1} levels deep; at most 512 are read"),
+])
+def test_a_saved_datasets_state_json_is_bounded_and_kept_inside(tmp_path, change, message):
+    from swift_mcore.data import sources
+
+    folder = saved_dataset(tmp_path / "saved")
+    state = folder / "state.json"
+    state.write_text(change(state.read_text().strip()))
+    with pytest.raises(ArgumentError) as err:
+        sources.expand_inputs([str(folder)], "--input")
+    assert str(err.value).startswith(f"--input {folder / 'state.json'}: "), str(err.value)
+    assert message in str(err.value)
+
+
+# ---- export --to_hf: the source folder's generation_config.json --------------------------
+
+def test_a_fifo_as_generation_config_is_refused_before_export_writes(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests" / "models"))
+    import hf_helpers
+
+    folder = tmp_path / "hf"
+    hf_helpers.make_family(str(folder), "llama")
+    converted = tmp_path / "mcore"
+    proc = swift("export", "--to_mcore", "--model", folder, "--output_dir", converted,
+                 timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        os.remove(generation)
+    os.mkfifo(generation)
+    out = tmp_path / "exported"
+    tokenizer = tmp_path / "tok"  # a folder of its own: the model folder is read as the base
+    hf_helpers.write_tokenizer(str(tokenizer))
+    line = error_line(swift("export", "--to_hf", "--model", converted, "--tokenizer",
+                            tokenizer, "--output_dir", out, timeout=180))
+    assert line == (f"swift-mcore export: error: {generation}: is a FIFO (named pipe), not a "
+                    f"regular file; swift-mcore reads input only from regular files")
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]

@@ -13,7 +13,7 @@ import torch
 
 import hf_helpers as H
 from test_hf_training import continue_pretraining, run_flags
-from run_helpers import ROOT, child_env, losses
+from run_helpers import ROOT, child_env, losses, run_or_kill
 
 from swift_mcore.arguments import RunArguments
 from swift_mcore.errors import ArgumentError
@@ -211,3 +211,56 @@ def test_an_integer_adapter_is_refused_naming_the_tensor_and_dtype(base, tmp_pat
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].endswith(message)
     assert not out.exists()
+
+
+# ---- hostile adapter folders (issue 35): the CLI in a subprocess in its own process group,
+# killed on timeout, so a regression that blocks on a FIFO fails instead of hanging.
+
+def refused_pt(base, folder, out, timeout=180):
+    proc = run_or_kill([sys.executable, "-m", "swift_mcore", "pt", "--model", str(base / "hf"),
+                        "--tuner_type", "lora", "--adapters", str(folder), "--attention_backend",
+                        "sdpa", "--output_dir", str(out)], timeout, cwd=ROOT, env=child_env())
+    if proc is None:
+        pytest.fail(f"pt --adapters {folder} still ran after {timeout} s (blocked?)")
+    err = proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
+    assert not out.exists()
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_fifo_in_the_adapter_folder_is_refused_naming_it(base, tmp_path, name):
+    import os
+
+    folder = fake_adapter(tmp_path / "adapter", {Q + ".lora_A.weight": torch.zeros(2, 64)})
+    os.remove(folder / name)
+    os.mkfifo(folder / name)
+    line = refused_pt(base, folder, tmp_path / "out")
+    assert line.endswith(f"error: {folder / name}: is a FIFO (named pipe), not a regular "
+                         f"file; swift-mcore reads input only from regular files"), line
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is not a readable safetensors file (SafetensorError: Error while deserializing "
+          "header: "),
+    (None, "is not a readable safetensors file (SafetensorError: Error while deserializing "
+           "header: "),
+])
+def test_a_truncated_adapter_is_one_line_naming_it(base, tmp_path, content, message):
+    folder = fake_adapter(tmp_path / "adapter", {Q + ".lora_A.weight": torch.zeros(2, 64)})
+    weights = folder / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) - 16] if content is None else content)
+    with pytest.raises(ArgumentError) as err:
+        lora_config(base / "hf", folder)
+    assert str(err.value).startswith(f"{weights} {message}"), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_adapter_config_nested_100000_deep_is_one_line(base, tmp_path):
+    folder = fake_adapter(tmp_path / "adapter", {Q + ".lora_A.weight": torch.zeros(2, 64)})
+    config = folder / "adapter_config.json"
+    config.write_text('{"peft_type": "LORA", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ArgumentError, match=re.escape(
+            f"{config}: JSON nested 100001 levels deep; at most 512 are read")):
+        lora_config(base / "hf", folder)

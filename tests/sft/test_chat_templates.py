@@ -178,8 +178,7 @@ def test_qwen3_last_turn_and_the_encoding_report(qwen3_tok):
     assert len(encoded) == 3
     last = encode_conversations(rows, template, 512, "drop", "last_turn")
     assert len(last) == 2  # the sample holding each conversation's last answer
-    ids, targets = last.ids[last.offsets[0]:last.offsets[1]], last.targets[
-        last.offsets[0]:last.offsets[1]]
+    ids, targets = last.sample(0)
     assert qwen3_tok.decode(ids[targets]) == THINKING_ANSWERS[2]
 
 

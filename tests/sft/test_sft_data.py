@@ -70,8 +70,13 @@ def sft_args(**flags):
     return resolve(SftArguments.from_flags(**flags), world_size=1, cuda=False)
 
 
+def targets_of(encoded):
+    """The targets of the kept samples, back to back (the arrays also hold cut-off tokens)."""
+    return np.concatenate([encoded.sample(k)[1] for k in range(len(encoded))])
+
+
 def encoded_rows(encoded):
-    return [encoded.ids[encoded.offsets[k]:encoded.offsets[k + 1]].tolist()
+    return [encoded.sample(k)[0].tolist()
             for k in range(len(encoded))]
 
 
@@ -84,7 +89,7 @@ def test_targets_all_turns_and_last_turn(plain):
     last = encode_conversations([TWO_TURNS], plain, 256, "drop", "last_turn")
     for encoded in (everything, last):
         np.testing.assert_array_equal(encoded.ids, ids)
-        np.testing.assert_array_equal(encoded.offsets, [0, len(ids)])
+        assert encoded.starts.tolist() == [0] and encoded.ends.tolist() == [len(ids)]
         np.testing.assert_array_equal(encoded.positions(), [len(ids) - 1])
     first_answer = np.flatnonzero(turns == 0)
     second_answer = np.flatnonzero(turns == 1)
@@ -130,7 +135,7 @@ def test_truncation_drop(plain, long_set):
     _, full, seq = long_set
     encoded, report = encode_long(plain, long_set, "drop")
     assert encoded_rows(encoded) == [full[0][0].tolist(), full[3][0].tolist()]
-    np.testing.assert_array_equal(encoded.targets,
+    np.testing.assert_array_equal(targets_of(encoded),
                                   np.concatenate([full[0][1] != CONTEXT, full[3][1] != CONTEXT]))
     assert (report.conversations, report.truncated, report.dropped_long,
             report.dropped_empty) == (4, 0, 2, 0)
@@ -147,9 +152,9 @@ def test_truncation_right_drops_a_conversation_whose_answer_is_cut_away(plain, l
                                      full[3][0].tolist()]
     np.testing.assert_array_equal(encoded.positions(), [len(full[0][0]) - 1, seq, seq])
     np.testing.assert_array_equal(
-        encoded.targets[encoded.offsets[1]:encoded.offsets[2]],
+        encoded.sample(1)[1],
         full[1][1][:seq + 1] != CONTEXT)
-    assert encoded.targets[encoded.offsets[2] - 1]  # the cut keeps answer tokens to the end
+    assert encoded.sample(1)[1][-1]  # the cut keeps answer tokens to the end
     assert (report.conversations, report.truncated, report.dropped_long,
             report.dropped_empty) == (4, 1, 0, 1)
     assert report.describe("right", seq) == (
@@ -163,12 +168,13 @@ def test_truncation_left(plain, long_set):
     assert encoded_rows(encoded) == [full[0][0].tolist(), full[1][0][-seq - 1:].tolist(),
                                      full[2][0][-seq - 1:].tolist(), full[3][0].tolist()]
     np.testing.assert_array_equal(
-        encoded.targets, np.concatenate([full[0][1] != CONTEXT,
+        targets_of(encoded),
+        np.concatenate([full[0][1] != CONTEXT,
                                          full[1][1][-seq - 1:] != CONTEXT,
                                          full[2][1][-seq - 1:] != CONTEXT,
                                          full[3][1] != CONTEXT]))
     # The long answer cut on the left is all answer: every token is a target.
-    assert encoded.targets[encoded.offsets[1]:encoded.offsets[2]].all()
+    assert encoded.sample(1)[1].all()
     assert (report.conversations, report.truncated, report.dropped_long,
             report.dropped_empty) == (4, 2, 0, 0)
     assert report.describe("left", seq) == (
@@ -189,7 +195,7 @@ def test_cuts_at_the_edge_of_an_answer(plain):
     report = EncodingReport()
     kept = encode_conversations([conv], plain, start, "right", "all_turns", report)
     assert encoded_rows(kept) == [ids[:start + 1].tolist()]
-    assert kept.targets.tolist() == [False] * start + [True]
+    assert targets_of(kept).tolist() == [False] * start + [True]
     assert (report.truncated, report.dropped_empty) == (1, 0)
 
     report = EncodingReport()
@@ -199,7 +205,7 @@ def test_cuts_at_the_edge_of_an_answer(plain):
     assert (report.conversations, report.truncated, report.dropped_empty) == (1, 0, 1)
     kept = encode_conversations([conv], plain, tail, "left", "all_turns")
     assert encoded_rows(kept) == [ids[start:].tolist()]
-    assert kept.targets.tolist() == [True, True] + [False] * (tail - 1)
+    assert targets_of(kept).tolist() == [True, True] + [False] * (tail - 1)
 
 
 # ---- SftDataset items and batches ---------------------------------------------------------

@@ -143,7 +143,29 @@ VALUES: Dict[str, Value] = {
     "output_router_logits": Value("bool"), "norm_topk_prob": Value("bool"),
     "router_jitter_noise": Value("number", 0), "decoder_sparse_step": Value("int", 1),
     "mlp_only_layers": Value("int_list", 0),
+    # multi-latent attention and sigmoid group-limited routing (DeepSeek-V3)
+    "q_lora_rank": Value("int", 1), "kv_lora_rank": Value("int", 1),
+    "qk_nope_head_dim": Value("int", 1), "qk_rope_head_dim": Value("int", 2),
+    "qk_head_dim": Value("int", 1), "v_head_dim": Value("int", 1),
+    "rope_interleave": Value("bool"), "n_routed_experts": Value("int", 1),
+    "n_shared_experts": Value("int", 0), "routed_scaling_factor": Value("number", 0,
+                                                                       low_open=True),
+    "n_group": Value("int", 1), "topk_group": Value("int", 1),
+    "first_k_dense_replace": Value("int", 0), "num_nextn_predict_layers": Value("int", 0),
+    "moe_layer_freq": Value("int", 1), "scoring_func": Value("str"), "topk_method": Value("str"),
+    "ep_size": Value("int", 1), "seq_aux": Value("bool"), "aux_loss_alpha": Value("number", 0),
+    "use_qk_norm": Value("bool"),
+    # Gemma 3
+    "hidden_activation": Value("str"), "query_pre_attn_scalar": Value("number", 0, low_open=True),
+    "rope_local_base_freq": Value("number", 0, low_open=True),
+    "sliding_window_pattern": Value("int", 1), "_sliding_window_pattern": Value("int", 1),
+    "attn_logit_softcapping": Value("number"), "final_logit_softcapping": Value("number"),
+    "use_bidirectional_attention": Value("bool"),
 }
+# Flags only some families express (a family that does lists them in its ``fixed`` or
+# handles them in its own representation_problems); every other family needs them unset.
+UNSET_FLAGS = ("window_size", "window_attn_skip_freq", "rotary_base_local", "softmax_scale",
+               "rotary_seq_len_interpolation_factor")
 
 
 def value_problems(config: Dict[str, Any], keys) -> List[str]:
@@ -261,7 +283,8 @@ class Family:
         """Flags of ``m`` a config.json of this family cannot express (empty: exportable)."""
         wanted = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
                   "rotary_percent": 1.0, "add_bias_linear": False, "add_qkv_bias": False,
-                  "qk_layernorm": False, **self.fixed}
+                  "qk_layernorm": False, "multi_latent_attention": False,
+                  **{name: None for name in UNSET_FLAGS}, **self.fixed}
         problems = [f"--{name} {getattr(m, name)!r} (a {self.name} model has {value!r})"
                     for name, value in wanted.items() if getattr(m, name) != value]
         if self.moe is None and getattr(m, "num_experts", None) is not None:
@@ -374,6 +397,11 @@ def all_of(*checks: Check) -> Check:
     return check
 
 
+# The router of the softmax MoE families; sigmoid_moe.py's families set these from config.json.
+SOFTMAX_ROUTER = {"moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+                  "moe_router_num_groups": None, "moe_router_topk_scaling_factor": None}
+
+
 @dataclass(frozen=True)
 class MoeKeys:
     """How a mixture-of-experts family spells its experts in config.json.
@@ -383,6 +411,8 @@ class MoeKeys:
     shared_ffn       key of the gated shared expert's size (Qwen2-MoE), or None
     dense_layers     whether decoder_sparse_step / mlp_only_layers choose dense layers
     norm_topk        the norm_topk_prob key's value when absent, or None: always normalised
+    softmax_router   megatron's plain softmax router (SOFTMAX_ROUTER), refusing the sigmoid
+                     router's flags on export
     """
 
     experts: Tuple[str, ...]
@@ -390,6 +420,7 @@ class MoeKeys:
     shared_ffn: Optional[str] = None
     dense_layers: bool = True
     norm_topk: Optional[bool] = False
+    softmax_router: bool = True  # False: sigmoid_moe.py's router (its family checks it)
 
     def keys(self) -> frozenset:
         keys = {*self.experts, self.expert_ffn, "num_experts_per_tok", "router_aux_loss_coef",
@@ -469,6 +500,9 @@ class MoeKeys:
             problems.append(f"--moe_ffn_hidden_size {m.moe_ffn_hidden_size} differs from "
                             f"--ffn_hidden_size {m.ffn_hidden_size} (a {family} config has one "
                             f"intermediate_size)")
+        if self.softmax_router:
+            problems += [f"--{flag} {getattr(m, flag)!r} (a {family} router has {value!r})"
+                         for flag, value in SOFTMAX_ROUTER.items() if getattr(m, flag) != value]
         if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
             problems.append(f"--moe_router_load_balancing_type "
                             f"{m.moe_router_load_balancing_type} (a {family} config knows the "

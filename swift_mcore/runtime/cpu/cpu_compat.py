@@ -20,13 +20,20 @@ from typing import Any
 
 import torch
 
-from ..mcore_adaptation import ModuleProxy, patch_router_gemm_without_te, require_tested_version
+from ..mcore_adaptation import (
+    ModuleProxy,
+    patch_mla_without_te,
+    patch_router_gemm_without_te,
+    require_tested_version,
+)
 
 
 # module -> why it needs the proxy (file:line in megatron-core 0.16.1)
 PATCHED_MODULES = {
     "megatron.core.models.common.embeddings.rotary_pos_embedding":
         "RoPE moves inv_freq to torch.cuda.current_device() (160-162)",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding":
+        "YaRN RoPE (multi-latent attention) moves its frequencies to the CUDA device (120-126)",
     "megatron.core.utils": "GlobalMemoryBuffer allocates on the CUDA device (631)",
     "megatron.core.distributed.param_and_grad_buffer":
         "grad/param buffers on the CUDA device, streams (417-806)",
@@ -265,6 +272,7 @@ def activate() -> bool:
     """Install the CPU adaptation if there is no CUDA. Returns True when it is active."""
     global _ACTIVE
     patch_router_gemm_without_te()  # a GPU without Transformer Engine needs it too
+    patch_mla_without_te()
     if not needed():
         return False
     if _ACTIVE:

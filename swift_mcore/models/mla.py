@@ -1,0 +1,92 @@
+"""Multi-latent attention (DeepSeek-V2/V3): megatron's MLATransformerConfig fields from the
+model flags, and the weight layout between Hugging Face's MLA projections and megatron's.
+
+Hugging Face (DeepseekV3Attention)      megatron (MLASelfAttention, local spec)
+  q_proj            (no q LoRA)          linear_q_proj
+  q_a_proj, q_a_layernorm, q_b_proj      linear_q_down_proj, q_layernorm, linear_q_up_proj
+  kv_a_proj_with_mqa, kv_a_layernorm     linear_kv_down_proj, kv_layernorm
+  kv_b_proj, o_proj                      linear_kv_up_proj, linear_proj
+
+Both keep each head's channels as [no-RoPE part; RoPE part] (queries, keys) and [key;
+value] (kv up projection) and the down projection's rows as [latent; shared RoPE key], so
+every tensor is copied as it is. Both read the RoPE channels as interleaved pairs
+(transformers' rope_interleave, megatron's MLA RoPE), which is why a config without
+rope_interleave is refused by the family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+
+def mla_config(m) -> tuple:
+    """(MLATransformerConfig, its MLA and RoPE fields) for ModelArguments ``m``."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig, dict(
+        q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+        rope_type=m.rope_type, rotary_base=m.rotary_base, rotary_percent=1.0,
+        rotary_scaling_factor=m.rotary_scaling_factor,
+        original_max_position_embeddings=m.original_max_position_embeddings,
+        beta_fast=m.beta_fast, beta_slow=m.beta_slow, mscale=m.mscale,
+        mscale_all_dim=m.mscale_all_dim)
+
+
+@dataclass(frozen=True)
+class Mla:
+    """The MLA shapes of one model (every layer has the same)."""
+
+    heads: int
+    hidden: int
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_head_dim: int
+    rope_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def from_model_args(cls, m) -> "Mla":
+        return cls(heads=m.num_attention_heads, hidden=m.hidden_size, q_lora_rank=m.q_lora_rank,
+                   kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
+                   rope_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim)
+
+    def names(self) -> Dict[str, str]:
+        """megatron per-layer suffix -> HF per-layer suffix."""
+        out = {"self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+               "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+               "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+               "self_attention.linear_proj.weight": "self_attn.o_proj.weight"}
+        if self.q_lora_rank is None:
+            out["self_attention.linear_q_proj.weight"] = "self_attn.q_proj.weight"
+        else:
+            out.update({
+                "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+                "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+                "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight"})
+        return out
+
+    def hf_tensors(self, prefix: str) -> List[Tuple[str, Tuple[int, ...]]]:
+        """The attention tensors of one layer, with their shapes, in transformers' order."""
+        h, n = self.hidden, self.heads
+        q_width = n * (self.qk_head_dim + self.rope_dim)
+        if self.q_lora_rank is None:
+            out = [("self_attn.q_proj.weight", (q_width, h))]
+        else:
+            out = [("self_attn.q_a_proj.weight", (self.q_lora_rank, h)),
+                   ("self_attn.q_a_layernorm.weight", (self.q_lora_rank,)),
+                   ("self_attn.q_b_proj.weight", (q_width, self.q_lora_rank))]
+        out += [("self_attn.kv_a_proj_with_mqa.weight", (self.kv_lora_rank + self.rope_dim, h)),
+                ("self_attn.kv_a_layernorm.weight", (self.kv_lora_rank,)),
+                ("self_attn.kv_b_proj.weight",
+                 (n * (self.qk_head_dim + self.v_head_dim), self.kv_lora_rank)),
+                ("self_attn.o_proj.weight", (h, n * self.v_head_dim))]
+        return [(prefix + name, shape) for name, shape in out]
+
+    def hf_name(self, suffix: str) -> Optional[str]:
+        """The HF suffix of megatron attention suffix ``suffix`` (None: not MLA's)."""
+        return self.names().get(suffix)
+
+    def mcore_name(self, hf_suffix: str) -> Optional[str]:
+        return {hf: mc for mc, hf in self.names().items()}.get(hf_suffix)

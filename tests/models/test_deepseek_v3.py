@@ -1,0 +1,304 @@
+"""DeepSeek-V3 (multi-latent attention, YaRN, sigmoid group-limited routing with an expert
+bias, shared experts, a dense first layer): a tiny random folder whose routing spreads tokens
+over experts and groups and whose norms and biases are off their init gives transformers'
+logits; HF -> swift-mcore -> HF is bit-identical; what megatron cannot express is named."""
+
+import json
+
+import pytest
+import torch
+
+import hf_helpers as H
+from swift_mcore.errors import ArgumentError
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+        "rope_theta": 10000.0}
+# eight experts in four groups, two groups per token, top-2; the first layer dense
+DEEPSEEK = dict(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                moe_intermediate_size=32, n_group=4, topk_group=1, first_k_dense_replace=1,
+                q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=24, num_key_value_heads=4, routed_scaling_factor=2.5,
+                rope_parameters=YARN, num_hidden_layers=3)
+
+
+def make_deepseek(path, **overrides):
+    """A random model with every norm weight and the routers' correction bias off init."""
+    model = H.make_model(str(path), "deepseek_v3", **{**DEEPSEEK, **overrides})
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn(buffer.shape, generator=generator))
+    model.save_pretrained(str(path))
+    return model
+
+
+def convert(source, out, direction, **flags):
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.export import run
+
+    args = ExportArguments(model=str(source), output_dir=str(out), **{direction: True}, **flags)
+    return run(args.validate(), log=lambda line: None)
+
+
+@pytest.mark.parametrize("q_lora_rank", [48, None])
+def test_logits_match_and_round_trip_is_bit_identical(tmp_path, gloo_group, q_lora_rank):
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    source = tmp_path / "hf"
+    hf_model = make_deepseek(source, q_lora_rank=q_lora_rank)
+    ids = H.tokens()
+    with torch.no_grad():  # the routing spreads: every expert is some token's choice
+        router = hf_model.model.layers[2].mlp.gate
+        hidden = torch.randn(128, 64, generator=torch.Generator().manual_seed(2))
+        _, _, chosen = router(hidden)
+    assert len(set(chosen.flatten().tolist())) == 8
+
+    loaded = load_model(str(source), log=lambda line: None)
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    theirs = H.hf_logits(str(source), ids)
+    assert (ours - theirs).abs().max() <= 1e-4
+    m = loaded.config.model
+    assert (m.model_type, m.num_experts, m.moe_router_topk, m.moe_layer_freq) == (
+        "deepseek_v3", 8, 2, "[0,1,1]")
+    assert m.multi_latent_attention and m.rope_type == "yarn" and m.q_lora_rank == q_lora_rank
+
+    checkpoint, back = tmp_path / "mcore", tmp_path / "back"
+    assert convert(source, checkpoint, "to_mcore",
+                   test_convert_precision=True)["max_logit_difference"] <= 1e-4
+    convert(checkpoint, back, "to_hf")
+    original, exported = H.safetensors_state(str(source)), H.safetensors_state(str(back))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    config = json.loads((back / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["first_k_dense_replace"] == 1
+    assert H.hf_logits(str(back), ids).sub(theirs).abs().max() == 0
+
+
+def _train(config):
+    import signal
+
+    from swift_mcore.training.trainer import Trainer
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return Trainer(config).train()
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def test_sft_trains_exports_and_resumes_the_expert_bias_exactly(tmp_path, gloo_group):
+    """`sft --model FOLDER` in this process: the LM loss falls, the routers' expert bias moves
+    (aux-loss-free balancing), the checkpoint exports to a folder whose transformers logits
+    are ours, and a run resumed from iteration 2 repeats the losses and ends with the same
+    expert bias bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.arguments import SftArguments, parse_args
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from swift_mcore.run_config import resolve
+    from test_hf_training import run_flags
+    from test_moe_training import write_chat
+    from run_helpers import losses
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    data = tmp_path / "chat.jsonl"
+    write_chat(data, 32)
+    out, again = tmp_path / "sft", tmp_path / "again"
+    flags = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
+             "plain", "--seq_length", "64", "--train_iters", "4", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--moe_router_bias_update_rate", "0.01"]
+    config = resolve(parse_args([*flags, "--save_steps", "2", "--output_dir", str(out)],
+                                cls=SftArguments), world_size=1)
+    assert config.model.moe_router_enable_expert_bias and config.model.multi_latent_attention
+    assert _train(config).iteration == 4
+    ref = losses(out)
+    assert ref[4] < ref[1], ref
+
+    back = tmp_path / "back"
+    convert(out / "checkpoint", back, "to_hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
+    assert hf.config.model_type == "deepseek_v3"
+    ids = H.tokens()
+    loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (forward_logits(loaded.model, ids)[..., : loaded.vocab] - theirs).abs().max() <= 1e-4
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    trained, initial = H.safetensors_state(str(back)), H.safetensors_state(str(source))
+    assert not torch.equal(trained[bias], initial[bias])  # the balancing moved it
+
+    resumed = resolve(parse_args([*flags, "--save_steps", "4", "--output_dir", str(again),
+                                  "--resume", str(out / "checkpoint" / "iter_0000002")],
+                                 cls=SftArguments), world_size=1)
+    assert _train(resumed).iteration == 4
+    got = losses(again)
+    assert sorted(got) == [3, 4] and all(got[i] == ref[i] for i in got), (got, ref)
+    convert(again / "checkpoint", tmp_path / "back2", "to_hf")
+    repeated = H.safetensors_state(str(tmp_path / "back2"))
+    for name in (bias, "model.layers.2.mlp.gate.e_score_correction_bias"):
+        assert torch.equal(repeated[name], trained[name]), name
+
+
+def test_infer_gives_transformers_greedy_tokens(tmp_path, gloo_group, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.infer import run
+
+    make_deepseek(tmp_path / "hf")
+    capsys.readouterr()
+    run(InferArguments(model=str(tmp_path / "hf"), prompt="def add(", max_new_tokens=4,
+                       temperature=0.0).validate())
+    out = capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ids = torch.tensor([tokenizer.encode("def add(")])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                              attn_implementation="eager").eval()
+    new = hf.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:].tolist()
+    expected = "def add(" + tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
+    assert out.rstrip("\n") == expected, (out, expected)
+
+
+def test_what_megatron_cannot_express_is_named(tmp_path):
+    """Each config.json value megatron cannot compute as transformers does is refused by its
+    key before anything is built; so are MLA flags this version does not support."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    folder = tmp_path / "ds"
+    make_deepseek(folder)
+
+    def refused(match, world_size=1, **flags):
+        with pytest.raises(ArgumentError, match=match):
+            resolve(RunArguments.from_flags(model=str(folder), **flags), world_size=world_size)
+
+    cases = [
+        (dict(topk_group=2), "num_experts_per_tok 2 with topk_group 2"),
+        (dict(rope_interleave=False), "rope_interleave false"),
+        (dict(norm_topk_prob=False), "norm_topk_prob false"),
+        (dict(scoring_func="softmax"), "scoring_func 'softmax'"),
+        (dict(num_key_value_heads=2), "num_key_value_heads 2"),
+        (dict(rope_parameters={**YARN, "mscale": 0}), "mscale_all_dim 0.707 without mscale"),
+        (dict(rope_parameters={**YARN, "truncate": False}), "truncate false"),
+        (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+         "rope_type 'dynamic'"),
+        (dict(n_group=3), "n_group 3 does not divide n_routed_experts 8"),
+        (dict(attention_bias=True), "attention_bias True"),
+    ]
+    original = json.loads((folder / "config.json").read_text())
+    for change, match in cases:
+        (folder / "config.json").write_text(json.dumps({**original, **change}))
+        refused(match)
+    (folder / "config.json").write_text(json.dumps(original))
+    refused("--multi_latent_attention with --tensor_model_parallel_size 2",
+            world_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
+            global_batch_size=8)
+    refused("--multi_latent_attention with --attention_backend local",
+            attention_backend="local")
+    refused("--tuner_type lora with --multi_latent_attention", tuner_type="lora")
+    with pytest.raises(ArgumentError, match="--rope_type yarn is multi-latent attention's"):
+        resolve(RunArguments.from_flags(rope_type="yarn"), world_size=1)
+    with pytest.raises(ArgumentError, match="--moe_router_num_groups and --moe_router_group"):
+        resolve(RunArguments.from_flags(num_experts=4, moe_router_num_groups=2), world_size=1)
+
+
+def test_a_kimi_k2_folder_is_deepseek_v3(tmp_path, gloo_group):
+    """model_type kimi_k2 (Kimi-K2's folders; transformers knows the architecture only as
+    deepseek_v3) loads as DeepSeek-V3: the same logits, and exports as deepseek_v3 with the
+    same tensors."""
+    import shutil
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    source, kimi = tmp_path / "hf", tmp_path / "kimi"
+    make_deepseek(source, num_hidden_layers=2)
+    shutil.copytree(source, kimi)
+    H.edit_config(str(kimi), model_type="kimi_k2")
+    ids = H.tokens()
+    loaded = load_model(str(kimi), log=lambda line: None)
+    assert loaded.config.model.model_type == "deepseek_v3"
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - H.hf_logits(str(source), ids)).abs().max() <= 1e-4
+    convert(kimi, tmp_path / "mcore", "to_mcore")
+    convert(tmp_path / "mcore", tmp_path / "back", "to_hf")
+    original, exported = H.safetensors_state(str(kimi)), H.safetensors_state(str(tmp_path / "back"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == \
+        "deepseek_v3"
+
+
+def test_a_folder_with_mtp_layers_is_refused_not_dropped(tmp_path, gloo_group):
+    """The Hub's DeepSeek-V3 carries its multi-token-prediction layer as layer
+    num_hidden_layers; swift-mcore has no MTP yet, so it names the tensors instead of
+    training and exporting a folder without them."""
+    from safetensors.torch import load_file, save_file
+
+    from swift_mcore.loaded_model import load_model
+
+    folder = tmp_path / "hf"
+    make_deepseek(folder, num_hidden_layers=2)
+    state = load_file(str(folder / "model.safetensors"))
+    state["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ArgumentError, match="model.layers.2.eh_proj.weight is not part of this "
+                                            "model"):
+        load_model(str(folder), log=lambda line: None)
+
+
+@pytest.mark.slow
+def test_ep2_gives_the_ep1_losses(tmp_path, train_here):
+    """Continued pretraining of a DeepSeek-V3 folder at EP=2 (each rank loads its experts and
+    their correction biases; the expert bias is updated from both ranks' loads) gives the
+    one-rank losses."""
+    from run_helpers import losses
+    from test_hf_training import continue_pretraining, run_flags
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    one, two = tmp_path / "ep1", tmp_path / "ep2"
+    rate = ("--moe_router_bias_update_rate", "0.05")
+    train_here(one, "--model", source, "--dataset", data, "--no_save", "--train_iters", "3",
+               *rate, command="pt", base=run_flags())
+    continue_pretraining(source, data, two, "--no_save", "--train_iters", "3", *rate,
+                         "--expert_model_parallel_size", "2", nproc=2)
+    ref, got = losses(one), losses(two)
+    assert sorted(got) == [1, 2, 3]
+    for it in ref:
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+
+
+def test_a_model_no_family_expresses_is_not_exported_as_another(tmp_path, gloo_group):
+    """Flags from scratch: MLA or a sigmoid router cannot be written as a Llama or Qwen
+    folder (which would compute something else); as deepseek_v3 they can."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.models.families import for_model_args
+    from swift_mcore.run_config import resolve
+
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                 vocab_size=300)
+    mla = dict(multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=16,
+               qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+    sigmoid = dict(num_experts=4, moe_router_score_function="sigmoid",
+                   moe_router_enable_expert_bias=True, moe_layer_freq="[0,1]")
+    for flags, match in [(dict(mla, model_type="llama", qk_layernorm=False),
+                          "--multi_latent_attention True"),
+                         (dict(num_experts=4, moe_router_score_function="sigmoid",
+                               model_type="qwen3_moe"),
+                          "--moe_router_score_function 'sigmoid'")]:
+        m = resolve(RunArguments.from_flags(**shape, **flags), world_size=1).model
+        with pytest.raises(ArgumentError, match=match):
+            for_model_args(m)
+    m = resolve(RunArguments.from_flags(**shape, **mla, **sigmoid), world_size=1).model
+    assert for_model_args(m).name == "deepseek_v3"

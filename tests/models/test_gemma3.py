@@ -1,0 +1,357 @@
+"""Gemma 3 text: a tiny random gemma3_text folder (sliding-window and global layers, a window
+shorter than the sequence, norms off their init) gives transformers' logits; HF -> checkpoint
+-> HF is bit-identical; packed rows give each document's own logits; sft trains and exports;
+infer gives transformers' greedy tokens; what megatron cannot express is named."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_helpers as H
+from run_helpers import ROOT, child_env, losses, train_records
+from swift_mcore.errors import ArgumentError
+
+WINDOW = 8
+GEMMA3 = dict(head_dim=16, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                           "full_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "default",
+                                                  "rope_theta": 1000000.0}})
+
+
+def make_gemma3(path, **overrides):
+    """A random gemma3_text model with every norm weight moved off its init (0)."""
+    model = H.make_model(str(path), "gemma3_text", **{**GEMMA3, **overrides})
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(str(path))
+    return model
+
+
+def convert(source, out, direction, **flags):
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.export import run
+
+    args = ExportArguments(model=str(source), output_dir=str(out), **{direction: True}, **flags)
+    return run(args.validate(), log=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3") / "hf"
+    make_gemma3(path)
+    return path
+
+
+def test_logits_match_and_round_trip_is_bit_identical(tmp_path, gloo_group, gemma_folder,
+                                                      monkeypatch):
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from swift_mcore.models import sdpa_attention
+
+    ids = H.tokens(length=4 * WINDOW)
+    loaded = load_model(str(gemma_folder), log=lambda line: None)
+    m = loaded.config.model
+    assert (m.model_type, m.window_size, m.window_attn_skip_freq, m.rotary_base_local,
+            m.rotary_base) == ("gemma3", WINDOW, "[1,0,1,0]", 10000, 1000000)
+    assert loaded.config.attention == "sdpa"
+    theirs = H.hf_logits(str(gemma_folder), ids)
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - theirs).abs().max() <= 1e-4
+    # the window matters here: attending over the whole sequence gives other logits
+    monkeypatch.setattr(sdpa_attention, "window_mask",
+                        lambda sq, sk, window, device: torch.ones(sq, sk, dtype=torch.bool)
+                        .tril())
+    assert (forward_logits(loaded.model, ids)[..., : loaded.vocab] - theirs).abs().max() > 1e-2
+    monkeypatch.undo()
+
+    checkpoint = tmp_path / "mcore"
+    convert(gemma_folder, checkpoint, "to_mcore")
+    back = tmp_path / "back"
+    convert(checkpoint, back, "to_hf")
+    original, exported = H.safetensors_state(str(gemma_folder)), H.safetensors_state(str(back))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    config = json.loads((back / "config.json").read_text())
+    source = json.loads((gemma_folder / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text"
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters",
+                "hidden_activation", "tie_word_embeddings"):
+        assert config[key] == source[key], key
+    assert (H.hf_logits(str(back), ids) - theirs).abs().max() == 0
+
+
+def test_linear_rope_scaling_of_the_global_layers(tmp_path, gloo_group):
+    """Gemma 3 4B-27B: rope_type 'linear' (factor 8) on the full_attention layers only."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from swift_mcore.models.families import by_name
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+    make_gemma3(tmp_path / "hf", rope_parameters=rope)
+    ids = H.tokens(length=4 * WINDOW)
+    loaded = load_model(str(tmp_path / "hf"), log=lambda line: None)
+    assert loaded.config.model.rotary_seq_len_interpolation_factor == 8.0
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - H.hf_logits(str(tmp_path / "hf"), ids)).abs().max() <= 1e-4
+    written = by_name("gemma3").hf_config(loaded.config.model, loaded.vocab)
+    assert written["rope_parameters"] == rope
+
+
+def test_packed_rows_give_each_documents_logits(gloo_group, gemma_folder):
+    """Two documents longer than the window in one row, kept apart by the block-causal mask
+    the trainer builds: each gets the logits it has alone."""
+    from swift_mcore.data.packing import block_causal_mask
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    loaded = load_model(str(gemma_folder), log=lambda line: None)
+    first, second = H.tokens(batch=1, length=20, seed=1), H.tokens(batch=1, length=13, seed=2)
+    row = torch.cat([first, second], dim=1)
+    segments = torch.tensor([[0] * 20 + [1] * 13])
+    with torch.no_grad():
+        packed = loaded.model(input_ids=row, position_ids=torch.arange(33)[None],
+                              attention_mask=block_causal_mask(segments)).float()
+    alone = [forward_logits(loaded.model, doc) for doc in (first, second)]
+    assert (packed[:, :20] - alone[0]).abs().max() <= 1e-5
+    assert (packed[:, 20:] - alone[1]).abs().max() <= 1e-5
+
+
+def test_infer_gives_transformers_greedy_tokens(gloo_group, capsys, gemma_folder):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.infer import run
+
+    prompt = "def add(a, b):\n    return"  # longer than the window
+    capsys.readouterr()
+    run(InferArguments(model=str(gemma_folder), prompt=prompt, max_new_tokens=6,
+                       temperature=0.0).validate())
+    out = capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(str(gemma_folder))
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    assert ids.shape[1] > WINDOW
+    hf = AutoModelForCausalLM.from_pretrained(str(gemma_folder),
+                                              attn_implementation="eager").eval()
+    new = hf.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+    expected = prompt + tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
+    assert out.rstrip("\n") == expected, (out, expected)
+
+
+def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group, gemma_folder):
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"add {i}"},
+        {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
+        for i in range(32)))
+    out = tmp_path / "sft"
+    cmd = [sys.executable, "-m", "swift_mcore", "sft", *run_flags(), "--model",
+           str(gemma_folder), "--dataset", str(data), "--template", "plain", "--seq_length",
+           "64", "--packing", "--train_iters", "6", "--lr", "1e-2", "--min_lr", "1e-2",
+           "--save_steps", "6", "--output_dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = train_records(out)
+    assert len(records) == 6 and records[-1]["loss"] < 0.7 * records[0]["loss"]
+
+    back = tmp_path / "back"
+    convert(out / "checkpoint", back, "to_hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
+    ids = H.tokens(length=4 * WINDOW)
+    loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - theirs).abs().max() <= 1e-4
+    exported, source = H.safetensors_state(str(back)), H.safetensors_state(str(gemma_folder))
+    name = "model.layers.0.post_feedforward_layernorm.weight"
+    assert not torch.equal(exported[name], source[name])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0"),
+    (dict(final_logit_softcapping=30.0), "final_logit_softcapping 30.0"),
+    (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 8.0,
+                                                 "rope_theta": 1e4},
+                           "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+     "rope_parameters.sliding_attention.rope_type 'linear'"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                           "full_attention": {"rope_type": "yarn", "factor": 8.0,
+                                              "rope_theta": 1e6}}),
+     "rope_parameters.full_attention.rope_type 'yarn'"),
+])
+def test_what_megatron_cannot_express_is_named(tmp_path, gemma_folder, change, message):
+    import shutil
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    folder = tmp_path / "hf"
+    shutil.copytree(gemma_folder, folder)
+    H.edit_config(str(folder), **change)
+    with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        resolve(RunArguments.from_flags(model=str(folder)), world_size=1)
+
+
+def test_a_vision_language_folder_is_refused_by_name(tmp_path, gemma_folder):
+    import shutil
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    folder = tmp_path / "vl"
+    shutil.copytree(gemma_folder, folder)
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}}))
+    with pytest.raises(ArgumentError, match="model_type 'gemma3' .*vision-language.* not "
+                                            "supported yet"):
+        resolve(RunArguments.from_flags(model=str(folder)), world_size=1)
+
+
+def test_sliding_windows_refuse_a_backend_without_them(gemma_folder):
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    with pytest.raises(ArgumentError, match="--attention_backend local with --window_size 8"):
+        resolve(RunArguments.from_flags(model=str(gemma_folder), attention_backend="local"),
+                world_size=1)
+    with pytest.raises(ArgumentError, match="--sequence_parallel with a gemma3 model"):
+        resolve(RunArguments.from_flags(model=str(gemma_folder), sequence_parallel=True,
+                                        tensor_model_parallel_size=2), world_size=2)
+    with pytest.raises(ArgumentError, match="--window_attn_skip_freq needs --window_size"):
+        resolve(RunArguments.from_flags(window_attn_skip_freq="2"), world_size=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_tp_and_pp_match_transformers_and_export_bit_identical(tmp_path, gloo_group, tp, pp):
+    """TP=2 (the post-norms after the all-reduced projections) and PP=2 (window layers and
+    their RoPE base found by the global layer number) on gloo."""
+    from test_hf_parallel import run_two_ranks
+
+    make_gemma3(tmp_path / "hf")
+    ids, out = run_two_ranks(tmp_path, tmp_path / "hf", tp, pp)
+    assert (torch.load(out / "logits.pt") - H.hf_logits(str(tmp_path / "hf"), ids)).abs().max() \
+        <= 1e-4
+    convert(out, tmp_path / "exported", "to_hf")
+    original = H.safetensors_state(str(tmp_path / "hf"))
+    back = H.safetensors_state(str(tmp_path / "exported"))
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path, train_here, gemma_folder):
+    """pt on the folder for 4 steps saving at 2; resumed from step 2 it logs steps 3 and 4
+    exactly (the windows, both RoPE tables and the norms restored from the checkpoint)."""
+    from test_hf_training import run_flags
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ["--model", gemma_folder, "--dataset", data, "--seq_length", "32", "--lr", "1e-2",
+             "--train_iters", "4"]
+    train_here(straight, *flags, "--save_steps", "2", command="pt", base=run_flags())
+    train_here(resumed, *flags, "--no_save", "--resume",
+               straight / "checkpoint" / "iter_0000002", command="pt", base=run_flags())
+    ref, got = losses(straight), losses(resumed)
+    assert sorted(got) == [3, 4] and ref[4] != ref[1]
+    assert all(got[it] == ref[it] for it in (3, 4)), (got, ref)
+
+
+def test_a_transformers_4_config_reads_as_transformers_5_does():
+    """The Hub's Gemma 3 configs (transformers 4.5x): sliding_window_pattern,
+    rope_local_base_freq, rope_theta and the global layers' rope_scaling; transformers 5
+    reads them into the same layer_types and per-kind RoPE."""
+    from transformers import Gemma3TextConfig
+
+    from swift_mcore.models.families import by_name
+
+    old = dict(H.BASE, model_type="gemma3_text", head_dim=16, num_hidden_layers=7,
+               sliding_window=512, sliding_window_pattern=3, rope_local_base_freq=10000.0,
+               rope_theta=1000000.0, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+               query_pre_attn_scalar=168, cache_implementation="hybrid")
+    values = by_name("gemma3").model_values(old, None)
+    hf = Gemma3TextConfig(**{k: v for k, v in old.items() if k != "model_type"})
+    assert values["window_attn_skip_freq"] == "[" + ",".join(
+        "1" if kind == "sliding_attention" else "0" for kind in hf.layer_types) + "]" \
+        == "[1,1,0,1,1,0,1]"
+    assert (values["rotary_base_local"], values["rotary_base"]) == (
+        hf.rope_parameters["sliding_attention"]["rope_theta"],
+        hf.rope_parameters["full_attention"]["rope_theta"])
+    assert values["rotary_seq_len_interpolation_factor"] == \
+        hf.rope_parameters["full_attention"]["factor"] == 8.0
+    assert values["softmax_scale"] == 168 ** -0.5 and values["window_size"] == 512
+    # and written back as they were read (168 ** -0.5 back to 168)
+    from swift_mcore.arguments.model import ModelArguments
+
+    written = by_name("gemma3").hf_config(ModelArguments(**values), 320)
+    assert written["query_pre_attn_scalar"] == 168 and written["layer_types"] == hf.layer_types
+    assert written["rope_parameters"] == {k: dict(v) for k, v in hf.rope_parameters.items()}
+
+
+def test_lora_trains_and_exports_merged_and_as_peft(tmp_path, train_here, gloo_group,
+                                                    gemma_folder):
+    """LoRA on every linear layer: the merged export and the PEFT adapter on the base
+    folder give the trained model's logits in transformers."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    out = tmp_path / "lora"
+    train_here(out, "--model", gemma_folder, "--dataset", data, "--seq_length", "32",
+               "--lr", "1e-2", "--train_iters", "3", "--tuner_type", "lora", "--lora_rank",
+               "4", command="pt", base=run_flags())
+    checkpoint = out / "checkpoint"
+    convert(checkpoint, tmp_path / "merged", "to_hf", merge_lora=True)
+    convert(checkpoint, tmp_path / "adapter", "to_peft")
+    ids = H.tokens(length=4 * WINDOW)
+    loaded = load_model(str(checkpoint), log=lambda line: None)
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    base = H.hf_logits(str(gemma_folder), ids)
+    assert (ours - base).abs().max() > 1e-3  # the adapters learned something
+    assert (H.hf_logits(str(tmp_path / "merged"), ids) - ours).abs().max() <= 1e-4
+    model = AutoModelForCausalLM.from_pretrained(str(gemma_folder),
+                                                 attn_implementation="eager")
+    peft = PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert (peft(ids).logits - ours).abs().max() <= 1e-4
+
+
+def test_a_mistral_window_shorter_than_the_sequence_is_exact(tmp_path, gloo_group):
+    """Mistral's sliding_window below --seq_length becomes --window_size (SDPA's window):
+    transformers' logits on a sequence four windows long, and the window written back."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    H.make_family(str(tmp_path / "hf"), "mistral", sliding_window=WINDOW)
+    ids = H.tokens(length=4 * WINDOW)
+    loaded = load_model(str(tmp_path / "hf"), log=lambda line: None)
+    assert loaded.config.model.window_size == WINDOW and loaded.config.attention == "sdpa"
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - H.hf_logits(str(tmp_path / "hf"), ids)).abs().max() <= 1e-4
+    convert(tmp_path / "hf", tmp_path / "mcore", "to_mcore")
+    convert(tmp_path / "mcore", tmp_path / "back", "to_hf")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["sliding_window"] == WINDOW
+    assert (H.hf_logits(str(tmp_path / "back"), ids) - ours).abs().max() <= 1e-4

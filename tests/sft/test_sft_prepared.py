@@ -1,0 +1,122 @@
+"""`swift-mcore preprocess sft` and `sft --cached_dataset`: conversations tokenized into a
+folder once; training from it, without the raw files, gets the raw-file run's rows token for
+token, at any --seq_length (packing re-planned from the stored sample lengths)."""
+
+import json
+import os
+
+import pytest
+
+from swift_mcore import preprocess
+from swift_mcore.arguments import SftArguments
+from swift_mcore.data.sft_datasets import build_sft_datasets, sft_fingerprint
+from swift_mcore.errors import ArgumentError
+from swift_mcore.run_config import resolve
+
+
+def conversation(i):
+    return {"messages": [{"role": "user", "content": f"Question {i}: what is {i}+{i}?"},
+                         {"role": "assistant", "content": f"It is {2 * i}." + " ok" * (i % 9)}]}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from swift_mcore.data import default_tokenizer
+
+    return default_tokenizer()
+
+
+@pytest.fixture
+def prepared(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFT_MCORE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(30)),
+                    encoding="utf-8")
+    folder = str(tmp_path / "prepared")
+    assert preprocess.main(["sft", "--dataset", str(path), "--template", "plain",
+                            "--output_dir", folder]) == 0
+    return str(path), folder
+
+
+def sft_args(**flags):
+    flags.setdefault("template", "plain")
+    return resolve(SftArguments.from_flags(**flags), world_size=1, cuda=False)
+
+
+def rows(dataset):
+    return [[dataset[r][k].tolist() for k in ("tokens", "labels", "loss_mask", "position_ids",
+                                              "segment_ids")] for r in range(len(dataset))]
+
+
+def build(tok, **flags):
+    logs = []
+    train, valid, _ = build_sft_datasets(sft_args(**flags), tok, log=logs.append)
+    return train, valid, logs
+
+
+def test_cached_dataset_equals_the_raw_file_run_at_any_length(prepared, tok):
+    path, folder = prepared
+    raw = {}
+    for seq, packing in ((64, False), (64, True), (40, True)):
+        raw[seq, packing] = rows(build(tok, dataset=[path], seq_length=seq, packing=packing,
+                                       truncation_strategy="right")[0])
+    os.remove(path)  # the folder alone is enough
+    for (seq, packing), want in raw.items():
+        train, _, logs = build(tok, cached_dataset=folder, seq_length=seq, packing=packing,
+                               truncation_strategy="right")
+        assert rows(train) == want, (seq, packing)
+    assert logs[0].startswith(f"sft data --cached_dataset {folder}: 30 of 30 conversations "
+                              f"kept; ")
+    # A held-out share works as with raw files.
+    train, valid, _ = build(tok, cached_dataset=folder, seq_length=64, split_dataset_ratio=0.2)
+    assert len(train) + len(valid) == 30 and len(valid) == 6
+
+
+def test_the_fingerprint_is_the_raw_file_runs(prepared, tok):
+    path, folder = prepared
+    assert sft_fingerprint(sft_args(cached_dataset=folder, seq_length=64), tok) == \
+        sft_fingerprint(sft_args(dataset=[path], seq_length=64), tok)
+
+
+def test_other_flags_than_the_folders_are_refused(prepared, tok):
+    _, folder = prepared
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: was prepared with "
+                                            r"--template \"plain\", this run has \"chatml\""):
+        build(tok, cached_dataset=folder, template="chatml", seq_length=256)
+    with pytest.raises(ArgumentError, match=r"was prepared with --system null, this run has "
+                                            r"\"Be brief.\""):
+        build(tok, cached_dataset=folder, seq_length=64, system="Be brief.")
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*nowhere: not a folder "
+                                            r"written by `swift-mcore preprocess sft` \(it has "
+                                            r"no manifest.json\)"):
+        build(tok, cached_dataset=folder + "-nowhere", seq_length=64)
+    os.remove(os.path.join(folder, "ids.npy"))
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: not a dataset "
+                                            r"written by `swift-mcore preprocess sft` \(ids.npy: "
+                                            r".*cannot be read"):
+        build(tok, cached_dataset=folder, seq_length=64)
+    with pytest.raises(ArgumentError, match=r"--dataset and --cached_dataset are alternatives"):
+        sft_args(dataset=["x.jsonl"], cached_dataset=folder)
+
+
+def test_preprocess_sft_refuses_an_existing_folder_and_needs_output_dir(prepared, capsys):
+    path, folder = prepared
+    before = sorted(os.listdir(folder))
+    assert preprocess.main(["sft", "--dataset", path, "--output_dir", folder]) == 2
+    assert f"--output_dir {folder}: exists; give a new folder" in capsys.readouterr().err
+    assert sorted(os.listdir(folder)) == before
+    assert preprocess.main(["sft", "--dataset", path]) == 2
+    assert "--output_dir is required" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_training_from_the_folder_equals_training_from_the_files(prepared, tmp_path):
+    from run_helpers import losses, run_sft
+
+    path, folder = prepared
+    flags = ["--template", "plain", "--train_iters", "3", "--packing", "true", "--seed", "3"]
+    run_sft(tmp_path / "raw", "--dataset", path, *flags)
+    os.remove(path)
+    run_sft(tmp_path / "cached", "--cached_dataset", folder, *flags)
+    assert losses(tmp_path / "cached") == losses(tmp_path / "raw")
+    assert len(losses(tmp_path / "raw")) == 3
