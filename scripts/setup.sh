@@ -14,6 +14,10 @@ if [ ! -f "$stamp" ] || [ -n "$(find requirements pyproject.toml -newer "$stamp"
   .venv/bin/python -m pip install --quiet --upgrade pip
   # torch is pinned in requirements/base.txt: an unpinned torch would pull a CUDA build.
   .venv/bin/python -m pip install --quiet -r "requirements/$set_name.txt"
+  if [ -f "requirements/$set_name-nodeps.txt" ]; then
+    # references the tests compare against, installed beside our pins without theirs
+    .venv/bin/python -m pip install --quiet --no-deps -r "requirements/$set_name-nodeps.txt"
+  fi
   .venv/bin/python -m pip install --quiet --no-deps -e .
   touch "$stamp"
 fi

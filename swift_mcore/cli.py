@@ -1,4 +1,4 @@
-"""`swift-mcore <command>`: the command table; pt and sft parse, resolve, then train (or
+"""`swift-mcore <command>`: the command table; pt, sft and rlhf parse, resolve, then train (or
 relaunch under torchrun)."""
 
 from __future__ import annotations
@@ -48,8 +48,15 @@ def run_sft(argv: List[str]) -> int:
     return run_training(argv, SftArguments)
 
 
+def run_rlhf(argv: List[str]) -> int:
+    from .arguments import RlhfArguments
+
+    return run_training(argv, RlhfArguments)
+
+
 def run_training(argv: List[str], cls) -> int:
-    """pt and sft: the same Trainer; the arguments class decides the data. Under a launcher
+    """pt, sft and rlhf: the same loop; the arguments class decides the data (and rlhf its
+    Trainer, training/rlhf_trainer.py). Under a launcher
     (NPROC_PER_NODE...) this process checks the flags, then starts the ranks."""
     from .arguments import parse_args
     from .errors import ArgumentError
@@ -94,16 +101,26 @@ def _train(prog: str, config) -> int:
     from ._quiet import quiet_third_party
     from .errors import ArgumentError, CheckpointError, NonFiniteError, OutputError
     from .runtime import distributed
-    from .training.trainer import Trainer
 
     quiet_third_party()
     try:
-        Trainer(config).train()
+        trainer_class(config)(config).train()
     except (ArgumentError, CheckpointError, NonFiniteError, OutputError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     distributed.shutdown()
     return 0
+
+
+def trainer_class(config):
+    """The Trainer a command trains with: rlhf's own, else the base one."""
+    if config.COMMAND == "rlhf":
+        from .training.rlhf_trainer import DpoTrainer
+
+        return DpoTrainer
+    from .training.trainer import Trainer
+
+    return Trainer
 
 
 def _lazy(module: str):
@@ -123,6 +140,8 @@ COMMANDS = {
                          "embedded corpus)"),
     "sft": (run_sft, "finetune on conversations (messages or query/response; jsonl, json, "
                      "parquet, datasets folders)"),
+    "rlhf": (run_rlhf, "preference training: DPO on prompt/chosen/rejected pairs, against a "
+                       "frozen reference (docs/rlhf.md)"),
     "preprocess": (_lazy("swift_mcore.preprocess"),
                    "tokenize text files (jsonl, parquet, csv, txt, datasets) into .bin/.idx"),
     "export": (_lazy("swift_mcore.export"),

@@ -143,7 +143,7 @@ def _group(name: str) -> property:
 
 
 for _name in ("model", "data", "training", "parallel", "checkpoint", "logging", "sft",
-              "tuner"):
+              "tuner", "rlhf"):
     setattr(RunConfig, _name, _group(_name))
 
 
@@ -410,7 +410,7 @@ def check_inputs(flags: RunArguments) -> Tuple[tuple, tuple]:
     val_sources = ()
     if flags.COMMAND == "sft" and flags.sft.val_dataset:
         val_sources = tuple(expand_inputs(flags.sft.val_dataset, "--val_dataset"))
-    if flags.COMMAND != "sft":
+    if flags.COMMAND not in ("sft", "rlhf"):  # they read rows, not megatron's datasets
         from .data.gpt_datasets import check_data_arguments
 
         check_data_arguments(d)

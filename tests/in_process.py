@@ -1,4 +1,4 @@
-"""Runs `swift-mcore pt` or `sft` on one rank in the test's own process (no start-up cost)."""
+"""Runs `swift-mcore pt`, `sft` or `rlhf` on one rank in the test's own process (no start-up cost)."""
 
 import contextlib
 import io
@@ -16,11 +16,11 @@ def train_in_process(output_dir, *flags, command: str = "sft", base=TINY,
     subprocess.run. For runs whose process is not what a test checks: a resume that is
     checked for exactness starts a real process (state left in this one could hide what a
     checkpoint lacks). The signal handlers a Trainer installs are put back afterwards."""
-    from swift_mcore.arguments import RunArguments, SftArguments, parse_args
+    from swift_mcore.arguments import RlhfArguments, RunArguments, SftArguments, parse_args
     from swift_mcore.run_config import resolve
     from swift_mcore.training.trainer import Trainer
 
-    cls = SftArguments if command == "sft" else RunArguments
+    cls = {"sft": SftArguments, "rlhf": RlhfArguments}.get(command, RunArguments)
     argv = [*base, "--output_dir", str(output_dir), *map(str, flags)]
     config = resolve(parse_args(argv, prog=f"swift-mcore {command}", cls=cls), world_size=1)
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -196,3 +196,16 @@ def test_cpu_matmul_smoke():
     assert measured(result["onednn_over_mkl_step_time_median"])
     # the two settings compute the same gradients to fp32 rounding
     assert result["largest_relative_gradient_difference"] < 1e-4
+
+
+@pytest.mark.benchmark
+def test_dpo_vs_trl_smoke():
+    *runs, summary = run_script("dpo_vs_trl.py", "--size", "tiny", "--rounds", "1", "--iters",
+                                "2", "--warmup", "1", "--pairs", "8", "--words", "8", "--seq",
+                                "48", timeout=600)
+    assert sorted(r["contender"] for r in runs) == ["lora-copy", "lora-implicit",
+                                                    "swift-mcore", "trl"]
+    # every swift-mcore run starts from the same reference as the policy: DPO's log 2
+    assert all(abs(r["loss_first"] - math.log(2)) < 1e-6 for r in runs if "loss_first" in r)
+    assert measured(summary["speed_ratio_vs_trl"], summary["memory_ratio_vs_trl"],
+                    *(r["tokens_per_s"] for r in runs), *(r["peak_rss_MB"] for r in runs))

@@ -31,6 +31,7 @@ def render() -> str:
         lines.append(f"\n## {group_name} (`{group_type.__name__}`)\n")
         lines.extend(flag_table(group_type))
     lines.extend(sft_section())
+    lines.extend(rlhf_section())
     for command, dataclass_type in other_commands():
         lines.append(f"\n## `swift-mcore {command}` (`{dataclass_type.__name__}`)\n")
         lines.extend(flag_table(dataclass_type))
@@ -45,6 +46,17 @@ def sft_section() -> List[str]:
              f"Every flag above, with these defaults changed: {changed}; and the finetuning "
              f"data flags (`SftDataArguments`, docs/sft.md):\n"]
     return lines + flag_table(SftDataArguments)
+
+
+def rlhf_section() -> List[str]:
+    from .rlhf import RlhfArguments, RlhfGroupArguments
+
+    changed = ", ".join(f"`--{name}` {value}" for name, value in RlhfArguments.DEFAULTS.items())
+    lines = ["\n## `swift-mcore rlhf` (`RlhfArguments`)\n",
+             f"Every flag of `pt` (not sft's data flags), with these defaults changed: "
+             f"{changed}; and the preference training flags (`RlhfGroupArguments`, "
+             f"docs/rlhf.md):\n"]
+    return lines + flag_table(RlhfGroupArguments)
 
 
 def other_commands():

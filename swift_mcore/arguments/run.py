@@ -158,7 +158,7 @@ class RunArguments:
             _positive(t, "lr_decay_iters")
         if t.num_train_epochs is None:
             check_schedule_length(t, t.train_iters)
-        elif self.data.data_order == "megatron" and self.COMMAND != "sft":
+        elif self.data.data_order == "megatron" and self.COMMAND not in ("sft", "rlhf"):
             raise ArgumentError("--data_order megatron sizes the data by --train_iters (as "
                                 "Megatron-LM does); give --train_iters, not --num_train_epochs")
         if not str(lg.output_dir).strip():

@@ -80,6 +80,11 @@ def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict
         lines += [f"{line} (--data_order megatron: the sample order depends on it)"
                   for line in field_differences(saved_args, current_args,
                                                 MEGATRON_ORDER_FIELDS)]
+    saved_reference, saved_fingerprint = split_reference(saved_fingerprint)
+    reference, fingerprint = split_reference(fingerprint)
+    if saved_reference != reference:
+        lines.append(f"reference model (--ref_model, or the starting weights of --model): "
+                     f"checkpoint {saved_reference}, now {reference}")
     if not _same_data(saved_fingerprint, fingerprint):
         lines.append(f"training data (content fingerprint): checkpoint "
                      f"{_fmt(saved_fingerprint)}, now {_fmt(fingerprint)}")
@@ -87,6 +92,22 @@ def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict
     lines += field_differences(saved_args, current_args, TUNER_FIELDS)
     lines += field_differences(saved_args, current_args, OPTIMIZER_FIELDS)
     return lines
+
+
+# rlhf's data fingerprint carries its reference model's identity after this mark.
+REFERENCE_MARK = "|reference:"
+
+
+def with_reference(fingerprint: str, reference: str) -> str:
+    return f"{fingerprint}{REFERENCE_MARK}{reference}"
+
+
+def split_reference(fingerprint: Any):
+    """(reference identity or None, the data fingerprint without it)."""
+    if isinstance(fingerprint, str) and REFERENCE_MARK in fingerprint:
+        data, reference = fingerprint.split(REFERENCE_MARK, 1)
+        return reference, data
+    return None, fingerprint
 
 
 def base_model_differences(saved: Optional[str], current: Optional[str],

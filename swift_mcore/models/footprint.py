@@ -4,7 +4,7 @@ the refusal of a model that cannot fit (naming the field that makes it so large)
 The estimate is a lower bound: the parameters of every part (embedding, layers, experts,
 LoRA adapters) counted from the flags as megatron builds them, times the bytes each one
 takes (weights, gradients and Adam's two moments for what trains; weights alone for what is
-frozen or only loaded), plus the hidden states a training step must keep and the Python
+frozen or only loaded, and for rlhf's frozen reference copy), plus the hidden states a training step must keep and the Python
 modules of each layer. What it leaves out (temporary buffers, the allocator's slack) only
 makes the real need larger, so a model refused here could never have run.
 """
@@ -173,6 +173,12 @@ def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Pa
     sizes["output layer"] = sizes["embedding"][:3]
     found = [Part(name, count, -(-count // shards[name]) * per_parameter(name), sizes[name])
              for name, count in counts.items() if count]
+    if needs_reference_copy(flags) and not weights_only:
+        # rlhf's frozen reference: the base model's weights again, no gradient or optimizer
+        # state (its parameters are the model's own, so not counted twice)
+        copy = sum(-(-count // shards[name]) * weight for name, count in counts.items()
+                   if count and name != "LoRA adapters")
+        found.append(Part("reference model", 0, copy, sizes["layers"]))
     layers_here = -(-m.num_layers // pp)
     found.append(Part("Python modules", 0, layers_here * LAYER_OBJECT_BYTES,
                       (("num_layers", m.num_layers),)))
@@ -187,6 +193,15 @@ def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Pa
                            ("hidden_size", m.hidden_size), ("vocab_size", padded_vocab(m)),
                            ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by))))
     return found
+
+
+def needs_reference_copy(flags) -> bool:
+    """rlhf keeps a second, frozen copy of the model as its reference, unless LoRA's base
+    serves (adapters switched off) or --reference_free."""
+    r = getattr(flags, "rlhf", None)
+    if getattr(flags, "COMMAND", None) != "rlhf" or r is None or r.reference_free:
+        return False
+    return bool(r.ref_model) or flags.tuner.tuner_type != "lora"
 
 
 def available(cuda: bool, ranks_here: int) -> Tuple[int, str]:

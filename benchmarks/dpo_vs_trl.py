@@ -1,0 +1,195 @@
+"""DPO against TRL 1.16's DPOTrainer on the same model and data: tokens/s and peak memory;
+and the memory LoRA's implicit reference saves.
+
+Each round runs, each in its own process (the order rotating per round), on the same
+Hugging Face Llama folder (random weights, swift-mcore's 4,096-token tokenizer) and the
+same preference pairs, fp32, global batch = micro-batch (one optimizer step per batch):
+
+- swift-mcore: `swift-mcore rlhf --rlhf_type dpo` (its reference a frozen copy);
+- trl: TRL's DPOTrainer (its reference a second model), dropout off, no gradient
+  checkpointing (neither run recomputes);
+- lora-implicit / lora-copy: `swift-mcore rlhf --tuner_type lora`, the reference the base
+  with the adapters off, or the same base folder as --ref_model (a second copy).
+
+tokens/s is the real (unpadded) tokens of the timed steps (the first --warmup left out)
+over their time; peak memory is the process's maximum RSS. Prints one JSON line per run,
+then one with the ratios (swift-mcore over TRL; LoRA implicit over copy).
+
+    .venv/bin/python benchmarks/dpo_vs_trl.py                      # the 10m shape
+    .venv/bin/python benchmarks/dpo_vs_trl.py --size tiny --rounds 1 --iters 3 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench_common import ROOT, SHAPES, child_env  # puts the checkout on sys.path
+
+CONTENDERS = ("swift-mcore", "trl", "lora-implicit", "lora-copy")
+
+
+def make_inputs(folder: str, size: str, pairs: int, words: int) -> str:
+    """A random Llama folder of SHAPES[size] with swift-mcore's tokenizer, and prefs.jsonl."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from swift_mcore.data import default_tokenizer
+
+    s = SHAPES[size]
+    tokenizer = default_tokenizer()
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=s["hidden_size"],
+        intermediate_size=-(-int(8 * s["hidden_size"] / 3) // 64) * 64,
+        num_hidden_layers=s["num_layers"], num_attention_heads=s["num_attention_heads"],
+        num_key_value_heads=s["num_query_groups"], max_position_embeddings=4096,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eod, pad_token_id=tokenizer.eod)
+    torch.manual_seed(0)
+    model_dir = os.path.join(folder, "model")
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    rng = random.Random(0)
+    vocab = ["the", "model", "answer", "data", "token", "layer", "value", "train", "prefer",
+             "reward", "policy", "batch", "sample", "output", "input", "weight"]
+
+    def text(n):
+        return " ".join(rng.choice(vocab) for _ in range(n))
+
+    data = os.path.join(folder, "prefs.jsonl")
+    with open(data, "w") as fh:
+        for _ in range(pairs):
+            fh.write(json.dumps({"prompt": text(words // 2), "chosen": " " + text(words),
+                                 "rejected": " " + text(words)}) + "\n")
+    return model_dir
+
+
+def run_ours(kind: str, model: str, data: str, args, out: str) -> dict:
+    cmd = [sys.executable, "-m", "swift_mcore", "rlhf", "--model", model, "--dataset", data,
+           "--seq_length", str(args.seq), "--micro_batch_size", str(args.batch),
+           "--global_batch_size", str(args.batch), "--train_iters", str(args.iters),
+           "--lr", "1e-5", "--log_interval", "1", "--eval_steps", "0", "--progress_bar",
+           "false", "--report_to", "none", "--plot", "false", "--num_workers", "0",
+           "--attention_backend", "sdpa", "--no_save", "--output_dir", out]
+    if kind.startswith("lora"):
+        cmd += ["--tuner_type", "lora", "--lora_rank", "8"]
+    if kind == "lora-copy":
+        cmd += ["--ref_model", model]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env=child_env(OMP_NUM_THREADS=str(args.threads)))
+    if proc.returncode != 0:
+        sys.exit(f"{kind} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    steps = [r for r in rows if r.get("split") == "train"][args.warmup:]
+    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steps if r["tokens_per_s"])
+    return {"tokens_per_s": sum(r["tokens"] for r in steps) / max(seconds, 1e-9),
+            "loss_first": rows[1]["loss"]}
+
+
+def run_trl(model: str, data: str, args, out: str) -> dict:
+    """In this (child) process: TRL's DPOTrainer for --iters steps, timed per step."""
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    torch.set_num_threads(args.threads)
+    load = dict(dtype=torch.float32, attn_implementation="sdpa")
+    config = DPOConfig(output_dir=out, report_to=[], per_device_train_batch_size=args.batch,
+                       max_length=args.seq + 1, max_steps=args.iters, learning_rate=1e-5,
+                       lr_scheduler_type="constant", use_cpu=True, bf16=False,
+                       gradient_checkpointing=False, logging_steps=1, save_strategy="no",
+                       dataloader_num_workers=0, seed=0)
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, **load),
+                         ref_model=AutoModelForCausalLM.from_pretrained(model, **load),
+                         args=config, train_dataset=load_dataset("json", data_files=data,
+                                                                 split="train"),
+                         processing_class=AutoTokenizer.from_pretrained(model))
+    times, tokens = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.start, self.tokens = time.perf_counter(), trainer._total_train_tokens
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.start)
+            tokens.append(trainer._total_train_tokens - self.tokens)
+
+    trainer.add_callback(Timer())
+    trainer.train()
+    timed = slice(args.warmup, None)
+    return {"tokens_per_s": sum(tokens[timed]) / max(sum(times[timed]), 1e-9)}
+
+
+def child(kind: str, model: str, data: str, args) -> None:
+    with tempfile.TemporaryDirectory() as out:
+        if kind == "trl":
+            result = run_trl(model, data, args, out)
+            rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        else:
+            result = run_ours(kind, model, data, args, os.path.join(out, "run"))
+            rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    print(json.dumps({"contender": kind, **result, "peak_rss_MB": round(rss_kb / 1024, 1)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="10m", choices=sorted(SHAPES))
+    parser.add_argument("--seq", type=int, default=256, help="--seq_length (TRL max_length - 1)")
+    parser.add_argument("--batch", type=int, default=4, help="pairs per step")
+    parser.add_argument("--pairs", type=int, default=64)
+    parser.add_argument("--words", type=int, default=60, help="words per answer")
+    parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", choices=CONTENDERS)
+    parser.add_argument("--model")
+    parser.add_argument("--data")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.model, args.data, args)
+        return
+    results = {k: [] for k in CONTENDERS}
+    with tempfile.TemporaryDirectory() as folder:
+        model = make_inputs(folder, args.size, args.pairs, args.words)
+        data = os.path.join(folder, "prefs.jsonl")
+        passed = [a for a in sys.argv[1:]]
+        for r in range(args.rounds):
+            order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]
+            for kind in order:
+                proc = subprocess.run([sys.executable, __file__, *passed, "--child", kind,
+                                       "--model", model, "--data", data],
+                                      capture_output=True, text=True, cwd=ROOT,
+                                      env=child_env(PYTHONWARNINGS="ignore"))
+                if proc.returncode != 0:
+                    sys.exit(f"{kind} failed:\n{proc.stderr[-3000:]}")
+                line = json.loads(proc.stdout.strip().splitlines()[-1])
+                print(json.dumps({"round": r, **line}), flush=True)
+                results[kind].append(line)
+
+    def median(kind, key):
+        return statistics.median(x[key] for x in results[kind])
+
+    print(json.dumps({
+        "size": args.size, "seq": args.seq, "batch": args.batch,
+        "speed_ratio_vs_trl": round(median("swift-mcore", "tokens_per_s")
+                                    / median("trl", "tokens_per_s"), 3),
+        "memory_ratio_vs_trl": round(median("swift-mcore", "peak_rss_MB")
+                                     / median("trl", "peak_rss_MB"), 3),
+        "lora_implicit_reference_saves_MB": round(median("lora-copy", "peak_rss_MB")
+                                                  - median("lora-implicit", "peak_rss_MB"), 1),
+        **{f"{k}_tokens_per_s": round(median(k, "tokens_per_s"), 1) for k in CONTENDERS},
+        **{f"{k}_peak_rss_MB": median(k, "peak_rss_MB") for k in CONTENDERS},
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""RlhfArguments: a run's flag groups plus preference training's (`swift-mcore rlhf`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ..errors import ArgumentError
+from .fields import NON_NEGATIVE, POSITIVE, Range, flag
+from .run import RunArguments
+
+RLHF_TYPES = ("dpo",)
+# TRL 1.16's DPO loss types, spelled as DPOConfig.loss_type spells them.
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
+                  "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop",
+                  "sft", "sigmoid_norm")
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+@dataclass
+class RlhfGroupArguments:
+    rlhf_type: str = flag(
+        "dpo", "The preference task: dpo (Direct Preference Optimization on chosen/rejected "
+        "pairs).", choices=RLHF_TYPES)
+    beta: float = flag(
+        0.1, "How far the policy may move from the reference: the temperature of the DPO "
+        "losses (tau for ipo).", range=POSITIVE)
+    loss_type: List[str] = flag(
+        ["sigmoid"], "The DPO loss, or several summed with --loss_weights, as TRL 1.16 names "
+        "them: " + ", ".join(DPO_LOSS_TYPES) + ".", choices=DPO_LOSS_TYPES,
+        comma_separated=True)
+    loss_weights: Optional[List[float]] = flag(
+        None, "One weight per --loss_type (default: 1 each).")
+    label_smoothing: float = flag(
+        0.0, "The probability that a pair's labels are flipped (robust, exo_pair, aot; "
+        "TRL's conservative DPO).", range=Range(0, 0.5, high_open=True))
+    rpo_alpha: Optional[float] = flag(
+        None, "Add the NLL of the chosen answers with this weight (RPO): TRL 1.16's 'sft' loss "
+        "type with weight rpo_alpha.", range=NON_NEGATIVE)
+    discopop_tau: float = flag(
+        0.05, "The temperature of the discopop loss.", range=POSITIVE)
+    reference_free: bool = flag(
+        False, "Train without a reference model: its log-probabilities are taken as 0 (no "
+        "reference is built).")
+    ref_model: Optional[str] = flag(
+        None, "The reference model, a Hugging Face folder of the same architecture and "
+        "vocabulary (default: the starting weights; with --tuner_type lora the base model "
+        "with its adapters switched off).")
+    max_length: Optional[int] = flag(
+        None, "Longest prompt + answer in tokens; longer ones are cut as --truncation_mode "
+        "says (default and most: --seq_length + 1).", range=POSITIVE)
+    truncation_mode: str = flag(
+        "keep_start", "What a cut keeps of a sequence longer than --max_length: its start or "
+        "its end (TRL's truncation_mode).", choices=TRUNCATION_MODES)
+
+
+@dataclass
+class RlhfArguments(RunArguments):
+    rlhf: RlhfGroupArguments = field(default_factory=RlhfGroupArguments)
+
+    COMMAND = "rlhf"
+    # TRL's DPOConfig defaults where they differ from pretraining's: a small learning rate,
+    # no warmup, one pass over the data, no dropout in the adapters (TRL's disable_dropout:
+    # the policy's and the reference's log-probabilities of a pair are then comparable).
+    DEFAULTS = {"lr": 1e-6, "min_lr": 0.0, "lr_warmup_iters": 0, "num_train_epochs": 1.0,
+                "lora_dropout": 0.0, "output_dir": "output/swift-mcore-rlhf"}
+
+    def check_command(self) -> None:
+        d, r, p = self.data, self.rlhf, self.parallel
+        if d.data_path:
+            raise ArgumentError("--data_path holds pretraining .bin/.idx files; rlhf reads "
+                                "preference rows from --dataset (jsonl, json, parquet)")
+        if not d.dataset:
+            raise ArgumentError("rlhf needs --dataset: preference rows (prompt/chosen/rejected, "
+                                "or messages + rejected_response; docs/rlhf.md)")
+        if d.data_order != "resumable":
+            raise ArgumentError("--data_order megatron orders megatron's GPTDataset (pt); "
+                                "rlhf rows keep the resumable order")
+        if r.loss_weights is not None and len(r.loss_weights) != len(r.loss_type):
+            raise ArgumentError(f"--loss_weights: {len(r.loss_weights)} weights for "
+                                f"{len(r.loss_type)} --loss_type values; give one per loss")
+        if len(set(r.loss_type)) != len(r.loss_type):
+            raise ArgumentError(f"--loss_type {','.join(r.loss_type)}: a loss is named twice")
+        if "exo_pair" in r.loss_type and r.label_smoothing == 0.0:
+            raise ArgumentError("--loss_type exo_pair needs --label_smoothing > 0 (the EXO "
+                                "paper uses 1e-3)")
+        if r.rpo_alpha is not None and "sft" in r.loss_type:
+            raise ArgumentError("--rpo_alpha adds the 'sft' loss; it cannot be combined with "
+                                "--loss_type sft (weight that one with --loss_weights)")
+        if r.reference_free and r.ref_model:
+            raise ArgumentError("--reference_free trains without a reference; it cannot be "
+                                "combined with --ref_model")
+        if (self.checkpoint.load and not r.ref_model and not r.reference_free
+                and self.tuner.tuner_type != "lora"):
+            raise ArgumentError("rlhf --load: the reference would not be the loaded weights "
+                                "(it is a copy of --model's, taken before the checkpoint is "
+                                "read); export the checkpoint (swift-mcore export --to_hf) and "
+                                "give it as --model, or name the reference with --ref_model")
+        seq = self.model.seq_length
+        if r.max_length is not None and r.max_length > seq + 1:
+            raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} + 1 "
+                                f"(a sequence of n tokens trains n - 1 positions); raise "
+                                f"--seq_length or lower --max_length")
+        if p.pipeline_model_parallel_size > 1:
+            raise ArgumentError("rlhf does not run under --pipeline_model_parallel_size > 1 "
+                                "yet; use tensor or data parallelism")
+        if p.sequence_parallel:
+            raise ArgumentError("rlhf does not run with --sequence_parallel yet")
+
+    def validation_problem(self):
+        return "rlhf has no validation data yet (no --eval_steps judging)"
+
+
+RlhfArguments.GROUPS = {**RunArguments.GROUPS, "rlhf": RlhfGroupArguments}

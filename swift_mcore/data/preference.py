@@ -1,0 +1,305 @@
+"""Preference pairs (prompt, chosen, rejected): rows read, tokenized as TRL 1.16's
+DPOTrainer tokenizes them, and batched chosen-first.
+
+Formats (docs/rlhf.md): TRL's standard one (``prompt``/``chosen``/``rejected`` text), its
+conversational one (message lists, with an optional ``tools`` column), its implicit-prompt
+one (``chosen``/``rejected`` only: the prompt is their common start), and ms-swift's
+(``messages`` whose last assistant turn is the chosen answer, plus ``rejected_response``).
+Text answers get the EOS appended; the completion starts where the tokenized prompt and
+the tokenized prompt + answer diverge (TRL's rule).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..errors import ArgumentError
+
+# Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
+ENCODING_VERSION = 1
+
+
+@dataclass
+class Pair:
+    """One row in TRL's explicit-prompt form: text, or message lists (conversational)."""
+
+    prompt: Any
+    chosen: Any
+    rejected: Any
+    tools: Optional[List[Dict[str, Any]]]
+    where: str
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.chosen, list)
+
+
+def _is_messages(value) -> bool:
+    return (isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict)
+            and "role" in value[0])
+
+
+def _messages(value, where: str, what: str) -> List[Dict[str, Any]]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    if not _is_messages(value):
+        raise ArgumentError(f"{where}: '{what}' must be a list of messages "
+                            f"({{'role': ..., 'content': ...}}), got {value!r:.80}")
+    return [{k: v for k, v in m.items() if v is not None} for m in value]
+
+
+def _implicit_prompt(chosen, rejected) -> Tuple[Any, Any, Any]:
+    """TRL's extract_prompt: the common start of chosen and rejected is the prompt (for text,
+    a space before the first difference goes with the answers)."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def to_pair(row: Dict[str, Any], where: str) -> Pair:
+    """One row -> a Pair; raises ArgumentError naming the row and what is accepted."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise ArgumentError(f"{where}: 'tools' is not valid JSON") from None
+    if row.get("messages") is not None:  # ms-swift: the last assistant turn is chosen
+        messages = _messages(row["messages"], where, "messages")
+        rejected = row.get("rejected_response")
+        if rejected is None:
+            raise ArgumentError(f"{where}: a 'messages' row needs 'rejected_response', the "
+                                f"rejected answer to its last assistant turn")
+        if messages[-1].get("role") != "assistant":
+            raise ArgumentError(f"{where}: the last message must be the assistant's (the "
+                                f"chosen answer), got role {messages[-1].get('role')!r}")
+        if not isinstance(rejected, str):
+            raise ArgumentError(f"{where}: 'rejected_response' must be text")
+        return Pair(messages[:-1], [messages[-1]],
+                    [{"role": "assistant", "content": rejected}], tools, where)
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if chosen is None or rejected is None:
+        present = ", ".join(repr(k) for k, v in row.items() if v is not None) or "none"
+        missing = "rejected" if chosen is not None else "chosen"
+        raise ArgumentError(
+            f"{where}: no '{missing}' answer (the row has {present}); a preference row has "
+            f"prompt/chosen/rejected, or messages + rejected_response")
+    conversational = _is_messages(chosen) or (
+        isinstance(chosen, list) or (isinstance(chosen, str) and chosen.lstrip()[:1] == "["
+                                     and _is_messages(_try_json(chosen))))
+    prompt = row.get("prompt")
+    if conversational:
+        chosen = _messages(chosen, where, "chosen")
+        rejected = _messages(rejected, where, "rejected")
+        if prompt is None:
+            prompt, chosen, rejected = _implicit_prompt(chosen, rejected)
+        else:
+            prompt = _messages(prompt, where, "prompt")
+        return Pair(prompt, chosen, rejected, tools, where)
+    for name, value in (("chosen", chosen), ("rejected", rejected), ("prompt", prompt)):
+        if value is not None and not isinstance(value, str):
+            raise ArgumentError(f"{where}: '{name}' must be text or a list of messages, got "
+                                f"{type(value).__name__}")
+    if prompt is None:
+        prompt, chosen, rejected = _implicit_prompt(chosen, rejected)
+    return Pair(prompt, chosen, rejected, None, where)
+
+
+def _try_json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def read_pairs(sources, flag: str = "--dataset") -> List[Pair]:
+    from .sources import read_batches
+
+    pairs: List[Pair] = []
+    for source in sources:
+        before = len(pairs)
+        rows = (dict(zip(batch, values)) for batch in read_batches(source, flag, batch_size=256)
+                for values in zip(*batch.values()))
+        for index, row in enumerate(rows):
+            pairs.append(to_pair(row, f"{flag} {source.path}, row {index}"))
+        if len(pairs) == before:
+            raise ArgumentError(f"{flag} {source.path}: is empty (no rows)")
+    return pairs
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize_pair(pair: Pair, hf) -> Tuple[List[int], List[int], List[int]]:
+    """(prompt ids, chosen ids, rejected ids) as TRL 1.16's DPOTrainer makes them; ``hf`` is
+    the Hugging Face tokenizer."""
+    if pair.conversational:
+        def ids(messages, **kwargs):
+            return list(hf.apply_chat_template(messages, tools=pair.tools, tokenize=True,
+                                               return_dict=True, **kwargs)["input_ids"])
+
+        prompt = ids(pair.prompt, add_generation_prompt=True)
+        with_chosen = ids(pair.prompt + pair.chosen)
+        with_rejected = ids(pair.prompt + pair.rejected)
+    else:
+        eos = hf.eos_token
+        chosen = pair.chosen if pair.chosen.endswith(eos) else pair.chosen + eos
+        rejected = pair.rejected if pair.rejected.endswith(eos) else pair.rejected + eos
+        prompt = list(hf(text=pair.prompt)["input_ids"])
+        with_chosen = list(hf(text=pair.prompt + chosen)["input_ids"])
+        with_rejected = list(hf(text=pair.prompt + rejected)["input_ids"])
+    start = min(_common_prefix(prompt, with_chosen), _common_prefix(prompt, with_rejected))
+    return prompt[:start], with_chosen[start:], with_rejected[start:]
+
+
+class PreferenceDataset(torch.utils.data.Dataset):
+    """Tokenized pairs; ``collate`` makes a micro-batch of B pairs into 2B rows, the chosen
+    sequences first, each cut to ``max_length`` tokens as TRL's collator cuts them."""
+
+    def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, np.ndarray]],
+                 max_length: int, truncation_mode: str, pad_id: int, fingerprint: str,
+                 pad_multiple: int = 1):
+        self.encoded = encoded
+        self.max_length = max_length
+        self.truncation_mode = truncation_mode
+        self.pad_id = pad_id
+        self.fingerprint = fingerprint
+        self.pad_multiple = pad_multiple
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
+        prompt, chosen, rejected = self.encoded[index]
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+    def _cut(self, ids: np.ndarray) -> np.ndarray:
+        if len(ids) <= self.max_length:
+            return ids
+        return ids[:self.max_length] if self.truncation_mode == "keep_start" \
+            else ids[-self.max_length:]
+
+    def collate(self, items: List[Dict[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
+        seqs, masks = [], []
+        for answer in ("chosen", "rejected"):
+            for item in items:
+                seqs.append(self._cut(np.concatenate([item["prompt"], item[answer]])))
+                masks.append(self._cut(np.concatenate([np.zeros(len(item["prompt"]), bool),
+                                                       np.ones(len(item[answer]), bool)])))
+        # n tokens train n - 1 positions: the model reads ids[:-1] and predicts ids[1:]
+        width = max(len(s) for s in seqs) - 1
+        width = -(-width // self.pad_multiple) * self.pad_multiple
+        rows = len(seqs)
+        batch = {
+            "tokens": torch.full((rows, width), self.pad_id, dtype=torch.long),
+            "labels": torch.full((rows, width), self.pad_id, dtype=torch.long),
+            "loss_mask": torch.zeros(rows, width, dtype=torch.float),
+            "position_ids": torch.zeros(rows, width, dtype=torch.long),
+        }
+        for i, (ids, mask) in enumerate(zip(seqs, masks)):
+            n = len(ids) - 1
+            ids = torch.from_numpy(ids.astype(np.int64))
+            batch["tokens"][i, :n] = ids[:-1]
+            batch["labels"][i, :n] = ids[1:]
+            batch["loss_mask"][i, :n] = torch.from_numpy(mask[1:].astype(np.float32))
+            batch["position_ids"][i, :n] = torch.arange(n)
+        # the answers' token counts as TRL's ipo and sigmoid_norm divide by them
+        batch["completion_lengths"] = torch.tensor([int(m.sum()) for m in masks],
+                                                   dtype=torch.float)
+        batch["num_tokens"] = torch.tensor(sum(len(s) for s in seqs), dtype=torch.long)
+        return batch
+
+
+@dataclass
+class PairReport:
+    pairs: int = 0
+    truncated: int = 0
+    prompt_fills: List[str] = None
+
+    def describe(self, max_length: int) -> str:
+        text = f"{self.pairs} preference pairs"
+        if self.truncated:
+            text += f"; {self.truncated} cut to --max_length {max_length}"
+        return text
+
+
+def encode_pairs(pairs: List[Pair], hf, max_length: int, truncation_mode: str,
+                 report: PairReport):
+    encoded = []
+    fills = []
+    for pair in pairs:
+        prompt, chosen, rejected = tokenize_pair(pair, hf)
+        # keep_start would cut every answer token of a prompt that fills --max_length:
+        # TRL drops such rows silently; here they are counted and refused.
+        if truncation_mode == "keep_start" and len(prompt) >= max_length:
+            fills.append(pair.where)
+            continue
+        if len(prompt) + max(len(chosen), len(rejected)) > max_length:
+            report.truncated += 1
+        encoded.append((np.asarray(prompt, np.int32), np.asarray(chosen, np.int32),
+                        np.asarray(rejected, np.int32)))
+    report.pairs = len(encoded)
+    if fills:
+        raise ArgumentError(
+            f"{len(fills)} of {len(pairs)} rows have a prompt of --max_length {max_length} "
+            f"tokens or more, which would leave no answer token to train (first: "
+            f"{fills[0]}); raise --max_length (and --seq_length), shorten those prompts, or "
+            f"use --truncation_mode keep_end")
+    return encoded
+
+
+def max_length_of(config) -> int:
+    r = config.rlhf
+    return r.max_length if r.max_length is not None else config.model.seq_length + 1
+
+
+def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = print):
+    """(train, None, None): the --dataset pairs; ``config`` is a RunConfig."""
+    r = config.rlhf
+    max_length = max_length_of(config)
+    report = PairReport()
+    pairs = read_pairs(list(config.dataset_sources))
+    encoded = encode_pairs(pairs, tokenizer.hf, max_length, r.truncation_mode, report)
+    log(f"rlhf data --dataset: {report.describe(max_length)} "
+        f"(truncation: {r.truncation_mode})")
+    pad = tokenizer.hf.pad_token_id
+    pad_id = pad if pad is not None else tokenizer.eod
+    train = PreferenceDataset(encoded, max_length, r.truncation_mode, pad_id,
+                              f"{preference_fingerprint(config, tokenizer)}:train")
+    return train, None, None
+
+
+def preference_fingerprint(config, tokenizer) -> str:
+    """Identity of a run's preference data, from the files alone: their content, the
+    tokenizer and its chat template, and the flags that change the rows."""
+    from .sources import content_fingerprint
+
+    r = config.rlhf
+    identity = {
+        "version": ENCODING_VERSION,
+        "train": content_fingerprint(config.dataset_sources),
+        "tokenizer": tokenizer.fingerprint,
+        "chat_template": tokenizer.chat_template,
+        "max_length": max_length_of(config),
+        "truncation_mode": r.truncation_mode,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

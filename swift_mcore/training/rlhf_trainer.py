@@ -1,0 +1,245 @@
+"""The `swift-mcore rlhf` Trainer: DPO on preference pairs, the policy against a frozen
+reference, on the base Trainer's loop, data order, checkpoints and export.
+
+The reference holds no optimizer state and no gradients: a second, frozen copy of the model
+(the starting weights, or --ref_model), or with --tuner_type lora the policy itself with
+its adapters switched off (no second copy); --reference_free builds none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+
+from ..runtime import collectives
+from .dpo_loss import METRICS, DpoLoss, reward_metrics
+from .trainer import Trainer
+from .writers import format_log_line
+
+
+class DpoTrainer(Trainer):
+    """``DpoTrainer(RlhfArguments...).train()``; ``self.reference`` is the frozen reference's
+    chunks (None when the LoRA policy serves as its own reference, or --reference_free)."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.dpo = DpoLoss.from_config(self.config.rlhf)
+        self.reference: Optional[List[torch.nn.Module]] = None
+        self._losses = None  # the last forward_backward's per-micro-batch reports
+        self._window: List[Dict[str, float]] = []  # preference metrics since the last log
+
+    # ---- data -------------------------------------------------------------------------
+    def fingerprint_data(self) -> str:
+        """The data's fingerprint with the reference's identity after it: a checkpoint
+        records both, and a resume against another reference is refused
+        (checkpointing/compat.py names --ref_model)."""
+        from ..checkpointing.compat import with_reference
+        from ..data.preference import preference_fingerprint
+
+        if self.config.rlhf.ref_model:  # before anything is read or built
+            check_reference_folder(self.config, self.tokenizer.vocab_size)
+        return with_reference(preference_fingerprint(self.config, self.tokenizer),
+                              reference_identity(self.config))
+
+    def build_datasets(self):
+        from ..data.preference import build_preference_datasets
+
+        return build_preference_datasets(self.config, self.tokenizer,
+                                         log=self.writer_print_early)
+
+    # ---- the models -------------------------------------------------------------------
+    def build_model(self) -> list:
+        from ..models import lora
+
+        chunks = super().build_model()
+        r = self.config.rlhf
+        if r.reference_free:
+            what = "none (--reference_free: reference log-probabilities are 0)"
+        elif r.ref_model:
+            self.reference = self.build_reference(r.ref_model)
+            what = f"--ref_model {r.ref_model}"
+        elif lora.enabled(self.config):
+            what = "the base model with the LoRA adapters switched off (no second copy)"
+        else:
+            self.reference = self.build_reference(None, copy_from=chunks)
+            what = "a frozen copy of the starting weights"
+        self.writer_print_early(f"rlhf {r.rlhf_type}: reference model: {what}; loss "
+                                f"{describe_loss(self.dpo)}, beta {r.beta}")
+        return chunks
+
+    def build_reference(self, folder: Optional[str], copy_from=None) -> list:
+        """Frozen model chunks in eval mode: ``folder``'s Hugging Face weights, or a copy of
+        ``copy_from`` (the policy's starting weights, before any adapter or checkpoint)."""
+        import copy
+        import dataclasses
+
+        from ..models.gpt import build_model
+        from ..models.hf_load import load_hf_weights
+
+        chunks = build_model(self.config)
+        if folder is not None:
+            args = copy.deepcopy(self.config.args)
+            object.__setattr__(args.model, "model", folder)
+            load_hf_weights(dataclasses.replace(self.config, args=args), chunks,
+                            log=self.writer_print_early)
+        else:
+            for ref, policy in zip(chunks, copy_from):
+                ref.load_state_dict(base_state(policy))
+        for chunk in chunks:
+            chunk.requires_grad_(False)
+            chunk.eval()
+        return chunks
+
+    @contextlib.contextmanager
+    def reference_of(self, model):
+        """The reference model for ``model`` (a policy chunk): the frozen copy, or the policy
+        with its LoRA adapters switched off for the duration."""
+        if self.reference is not None:
+            index = next((i for i, chunk in enumerate(self.model) if chunk is model), 0)
+            yield self.reference[index]
+            return
+        from ..models.lora_layer import LoraParallelLinear
+
+        layers = [m for m in model.modules() if isinstance(m, LoraParallelLinear)]
+        for layer in layers:
+            layer._disable_adapters = True
+        try:
+            yield model
+        finally:
+            for layer in layers:
+                layer._disable_adapters = False
+
+    # ---- one micro-batch --------------------------------------------------------------
+    def forward_step(self, data_iterator, model):
+        batch = self.get_batch(data_iterator)
+        inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                      attention_mask=None, labels=batch["labels"])
+        if not self.config.rlhf.reference_free:
+            with torch.no_grad(), self.reference_of(model) as reference:
+                ref_losses = reference(**inputs)
+            batch["ref_logps"] = -(ref_losses.float() * batch["loss_mask"]).sum(1)
+        output = model(**inputs)
+        return output, partial(self.compute_loss, batch)
+
+    def compute_loss(self, batch, output_tensor):
+        """(sum of the pairs' losses, pair count, report): megatron divides the gradients by
+        the global batch's pairs, so the loss is the mean over pairs, as TRL's."""
+        mask = batch["loss_mask"].float()
+        logps = -(output_tensor.float() * mask).sum(1)
+        pairs = logps.shape[0] // 2
+        ref = batch.get("ref_logps")
+        if ref is None:
+            ref = torch.zeros_like(logps)
+        lengths = batch["completion_lengths"].to(logps.device)
+        out = self.dpo(logps[:pairs], logps[pairs:], ref[:pairs], ref[pairs:],
+                       lengths[:pairs], lengths[pairs:], mask[:pairs].sum())
+        loss_sum = out["loss"].sum()
+        tokens = torch.as_tensor(batch.get("num_tokens", batch["tokens"].numel()),
+                                 dtype=torch.float, device=logps.device)
+        count = torch.tensor(float(pairs), device=logps.device)
+        report = {"lm loss": torch.stack([loss_sum.detach(), count, tokens]),
+                  "rlhf": torch.cat([reward_metrics(self.dpo.beta, logps[:pairs],
+                                                    logps[pairs:], ref[:pairs], ref[pairs:]),
+                                     out["nll"].detach().sum().reshape(1)])}
+        return loss_sum, torch.tensor(pairs, dtype=torch.int, device=logps.device), report
+
+    # ---- metrics ----------------------------------------------------------------------
+    def forward_backward(self, data_iterator, forward_only: bool):
+        self._losses = super().forward_backward(data_iterator, forward_only)
+        return self._losses
+
+    def train_step(self) -> Dict[str, float]:
+        step = super().train_step()
+        step.update(self.preference_metrics(self._losses))
+        return step
+
+    def preference_metrics(self, losses) -> Dict[str, float]:
+        """TRL's metrics (means over the global batch's pairs), on the last pipeline stage."""
+        from megatron.core import parallel_state
+
+        if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return {}
+        sums = torch.stack([torch.cat([e["rlhf"], e["lm loss"][1:2]]) for e in losses]).sum(0)
+        sums = collectives.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        values = sums.tolist()
+        pairs = max(values[-1], 1.0)
+        metrics = {name: v / pairs for name, v in zip(METRICS, values)}
+        if "sft" in self.dpo.loss_types:
+            metrics["nll_loss"] = values[len(METRICS)] / pairs
+        return metrics
+
+    def report(self, step: Dict[str, float]) -> None:
+        """The base log line with TRL's metric names after it (averaged over the window)."""
+        it, total = self.state.iteration, self.config.training.train_iters
+        self.writer.step(it, step.get("loss"))
+        self.log_window.add(step)
+        names = [n for n in (*METRICS, "nll_loss") if step.get(n) is not None]
+        self._window.append({n: step[n] for n in names})
+        if it % self.config.logging.log_interval == 0 or it == total:
+            metrics = self.log_window.flush()
+            for name in names:
+                values = [s[name] for s in self._window if name in s]
+                metrics[name] = sum(values) / len(values)
+            self._window = []
+            self.writer.record(it, metrics)
+            extra = " | ".join(f"{n} {metrics[n]:.4f}" for n in names)
+            line = format_log_line(it, total, metrics)
+            self.writer.print(f"{line} | {extra}" if extra else line)
+
+
+def check_reference_folder(config, tokenizer_vocab: int) -> None:
+    """--ref_model must be the policy's architecture and vocabulary: every tensor of the
+    same name and shape (else ArgumentError naming the flag and the first difference)."""
+    from ..errors import ArgumentError
+    from ..models.convert import Layout
+    from ..models.hf_load import expected_hf_shapes
+    from ..run_config import padded_vocab
+
+    folder, m = config.rlhf.ref_model, config.model
+    try:
+        theirs = expected_hf_shapes(folder)
+    except (OSError, ValueError) as err:
+        raise ArgumentError(f"--ref_model {folder}: not a Hugging Face model folder "
+                            f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    vocab = m.vocab_size or tokenizer_vocab
+    layout = Layout.from_model_args(
+        m, padded_vocab(vocab, m.make_vocab_size_divisible_by, config.world.tensor_parallel))
+    ours = dict(layout.hf_tensors())
+    if layout.vocab is None or ours.get("model.embed_tokens.weight", (None,))[0] is None:
+        ours["model.embed_tokens.weight"] = (vocab, m.hidden_size)
+    for name in sorted(set(ours) | set(theirs)):
+        if ours.get(name) != theirs.get(name):
+            what = (f"has no {name}" if name not in theirs else
+                    f"has {name} of shape {list(theirs[name])}, the policy "
+                    + (f"{list(ours[name])}" if name in ours else "none"))
+            raise ArgumentError(f"--ref_model {folder}: not the policy's architecture and "
+                                f"vocabulary: it {what}")
+
+
+def reference_identity(config) -> str:
+    """What the reference is, by content: sha256 of --ref_model's safetensors files, or of
+    the starting weights (--model's files; the random initialization's seed without one)."""
+    from ..models import lora
+
+    r = config.rlhf
+    if r.reference_free:
+        return "none (--reference_free)"
+    if r.ref_model:
+        return "sha256:" + lora.folder_fingerprint(r.ref_model)
+    return lora.base_reference(config, config.cuda)
+
+
+def base_state(chunk) -> dict:
+    """A model chunk's state dict (unwrapped from DDP and precision wrappers)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk.state_dict()
+
+
+def describe_loss(dpo: DpoLoss) -> str:
+    if len(dpo.loss_types) == 1:
+        return dpo.loss_types[0]
+    return " + ".join(f"{w:g}*{t}" for t, w in zip(dpo.loss_types, dpo.loss_weights))

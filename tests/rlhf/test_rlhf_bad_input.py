@@ -1,0 +1,136 @@
+"""Bad preference input: one line naming the flag, file and row, exit 2, before any work."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_helpers import run_flags
+from run_helpers import ROOT, child_env
+
+
+def test_a_row_without_rejected_answer_is_refused_in_one_line(tiny_hf, tmp_path):
+    folder, _ = tiny_hf
+    data = tmp_path / "prefs.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
+                    + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "swift_mcore", "rlhf", "--model", str(folder), "--dataset",
+         str(data), "--output_dir", str(out), "--train_iters", "1", *run_flags()],
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env=child_env())
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"swift-mcore rlhf: error: --dataset {data}, row 1: no 'rejected' answer "
+                     f"(the row has 'prompt', 'chosen'); a preference row has "
+                     f"prompt/chosen/rejected, or messages + rejected_response"]
+    assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+     "row 3: a 'messages' row needs 'rejected_response'"),
+    ({"messages": [{"role": "user", "content": "a"}], "rejected_response": "c"},
+     "row 3: the last message must be the assistant's"),
+    ({"rejected": "c"}, "row 3: no 'chosen' answer"),
+    ({"prompt": "a", "chosen": 1, "rejected": "c"}, "row 3: 'chosen' must be text"),
+])
+def test_malformed_rows_name_the_row(row, message):
+    from swift_mcore.data.preference import to_pair
+    from swift_mcore.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=message):
+        to_pair(row, "--dataset d.jsonl, row 3")
+
+
+def test_prompts_that_fill_max_length_are_counted_and_refused(tiny_hf):
+    from transformers import AutoTokenizer
+
+    from swift_mcore.data.preference import PairReport, encode_pairs, to_pair
+    from swift_mcore.errors import ArgumentError
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_hf[0]))
+    rows = [{"prompt": "x", "chosen": "y", "rejected": "z"},
+            {"prompt": "def add(a, b): " * 8, "chosen": "y", "rejected": "z"},
+            {"prompt": "def sub(a, b): " * 8, "chosen": "y", "rejected": "z"}]
+    pairs = [to_pair(r, f"--dataset d.jsonl, row {i}") for i, r in enumerate(rows)]
+    with pytest.raises(ArgumentError, match=r"^2 of 3 rows have a prompt of --max_length 16 "
+                                            r"tokens or more.*\(first: --dataset d.jsonl, "
+                                            r"row 1\).*--truncation_mode keep_end"):
+        encode_pairs(pairs, hf, 16, "keep_start", PairReport())
+    # keep_end keeps the answers' ends: nothing is refused, the long rows are counted as cut
+    report = PairReport()
+    assert len(encode_pairs(pairs, hf, 16, "keep_end", report)) == 3
+    assert report.truncated == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--loss_type", "sigmoid,dpop"], "--loss_type"),
+    (["--loss_type", "sigmoid,ipo", "--loss_weights", "1"],
+     "--loss_weights: 1 weights for 2 --loss_type values"),
+    (["--loss_type", "exo_pair"], "--loss_type exo_pair needs --label_smoothing > 0"),
+    (["--rpo_alpha", "1", "--loss_type", "sft"], "--rpo_alpha adds the 'sft' loss"),
+    (["--reference_free", "--ref_model", "x"], "--reference_free trains without a reference"),
+    (["--max_length", "100"], "--max_length 100 exceeds --seq_length 64 \\+ 1"),
+    (["--rlhf_type", "kto"], "--rlhf_type"),
+    (["--load", ".", "--finetune"], "rlhf --load: the reference would not be the loaded weights"),
+])
+def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    argv = ["--dataset", str(data), "--output_dir", str(tmp_path / "o"), *run_flags(*flags)]
+    with pytest.raises(ArgumentError, match=message):
+        resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
+
+
+def test_the_memory_estimate_counts_the_reference_copy_but_not_with_lora(tmp_path):
+    from swift_mcore.arguments import RlhfArguments, SftArguments
+    from swift_mcore.models import footprint
+
+    def reference_bytes(cls, **flags):
+        args = cls.from_flags(num_layers=2, hidden_size=64, num_attention_heads=4,
+                              vocab_size=320, **flags)
+        args.fill_defaults()
+        found = {p.name: p for p in footprint.parts(args, 1, "fp32", weights_only=False)}
+        return found.get("reference model"), found
+
+    ref, found = reference_bytes(RlhfArguments)
+    weights = sum(p.bytes // footprint.TRAINED_BYTES * 4 for name, p in found.items()
+                  if name in ("embedding", "output layer", "layers"))
+    assert ref is not None and ref.bytes == weights and ref.parameters == 0
+    assert reference_bytes(RlhfArguments, tuner_type="lora")[0] is None
+    assert reference_bytes(RlhfArguments, tuner_type="lora", ref_model=str(tmp_path))[0]
+    assert reference_bytes(RlhfArguments, reference_free=True)[0] is None
+    assert reference_bytes(SftArguments)[0] is None
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vocab_size": 400}, "it has lm_head.weight of shape \\[400, 64\\], the policy \\[320, 64\\]"),
+    ({"num_hidden_layers": 3}, "it has model.layers.2.input_layernorm.weight of shape \\[64\\], "
+                               "the policy none"),
+])
+def test_a_reference_of_another_architecture_or_vocabulary_is_refused(tiny_hf, tmp_path,
+                                                                      change, message):
+    import hf_helpers as H
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+    from swift_mcore.training.rlhf_trainer import check_reference_folder
+
+    folder, data = tiny_hf
+    other = tmp_path / "other"
+    H.make_model(str(other), "llama", tokenizer=False, **change)
+    argv = ["--model", str(folder), "--ref_model", str(other), "--dataset", str(data),
+            "--output_dir", str(tmp_path / "o"), *run_flags()]
+    same = argv[:2] + ["--ref_model", str(folder)] + argv[4:]
+    check_reference_folder(resolve(parse_args(same, prog="swift-mcore rlhf", cls=RlhfArguments),
+                                   world_size=1), 274)  # the policy's own folder passes
+    config = resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
+    with pytest.raises(ArgumentError, match=f"^--ref_model {other}: not the policy's "
+                                            f"architecture and vocabulary: {message}$"):
+        check_reference_folder(config, 274)
