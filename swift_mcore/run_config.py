@@ -291,9 +291,6 @@ def choose_attention(flag: str, cuda: bool, transformer_engine: bool) -> str:
 def check_hardware(flags: RunArguments, cuda: bool) -> str:
     """Flags this machine cannot run; returns the process-group backend."""
     p = flags.parallel
-    if p.use_distributed_optimizer and not cuda:
-        raise ArgumentError("--use_distributed_optimizer needs CUDA; on CPU the plain "
-                            "data-parallel optimizer is used (drop the flag)")
     if p.distributed_backend == "nccl" and not cuda:
         raise ArgumentError("--distributed_backend nccl needs CUDA; use gloo on CPU")
     if p.distributed_backend == "gloo" and cuda:

@@ -25,7 +25,9 @@ class ParallelArguments:
     overlap_grad_reduce: bool = flag(
         False, "Start each bucket's all-reduce as soon as its gradients are ready.")
     use_distributed_optimizer: bool = flag(
-        False, "Shard optimizer state across data-parallel ranks (ZeRO-1; CUDA only).")
+        False, "Shard the optimizer state (Adam's moments, the fp32 weights) across the "
+        "data-parallel ranks (megatron's distributed optimizer, ZeRO-1); checkpoints keep it "
+        "whole per parameter, so they resume at any data-parallel size (docs/gpu.md).")
     distributed_backend: Optional[str] = flag(
         None, "Process-group backend; default nccl with CUDA, gloo without (nccl without CUDA "
         "and gloo with CUDA are refused).",

@@ -225,6 +225,12 @@ class RunArguments:
                 "megatron-core reduces all gradients in one bucket")
         if t.bf16 and t.fp16:
             raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
+        if p.use_distributed_optimizer and p.expert_model_parallel_size > 1:
+            raise ArgumentError(
+                f"--use_distributed_optimizer with --expert_model_parallel_size "
+                f"{p.expert_model_parallel_size}: the chained expert optimizer's sharded "
+                f"state is not checkpointed yet; use expert parallelism 1 or the plain "
+                f"optimizer")
 
     def check_moe(self, world_size: int) -> None:
         """The mixture-of-experts flags: experts, top-k, the layer pattern, and expert

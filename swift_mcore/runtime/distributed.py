@@ -27,6 +27,7 @@ def initialize(config) -> None:
     so `python -c 'Trainer(args).train()'` works as well as `swift-mcore pt`.
     """
     mcore_adaptation.patch_router_gemm_without_te()
+    mcore_adaptation.place_reshardable_optimizer_state_by_bucket()
     cpu.install(config)  # before any process group
     from megatron.core import parallel_state
 
