@@ -41,6 +41,10 @@ def transformer_config(config, initialize: bool = True):
         params_dtype=dtype,
         bf16=config.precision == "bf16",
         fp16=config.precision == "fp16",
+        # FP8 GEMMs through Transformer Engine (run_config.check_fp8: CUDA and TE's spec only)
+        fp8=t.fp8_format,
+        fp8_recipe=t.fp8_recipe,
+        fp8_param=t.fp8_param_gather,
         # On CPU the full weight is created and sliced, so the initial weights do not depend
         # on the TP layout (megatron requires it without CUDA anyway). On CUDA each rank
         # creates its own shard on its GPU, as Megatron-LM does (run_config.choose_gpu_defaults).
