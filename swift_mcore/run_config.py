@@ -193,6 +193,9 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
     check_moe_hardware(flags, cuda, layer_spec)
     check_recompute_hardware(flags, cuda, transformer_engine)
     check_fp8(flags, cuda, layer_spec)
+    if flags.logging.record_memory_history and not cuda:
+        raise ArgumentError("--record_memory_history records CUDA allocations: it needs a "
+                            "CUDA GPU; on CPU drop the flag (--profile's trace still works)")
     base_model = check_lora(flags, layer_spec, cuda)
     packed_rows = "thd" if attention == "transformer_engine" else "block_causal_mask"
     if flags.COMMAND == "sft" and flags.sft.packing and packed_rows == "thd" \

@@ -161,6 +161,7 @@ class RunArguments:
         elif self.data.data_order == "megatron" and self.COMMAND != "sft":
             raise ArgumentError("--data_order megatron sizes the data by --train_iters (as "
                                 "Megatron-LM does); give --train_iters, not --num_train_epochs")
+        self.check_profile(world_size)
         if not str(lg.output_dir).strip():
             raise ArgumentError("--output_dir must not be empty")
         self.check_model_shape(world_size)
@@ -171,6 +172,25 @@ class RunArguments:
         self.check_best_flags()
         self.check_tuner()
         self.check_command()
+
+    def check_profile(self, world_size: int) -> None:
+        """--profile's iterations and ranks; its companions only with it."""
+        lg = self.logging
+        companions = ("profile_step_start", "profile_step_end", "profile_ranks",
+                      "record_memory_history")
+        if not lg.profile:
+            given = [name for name in companions if name in self.explicit]
+            if given:
+                raise ArgumentError(f"--{given[0]} needs --profile")
+            return
+        _positive(lg, "profile_step_start")
+        if lg.profile_step_end < lg.profile_step_start:
+            raise ArgumentError(f"--profile_step_end ({lg.profile_step_end}) must not be "
+                                f"below --profile_step_start ({lg.profile_step_start})")
+        outside = [r for r in lg.profile_ranks if not 0 <= r < world_size]
+        if outside or not lg.profile_ranks:
+            raise ArgumentError(f"--profile_ranks {outside or '(none)'}: ranks are 0 to "
+                                f"{world_size - 1} in this world of {world_size}")
 
     def check_model_shape(self, world_size: int) -> None:
         m, p = self.model, self.parallel

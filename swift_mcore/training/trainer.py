@@ -40,6 +40,7 @@ class Trainer:
         self.trackers: list = []  # started in setup (--report_to), handed to the writer
         self.writer: Optional[MetricWriter] = None
         self.watchdog = None  # runtime/watchdog.py, started at the end of setup
+        self.profiler = None  # --profile on this rank: training/profiler.py
         self.started_at: Optional[int] = None  # the iteration this segment started from
         self.attempt = None  # under torchrun: the group's attempt (runtime/elastic.py)
 
@@ -63,9 +64,13 @@ class Trainer:
         exit_reason = None
         while state.iteration < total:
             self.watchdog.arm(f"iteration {state.iteration + 1}")
+            if self.profiler:
+                self.profiler.before_step(state.iteration + 1)
             step = self.train_step()
             self.checkpoints.finish_saves()  # --async_save: commit a background save once written
             self.advance(step)
+            if self.profiler:
+                self.profiler.after_step(state.iteration)
             self.report(step)
             improved = False
             if self.due(config.logging.eval_steps):
@@ -150,6 +155,10 @@ class Trainer:
 
         self.watchdog = Watchdog(distributed.timeout_of(config).total_seconds(),
                                  distributed.rank())
+        from .profiler import StepProfiler
+
+        self.profiler = StepProfiler.for_config(config, distributed.rank(),
+                                                log=lambda line: print(line, flush=True))
 
     def device_peak(self):
         """The TFLOP/s MFU is reported against (training/peak.py), on the writing rank (the
@@ -554,6 +563,8 @@ class Trainer:
 
     def finish(self, exit_reason: Optional[str]) -> None:
         self.checkpoints.finish_saves(blocking=True)  # a background save is committed first
+        if self.profiler:
+            self.profiler.close(self.state.iteration)  # training ended inside its window
         self.watchdog.disarm()  # the closing outputs are not an iteration
         lg = self.config.logging
         lines = run_log.finish_lines(self.config, self.state, exit_reason,
