@@ -12,6 +12,13 @@ from .fields import POSITIVE, flag
 class ParallelArguments:
     tensor_model_parallel_size: int = flag(1, "Tensor-parallel ranks per model replica.")
     pipeline_model_parallel_size: int = flag(1, "Pipeline stages per model replica.")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
+        None, "The interleaved pipeline schedule: each pipeline rank holds this many model "
+        "chunks (virtual stages) of --num_layers / (PP x this) layers each, which shrinks "
+        "the pipeline bubble by as much; needs --pipeline_model_parallel_size > 1.")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
+        None, "The interleaved pipeline schedule given by the layers per model chunk instead "
+        "(--num_virtual_stages_per_pipeline_rank = --num_layers / (PP x this)).")
     sequence_parallel: bool = flag(False, "Shard layer norms and dropout along the sequence "
                                    "across tensor-parallel ranks (needed by MoE with TP). "
                                    "On a GPU with Transformer Engine's layer spec or apex "

@@ -245,12 +245,63 @@ class RunArguments:
                 "megatron-core reduces all gradients in one bucket")
         if t.bf16 and t.fp16:
             raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
+        self.check_virtual_pipeline(dp)
         if p.use_distributed_optimizer and p.expert_model_parallel_size > 1:
             raise ArgumentError(
                 f"--use_distributed_optimizer with --expert_model_parallel_size "
                 f"{p.expert_model_parallel_size}: the chained expert optimizer's sharded "
                 f"state is not checkpointed yet; use expert parallelism 1 or the plain "
                 f"optimizer")
+
+    def virtual_stages(self) -> Optional[int]:
+        """Model chunks per pipeline rank of the interleaved schedule (None: not interleaved)."""
+        p, m = self.parallel, self.model
+        if p.num_virtual_stages_per_pipeline_rank is not None:
+            return p.num_virtual_stages_per_pipeline_rank
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            return m.num_layers // (p.pipeline_model_parallel_size
+                                    * p.num_layers_per_virtual_pipeline_stage)
+        return None
+
+    def check_virtual_pipeline(self, dp: int) -> None:
+        """The interleaved schedule: PP > 1, equal chunks, and micro-batches that megatron's
+        schedule can group by PP (its microbatch_group_size_per_vp_stage)."""
+        p, m, t = self.parallel, self.model, self.training
+        given = [name for name in ("num_virtual_stages_per_pipeline_rank",
+                                   "num_layers_per_virtual_pipeline_stage")
+                 if getattr(p, name) is not None]
+        if not given:
+            return
+        if len(given) == 2:
+            raise ArgumentError("--num_virtual_stages_per_pipeline_rank and "
+                                "--num_layers_per_virtual_pipeline_stage say the same; give one")
+        _positive(p, given[0])
+        pp = p.pipeline_model_parallel_size
+        if pp == 1:
+            raise ArgumentError(f"--{given[0]} needs --pipeline_model_parallel_size > 1 (with "
+                                f"one stage there is no pipeline to interleave)")
+        vp = self.virtual_stages()
+        if vp < 2:
+            raise ArgumentError(
+                f"--{given[0]} {getattr(p, given[0])} gives {max(vp, 0)} virtual stage(s) per "
+                f"pipeline rank; the interleaved schedule needs 2 or more")
+        if m.num_layers % (pp * vp):
+            raise ArgumentError(
+                f"--{given[0]} {getattr(p, given[0])}: --num_layers ({m.num_layers}) must split "
+                f"into --pipeline_model_parallel_size ({pp}) x virtual stages ({vp}) equal "
+                f"chunks")
+        micro = t.global_batch_size // (t.micro_batch_size * dp)
+        if micro % pp:
+            raise ArgumentError(
+                f"--{given[0]}: the interleaved schedule runs the micro-batches in groups of "
+                f"--pipeline_model_parallel_size ({pp}); this run has {micro} per iteration "
+                f"(--global_batch_size / (--micro_batch_size x DP)): make it a multiple")
+        for name, active in (("model", m.model), ("tuner_type lora",
+                                                  self.tuner.tuner_type == "lora"),
+                             ("num_experts", m.num_experts is not None)):
+            if active:
+                raise ArgumentError(f"--{given[0]} with --{name} is not supported yet; drop "
+                                    f"one of them")
 
     def check_moe(self, world_size: int) -> None:
         """The mixture-of-experts flags: experts, top-k, the layer pattern, and expert

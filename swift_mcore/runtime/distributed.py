@@ -75,6 +75,8 @@ def initialize(config) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
+            # the interleaved schedule's model chunks per pipeline rank (None: plain PP)
+            virtual_pipeline_model_parallel_size=config.args.virtual_stages(),
             # MoE: the experts are split over EP ranks carved out of the data-parallel ones
             # (expert tensor parallelism follows TP, megatron's default).
             expert_model_parallel_size=config.parallel.expert_model_parallel_size,

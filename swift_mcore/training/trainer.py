@@ -293,6 +293,10 @@ class Trainer:
 
         config = self.config
         forward_step = cpu.wrap_forward_step(self.forward_step, config)
+        if config.args.virtual_stages():  # the interleaved schedule: one feed per model chunk
+            from .chunk_feed import ChunkFeed
+
+            data_iterator = ChunkFeed.for_chunks(data_iterator, len(self.model))
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
@@ -306,7 +310,8 @@ class Trainer:
 
     def forward_step(self, data_iterator, model):
         """One micro-batch through one model chunk: returns (output, loss function)."""
-        batch = self.get_batch(data_iterator)
+        batch = (data_iterator.next_batch(self.get_batch) if hasattr(data_iterator, "next_batch")
+                 else self.get_batch(data_iterator))
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                        attention_mask=batch.get("attention_mask"), labels=batch["labels"],
                        packed_seq_params=batch.get("packed_seq_params"))
