@@ -19,6 +19,18 @@ class ParallelArguments:
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None, "The interleaved pipeline schedule given by the layers per model chunk instead "
         "(--num_virtual_stages_per_pipeline_rank = --num_layers / (PP x this)).")
+    decoder_first_pipeline_num_layers: Optional[int] = flag(
+        None, "Layers of the first pipeline stage, when it should hold fewer (it also holds "
+        "the embedding); the other stages split the rest evenly.")
+    decoder_last_pipeline_num_layers: Optional[int] = flag(
+        None, "Layers of the last pipeline stage (it also holds the output layer and loss); "
+        "the other stages split the rest evenly.")
+    account_for_embedding_in_pipeline_split: bool = flag(
+        False, "Count the embedding as one layer when splitting the layers over the pipeline "
+        "stages (the first stage gets one layer fewer).")
+    account_for_loss_in_pipeline_split: bool = flag(
+        False, "Count the output layer and loss as one layer when splitting the layers over "
+        "the pipeline stages (the last stage gets one layer fewer).")
     sequence_parallel: bool = flag(False, "Shard layer norms and dropout along the sequence "
                                    "across tensor-parallel ranks (needed by MoE with TP). "
                                    "On a GPU with Transformer Engine's layer spec or apex "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, Dict, Set
+from typing import Any, ClassVar, Dict, List, Set
 
 from ..errors import ArgumentError
 from .checkpoint import CheckpointArguments
@@ -217,10 +217,64 @@ class RunArguments:
             raise ArgumentError(
                 f"--tensor_model_parallel_size ({tp}) must divide --num_query_groups "
                 f"({groups}){source}")
-        if m.num_layers % pp:
+        self.pipeline_stage_layers(source)
+
+    UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                    "account_for_embedding_in_pipeline_split",
+                    "account_for_loss_in_pipeline_split")
+
+    def pipeline_stage_layers(self, source: str = "") -> List[int]:
+        """The transformer layers of each pipeline stage, as megatron splits them (evenly,
+        or with --decoder_first/last_pipeline_num_layers or the embedding and loss counted
+        as layers). Raises ArgumentError naming the flag where megatron would refuse the
+        split or leave a stage without layers."""
+        m, p = self.model, self.parallel
+        pp, n = p.pipeline_model_parallel_size, m.num_layers
+        first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+        given = [name for name in self.UNEVEN_FLAGS
+                 if getattr(p, name) is not None and getattr(p, name) is not False]
+        if not given:
+            if n % pp:
+                raise ArgumentError(
+                    f"--pipeline_model_parallel_size ({pp}) must divide --num_layers "
+                    f"({n}){source}")
+            return [n // pp] * pp
+        if pp == 1:
+            raise ArgumentError(f"--{given[0]} needs --pipeline_model_parallel_size > 1")
+        if self.virtual_stages() is not None:
+            raise ArgumentError(f"--{given[0]} with the interleaved pipeline is not supported "
+                                f"yet; drop one of them")
+        if first is not None or last is not None:
+            if p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split:
+                named = given[-1]
+                raise ArgumentError(f"--{given[0]} and --{named} both decide the split; give "
+                                    f"the first/last stage's layers or the accounting, not both")
+            for name, value in (("decoder_first_pipeline_num_layers", first),
+                                ("decoder_last_pipeline_num_layers", last)):
+                if value is not None and value < 1:
+                    raise ArgumentError(f"--{name} must be at least 1 (got {value})")
+            middle = pp - (first is not None) - (last is not None)
+            rest = n - (first or 0) - (last or 0)
+            if (middle == 0 and rest != 0) or (middle and (rest < middle or rest % middle)):
+                raise ArgumentError(
+                    f"--{given[0]}: the other {middle} pipeline stage(s) must split the "
+                    f"remaining {rest} of --num_layers ({n}) evenly, at least one layer each")
+            each = rest // middle if middle else 0
+            return ([first if first is not None else each] + [each] * (pp - 2)
+                    + [last if last is not None else each])
+        extra_first = int(p.account_for_embedding_in_pipeline_split)
+        extra_last = int(p.account_for_loss_in_pipeline_split)
+        total = n + extra_first + extra_last
+        if total % pp or total // pp - max(extra_first, extra_last) < 1:
             raise ArgumentError(
-                f"--pipeline_model_parallel_size ({pp}) must divide --num_layers "
-                f"({m.num_layers}){source}")
+                f"--{given[0]}: --num_layers ({n}) plus the counted embedding/loss ({total}) "
+                f"must split evenly over --pipeline_model_parallel_size ({pp}), at least one "
+                f"layer per stage")
+        each = total // pp
+        stages = [each] * pp
+        stages[0] -= extra_first
+        stages[-1] -= extra_last
+        return stages
 
     def check_parallel(self, world_size: int) -> None:
         p, t = self.parallel, self.training

@@ -37,6 +37,11 @@ def transformer_config(config, initialize: bool = True):
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=config.args.virtual_stages(),
+        # uneven first/last stages (checked in arguments/run.py pipeline_stage_layers)
+        num_layers_in_first_pipeline_stage=p.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=p.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
         # The interleaved schedule's p2p: with 2 stages each rank's previous and next stage are
         # the same rank, and megatron's batched ops would pair an activation with a gradient
         # of the same shape (both ways in one batch, one tag); its overlapped ops order
