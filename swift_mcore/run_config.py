@@ -111,6 +111,8 @@ class RunConfig:
         precision = self.precision
         if not {"precision", "bf16", "fp16"} & self.args.explicit:
             precision += " (--precision auto)"
+        if self.training.fp8_format:
+            precision += f" with FP8 {self.training.fp8_format} ({self.training.fp8_recipe})"
         text = f"{what}, {precision}, {self.backend} on {'CUDA' if self.cuda else 'CPU'}"
         if self.cuda:
             on = {True: "on", False: "off"}

@@ -49,6 +49,7 @@ def test_fp8_flags_reach_megatrons_configs(monkeypatch):
     # (TE's fused RoPE is not importable here: the TransformerConfig would refuse it)
     tc = transformer_config(dataclasses.replace(config, rope_fusion=False))
     assert (tc.fp8, tc.fp8_recipe, tc.fp8_param) == ("hybrid", "tensorwise", True)
+    assert "with FP8 hybrid (tensorwise)" in config.describe()  # the start-up line
     seen = {}
     monkeypatch.setattr(DistributedDataParallel, "__init__",
                         lambda self, config, ddp_config, module, disable_bucketing:
