@@ -93,7 +93,19 @@ def paths(work: str, gpus: int) -> List[Path]:
              output="fp16", decisions={"precision": "fp16"}),
         Path(f"--use_distributed_optimizer (DP {dp})", "pt",
              SMALL + ["--train_iters", "6", "--save_steps", "3", "--use_distributed_optimizer",
-                      "--overlap_grad_reduce"], [te], gpus=dp, output="distopt"),
+                      "--overlap_grad_reduce", "--num_buckets", "2"], [te], gpus=dp,
+             output="distopt"),
+        # FP8 GEMMs through TE (Hopper or newer; mxfp8 needs Blackwell, so not here).
+        Path("FP8 (hybrid, tensorwise scaling), TE spec", "pt",
+             SMALL + ["--train_iters", "4", "--no_save", "--fp8_format", "hybrid",
+                      "--fp8_recipe", "tensorwise"], [te, "FP8 hybrid (tensorwise)"],
+             output="fp8"),
+        Path("--profile with a CUDA memory snapshot", "pt",
+             SMALL + ["--train_iters", "4", "--no_save", "--profile", "--profile_step_start",
+                      "2", "--profile_step_end", "3", "--record_memory_history"], [te],
+             output="profile"),
+        # The interleaved pipeline needs --pipeline_model_parallel_size > 1: with one GPU
+        # there is no pipeline to interleave (refused), so it is measured on CPU only.
         Path("recompute full (uniform)", "pt",
              SMALL + ["--train_iters", "4", "--no_save", "--recompute_granularity", "full"],
              [te, "activation recompute full (uniform, 1 layer)"], output="recompute_full"),

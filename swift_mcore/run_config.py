@@ -111,6 +111,8 @@ class RunConfig:
         precision = self.precision
         if not {"precision", "bf16", "fp16"} & self.args.explicit:
             precision += " (--precision auto)"
+        if self.training.fp8_format:
+            precision += f" with FP8 {self.training.fp8_format} ({self.training.fp8_recipe})"
         text = f"{what}, {precision}, {self.backend} on {'CUDA' if self.cuda else 'CPU'}"
         if self.cuda:
             on = {True: "on", False: "off"}
@@ -193,6 +195,10 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
     check_recompute_hardware(flags, cuda, transformer_engine)
+    check_fp8(flags, cuda, layer_spec)
+    if flags.logging.record_memory_history and not cuda:
+        raise ArgumentError("--record_memory_history records CUDA allocations: it needs a "
+                            "CUDA GPU; on CPU drop the flag (--profile's trace still works)")
     base_model = check_lora(flags, layer_spec, cuda)
     packed_rows = "thd" if attention == "transformer_engine" else "block_causal_mask"
     if flags.COMMAND == "sft" and flags.sft.packing and packed_rows == "thd" \
@@ -247,6 +253,28 @@ def choose_precision(flags: RunArguments, cuda: bool) -> str:
                             f"(drop {which})")
     t.precision, t.bf16, t.fp16 = precision, precision == "bf16", precision == "fp16"
     return precision
+
+
+def check_fp8(flags: RunArguments, cuda: bool, layer_spec: str) -> None:
+    """FP8 runs Transformer Engine's FP8 GEMMs: a CUDA GPU and TE's layer spec (megatron's
+    local linears have no FP8 path). The recipe and the FP8 weights only mean something
+    with a format; FP8 weights are all-gathered by the distributed optimizer."""
+    t, p = flags.training, flags.parallel
+    if t.fp8_format is None:
+        for name in ("fp8_recipe", "fp8_param_gather"):
+            if name in flags.explicit:
+                raise ArgumentError(f"--{name} needs --fp8_format (e4m3 or hybrid)")
+        return
+    if not cuda:
+        raise ArgumentError(f"--fp8_format {t.fp8_format} needs a CUDA GPU with Transformer "
+                            f"Engine (FP8 GEMMs); on CPU drop --fp8_format")
+    if layer_spec != "transformer_engine":
+        raise ArgumentError(f"--fp8_format {t.fp8_format} needs Transformer Engine's layer "
+                            f"spec (pip install -r requirements/gpu.txt; --attention_backend "
+                            f"auto or transformer_engine)")
+    if t.fp8_param_gather and not p.use_distributed_optimizer:
+        raise ArgumentError("--fp8_param_gather needs --use_distributed_optimizer (the FP8 "
+                            "weights are all-gathered by it)")
 
 
 def choose_gpu_defaults(flags: RunArguments, world: World, cuda: bool,
@@ -310,9 +338,6 @@ def choose_window_attention(m, attention: str) -> str:
 def check_hardware(flags: RunArguments, cuda: bool) -> str:
     """Flags this machine cannot run; returns the process-group backend."""
     p = flags.parallel
-    if p.use_distributed_optimizer and not cuda:
-        raise ArgumentError("--use_distributed_optimizer needs CUDA; on CPU the plain "
-                            "data-parallel optimizer is used (drop the flag)")
     if p.distributed_backend == "nccl" and not cuda:
         raise ArgumentError("--distributed_backend nccl needs CUDA; use gloo on CPU")
     if p.distributed_backend == "gloo" and cuda:

@@ -19,7 +19,8 @@ def test_dry_run_parses_every_command():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     names = [p["name"] for p in result["paths"]]
-    for wanted in ("TE spec", "resume", "THD", "LoRA on the TE spec", "fp16", "--use_distributed_optimizer",
+    for wanted in ("TE spec", "resume", "THD", "LoRA on the TE spec", "fp16", "--use_distributed_optimizer", "FP8",
+                   "--profile",
                    "recompute full", "recompute selective", "sequence parallel", "grouped GEMM",
                    "1B Llama", "sliding windows"):
         assert any(wanted in name for name in names), wanted

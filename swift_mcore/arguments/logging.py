@@ -36,6 +36,20 @@ class LoggingArguments:
     progress_bar: bool = flag(True, "Show a tqdm progress bar on the last rank.")
     log_sample_ids: bool = flag(
         False, "Write the global sample indices of every iteration to sample_ids.jsonl.")
+    profile: bool = flag(
+        False, "Record torch's profiler over iterations --profile_step_start to "
+        "--profile_step_end on the ranks --profile_ranks: output_dir/profile/"
+        "rank_N.pt.trace.json, for TensorBoard's profiler plugin, Perfetto "
+        "(ui.perfetto.dev) or chrome://tracing (docs/launch.md).")
+    profile_step_start: int = flag(10, "With --profile: the first iteration recorded.")
+    profile_step_end: int = flag(12, "With --profile: the last iteration recorded.")
+    profile_ranks: List[int] = flag(
+        [0], "With --profile: the global ranks that record (comma- or space-separated).",
+        comma_separated=True)
+    record_memory_history: bool = flag(
+        False, "With --profile on CUDA: also record every CUDA allocation over the profiled "
+        "iterations, written as output_dir/profile/rank_N_memory.pickle "
+        "(pytorch.org/memory_viz). GPU only.")
     peak_tflops: Optional[float] = flag(
         None, "The peak TFLOP/s of one rank's device that MFU is reported against; default: "
         "the data sheet's dense bf16 peak of a known GPU, or on CPU float32 matmuls measured "

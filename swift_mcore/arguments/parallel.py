@@ -12,6 +12,25 @@ from .fields import POSITIVE, flag
 class ParallelArguments:
     tensor_model_parallel_size: int = flag(1, "Tensor-parallel ranks per model replica.")
     pipeline_model_parallel_size: int = flag(1, "Pipeline stages per model replica.")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
+        None, "The interleaved pipeline schedule: each pipeline rank holds this many model "
+        "chunks (virtual stages) of --num_layers / (PP x this) layers each, which shrinks "
+        "the pipeline bubble by as much; needs --pipeline_model_parallel_size > 1.")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
+        None, "The interleaved pipeline schedule given by the layers per model chunk instead "
+        "(--num_virtual_stages_per_pipeline_rank = --num_layers / (PP x this)).")
+    decoder_first_pipeline_num_layers: Optional[int] = flag(
+        None, "Layers of the first pipeline stage, when it should hold fewer (it also holds "
+        "the embedding); the other stages split the rest evenly.")
+    decoder_last_pipeline_num_layers: Optional[int] = flag(
+        None, "Layers of the last pipeline stage (it also holds the output layer and loss); "
+        "the other stages split the rest evenly.")
+    account_for_embedding_in_pipeline_split: bool = flag(
+        False, "Count the embedding as one layer when splitting the layers over the pipeline "
+        "stages (the first stage gets one layer fewer).")
+    account_for_loss_in_pipeline_split: bool = flag(
+        False, "Count the output layer and loss as one layer when splitting the layers over "
+        "the pipeline stages (the last stage gets one layer fewer).")
     sequence_parallel: bool = flag(False, "Shard layer norms and dropout along the sequence "
                                    "across tensor-parallel ranks (needed by MoE with TP). "
                                    "On a GPU with Transformer Engine's layer spec or apex "
@@ -25,7 +44,9 @@ class ParallelArguments:
     overlap_grad_reduce: bool = flag(
         False, "Start each bucket's all-reduce as soon as its gradients are ready.")
     use_distributed_optimizer: bool = flag(
-        False, "Shard optimizer state across data-parallel ranks (ZeRO-1; CUDA only).")
+        False, "Shard the optimizer state (Adam's moments, the fp32 weights) across the "
+        "data-parallel ranks (megatron's distributed optimizer, ZeRO-1); checkpoints keep it "
+        "whole per parameter, so they resume at any data-parallel size (docs/gpu.md).")
     distributed_backend: Optional[str] = flag(
         None, "Process-group backend; default nccl with CUDA, gloo without (nccl without CUDA "
         "and gloo with CUDA are refused).",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, Dict, Set
+from typing import Any, ClassVar, Dict, List, Optional, Set
 
 from ..errors import ArgumentError
 from .checkpoint import CheckpointArguments
@@ -161,6 +161,7 @@ class RunArguments:
         elif self.data.data_order == "megatron" and self.COMMAND not in ("sft", "rlhf"):
             raise ArgumentError("--data_order megatron sizes the data by --train_iters (as "
                                 "Megatron-LM does); give --train_iters, not --num_train_epochs")
+        self.check_profile(world_size)
         if not str(lg.output_dir).strip():
             raise ArgumentError("--output_dir must not be empty")
         self.check_model_shape(world_size)
@@ -172,6 +173,25 @@ class RunArguments:
         self.check_best_flags()
         self.check_tuner()
         self.check_command()
+
+    def check_profile(self, world_size: int) -> None:
+        """--profile's iterations and ranks; its companions only with it."""
+        lg = self.logging
+        companions = ("profile_step_start", "profile_step_end", "profile_ranks",
+                      "record_memory_history")
+        if not lg.profile:
+            given = [name for name in companions if name in self.explicit]
+            if given:
+                raise ArgumentError(f"--{given[0]} needs --profile")
+            return
+        _positive(lg, "profile_step_start")
+        if lg.profile_step_end < lg.profile_step_start:
+            raise ArgumentError(f"--profile_step_end ({lg.profile_step_end}) must not be "
+                                f"below --profile_step_start ({lg.profile_step_start})")
+        outside = [r for r in lg.profile_ranks if not 0 <= r < world_size]
+        if outside or not lg.profile_ranks:
+            raise ArgumentError(f"--profile_ranks {outside or '(none)'}: ranks are 0 to "
+                                f"{world_size - 1} in this world of {world_size}")
 
     def check_model_shape(self, world_size: int) -> None:
         m, p = self.model, self.parallel
@@ -187,7 +207,7 @@ class RunArguments:
             raise ArgumentError(
                 f"--max_position_embeddings ({m.max_position_embeddings}) must be at least "
                 f"--seq_length ({m.seq_length})")
-        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        tp = p.tensor_model_parallel_size
         source = f" (from {m.model}/config.json)" if m.model else ""
         if m.num_attention_heads % tp:
             raise ArgumentError(
@@ -198,11 +218,65 @@ class RunArguments:
             raise ArgumentError(
                 f"--tensor_model_parallel_size ({tp}) must divide --num_query_groups "
                 f"({groups}){source}")
-        if m.num_layers % pp:
-            raise ArgumentError(
-                f"--pipeline_model_parallel_size ({pp}) must divide --num_layers "
-                f"({m.num_layers}){source}")
+        self.pipeline_stage_layers(source)
         self.check_window()
+
+    UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                    "account_for_embedding_in_pipeline_split",
+                    "account_for_loss_in_pipeline_split")
+
+    def pipeline_stage_layers(self, source: str = "") -> List[int]:
+        """The transformer layers of each pipeline stage, as megatron splits them (evenly,
+        or with --decoder_first/last_pipeline_num_layers or the embedding and loss counted
+        as layers). Raises ArgumentError naming the flag where megatron would refuse the
+        split or leave a stage without layers."""
+        m, p = self.model, self.parallel
+        pp, n = p.pipeline_model_parallel_size, m.num_layers
+        first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+        given = [name for name in self.UNEVEN_FLAGS
+                 if getattr(p, name) is not None and getattr(p, name) is not False]
+        if not given:
+            if n % pp:
+                raise ArgumentError(
+                    f"--pipeline_model_parallel_size ({pp}) must divide --num_layers "
+                    f"({n}){source}")
+            return [n // pp] * pp
+        if pp == 1:
+            raise ArgumentError(f"--{given[0]} needs --pipeline_model_parallel_size > 1")
+        if self.virtual_stages() is not None:
+            raise ArgumentError(f"--{given[0]} with the interleaved pipeline is not supported "
+                                f"yet; drop one of them")
+        if first is not None or last is not None:
+            if p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split:
+                named = given[-1]
+                raise ArgumentError(f"--{given[0]} and --{named} both decide the split; give "
+                                    f"the first/last stage's layers or the accounting, not both")
+            for name, value in (("decoder_first_pipeline_num_layers", first),
+                                ("decoder_last_pipeline_num_layers", last)):
+                if value is not None and value < 1:
+                    raise ArgumentError(f"--{name} must be at least 1 (got {value})")
+            middle = pp - (first is not None) - (last is not None)
+            rest = n - (first or 0) - (last or 0)
+            if (middle == 0 and rest != 0) or (middle and (rest < middle or rest % middle)):
+                raise ArgumentError(
+                    f"--{given[0]}: the other {middle} pipeline stage(s) must split the "
+                    f"remaining {rest} of --num_layers ({n}) evenly, at least one layer each")
+            each = rest // middle if middle else 0
+            return ([first if first is not None else each] + [each] * (pp - 2)
+                    + [last if last is not None else each])
+        extra_first = int(p.account_for_embedding_in_pipeline_split)
+        extra_last = int(p.account_for_loss_in_pipeline_split)
+        total = n + extra_first + extra_last
+        if total % pp or total // pp - max(extra_first, extra_last) < 1:
+            raise ArgumentError(
+                f"--{given[0]}: --num_layers ({n}) plus the counted embedding/loss ({total}) "
+                f"must split evenly over --pipeline_model_parallel_size ({pp}), at least one "
+                f"layer per stage")
+        each = total // pp
+        stages = [each] * pp
+        stages[0] -= extra_first
+        stages[-1] -= extra_last
+        return stages
 
     def check_window(self) -> None:
         """The sliding-window flags: a pattern needs a window; the local RoPE base is Gemma
@@ -268,6 +342,63 @@ class RunArguments:
                 "megatron-core reduces all gradients in one bucket")
         if t.bf16 and t.fp16:
             raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
+        self.check_virtual_pipeline(dp)
+        if p.use_distributed_optimizer and p.expert_model_parallel_size > 1:
+            raise ArgumentError(
+                f"--use_distributed_optimizer with --expert_model_parallel_size "
+                f"{p.expert_model_parallel_size}: the chained expert optimizer's sharded "
+                f"state is not checkpointed yet; use expert parallelism 1 or the plain "
+                f"optimizer")
+
+    def virtual_stages(self) -> Optional[int]:
+        """Model chunks per pipeline rank of the interleaved schedule (None: not interleaved)."""
+        p, m = self.parallel, self.model
+        if p.num_virtual_stages_per_pipeline_rank is not None:
+            return p.num_virtual_stages_per_pipeline_rank
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            return m.num_layers // (p.pipeline_model_parallel_size
+                                    * p.num_layers_per_virtual_pipeline_stage)
+        return None
+
+    def check_virtual_pipeline(self, dp: int) -> None:
+        """The interleaved schedule: PP > 1, equal chunks, and micro-batches that megatron's
+        schedule can group by PP (its microbatch_group_size_per_vp_stage)."""
+        p, m, t = self.parallel, self.model, self.training
+        given = [name for name in ("num_virtual_stages_per_pipeline_rank",
+                                   "num_layers_per_virtual_pipeline_stage")
+                 if getattr(p, name) is not None]
+        if not given:
+            return
+        if len(given) == 2:
+            raise ArgumentError("--num_virtual_stages_per_pipeline_rank and "
+                                "--num_layers_per_virtual_pipeline_stage say the same; give one")
+        _positive(p, given[0])
+        pp = p.pipeline_model_parallel_size
+        if pp == 1:
+            raise ArgumentError(f"--{given[0]} needs --pipeline_model_parallel_size > 1 (with "
+                                f"one stage there is no pipeline to interleave)")
+        vp = self.virtual_stages()
+        if vp < 2:
+            raise ArgumentError(
+                f"--{given[0]} {getattr(p, given[0])} gives {max(vp, 0)} virtual stage(s) per "
+                f"pipeline rank; the interleaved schedule needs 2 or more")
+        if m.num_layers % (pp * vp):
+            raise ArgumentError(
+                f"--{given[0]} {getattr(p, given[0])}: --num_layers ({m.num_layers}) must split "
+                f"into --pipeline_model_parallel_size ({pp}) x virtual stages ({vp}) equal "
+                f"chunks")
+        micro = t.global_batch_size // (t.micro_batch_size * dp)
+        if micro % pp:
+            raise ArgumentError(
+                f"--{given[0]}: the interleaved schedule runs the micro-batches in groups of "
+                f"--pipeline_model_parallel_size ({pp}); this run has {micro} per iteration "
+                f"(--global_batch_size / (--micro_batch_size x DP)): make it a multiple")
+        for name, active in (("model", m.model), ("tuner_type lora",
+                                                  self.tuner.tuner_type == "lora"),
+                             ("num_experts", m.num_experts is not None)):
+            if active:
+                raise ArgumentError(f"--{given[0]} with --{name} is not supported yet; drop "
+                                    f"one of them")
 
     def check_moe(self, world_size: int) -> None:
         """The mixture-of-experts flags: experts, top-k, the layer pattern, and expert

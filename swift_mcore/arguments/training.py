@@ -58,6 +58,18 @@ class TrainingArguments:
     bf16: bool = flag(False, "Train in bfloat16 (GPU only): the same as --precision bf16.")
     fp16: bool = flag(False, "Train in float16 with loss scaling (GPU only): the same as "
                       "--precision fp16.")
+    fp8_format: Optional[str] = flag(
+        None, "FP8 GEMMs through Transformer Engine (GPU only; Hopper or newer): e4m3 for "
+        "every FP8 tensor, or hybrid (e4m3 forward, e5m2 for the gradients). Needs "
+        "Transformer Engine's layer spec; the weights and the optimizer stay in --precision.",
+        choices=("e4m3", "hybrid"))
+    fp8_recipe: str = flag(
+        "delayed", "How FP8 tensors are scaled (needs --fp8_format): delayed (from an amax "
+        "history), tensorwise (current per-tensor scaling), blockwise, or mxfp8 (Blackwell).",
+        choices=("delayed", "tensorwise", "blockwise", "mxfp8"))
+    fp8_param_gather: bool = flag(
+        False, "Keep the GEMM weights in FP8 and all-gather them in FP8 (needs --fp8_format "
+        "and --use_distributed_optimizer): megatron's fp8_param.")
     trim_host_memory: bool = flag(
         False, "On CPU (glibc): hand the heap's free pages back to the system before each "
         "micro-batch's forward. Lowers the peak RSS but costs speed: the next forward "

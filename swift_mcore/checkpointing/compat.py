@@ -110,6 +110,25 @@ def split_reference(fingerprint: Any):
     return None, fingerprint
 
 
+def optimizer_format_problem(saved: str, distributed: bool) -> Optional[str]:
+    """Why a checkpoint's optimizer state cannot be resumed into this run's optimizer (None:
+    it can). megatron's plain and distributed optimizers keep their state in different
+    layouts (checkpointing/io.py optimizer_format) and neither reads the other's: loading
+    would fail on missing tensors or, worse, restart the moments from zero unnoticed."""
+    from .io import optimizer_format
+
+    wanted = optimizer_format(distributed)
+    if saved == wanted:
+        return None
+    if distributed:
+        return (f"its optimizer state is in the {saved!r} layout, and --use_distributed_optimizer"
+                f" reads only {wanted!r}; resume without --use_distributed_optimizer, or pass "
+                f"--no_load_optim to start the optimizer afresh")
+    return (f"its optimizer state is in the {saved!r} layout (it was saved with "
+            f"--use_distributed_optimizer); resume with --use_distributed_optimizer, or pass "
+            f"--no_load_optim to start the optimizer afresh")
+
+
 def base_model_differences(saved: Optional[str], current: Optional[str],
                            model_flag: Optional[str]) -> List[str]:
     """A LoRA checkpoint holds adapters for the base weights it records (run.json

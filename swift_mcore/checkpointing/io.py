@@ -32,6 +32,20 @@ def model_sharded_state_dict(model, metadata: Optional[dict] = None) -> Dict[str
             for key, chunk in zip(model_keys(model), model)}
 
 
+# megatron's reshardable layout of the distributed optimizer's state: each parameter's
+# moments and fp32 copy as whole tensors of the parameter's shape (gathered over the
+# data-parallel group at a save, sliced again at a load), so a checkpoint saved at one
+# data-parallel size loads at another. Recorded in run.json ("optimizer_format").
+DISTRIBUTED_OPTIMIZER_FORMAT = "fully_reshardable"
+
+
+def optimizer_format(distributed: bool) -> str:
+    """How the optimizer's state is laid out in a checkpoint: 'plain' (megatron's FP32 or
+    mixed-precision optimizer: moments per parameter, what every checkpoint before
+    --use_distributed_optimizer holds) or the distributed optimizer's."""
+    return f"distributed/{DISTRIBUTED_OPTIMIZER_FORMAT}" if distributed else "plain"
+
+
 def optimizer_has_state(optimizer) -> bool:
     """Whether any (chained) optimizer holds per-parameter state, i.e. has stepped."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -50,10 +64,13 @@ def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool,
     if with_optimizer:
         # MoE with expert parallelism chains a second optimizer for the expert parameters;
         # its tensors keep their parameter names (no 'chained_N.' prefix), so one checkpoint
-        # loads at any EP (``conform_optimizer_state``).
+        # loads at any EP (``conform_optimizer_state``). The distributed optimizer's shards
+        # are saved per parameter, whole (DISTRIBUTED_OPTIMIZER_FORMAT).
         state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=is_loading,
-            metadata={"chained_optim_avoid_prefix": True, **(metadata or {})})
+            metadata={"chained_optim_avoid_prefix": True,
+                      "distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_FORMAT,
+                      **(metadata or {})})
     return state
 
 
@@ -67,6 +84,8 @@ def conform_optimizer_state(loaded: Dict[str, Any], optimizer) -> Any:
     differ, each part gets this optimizer's own param groups (their settings are the
     checked flags; the scheduler sets the learning rate next) and the saved step."""
     chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if len(chained) == 1 and "param_state_sharding_type" in loaded:
+        return loaded  # the distributed optimizer's own structure, its groups in 'optimizer'
 
     def saved_groups(part) -> bool:  # common.pt's groups carry their settings, not only ids
         groups = part.get("param_groups") if isinstance(part, dict) else None

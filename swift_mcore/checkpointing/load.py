@@ -36,6 +36,8 @@ class CheckpointRecord:
     layout: Dict[str, Optional[int]]   # tp_size, pp_size, dp_size of the saving run
     # each saving rank's layout, by rank, for swift-mcore's rng/ files (rng.choose)
     rng_layouts: Dict[int, Dict[str, int]] = dataclasses.field(default_factory=dict)
+    # how its optimizer state is laid out (io.optimizer_format); 'plain' before the entry
+    optimizer_format: str = "plain"
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,11 @@ def plan_load(config, data_fingerprint, log: Log = print) -> Optional[LoadPlan]:
         raise CheckpointError(
             f"checkpoint {folder} has no optimizer state (it was saved with --no_save_optim); "
             f"pass --no_load_optim to resume with a fresh optimizer")
+    if not c.no_load_optim and record.has_optimizer and record.optimizer_stepped:
+        problem = compat.optimizer_format_problem(
+            record.optimizer_format, config.parallel.use_distributed_optimizer)
+        if problem:
+            raise CheckpointError(f"checkpoint {folder}: {problem}")
     if not c.no_load_rng and not record.has_rng:
         raise CheckpointError(
             f"checkpoint {folder} has no RNG states (it was saved with --no_save_rng); pass "
@@ -220,7 +227,8 @@ def _read_record(folder: str, config, data_fingerprint
         # before scheduler_unit existed, common.pt's scheduler counted iterations
         scheduler_unit=int(run.get("scheduler_unit", 1)),
         layout=dict(run.get("layout", {})),
-        rng_layouts={int(r): lay for r, lay in run.get("rng_layouts", {}).items()})
+        rng_layouts={int(r): lay for r, lay in run.get("rng_layouts", {}).items()},
+        optimizer_format=str(contents.get("optimizer_format", "plain")))
     differences = compat.resume_differences(
         saved_flags, config.to_dict(), run.get("data_fingerprint"), data_fingerprint)
     differences += compat.base_model_differences(

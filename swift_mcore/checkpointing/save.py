@@ -67,6 +67,8 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
             "base_model": config.base_model,
             "contents": {"model": True, "optimizer": not c.no_save_optim,
                          "optimizer_stepped": with_optimizer, "rng": not c.no_save_rng,
+                         "optimizer_format": io.optimizer_format(
+                             config.parallel.use_distributed_optimizer),
                          "scheduler": scheduler is not None},
             "layout": {"world_size": comm.world_size(), **{
                 k: v for k, v in layouts[0].items() if k.endswith("_size")}},

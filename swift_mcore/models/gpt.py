@@ -42,11 +42,27 @@ def transformer_config(config, initialize: bool = True):
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.args.virtual_stages(),
+        # uneven first/last stages (checked in arguments/run.py pipeline_stage_layers)
+        num_layers_in_first_pipeline_stage=p.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=p.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
+        # The interleaved schedule's p2p: with 2 stages each rank's previous and next stage are
+        # the same rank, and megatron's batched ops would pair an activation with a gradient
+        # of the same shape (both ways in one batch, one tag); its overlapped ops order
+        # the directions by rank parity (Megatron-LM's default with virtual stages).
+        overlap_p2p_comm=bool(config.args.virtual_stages()),
+        batch_p2p_comm=not config.args.virtual_stages(),
         sequence_parallel=p.sequence_parallel,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=config.precision == "bf16",
         fp16=config.precision == "fp16",
+        # FP8 GEMMs through Transformer Engine (run_config.check_fp8: CUDA and TE's spec only)
+        fp8=t.fp8_format,
+        fp8_recipe=t.fp8_recipe,
+        fp8_param=t.fp8_param_gather,
         # On CPU the full weight is created and sliced, so the initial weights do not depend
         # on the TP layout (megatron requires it without CUDA anyway). On CUDA each rank
         # creates its own shard on its GPU, as Megatron-LM does (run_config.choose_gpu_defaults).
@@ -203,7 +219,7 @@ def layer_spec(config, moe: bool = False):
     return spec
 
 
-def block_spec(config, transformer_config):
+def block_spec(config, transformer_config, vp_stage=None):
     """The decoder block of this rank's layers. With the local spec the final norm is the
     spec's own (megatron's torch or apex norm): megatron would make it Transformer Engine's
     whenever TE is importable, so a local-spec model on a machine with TE (a conversion
@@ -217,13 +233,13 @@ def block_spec(config, transformer_config):
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    layers = get_num_layers_to_build(transformer_config)
+    layers = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
     specs = [spec] * layers
     if config.model.num_experts is not None:  # --moe_layer_freq: this stage's slice
         from ..arguments.model import moe_layer_pattern
 
         moe_spec = layer_spec(config, moe=True)
-        offset = get_transformer_layer_offset(transformer_config)
+        offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
         pattern = moe_layer_pattern(config.model)[offset: offset + layers]
         specs = [moe_spec if is_moe else spec for is_moe in pattern]
     if config.layer_spec == "transformer_engine":
@@ -235,7 +251,8 @@ def block_spec(config, transformer_config):
 
 
 def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
-    """One GPTModel chunk per rank holding this rank's pipeline stage and TP shard.
+    """This rank's GPTModel chunks: one holding its pipeline stage and TP shard, or with the
+    interleaved schedule one per virtual stage (megatron's vp_stage), in that order.
 
     ``initialize=False`` skips the random initialization, for a one-process model whose
     weights are all loaded next (export, infer). Not for training with TP > 1: megatron then
@@ -246,28 +263,35 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
 
     m = config.model
     tc = transformer_config(config, initialize)
-    model = GPTModel(
-        config=tc,
-        transformer_layer_spec=block_spec(config, tc),
-        vocab_size=config.padded_vocab_size,
-        max_sequence_length=m.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-        position_embedding_type=m.position_embedding_type,
-        rotary_percent=m.rotary_percent,
-        rotary_base=m.rotary_base,
-        rope_scaling=m.use_rope_scaling,
-        rope_scaling_factor=m.rope_scaling_factor,
-        seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
-    )
-    if m.model_type == "gemma3":
-        from . import gemma3_layers
+    virtual = config.args.virtual_stages()
+    chunks = []
+    for vp_stage in (range(virtual) if virtual else [None]):
+        model = GPTModel(
+            config=tc,
+            transformer_layer_spec=block_spec(config, tc, vp_stage),
+            vocab_size=config.padded_vocab_size,
+            max_sequence_length=m.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                                vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+            position_embedding_type=m.position_embedding_type,
+            rotary_percent=m.rotary_percent,
+            rotary_base=m.rotary_base,
+            rope_scaling=m.use_rope_scaling,
+            rope_scaling_factor=m.rope_scaling_factor,
+            seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
+            vp_stage=vp_stage,
+        )
+        if m.model_type == "gemma3":
+            from . import gemma3_layers
 
-        gemma3_layers.scale_embedding(model, m.hidden_size)
-    if config.cuda:
-        model.cuda(torch.cuda.current_device())
-    return [model]
+            gemma3_layers.scale_embedding(model, m.hidden_size)
+        if config.cuda:
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
 
 
 def count_parameters(chunks) -> int:

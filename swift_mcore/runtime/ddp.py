@@ -44,6 +44,7 @@ def wrap_model(config, models: List[torch.nn.Module], wrap_with_ddp: bool = True
         overlap_grad_reduce=p.overlap_grad_reduce,
         use_distributed_optimizer=p.use_distributed_optimizer,
         bucket_size=bucket_size_for(config, models),
+        fp8_param_gather=config.training.fp8_param_gather,
     )
     cuda = config.cuda
     # On GPU, DDP is built on a side stream (as Megatron-LM does) so that its buffer

@@ -28,6 +28,7 @@ def initialize(config) -> None:
     """
     mcore_adaptation.patch_router_gemm_without_te()
     mcore_adaptation.patch_mla_without_te()
+    mcore_adaptation.place_reshardable_optimizer_state_by_bucket()
     cpu.install(config)  # before any process group
     from megatron.core import parallel_state
 
@@ -75,6 +76,8 @@ def initialize(config) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
+            # the interleaved schedule's model chunks per pipeline rank (None: plain PP)
+            virtual_pipeline_model_parallel_size=config.args.virtual_stages(),
             # MoE: the experts are split over EP ranks carved out of the data-parallel ones
             # (expert tensor parallelism follows TP, megatron's default).
             expert_model_parallel_size=config.parallel.expert_model_parallel_size,

@@ -1,7 +1,8 @@
 """What swift-mcore's adaptations of megatron-core share: the versions they were tested with
 (one check refuses any other unless SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1), the module
-look-alike a patched megatron module gets in place of torch or numpy, and the one fix every
-machine without Transformer Engine needs (the MoE router's GEMM), CPU or GPU."""
+look-alike a patched megatron module gets in place of torch or numpy, and the fixes every
+machine needs, CPU or GPU: the MoE router's GEMM without Transformer Engine, and the
+distributed optimizer's reshardable checkpoint with more than one gradient bucket."""
 
 from __future__ import annotations
 
@@ -62,3 +63,58 @@ def patch_mla_without_te() -> None:
         require_tested_version("multi-latent attention without Transformer Engine",
                                "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
         mla.HAVE_TE = False
+
+
+def place_reshardable_optimizer_state_by_bucket() -> None:
+    """megatron-core 0.16.1 saves the distributed optimizer's reshardable state wrong when its
+    gradient buffer has more than one bucket: ``get_parameter_state_dp_zero`` lays the
+    gathered state out bucket after bucket without the padding megatron puts at each
+    bucket's end (distrib_optimizer.py:1117), and ``sharded_param_state_fully_reshardable``
+    then cuts each parameter out of it at its offset in the padded buffer (1480), so every
+    parameter after the first bucket is saved with its neighbours' values (megatron notes
+    the symptom as its issue 504). While that function runs, the gathered state is put
+    back at the padded offsets, where the parameters' offsets point. On any machine."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as cls
+
+    original = cls.sharded_param_state_fully_reshardable
+    if hasattr(original, "_swift_mcore_original"):
+        return
+    require_tested_version("distributed-optimizer checkpoint fix",
+                           "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+
+    def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+        gather = self.get_parameter_state_dp_zero
+
+        def gathered_at_padded_offsets(*a, **k):
+            state = gather(*a, **k)
+            if state is not None:
+                _pad_buckets(self, state)
+            return state
+
+        self.get_parameter_state_dp_zero = gathered_at_padded_offsets
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del self.get_parameter_state_dp_zero
+
+    sharded_param_state_fully_reshardable._swift_mcore_original = original
+    cls.sharded_param_state_fully_reshardable = sharded_param_state_fully_reshardable
+
+
+def _pad_buckets(optimizer, state) -> None:
+    """Each buffer's gathered tensors (bucket after bucket, unpadded) re-laid at the buckets'
+    offsets in the padded buffer, zeros in the padding."""
+    import torch
+
+    for index, buffer in enumerate(optimizer.buffers):
+        for world in state[index].values():
+            for key, flat in list(world.items()):
+                if not isinstance(flat, torch.Tensor) or flat.dim() != 1:
+                    continue
+                laid = flat.new_zeros(buffer.numel)
+                start = 0
+                for bucket in buffer.buckets:
+                    n = bucket.numel_unpadded
+                    laid[bucket.offset:bucket.offset + n] = flat[start:start + n]
+                    start += n
+                world[key] = laid

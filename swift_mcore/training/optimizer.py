@@ -22,6 +22,7 @@ def build_optimizer(config, model_chunks):
         fp16=t.fp16,
         params_dtype=_params_dtype(t),
         use_distributed_optimizer=config.parallel.use_distributed_optimizer,
+        fp8_recipe=t.fp8_recipe if t.fp8_format else None,
     )
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
     cpu.after_optimizer(optimizer, config)

@@ -40,6 +40,7 @@ class Trainer:
         self.trackers: list = []  # started in setup (--report_to), handed to the writer
         self.writer: Optional[MetricWriter] = None
         self.watchdog = None  # runtime/watchdog.py, started at the end of setup
+        self.profiler = None  # --profile on this rank: training/profiler.py
         self.started_at: Optional[int] = None  # the iteration this segment started from
         self.attempt = None  # under torchrun: the group's attempt (runtime/elastic.py)
 
@@ -63,9 +64,13 @@ class Trainer:
         exit_reason = None
         while state.iteration < total:
             self.watchdog.arm(f"iteration {state.iteration + 1}")
+            if self.profiler:
+                self.profiler.before_step(state.iteration + 1)
             step = self.train_step()
             self.checkpoints.finish_saves()  # --async_save: commit a background save once written
             self.advance(step)
+            if self.profiler:
+                self.profiler.after_step(state.iteration)
             self.report(step)
             improved = False
             if self.due(config.logging.eval_steps):
@@ -150,6 +155,10 @@ class Trainer:
 
         self.watchdog = Watchdog(distributed.timeout_of(config).total_seconds(),
                                  distributed.rank())
+        from .profiler import StepProfiler
+
+        self.profiler = StepProfiler.for_config(config, distributed.rank(),
+                                                log=lambda line: print(line, flush=True))
 
     def device_peak(self):
         """The TFLOP/s MFU is reported against (training/peak.py), on the writing rank (the
@@ -284,6 +293,10 @@ class Trainer:
 
         config = self.config
         forward_step = cpu.wrap_forward_step(self.forward_step, config)
+        if config.args.virtual_stages():  # the interleaved schedule: one feed per model chunk
+            from .chunk_feed import ChunkFeed
+
+            data_iterator = ChunkFeed.for_chunks(data_iterator, len(self.model))
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
@@ -297,7 +310,8 @@ class Trainer:
 
     def forward_step(self, data_iterator, model):
         """One micro-batch through one model chunk: returns (output, loss function)."""
-        batch = self.get_batch(data_iterator)
+        batch = (data_iterator.next_batch(self.get_batch) if hasattr(data_iterator, "next_batch")
+                 else self.get_batch(data_iterator))
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                        attention_mask=batch.get("attention_mask"), labels=batch["labels"],
                        packed_seq_params=batch.get("packed_seq_params"))
@@ -554,6 +568,8 @@ class Trainer:
 
     def finish(self, exit_reason: Optional[str]) -> None:
         self.checkpoints.finish_saves(blocking=True)  # a background save is committed first
+        if self.profiler:
+            self.profiler.close(self.state.iteration)  # training ended inside its window
         self.watchdog.disarm()  # the closing outputs are not an iteration
         lg = self.config.logging
         lines = run_log.finish_lines(self.config, self.state, exit_reason,

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import distributed_optimizer
 from ..mcore_adaptation import (
     ModuleProxy,
     patch_mla_without_te,
@@ -39,6 +40,9 @@ PATCHED_MODULES = {
         "grad/param buffers on the CUDA device, streams (417-806)",
     "megatron.core.distributed.distributed_data_parallel": "communication stream (230)",
     "megatron.core.optimizer.optimizer": "FP32Optimizer._scale on 'cuda' (907)",
+    "megatron.core.optimizer.distrib_optimizer":
+        "--use_distributed_optimizer: state shards allocated on the CUDA device when loading "
+        "(791), the gather of the state for a checkpoint (1077-1106)",
     "megatron.core.optimizer.clip_grads": "norm buffers on 'cuda' (90-207)",
     "megatron.core.pipeline_parallel.schedules": "token counter on 'cuda' (596, 983, 2138)",
     "megatron.core.pipeline_parallel.p2p_communication":
@@ -291,6 +295,7 @@ def activate() -> bool:
     _install_eager_rope()
     _install_eager_cross_entropy()
     _install_onednn_linear()
+    distributed_optimizer.install()
     _ACTIVE = True
     return True
 

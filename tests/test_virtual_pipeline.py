@@ -1,0 +1,58 @@
+"""The interleaved pipeline (--num_virtual_stages_per_pipeline_rank, PP=2 x 2 virtual
+stages on 2 gloo ranks): from the same weights (a one-rank checkpoint, resharded by
+dist_checkpointing into the four chunks) it gives the one-rank losses, and its own
+checkpoints resume bit for bit; and the flag checks."""
+
+import pytest
+
+from run_helpers import losses, run_pt
+from swift_mcore.arguments import RunArguments
+from swift_mcore.errors import ArgumentError
+from swift_mcore.run_config import resolve
+
+# 4 layers: one per chunk; 4 micro-batches per iteration, two groups of PP
+SHAPE = ["--num_layers", "4", "--train_iters", "4"]
+VPP = ["--pipeline_model_parallel_size", "2", "--num_virtual_stages_per_pipeline_rank", "2"]
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_gives_the_one_rank_losses_and_resumes_exactly(tmp_path):
+    one, vpp, resumed = tmp_path / "one", tmp_path / "vpp", tmp_path / "resumed"
+    run_pt(one, *SHAPE, "--save_steps", "1")
+    run_pt(vpp, *SHAPE, *VPP, "--save_steps", "2",
+           "--resume", one / "checkpoint" / "iter_0000001", nproc=2, timeout=600)
+    ref, got = losses(one), losses(vpp)
+    assert sorted(got) == [2, 3, 4]
+    for it in got:
+        assert abs(got[it] - ref[it]) <= 1e-5, (it, got[it], ref[it])
+    run_pt(resumed, *SHAPE, *VPP, "--no_save",
+           "--resume", vpp / "checkpoint" / "iter_0000002", nproc=2, timeout=600)
+    again = losses(resumed)
+    assert sorted(again) == [3, 4]
+    assert all(again[it] == got[it] for it in again), (again, got)
+
+
+SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, micro_batch_size=1,
+             global_batch_size=4)
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    ({"num_virtual_stages_per_pipeline_rank": 2}, 1,
+     "needs --pipeline_model_parallel_size > 1"),
+    ({"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 3}, 2,
+     "--num_layers \\(4\\) must split into --pipeline_model_parallel_size \\(2\\) x virtual "
+     "stages \\(3\\)"),
+    ({"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 2}, 2,
+     "gives 1 virtual stage\\(s\\) per pipeline rank"),
+    ({"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
+      "num_layers_per_virtual_pipeline_stage": 1}, 2, "say the same; give one"),
+    ({"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
+      "global_batch_size": 3}, 2, "runs the micro-batches in groups of"),
+])
+def test_virtual_pipeline_flags_are_checked(flags, world, message):
+    with pytest.raises(ArgumentError, match=message):
+        resolve(RunArguments.from_flags(**{**SMALL, **flags}), world_size=world, cuda=False)
+    ok = resolve(RunArguments.from_flags(**SMALL, pipeline_model_parallel_size=2,
+                                         num_layers_per_virtual_pipeline_stage=1),
+                 world_size=2, cuda=False)
+    assert ok.args.virtual_stages() == 2
