@@ -60,6 +60,9 @@ class PreprocessArguments:
         # when the finished files are renamed into place after tokenizing everything.
         check_output_files([self.output_prefix + ".bin", self.output_prefix + ".idx"],
                            "--output_prefix")
+        from .data.indexed import replaceable
+
+        replaceable(self.output_prefix, "--output_prefix")
         if self.workers is None:
             self.workers = usable_cores()
         if self.workers < 1:

@@ -45,6 +45,31 @@ def exists(prefix: str) -> bool:
     return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
 
 
+def replaceable(prefix: str, flag: str) -> None:
+    """ArgumentError unless writing ``prefix``.bin/.idx replaces nothing but an indexed pair
+    (regular files of one link each, the .idx starting with megatron's header): a file of
+    another kind, or one reached through a link, is never overwritten."""
+    from ..runtime.run_files import what_is_wrong
+
+    names = [prefix + ".bin", prefix + ".idx"]
+    present = [name for name in names if os.path.lexists(name)]
+    for name in present:
+        problem = what_is_wrong(os.lstat(name))
+        if problem:
+            raise ArgumentError(f"{flag}: {name} {problem}; it would be replaced, so it must be "
+                                f"a .bin/.idx file of its own: remove it or choose another {flag}")
+    if not present:
+        return
+    header = b""
+    if os.path.exists(names[1]):
+        with open_regular(names[1], "rb", f"{flag} {names[1]}") as fh:
+            header = fh.read(len(_HEADER))
+    if len(present) != 2 or header != _HEADER:
+        raise ArgumentError(f"{flag}: {', '.join(present)} exist(s) and are not a megatron "
+                            f".bin/.idx pair; writing would replace files this command did not "
+                            f"write: remove them or choose another {flag}")
+
+
 class _HashingFile:
     """The builder's .bin file, hashing exactly the bytes megatron writes to it."""
 

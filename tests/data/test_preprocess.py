@@ -190,6 +190,33 @@ def test_interrupted_run_keeps_the_old_output(tokenizer, tmp_path):
     assert sorted(os.listdir(prefix.parent)) == ["data.bin", "data.hash.json", "data.idx"]
 
 
+@pytest.mark.parametrize("plant", ["foreign_bin", "symlinked_idx", "hard_linked_bin"])
+def test_output_prefix_never_replaces_files_it_did_not_write(plant, tokenizer, tmp_path):
+    """Issue 35.2's rule for preprocess: PREFIX.bin/.idx may replace an earlier pair this
+    command wrote (tested above), never another file or a file reached through a link."""
+    (tmp_path / "good.jsonl").write_text(json.dumps({"text": "some words"}) + "\n")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    prefix = tmp_path / "out"
+    if plant == "foreign_bin":
+        victim = tmp_path / "out.bin"
+        victim.write_text("a file preprocess did not write")
+    elif plant == "symlinked_idx":
+        os.symlink(tmp_path / "victim.txt", tmp_path / "out.idx")
+    else:
+        os.link(tmp_path / "victim.txt", tmp_path / "out.bin")
+    before = victim.read_bytes()
+    with pytest.raises(ArgumentError, match=r"--output_prefix: .*out\.(bin|idx)"):
+        run("--input", tmp_path / "good.jsonl", "--output_prefix", prefix, "--workers", 1)
+    assert victim.read_bytes() == before
+
+
+def test_rerunning_over_its_own_output_replaces_it(tokenizer, tmp_path):
+    prefix, before = good_output(tokenizer, tmp_path)
+    run("--input", tmp_path / "good.jsonl", "--output_prefix", prefix, "--workers", 1)
+    assert {s: (prefix.parent / f"data{s}").read_bytes() for s in (".bin", ".idx")} == before
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "--input is required"),
     (["--input", "x.jsonl"], "--output_prefix is required"),
