@@ -25,6 +25,7 @@ from torch import nn
 
 from ..arguments.tuner import MCORE_LINEARS, SAVABLE_MODULES, mcore_targets
 from ..errors import ArgumentError, CheckpointError
+from ..input_files import open_regular
 
 ADAPTER = "default"  # peft's adapter name: one adapter per model
 _PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
@@ -171,7 +172,7 @@ def folder_fingerprint(folder: str) -> str:
         path = os.path.join(folder, name)
         size = os.path.getsize(path)
         digest.update(f"{name}\0{size}\0".encode())
-        with open(path, "rb") as fh:
+        with open_regular(path, "rb") as fh:  # a FIFO named like a shard would block
             if size <= WHOLE_FILE:
                 digest.update(fh.read())
                 continue

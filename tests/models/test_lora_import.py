@@ -4,6 +4,7 @@ too), export --to_peft gives it back to peft, and bad adapters are refused namin
 and field."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -264,3 +265,18 @@ def test_adapter_config_nested_100000_deep_is_one_line(base, tmp_path):
     with pytest.raises(ArgumentError, match=re.escape(
             f"{config}: JSON nested 100001 levels deep; at most 512 are read")):
         lora_config(base / "hf", folder)
+
+
+def test_the_base_fingerprint_never_blocks_on_a_fifo_named_like_a_shard(tmp_path):
+    """LoRA checkpoints record their base folder's fingerprint, read from every *.safetensors
+    there (also one the index does not list): a FIFO among them is refused, never waited on."""
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
+    os.mkfifo(tmp_path / "stray.safetensors")
+    code = ("from swift_mcore.models import lora\n"
+            "from swift_mcore.errors import ArgumentError\n"
+            f"try:\n    lora.folder_fingerprint({str(tmp_path)!r})\n"
+            "except ArgumentError as err:\n    print('refused:', err)\n")
+    proc = run_or_kill([sys.executable, "-c", code], 60, cwd=ROOT, env=child_env())
+    assert proc is not None, "folder_fingerprint blocked on the FIFO"
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused:" in proc.stdout and "stray.safetensors" in proc.stdout, proc.stdout
