@@ -97,3 +97,24 @@ def edit_config(path: str, **changes) -> None:
             config[key] = value
     with open(config_path, "w") as fh:
         json.dump(config, fh)
+
+
+def check_infer_is_greedy(folder, capsys, prompt: str = "def add(", new_tokens: int = 4):
+    """`swift-mcore infer` on ``folder`` (its command in this process) prints the prompt and
+    transformers' greedy continuation; returns the prompt's token count."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.infer import run
+
+    capsys.readouterr()
+    run(InferArguments(model=str(folder), prompt=prompt, max_new_tokens=new_tokens,
+                       temperature=0.0).validate())
+    out = capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    new = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:]
+    expected = prompt + tokenizer.decode([t for t in new.tolist() if t != tokenizer.eos_token_id])
+    assert out.rstrip("\n") == expected, (out, expected)
+    return ids.shape[1]

@@ -124,24 +124,8 @@ def test_packed_rows_give_each_documents_logits(gloo_group, gemma_folder):
 
 
 def test_infer_gives_transformers_greedy_tokens(gloo_group, capsys, gemma_folder):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from swift_mcore.arguments.infer import InferArguments
-    from swift_mcore.infer import run
-
     prompt = "def add(a, b):\n    return"  # longer than the window
-    capsys.readouterr()
-    run(InferArguments(model=str(gemma_folder), prompt=prompt, max_new_tokens=6,
-                       temperature=0.0).validate())
-    out = capsys.readouterr().out
-    tokenizer = AutoTokenizer.from_pretrained(str(gemma_folder))
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    assert ids.shape[1] > WINDOW
-    hf = AutoModelForCausalLM.from_pretrained(str(gemma_folder),
-                                              attn_implementation="eager").eval()
-    new = hf.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
-    expected = prompt + tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
-    assert out.rstrip("\n") == expected, (out, expected)
+    assert H.check_infer_is_greedy(gemma_folder, capsys, prompt, new_tokens=6) > WINDOW
 
 
 def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group, gemma_folder):

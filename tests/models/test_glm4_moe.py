@@ -102,23 +102,8 @@ def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group):
 
 
 def test_infer_gives_transformers_greedy_tokens(tmp_path, gloo_group, capsys):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from swift_mcore.arguments.infer import InferArguments
-    from swift_mcore.infer import run
-
     make_glm(tmp_path / "hf")
-    capsys.readouterr()
-    run(InferArguments(model=str(tmp_path / "hf"), prompt="def add(", max_new_tokens=4,
-                       temperature=0.0).validate())
-    out = capsys.readouterr().out
-    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    ids = torch.tensor([tokenizer.encode("def add(")])
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
-                                              attn_implementation="eager").eval()
-    new = hf.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:].tolist()
-    expected = "def add(" + tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
-    assert out.rstrip("\n") == expected, (out, expected)
+    H.check_infer_is_greedy(tmp_path / "hf", capsys)
 
 
 def test_what_megatron_cannot_express_is_named(tmp_path):
