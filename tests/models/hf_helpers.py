@@ -118,3 +118,26 @@ def check_infer_is_greedy(folder, capsys, prompt: str = "def add(", new_tokens: 
     expected = prompt + tokenizer.decode([t for t in new.tolist() if t != tokenizer.eos_token_id])
     assert out.rstrip("\n") == expected, (out, expected)
     return ids.shape[1]
+
+
+def convert(source, out, direction: str, **flags):
+    """`swift-mcore export --to_mcore|--to_hf` in this process; returns its summary."""
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.export import run
+
+    args = ExportArguments(model=str(source), output_dir=str(out), **{direction: True}, **flags)
+    return run(args.validate(), log=lambda line: None)
+
+
+def check_round_trip(source, tmp_path) -> Dict:
+    """HF -> mcore (its --test_convert_precision within 1e-4) -> HF gives every tensor of
+    ``source`` back bit for bit; returns the exported config.json."""
+    checkpoint, back = tmp_path / "mcore", tmp_path / "back"
+    assert convert(source, checkpoint, "to_mcore",
+                   test_convert_precision=True)["max_logit_difference"] <= 1e-4
+    convert(checkpoint, back, "to_hf")
+    original, exported = safetensors_state(str(source)), safetensors_state(str(back))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    return json.loads((back / "config.json").read_text())

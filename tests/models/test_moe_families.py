@@ -3,7 +3,6 @@ routing spreads tokens over the experts and whose norms and biases are off their
 transformers' logits; HF -> swift-mcore checkpoint -> HF is bit-identical; infer runs; the
 config's router settings land on the MoE flags, and what megatron cannot express is named."""
 
-import json
 
 import pytest
 import torch
@@ -39,12 +38,7 @@ def make_moe(path, family, **overrides):
     return model
 
 
-def convert(source, out, direction, **flags):
-    from swift_mcore.arguments.export import ExportArguments
-    from swift_mcore.export import run
-
-    args = ExportArguments(model=str(source), output_dir=str(out), **{direction: True}, **flags)
-    return run(args.validate(), log=lambda line: None)
+convert = H.convert
 
 
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
@@ -65,16 +59,8 @@ def test_logits_match_and_round_trip_is_bit_identical(tmp_path, gloo_group, fami
     m = loaded.config.model
     assert (m.model_type, m.num_experts, m.moe_router_topk) == (family, 4, 2)
 
-    checkpoint, back = tmp_path / "mcore", tmp_path / "back"
-    # export --test_convert_precision: the converted model's logits against transformers'
-    assert convert(source, checkpoint, "to_mcore",
-                   test_convert_precision=True)["max_logit_difference"] <= 1e-4
-    convert(checkpoint, back, "to_hf")
-    original, exported = H.safetensors_state(str(source)), H.safetensors_state(str(back))
-    assert sorted(exported) == sorted(original)
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
-    config = json.loads((back / "config.json").read_text())
+    config = H.check_round_trip(source, tmp_path)
+    back = tmp_path / "back"
     assert config["model_type"] == family and config["num_experts_per_tok"] == 2
     assert H.hf_logits(str(back), ids).sub(theirs).abs().max() == 0
 
