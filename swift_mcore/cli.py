@@ -114,6 +114,10 @@ def _train(prog: str, config) -> int:
 
 def trainer_class(config):
     """The Trainer a command trains with: rlhf's own, else the base one."""
+    if config.COMMAND == "rlhf" and config.rlhf.rlhf_type == "kto":
+        from .training.kto_trainer import KtoTrainer
+
+        return KtoTrainer
     if config.COMMAND == "rlhf":
         from .training.rlhf_trainer import DpoTrainer
 
