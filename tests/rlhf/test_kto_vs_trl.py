@@ -135,3 +135,48 @@ def test_loss_gradients_rewards_and_metrics_equal_trl(ours, trl_trainer):
                           trainer.batch_kl(our_batch))
     assert (out["rewards"] - their_rewards).abs().max().item() <= 1e-5
     assert (logps - policy).abs().max().item() <= 1e-5
+
+
+USER = {"role": "user", "content": "def add(a, b):"}
+GOOD = {"role": "assistant", "content": "return a + b"}
+BAD = {"role": "assistant", "content": "pass"}
+TOOL = {"type": "function", "function": {"name": "add", "description": "adds",
+                                         "parameters": {"type": "object", "properties": {}}}}
+# (our row, the same data in TRL's form)
+FORMATS = {
+    "text": ({"prompt": "x = ", "completion": "1 + 2", "label": False},) * 2,
+    "conversational": ({"prompt": [USER], "completion": [GOOD], "label": True},) * 2,
+    "conversational_tools": ({"prompt": [USER], "completion": [BAD], "label": False,
+                              "tools": [TOOL]},) * 2,
+    "ms_swift": ({"messages": [USER, GOOD], "label": True},
+                 {"prompt": [USER], "completion": [GOOD], "label": True}),
+    "pair": ({"prompt": "x = ", "chosen": "1 + 2", "rejected": "add(1)"},) * 2,
+    "ms_swift_pair": ({"messages": [USER, GOOD], "rejected_response": "pass"},
+                      {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMATS))
+def test_each_format_is_tokenized_as_trl_tokenizes_it(tiny_hf, trl_trainer, form):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from swift_mcore.data.unpaired import to_unpaired, tokenize_unpaired
+    from test_dpo_vs_trl import CHATML
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_hf[0]))
+    tokenizer.chat_template = CHATML
+    row, trl_row = FORMATS[form]
+    mine = [(*tokenize_unpaired(u, tokenizer), u.desirable) for u in to_unpaired(row, "row 0")]
+    args = trl_trainer.args
+    saved, args.max_length = args.max_length, None  # TRL would drop a long prompt silently
+    try:
+        theirs = trl_trainer._prepare_dataset(Dataset.from_list([trl_row]), tokenizer, args,
+                                              "test")
+    finally:
+        args.max_length = saved
+    assert mine == [(t["prompt_ids"], t["completion_ids"], t["label"]) for t in theirs]
+    assert all(completion for _, completion, _ in mine)
+    if form == "conversational_tools":  # the tools reach the template
+        plain = to_unpaired({**row, "tools": None}, "row 0")[0]
+        assert tokenize_unpaired(plain, tokenizer)[0] != mine[0][0]
