@@ -2,8 +2,6 @@
 and KL rows tokenized alike; the loss, the policy's gradients, the per-row rewards, the KL
 estimate and the logged metrics of one step."""
 
-import json
-
 import pytest
 import torch
 
@@ -15,15 +13,12 @@ ROWS = len(KTO_ROWS)
 
 
 @pytest.fixture(scope="module")
-def kto_data(tiny_hf, tmp_path_factory):
+def kto_data(tiny_hf, kto_file, tmp_path_factory):
     """(policy folder, reference folder, KTO jsonl): the reference another random model, so
     that rewards and KL are not 0."""
-    root = tmp_path_factory.mktemp("kto")
-    reference = root / "ref"
+    reference = tmp_path_factory.mktemp("kto") / "ref"
     H.make_model(str(reference), "llama", seed=1, initializer_range=0.05)
-    data = root / "kto.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in KTO_ROWS))
-    return tiny_hf[0], reference, data
+    return tiny_hf[0], reference, kto_file
 
 
 @pytest.fixture(scope="module")
