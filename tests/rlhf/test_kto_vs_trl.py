@@ -175,3 +175,12 @@ def test_each_format_is_tokenized_as_trl_tokenizes_it(tiny_hf, trl_trainer, form
     if form == "conversational_tools":  # the tools reach the template
         plain = to_unpaired({**row, "tools": None}, "row 0")[0]
         assert tokenize_unpaired(plain, tokenizer)[0] != mine[0][0]
+
+
+def test_the_kl_estimate_is_the_mismatched_rows_mean_clamped_at_zero(ours):
+    trainer, _ = ours
+    ref = torch.tensor([-5.0, -6.0, -7.0])
+    above = {"kl_logps": ref + torch.tensor([0.5, 1.0, 1.5]), "ref_kl_logps": ref}
+    below = {"kl_logps": ref - torch.tensor([0.5, 1.0, 1.5]), "ref_kl_logps": ref}
+    assert trainer.batch_kl(above).item() == pytest.approx(1.0)
+    assert trainer.batch_kl(below).item() == 0.0  # TRL's clamp(min=0)
