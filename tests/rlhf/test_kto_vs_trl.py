@@ -184,3 +184,33 @@ def test_the_kl_estimate_is_the_mismatched_rows_mean_clamped_at_zero(ours):
     below = {"kl_logps": ref - torch.tensor([0.5, 1.0, 1.5]), "ref_kl_logps": ref}
     assert trainer.batch_kl(above).item() == pytest.approx(1.0)
     assert trainer.batch_kl(below).item() == 0.0  # TRL's clamp(min=0)
+
+
+def _dp2_rank(rank, port):
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from swift_mcore.training.kto_trainer import KtoTrainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(1, 1)
+    ref = torch.tensor([-5.0, -6.0])
+    # this rank's mean log-ratio of the mismatched rows, and what both ranks must get: the
+    # mean over the ranks, then the clamp (TRL's gather, mean, clamp)
+    for mine, want in (([1.0, -0.2][rank], 0.4), ([2.0, -3.0][rank], 0.0)):
+        batch = {"kl_logps": ref + mine, "ref_kl_logps": ref}
+        got = KtoTrainer.batch_kl(None, batch).item()
+        assert got == pytest.approx(want, abs=1e-6), (rank, mine, got)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_kl_estimate_is_averaged_over_data_parallel_ranks_before_the_clamp():
+    import torch.multiprocessing as mp
+
+    from run_helpers import free_port
+
+    mp.spawn(_dp2_rank, args=(free_port(),), nprocs=2, join=True)

@@ -1,5 +1,6 @@
 """KTO runs end to end: a stopped and resumed run equals a straight one bit for bit (the
-metrics included), and LoRA's implicit reference (adapters off) is the base model."""
+metrics included), LoRA's implicit reference (adapters off) is the base model, and TP=2
+gives the one-rank losses."""
 
 import subprocess
 import sys
@@ -83,3 +84,27 @@ def test_lora_implicit_reference_equals_the_base_as_ref_model(tiny_hf, kto_file,
     assert sorted(grads) == sorted(ref_grads) and grads
     for name in grads:
         assert (grads[name] - ref_grads[name]).abs().max().item() <= 1e-6, name
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gives_the_one_rank_losses(tiny_hf, kto_file, tmp_path, gloo_group):
+    import hf_helpers as H
+    from test_rlhf_parallel import curve
+
+    from swift_mcore.training.kto_trainer import KtoTrainer
+
+    flags = argv(tiny_hf[0], kto_file, "--no_save")
+    flags[flags.index("--train_iters") + 1] = "2"
+    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[], trainer=KtoTrainer)
+    env = child_env(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags,
+                           "--tensor_model_parallel_size", "2", "--output_dir",
+                           str(tmp_path / "tp2")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, tp2 = curve(tmp_path / "one"), curve(tmp_path / "tp2")
+    assert sorted(one) == sorted(tp2) == [1, 2]
+    for it in one:
+        for name in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen",
+                     "logps/rejected", "kl"):
+            assert tp2[it][name] == pytest.approx(one[it][name], abs=1e-5), (it, name)
