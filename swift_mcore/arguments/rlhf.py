@@ -78,7 +78,8 @@ class RlhfArguments(RunArguments):
                                 "preference rows from --dataset (jsonl, json, parquet)")
         if not d.dataset:
             raise ArgumentError("rlhf needs --dataset: preference rows (prompt/chosen/rejected, "
-                                "or messages + rejected_response; docs/rlhf.md)")
+                                "or messages + rejected_response; for kto prompt/completion/"
+                                "label; docs/rlhf.md)")
         if d.data_order != "resumable":
             raise ArgumentError("--data_order megatron orders megatron's GPTDataset (pt); "
                                 "rlhf rows keep the resumable order")

@@ -36,7 +36,12 @@ def rlhf(out, folder, data, *flags):
     return proc
 
 
-def test_resume_is_bit_exact(tiny_hf, kto_file, tmp_path, gloo_group):
+def test_resume_is_bit_exact_and_another_reference_is_refused(tiny_hf, kto_file, tmp_path,
+                                                             gloo_group):
+    import hf_helpers as H
+
+    from swift_mcore.errors import CheckpointError
+    from swift_mcore.runtime import run_lock
     from swift_mcore.training.kto_trainer import KtoTrainer
 
     folder = tiny_hf[0]
@@ -46,6 +51,16 @@ def test_resume_is_bit_exact(tiny_hf, kto_file, tmp_path, gloo_group):
     proc = rlhf(split, folder, kto_file, "--exit_interval", "2")
     assert "rewards/chosen" in proc.stdout and "| kl " in proc.stdout  # TRL's names
     assert sorted(trained(split)) == [1, 2]
+    # the checkpoint records the reference it was trained against
+    other = tmp_path / "other"
+    H.make_model(str(other), "llama", seed=1, initializer_range=0.02)
+    with pytest.raises(CheckpointError, match=r"reference model \(--ref_model, or the "
+                                              r"starting weights of --model\): checkpoint "
+                                              r"sha256:\w+, now sha256:\w+"):
+        train_in_process(split, *argv(folder, kto_file, "--resume", "--ref_model", other),
+                         command="rlhf", base=[], trainer=KtoTrainer)
+    run_lock.release(str(split))  # as the command does when it ends (cli.run_training)
+    assert sorted(trained(split)) == [1, 2]  # nothing trained, nothing lost
     proc = rlhf(split, folder, kto_file, "--resume")
     assert "starting at iteration 2" in proc.stdout
     whole = trained(tmp_path / "whole")
