@@ -243,8 +243,9 @@ def weight_advice(report: UnpairedReport, desirable_weight: float,
     u = max(report.pairs - report.desirable, 1)
     if d == u:
         return None
-    d_low, d_high = round(u * undesirable_weight / d, 2), round(u * undesirable_weight / d * 1.33, 2)
-    u_low, u_high = round(d * desirable_weight / u / 1.33, 2), round(d * desirable_weight / u, 2)
+    d_ratio, u_ratio = u * undesirable_weight / d, d * desirable_weight / u
+    d_low, d_high = round(d_ratio, 2), round(d_ratio * 1.33, 2)
+    u_low, u_high = round(u_ratio / 1.33, 2), round(u_ratio, 2)
     if d_low <= desirable_weight <= d_high or u_low <= undesirable_weight <= u_high:
         return None
     return (f"{d} desirable and {u} undesirable rows: the KTO paper recommends either "
