@@ -114,6 +114,10 @@ def _train(prog: str, config) -> int:
 
 def trainer_class(config):
     """The Trainer a command trains with: rlhf's own, else the base one."""
+    if config.COMMAND == "rlhf" and config.rlhf.rlhf_type == "kto":
+        from .training.kto_trainer import KtoTrainer
+
+        return KtoTrainer
     if config.COMMAND == "rlhf":
         from .training.rlhf_trainer import DpoTrainer
 
@@ -140,8 +144,8 @@ COMMANDS = {
                          "embedded corpus)"),
     "sft": (run_sft, "finetune on conversations (messages or query/response; jsonl, json, "
                      "parquet, datasets folders)"),
-    "rlhf": (run_rlhf, "preference training: DPO on prompt/chosen/rejected pairs, against a "
-                       "frozen reference (docs/rlhf.md)"),
+    "rlhf": (run_rlhf, "preference training: DPO on prompt/chosen/rejected pairs, KTO on "
+                       "labelled answers, against a frozen reference (docs/rlhf.md)"),
     "preprocess": (_lazy("swift_mcore.preprocess"),
                    "tokenize text files (jsonl, parquet, csv, txt, datasets) into .bin/.idx"),
     "export": (_lazy("swift_mcore.export"),

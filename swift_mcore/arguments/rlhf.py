@@ -9,7 +9,7 @@ from ..errors import ArgumentError
 from .fields import NON_NEGATIVE, POSITIVE, Range, flag
 from .run import RunArguments
 
-RLHF_TYPES = ("dpo",)
+RLHF_TYPES = ("dpo", "kto")
 # TRL 1.16's DPO loss types, spelled as DPOConfig.loss_type spells them.
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
                   "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop",
@@ -21,10 +21,11 @@ TRUNCATION_MODES = ("keep_start", "keep_end")
 class RlhfGroupArguments:
     rlhf_type: str = flag(
         "dpo", "The preference task: dpo (Direct Preference Optimization on chosen/rejected "
-        "pairs).", choices=RLHF_TYPES)
+        "pairs), kto (Kahneman-Tversky Optimization on answers labelled desirable or not).",
+        choices=RLHF_TYPES)
     beta: float = flag(
         0.1, "How far the policy may move from the reference: the temperature of the DPO "
-        "losses (tau for ipo).", range=POSITIVE)
+        "losses (tau for ipo) and of KTO's.", range=POSITIVE)
     loss_type: List[str] = flag(
         ["sigmoid"], "The DPO loss, or several summed with --loss_weights, as TRL 1.16 names "
         "them: " + ", ".join(DPO_LOSS_TYPES) + ".", choices=DPO_LOSS_TYPES,
@@ -49,6 +50,11 @@ class RlhfGroupArguments:
     max_length: Optional[int] = flag(
         None, "Longest prompt + answer in tokens; longer ones are cut as --truncation_mode "
         "says (default and most: --seq_length + 1).", range=POSITIVE)
+    desirable_weight: float = flag(
+        1.0, "kto: the weight of the desirable answers' losses (to balance unequal counts "
+        "of desirable and undesirable rows).", range=NON_NEGATIVE)
+    undesirable_weight: float = flag(
+        1.0, "kto: the weight of the undesirable answers' losses.", range=NON_NEGATIVE)
     truncation_mode: str = flag(
         "keep_start", "What a cut keeps of a sequence longer than --max_length: its start or "
         "its end (TRL's truncation_mode).", choices=TRUNCATION_MODES)
@@ -72,7 +78,8 @@ class RlhfArguments(RunArguments):
                                 "preference rows from --dataset (jsonl, json, parquet)")
         if not d.dataset:
             raise ArgumentError("rlhf needs --dataset: preference rows (prompt/chosen/rejected, "
-                                "or messages + rejected_response; docs/rlhf.md)")
+                                "or messages + rejected_response; for kto prompt/completion/"
+                                "label; docs/rlhf.md)")
         if d.data_order != "resumable":
             raise ArgumentError("--data_order megatron orders megatron's GPTDataset (pt); "
                                 "rlhf rows keep the resumable order")
@@ -87,6 +94,7 @@ class RlhfArguments(RunArguments):
         if r.rpo_alpha is not None and "sft" in r.loss_type:
             raise ArgumentError("--rpo_alpha adds the 'sft' loss; it cannot be combined with "
                                 "--loss_type sft (weight that one with --loss_weights)")
+        self.check_task()
         if r.reference_free and r.ref_model:
             raise ArgumentError("--reference_free trains without a reference; it cannot be "
                                 "combined with --ref_model")
@@ -106,6 +114,28 @@ class RlhfArguments(RunArguments):
                                 "yet; use tensor or data parallelism")
         if p.sequence_parallel:
             raise ArgumentError("rlhf does not run with --sequence_parallel yet")
+
+    def check_task(self) -> None:
+        """The flags of one --rlhf_type are refused with another (they would do nothing)."""
+        r, t = self.rlhf, self.training
+        if r.rlhf_type == "kto":
+            dpo_only = [name for name, given in (
+                ("--loss_type", list(r.loss_type) != ["sigmoid"]),
+                ("--loss_weights", r.loss_weights is not None),
+                ("--label_smoothing", r.label_smoothing != 0.0),
+                ("--rpo_alpha", r.rpo_alpha is not None),
+                ("--reference_free", r.reference_free)) if given]
+            if dpo_only:
+                raise ArgumentError(f"{dpo_only[0]} is a DPO flag; --rlhf_type kto has one "
+                                    f"loss (TRL's kto), weighted by --desirable_weight and "
+                                    f"--undesirable_weight, against a reference")
+            if t.micro_batch_size < 2:
+                raise ArgumentError("--rlhf_type kto needs --micro_batch_size 2 or more: the "
+                                    "KL estimate pairs each prompt with another row's answer "
+                                    "of the same micro-batch (as TRL's KTOTrainer)")
+        elif r.desirable_weight != 1.0 or r.undesirable_weight != 1.0:
+            which = "--desirable_weight" if r.desirable_weight != 1.0 else "--undesirable_weight"
+            raise ArgumentError(f"{which} weighs KTO's losses; it needs --rlhf_type kto")
 
     def validation_problem(self):
         return "rlhf has no validation data yet (no --eval_steps judging)"
