@@ -118,6 +118,10 @@ def trainer_class(config):
         from .training.kto_trainer import KtoTrainer
 
         return KtoTrainer
+    if config.COMMAND == "rlhf" and config.rlhf.rlhf_type in ("orpo", "simpo"):
+        from .training.reference_free_trainer import ReferenceFreeTrainer
+
+        return ReferenceFreeTrainer
     if config.COMMAND == "rlhf":
         from .training.rlhf_trainer import DpoTrainer
 

@@ -9,7 +9,9 @@ from ..errors import ArgumentError
 from .fields import NON_NEGATIVE, POSITIVE, Range, flag
 from .run import RunArguments
 
-RLHF_TYPES = ("dpo", "kto")
+RLHF_TYPES = ("dpo", "kto", "orpo", "simpo")
+# the tasks whose loss has no reference model (TRL's ORPOTrainer, CPOTrainer's simpo)
+REFERENCE_FREE_TYPES = ("orpo", "simpo")
 # TRL 1.16's DPO loss types, spelled as DPOConfig.loss_type spells them.
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
                   "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop",
@@ -21,11 +23,14 @@ TRUNCATION_MODES = ("keep_start", "keep_end")
 class RlhfGroupArguments:
     rlhf_type: str = flag(
         "dpo", "The preference task: dpo (Direct Preference Optimization on chosen/rejected "
-        "pairs), kto (Kahneman-Tversky Optimization on answers labelled desirable or not).",
+        "pairs), kto (Kahneman-Tversky Optimization on answers labelled desirable or not), "
+        "orpo (Odds Ratio Preference Optimization) and simpo (Simple Preference "
+        "Optimization), both on pairs and without a reference model.",
         choices=RLHF_TYPES)
     beta: float = flag(
         0.1, "How far the policy may move from the reference: the temperature of the DPO "
-        "losses (tau for ipo) and of KTO's.", range=POSITIVE)
+        "losses (tau for ipo) and of KTO's; orpo: the odds-ratio term's weight (lambda in "
+        "the ORPO paper); simpo: the reward scale.", range=POSITIVE)
     loss_type: List[str] = flag(
         ["sigmoid"], "The DPO loss, or several summed with --loss_weights, as TRL 1.16 names "
         "them: " + ", ".join(DPO_LOSS_TYPES) + ".", choices=DPO_LOSS_TYPES,
@@ -55,9 +60,19 @@ class RlhfGroupArguments:
         "of desirable and undesirable rows).", range=NON_NEGATIVE)
     undesirable_weight: float = flag(
         1.0, "kto: the weight of the undesirable answers' losses.", range=NON_NEGATIVE)
+    simpo_gamma: float = flag(
+        0.5, "simpo: the target reward margin (TRL's simpo_gamma).", range=NON_NEGATIVE)
+    cpo_alpha: float = flag(
+        0.0, "simpo: add the NLL of the chosen answers with this weight (TRL's cpo_alpha; "
+        "0 is SimPO as its paper defines it, TRL's CPOConfig default 1.0 is CPO-SimPO).",
+        range=NON_NEGATIVE)
     truncation_mode: str = flag(
         "keep_start", "What a cut keeps of a sequence longer than --max_length: its start or "
         "its end (TRL's truncation_mode).", choices=TRUNCATION_MODES)
+
+    def needs_reference(self) -> bool:
+        """Whether the task compares the policy with a reference model."""
+        return not self.reference_free and self.rlhf_type not in REFERENCE_FREE_TYPES
 
 
 @dataclass
@@ -98,7 +113,7 @@ class RlhfArguments(RunArguments):
         if r.reference_free and r.ref_model:
             raise ArgumentError("--reference_free trains without a reference; it cannot be "
                                 "combined with --ref_model")
-        if (self.checkpoint.load and not r.ref_model and not r.reference_free
+        if (self.checkpoint.load and not r.ref_model and r.needs_reference()
                 and self.tuner.tuner_type != "lora"):
             raise ArgumentError("rlhf --load: the reference would not be the loaded weights "
                                 "(it is a copy of --model's, taken before the checkpoint is "
@@ -136,6 +151,39 @@ class RlhfArguments(RunArguments):
         elif r.desirable_weight != 1.0 or r.undesirable_weight != 1.0:
             which = "--desirable_weight" if r.desirable_weight != 1.0 else "--undesirable_weight"
             raise ArgumentError(f"{which} weighs KTO's losses; it needs --rlhf_type kto")
+        if r.rlhf_type in REFERENCE_FREE_TYPES:
+            self.check_reference_free_task()
+        elif r.simpo_gamma != 0.5 or r.cpo_alpha != 0.0:
+            which = "--simpo_gamma" if r.simpo_gamma != 0.5 else "--cpo_alpha"
+            raise ArgumentError(f"{which} is a SimPO flag; it needs --rlhf_type simpo")
+
+    def check_reference_free_task(self) -> None:
+        """orpo and simpo have no reference and one loss each: the flags that would pick or
+        weigh a reference or another loss are refused."""
+        r = self.rlhf
+        kind = r.rlhf_type
+        if r.ref_model:
+            raise ArgumentError(f"--ref_model: --rlhf_type {kind} is reference-free (no "
+                                f"reference model is loaded); leave --ref_model out")
+        given = [name for name, on in (
+            ("--reference_free", r.reference_free),
+            ("--loss_type", list(r.loss_type) != ["sigmoid"]),
+            ("--loss_weights", r.loss_weights is not None),
+            ("--rpo_alpha", r.rpo_alpha is not None),
+            ("--discopop_tau", r.discopop_tau != 0.05),
+            ("--label_smoothing", kind == "orpo" and r.label_smoothing != 0.0),
+            ("--simpo_gamma", kind == "orpo" and r.simpo_gamma != 0.5),
+            ("--cpo_alpha", kind == "orpo" and r.cpo_alpha != 0.0)) if on]
+        if given:
+            what = ("its loss is TRL's ORPO (the odds-ratio term weighted by --beta plus the "
+                    "chosen answers' NLL)" if kind == "orpo" else
+                    "its loss is TRL's simpo (--beta, --simpo_gamma, --label_smoothing, "
+                    "--cpo_alpha)")
+            raise ArgumentError(f"{given[0]} does not apply to --rlhf_type {kind}: {what}")
+        if r.truncation_mode != "keep_start":
+            raise ArgumentError(f"--truncation_mode {r.truncation_mode}: --rlhf_type {kind} "
+                                f"cuts the answer to --max_length as TRL's {kind} trainer "
+                                f"does (keep_start only)")
 
     def validation_problem(self):
         return "rlhf has no validation data yet (no --eval_steps judging)"

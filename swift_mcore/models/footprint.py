@@ -197,9 +197,10 @@ def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Pa
 
 def needs_reference_copy(flags) -> bool:
     """rlhf keeps a second, frozen copy of the model as its reference, unless LoRA's base
-    serves (adapters switched off) or --reference_free."""
+    serves (adapters switched off), --reference_free, or the task has no reference (orpo,
+    simpo)."""
     r = getattr(flags, "rlhf", None)
-    if getattr(flags, "COMMAND", None) != "rlhf" or r is None or r.reference_free:
+    if getattr(flags, "COMMAND", None) != "rlhf" or r is None or not r.needs_reference():
         return False
     return bool(r.ref_model) or flags.tuner.tuner_type != "lora"
 

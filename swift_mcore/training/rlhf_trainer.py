@@ -231,8 +231,9 @@ def reference_identity(config) -> str:
     from ..models import lora
 
     r = config.rlhf
-    if r.reference_free:
-        return "none (--reference_free)"
+    if not r.needs_reference():
+        return ("none (--reference_free)" if r.reference_free
+                else f"none (--rlhf_type {r.rlhf_type})")
     if r.ref_model:
         return "sha256:" + lora.folder_fingerprint(r.ref_model)
     return lora.base_reference(config, config.cuda)

@@ -82,6 +82,22 @@ def test_prompts_that_fill_max_length_are_counted_and_refused(tiny_hf):
     (["--desirable_weight", "2"], "^--desirable_weight weighs KTO's losses; it needs "
                                   "--rlhf_type kto"),
     (["--load", ".", "--finetune"], "rlhf --load: the reference would not be the loaded weights"),
+    (["--rlhf_type", "orpo", "--ref_model", "x"],
+     "^--ref_model: --rlhf_type orpo is reference-free \\(no reference model is loaded\\)"),
+    (["--rlhf_type", "simpo", "--ref_model", "x"], "^--ref_model: --rlhf_type simpo is "),
+    (["--rlhf_type", "orpo", "--reference_free"],
+     "^--reference_free does not apply to --rlhf_type orpo"),
+    (["--rlhf_type", "simpo", "--loss_type", "ipo"],
+     "^--loss_type does not apply to --rlhf_type simpo"),
+    (["--rlhf_type", "orpo", "--rpo_alpha", "1"], "^--rpo_alpha does not apply to --rlhf_type"),
+    (["--rlhf_type", "orpo", "--label_smoothing", "0.1"], "^--label_smoothing does not apply"),
+    (["--rlhf_type", "orpo", "--simpo_gamma", "1"], "^--simpo_gamma does not apply"),
+    (["--rlhf_type", "orpo", "--cpo_alpha", "1"], "^--cpo_alpha does not apply"),
+    (["--rlhf_type", "simpo", "--truncation_mode", "keep_end"],
+     "^--truncation_mode keep_end: --rlhf_type simpo cuts the answer"),
+    (["--simpo_gamma", "1"], "^--simpo_gamma is a SimPO flag; it needs --rlhf_type simpo"),
+    (["--rlhf_type", "kto", "--cpo_alpha", "1"], "^--cpo_alpha is a SimPO flag"),
+    (["--rlhf_type", "simpo", "--simpo_gamma", "-1"], "--simpo_gamma"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):
     from swift_mcore.arguments import RlhfArguments, parse_args
@@ -113,6 +129,8 @@ def test_the_memory_estimate_counts_the_reference_copy_but_not_with_lora(tmp_pat
     assert reference_bytes(RlhfArguments, tuner_type="lora")[0] is None
     assert reference_bytes(RlhfArguments, tuner_type="lora", ref_model=str(tmp_path))[0]
     assert reference_bytes(RlhfArguments, reference_free=True)[0] is None
+    assert reference_bytes(RlhfArguments, rlhf_type="orpo")[0] is None
+    assert reference_bytes(RlhfArguments, rlhf_type="simpo")[0] is None
     assert reference_bytes(SftArguments)[0] is None
 
 
