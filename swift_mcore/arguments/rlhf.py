@@ -48,6 +48,10 @@ class RlhfGroupArguments:
     reference_free: bool = flag(
         False, "Train without a reference model: its log-probabilities are taken as 0 (no "
         "reference is built).")
+    precompute_ref_log_probs: bool = flag(
+        False, "dpo: compute the reference's log-probabilities of every pair once, before "
+        "training, keep them in --output_dir (ref_logps.safetensors, fingerprinted; a resume "
+        "reuses them) and free the reference model.")
     ref_model: Optional[str] = flag(
         None, "The reference model, a Hugging Face folder of the same architecture and "
         "vocabulary (default: the starting weights; with --tuner_type lora the base model "
@@ -110,6 +114,9 @@ class RlhfArguments(RunArguments):
             raise ArgumentError("--rpo_alpha adds the 'sft' loss; it cannot be combined with "
                                 "--loss_type sft (weight that one with --loss_weights)")
         self.check_task()
+        if r.precompute_ref_log_probs and r.reference_free:
+            raise ArgumentError("--precompute_ref_log_probs computes the reference's "
+                                "log-probabilities; --reference_free has no reference")
         if r.reference_free and r.ref_model:
             raise ArgumentError("--reference_free trains without a reference; it cannot be "
                                 "combined with --ref_model")
@@ -139,7 +146,8 @@ class RlhfArguments(RunArguments):
                 ("--loss_weights", r.loss_weights is not None),
                 ("--label_smoothing", r.label_smoothing != 0.0),
                 ("--rpo_alpha", r.rpo_alpha is not None),
-                ("--reference_free", r.reference_free)) if given]
+                ("--reference_free", r.reference_free),
+                ("--precompute_ref_log_probs", r.precompute_ref_log_probs)) if given]
             if dpo_only:
                 raise ArgumentError(f"{dpo_only[0]} is a DPO flag; --rlhf_type kto has one "
                                     f"loss (TRL's kto), weighted by --desirable_weight and "
@@ -167,6 +175,7 @@ class RlhfArguments(RunArguments):
                                 f"reference model is loaded); leave --ref_model out")
         given = [name for name, on in (
             ("--reference_free", r.reference_free),
+            ("--precompute_ref_log_probs", r.precompute_ref_log_probs),
             ("--loss_type", list(r.loss_type) != ["sigmoid"]),
             ("--loss_weights", r.loss_weights is not None),
             ("--rpo_alpha", r.rpo_alpha is not None),

@@ -227,7 +227,8 @@ class PreferenceDataset(torch.utils.data.Dataset):
         prompt, chosen, rejected, *heads = self.encoded[index]
         # heads: how many first ids of each answer are still its prompt (ORPO's, SimPO's)
         heads = heads[0] if heads else np.zeros(2, np.int32)
-        return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "heads": heads}
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "heads": heads,
+                "index": index}
 
     def _cut(self, ids: np.ndarray) -> np.ndarray:
         if len(ids) <= self.max_length:
@@ -267,6 +268,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
         batch["completion_lengths"] = torch.tensor([int(m.sum()) for m in masks],
                                                    dtype=torch.float)
         batch["num_tokens"] = torch.tensor(sum(len(s) for s in seqs), dtype=torch.long)
+        # which pairs these are (--precompute_ref_log_probs looks their reference values up)
+        batch["pair_index"] = torch.tensor([int(item["index"]) for item in items],
+                                           dtype=torch.long)
         return batch
 
 

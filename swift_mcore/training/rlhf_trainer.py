@@ -33,6 +33,8 @@ class DpoTrainer(Trainer):
         self.reference: Optional[List[torch.nn.Module]] = None
         self._losses = None  # the last forward_backward's per-micro-batch reports
         self._window: List[Dict[str, float]] = []  # preference metrics since the last log
+        # --precompute_ref_log_probs: [pairs, 2] (chosen, rejected), by pair index
+        self.ref_table: Optional[torch.Tensor] = None
 
     # ---- data -------------------------------------------------------------------------
     def fingerprint_data(self) -> str:
@@ -71,7 +73,46 @@ class DpoTrainer(Trainer):
             what = "a frozen copy of the starting weights"
         self.writer_print_early(f"rlhf {r.rlhf_type}: reference model: {what}; loss "
                                 f"{self.describe_loss()}, beta {r.beta}")
+        if r.precompute_ref_log_probs:
+            self.ref_table = self.precompute_reference(chunks)
         return chunks
+
+    def precompute_reference(self, chunks) -> torch.Tensor:
+        """The reference's log-probabilities of every pair: read from the run folder when
+        computed there before for the same data and reference, else computed in one pass
+        (in the pairs' order, --micro_batch_size at a time) and stored; the reference
+        model is freed after."""
+        import torch.distributed as dist
+
+        from . import ref_log_probs
+
+        path = ref_log_probs.path_in(self.config.logging.output_dir)
+        table = ref_log_probs.read(path, self.data_fingerprint, len(self.train_ds))
+        if table is not None:
+            self.writer_print_early(f"rlhf: reference log-probabilities of "
+                                    f"{len(table)} pairs read from {path}")
+        else:
+            device = self.device()
+
+            def forward(batch):
+                batch = {k: v.to(device) for k, v in batch.items()}
+                # the frozen copy, or the LoRA policy with its adapters off
+                frozen = self.reference[0] if self.reference is not None else None
+                with torch.no_grad(), (contextlib.nullcontext(frozen) if frozen is not None
+                                       else self.reference_of(chunks[0])) as reference:
+                    losses = reference(input_ids=batch["tokens"],
+                                       position_ids=batch["position_ids"],
+                                       attention_mask=None, labels=batch["labels"])
+                return -(losses.float() * batch["loss_mask"]).sum(1)
+
+            table = ref_log_probs.compute(self.train_ds, self.config.training.micro_batch_size,
+                                          forward)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                ref_log_probs.write(path, table, self.data_fingerprint)
+            self.writer_print_early(f"rlhf: reference log-probabilities of {len(table)} "
+                                    f"pairs computed and stored in {path}")
+        self.reference = None  # freed: training reads the table
+        return table
 
     def describe_loss(self) -> str:
         return describe_loss(self.dpo)
@@ -123,7 +164,10 @@ class DpoTrainer(Trainer):
         batch = self.get_batch(data_iterator)
         inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                       attention_mask=None, labels=batch["labels"])
-        if not self.config.rlhf.reference_free:
+        if self.ref_table is not None:
+            ref = self.ref_table[batch["pair_index"].cpu()]
+            batch["ref_logps"] = torch.cat([ref[:, 0], ref[:, 1]]).to(batch["tokens"].device)
+        elif not self.config.rlhf.reference_free:
             with torch.no_grad(), self.reference_of(model) as reference:
                 ref_losses = reference(**inputs)
             batch["ref_logps"] = -(ref_losses.float() * batch["loss_mask"]).sum(1)

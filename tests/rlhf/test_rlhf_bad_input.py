@@ -98,6 +98,13 @@ def test_prompts_that_fill_max_length_are_counted_and_refused(tiny_hf):
     (["--simpo_gamma", "1"], "^--simpo_gamma is a SimPO flag; it needs --rlhf_type simpo"),
     (["--rlhf_type", "kto", "--cpo_alpha", "1"], "^--cpo_alpha is a SimPO flag"),
     (["--rlhf_type", "simpo", "--simpo_gamma", "-1"], "--simpo_gamma"),
+    (["--precompute_ref_log_probs", "--reference_free"],
+     "^--precompute_ref_log_probs computes the reference's log-probabilities; "
+     "--reference_free has no reference"),
+    (["--rlhf_type", "kto", "--precompute_ref_log_probs"],
+     "^--precompute_ref_log_probs is a DPO flag; --rlhf_type kto"),
+    (["--rlhf_type", "orpo", "--precompute_ref_log_probs"],
+     "^--precompute_ref_log_probs does not apply to --rlhf_type orpo"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):
     from swift_mcore.arguments import RlhfArguments, parse_args
