@@ -183,8 +183,15 @@ def tokenize_pair_per_answer(pair: Pair, hf) -> Tuple[List[int], List[int], List
         def text(messages, **kwargs):
             return hf.apply_chat_template(messages, tools=pair.tools, tokenize=False, **kwargs)
 
-        prompt = text(pair.prompt, add_generation_prompt=True)
-        answers = [text(pair.prompt + a)[len(prompt):] for a in (pair.chosen, pair.rejected)]
+        # TRL's apply_chat_template: the prompt rendered for generation (or continuing its
+        # last assistant turn), cut to what it shares with each rendered prompt + answer
+        ends_assistant = pair.prompt[-1].get("role") == "assistant"
+        prompt = text(pair.prompt, add_generation_prompt=not ends_assistant,
+                      continue_final_message=ends_assistant)
+        full = [text(pair.prompt + a) for a in (pair.chosen, pair.rejected)]
+        for other in full:
+            prompt = prompt[:_common_prefix(prompt, other)]
+        answers = [f[len(prompt):] for f in full]
     else:
         prompt, answers = pair.prompt, [pair.chosen, pair.rejected]
     prompt_ids = list(hf(prompt, add_special_tokens=False)["input_ids"])

@@ -73,6 +73,12 @@ def pair(tiny_hf, tmp_path_factory, gloo_group, request):
     run_lock.release(str(out))
 
 
+@pytest.fixture(scope="module")
+def pair_orpo(tiny_hf, tmp_path_factory):
+    """TRL's ORPOTrainer alone (its tokenize_row)."""
+    return _trl("orpo", tiny_hf, tmp_path_factory.mktemp("trl_orpo"))
+
+
 def _their_batch(trainer):
     return trainer.data_collator([trainer.train_dataset[i] for i in range(len(ROWS))])
 
@@ -140,3 +146,36 @@ def test_log1mexp_is_finite_with_finite_gradients_near_zero_and_far_below():
     want = torch.log(1 - torch.exp(x.detach()))
     assert torch.allclose(y.detach(), want, rtol=1e-6)
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("form", ["conversational", "ms_swift", "implicit_conversational"])
+def test_conversations_are_tokenized_as_trl_orpo_tokenizes_them(pair_orpo, form):
+    """A conversation rendered by the chat template, then tokenized as text rows (TRL's
+    maybe_extract_prompt, maybe_apply_chat_template and tokenize_row)."""
+    from transformers import AutoTokenizer
+
+    from swift_mcore.data.preference import to_pair, tokenize_pair_per_answer
+    from test_dpo_vs_trl import CHATML, FORMATS
+    from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
+
+    row, trl_row = FORMATS[form]
+    theirs = pair_orpo
+    tokenizer = AutoTokenizer.from_pretrained(theirs.processing_class.name_or_path)
+    tokenizer.chat_template = CHATML
+    prompt, chosen, rejected, chosen_head, rejected_head = tokenize_pair_per_answer(
+        to_pair(row, "row 0"), tokenizer)
+    saved = theirs.processing_class, theirs.max_length
+    # no cut: the rendered conversation is longer than the text rows' max_length
+    theirs.processing_class, theirs.max_length = tokenizer, 1000
+    try:
+        text = maybe_apply_chat_template(maybe_extract_prompt(dict(trl_row)), tokenizer)
+        tokens = theirs.tokenize_row(text)
+    finally:
+        theirs.processing_class, theirs.max_length = saved
+    assert prompt + chosen == tokens["chosen_input_ids"]
+    assert prompt + rejected == tokens["rejected_input_ids"]
+    for ids, head, key in ((chosen, chosen_head, "chosen_labels"),
+                           (rejected, rejected_head, "rejected_labels")):
+        labels = tokens[key]
+        assert [t != -100 for t in labels] == [False] * (len(prompt) + head) + \
+            [True] * (len(ids) - head)
