@@ -1,5 +1,6 @@
-"""ORPO runs end to end through the command: no reference is built, and a stopped and
-resumed run equals a straight one bit for bit (TRL's metrics included)."""
+"""ORPO runs end to end through the command: no reference is built, a stopped and resumed
+run equals a straight one bit for bit (TRL's metrics included), and TP=2 gives the one-rank
+losses and metrics."""
 
 import subprocess
 import sys
@@ -56,3 +57,29 @@ def test_orpo_resume_is_bit_exact(tiny_hf, tmp_path, gloo_group):
     assert all(v is not None for row in whole.values() for v in row.values())
     assert trained(split) == whole  # bit-equal, the metrics included
     assert whole[4]["rewards/margins"] > whole[1]["rewards/margins"]
+
+
+@pytest.mark.slow
+def test_orpo_under_tensor_parallelism_gives_the_one_rank_losses(tiny_hf, tmp_path,
+                                                                  gloo_group):
+    import hf_helpers as H
+    from test_rlhf_parallel import curve
+
+    from swift_mcore.training.reference_free_trainer import ReferenceFreeTrainer
+
+    folder, data = tiny_hf
+    flags = argv(folder, data, "--no_save")
+    flags[flags.index("--train_iters") + 1] = "2"
+    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[],
+                     trainer=ReferenceFreeTrainer)
+    env = child_env(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags,
+                           "--tensor_model_parallel_size", "2", "--output_dir",
+                           str(tmp_path / "tp2")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, tp2 = curve(tmp_path / "one"), curve(tmp_path / "tp2")
+    assert sorted(one) == sorted(tp2) == [1, 2]
+    for it in one:
+        for name in ORPO_METRICS[:-1]:
+            assert tp2[it][name] == pytest.approx(one[it][name], abs=1e-5), (it, name)
