@@ -52,7 +52,8 @@ def test_precomputed_equals_the_reference_model_and_resume_reuses_the_file(
     folder, data = tiny_hf
     here(tmp_path / "live", folder, data)
     split = tmp_path / "split"
-    proc = rlhf(split, folder, data, "--precompute_ref_log_probs", "--exit_interval", "2")
+    # the first half may run here: the resume, checked for exactness, is a real process
+    proc = here(split, folder, data, "--precompute_ref_log_probs", "--exit_interval", "2")
     assert "reference log-probabilities of 4 pairs computed and stored" in proc.stdout
     stored = split / ref_log_probs.FILE
     with safe_open(str(stored), "pt") as f:
