@@ -96,3 +96,13 @@ def test_a_file_of_other_data_is_refused_naming_the_flag(tiny_hf, tmp_path, gloo
         here(out, folder, data, "--precompute_ref_log_probs")
     run_lock.release(str(out))
     assert planted.read_bytes() == b"not safetensors"
+    # a link planted at the name is never written through
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    planted.unlink()
+    planted.symlink_to(victim)
+    with pytest.raises(ArgumentError, match=r"^--precompute_ref_log_probs: .* not a reference "
+                                            r"log-probability file"):
+        here(out, folder, data, "--precompute_ref_log_probs")
+    run_lock.release(str(out))
+    assert victim.read_bytes() == b"keep me" and planted.is_symlink()
