@@ -24,6 +24,9 @@ class DpoTrainer(Trainer):
     """``DpoTrainer(RlhfArguments...).train()``; ``self.reference`` is the frozen reference's
     chunks (None when the LoRA policy serves as its own reference, or --reference_free)."""
 
+    # what the log line, metrics.jsonl and the trackers carry after the base fields
+    METRIC_NAMES = (*METRICS, "nll_loss")
+
     def __init__(self, args):
         super().__init__(args)
         self.dpo = DpoLoss.from_config(self.config.rlhf)
@@ -176,7 +179,7 @@ class DpoTrainer(Trainer):
         it, total = self.state.iteration, self.config.training.train_iters
         self.writer.step(it, step.get("loss"))
         self.log_window.add(step)
-        names = [n for n in (*METRICS, "nll_loss") if step.get(n) is not None]
+        names = [n for n in self.METRIC_NAMES if step.get(n) is not None]
         self._window.append({n: step[n] for n in names})
         if it % self.config.logging.log_interval == 0 or it == total:
             metrics = self.log_window.flush()
