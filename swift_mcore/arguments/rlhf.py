@@ -71,8 +71,12 @@ class RlhfArguments(RunArguments):
 
     def fill_defaults(self) -> None:
         super().fill_defaults()
-        if self.rlhf.rlhf_type == "rm" and self.model.num_labels is None:
+        if self.rlhf.rlhf_type != "rm":
+            return
+        if self.model.num_labels is None:
             self.model.num_labels = 1  # the score head (models/value_head.py)
+        if "lr" not in self.explicit:
+            self.training.lr = 1e-4  # TRL's RewardConfig (DPO's 1e-6 is for a policy)
 
     def check_command(self) -> None:
         d, r, p = self.data, self.rlhf, self.parallel
