@@ -72,6 +72,11 @@ def _implicit_prompt(chosen, rejected) -> Tuple[Any, Any, Any]:
 
 def to_pair(row: Dict[str, Any], where: str) -> Pair:
     """One row -> a Pair; raises ArgumentError naming the row and what is accepted."""
+    if row.get("chosen") is None and row.get("messages") is None and \
+            row.get("completion") is not None and row.get("label") is not None:
+        raise ArgumentError(f"{where}: an unpaired row (prompt/completion/label, TRL's KTO "
+                            f"format); this task trains on pairs: prompt/chosen/rejected, or "
+                            f"messages + rejected_response")
     pair = _row_pair(row, where)
     pair.margin = _margin(row.get("margin"), where)
     return pair
