@@ -49,7 +49,8 @@ class RlhfGroupArguments:
         "with its adapters switched off).")
     max_length: Optional[int] = flag(
         None, "Longest prompt + answer in tokens; longer ones are cut as --truncation_mode "
-        "says (default and most: --seq_length + 1).", range=POSITIVE)
+        "says (default and most: --seq_length + 1). rm: longer rows are refused (default "
+        "and most: --seq_length).", range=POSITIVE)
     center_rewards_coefficient: Optional[float] = flag(
         None, "rm: add this times the mean of (chosen + rejected reward)^2 to the loss, which "
         "pulls the rewards towards zero mean (TRL's RewardConfig).", range=NON_NEGATIVE)
