@@ -140,3 +140,11 @@ def test_a_score_folder_of_two_labels_is_refused(tmp_path):
     with pytest.raises(ArgumentError, match="architectures LlamaForSequenceClassification "
                                             "with 2 labels \\(id2label\\): only 1"):
         resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
+
+
+def test_a_checkpoint_of_another_head_is_refused_naming_num_labels():
+    """A causal LM's checkpoint --load'ed into a reward model (or back) names the flag."""
+    from swift_mcore.checkpointing.compat import model_differences
+
+    assert model_differences({"model": {"num_labels": None}}, {"model": {"num_labels": 1}}) \
+        == ["--num_labels: checkpoint unset, now 1"]
