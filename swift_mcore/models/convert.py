@@ -139,6 +139,7 @@ class Layout:
     experts: Optional[Experts] = None
     mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
     post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
+    score: int = 0  # a reward model: score.weight [score, hidden] instead of lm_head
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -160,7 +161,8 @@ class Layout:
                    tied=not m.untie_embeddings_and_output_weights,
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
                    mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
-                   post_norms=m.model_type == "gemma3")
+                   post_norms=m.model_type == "gemma3",
+                   score=getattr(m, "num_labels", None) or 0)
 
     def same(self) -> dict:
         """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
@@ -224,7 +226,9 @@ class Layout:
                     (p + "mlp.up_proj.weight", (self.ffn, h)),
                     (p + "mlp.down_proj.weight", (h, self.ffn))]
         out.append(("model.norm.weight", (h,)))
-        if not self.tied:
+        if self.score:  # *ForSequenceClassification: the score head, no LM head
+            out.append(("score.weight", (self.score, h)))
+        elif not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
         return out
 
@@ -234,6 +238,8 @@ class Layout:
             return get("embedding.word_embeddings.weight")[: self.vocab]
         if hf_name == "lm_head.weight":
             return get("output_layer.weight")[: self.vocab]
+        if hf_name == "score.weight" and self.score:
+            return get("output_layer.weight")
         if hf_name == "model.norm.weight":
             return get("decoder.final_layernorm.weight")
         match = _HF_LAYER.match(hf_name)
@@ -277,6 +283,8 @@ class Layout:
         name = canonical(name)
         if name == "embedding.word_embeddings.weight":
             return self._vocab_rows("model.embed_tokens.weight", read, tp_rank, tp_size)
+        if name == "output_layer.weight" and self.score:
+            return read("score.weight")  # whole on every rank (models/value_head.py)
         if name == "output_layer.weight":
             source = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
             return self._vocab_rows(source, read, tp_rank, tp_size)

@@ -183,6 +183,9 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              qk_pos_emb_head_dim=4, v_head_dim=12),
         dict(model_type="gemma3", window_size=8, window_attn_skip_freq="2", kv_channels=8,
              rotary_base_local=10000, softmax_scale=0.25),
+        # a reward model: the score head [1, hidden] in place of the LM head, tied or not
+        dict(num_labels=1),
+        dict(num_labels=1, untie_embeddings_and_output_weights=False),
     ]
     for changes in cases:
         flags = RunArguments.from_flags(
