@@ -169,7 +169,8 @@ def to_mcore(args: ExportArguments, log) -> Dict[str, object]:
         # A weights-only checkpoint: no optimizer state, iteration 0.
         flags = with_flags(loaded.flags, output_dir=os.path.abspath(args.output_dir),
                            no_save_optim=True)
-        config = resolve(flags, world_size=1).complete(
+        # It trains nothing: only the weights must fit (the folder was read already).
+        config = resolve(flags, world_size=1, weights_only=True).complete(
             loaded.config.vocab_size, None,
             padded_vocab_size=loaded.config.padded_vocab_size)
         path, _, _ = save_checkpoint(config, TrainState(), [loaded.model], None, None, None)

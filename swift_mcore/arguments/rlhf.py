@@ -162,7 +162,7 @@ class RlhfArguments(RunArguments):
 
     def check_reward_model(self) -> None:
         """rm: the flags of DPO's reference and losses mean nothing to a reward model."""
-        r, m = self.rlhf, self.model
+        m = self.model
         if m.num_labels != 1:
             raise ArgumentError(f"--num_labels {m.num_labels}: a reward model has one score "
                                 f"(--num_labels 1)")

@@ -196,3 +196,25 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         built = sum(p.numel() for p in model.parameters())
         assert sum(footprint.parameter_counts(config.model, config.tuner).values()) == built, \
             changes
+
+
+def test_conversion_needs_room_for_the_weights_alone(llama, tmp_path, monkeypatch, gloo_group):
+    """export --to_mcore and --to_hf never train: on a machine with room for the weights
+    but not for training (1.5x the weights), both directions convert."""
+    from swift_mcore.models import footprint
+
+    real_parts, weights = footprint.parts, []
+
+    def parts(flags, world_size, precision, weights_only=False):
+        found = real_parts(flags, world_size, precision, weights_only)
+        if weights_only:
+            weights.append(sum(part.bytes for part in found))
+        return found
+
+    monkeypatch.setattr(footprint, "parts", parts)
+    monkeypatch.setattr(footprint, "available",
+                        lambda cuda, ranks: (int(1.5 * weights[0]), "a small machine"))
+    H.convert(llama, tmp_path / "mcore", "to_mcore")
+    H.convert(tmp_path / "mcore", tmp_path / "back", "to_hf")
+    original, back = H.safetensors_state(str(llama)), H.safetensors_state(str(tmp_path / "back"))
+    assert sorted(back) == sorted(original)
