@@ -324,6 +324,10 @@ def choose_window_attention(m, attention: str) -> str:
     and Gemma 3's extra norms are local-spec modules. 'auto' becomes sdpa; an explicit other
     backend is refused."""
     if not m.window_size and m.model_type != "gemma3":
+        if m.softmax_type != "vanilla" and attention == "transformer_engine":
+            # attention sinks: our SDPA's and megatron's local softmax (check_attention
+            # refuses an explicit transformer_engine)
+            return "sdpa"
         return attention
     if attention == "sdpa":
         return attention

@@ -183,6 +183,14 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              qk_pos_emb_head_dim=4, v_head_dim=12),
         dict(model_type="gemma3", window_size=8, window_attn_skip_freq="2", kv_channels=8,
              rotary_base_local=10000, softmax_scale=0.25),
+        # gpt-oss: attention sinks, q/k/v/o biases, router and expert biases, the clamped
+        # SwiGLU (gated without --swiglu); then expert biases in a dense + MoE model
+        dict(model_type="gpt_oss", swiglu=False, add_bias_linear=True, add_qkv_bias=True,
+             softmax_type="learnable", activation_func_clamp_value=7.0, window_size=8,
+             window_attn_skip_freq="[1,0]", num_experts=4, moe_ffn_hidden_size=16,
+             rope_type="yarn", rotary_scaling_factor=4.0, yarn_truncate=False),
+        dict(add_bias_linear=True, num_experts=4, moe_ffn_hidden_size=16,
+             moe_layer_freq="[0,1]"),
     ]
     for changes in cases:
         flags = RunArguments.from_flags(
