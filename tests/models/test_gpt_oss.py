@@ -190,3 +190,49 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path):
     with pytest.raises(ArgumentError, match="--rope_type yarn is multi-latent attention's "
                                             "RoPE or gpt-oss's"):
         resolve(RunArguments.from_flags(rope_type="yarn"), world_size=1)
+
+
+@pytest.mark.slow
+def test_lora_trains_merges_and_exports_attention_adapters_to_peft(folder, tmp_path,
+                                                                   train_here):
+    """LoRA on every linear (attention and each expert's fc1/fc2) trains; the merged export
+    gives our logits in transformers; --to_peft refuses the experts' adapters in one line,
+    and writes an attention-only run's adapters, which peft loads to our logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+    from test_lora_moe import LORA
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    tokens = H.tokens(vocab=300, length=32)
+    base_logits = H.hf_logits(str(folder), tokens)
+    for name, targets in (("all", []), ("attention", ["--target_modules", "linear_qkv",
+                                                       "linear_proj"])):
+        out = tmp_path / name
+        train_here(out, "--model", folder, "--dataset", data, "--train_iters", "3",
+                   "--save_steps", "3", "--lr", "1e-2", *LORA, *targets, command="pt",
+                   base=run_flags())
+        checkpoint = out / "checkpoint" / "iter_0000003"
+        ours = forward_logits(load_model(str(checkpoint), log=lambda line: None).model,
+                              tokens)[..., :320]
+        assert (ours - base_logits).abs().max() > 1e-2  # the adapters trained
+        merged = tmp_path / f"{name}-merged"
+        convert(checkpoint, merged, "to_hf", merge_lora=True)
+        assert (H.hf_logits(str(merged), tokens) - ours).abs().max() < 1e-4
+    with pytest.raises(ArgumentError, match=r"--to_peft: decoder\.layers\.0\.mlp\.experts\."
+                                            r"local_experts\.0\.linear_fc1 \(a gpt-oss expert\)"
+                                            r" has an adapter; .* --to_hf --merge_lora"):
+        convert(tmp_path / "all" / "checkpoint" / "iter_0000003", tmp_path / "peft-all",
+                "to_peft")
+    assert not (tmp_path / "peft-all").exists()
+    adapter = tmp_path / "peft"
+    convert(checkpoint, adapter, "to_peft")
+    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                attn_implementation="eager")
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, str(adapter)).eval()(tokens).logits
+    assert (peft_logits - ours).abs().max() < 1e-4
