@@ -472,6 +472,12 @@ class RunArguments:
                 f"--sequence_parallel (megatron's MoE layer refuses to train with tensor "
                 f"parallelism without it): add --sequence_parallel, or use "
                 f"--expert_model_parallel_size instead of TP")
+        if m.add_bias_linear and tp > 1:
+            raise ArgumentError(f"--tensor_model_parallel_size {tp} with biased experts "
+                                f"(--add_bias_linear: gpt-oss): megatron-core supports expert "
+                                f"biases only with expert tensor parallelism 1, which "
+                                f"swift-mcore ties to TP; use --expert_model_parallel_size, "
+                                f"pipeline or data parallelism")
         if m.add_bias_linear and m.moe_shared_expert_intermediate_size:
             raise ArgumentError("--moe_shared_expert_intermediate_size with --add_bias_linear: "
                                 "megatron's shared expert has no bias (its routed experts "

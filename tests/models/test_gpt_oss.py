@@ -159,9 +159,9 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path):
     shutil.copytree(folder, path)
     original = json.loads((path / "config.json").read_text())
 
-    def refused(match, **flags):
+    def refused(match, world_size=1, **flags):
         with pytest.raises(ArgumentError, match=match) as err:
-            resolve(RunArguments.from_flags(model=str(path), **flags), world_size=1)
+            resolve(RunArguments.from_flags(model=str(path), **flags), world_size=world_size)
         assert "\n" not in str(err.value)
 
     mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
@@ -185,6 +185,9 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path):
     refused("--softmax_type learnable with --attention_backend transformer_engine: not "
             "tested here; use sdpa, local or auto", attention_backend="transformer_engine")
     refused("--attention_backend local with --window_size 8", attention_backend="local")
+    refused("--tensor_model_parallel_size 2 with biased experts .* use "
+            "--expert_model_parallel_size, pipeline or data parallelism", world_size=2,
+            tensor_model_parallel_size=2, sequence_parallel=True, global_batch_size=8)
     with pytest.raises(ArgumentError, match="--activation_func_clamp_value is gpt-oss's"):
         resolve(RunArguments.from_flags(activation_func_clamp_value=7.0), world_size=1)
     with pytest.raises(ArgumentError, match="--rope_type yarn is multi-latent attention's "
@@ -236,3 +239,24 @@ def test_lora_trains_merges_and_exports_attention_adapters_to_peft(folder, tmp_p
     with torch.no_grad():
         peft_logits = PeftModel.from_pretrained(base, str(adapter)).eval()(tokens).logits
     assert (peft_logits - ours).abs().max() < 1e-4
+
+
+
+@pytest.mark.slow
+def test_ep2_gives_the_ep1_losses(folder, tmp_path, train_here):
+    """Expert parallelism: each EP rank reads its experts' slices of the fused tensors."""
+    from run_helpers import losses
+    from test_hf_training import continue_pretraining, run_flags
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    one, two = tmp_path / "ep1", tmp_path / "ep2"
+    train_here(one, "--model", folder, "--dataset", data, "--no_save", "--train_iters", "3",
+               command="pt", base=run_flags())
+    continue_pretraining(folder, data, two, "--no_save", "--train_iters", "3",
+                         "--expert_model_parallel_size", "2", nproc=2)
+    ref, got = losses(one), losses(two)
+    assert sorted(got) == [1, 2, 3]
+    for it in ref:
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
