@@ -321,10 +321,26 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
             from . import gemma3_layers
 
             gemma3_layers.scale_embedding(model, m.hidden_size)
+        mark_sinks_tensor_parallel(model)
         if config.cuda:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def mark_sinks_tensor_parallel(model) -> int:
+    """Marks each attention's learnable softmax offset (its heads' sinks: a TP rank holds
+    its own heads') as tensor-parallel, as megatron's sharded linears are: megatron-core
+    0.16.1 leaves the mark out, and the gradient norm would then count TP rank 0's sinks
+    only (param_is_not_tensor_parallel_duplicate). Returns how many."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    marked = 0
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            set_tensor_model_parallel_attributes(param, True, 0, 1)
+            marked += 1
+    return marked
 
 
 def count_parameters(chunks) -> int:

@@ -61,6 +61,9 @@ def test_logits_match_and_round_trip_is_bit_identical(folder, tmp_path, gloo_gro
     ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
     theirs = H.hf_logits(str(folder), ids)
     assert (ours - theirs).abs().max() <= 1e-4
+    # each TP rank's heads' sinks count in the gradient norm (megatron leaves the mark out)
+    sinks = [p for n, p in loaded.model.named_parameters() if n.endswith("softmax_offset")]
+    assert len(sinks) == 2 and all(getattr(p, "tensor_model_parallel", False) for p in sinks)
 
     config = H.check_round_trip(folder, tmp_path)
     assert config["model_type"] == "gpt_oss" and config["rope_parameters"]["truncate"] is False
