@@ -15,7 +15,10 @@ and ``sharded_state_dict`` (no parameters: checkpoints are interchangeable with 
 spec). One difference by construction: masked scores are -inf here and -10000 in megatron,
 which is the same after softmax unless a row is masked entirely (padding masks only; a
 causal row always sees itself). Sliding windows (``--window_size``) are masks built here on
-the row's device, combined with a packed row's block-causal mask.
+the row's device, combined with a packed row's block-causal mask. Attention sinks
+(``--softmax_type learnable``, gpt-oss) are megatron's own ``softmax_offset`` parameter,
+applied in the same SDPA call (``with_sinks``); ``tests/test_sdpa_attention.py`` holds them
+to megatron's ``SoftmaxOne``.
 """
 
 from __future__ import annotations
