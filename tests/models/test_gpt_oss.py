@@ -80,6 +80,14 @@ def test_what_changes_the_logits_is_mapped(folder, tmp_path, gloo_group):
 
     ids = H.tokens()
     base = H.hf_logits(str(folder), ids)
+    older = dict(rope_parameters=None, rope_theta=YARN["rope_theta"],  # the Hub's spelling
+                 rope_scaling={k: v for k, v in YARN.items() if k != "rope_theta"})
+    path = tmp_path / "older"
+    shutil.copytree(folder, path)
+    H.edit_config(str(path), **older)
+    assert (H.hf_logits(str(path), ids) - base).abs().max() == 0
+    loaded = load_model(str(path), log=lambda line: None)
+    assert (forward_logits(loaded.model, ids)[..., : loaded.vocab] - base).abs().max() <= 1e-4
     changes = [dict(swiglu_limit=3.0), dict(sliding_window=4),
                dict(rope_parameters={**YARN, "truncate": True}),
                dict(layer_types=["full_attention", "sliding_attention"])]
@@ -147,7 +155,10 @@ def test_sft_trains_exports_and_resumes_exactly(folder, tmp_path, gloo_group):
 
 
 def test_infer_gives_transformers_greedy_tokens(folder, gloo_group, capsys):
-    H.check_infer_is_greedy(folder, capsys)
+    # a prompt longer than the window: the sliding layer's window cuts during generation
+    count = H.check_infer_is_greedy(folder, capsys, prompt="x = q + w * e - r / t % y",
+                                    new_tokens=6)
+    assert count > GPT_OSS["sliding_window"]
 
 
 def test_what_megatron_cannot_express_is_named(folder, tmp_path):
