@@ -18,6 +18,7 @@ import torch
 from .finite import nonfinite
 from ..errors import ArgumentError
 from ..runtime import collectives
+from . import mxfp4
 from .convert import Layout, global_name, layer_offset
 from .hf_folder import IGNORABLE_SUFFIXES, HFFolder
 
@@ -73,6 +74,8 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                              f"{sorted(set(ours) - set(expected))[:4]}, only transformers' "
                              f"{sorted(set(expected) - set(ours))[:4]}")
     found = folder.shapes()
+    if mxfp4.is_mxfp4(folder.config):  # the experts' blocks and scales, as read dequantized
+        found = mxfp4.quantized_shapes(found)
     problems: List[str] = []
     for name, shape in expected.items():
         if name not in found:
@@ -110,8 +113,14 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     loaded, problems = 0, []
     with folder.reader() as reader, torch.no_grad():
+        quantized = mxfp4.is_mxfp4(folder.config)
+
         def read(name, rows=None, cols=None):
-            value = reader.read(name, rows, cols)
+            if quantized and name not in folder.weight_map and cols is None \
+                    and name + mxfp4.BLOCKS in folder.weight_map:
+                value = mxfp4.read_dequantized(reader.read, name, rows)
+            else:
+                value = reader.read(name, rows, cols)
             bad = not problems and nonfinite(value)
             if bad:  # this rank's slice: the ranks agree below
                 problems.append(f"--model {folder.weight_map[name]}: the weights are not "

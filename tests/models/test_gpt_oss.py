@@ -178,11 +178,10 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path):
             resolve(RunArguments.from_flags(model=str(path), **flags), world_size=world_size)
         assert "\n" not in str(err.value)
 
-    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     cases = [
-        (dict(quantization_config=mxfp4), "quantization_config \\(mxfp4 experts: not "
-                                          "supported yet; give a folder of bfloat16 or "
-                                          "float32 weights"),
+        (dict(quantization_config={"quant_method": "bitsandbytes"}),
+         "quantization_config quant_method 'bitsandbytes' \\(only 'mxfp4': the Hub's "
+         "experts, dequantized on load; or a folder of bfloat16 or float32 weights\\)"),
         (dict(swiglu_alpha=1.0), "swiglu_alpha 1.0 \\(megatron's quick_gelu has 1.702\\)"),
         (dict(swiglu_limit="7"), "swiglu_limit '7' is a string"),
         (dict(attention_bias=False), "attention_bias false"),
@@ -274,3 +273,72 @@ def test_ep2_gives_the_ep1_losses(folder, tmp_path, train_here):
     assert sorted(got) == [1, 2, 3]
     for it in ref:
         assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+
+
+MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def make_mxfp4(source, path):
+    """``source``'s folder with each layer's fused expert weights replaced by random MXFP4
+    blocks and scales (the Hub's gpt-oss layout), as quantization_config says."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, path)
+    state = H.safetensors_state(str(path))
+    generator = torch.Generator().manual_seed(4)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state.pop(name).shape
+        state[name + "_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16),
+                                                generator=generator, dtype=torch.uint8)
+        state[name + "_scales"] = torch.randint(121, 127, (experts, outputs, inputs // 32),
+                                                generator=generator, dtype=torch.uint8)
+    for name in [n for n in (path).iterdir() if n.name.endswith(".safetensors")]:
+        name.unlink()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    H.edit_config(str(path), quantization_config=MXFP4)
+
+
+def test_an_mxfp4_folder_is_dequantized_as_transformers_does(folder, tmp_path, gloo_group):
+    """The Hub's MXFP4 experts: dequantized on load to transformers' own dequantization
+    (Mxfp4Config(dequantize=True)) bit for bit, its logits within 1e-4; the export is the
+    unquantized folder transformers would save, without quantization_config."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from swift_mcore.models.mxfp4 import dequantize
+
+    source = tmp_path / "mxfp4"
+    make_mxfp4(folder, source)
+    stored = H.safetensors_state(str(source))
+    blocks, scales = (stored[f"model.layers.1.mlp.experts.down_proj{s}"]
+                      for s in ("_blocks", "_scales"))
+    assert torch.equal(dequantize(blocks, scales), convert_moe_packed_tensors(
+        blocks, scales, dtype=torch.float32))
+    theirs_model = AutoModelForCausalLM.from_pretrained(
+        str(source), quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32,
+        attn_implementation="eager").eval()
+    ids = H.tokens()
+    with torch.no_grad():
+        theirs = theirs_model(ids).logits
+    loaded = load_model(str(source), log=lambda line: None)
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - theirs).abs().max() <= 1e-4
+    assert (theirs - H.hf_logits(str(folder), ids)).abs().max() > 1e-2  # other experts
+
+    checkpoint, back = tmp_path / "mcore", tmp_path / "back"
+    convert(source, checkpoint, "to_mcore")
+    convert(checkpoint, back, "to_hf")
+    config = json.loads((back / "config.json").read_text())
+    assert "quantization_config" not in config
+    exported, reference = H.safetensors_state(str(back)), theirs_model.state_dict()
+    assert sorted(exported) == sorted(reference)
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, reference[name]), name
+    with pytest.raises(ArgumentError, match="quantization_config quant_method 'fp8' \\(only "
+                                            "'mxfp4'"):
+        H.edit_config(str(source), quantization_config={"quant_method": "fp8"})
+        load_model(str(source), log=lambda line: None)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from ..gpt_oss_layers import QUICK_GELU_ALPHA
+from ..mxfp4 import is_mxfp4
 from .base import Family, InvalidConfig, MoeKeys, UnsupportedConfig, value_problems
 from .gemma3 import GLOBAL, WINDOW, layer_kinds
 
@@ -40,13 +41,12 @@ class GptOssFamily(Family):
         if invalid:  # before any value is used
             raise InvalidConfig("; ".join(invalid))
         problems: List[str] = []
-        if config.get("quantization_config") is not None:
-            method = (config["quantization_config"] or {}).get("quant_method") \
-                if isinstance(config["quantization_config"], dict) else None
-            problems.append(f"quantization_config ({method or 'quantized'} experts: not "
-                            f"supported yet; give a folder of bfloat16 or float32 weights, "
-                            f"e.g. one saved by transformers after loading with "
-                            f"Mxfp4Config(dequantize=True))")
+        quantization = config.get("quantization_config")
+        if quantization is not None and not is_mxfp4(config):
+            method = quantization.get("quant_method")
+            problems.append(f"quantization_config quant_method {method!r} (only 'mxfp4': "
+                            f"the Hub's experts, dequantized on load; or a folder of "
+                            f"bfloat16 or float32 weights)")
         if config.get("attention_bias") is False:
             problems.append("attention_bias false (megatron's add_bias_linear gives the "
                             "attention output the bias the experts have; only true)")
@@ -109,7 +109,9 @@ class GptOssFamily(Family):
                   ) -> Dict[str, Any]:
         from ...arguments.model import window_layer_pattern
 
-        base = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling",)}
+        # an MXFP4 source is written dequantized (and the older RoPE spelling as 5's)
+        base = {k: v for k, v in (base or {}).items()
+                if k not in ("rope_scaling", "quantization_config")}
         config = super().hf_config(m, vocab_size, base)
         pattern = window_layer_pattern(m) or [0] * m.num_layers
         rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
