@@ -118,7 +118,11 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
         def read(name, rows=None, cols=None):
             if quantized and name not in folder.weight_map and cols is None \
                     and name + mxfp4.BLOCKS in folder.weight_map:
-                value = mxfp4.read_dequantized(reader.read, name, rows)
+                try:
+                    value = mxfp4.read_dequantized(reader.read, name, rows)
+                except ValueError as err:  # blocks or scales of another dtype
+                    raise ArgumentError(f"--model {folder.weight_map[name + mxfp4.BLOCKS]}: "
+                                        f"{name}: {err}") from None
             else:
                 value = reader.read(name, rows, cols)
             bad = not problems and nonfinite(value)

@@ -338,6 +338,16 @@ def test_an_mxfp4_folder_is_dequantized_as_transformers_does(folder, tmp_path, g
     assert sorted(exported) == sorted(reference)
     for name, tensor in exported.items():
         assert torch.equal(tensor, reference[name]), name
+    state = H.safetensors_state(str(source))  # scales that are no MXFP4 exponents
+    state["model.layers.0.mlp.experts.down_proj_scales"] = state[
+        "model.layers.0.mlp.experts.down_proj_scales"].float()
+    from safetensors.torch import save_file
+
+    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ArgumentError, match=r"model\.safetensors: model\.layers\.0\.mlp\."
+                                            r"experts\.down_proj: MXFP4 blocks .* scales .* "
+                                            r"torch\.float32 \(uint8 \[e, out, groups, 16\]"):
+        load_model(str(source), log=lambda line: None)
     with pytest.raises(ArgumentError, match="quantization_config quant_method 'fp8' \\(only "
                                             "'mxfp4'"):
         H.edit_config(str(source), quantization_config={"quant_method": "fp8"})
