@@ -352,3 +352,22 @@ def test_an_mxfp4_folder_is_dequantized_as_transformers_does(folder, tmp_path, g
                                             "'mxfp4'"):
         H.edit_config(str(source), quantization_config={"quant_method": "fp8"})
         load_model(str(source), log=lambda line: None)
+
+
+@pytest.mark.slow
+def test_pp2_load_matches_transformers_and_exports_bit_identical(folder, tmp_path, gloo_group):
+    """PP=2: the sliding layer on the first stage and the full one on the second (the window
+    pattern read by global layer number), each with its sinks, give transformers' logits;
+    the checkpoint exports back bit for bit."""
+    from test_hf_parallel import run_two_ranks
+
+    ids, out = run_two_ranks(tmp_path, folder, 1, 2)
+    ours = torch.load(out / "logits.pt")
+    theirs = H.hf_logits(str(folder), ids)
+    assert ours.shape == theirs.shape and (ours - theirs).abs().max() <= 1e-4
+    exported = tmp_path / "exported"
+    convert(out, exported, "to_hf")
+    original, back = H.safetensors_state(str(folder)), H.safetensors_state(str(exported))
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
