@@ -330,7 +330,8 @@ def test_an_mxfp4_folder_is_dequantized_as_transformers_does(folder, tmp_path, g
     assert (theirs - H.hf_logits(str(folder), ids)).abs().max() > 1e-2  # other experts
 
     checkpoint, back = tmp_path / "mcore", tmp_path / "back"
-    convert(source, checkpoint, "to_mcore")
+    assert convert(source, checkpoint, "to_mcore",
+                   test_convert_precision=True)["max_logit_difference"] <= 1e-4
     convert(checkpoint, back, "to_hf")
     config = json.loads((back / "config.json").read_text())
     assert "quantization_config" not in config
