@@ -188,10 +188,10 @@ class Layout:
     qkv_bias: bool
     qk_norm: bool
     experts: Optional[Experts] = None
-    mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
-    post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
     proj_bias: bool = False   # a bias on the attention output (gpt-oss's o_proj)
     sinks: bool = False       # a learned sink logit per head (gpt-oss)
+    mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
+    post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -211,10 +211,10 @@ class Layout:
                    head_dim=m.kv_channels or m.hidden_size // heads,
                    vocab=m.vocab_size or padded_vocab, padded_vocab=padded_vocab,
                    tied=not m.untie_embeddings_and_output_weights,
+                   proj_bias=m.add_bias_linear, sinks=m.softmax_type == "learnable",
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
                    mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
-                   post_norms=m.model_type == "gemma3", proj_bias=m.add_bias_linear,
-                   sinks=m.softmax_type == "learnable")
+                   post_norms=m.model_type == "gemma3")
 
     def same(self) -> dict:
         """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""

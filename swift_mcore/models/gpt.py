@@ -37,6 +37,8 @@ def transformer_config(config, initialize: bool = True):
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
         qk_layernorm=m.qk_layernorm,
+        # gpt-oss's attention sinks: megatron's learnable softmax offset per head
+        softmax_type=m.softmax_type,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -93,8 +95,6 @@ def transformer_config(config, initialize: bool = True):
         recompute_modules=(list(t.recompute_modules) if t.recompute_granularity == "selective"
                            else None),
         **window_config(m),
-        # gpt-oss's attention sinks: megatron's learnable softmax offset per head
-        softmax_type=m.softmax_type,
     )
     if m.model_type == "gemma3":
         from . import gemma3_layers
@@ -131,6 +131,21 @@ def yarn_attributes(m) -> dict:
                 yarn_beta_fast=m.beta_fast, yarn_beta_slow=m.beta_slow,
                 yarn_mscale=m.mscale, yarn_mscale_all_dim=m.mscale_all_dim,
                 yarn_correction_range_round_to_int=m.yarn_truncate)
+
+
+def mark_sinks_tensor_parallel(model) -> int:
+    """Marks each attention's learnable softmax offset (its heads' sinks: a TP rank holds
+    its own heads') as tensor-parallel, as megatron's sharded linears are: megatron-core
+    0.16.1 leaves the mark out, and the gradient norm would then count TP rank 0's sinks
+    only (param_is_not_tensor_parallel_duplicate). Returns how many."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    marked = 0
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            set_tensor_model_parallel_attributes(param, True, 0, 1)
+            marked += 1
+    return marked
 
 
 def window_config(m) -> dict:
@@ -326,21 +341,6 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
-
-
-def mark_sinks_tensor_parallel(model) -> int:
-    """Marks each attention's learnable softmax offset (its heads' sinks: a TP rank holds
-    its own heads') as tensor-parallel, as megatron's sharded linears are: megatron-core
-    0.16.1 leaves the mark out, and the gradient norm would then count TP rank 0's sinks
-    only (param_is_not_tensor_parallel_duplicate). Returns how many."""
-    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
-
-    marked = 0
-    for name, param in model.named_parameters():
-        if name.endswith("core_attention.softmax_offset"):
-            set_tensor_model_parallel_attributes(param, True, 0, 1)
-            marked += 1
-    return marked
 
 
 def count_parameters(chunks) -> int:

@@ -18,7 +18,6 @@ import torch
 from .finite import nonfinite
 from ..errors import ArgumentError
 from ..runtime import collectives
-from . import mxfp4
 from .convert import Layout, global_name, layer_offset
 from .hf_folder import IGNORABLE_SUFFIXES, HFFolder
 
@@ -73,6 +72,8 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                              f"of {folder.config_path}: only ours "
                              f"{sorted(set(ours) - set(expected))[:4]}, only transformers' "
                              f"{sorted(set(expected) - set(ours))[:4]}")
+    from . import mxfp4
+
     found = folder.shapes()
     if mxfp4.is_mxfp4(folder.config):  # the experts' blocks and scales, as read dequantized
         found = mxfp4.quantized_shapes(found)
@@ -113,6 +114,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     loaded, problems = 0, []
     with folder.reader() as reader, torch.no_grad():
+        from . import mxfp4
+
         quantized = mxfp4.is_mxfp4(folder.config)
 
         def read(name, rows=None, cols=None):

@@ -291,12 +291,12 @@ class Family:
                   **{name: None for name in UNSET_FLAGS}, **self.fixed}
         problems = [f"--{name} {getattr(m, name)!r} (a {self.name} model has {value!r})"
                     for name, value in wanted.items() if getattr(m, name) != value]
-        if m.rope_type != "rope" and not m.multi_latent_attention:
-            problems.append(f"--rope_type {m.rope_type} (a {self.name} model has plain RoPE)")
         if self.moe is None and getattr(m, "num_experts", None) is not None:
             problems.append(f"--num_experts {m.num_experts} (a {self.name} model is dense)")
         elif self.moe is not None:
             problems += self.moe.representation_problems(m, self.name)
+        if m.rope_type != "rope" and not m.multi_latent_attention:
+            problems.append(f"--rope_type {m.rope_type} (a {self.name} model has plain RoPE)")
         return problems
 
     def hf_config(self, m: Any, vocab_size: int, base: Optional[Dict[str, Any]] = None
