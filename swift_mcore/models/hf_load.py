@@ -77,7 +77,11 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                              f"of {folder.config_path}: only ours "
                              f"{sorted(set(ours) - set(expected))[:4]}, only transformers' "
                              f"{sorted(set(expected) - set(ours))[:4]}")
+    from . import mxfp4
+
     found = folder.shapes()
+    if mxfp4.is_mxfp4(folder.config):  # the experts' blocks and scales, as read dequantized
+        found = mxfp4.quantized_shapes(found)
     problems: List[str] = []
     for name, shape in expected.items():
         if name not in found:
@@ -118,8 +122,20 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     loaded, problems = 0, []
     with folder.reader() as reader, torch.no_grad():
+        from . import mxfp4
+
+        quantized = mxfp4.is_mxfp4(folder.config)
+
         def read(name, rows=None, cols=None):
-            value = reader.read(name, rows, cols)
+            if quantized and name not in folder.weight_map and cols is None \
+                    and name + mxfp4.BLOCKS in folder.weight_map:
+                try:
+                    value = mxfp4.read_dequantized(reader.read, name, rows)
+                except ValueError as err:  # blocks or scales of another dtype
+                    raise ArgumentError(f"--model {folder.weight_map[name + mxfp4.BLOCKS]}: "
+                                        f"{name}: {err}") from None
+            else:
+                value = reader.read(name, rows, cols)
             bad = not problems and nonfinite(value)
             if bad:  # this rank's slice: the ranks agree below
                 problems.append(f"--model {folder.weight_map[name]}: the weights are not "

@@ -447,8 +447,14 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
             continue
         match = _LINEAR.match(name)
         layer, suffix = int(match.group(1)), match.group(2)
-        parts = _hf_parts(layout, layer, suffix)
         expert = _EXPERT.match(suffix)
+        if expert and layout.experts.names == "gpt_oss":
+            raise ArgumentError(
+                f"--to_peft: {name} (a gpt-oss expert) has an adapter; peft's LoRA on "
+                f"gpt-oss's fused expert tensors is not written yet: export the merged model "
+                f"with --to_hf --merge_lora, or adapt the attention only (--target_modules "
+                f"linear_qkv linear_proj)")
+        parts = _hf_parts(layout, layer, suffix)
         if expert:
             experts.setdefault((layer, expert.group(2)), set()).add(int(expert.group(1)))
         a = module.lora_A[ADAPTER].weight.detach().float().cpu()

@@ -186,6 +186,14 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         # a reward model: the score head [1, hidden] in place of the LM head, tied or not
         dict(num_labels=1),
         dict(num_labels=1, untie_embeddings_and_output_weights=False),
+        # gpt-oss: attention sinks, q/k/v/o biases, router and expert biases, the clamped
+        # SwiGLU (gated without --swiglu); then expert biases in a dense + MoE model
+        dict(model_type="gpt_oss", swiglu=False, add_bias_linear=True, add_qkv_bias=True,
+             softmax_type="learnable", activation_func_clamp_value=7.0, window_size=8,
+             window_attn_skip_freq="[1,0]", num_experts=4, moe_ffn_hidden_size=16,
+             rope_type="yarn", rotary_scaling_factor=4.0, yarn_truncate=False),
+        dict(add_bias_linear=True, num_experts=4, moe_ffn_hidden_size=16,
+             moe_layer_freq="[0,1]"),
     ]
     for changes in cases:
         flags = RunArguments.from_flags(
