@@ -191,6 +191,7 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
     sources, val_sources = check_inputs(flags)
     attention = choose_attention(flags.model.attention_backend, cuda, transformer_engine)
     attention = choose_window_attention(flags.model, attention)
+    attention = choose_hybrid_attention(flags, attention)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
@@ -333,6 +334,29 @@ def choose_window_attention(m, attention: str) -> str:
     raise ArgumentError(f"--attention_backend {m.attention_backend} with {what}: only sdpa "
                         f"runs sliding-window attention and Gemma 3's layers exactly here; "
                         f"use --attention_backend sdpa (or auto)")
+
+
+def choose_hybrid_attention(flags: RunArguments, attention: str) -> str:
+    """The attention of a model with gated delta-net layers or Qwen3-Next's norms, built
+    from the local layer spec only (models/hybrid_layers.py): 'auto' there becomes sdpa,
+    transformer_engine is refused. Packed rows are refused: megatron's GatedDeltaNet takes
+    neither the block-causal mask nor packed-sequence parameters, so its recurrence and
+    conv would run across the documents of a row."""
+    m = flags.model
+    if m.linear_attention_freq is None and m.model_type != "qwen3_next":
+        return attention
+    if getattr(getattr(flags, "sft", None), "packing", False) \
+            and m.linear_attention_freq is not None:
+        raise ArgumentError("--packing with gated delta-net layers (--linear_attention_freq, "
+                            "Qwen3-Next) is not supported yet: the delta rule would carry "
+                            "its state across the packed documents; drop --packing")
+    if attention != "transformer_engine":
+        return attention
+    if m.attention_backend == "auto":
+        return "sdpa"
+    raise ArgumentError("--attention_backend transformer_engine with gated delta-net layers "
+                        "or a qwen3_next model: they are built from the local layer spec; "
+                        "use --attention_backend sdpa, local or auto")
 
 
 def check_hardware(flags: RunArguments, cuda: bool) -> str:

@@ -161,6 +161,11 @@ VALUES: Dict[str, Value] = {
     "sliding_window_pattern": Value("int", 1), "_sliding_window_pattern": Value("int", 1),
     "attn_logit_softcapping": Value("number"), "final_logit_softcapping": Value("number"),
     "use_bidirectional_attention": Value("bool"),
+    # Qwen3-Next (gated delta-net layers)
+    "full_attention_interval": Value("int", 1), "linear_conv_kernel_dim": Value("int", 1),
+    "linear_key_head_dim": Value("int", 1), "linear_value_head_dim": Value("int", 1),
+    "linear_num_key_heads": Value("int", 1), "linear_num_value_heads": Value("int", 1),
+    "mtp_num_hidden_layers": Value("int", 0), "mtp_use_dedicated_embeddings": Value("bool"),
 }
 # Flags only some families express (a family that does lists them in its ``fixed`` or
 # handles them in its own representation_problems); every other family needs them unset.
@@ -284,6 +289,7 @@ class Family:
         wanted = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
                   "rotary_percent": 1.0, "add_bias_linear": False, "add_qkv_bias": False,
                   "qk_layernorm": False, "multi_latent_attention": False,
+                  "linear_attention_freq": None, "attention_output_gate": False,
                   **{name: None for name in UNSET_FLAGS}, **self.fixed}
         problems = [f"--{name} {getattr(m, name)!r} (a {self.name} model has {value!r})"
                     for name, value in wanted.items() if getattr(m, name) != value]

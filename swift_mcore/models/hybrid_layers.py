@@ -1,0 +1,74 @@
+"""Qwen3-Next's layers for megatron-core's GPTModel: megatron's gated delta-net (linear
+attention) layers among its gated full-attention layers, with zero-centred norms.
+
+``--linear_attention_freq`` says which layers are delta-net layers (megatron's
+``linear_attention_freq``); in them megatron's ``GatedDeltaNet`` takes the self-attention
+slot, with the local spec's column- and row-parallel linears and its torch RMSNorm as the
+per-head output norm (plain weight, as transformers' gated norm). The other layers keep the
+local spec's attention, with ``--attention_output_gate`` (megatron's
+``attention_output_gate``: the query projection also computes a per-head sigmoid gate on the
+attention output). megatron's own hybrid block spec
+(``get_transformer_block_with_experimental_attention_variant_spec``) is Transformer Engine's
+only; this is the same layer list from the local spec. Every other Qwen3-Next norm (before
+attention, before the MLP, on queries and keys, the final one) multiplies by ``1 + weight``
+(gemma3_layers.ZeroCenteredRMSNorm).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import List
+
+MODEL_TYPE = "qwen3_next"
+
+
+def transformer_fields(m) -> dict:
+    """TransformerConfig fields of the delta-net layers and the gated attention."""
+    from ..arguments.model import linear_attention_pattern
+
+    fields = dict(attention_output_gate=bool(m.attention_output_gate))
+    pattern = linear_attention_pattern(m)
+    if pattern:
+        fields.update(experimental_attention_variant="gated_delta_net",
+                      linear_attention_freq=pattern,
+                      linear_conv_kernel_dim=m.linear_conv_kernel_dim,
+                      linear_key_head_dim=m.linear_key_head_dim,
+                      linear_value_head_dim=m.linear_value_head_dim,
+                      linear_num_key_heads=m.linear_num_key_heads,
+                      linear_num_value_heads=m.linear_num_value_heads)
+    return fields
+
+
+def adapt_spec(spec):
+    """The local layer spec with Qwen3-Next's zero-centred norms."""
+    from .gemma3_layers import ZeroCenteredRMSNorm
+
+    sub = spec.submodules
+    sub.input_layernorm = ZeroCenteredRMSNorm
+    sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+    attention = sub.self_attention.submodules
+    attention.q_layernorm = ZeroCenteredRMSNorm
+    attention.k_layernorm = ZeroCenteredRMSNorm
+    return spec
+
+
+def delta_net_spec(spec):
+    """``spec`` (a local-spec layer) with megatron's GatedDeltaNet as its token mixer."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    layer = copy.deepcopy(spec)
+    layer.submodules.self_attention = ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear,
+                                           out_norm=WrappedTorchNorm,
+                                           out_proj=RowParallelLinear))
+    return layer
+
+
+def with_delta_net(specs: List, pattern: List[int]) -> List:
+    """This stage's layer specs with the delta-net layers of ``pattern`` (its slice of
+    --linear_attention_freq, 1: delta net) swapped in."""
+    return [delta_net_spec(spec) if linear else spec for spec, linear in zip(specs, pattern)]
