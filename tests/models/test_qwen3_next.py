@@ -72,3 +72,118 @@ def test_packing_is_refused_by_name(next_folder, tmp_path):
     args = SftArguments.from_flags(model=str(next_folder), dataset=[str(data)], packing=True)
     with pytest.raises(ArgumentError, match="--packing with gated delta-net layers"):
         resolve(args, world_size=1)
+
+
+def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group, next_folder):
+    """sft for 6 steps (every weight trains, the delta nets' included); the exported folder
+    gives the checkpoint's logits in transformers."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from run_helpers import ROOT, child_env, train_records
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"add {i}"},
+        {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
+        for i in range(32)))
+    out = tmp_path / "sft"
+    cmd = [sys.executable, "-m", "swift_mcore", "sft", *run_flags(), "--model",
+           str(next_folder), "--dataset", str(data), "--template", "plain", "--seq_length",
+           "64", "--train_iters", "6", "--lr", "1e-2", "--min_lr", "1e-2",
+           "--save_steps", "6", "--output_dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = train_records(out)
+    assert len(records) == 6 and records[-1]["loss"] < 0.7 * records[0]["loss"]
+
+    back = tmp_path / "back"
+    H.convert(out / "checkpoint", back, "to_hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
+    ids = H.tokens(length=40)
+    loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - theirs).abs().max() <= 1e-4
+    exported, source = H.safetensors_state(str(back)), H.safetensors_state(str(next_folder))
+    for name in ("model.layers.0.linear_attn.in_proj_qkvz.weight",
+                 "model.layers.0.linear_attn.A_log", "model.layers.3.self_attn.q_proj.weight"):
+        assert not torch.equal(exported[name], source[name]), name
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path, train_here, next_folder):
+    """pt on the folder for 4 steps saving at 2; resumed from step 2 it logs steps 3 and 4
+    exactly (the delta nets' conv, dt_bias, A_log and norms restored)."""
+    import json
+
+    from run_helpers import losses
+    from test_hf_training import run_flags
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ["--model", next_folder, "--dataset", data, "--seq_length", "32", "--lr", "1e-2",
+             "--train_iters", "4"]
+    train_here(straight, *flags, "--save_steps", "2", command="pt", base=run_flags())
+    train_here(resumed, *flags, "--no_save", "--resume",
+               straight / "checkpoint" / "iter_0000002", command="pt", base=run_flags())
+    ref, got = losses(straight), losses(resumed)
+    assert sorted(got) == [3, 4] and ref[4] != ref[1]
+    assert all(got[it] == ref[it] for it in (3, 4)), (got, ref)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(mtp_num_hidden_layers=1), "mtp_num_hidden_layers 1"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads 3"),
+    (dict(attention_bias=True), "attention_bias True"),
+    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention",
+                       "full_attention"]), "layer_types"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                           "partial_rotary_factor": 0.3}), "partial_rotary_factor 0.3"),
+    (dict(linear_conv_kernel_dim="4"), "linear_conv_kernel_dim '4' is a string"),
+])
+def test_what_megatron_cannot_express_is_named(tmp_path, next_folder, change, message):
+    import re
+    import shutil
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    folder = tmp_path / "hf"
+    shutil.copytree(next_folder, folder)
+    H.edit_config(str(folder), **change)
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        resolve(RunArguments.from_flags(model=str(folder)), world_size=1)
+
+
+def test_a_transformers_4_config_reads_as_transformers_5_does():
+    """Qwen3-Next's Hub configs: full_attention_interval, top-level partial_rotary_factor and
+    rope_theta; transformers 5 reads them into the same layer_types and rotary fraction,
+    and they are written back in transformers 5's spelling."""
+    from transformers import Qwen3NextConfig
+
+    from swift_mcore.arguments.model import ModelArguments
+    from swift_mcore.models.families import by_name
+
+    old = {**H.BASE, **{k: v for k, v in NEXT.items() if k != "layer_types"}}
+    old.update(model_type="qwen3_next", num_hidden_layers=8, full_attention_interval=4,
+               partial_rotary_factor=0.25, rope_theta=10000000)
+    values = by_name("qwen3_next").model_values(old, None)
+    hf = Qwen3NextConfig(**{k: v for k, v in old.items() if k != "model_type"})
+    assert values["linear_attention_freq"] == "[" + ",".join(
+        "1" if kind == "linear_attention" else "0" for kind in hf.layer_types) + "]" \
+        == "[1,1,1,0,1,1,1,0]"
+    assert values["rotary_percent"] == hf.rope_parameters["partial_rotary_factor"] == 0.25
+    assert values["rotary_base"] == hf.rope_parameters["rope_theta"]
+    written = by_name("qwen3_next").hf_config(ModelArguments(**values), 320)
+    assert written["layer_types"] == hf.layer_types
+    assert written["rope_parameters"]["partial_rotary_factor"] == 0.25

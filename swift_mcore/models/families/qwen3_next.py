@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .base import Family, MoeKeys, UnsupportedConfig, require
+from .base import Family, InvalidConfig, MoeKeys, UnsupportedConfig, require, value_problems
 
 LINEAR, FULL = "linear_attention", "full_attention"
 # config.json key -> ModelArguments flag of the delta-net shapes
@@ -60,6 +60,9 @@ class Qwen3NextFamily(Family):
     """Family with Qwen3-Next's own reading and writing of config.json."""
 
     def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
+        invalid = value_problems(config, self.read_keys())
+        if invalid:
+            raise InvalidConfig("; ".join(invalid))
         problems: List[str] = []
         kinds, found = layer_kinds(config) if config.get("num_hidden_layers") else ([], [])
         problems += found
