@@ -339,17 +339,11 @@ def choose_window_attention(m, attention: str) -> str:
 def choose_hybrid_attention(flags: RunArguments, attention: str) -> str:
     """The attention of a model with gated delta-net layers or Qwen3-Next's norms, built
     from the local layer spec only (models/hybrid_layers.py): 'auto' there becomes sdpa,
-    transformer_engine is refused. Packed rows are refused: megatron's GatedDeltaNet takes
-    neither the block-causal mask nor packed-sequence parameters, so its recurrence and
-    conv would run across the documents of a row."""
+    transformer_engine is refused (packed rows then reach the delta nets as the
+    block-causal mask, hybrid_layers.DocumentGatedDeltaNet)."""
     m = flags.model
     if m.linear_attention_freq is None and m.model_type != "qwen3_next":
         return attention
-    if getattr(getattr(flags, "sft", None), "packing", False) \
-            and m.linear_attention_freq is not None:
-        raise ArgumentError("--packing with gated delta-net layers (--linear_attention_freq, "
-                            "Qwen3-Next) is not supported yet: the delta rule would carry "
-                            "its state across the packed documents; drop --packing")
     if attention != "transformer_engine":
         return attention
     if m.attention_backend == "auto":

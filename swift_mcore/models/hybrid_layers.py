@@ -12,12 +12,21 @@ attention output). megatron's own hybrid block spec
 only; this is the same layer list from the local spec. Every other Qwen3-Next norm (before
 attention, before the MLP, on queries and keys, the final one) multiplies by ``1 + weight``
 (gemma3_layers.ZeroCenteredRMSNorm).
+
+megatron's GatedDeltaNet ignores the attention mask, so in a packed row (sft --packing: the
+block-causal mask of data/packing.py) its conv and its recurrence would run from one
+document into the next. ``DocumentGatedDeltaNet`` reads the documents off that mask (a
+position that may not see the one before it starts a document) and passes each document
+through megatron's layer on its own: the same output as the document alone.
 """
 
 from __future__ import annotations
 
 import copy
 from typing import List
+
+import torch
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
 MODEL_TYPE = "qwen3_next"
 
@@ -52,16 +61,46 @@ def adapt_spec(spec):
     return spec
 
 
+class DocumentGatedDeltaNet(GatedDeltaNet):
+    """megatron's GatedDeltaNet, one document of a packed row at a time."""
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        starts = document_starts(attention_mask, hidden_states.shape[1])
+        if starts is None:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        pieces = []
+        for row, row_starts in enumerate(starts):
+            bounds = row_starts + [hidden_states.shape[0]]
+            outputs = [super(DocumentGatedDeltaNet, self).forward(
+                hidden_states[start:stop, row:row + 1], None, *args, **kwargs)[0]
+                for start, stop in zip(bounds[:-1], bounds[1:])]
+            pieces.append(torch.cat(outputs, dim=0))
+        return torch.cat(pieces, dim=1), None
+
+
+def document_starts(mask, batch: int):
+    """The first position of each document of each row, from a [b or 1, 1, s, s] mask (True:
+    hidden); None when no row holds more than one document (or there is no mask)."""
+    if mask is None or mask.dim() != 4 or mask.shape[-1] < 2:
+        return None
+    # position i starts a document when it may not see position i - 1
+    breaks = torch.diagonal(mask[:, 0], offset=-1, dim1=-2, dim2=-1)
+    if not bool(breaks.any()):
+        return None
+    breaks = breaks.expand(batch, -1)
+    return [[0] + [int(i) + 1 for i in torch.nonzero(row).flatten()] for row in breaks]
+
+
 def delta_net_spec(spec):
     """``spec`` (a local-spec layer) with megatron's GatedDeltaNet as its token mixer."""
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     layer = copy.deepcopy(spec)
     layer.submodules.self_attention = ModuleSpec(
-        module=GatedDeltaNet,
+        module=DocumentGatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear,
                                            out_norm=WrappedTorchNorm,
                                            out_proj=RowParallelLinear))

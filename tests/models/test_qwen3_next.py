@@ -1,7 +1,8 @@
 """Qwen3-Next: a tiny random qwen3_next folder (three gated delta-net layers and one gated
 full-attention layer, routed experts with a gated shared expert, every weight off its init)
 gives transformers' logits; HF -> checkpoint -> HF is bit-identical; infer gives
-transformers' greedy tokens; what megatron cannot express is named."""
+transformers' greedy tokens; packed rows give each document's own logits; sft trains and
+exports; resume is exact; what megatron cannot express is named."""
 
 import pytest
 import torch
@@ -61,22 +62,43 @@ def test_infer_is_transformers_greedy(gloo_group, next_folder, capsys):
     H.check_infer_is_greedy(next_folder, capsys)
 
 
-def test_packing_is_refused_by_name(next_folder, tmp_path):
-    """megatron's GatedDeltaNet ignores the packed rows' mask: refused before any work."""
-    from swift_mcore.arguments.sft import SftArguments
-    from swift_mcore.run_config import resolve
+def test_packed_rows_give_each_documents_logits(gloo_group, next_folder, monkeypatch):
+    """Documents packed into rows (different bounds per row), kept apart by the block-causal
+    mask the trainer builds: each gets the logits it has alone, through the delta nets'
+    conv and recurrence as through the attention."""
+    from swift_mcore.data.packing import block_causal_mask
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from swift_mcore.models import hybrid_layers
 
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "hi"}, '
-                    '{"role": "assistant", "content": "ho"}]}\n')
-    args = SftArguments.from_flags(model=str(next_folder), dataset=[str(data)], packing=True)
-    with pytest.raises(ArgumentError, match="--packing with gated delta-net layers"):
-        resolve(args, world_size=1)
+    loaded = load_model(str(next_folder), log=lambda line: None)
+    lengths = [[20, 13, 7], [30, 10]]
+    docs = [[H.tokens(batch=1, length=n, seed=10 * r + i) for i, n in enumerate(row)]
+            for r, row in enumerate(lengths)]
+    rows = torch.cat([torch.cat(row, dim=1) for row in docs], dim=0)
+    segments = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths])
+    positions = torch.tensor([sum((list(range(n)) for n in row), []) for row in lengths])
+
+    def packed():
+        with torch.no_grad():
+            return loaded.model(input_ids=rows, position_ids=positions,
+                                attention_mask=block_causal_mask(segments)).float()
+
+    logits = packed()
+    for r, row in enumerate(docs):
+        start = 0
+        for doc in row:
+            alone = forward_logits(loaded.model, doc)
+            stop = start + doc.shape[1]
+            assert (logits[r:r + 1, start:stop] - alone).abs().max() <= 1e-5
+            start = stop
+    # megatron's layer alone (the mask ignored) lets the state run into the next document
+    monkeypatch.setattr(hybrid_layers, "document_starts", lambda mask, batch: None)
+    assert (packed()[:, 20:] - logits[:, 20:]).abs().max() > 1e-3
 
 
 def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group, next_folder):
-    """sft for 6 steps (every weight trains, the delta nets' included); the exported folder
-    gives the checkpoint's logits in transformers."""
+    """sft with --packing for 6 steps (every weight trains, the delta nets' included); the
+    exported folder gives the checkpoint's logits in transformers."""
     import json
     import subprocess
     import sys
@@ -95,7 +117,7 @@ def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group, next_folde
     out = tmp_path / "sft"
     cmd = [sys.executable, "-m", "swift_mcore", "sft", *run_flags(), "--model",
            str(next_folder), "--dataset", str(data), "--template", "plain", "--seq_length",
-           "64", "--train_iters", "6", "--lr", "1e-2", "--min_lr", "1e-2",
+           "64", "--packing", "--train_iters", "6", "--lr", "1e-2", "--min_lr", "1e-2",
            "--save_steps", "6", "--output_dir", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env=child_env())
