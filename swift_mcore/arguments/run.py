@@ -298,8 +298,9 @@ class RunArguments:
 
     def check_linear_attention(self) -> None:
         """The gated delta-net flags (megatron's GatedDeltaNet): its value heads group its key
-        heads, TP splits whole key heads; its per-head output norm is megatron's torch norm
-        (no sequence parallelism); the output gate is not megatron's for MLA."""
+        heads, TP splits whole key heads and needs --sequence_parallel (megatron sums the
+        per-head output norm's partial gradients over the TP ranks only then); the output
+        gate is not megatron's for MLA."""
         from .model import linear_attention_pattern
 
         m, p = self.model, self.parallel
@@ -316,9 +317,16 @@ class RunArguments:
         if m.linear_num_key_heads % tp:
             raise ArgumentError(f"--tensor_model_parallel_size ({tp}) must divide "
                                 f"--linear_num_key_heads ({m.linear_num_key_heads})")
-        if p.sequence_parallel:
-            raise ArgumentError("--sequence_parallel with gated delta-net layers "
-                                "(--linear_attention_freq) is not supported yet; drop the flag")
+        if tp > 1 and not p.sequence_parallel:
+            raise ArgumentError(f"--tensor_model_parallel_size {tp} with gated delta-net layers "
+                                f"(--linear_attention_freq) needs --sequence_parallel (the "
+                                f"delta nets' output norm sums its gradients over the TP ranks "
+                                f"only then); add --sequence_parallel")
+        if tp > 1 and getattr(getattr(self, "sft", None), "packing", False):
+            raise ArgumentError(f"--packing with gated delta-net layers and "
+                                f"--tensor_model_parallel_size {tp} is not supported yet "
+                                f"(each rank holds a slice of the packed row); drop --packing "
+                                f"or use --tensor_model_parallel_size 1")
         if m.multi_latent_attention:
             raise ArgumentError("--linear_attention_freq with --multi_latent_attention is not "
                                 "supported; drop one")

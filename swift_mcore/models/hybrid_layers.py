@@ -3,8 +3,11 @@ attention) layers among its gated full-attention layers, with zero-centred norms
 
 ``--linear_attention_freq`` says which layers are delta-net layers (megatron's
 ``linear_attention_freq``); in them megatron's ``GatedDeltaNet`` takes the self-attention
-slot, with the local spec's column- and row-parallel linears and its torch RMSNorm as the
-per-head output norm (plain weight, as transformers' gated norm). The other layers keep the
+slot, with the local spec's column- and row-parallel linears and torch's RMSNorm as the
+per-head output norm (plain weight, as transformers' gated norm). With TP each rank
+normalises only its value heads, so that norm's weight gradient is a partial sum: it is
+marked ``sequence_parallel`` (sequence_parallel_norm.py) and megatron sums it over the TP
+ranks, which it does under --sequence_parallel only (arguments/run.py requires the flag). The other layers keep the
 local spec's attention, with ``--attention_output_gate`` (megatron's
 ``attention_output_gate``: the query projection also computes a per-head sigmoid gate on the
 attention output). megatron's own hybrid block spec
@@ -96,13 +99,14 @@ def delta_net_spec(spec):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from .sequence_parallel_norm import SequenceParallelNorm
 
     layer = copy.deepcopy(spec)
     layer.submodules.self_attention = ModuleSpec(
         module=DocumentGatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear,
-                                           out_norm=WrappedTorchNorm,
+                                           out_norm=SequenceParallelNorm,
                                            out_proj=RowParallelLinear))
     return layer
 

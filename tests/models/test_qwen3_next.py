@@ -96,6 +96,25 @@ def test_packed_rows_give_each_documents_logits(gloo_group, next_folder, monkeyp
     assert (packed()[:, 20:] - logits[:, 20:]).abs().max() > 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_tp_and_pp_match_transformers_and_export_bit_identical(tmp_path, gloo_group, tp, pp):
+    """TP=2 (each rank whole key heads and their value heads of every delta net, with
+    sequence parallelism) and PP=2 (each stage its slice of the layer pattern) on gloo."""
+    from test_hf_parallel import run_two_ranks
+
+    make_next(tmp_path / "hf")
+    extra = ("--sequence_parallel",) if tp > 1 else ()
+    ids, out = run_two_ranks(tmp_path, tmp_path / "hf", tp, pp, *extra)
+    assert (torch.load(out / "logits.pt") - H.hf_logits(str(tmp_path / "hf"), ids)).abs().max() \
+        <= 1e-4
+    H.convert(out, tmp_path / "exported", "to_hf")
+    original = H.safetensors_state(str(tmp_path / "hf"))
+    back = H.safetensors_state(str(tmp_path / "exported"))
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+
+
 def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group, next_folder):
     """sft with --packing for 6 steps (every weight trains, the delta nets' included); the
     exported folder gives the checkpoint's logits in transformers."""
