@@ -341,8 +341,10 @@ def choose_hybrid_attention(flags: RunArguments, attention: str) -> str:
     from the local layer spec only (models/hybrid_layers.py): 'auto' there becomes sdpa,
     transformer_engine is refused (packed rows then reach the delta nets as the
     block-causal mask, hybrid_layers.DocumentGatedDeltaNet)."""
+    from .arguments.model import HYBRID_MODEL_TYPES
+
     m = flags.model
-    if m.linear_attention_freq is None and m.model_type != "qwen3_next":
+    if m.linear_attention_freq is None and m.model_type not in HYBRID_MODEL_TYPES:
         return attention
     if attention != "transformer_engine":
         return attention

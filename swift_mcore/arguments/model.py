@@ -14,6 +14,9 @@ from .fields import FRACTION, NON_NEGATIVE, NONZERO_FRACTION, POSITIVE, Range, f
 # (the MoE layer pattern, LoRA's target names) stay small. models/footprint.py refuses what
 # does not fit long before this.
 MAX_LAYERS = 1_000_000
+# --model_type values built with Qwen3-Next's layers (models/hybrid_layers.py): zero-centred
+# norms, gated delta nets, gated attention
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # --moe_layer_freq's expression: nesting depth and text length (per layer) it may have.
 MAX_FREQ_DEPTH = 32
 FREQ_CHARS_PER_LAYER = 8
@@ -27,7 +30,8 @@ class ModelArguments:
         "are loaded.")
     model_type: Optional[str] = flag(
         None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral, "
-        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3, qwen3_next; "
+        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3, qwen3_next, qwen3_5, "
+        "qwen3_5_moe; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
     num_layers: int = flag(4, "Number of transformer layers.",

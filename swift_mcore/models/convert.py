@@ -53,6 +53,8 @@ _ROW_PARALLEL = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 
+# families whose delta nets keep Qwen3.5's four input projections (models/delta_net.py)
+FLAT_DELTA_NET = ("qwen3_5", "qwen3_5_moe")
 # the HF expert spelling of each family (Experts.names); the rest are Qwen's
 _EXPERT_NAMES = {"mixtral": "mixtral", "deepseek_v3": "deepseek", "glm4_moe": "deepseek"}
 
@@ -168,7 +170,8 @@ class Layout:
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
                    mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
                    post_norms=m.model_type == "gemma3",
-                   delta_net=DeltaNet.from_model_args(m) if m.linear_attention_freq else None,
+                   delta_net=DeltaNet.from_model_args(m, flat=m.model_type in FLAT_DELTA_NET)
+                   if m.linear_attention_freq else None,
                    linear=tuple(linear_attention_pattern(m)),
                    output_gate=bool(m.attention_output_gate))
 

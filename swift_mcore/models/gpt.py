@@ -214,7 +214,9 @@ def layer_spec(config, moe: bool = False):
         from . import gemma3_layers
 
         spec = gemma3_layers.adapt_spec(spec, config)
-    if m.model_type == "qwen3_next":
+    from ..arguments.model import HYBRID_MODEL_TYPES
+
+    if m.model_type in HYBRID_MODEL_TYPES:
         from . import hybrid_layers
 
         spec = hybrid_layers.adapt_spec(spec)

@@ -31,8 +31,6 @@ from typing import List
 import torch
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-MODEL_TYPE = "qwen3_next"
-
 
 def transformer_fields(m) -> dict:
     """TransformerConfig fields of the delta-net layers and the gated attention."""

@@ -60,6 +60,11 @@ class Qwen3NextFamily(Family):
     """Family with Qwen3-Next's own reading and writing of config.json."""
 
     def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
+        if "text_config" in config:
+            raise UnsupportedConfig(
+                f"model_type {config.get('model_type')!r} (the vision-language model, its text "
+                f"model under text_config) is not supported yet; give a folder of the text "
+                f"model alone (model_type {self.model_types[0]!r}, {self.architecture})")
         invalid = value_problems(config, self.read_keys())
         if invalid:
             raise InvalidConfig("; ".join(invalid))
@@ -81,6 +86,11 @@ class Qwen3NextFamily(Family):
                             f"multiple of linear_num_key_heads "
                             f"{shapes['linear_num_key_heads']})")
         core = {k: v for k, v in config.items() if k not in OWN_KEYS}
+        if self.moe is not None and not self.moe.dense_layers \
+                and core.get("intermediate_size") is None:
+            # every layer is MoE (Qwen3.5-MoE): no dense MLP size in config.json
+            core["intermediate_size"] = core.get("moe_intermediate_size") or \
+                self.defaults.get("moe_intermediate_size")
         if isinstance(core.get("rope_parameters"), dict):
             core["rope_parameters"] = {k: v for k, v in core["rope_parameters"].items()
                                        if k != "partial_rotary_factor"}
@@ -127,6 +137,9 @@ class Qwen3NextFamily(Family):
         config.update({key: getattr(m, flag) for key, flag in LINEAR_KEYS.items()})
         config.update(layer_types=[LINEAR if k else FULL for k in pattern],
                       attention_bias=False)
+        if self.moe is not None and not self.moe.dense_layers and \
+                "intermediate_size" not in (base or {}):
+            config.pop("intermediate_size", None)
         return config
 
 
