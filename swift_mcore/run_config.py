@@ -192,6 +192,7 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
     attention = choose_attention(flags.model.attention_backend, cuda, transformer_engine)
     attention = choose_window_attention(flags.model, attention)
     attention = choose_hybrid_attention(flags, attention)
+    check_delta_net_kernels(flags, cuda)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
@@ -353,6 +354,18 @@ def choose_hybrid_attention(flags: RunArguments, attention: str) -> str:
     raise ArgumentError("--attention_backend transformer_engine with gated delta-net layers "
                         "or a qwen3_next model: they are built from the local layer spec; "
                         "use --attention_backend sdpa, local or auto")
+
+
+def check_delta_net_kernels(flags: RunArguments, cuda: bool) -> None:
+    """Gated delta-net layers on a GPU run flash-linear-attention's kernels (megatron's
+    GatedDeltaNet refuses to be built without them); on CPU the CPU port has its own."""
+    from .runtime import hardware
+
+    if cuda and flags.model.linear_attention_freq is not None \
+            and not hardware.flash_linear_attention_available():
+        raise ArgumentError("--linear_attention_freq (gated delta-net layers, Qwen3-Next and "
+                            "Qwen3.5) on a GPU needs flash-linear-attention's kernels: pip "
+                            "install flash-linear-attention (requirements/gpu.txt)")
 
 
 def check_hardware(flags: RunArguments, cuda: bool) -> str:

@@ -228,3 +228,16 @@ def test_a_transformers_4_config_reads_as_transformers_5_does():
     written = by_name("qwen3_next").hf_config(ModelArguments(**values), 320)
     assert written["layer_types"] == hf.layer_types
     assert written["rope_parameters"]["partial_rotary_factor"] == 0.25
+
+
+def test_a_gpu_without_the_delta_net_kernels_is_refused_by_name(next_folder, monkeypatch):
+    """On CUDA megatron's GatedDeltaNet needs flash-linear-attention: refused before any work
+    (a simulated GPU without it), not a traceback from the layer."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+    from swift_mcore.runtime import hardware
+
+    monkeypatch.setattr(hardware, "flash_linear_attention_available", lambda: False)
+    with pytest.raises(ArgumentError, match="pip install flash-linear-attention"):
+        resolve(RunArguments.from_flags(model=str(next_folder)), world_size=1, cuda=True,
+                transformer_engine=False)
