@@ -241,3 +241,27 @@ def test_a_gpu_without_the_delta_net_kernels_is_refused_by_name(next_folder, mon
     with pytest.raises(ArgumentError, match="pip install flash-linear-attention"):
         resolve(RunArguments.from_flags(model=str(next_folder)), world_size=1, cuda=True,
                 transformer_engine=False)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(tensor_model_parallel_size=2), "needs --sequence_parallel"),
+    (dict(tuner_type="lora"), "--tuner_type lora with gated delta-net layers"),
+    (dict(attention_backend="transformer_engine"),
+     "--attention_backend transformer_engine with gated delta-net layers"),
+    (dict(linear_num_key_heads=3, linear_num_value_heads=6, tensor_model_parallel_size=2,
+          sequence_parallel=True), "must divide --linear_num_key_heads (3)"),
+])
+def test_what_the_delta_net_layers_cannot_run_is_named(flags, message):
+    import re
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    base = dict(model_type="qwen3_next", linear_attention_freq="[1,0]", num_layers=2,
+                hidden_size=64, num_attention_heads=4, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    gpu = flags.get("attention_backend") == "transformer_engine"  # a GPU with TE, simulated
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        resolve(RunArguments.from_flags(**{**base, **flags}),
+                world_size=flags.get("tensor_model_parallel_size", 1), cuda=gpu,
+                transformer_engine=gpu)
