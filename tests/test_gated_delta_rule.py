@@ -115,3 +115,18 @@ def test_megatrons_gated_delta_net_equals_qwen3_next_layer(gloo_group):
         back = layout.to_hf(name.removeprefix("model.layers.0."), "decoder.layers.0.",
                             mcore.__getitem__)
         assert torch.equal(back, tensor), name
+
+
+def test_chunked_rule_equals_megatrons_torch_path():
+    """megatron's own torch fallback (its deterministic mode; q and k already normalised,
+    as its GatedDeltaNet passes them): the same output and final state."""
+    from megatron.core.ssm import gated_delta_net
+
+    q, k, v, g, beta, state = inputs(heads=4, value_heads=4, length=100)
+    q, k = gated_delta_rule.l2norm(q), gated_delta_rule.l2norm(k)
+    ours, our_state = gated_delta_rule.chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=state, output_final_state=True)
+    theirs, their_state = gated_delta_net.torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=state, output_final_state=True)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(our_state, their_state, atol=1e-5, rtol=1e-5)
