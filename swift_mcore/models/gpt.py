@@ -219,7 +219,7 @@ def layer_spec(config, moe: bool = False):
     if m.model_type in HYBRID_MODEL_TYPES:
         from . import hybrid_layers
 
-        spec = hybrid_layers.adapt_spec(spec)
+        spec = hybrid_layers.adapt_spec(spec, m.qk_layernorm)
     if config.parallel.sequence_parallel:
         from . import sequence_parallel_norm
 

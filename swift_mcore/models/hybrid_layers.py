@@ -49,16 +49,18 @@ def transformer_fields(m) -> dict:
     return fields
 
 
-def adapt_spec(spec):
-    """The local layer spec with Qwen3-Next's zero-centred norms."""
+def adapt_spec(spec, qk_layernorm: bool):
+    """The local layer spec with Qwen3-Next's zero-centred norms (on q and k with
+    --qk_layernorm)."""
     from .gemma3_layers import ZeroCenteredRMSNorm
 
     sub = spec.submodules
     sub.input_layernorm = ZeroCenteredRMSNorm
     sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
-    attention = sub.self_attention.submodules
-    attention.q_layernorm = ZeroCenteredRMSNorm
-    attention.k_layernorm = ZeroCenteredRMSNorm
+    if qk_layernorm:
+        attention = sub.self_attention.submodules
+        attention.q_layernorm = ZeroCenteredRMSNorm
+        attention.k_layernorm = ZeroCenteredRMSNorm
     return spec
 
 

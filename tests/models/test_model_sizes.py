@@ -189,6 +189,8 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
              num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq="[1,0]",
              moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True),
+        # delta-net layers in a model of no family: plain norms, attention without the gate
+        dict(linear_attention_freq="2", rotary_percent=0.5),
     ]
     from megatron.core import tensor_parallel
 
