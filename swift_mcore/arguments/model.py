@@ -88,6 +88,11 @@ class ModelArguments:
                           range=NON_NEGATIVE)
     mscale_all_dim: float = flag(0.0, "YaRN: mscale_all_dim (also scales the softmax).",
                                   range=NON_NEGATIVE)
+    num_labels: Optional[int] = flag(
+        None, "A score head of this many outputs in place of the LM head, as transformers' "
+        "*ForSequenceClassification has (only 1: a reward model's scalar score). rlhf "
+        "--rlhf_type rm sets it, a *ForSequenceClassification --model's config.json too; "
+        "unset: a causal LM.", range=POSITIVE)
     untie_embeddings_and_output_weights: bool = flag(
         True, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = flag(False, "Bias in the linear layers.")

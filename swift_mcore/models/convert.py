@@ -146,6 +146,7 @@ class Layout:
     delta_net: Optional[DeltaNet] = None
     linear: Tuple[int, ...] = ()
     output_gate: bool = False  # q_proj also holds each head's output gate (Qwen3-Next)
+    score: int = 0  # a reward model: score.weight [score, hidden] instead of lm_head
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -173,7 +174,8 @@ class Layout:
                    delta_net=DeltaNet.from_model_args(m, flat=m.model_type in FLAT_DELTA_NET)
                    if m.linear_attention_freq else None,
                    linear=tuple(linear_attention_pattern(m)),
-                   output_gate=bool(m.attention_output_gate))
+                   output_gate=bool(m.attention_output_gate),
+                   score=getattr(m, "num_labels", None) or 0)
 
     def same(self) -> dict:
         """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
@@ -245,7 +247,9 @@ class Layout:
                     (p + "mlp.up_proj.weight", (self.ffn, h)),
                     (p + "mlp.down_proj.weight", (h, self.ffn))]
         out.append(("model.norm.weight", (h,)))
-        if not self.tied:
+        if self.score:  # *ForSequenceClassification: the score head, no LM head
+            out.append(("score.weight", (self.score, h)))
+        elif not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
         return out
 
@@ -255,6 +259,8 @@ class Layout:
             return get("embedding.word_embeddings.weight")[: self.vocab]
         if hf_name == "lm_head.weight":
             return get("output_layer.weight")[: self.vocab]
+        if hf_name == "score.weight" and self.score:
+            return get("output_layer.weight")
         if hf_name == "model.norm.weight":
             return get("decoder.final_layernorm.weight")
         match = _HF_LAYER.match(hf_name)
@@ -308,6 +314,8 @@ class Layout:
         name = canonical(name)
         if name == "embedding.word_embeddings.weight":
             return self._vocab_rows("model.embed_tokens.weight", read, tp_rank, tp_size)
+        if name == "output_layer.weight" and self.score:
+            return read("score.weight")  # whole on every rank (models/value_head.py)
         if name == "output_layer.weight":
             source = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
             return self._vocab_rows(source, read, tp_rank, tp_size)

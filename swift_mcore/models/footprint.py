@@ -81,7 +81,9 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
     counts = {
         "embedding": vocab * h + (m.max_position_embeddings * h
                                   if m.position_embedding_type == "learned_absolute" else 0),
-        "output layer": vocab * h if m.untie_embeddings_and_output_weights else 0,
+        # a reward model's score head replaces the LM head (models/value_head.py)
+        "output layer": (m.num_labels * h if getattr(m, "num_labels", None) else
+                         vocab * h if m.untie_embeddings_and_output_weights else 0),
         "layers": (layers - linear) * attention + linear * delta_net_parameters(m)
         + layers * (4 if gemma3 else 2) * norm
         + (layers - moe_layers) * dense_mlp + norm,

@@ -294,7 +294,10 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
                                                                 vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
                                                                vp_stage=vp_stage),
-            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+            # a reward model has no LM head: nothing of the vocabulary's size is allocated
+            # for it (one stage: rlhf refuses pipeline parallelism), the score head replaces it
+            share_embeddings_and_output_weights=(not m.untie_embeddings_and_output_weights
+                                                 or bool(m.num_labels)),
             position_embedding_type=m.position_embedding_type,
             rotary_percent=m.rotary_percent,
             rotary_base=m.rotary_base,
@@ -307,6 +310,10 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
             from . import gemma3_layers
 
             gemma3_layers.scale_embedding(model, m.hidden_size)
+        if m.num_labels:
+            from . import value_head
+
+            value_head.install(model, config, tc)
         if config.cuda:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

@@ -8,6 +8,7 @@ against transformers' own model for the config, built on the meta device (no mem
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -16,6 +17,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from .finite import nonfinite
+from .value_head import is_score_config
 from ..errors import ArgumentError
 from ..runtime import collectives
 from .convert import Layout, global_name, layer_offset
@@ -28,7 +30,8 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     import warnings
 
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import (AutoConfig, AutoModelForCausalLM,
+                              AutoModelForSequenceClassification)
 
     from .families import for_config
 
@@ -44,8 +47,10 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
         else:
             hf_config = AutoConfig.from_pretrained(folder, local_files_only=True,
                                                    trust_remote_code=False)
+        head = AutoModelForSequenceClassification if is_score_config(raw) \
+            else AutoModelForCausalLM
         with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = head.from_config(hf_config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
@@ -103,6 +108,9 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     start = time.time()
     folder = HFFolder(config.model.model, flag="--model")
     layout = Layout.from_model_args(config.model, config.padded_vocab_size)
+    fresh_head = bool(layout.score) and not is_score_config(folder.config)
+    if fresh_head:  # a reward model from a causal LM: its body; the new head stays as drawn
+        layout = dataclasses.replace(layout, score=0)
     check_shapes(folder, layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -125,6 +133,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
             bias = [(n, b) for n, b in module.named_buffers() if n.endswith(".expert_bias")]
             for local, param in [*module.named_parameters(), *bias]:
                 name = global_name(local, offset)
+                if fresh_head and name == "output_layer.weight":
+                    continue
                 value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size)
                 if tuple(value.shape) != tuple(param.shape):
                     raise AssertionError(f"{name}: converted shape {list(value.shape)}, "

@@ -240,6 +240,9 @@ def apply(config, chunks) -> list:
             module = _find(chunk, SAVABLE_MODULES[name])
             if module is not None:
                 module.requires_grad_(True)
+        if config.model.num_labels and getattr(chunk, "post_process", False):
+            # a reward model's score head is new: it trains whole, as peft's modules_to_save
+            chunk.output_layer.requires_grad_(True)
         embedding = getattr(chunk, "embedding", None)
         if embedding is not None and config.training.recompute_granularity == "full":
             # Full recompute checkpoints each layer on its input hidden states. With the

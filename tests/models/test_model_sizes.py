@@ -191,6 +191,9 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True),
         # delta-net layers in a model of no family: plain norms, attention without the gate
         dict(linear_attention_freq="2", rotary_percent=0.5),
+        # a reward model: the score head [1, hidden] in place of the LM head, tied or not
+        dict(num_labels=1),
+        dict(num_labels=1, untie_embeddings_and_output_weights=False),
     ]
     from megatron.core import tensor_parallel
 

@@ -272,6 +272,15 @@ class Family:
         }
         values.update(self.fixed)
         values.update(moe_values)
+        from ..value_head import config_num_labels, is_score_config
+
+        if is_score_config(config):  # a reward model's folder: its score head, not an LM head
+            labels = config_num_labels(config)
+            if labels != 1:
+                raise UnsupportedConfig(f"architectures {config['architectures'][0]} with "
+                                        f"{labels} labels (id2label): only 1, a reward "
+                                        f"model's score")
+            values["num_labels"] = 1
         return values
 
     def read_keys(self) -> frozenset:
@@ -326,6 +335,13 @@ class Family:
         )
         if self.moe is not None:
             config.update(self.moe.hf_config(m))
+        if getattr(m, "num_labels", None):  # a reward model: *ForSequenceClassification
+            from ..value_head import SEQUENCE_CLASSIFICATION
+
+            for key in ("id2label", "label2id", "num_labels"):
+                config.pop(key, None)
+            config.update(architectures=[self.architecture.replace(
+                "ForCausalLM", SEQUENCE_CLASSIFICATION)], num_labels=m.num_labels)
         return config
 
 
