@@ -294,6 +294,46 @@ class RunArguments:
         if m.model_type == "gemma3" and self.parallel.sequence_parallel:
             raise ArgumentError("--sequence_parallel with a gemma3 model: its post-attention "
                                 "and post-MLP norms do not support it yet; drop the flag")
+        self.check_linear_attention()
+
+    def check_linear_attention(self) -> None:
+        """The gated delta-net flags (megatron's GatedDeltaNet): its value heads group its key
+        heads, TP splits whole key heads and needs --sequence_parallel (megatron sums the
+        per-head output norm's partial gradients over the TP ranks only then); the output
+        gate is not megatron's for MLA."""
+        from .model import linear_attention_pattern
+
+        m, p = self.model, self.parallel
+        if m.attention_output_gate and m.multi_latent_attention:
+            raise ArgumentError("--attention_output_gate with --multi_latent_attention is not "
+                                "supported by megatron-core; drop one")
+        if not linear_attention_pattern(m):
+            return
+        if m.linear_num_value_heads % m.linear_num_key_heads:
+            raise ArgumentError(f"--linear_num_value_heads ({m.linear_num_value_heads}) must be "
+                                f"a multiple of --linear_num_key_heads "
+                                f"({m.linear_num_key_heads})")
+        tp = p.tensor_model_parallel_size
+        if m.linear_num_key_heads % tp:
+            raise ArgumentError(f"--tensor_model_parallel_size ({tp}) must divide "
+                                f"--linear_num_key_heads ({m.linear_num_key_heads})")
+        if tp > 1 and not p.sequence_parallel:
+            raise ArgumentError(f"--tensor_model_parallel_size {tp} with gated delta-net layers "
+                                f"(--linear_attention_freq) needs --sequence_parallel (the "
+                                f"delta nets' output norm sums its gradients over the TP ranks "
+                                f"only then); add --sequence_parallel")
+        if tp > 1 and getattr(getattr(self, "sft", None), "packing", False):
+            raise ArgumentError(f"--packing with gated delta-net layers and "
+                                f"--tensor_model_parallel_size {tp} is not supported yet "
+                                f"(each rank holds a slice of the packed row); drop --packing "
+                                f"or use --tensor_model_parallel_size 1")
+        if m.multi_latent_attention:
+            raise ArgumentError("--linear_attention_freq with --multi_latent_attention is not "
+                                "supported; drop one")
+        if self.tuner.tuner_type == "lora":
+            raise ArgumentError("--tuner_type lora with gated delta-net layers "
+                                "(--linear_attention_freq, Qwen3-Next) is not supported yet; "
+                                "use --tuner_type full")
 
     def check_attention(self) -> None:
         """Multi-latent attention's flags, YaRN's and gpt-oss's (attention sinks, the

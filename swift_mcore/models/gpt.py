@@ -104,6 +104,10 @@ def transformer_config(config, initialize: bool = True):
         from . import gpt_oss_layers
 
         fields.update(gpt_oss_layers.transformer_fields(m))
+    if m.linear_attention_freq is not None or m.attention_output_gate:
+        from . import hybrid_layers
+
+        fields.update(hybrid_layers.transformer_fields(m))
     tc = config_class(**fields)
     # read by gemma3_layers.Gemma3SelfAttention (TransformerConfig has no such field)
     tc.rotary_base_local = m.rotary_base_local or m.rotary_base
@@ -258,6 +262,12 @@ def layer_spec(config, moe: bool = False):
         from . import gpt_oss_layers
 
         spec = gpt_oss_layers.adapt_moe_spec(spec)
+    from ..arguments.model import HYBRID_MODEL_TYPES
+
+    if m.model_type in HYBRID_MODEL_TYPES:
+        from . import hybrid_layers
+
+        spec = hybrid_layers.adapt_spec(spec, m.qk_layernorm)
     if config.parallel.sequence_parallel:
         from . import sequence_parallel_norm
 
@@ -273,7 +283,9 @@ def block_spec(config, transformer_config, vp_stage=None):
     whenever TE is importable, so a local-spec model on a machine with TE (a conversion
     child on the CPU, --attention_backend sdpa on a GPU) would hold one TE module."""
     spec = layer_spec(config)
-    if config.layer_spec == "transformer_engine" and config.model.num_experts is None:
+    linear = config.model.linear_attention_freq is not None
+    if config.layer_spec == "transformer_engine" and config.model.num_experts is None \
+            and not linear:
         return spec
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -290,6 +302,13 @@ def block_spec(config, transformer_config, vp_stage=None):
         offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
         pattern = moe_layer_pattern(config.model)[offset: offset + layers]
         specs = [moe_spec if is_moe else spec for is_moe in pattern]
+    if linear:  # --linear_attention_freq: this stage's slice
+        from ..arguments.model import linear_attention_pattern
+        from .hybrid_layers import with_delta_net
+
+        offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
+        specs = with_delta_net(specs, linear_attention_pattern(config.model)[offset:
+                                                                            offset + layers])
     if config.layer_spec == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import distributed_optimizer
+from . import distributed_optimizer, gated_delta_rule
 from ..mcore_adaptation import (
     ModuleProxy,
     patch_mla_without_te,
@@ -297,6 +297,7 @@ def activate() -> bool:
     _install_eager_rope()
     _install_eager_cross_entropy()
     _install_onednn_linear()
+    gated_delta_rule.install(proxy)
     distributed_optimizer.install()
     _ACTIVE = True
     return True
