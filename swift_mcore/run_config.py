@@ -191,6 +191,8 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
     sources, val_sources = check_inputs(flags)
     attention = choose_attention(flags.model.attention_backend, cuda, transformer_engine)
     attention = choose_window_attention(flags.model, attention)
+    attention = choose_hybrid_attention(flags, attention)
+    check_delta_net_kernels(flags, cuda)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
@@ -322,8 +324,13 @@ def choose_window_attention(m, attention: str) -> str:
     SDPA core attention and the local layer spec implement here: megatron's local
     attention builds its window mask on CUDA only and drops the packed rows' mask with it,
     and Gemma 3's extra norms are local-spec modules. 'auto' becomes sdpa; an explicit other
-    backend is refused."""
+    backend is refused. Attention sinks (gpt-oss) run on sdpa or local: 'auto' picks sdpa
+    over Transformer Engine (arguments/run.py refuses it given explicitly)."""
     if not m.window_size and m.model_type != "gemma3":
+        if m.softmax_type != "vanilla" and attention == "transformer_engine":
+            # attention sinks: our SDPA's and megatron's local softmax (check_attention
+            # refuses an explicit transformer_engine)
+            return "sdpa"
         return attention
     if attention == "sdpa":
         return attention
@@ -333,6 +340,37 @@ def choose_window_attention(m, attention: str) -> str:
     raise ArgumentError(f"--attention_backend {m.attention_backend} with {what}: only sdpa "
                         f"runs sliding-window attention and Gemma 3's layers exactly here; "
                         f"use --attention_backend sdpa (or auto)")
+
+
+def choose_hybrid_attention(flags: RunArguments, attention: str) -> str:
+    """The attention of a model with gated delta-net layers or Qwen3-Next's norms, built
+    from the local layer spec only (models/hybrid_layers.py): 'auto' there becomes sdpa,
+    transformer_engine is refused (packed rows then reach the delta nets as the
+    block-causal mask, hybrid_layers.DocumentGatedDeltaNet)."""
+    from .arguments.model import HYBRID_MODEL_TYPES
+
+    m = flags.model
+    if m.linear_attention_freq is None and m.model_type not in HYBRID_MODEL_TYPES:
+        return attention
+    if attention != "transformer_engine":
+        return attention
+    if m.attention_backend == "auto":
+        return "sdpa"
+    raise ArgumentError("--attention_backend transformer_engine with gated delta-net layers "
+                        "or a qwen3_next model: they are built from the local layer spec; "
+                        "use --attention_backend sdpa, local or auto")
+
+
+def check_delta_net_kernels(flags: RunArguments, cuda: bool) -> None:
+    """Gated delta-net layers on a GPU run flash-linear-attention's kernels (megatron's
+    GatedDeltaNet refuses to be built without them); on CPU the CPU port has its own."""
+    from .runtime import hardware
+
+    if cuda and flags.model.linear_attention_freq is not None \
+            and not hardware.flash_linear_attention_available():
+        raise ArgumentError("--linear_attention_freq (gated delta-net layers, Qwen3-Next and "
+                            "Qwen3.5) on a GPU needs flash-linear-attention's kernels: pip "
+                            "install flash-linear-attention (requirements/gpu.txt)")
 
 
 def check_hardware(flags: RunArguments, cuda: bool) -> str:

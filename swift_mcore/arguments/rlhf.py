@@ -9,7 +9,7 @@ from ..errors import ArgumentError
 from .fields import NON_NEGATIVE, POSITIVE, Range, flag
 from .run import RunArguments
 
-RLHF_TYPES = ("dpo", "kto", "orpo", "simpo")
+RLHF_TYPES = ("dpo", "kto", "rm", "orpo", "simpo")
 # the tasks whose loss has no reference model (TRL's ORPOTrainer, CPOTrainer's simpo)
 REFERENCE_FREE_TYPES = ("orpo", "simpo")
 # TRL 1.16's DPO loss types, spelled as DPOConfig.loss_type spells them.
@@ -24,6 +24,7 @@ class RlhfGroupArguments:
     rlhf_type: str = flag(
         "dpo", "The preference task: dpo (Direct Preference Optimization on chosen/rejected "
         "pairs), kto (Kahneman-Tversky Optimization on answers labelled desirable or not), "
+        "rm (a reward model: a score head trained with the Bradley-Terry loss on the pairs), "
         "orpo (Odds Ratio Preference Optimization) and simpo (Simple Preference "
         "Optimization), both on pairs and without a reference model.",
         choices=RLHF_TYPES)
@@ -58,12 +59,16 @@ class RlhfGroupArguments:
         "with its adapters switched off).")
     max_length: Optional[int] = flag(
         None, "Longest prompt + answer in tokens; longer ones are cut as --truncation_mode "
-        "says (default and most: --seq_length + 1).", range=POSITIVE)
+        "says (default and most: --seq_length + 1). rm: longer rows are refused (default "
+        "and most: --seq_length).", range=POSITIVE)
     desirable_weight: float = flag(
         1.0, "kto: the weight of the desirable answers' losses (to balance unequal counts "
         "of desirable and undesirable rows).", range=NON_NEGATIVE)
     undesirable_weight: float = flag(
         1.0, "kto: the weight of the undesirable answers' losses.", range=NON_NEGATIVE)
+    center_rewards_coefficient: Optional[float] = flag(
+        None, "rm: add this times the mean of (chosen + rejected reward)^2 to the loss, which "
+        "pulls the rewards towards zero mean (TRL's RewardConfig).", range=NON_NEGATIVE)
     simpo_gamma: float = flag(
         0.5, "simpo: the target reward margin (TRL's simpo_gamma).", range=NON_NEGATIVE)
     cpo_alpha: float = flag(
@@ -76,7 +81,7 @@ class RlhfGroupArguments:
 
     def needs_reference(self) -> bool:
         """Whether the task compares the policy with a reference model."""
-        return not self.reference_free and self.rlhf_type not in REFERENCE_FREE_TYPES
+        return self.rlhf_type in ("dpo", "kto") and not self.reference_free
 
 
 @dataclass
@@ -90,8 +95,19 @@ class RlhfArguments(RunArguments):
     DEFAULTS = {"lr": 1e-6, "min_lr": 0.0, "lr_warmup_iters": 0, "num_train_epochs": 1.0,
                 "lora_dropout": 0.0, "output_dir": "output/swift-mcore-rlhf"}
 
+    def fill_defaults(self) -> None:
+        super().fill_defaults()
+        if self.rlhf.rlhf_type != "rm":
+            return
+        if self.model.num_labels is None:
+            self.model.num_labels = 1  # the score head (models/value_head.py)
+        if "lr" not in self.explicit:
+            self.training.lr = 1e-4  # TRL's RewardConfig (DPO's 1e-6 is for a policy)
+
     def check_command(self) -> None:
         d, r, p = self.data, self.rlhf, self.parallel
+        if r.rlhf_type == "rm":
+            self.check_reward_model()
         if d.data_path:
             raise ArgumentError("--data_path holds pretraining .bin/.idx files; rlhf reads "
                                 "preference rows from --dataset (jsonl, json, parquet)")
@@ -114,9 +130,14 @@ class RlhfArguments(RunArguments):
             raise ArgumentError("--rpo_alpha adds the 'sft' loss; it cannot be combined with "
                                 "--loss_type sft (weight that one with --loss_weights)")
         self.check_task()
-        if r.precompute_ref_log_probs and r.reference_free:
+        if r.center_rewards_coefficient is not None and r.rlhf_type != "rm":
+            raise ArgumentError("--center_rewards_coefficient is a reward model's (--rlhf_type "
+                                "rm)")
+        if r.precompute_ref_log_probs and not r.needs_reference():
             raise ArgumentError("--precompute_ref_log_probs computes the reference's "
-                                "log-probabilities; --reference_free has no reference")
+                                "log-probabilities; " + ("--reference_free has no reference"
+                                                         if r.reference_free else
+                                                         f"--rlhf_type {r.rlhf_type} has none"))
         if r.reference_free and r.ref_model:
             raise ArgumentError("--reference_free trains without a reference; it cannot be "
                                 "combined with --ref_model")
@@ -127,6 +148,10 @@ class RlhfArguments(RunArguments):
                                 "read); export the checkpoint (swift-mcore export --to_hf) and "
                                 "give it as --model, or name the reference with --ref_model")
         seq = self.model.seq_length
+        if r.rlhf_type == "rm" and r.max_length is not None and r.max_length > seq:
+            raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} (a "
+                                f"reward model reads whole sequences); raise --seq_length or "
+                                f"lower --max_length")
         if r.max_length is not None and r.max_length > seq + 1:
             raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} + 1 "
                                 f"(a sequence of n tokens trains n - 1 positions); raise "
@@ -194,8 +219,38 @@ class RlhfArguments(RunArguments):
                                 f"cuts the answer to --max_length as TRL's {kind} trainer "
                                 f"does (keep_start only)")
 
+    def check_reward_model(self) -> None:
+        """rm: the flags of DPO's reference and losses mean nothing to a reward model."""
+        m = self.model
+        if m.num_labels != 1:
+            raise ArgumentError(f"--num_labels {m.num_labels}: a reward model has one score "
+                                f"(--num_labels 1)")
+        dpo_only = ("beta", "loss_type", "loss_weights", "label_smoothing", "rpo_alpha",
+                    "discopop_tau", "reference_free", "ref_model", "truncation_mode")
+        given = [name for name in dpo_only if name in self.explicit]
+        if given:
+            raise ArgumentError(f"--{given[0]} is a DPO flag; --rlhf_type rm trains a reward "
+                                f"model without a reference or a DPO loss (docs/rlhf.md)")
+
     def validation_problem(self):
         return "rlhf has no validation data yet (no --eval_steps judging)"
 
 
 RlhfArguments.GROUPS = {**RunArguments.GROUPS, "rlhf": RlhfGroupArguments}
+
+
+def check_score_head(config) -> None:
+    """Only rlhf --rlhf_type rm trains a model with a score head (--num_labels, or a
+    *ForSequenceClassification --model); the other commands train next-token prediction."""
+    m = config.model
+    if not m.num_labels:
+        return
+    if config.COMMAND == "rlhf" and config.rlhf.rlhf_type == "rm":
+        return
+    if m.model and "num_labels" not in config.args.explicit:
+        what = f"--model {m.model} is a reward model (*ForSequenceClassification)"
+    else:
+        what = f"--num_labels {m.num_labels} makes a reward model"
+    raise ArgumentError(f"{what}: `swift-mcore {config.COMMAND}` trains a causal LM's "
+                        f"next-token head; train a reward model with `swift-mcore rlhf "
+                        f"--rlhf_type rm`")
