@@ -13,7 +13,7 @@ from run_helpers import losses, run_pt, run_sft, train_records
 from swift_mcore.arguments import RunArguments, SftArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
-from swift_mcore.runtime.cpu.context_parallel_attention import chunk_order, local_positions
+from swift_mcore.runtime.cpu.all_gather_attention import chunk_order, local_positions
 
 
 # ---- the split: megatron's own, and the attention's view of it -----------------------------

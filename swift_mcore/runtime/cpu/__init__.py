@@ -93,11 +93,11 @@ def after_optimizer(optimizer, config) -> int:
 
 def context_parallel_attention(config):
     """The core attention of a CPU run with --context_parallel_size > 1: keys and values
-    all-gathered over the context-parallel group (context_parallel_attention.py), where
+    all-gathered over the context-parallel group (all_gather_attention.py), where
     Transformer Engine's ring attention cannot run. None on CUDA or without CP."""
     if config.cuda or config.parallel.context_parallel_size == 1:
         return None
-    from .context_parallel_attention import GatheredKVAttention
+    from .all_gather_attention import GatheredKVAttention
 
     return GatheredKVAttention
 
