@@ -54,6 +54,14 @@ class ParallelArguments:
         "--overlap_grad_reduce.")
     overlap_grad_reduce: bool = flag(
         False, "Start each bucket's all-reduce as soon as its gradients are ready.")
+    overlap_param_gather: bool = flag(
+        False, "With --use_distributed_optimizer: all-gather the updated weights bucket by "
+        "bucket during the next forward pass instead of at the end of the optimizer step "
+        "(needs --overlap_grad_reduce).")
+    align_param_gather: bool = flag(
+        False, "With --overlap_param_gather and the interleaved pipeline: every pipeline "
+        "stage starts each model chunk's weight all-gather at the same point of the "
+        "schedule (megatron's param_sync_func) instead of at its first layer.")
     use_distributed_optimizer: bool = flag(
         False, "Shard the optimizer state (Adam's moments, the fp32 weights) across the "
         "data-parallel ranks (megatron's distributed optimizer, ZeRO-1); checkpoints keep it "

@@ -348,6 +348,23 @@ class RunArguments:
         if t.bf16 and t.fp16:
             raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
         self.check_virtual_pipeline(dp)
+        self.check_param_gather()
+
+    def check_param_gather(self) -> None:
+        """--overlap_param_gather and --align_param_gather: megatron's DDP options of the
+        distributed optimizer's weight all-gather (Megatron-LM asks the same)."""
+        p = self.parallel
+        if p.overlap_param_gather and not (p.use_distributed_optimizer
+                                           and p.overlap_grad_reduce):
+            raise ArgumentError(
+                "--overlap_param_gather all-gathers the distributed optimizer's weights: it "
+                "needs --use_distributed_optimizer and --overlap_grad_reduce")
+        if p.align_param_gather and not (p.overlap_param_gather and self.virtual_stages()):
+            raise ArgumentError(
+                "--align_param_gather aligns the weight all-gathers of the interleaved "
+                "pipeline's model chunks: it needs --overlap_param_gather and "
+                "--num_virtual_stages_per_pipeline_rank (or "
+                "--num_layers_per_virtual_pipeline_stage)")
         if p.use_distributed_optimizer and p.expert_model_parallel_size > 1:
             raise ArgumentError(
                 f"--use_distributed_optimizer with --expert_model_parallel_size "

@@ -125,6 +125,8 @@ class Trainer:
             moe_metrics.reset_loss_scale()
         if len(self.model) == 1:
             megatron_config.no_sync_func = megatron_config.no_sync_func[0]
+        if config.parallel.align_param_gather:  # the interleaved schedule starts them
+            megatron_config.param_sync_func = [chunk.start_param_sync for chunk in self.model]
         self.optimizer = build_optimizer(config, self.model)
         megatron_config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = build_scheduler(config, self.optimizer)
@@ -531,6 +533,9 @@ class Trainer:
         --save_safetensors also its Hugging Face folder."""
         if self.config.checkpoint.no_save or self.checkpoints.saved_at(self.state.iteration):
             return None
+        from ..runtime.ddp import sync_weights
+
+        sync_weights(self.config, self.model)  # --overlap_param_gather: the whole weights
         path = self.checkpoints.save(self.state, self.model, self.optimizer, self.scheduler,
                                      self.data_fingerprint)
         self.writer.print(run_log.saved_line(path, self.state,
