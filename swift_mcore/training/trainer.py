@@ -98,6 +98,9 @@ class Trainer:
         distributed.initialize(plan)
         # Before any work: one run per --output_dir (runtime/run_lock.py).
         run_lock.acquire_for_run(plan.logging.output_dir, f"swift-mcore {plan.COMMAND}")
+        from .profiler import StepProfiler
+
+        StepProfiler.check_folder(plan)  # a link planted at output_dir/profile: refused now
         self.tokenizer = data.build_tokenizer(plan)
         check_vocab(plan.model, self.tokenizer.vocab_size)
         seed.set_seed(plan.training.seed, plan.cuda)
