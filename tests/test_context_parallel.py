@@ -135,7 +135,7 @@ def test_cp2_gives_the_one_rank_losses_and_gradients(pt_runs):
 
 
 @pytest.mark.slow
-def test_cp2_resumes_exactly_and_continues_at_cp1(pt_runs):
+def test_cp2_resumes_exactly_and_continues_at_cp1_and_the_reverse(pt_runs):
     base, flags, _ = pt_runs
     saved = base / "cp2" / "checkpoint" / "iter_0000002"
     run_pt(base / "again", *flags, "--context_parallel_size", "2", "--resume", saved,
@@ -144,6 +144,10 @@ def test_cp2_resumes_exactly_and_continues_at_cp1(pt_runs):
     assert losses(base / "again") == {it: straight[it] for it in (3, 4)}  # bit for bit
     run_pt(base / "to_cp1", *flags, "--resume", saved, "--no_save")
     assert_close(losses(base / "to_cp1"), {it: straight[it] for it in (3, 4)})
+    one = losses(base / "one")
+    run_pt(base / "to_cp2", *flags, "--context_parallel_size", "2", "--no_save", "--resume",
+           base / "one" / "checkpoint" / "iter_0000002", nproc=2)
+    assert_close(losses(base / "to_cp2"), {it: one[it] for it in (3, 4)})
 
 
 WORDS = "alpha beta gamma delta river stone cloud paper orange silver seven north".split()
