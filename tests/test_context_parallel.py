@@ -190,3 +190,15 @@ def test_cp2_with_tp2_on_four_ranks_gives_the_one_rank_losses(tmp_path):
            timeout=600)
     assert_close(losses(tmp_path / "cp2tp2"), losses(tmp_path / "one"))
     assert_close(grad_norms(tmp_path / "cp2tp2"), grad_norms(tmp_path / "tp2"), tol=1e-6)
+
+
+@pytest.mark.benchmark
+def test_cp2_with_pp2_on_four_ranks_gives_pp2_s_losses(tmp_path):
+    """CP=2 x PP=2 (4 ranks; the p2p activations are a CP rank's part of the sequence)
+    against PP=2 alone (whose stages draw their initial weights apart from one rank's)."""
+    flags = ["--train_iters", "3", "--no_save", "--hidden_dropout", "0",
+             "--attention_dropout", "0", "--pipeline_model_parallel_size", "2"]
+    run_pt(tmp_path / "pp2", *flags, nproc=2, timeout=600)
+    run_pt(tmp_path / "cp2pp2", *flags, "--context_parallel_size", "2", nproc=4, timeout=600)
+    assert_close(losses(tmp_path / "cp2pp2"), losses(tmp_path / "pp2"))
+    assert_close(grad_norms(tmp_path / "cp2pp2"), grad_norms(tmp_path / "pp2"))
