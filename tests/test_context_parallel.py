@@ -107,6 +107,11 @@ def assert_close(got, ref, tol=1e-5):
         assert abs(got[it] - ref[it]) <= tol, (it, got[it], ref[it])
 
 
+def val_losses(out):
+    records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return {r["iteration"]: r["val_loss"] for r in records if r["split"] == "valid"}
+
+
 def grad_norms(out):
     return {r["iteration"]: r["grad_norm"] for r in train_records(out)}
 
@@ -118,7 +123,8 @@ def pt_runs(tmp_path_factory):
     masks, as on GPU."""
     base = tmp_path_factory.mktemp("cp")
     flags = ["--train_iters", "4", "--save_steps", "2", "--hidden_dropout", "0",
-             "--attention_dropout", "0", "--use_distributed_optimizer"]
+             "--attention_dropout", "0", "--use_distributed_optimizer", "--eval_steps", "4",
+             "--eval_iters", "1"]
     run_pt(base / "one", *flags)
     proc = run_pt(base / "cp2", *flags, "--context_parallel_size", "2", nproc=2)
     return base, flags, proc.stdout
@@ -132,6 +138,8 @@ def test_cp2_gives_the_one_rank_losses_and_gradients(pt_runs):
     tokens = [r["tokens"] for r in train_records(base / "cp2")]
     assert tokens == [r["tokens"] for r in train_records(base / "one")] == [256.0] * 4
     assert "TP 1 x PP 1 x CP 2 x DP 1" in stdout
+    assert_close(val_losses(base / "cp2"), val_losses(base / "one"))
+    assert sorted(val_losses(base / "one")) == [4]
 
 
 @pytest.mark.slow
