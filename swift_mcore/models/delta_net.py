@@ -24,7 +24,7 @@ already: ``in_proj_qkv`` ([queries; keys; values]), ``in_proj_z``, ``in_proj_b``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 

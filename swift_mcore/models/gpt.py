@@ -57,6 +57,10 @@ def transformer_config(config, initialize: bool = True):
         overlap_p2p_comm=bool(config.args.virtual_stages()),
         batch_p2p_comm=not config.args.virtual_stages(),
         sequence_parallel=p.sequence_parallel,
+        # context parallelism: Transformer Engine's attention exchanges keys and values over
+        # the group as --cp_comm_type says; on CPU the CPU port's attention (layer_spec)
+        context_parallel_size=p.context_parallel_size,
+        cp_comm_type=p.cp_comm_type if p.context_parallel_size > 1 else None,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=config.precision == "bf16",
@@ -239,9 +243,13 @@ def layer_spec(config, moe: bool = False):
         qk_layernorm=m.qk_layernorm, normalization=m.normalization,
         multi_latent_attention=m.multi_latent_attention, **experts)
     if config.attention == "sdpa":
+        from ..runtime import cpu
         from .sdpa_attention import SdpaAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+        # --context_parallel_size on CPU: the CPU port's attention over the group (None on
+        # CUDA and without CP, where run_config allows only TE's there)
+        spec.submodules.self_attention.submodules.core_attention = (
+            cpu.context_parallel_attention(config) or SdpaAttention)
     if swiglu_module(config):
         from .swiglu import SwiGLU
 
