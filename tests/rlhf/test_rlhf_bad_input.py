@@ -138,6 +138,7 @@ def test_the_memory_estimate_counts_the_reference_copy_but_not_with_lora(tmp_pat
     assert reference_bytes(RlhfArguments, reference_free=True)[0] is None
     assert reference_bytes(RlhfArguments, rlhf_type="orpo")[0] is None
     assert reference_bytes(RlhfArguments, rlhf_type="simpo")[0] is None
+    assert reference_bytes(RlhfArguments, rlhf_type="rm")[0] is None  # no reference either
     assert reference_bytes(SftArguments)[0] is None
 
 
