@@ -130,7 +130,12 @@ class HFFolder:
 
 class Reader:
     """``read(name, rows, cols)``: a slice of one tensor, read from disk without loading the
-    rest (safetensors memory-maps the file). Use as a context manager."""
+    rest (safetensors memory-maps the file). Use as a context manager.
+
+    One file is open at a time: the pages of a memory-mapped file that were read count in the
+    process's resident memory until it is closed, so keeping every shard open would hold the
+    whole folder in RSS by the end of a conversion. Readers go through the tensors mostly in
+    file order, so a file is rarely opened twice."""
 
     def __init__(self, folder: HFFolder):
         self.folder = folder
@@ -151,6 +156,7 @@ class Reader:
                                 f"tensor {name}")
         handle = self._handles.get(path)
         if handle is None:
+            self.__exit__(None, None, None)
             handle = self.folder.open(path).__enter__()
             self._handles[path] = handle
         try:
