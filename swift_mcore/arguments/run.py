@@ -168,6 +168,7 @@ class RunArguments:
         self.check_parallel(world_size)
         self.check_moe(world_size)
         self.check_attention()
+        self.check_mtp()
         self.check_recompute()
         self.check_checkpoint_flags()
         self.check_best_flags()
@@ -318,6 +319,43 @@ class RunArguments:
             raise ArgumentError("--multi_latent_attention with --tensor_model_parallel_size "
                                 f"{p.tensor_model_parallel_size}: not supported yet; use "
                                 f"--expert_model_parallel_size or data parallelism")
+
+    def check_mtp(self) -> None:
+        """Multi-token prediction (--mtp_num_layers): what swift-mcore runs it with so far.
+        megatron places every MTP layer on the last pipeline stage, with a copy of the
+        embedding there; our conversion and checkpoints map one stage, one TP shard."""
+        m, p, t = self.model, self.parallel, self.training
+        if not m.mtp_num_layers:
+            if "mtp_loss_scaling_factor" in self.explicit:
+                raise ArgumentError("--mtp_loss_scaling_factor weighs the multi-token "
+                                    "prediction loss: it needs --mtp_num_layers N > 0")
+            return
+        n = f"--mtp_num_layers {m.mtp_num_layers}"
+        refusals = [
+            (p.pipeline_model_parallel_size > 1,
+             f"{n} with --pipeline_model_parallel_size {p.pipeline_model_parallel_size}: not "
+             f"supported yet; use data or expert parallelism"),
+            (p.tensor_model_parallel_size > 1,
+             f"{n} with --tensor_model_parallel_size {p.tensor_model_parallel_size}: not "
+             f"supported yet; use data or expert parallelism"),
+            (bool(m.model),
+             f"{n} with --model: a Hugging Face folder's MTP layers are not mapped yet"),
+            (self.COMMAND == "rlhf",
+             f"{n} with rlhf: the preference loss has no multi-token prediction term; drop "
+             f"the flag (or give 0 to leave a folder's MTP layers out)"),
+            (self.tuner.tuner_type == "lora",
+             f"{n} with --tuner_type lora: not supported yet; use --tuner_type full"),
+            (bool(getattr(getattr(self, "sft", None), "packing", False)),
+             f"{n} with --packing: the next-token shift would cross from one packed "
+             f"conversation into the next; drop --packing"),
+            (t.recompute_granularity == "full" and t.recompute_method == "uniform"
+             and t.recompute_num_layers != 1,
+             f"{n} with --recompute_method uniform needs --recompute_num_layers 1 (megatron "
+             f"recomputes each MTP layer alone)"),
+        ]
+        for broken, message in refusals:
+            if broken:
+                raise ArgumentError(message)
 
     def check_parallel(self, world_size: int) -> None:
         p, t = self.parallel, self.training

@@ -1,0 +1,81 @@
+"""Multi-token prediction (--mtp_num_layers, megatron's MTP block): a run trains it, logs its
+loss beside the LM loss (per layer too), and its loss reaches the gradients by
+--mtp_loss_scaling_factor; what it does not run with yet is refused in one line."""
+
+import json
+
+import pytest
+
+from in_process import train_in_process
+from run_helpers import train_records
+from swift_mcore.errors import ArgumentError
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mtp") / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    return path
+
+
+def test_mtp_loss_is_logged_apart_and_trains_the_model(tmp_path, gloo_group, data):
+    runs = {}
+    for factor in ("0.5", "0"):
+        out = tmp_path / factor
+        stdout = train_in_process(out, "--dataset", data, "--train_iters", "3", "--no_save",
+                                  "--mtp_num_layers", "2", "--mtp_loss_scaling_factor", factor,
+                                  command="pt").stdout
+        assert "| mtp_loss " in stdout
+        runs[factor] = train_records(out)
+    weighted, unweighted = runs["0.5"], runs["0"]
+    for record in weighted:
+        assert record["mtp_loss"] == pytest.approx(
+            (record["mtp_1_loss"] + record["mtp_2_loss"]) / 2, abs=1e-6)
+        assert 5 < record["mtp_2_loss"] < 10  # a cross entropy over 4096 tokens, near ln 4096
+    # the same first step: the MTP loss weighs nothing in the forward pass ...
+    assert weighted[0]["loss"] == unweighted[0]["loss"]
+    assert weighted[0]["mtp_loss"] == unweighted[0]["mtp_loss"]
+    # ... and in the gradients only with a weight: the LM losses then part
+    assert weighted[2]["loss"] != unweighted[2]["loss"]
+    # trained with weight 0 the MTP layers stay where they started; with a weight they learn
+    assert weighted[2]["mtp_loss"] < unweighted[2]["mtp_loss"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(mtp_loss_scaling_factor=0.3),
+     r"^--mtp_loss_scaling_factor weighs the multi-token prediction loss: it needs "
+     r"--mtp_num_layers N > 0$"),
+    (dict(mtp_num_layers=1, pipeline_model_parallel_size=2, world_size=2),
+     r"^--mtp_num_layers 1 with --pipeline_model_parallel_size 2: not supported yet"),
+    (dict(mtp_num_layers=1, tensor_model_parallel_size=2, world_size=2),
+     r"^--mtp_num_layers 1 with --tensor_model_parallel_size 2: not supported yet"),
+    (dict(mtp_num_layers=1, tuner_type="lora"),
+     r"^--mtp_num_layers 1 with --tuner_type lora: not supported yet"),
+    (dict(mtp_num_layers=1, recompute_granularity="full", recompute_method="uniform",
+          recompute_num_layers=2),
+     r"^--mtp_num_layers 1 with --recompute_method uniform needs --recompute_num_layers 1"),
+    (dict(mtp_num_layers=-1), r"^--mtp_num_layers"),
+])
+def test_what_mtp_does_not_run_with_is_refused(flags, message):
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    world_size = flags.pop("world_size", 1)
+    with pytest.raises(ArgumentError, match=message):
+        resolve(RunArguments.from_flags(num_layers=2, global_batch_size=8, **flags),
+                world_size=world_size)
+
+
+def test_mtp_with_packing_or_rlhf_is_refused(tmp_path):
+    from swift_mcore.arguments import RlhfArguments, SftArguments, parse_args
+    from swift_mcore.run_config import resolve
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    with pytest.raises(ArgumentError, match=r"^--mtp_num_layers 1 with --packing: the "):
+        resolve(parse_args(["--dataset", str(data), "--packing", "true", "--mtp_num_layers",
+                            "1"], cls=SftArguments), world_size=1)
+    with pytest.raises(ArgumentError, match=r"^--mtp_num_layers 2 with rlhf: the preference"):
+        resolve(parse_args(["--dataset", str(data), "--mtp_num_layers", "2"],
+                           cls=RlhfArguments), world_size=1)
