@@ -326,7 +326,9 @@ class RunArguments:
         embedding there; our conversion and checkpoints map one stage, one TP shard."""
         m, p, t = self.model, self.parallel, self.training
         if not m.mtp_num_layers:
-            if "mtp_loss_scaling_factor" in self.explicit:
+            # (a saved run's flags, all explicit, hold the default)
+            if "mtp_loss_scaling_factor" in self.explicit and m.mtp_loss_scaling_factor != \
+                    flag_field(type(self), "mtp_loss_scaling_factor").default:
                 raise ArgumentError("--mtp_loss_scaling_factor weighs the multi-token "
                                     "prediction loss: it needs --mtp_num_layers N > 0")
             return
@@ -338,8 +340,6 @@ class RunArguments:
             (p.tensor_model_parallel_size > 1,
              f"{n} with --tensor_model_parallel_size {p.tensor_model_parallel_size}: not "
              f"supported yet; use data or expert parallelism"),
-            (bool(m.model),
-             f"{n} with --model: a Hugging Face folder's MTP layers are not mapped yet"),
             (self.COMMAND == "rlhf",
              f"{n} with rlhf: the preference loss has no multi-token prediction term; drop "
              f"the flag (or give 0 to leave a folder's MTP layers out)"),
