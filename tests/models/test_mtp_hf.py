@@ -217,3 +217,37 @@ def test_sft_trains_the_mtp_layer_exports_it_and_resumes_exactly(folder, tmp_pat
                  "model.layers.3.mlp.gate.e_score_correction_bias",
                  "model.layers.3.self_attn.kv_b_proj.weight"):
         assert torch.equal(repeated[name], trained[name]), name
+
+
+def test_infer_on_a_folder_with_mtp_layers_gives_transformers_greedy_tokens(folder, capsys,
+                                                                            gloo_group):
+    """The folder's MTP layer is loaded but generation (logits without labels) skips it."""
+    H.check_infer_is_greedy(folder[1], capsys)
+
+
+def test_new_mtp_layers_on_a_folder_without_them_train_and_export_is_refused(tmp_path,
+                                                                           gloo_group):
+    """A Llama folder with --mtp_num_layers 1: the model loads, its MTP layer keeps its
+    initialization (the log says so); a llama folder cannot hold it, so writing one is
+    refused naming the flag."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.models import families
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.models.hf_load import load_hf_weights
+    from swift_mcore.run_config import resolve
+
+    source = tmp_path / "llama"
+    H.make_family(str(source), "llama")
+    config = resolve(RunArguments.from_flags(model=str(source), seq_length=32,
+                                             mtp_num_layers=1), world_size=1).complete(300, None)
+    model = build_model(config)
+    initial = model[0].mtp.layers[0].eh_proj.weight.clone()
+    lines = []
+    load_hf_weights(config, model, log=lines.append)
+    assert torch.equal(model[0].mtp.layers[0].eh_proj.weight, initial)
+    assert initial.abs().sum() > 0  # initialized, not left empty
+    assert any("holds no MTP layers; they start from their initialization" in line
+               for line in lines), lines
+    with pytest.raises(ArgumentError, match=r"--mtp_num_layers 1 \(a llama folder holds no "
+                                            r"multi-token prediction layers\)"):
+        families.for_model_args(config.model)
