@@ -79,3 +79,26 @@ def test_mtp_with_packing_or_rlhf_is_refused(tmp_path):
     with pytest.raises(ArgumentError, match=r"^--mtp_num_layers 2 with rlhf: the preference"):
         resolve(parse_args(["--dataset", str(data), "--mtp_num_layers", "2"],
                            cls=RlhfArguments), world_size=1)
+
+
+def test_router_losses_average_over_the_moe_mtp_layers_too(gloo_group):
+    """An MoE model's MTP layer is an MoE layer (like the decoder's last); its router tracks
+    its losses after the decoder's, and the logged average counts it."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+    from swift_mcore.training import moe_metrics
+
+    config = resolve(RunArguments.from_flags(
+        num_layers=2, micro_batch_size=1, global_batch_size=4, num_experts=4,
+        moe_aux_loss_coeff=0.01, moe_layer_freq="[0,1]", mtp_num_layers=1), world_size=1)
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    tracker.clear()
+    # the decoder's MoE layer (layer 2) and the MTP layer's router (layer 3 of 2 + 1)
+    moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(3.0), 2, 3)
+    moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(5.0), 3, 3)
+    # two MoE layers, 4 micro-batches
+    assert moe_metrics.collect(config) == {"load_balancing_loss": pytest.approx(8.0 / 2 / 4)}
+    tracker.clear()
