@@ -102,3 +102,19 @@ def test_router_losses_average_over_the_moe_mtp_layers_too(gloo_group):
     # two MoE layers, 4 micro-batches
     assert moe_metrics.collect(config) == {"load_balancing_loss": pytest.approx(8.0 / 2 / 4)}
     tracker.clear()
+
+
+@pytest.mark.slow
+def test_dp2_gives_the_dp1_losses(tmp_path, data):
+    """Two data-parallel ranks (megatron's MTP tracker averaged over them with gloo) log
+    the one-rank LM and MTP losses."""
+    from run_helpers import run_pt
+
+    runs = {}
+    for nproc in (1, 2):
+        run_pt(tmp_path / f"dp{nproc}", "--dataset", data, "--train_iters", "3", "--no_save",
+               "--mtp_num_layers", "2", nproc=nproc)
+        runs[nproc] = train_records(tmp_path / f"dp{nproc}")
+    for a, b in zip(runs[1], runs[2]):
+        for key in ("loss", "mtp_loss", "mtp_1_loss", "mtp_2_loss"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a, b)

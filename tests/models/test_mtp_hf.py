@@ -251,3 +251,31 @@ def test_new_mtp_layers_on_a_folder_without_them_train_and_export_is_refused(tmp
     with pytest.raises(ArgumentError, match=r"--mtp_num_layers 1 \(a llama folder holds no "
                                             r"multi-token prediction layers\)"):
         families.for_model_args(config.model)
+
+
+@pytest.mark.slow
+def test_ep2_with_the_mtp_layer_gives_the_ep1_losses(folder, tmp_path, train_here):
+    """Continued pretraining of a DeepSeek-V3 folder with its MTP layer at EP=2 (each rank
+    loads its experts of the MTP layer's MoE too) gives the one-rank LM and MTP losses."""
+    from run_helpers import train_records
+    from test_hf_training import continue_pretraining, run_flags
+
+    family, source, _ = folder
+    if family != "deepseek_v3":
+        pytest.skip("one family is enough for the run (both share the mapping)")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    one, two = tmp_path / "ep1", tmp_path / "ep2"
+    flags = ("--no_save", "--train_iters", "3", "--mtp_num_layers", "1",
+             "--moe_router_bias_update_rate", "0.05")
+    train_here(one, "--model", source, "--dataset", data, *flags, command="pt",
+               base=run_flags())
+    continue_pretraining(source, data, two, *flags, "--expert_model_parallel_size", "2",
+                         nproc=2)
+    ref, got = train_records(one), train_records(two)
+    assert [r["iteration"] for r in got] == [1, 2, 3]
+    for a, b in zip(ref, got):
+        for key in ("loss", "mtp_loss"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a, b)
+
