@@ -118,3 +118,20 @@ def test_dp2_gives_the_dp1_losses(tmp_path, data):
     for a, b in zip(runs[1], runs[2]):
         for key in ("loss", "mtp_loss", "mtp_1_loss", "mtp_2_loss"):
             assert abs(a[key] - b[key]) < 1e-5, (key, a, b)
+
+
+def test_a_checkpoint_with_mtp_layers_resumes_or_loads_only_with_them(tmp_path, gloo_group,
+                                                                      data):
+    """The MTP layers are part of the model's shape: resuming (or --load --finetune) a
+    checkpoint that has them without --mtp_num_layers would drop them; refused by name."""
+    from swift_mcore.errors import CheckpointError
+
+    out = tmp_path / "run"
+    train_in_process(out, "--dataset", data, "--train_iters", "1", "--save_steps", "1",
+                     "--mtp_num_layers", "1", command="pt")
+    for flags in (["--resume", out / "checkpoint"],
+                  ["--load", out / "checkpoint", "--finetune"]):
+        with pytest.raises((ArgumentError, CheckpointError),
+                           match=r"--mtp_num_layers: checkpoint 1, now unset"):
+            train_in_process(tmp_path / "again", "--dataset", data, "--train_iters", "1",
+                             "--no_save", *flags, command="pt")
