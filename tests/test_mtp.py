@@ -46,8 +46,10 @@ def test_mtp_loss_is_logged_apart_and_trains_the_model(tmp_path, gloo_group, dat
     (dict(mtp_loss_scaling_factor=0.3),
      r"^--mtp_loss_scaling_factor weighs the multi-token prediction loss: it needs "
      r"--mtp_num_layers N > 0$"),
-    (dict(mtp_num_layers=1, pipeline_model_parallel_size=2, world_size=2),
-     r"^--mtp_num_layers 1 with --pipeline_model_parallel_size 2: not supported yet"),
+    (dict(mtp_num_layers=1, pipeline_model_parallel_size=2, world_size=2, num_layers=4,
+          num_layers_per_virtual_pipeline_stage=1),
+     r"^--mtp_num_layers 1 with virtual pipeline stages \(the interleaved schedule\): not "
+     r"supported yet"),
     (dict(mtp_num_layers=1, tensor_model_parallel_size=2, world_size=2),
      r"^--mtp_num_layers 1 with --tensor_model_parallel_size 2: not supported yet"),
     (dict(mtp_num_layers=1, tuner_type="lora"),
@@ -63,7 +65,7 @@ def test_what_mtp_does_not_run_with_is_refused(flags, message):
 
     world_size = flags.pop("world_size", 1)
     with pytest.raises(ArgumentError, match=message):
-        resolve(RunArguments.from_flags(num_layers=2, global_batch_size=8, **flags),
+        resolve(RunArguments.from_flags(**{"num_layers": 2, "global_batch_size": 8, **flags}),
                 world_size=world_size)
 
 

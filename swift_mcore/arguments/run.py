@@ -323,7 +323,8 @@ class RunArguments:
     def check_mtp(self) -> None:
         """Multi-token prediction (--mtp_num_layers): what swift-mcore runs it with so far.
         megatron places every MTP layer on the last pipeline stage, with a copy of the
-        embedding there; our conversion and checkpoints map one stage, one TP shard."""
+        embedding there (tested at PP=2); the TP sharding of the MTP layers' norms and
+        projection and the interleaved schedule are not yet."""
         m, p, t = self.model, self.parallel, self.training
         if not m.mtp_num_layers:
             # (a saved run's flags, all explicit, hold the default)
@@ -334,9 +335,10 @@ class RunArguments:
             return
         n = f"--mtp_num_layers {m.mtp_num_layers}"
         refusals = [
-            (p.pipeline_model_parallel_size > 1,
-             f"{n} with --pipeline_model_parallel_size {p.pipeline_model_parallel_size}: not "
-             f"supported yet; use data or expert parallelism"),
+            (p.pipeline_model_parallel_size > 1 and bool(self.virtual_stages()),
+             f"{n} with virtual pipeline stages (the interleaved schedule): not supported "
+             f"yet; drop --num_layers_per_virtual_pipeline_stage / "
+             f"--num_virtual_stages_per_pipeline_rank"),
             (p.tensor_model_parallel_size > 1,
              f"{n} with --tensor_model_parallel_size {p.tensor_model_parallel_size}: not "
              f"supported yet; use data or expert parallelism"),

@@ -25,9 +25,9 @@ def reset() -> None:
 
 
 def collect(config) -> Dict[str, float]:
-    """Collective over the data-parallel ranks, once per training iteration (every rank
-    runs the MTP block: pipeline stages are refused with MTP, arguments/run.py); the tracker
-    is cleared. Empty without --mtp_num_layers."""
+    """Collective over the data-parallel ranks of the last pipeline stage (where megatron
+    builds the MTP block), once per training iteration; the tracker is cleared. Empty
+    without --mtp_num_layers and on the other stages."""
     layers = config.model.mtp_num_layers
     if not layers:
         return {}
