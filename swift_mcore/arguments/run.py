@@ -323,8 +323,8 @@ class RunArguments:
     def check_mtp(self) -> None:
         """Multi-token prediction (--mtp_num_layers): what swift-mcore runs it with so far.
         megatron places every MTP layer on the last pipeline stage, with a copy of the
-        embedding there (tested at PP=2); the TP sharding of the MTP layers' norms and
-        projection and the interleaved schedule are not yet."""
+        embedding there (tested at PP=2, and TP=2 with sequence parallelism); the
+        interleaved schedule is not yet."""
         m, p, t = self.model, self.parallel, self.training
         if not m.mtp_num_layers:
             # (a saved run's flags, all explicit, hold the default)
@@ -339,9 +339,6 @@ class RunArguments:
              f"{n} with virtual pipeline stages (the interleaved schedule): not supported "
              f"yet; drop --num_layers_per_virtual_pipeline_stage / "
              f"--num_virtual_stages_per_pipeline_rank"),
-            (p.tensor_model_parallel_size > 1,
-             f"{n} with --tensor_model_parallel_size {p.tensor_model_parallel_size}: not "
-             f"supported yet; use data or expert parallelism"),
             (self.COMMAND == "rlhf",
              f"{n} with rlhf: the preference loss has no multi-token prediction term; drop "
              f"the flag (or give 0 to leave a folder's MTP layers out)"),

@@ -317,6 +317,9 @@ class Layout:
         in_mtp = mtp.MCORE_LAYER.match(name)
         if in_mtp and int(in_mtp.group(1)) < self.mtp_layers:
             index, suffix = self.num_layers + int(in_mtp.group(1)), in_mtp.group(2)
+            if suffix == "eh_proj.weight":  # column-parallel: TP shards its output rows
+                return read(f"model.layers.{index}.eh_proj.weight",
+                            rows=_part(self.hidden, tp_rank, tp_size))
             if mtp.hf_name(suffix):
                 return read(f"model.layers.{index}.{mtp.hf_name(suffix)}")
             suffix = suffix[len(mtp.TRANSFORMER_LAYER):] \

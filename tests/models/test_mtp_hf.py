@@ -286,26 +286,31 @@ def test_ep2_with_the_mtp_layer_gives_the_ep1_losses(folder, tmp_path, train_her
 
 
 
+# the two-rank layout each family's run is checked at (DeepSeek-V3's MLA takes no TP)
+LAYOUTS = {"deepseek_v3": ("--pipeline_model_parallel_size", "2",
+                           "--decoder_first_pipeline_num_layers", "1"),
+           "glm4_moe": ("--tensor_model_parallel_size", "2", "--sequence_parallel")}
+
+
 @pytest.mark.slow
-def test_pp2_with_the_mtp_layer_gives_the_pp1_run(folder, tmp_path, train_here):
-    """At PP=2 megatron builds the MTP layer on the last stage with its own copy of the
-    embedding (its gradients joined with the first stage's): the LM and MTP losses are the
-    one-rank ones, and both checkpoints export the same folder, MTP layer included."""
+def test_two_ranks_with_the_mtp_layer_give_the_one_rank_run(folder, tmp_path, train_here):
+    """PP=2 (DeepSeek-V3): megatron builds the MTP layer on the last stage with its own copy
+    of the embedding, its gradients joined with the first stage's. TP=2 with sequence
+    parallelism (GLM-4.5): eh_proj's output rows split over the ranks, the MTP norms' weight
+    gradients summed over them. Either gives the one-rank LM and MTP losses, and both
+    checkpoints export the same folder, MTP layer included."""
     from run_helpers import train_records
     from test_hf_training import continue_pretraining, run_flags
 
     family, source, _ = folder
-    if family != "deepseek_v3":
-        pytest.skip("one family is enough for the run (both share the mapping)")
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
                             + "\n" for i in range(200)))
-    one, two = tmp_path / "pp1", tmp_path / "pp2"
+    one, two = tmp_path / "one", tmp_path / "two"
     flags = ("--train_iters", "3", "--save_steps", "3", "--mtp_num_layers", "1")
     train_here(one, "--model", source, "--dataset", data, *flags, command="pt",
                base=run_flags())
-    continue_pretraining(source, data, two, *flags, "--pipeline_model_parallel_size", "2",
-                         "--decoder_first_pipeline_num_layers", "1", nproc=2)
+    continue_pretraining(source, data, two, *flags, *LAYOUTS[family], nproc=2)
     ref, got = train_records(one), train_records(two)
     assert [r["iteration"] for r in got] == [1, 2, 3]
     for a, b in zip(ref, got):
@@ -315,5 +320,5 @@ def test_pp2_with_the_mtp_layer_gives_the_pp1_run(folder, tmp_path, train_here):
         H.convert(run / "checkpoint", run / "hf", "to_hf")
     first, second = H.safetensors_state(str(one / "hf")), H.safetensors_state(str(two / "hf"))
     assert sorted(first) == sorted(second) and "model.layers.3.eh_proj.weight" in second
-    for name, tensor in first.items():
-        assert torch.allclose(second[name], tensor, atol=1e-5), name
+    for name, tensor in first.items():  # Adam's steps amplify the layouts' rounding a bit
+        assert torch.allclose(second[name], tensor, atol=1e-4), name
