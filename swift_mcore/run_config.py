@@ -322,8 +322,13 @@ def choose_window_attention(m, attention: str) -> str:
     SDPA core attention and the local layer spec implement here: megatron's local
     attention builds its window mask on CUDA only and drops the packed rows' mask with it,
     and Gemma 3's extra norms are local-spec modules. 'auto' becomes sdpa; an explicit other
-    backend is refused."""
+    backend is refused. Attention sinks (gpt-oss) run on sdpa or local: 'auto' picks sdpa
+    over Transformer Engine (arguments/run.py refuses it given explicitly)."""
     if not m.window_size and m.model_type != "gemma3":
+        if m.softmax_type != "vanilla" and attention == "transformer_engine":
+            # attention sinks: our SDPA's and megatron's local softmax (check_attention
+            # refuses an explicit transformer_engine)
+            return "sdpa"
         return attention
     if attention == "sdpa":
         return attention

@@ -27,7 +27,7 @@ class ModelArguments:
         "are loaded.")
     model_type: Optional[str] = flag(
         None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral, "
-        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3; "
+        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3, gpt_oss; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
     num_layers: int = flag(4, "Number of transformer layers.",
@@ -69,9 +69,9 @@ class ModelArguments:
     qk_head_dim: int = flag(128, "MLA: the per-head query/key channels without RoPE.")
     qk_pos_emb_head_dim: int = flag(64, "MLA: the per-head query/key channels RoPE rotates.")
     v_head_dim: int = flag(128, "MLA: the per-head value channels.")
-    rope_type: str = flag("rope", "MLA's RoPE: rope (plain) or yarn (YaRN context extension "
-                          "with the --rotary_scaling_factor and --mscale flags).",
-                          choices=("rope", "yarn"))
+    rope_type: str = flag("rope", "RoPE: rope (plain) or yarn (YaRN context extension with "
+                          "the --rotary_scaling_factor and --mscale flags; multi-latent "
+                          "attention's or gpt-oss's).", choices=("rope", "yarn"))
     rotary_scaling_factor: float = flag(1.0, "YaRN: the context extension factor.",
                                         range=POSITIVE)
     original_max_position_embeddings: int = flag(
@@ -84,6 +84,14 @@ class ModelArguments:
                           range=NON_NEGATIVE)
     mscale_all_dim: float = flag(0.0, "YaRN: mscale_all_dim (also scales the softmax).",
                                   range=NON_NEGATIVE)
+    num_labels: Optional[int] = flag(
+        None, "A score head of this many outputs in place of the LM head, as transformers' "
+        "*ForSequenceClassification has (only 1: a reward model's scalar score). rlhf "
+        "--rlhf_type rm sets it, a *ForSequenceClassification --model's config.json too; "
+        "unset: a causal LM.", range=POSITIVE)
+    yarn_truncate: bool = flag(
+        True, "YaRN: round the correction range to whole channels (transformers' truncate; "
+        "gpt-oss has false). Only true with --multi_latent_attention.")
     untie_embeddings_and_output_weights: bool = flag(
         True, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = flag(False, "Bias in the linear layers.")
@@ -106,6 +114,13 @@ class ModelArguments:
     softmax_scale: Optional[float] = flag(
         None, "Scale of the attention scores (Gemma 3: query_pre_attn_scalar ** -0.5); unset: "
         "1 / sqrt(head size).", range=POSITIVE)
+    softmax_type: str = flag(
+        "vanilla", "Attention softmax: vanilla, or learnable (a learned logit per head in "
+        "every softmax's denominator: gpt-oss's attention sinks; megatron's softmax_type). "
+        "Runs with --attention_backend sdpa or local.", choices=("vanilla", "learnable"))
+    activation_func_clamp_value: Optional[float] = flag(
+        None, "gpt-oss's clamped SwiGLU: the gate clamped above and the linear part on both "
+        "sides to this value (swiglu_limit); only with --model_type gpt_oss.", range=POSITIVE)
     hidden_dropout: float = flag(0.0, "Dropout after attention and MLP.", range=FRACTION)
     attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.",
                                     range=FRACTION)

@@ -297,13 +297,29 @@ class RunArguments:
                                 "and post-MLP norms do not support it yet; drop the flag")
 
     def check_attention(self) -> None:
-        """Multi-latent attention's flags (YaRN is MLA's RoPE only here)."""
+        """Multi-latent attention's flags, YaRN's and gpt-oss's (attention sinks, the
+        clamped SwiGLU)."""
         m, p = self.model, self.parallel
-        if m.rope_type == "yarn" and not m.multi_latent_attention:
-            raise ArgumentError("--rope_type yarn is multi-latent attention's RoPE here; it "
-                                "needs --multi_latent_attention")
+        if m.rope_type == "yarn" and not m.multi_latent_attention \
+                and m.model_type != "gpt_oss":
+            raise ArgumentError("--rope_type yarn is multi-latent attention's RoPE or "
+                                "gpt-oss's here; it needs --multi_latent_attention or "
+                                "--model_type gpt_oss")
+        if m.rope_type == "yarn" and m.position_embedding_type != "rope":
+            raise ArgumentError(f"--rope_type yarn with --position_embedding_type "
+                                f"{m.position_embedding_type}: YaRN scales RoPE (rope only)")
+        if m.activation_func_clamp_value is not None and m.model_type != "gpt_oss":
+            raise ArgumentError("--activation_func_clamp_value is gpt-oss's clamped SwiGLU: "
+                                "it needs --model_type gpt_oss")
+        if m.softmax_type != "vanilla" and m.attention_backend == "transformer_engine":
+            raise ArgumentError(f"--softmax_type {m.softmax_type} with --attention_backend "
+                                f"transformer_engine: not tested here; use sdpa, local or "
+                                f"auto (sdpa)")
         if not m.multi_latent_attention:
             return
+        if not m.yarn_truncate:
+            raise ArgumentError("--yarn_truncate false with --multi_latent_attention: "
+                                "megatron's MLA rounds YaRN's correction range; only true")
         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
             _positive(m, name)
         if m.q_lora_rank is not None:
@@ -493,9 +509,16 @@ class RunArguments:
                 f"--sequence_parallel (megatron's MoE layer refuses to train with tensor "
                 f"parallelism without it): add --sequence_parallel, or use "
                 f"--expert_model_parallel_size instead of TP")
-        if m.add_bias_linear:
-            raise ArgumentError("--num_experts with --add_bias_linear: megatron's MoE layer "
-                                "has no bias in its experts; drop --add_bias_linear")
+        if m.add_bias_linear and tp > 1:
+            raise ArgumentError(f"--tensor_model_parallel_size {tp} with biased experts "
+                                f"(--add_bias_linear: gpt-oss): megatron-core supports expert "
+                                f"biases only with expert tensor parallelism 1, which "
+                                f"swift-mcore ties to TP; use --expert_model_parallel_size, "
+                                f"pipeline or data parallelism")
+        if m.add_bias_linear and m.moe_shared_expert_intermediate_size:
+            raise ArgumentError("--moe_shared_expert_intermediate_size with --add_bias_linear: "
+                                "megatron's shared expert has no bias (its routed experts "
+                                "and router have: gpt-oss); drop one of them")
         groups, chosen = m.moe_router_num_groups, m.moe_router_group_topk
         if (groups is None) != (chosen is None):
             raise ArgumentError("--moe_router_num_groups and --moe_router_group_topk go "

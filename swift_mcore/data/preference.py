@@ -34,6 +34,7 @@ class Pair:
     rejected: Any
     tools: Optional[List[Dict[str, Any]]]
     where: str
+    margin: Optional[float] = None  # a reward model's per-row margin (TRL's 'margin' column)
 
     @property
     def conversational(self) -> bool:
@@ -71,6 +72,30 @@ def _implicit_prompt(chosen, rejected) -> Tuple[Any, Any, Any]:
 
 def to_pair(row: Dict[str, Any], where: str) -> Pair:
     """One row -> a Pair; raises ArgumentError naming the row and what is accepted."""
+    if row.get("chosen") is None and row.get("messages") is None and \
+            row.get("completion") is not None and row.get("label") is not None:
+        raise ArgumentError(f"{where}: an unpaired row (prompt/completion/label, TRL's KTO "
+                            f"format); this task trains on pairs: prompt/chosen/rejected, or "
+                            f"messages + rejected_response")
+    pair = _row_pair(row, where)
+    pair.margin = _margin(row.get("margin"), where)
+    return pair
+
+
+def _margin(value, where: str) -> Optional[float]:
+    """A row's 'margin': a finite number (or absent/null)."""
+    import math
+    import numbers
+
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or \
+            not math.isfinite(float(value)):
+        raise ArgumentError(f"{where}: 'margin' must be a finite number, got {value!r:.80}")
+    return float(value)
+
+
+def _row_pair(row: Dict[str, Any], where: str) -> Pair:
     tools = row.get("tools")
     if isinstance(tools, str):
         try:

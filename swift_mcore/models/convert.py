@@ -54,7 +54,15 @@ _ROW_PARALLEL = {
 }
 
 # the HF expert spelling of each family (Experts.names); the rest are Qwen's
-_EXPERT_NAMES = {"mixtral": "mixtral", "deepseek_v3": "deepseek", "glm4_moe": "deepseek"}
+_EXPERT_NAMES = {"mixtral": "mixtral", "deepseek_v3": "deepseek", "glm4_moe": "deepseek",
+                 "gpt_oss": "gpt_oss"}
+# gpt-oss: each layer's experts in four fused tensors [experts, ...]; gate_up_proj is
+# [hidden, 2 * ffn] per expert (the input side first) with gate and up interleaved by
+# column (gate the even ones), down_proj [ffn, hidden]
+_FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
+                  "mlp.experts.down_proj", "mlp.experts.down_proj_bias")
+_SINKS = ("self_attention.core_attention.softmax_offset", "self_attn.sinks")
+_PROJ_BIAS = ("self_attention.linear_proj.bias", "self_attn.o_proj.bias")
 
 Read = Callable[..., torch.Tensor]   # read(hf_name, rows=None, cols=None)
 Get = Callable[[str], torch.Tensor]  # get(megatron_name) -> full tensor
@@ -97,9 +105,52 @@ class Experts:
     names: str = "qwen"
     expert_bias: bool = False    # the router's expert bias (DeepSeek-V3's correction bias)
 
+    def fused_shapes(self, hidden: int) -> List[Tuple[str, Tuple[int, ...]]]:
+        """gpt-oss's fused expert tensors of one layer with their shapes."""
+        e, f = self.count, self.ffn
+        return list(zip(_FUSED_EXPERTS, [(e, hidden, 2 * f), (e, 2 * f), (e, f, hidden),
+                                         (e, hidden)]))
+
+    def fused_to_hf(self, suffix: str, layer: str, get: Get) -> torch.Tensor:
+        """One fused HF tensor of the layer whose megatron prefix is ``layer``."""
+        per = []
+        for e in range(self.count):
+            expert = f"{layer}mlp.experts.local_experts.{e}."
+            if suffix.startswith("mlp.experts.gate_up_proj"):
+                kind = "bias" if suffix.endswith("_bias") else "weight"
+                gate, up = get(expert + f"linear_fc1.{kind}").chunk(2, dim=0)
+                # [gate; up] rows -> columns interleaved gate, up, gate, ... (weights
+                # stored input side first)
+                both = torch.stack([gate, up], dim=1).flatten(0, 1)
+                per.append(both.t() if kind == "weight" else both)
+            elif suffix == "mlp.experts.down_proj":
+                per.append(get(expert + "linear_fc2.weight").t())
+            else:
+                per.append(get(expert + "linear_fc2.bias"))
+        return torch.stack(per).contiguous()
+
+    def fused_to_mcore(self, expert: int, suffix: str, prefix: str, read: Read,
+                       tp_rank: int, tp_size: int) -> torch.Tensor:
+        """Global expert ``expert``'s linear_fc1/fc2 weight or bias (``suffix``: e.g.
+        'linear_fc1.weight'), this TP rank's part, read from the fused tensors."""
+        rows = slice(expert, expert + 1)
+        part = _part(self.ffn, tp_rank, tp_size)
+        if suffix.startswith("linear_fc1."):
+            name = "mlp.experts.gate_up_proj" + ("_bias" if suffix.endswith("bias") else "")
+            fused = read(prefix + name, rows=rows)[0]
+            if suffix.endswith("weight"):
+                fused = fused.t()
+            return torch.cat([fused[0::2][part], fused[1::2][part]], dim=0)
+        if suffix == "linear_fc2.weight":
+            return read(prefix + "mlp.experts.down_proj", rows=rows)[0].t()[:, part]
+        return read(prefix + "mlp.experts.down_proj_bias", rows=rows)[0]
+
     def hf_names(self, i: int) -> dict:
         """megatron suffix (local spec, layer i) -> the HF suffix, for each MoE tensor."""
         out = {}
+        if self.names == "gpt_oss":  # the experts: fused_to_hf / fused_to_mcore
+            return {"mlp.router.weight": "mlp.router.weight",
+                    "mlp.router.bias": "mlp.router.bias"}
         if self.names == "mixtral":
             out["mlp.router.weight"] = "block_sparse_moe.gate.weight"
             for e in range(self.count):
@@ -141,9 +192,12 @@ class Layout:
     qkv_bias: bool
     qk_norm: bool
     experts: Optional[Experts] = None
+    proj_bias: bool = False   # a bias on the attention output (gpt-oss's o_proj)
+    sinks: bool = False       # a learned sink logit per head (gpt-oss)
     mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
     post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
     mtp_layers: int = 0       # multi-token prediction layers after the decoder (mtp.py)
+    score: int = 0  # a reward model: score.weight [score, hidden] instead of lm_head
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -163,9 +217,11 @@ class Layout:
                    head_dim=m.kv_channels or m.hidden_size // heads,
                    vocab=m.vocab_size or padded_vocab, padded_vocab=padded_vocab,
                    tied=not m.untie_embeddings_and_output_weights,
+                   proj_bias=m.add_bias_linear, sinks=m.softmax_type == "learnable",
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
                    mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
-                   post_norms=m.model_type == "gemma3", mtp_layers=m.mtp_num_layers or 0)
+                   post_norms=m.model_type == "gemma3", mtp_layers=m.mtp_num_layers or 0,
+                   score=getattr(m, "num_labels", None) or 0)
 
     def same(self) -> dict:
         """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
@@ -185,7 +241,7 @@ class Layout:
         for mc, hf in x.hf_names(layer).items():
             if mc == "mlp.router.weight":
                 shapes.append((hf, (x.count, h)))
-            elif mc == "mlp.router.expert_bias":
+            elif mc in ("mlp.router.expert_bias", "mlp.router.bias"):
                 shapes.append((hf, (x.count,)))
             elif mc == "mlp.shared_experts.gate_weight":
                 shapes.append((hf, (1, h)))
@@ -195,6 +251,8 @@ class Layout:
                     shapes += [(name, (ffn, h)) for name in hf]
                 else:
                     shapes.append((hf, (h, ffn)))
+        if x.names == "gpt_oss":
+            shapes += x.fused_shapes(h)
         return shapes
 
     @property
@@ -210,7 +268,9 @@ class Layout:
         for i in range(self.num_layers):
             out += self._layer_tensors(i)
         out.append(("model.norm.weight", (h,)))
-        if not self.tied:
+        if self.score:  # *ForSequenceClassification: the score head, no LM head
+            out.append(("score.weight", (self.score, h)))
+        elif not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
         return out + (self.mtp_hf_tensors() if mtp_layers else [])
 
@@ -238,8 +298,12 @@ class Layout:
             out += [(p + "self_attn.q_norm.weight", (hd,)),
                     (p + "self_attn.k_norm.weight", (hd,))]
         if self.mla is None:
-            out += [(p + "self_attn.o_proj.weight", (h, self.heads * hd)),
-                    (p + "post_attention_layernorm.weight", (h,))]
+            out.append((p + "self_attn.o_proj.weight", (h, self.heads * hd)))
+            if self.proj_bias:
+                out.append((p + _PROJ_BIAS[1], (h,)))
+            if self.sinks:
+                out.append((p + _SINKS[1], (self.heads,)))
+            out.append((p + "post_attention_layernorm.weight", (h,)))
         if self.post_norms:
             out += [(p + "pre_feedforward_layernorm.weight", (h,)),
                     (p + "post_feedforward_layernorm.weight", (h,))]
@@ -256,6 +320,8 @@ class Layout:
             return get("embedding.word_embeddings.weight")[: self.vocab]
         if hf_name == "lm_head.weight":
             return get("output_layer.weight")[: self.vocab]
+        if hf_name == "score.weight" and self.score:
+            return get("output_layer.weight")
         if hf_name == "model.norm.weight":
             return get("decoder.final_layernorm.weight")
         match = _HF_LAYER.match(hf_name)
@@ -273,9 +339,11 @@ class Layout:
             layer = f"mtp.layers.{k}.{mtp.TRANSFORMER_LAYER}"
         if self.mla is not None and self.mla.mcore_name(suffix):
             return get(layer + self.mla.mcore_name(suffix))
-        for mc, hf in {**self.same(), **_ROW_PARALLEL}.items():
+        for mc, hf in {**self.same(), **_ROW_PARALLEL, **self._attention_extras()}.items():
             if suffix == hf:
                 return get(layer + mc)
+        if suffix in _FUSED_EXPERTS and self.is_moe(i) and self.experts.names == "gpt_oss":
+            return self.experts.fused_to_hf(suffix, layer, get)
         qkv = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", suffix)
         if qkv:
             fused = get(layer + f"self_attention.linear_qkv.{qkv.group(2)}")
@@ -292,6 +360,11 @@ class Layout:
                     return get(layer + mc)
         raise ConversionError(f"no megatron counterpart for {hf_name}")
 
+    def _attention_extras(self) -> dict:
+        """megatron suffix -> HF suffix of the output bias and the sinks, where present."""
+        return dict(pair for pair, present in ((_PROJ_BIAS, self.proj_bias),
+                                               (_SINKS, self.sinks)) if present)
+
     def _split_qkv(self, fused: torch.Tensor):
         hd, n = self.head_dim, self.per_group
         grouped = fused.reshape(self.groups, (n + 2) * hd, *fused.shape[1:])
@@ -307,6 +380,8 @@ class Layout:
         name = canonical(name)
         if name == "embedding.word_embeddings.weight":
             return self._vocab_rows("model.embed_tokens.weight", read, tp_rank, tp_size)
+        if name == "output_layer.weight" and self.score:
+            return read("score.weight")  # whole on every rank (models/value_head.py)
         if name == "output_layer.weight":
             source = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
             return self._vocab_rows(source, read, tp_rank, tp_size)
@@ -331,6 +406,10 @@ class Layout:
             return read(prefix + self.mla.hf_name(suffix))
         if suffix in self.same():
             return read(prefix + self.same()[suffix])
+        if self.proj_bias and suffix == _PROJ_BIAS[0]:  # row-parallel: whole on every rank
+            return read(prefix + _PROJ_BIAS[1])
+        if self.sinks and suffix == _SINKS[0]:  # this rank's heads
+            return read(prefix + _SINKS[1], rows=_part(self.heads, tp_rank, tp_size))
         if self.is_moe(index) and suffix.startswith("mlp.") \
                 and not suffix.startswith("mlp.linear_fc"):
             return self._moe_shard(index, prefix, suffix, read, tp_rank, tp_size,
@@ -356,11 +435,14 @@ class Layout:
         if local:
             suffix = (f"mlp.experts.local_experts."
                       f"{ep_rank * (x.count // ep_size) + int(local.group(1))}.{local.group(2)}")
+        if local and x.names == "gpt_oss":
+            expert, rest = suffix.split(".")[3], local.group(2)
+            return x.fused_to_mcore(int(expert), rest, prefix, read, tp_rank, tp_size)
         hf = x.hf_names(layer).get(suffix)
         if hf is None:
             raise ConversionError(f"no Hugging Face counterpart for megatron parameter "
                                   f"{prefix}{suffix}")
-        if suffix in ("mlp.router.weight", "mlp.router.expert_bias",
+        if suffix in ("mlp.router.weight", "mlp.router.expert_bias", "mlp.router.bias",
                       "mlp.shared_experts.gate_weight"):
             return read(prefix + hf)
         ffn = x.shared_ffn if "shared" in suffix else x.ffn

@@ -64,12 +64,14 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
     kv = m.kv_channels or h // heads
     ffn = m.ffn_hidden_size
     gemma3 = m.model_type == "gemma3"  # gated gelu-tanh; norms after attention and MLP
-    gated = 2 if m.swiglu or gemma3 else 1
+    # Gemma 3's gated gelu-tanh and gpt-oss's clamped SwiGLU are gated without --swiglu
+    gated = 2 if m.swiglu or gemma3 or m.model_type == "gpt_oss" else 1
     norm = h * (2 if m.normalization == "LayerNorm" else 1)
     qkv_out = kv * (heads + 2 * groups)
     bias = m.add_bias_linear
     attention = (h * qkv_out + heads * kv * h + (qkv_out if bias or m.add_qkv_bias else 0)
-                 + (h if bias else 0) + (2 * kv if m.qk_layernorm else 0))
+                 + (h if bias else 0) + (2 * kv if m.qk_layernorm else 0)
+                 + (heads if m.softmax_type == "learnable" else 0))  # attention sinks
     if m.multi_latent_attention:
         attention = mla_parameters(m)
     dense_mlp = h * ffn * gated + ffn * h + ((ffn * gated + h) if bias else 0)
@@ -79,7 +81,9 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
     counts = {
         "embedding": vocab * h + (m.max_position_embeddings * h
                                   if m.position_embedding_type == "learned_absolute" else 0),
-        "output layer": vocab * h if m.untie_embeddings_and_output_weights else 0,
+        # a reward model's score head replaces the LM head (models/value_head.py)
+        "output layer": (m.num_labels * h if getattr(m, "num_labels", None) else
+                         vocab * h if m.untie_embeddings_and_output_weights else 0),
         "layers": layers * (attention + (4 if gemma3 else 2) * norm)
         + (layers - moe_layers) * dense_mlp + norm,
         "experts": 0,
@@ -88,8 +92,9 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
     if moe_layers:
         expert_ffn = m.moe_ffn_hidden_size or ffn
         shared = m.moe_shared_expert_intermediate_size or 0
-        per_layer = (m.num_experts * h  # router
-                     + m.num_experts * (h * expert_ffn * gated + expert_ffn * h)
+        per_layer = (m.num_experts * (h + (1 if bias else 0))  # router
+                     + m.num_experts * (h * expert_ffn * gated + expert_ffn * h
+                                        + ((expert_ffn * gated + h) if bias else 0))
                      + h * shared * gated + shared * h + (h if m.moe_shared_expert_gate else 0))
         counts["experts"] = moe_layers * per_layer
     if m.mtp_num_layers:

@@ -8,6 +8,7 @@ against transformers' own model for the config, built on the meta device (no mem
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -16,6 +17,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from .finite import nonfinite
+from .value_head import is_score_config
 from ..errors import ArgumentError
 from ..runtime import collectives
 from . import mtp
@@ -29,7 +31,8 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     import warnings
 
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import (AutoConfig, AutoModelForCausalLM,
+                              AutoModelForSequenceClassification)
 
     from .families import for_config
 
@@ -45,8 +48,10 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
         else:
             hf_config = AutoConfig.from_pretrained(folder, local_files_only=True,
                                                    trust_remote_code=False)
+        head = AutoModelForSequenceClassification if is_score_config(raw) \
+            else AutoModelForCausalLM
         with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = head.from_config(hf_config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
@@ -73,8 +78,12 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                              f"of {folder.config_path}: only ours "
                              f"{sorted(set(ours) - set(expected))[:4]}, only transformers' "
                              f"{sorted(set(expected) - set(ours))[:4]}")
+    from . import mxfp4
+
     expected.update(layout.mtp_hf_tensors())
     found = folder.shapes()
+    if mxfp4.is_mxfp4(folder.config):  # the experts' blocks and scales, as read dequantized
+        found = mxfp4.quantized_shapes(found)
     if not layout.mtp_layers:  # --mtp_num_layers 0: the folder's MTP layers left out
         from .families import for_config
 
@@ -111,18 +120,19 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     from ..runtime.ddp import unwrap
 
     start = time.time()
-    from dataclasses import replace
-
     from .families import for_config
 
     folder = HFFolder(config.model.model, flag="--model")
     layout = Layout.from_model_args(config.model, config.padded_vocab_size)
+    fresh_head = bool(layout.score) and not is_score_config(folder.config)
+    if fresh_head:  # a reward model from a causal LM: its body; the new head stays as drawn
+        layout = dataclasses.replace(layout, score=0)
     # MTP layers the folder does not hold (a family without, or a folder without them)
     # start from their initialization; a folder's own are loaded (mtp.check_flag)
     fresh_mtp = layout.mtp_layers and not mtp.folder_layers(
         for_config(folder.config, folder.config_path), folder)
     if fresh_mtp:
-        layout = replace(layout, mtp_layers=0)
+        layout = dataclasses.replace(layout, mtp_layers=0)
     check_shapes(folder, layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -130,8 +140,20 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     loaded, problems = 0, []
     with folder.reader() as reader, torch.no_grad():
+        from . import mxfp4
+
+        quantized = mxfp4.is_mxfp4(folder.config)
+
         def read(name, rows=None, cols=None):
-            value = reader.read(name, rows, cols)
+            if quantized and name not in folder.weight_map and cols is None \
+                    and name + mxfp4.BLOCKS in folder.weight_map:
+                try:
+                    value = mxfp4.read_dequantized(reader.read, name, rows)
+                except ValueError as err:  # blocks or scales of another dtype
+                    raise ArgumentError(f"--model {folder.weight_map[name + mxfp4.BLOCKS]}: "
+                                        f"{name}: {err}") from None
+            else:
+                value = reader.read(name, rows, cols)
             bad = not problems and nonfinite(value)
             if bad:  # this rank's slice: the ranks agree below
                 problems.append(f"--model {folder.weight_map[name]}: the weights are not "
@@ -147,6 +169,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
                 if fresh_mtp and local.startswith("mtp."):
                     continue
                 name = global_name(local, offset)
+                if fresh_head and name == "output_layer.weight":
+                    continue
                 value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size)
                 if tuple(value.shape) != tuple(param.shape):
                     raise AssertionError(f"{name}: converted shape {list(value.shape)}, "

@@ -24,6 +24,9 @@ class DpoTrainer(Trainer):
     """``DpoTrainer(RlhfArguments...).train()``; ``self.reference`` is the frozen reference's
     chunks (None when the LoRA policy serves as its own reference, or --reference_free)."""
 
+    # the metrics the log line, metrics.jsonl and the trackers carry after the usual fields
+    METRIC_NAMES = (*METRICS, "nll_loss")
+
     def __init__(self, args):
         super().__init__(args)
         self.dpo = DpoLoss.from_config(self.config.rlhf)
@@ -67,8 +70,11 @@ class DpoTrainer(Trainer):
             self.reference = self.build_reference(None, copy_from=chunks)
             what = "a frozen copy of the starting weights"
         self.writer_print_early(f"rlhf {r.rlhf_type}: reference model: {what}; loss "
-                                f"{describe_loss(self.dpo)}, beta {r.beta}")
+                                f"{self.describe_loss()}, beta {r.beta}")
         return chunks
+
+    def describe_loss(self) -> str:
+        return describe_loss(self.dpo)
 
     def build_reference(self, folder: Optional[str], copy_from=None) -> list:
         """Frozen model chunks in eval mode: ``folder``'s Hugging Face weights, or a copy of
@@ -176,7 +182,7 @@ class DpoTrainer(Trainer):
         it, total = self.state.iteration, self.config.training.train_iters
         self.writer.step(it, step.get("loss"))
         self.log_window.add(step)
-        names = [n for n in (*METRICS, "nll_loss") if step.get(n) is not None]
+        names = [n for n in self.METRIC_NAMES if step.get(n) is not None]
         self._window.append({n: step[n] for n in names})
         if it % self.config.logging.log_interval == 0 or it == total:
             metrics = self.log_window.flush()

@@ -73,7 +73,14 @@ def test_prompts_that_fill_max_length_are_counted_and_refused(tiny_hf):
     (["--rpo_alpha", "1", "--loss_type", "sft"], "--rpo_alpha adds the 'sft' loss"),
     (["--reference_free", "--ref_model", "x"], "--reference_free trains without a reference"),
     (["--max_length", "100"], "--max_length 100 exceeds --seq_length 64 \\+ 1"),
-    (["--rlhf_type", "kto"], "--rlhf_type"),
+    (["--rlhf_type", "ppo"], "--rlhf_type"),
+    (["--rlhf_type", "kto", "--rpo_alpha", "1"], "^--rpo_alpha is a DPO flag; --rlhf_type kto"),
+    (["--rlhf_type", "kto", "--loss_type", "ipo"], "^--loss_type is a DPO flag"),
+    (["--rlhf_type", "kto", "--reference_free"], "^--reference_free is a DPO flag"),
+    (["--rlhf_type", "kto", "--micro_batch_size", "1"],
+     "^--rlhf_type kto needs --micro_batch_size 2 or more"),
+    (["--desirable_weight", "2"], "^--desirable_weight weighs KTO's losses; it needs "
+                                  "--rlhf_type kto"),
     (["--load", ".", "--finetune"], "rlhf --load: the reference would not be the loaded weights"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):

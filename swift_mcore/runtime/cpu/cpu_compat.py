@@ -51,6 +51,8 @@ PATCHED_MODULES = {
         "all-gather buffers on the CUDA device (181); uneven all_gather/reduce_scatter of the "
         "MoE dispatchers with TP (150, 193), which gloo refuses",
     "megatron.core.transformer.utils": "default causal mask built on 'cuda' (35)",
+    "megatron.core.transformer.dot_product_attention":
+        "the learnable softmax offset (attention sinks) created on the CUDA device (121-135)",
     "megatron.core.tensor_parallel.layers":
         "weight-grad buffers on the CUDA device (552); the placeholder weight gradients of "
         "gradient_accumulation_fusion (589-606)",
