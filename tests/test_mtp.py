@@ -55,6 +55,8 @@ def test_mtp_loss_is_logged_apart_and_trains_the_model(tmp_path, gloo_group, dat
     (dict(mtp_num_layers=1, recompute_granularity="full", recompute_method="uniform",
           recompute_num_layers=2),
      r"^--mtp_num_layers 1 with --recompute_method uniform needs --recompute_num_layers 1"),
+    (dict(mtp_num_layers=1, context_parallel_size=2, world_size=2),
+     r"^--mtp_num_layers 1 with --context_parallel_size 2: not supported yet"),
     (dict(mtp_num_layers=-1), r"^--mtp_num_layers"),
 ])
 def test_what_mtp_does_not_run_with_is_refused(flags, message):

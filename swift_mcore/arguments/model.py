@@ -14,6 +14,9 @@ from .fields import FRACTION, NON_NEGATIVE, NONZERO_FRACTION, POSITIVE, Range, f
 # (the MoE layer pattern, LoRA's target names) stay small. models/footprint.py refuses what
 # does not fit long before this.
 MAX_LAYERS = 1_000_000
+# --model_type values built with Qwen3-Next's layers (models/hybrid_layers.py): zero-centred
+# norms, gated delta nets, gated attention
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # --moe_layer_freq's expression: nesting depth and text length (per layer) it may have.
 MAX_FREQ_DEPTH = 32
 FREQ_CHARS_PER_LAYER = 8
@@ -27,7 +30,8 @@ class ModelArguments:
         "are loaded.")
     model_type: Optional[str] = flag(
         None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral, "
-        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3, gpt_oss; "
+        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3, gpt_oss, qwen3_next, "
+        "qwen3_5, qwen3_5_moe; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
     num_layers: int = flag(4, "Number of transformer layers.",
@@ -121,6 +125,21 @@ class ModelArguments:
     activation_func_clamp_value: Optional[float] = flag(
         None, "gpt-oss's clamped SwiGLU: the gate clamped above and the linear part on both "
         "sides to this value (swiglu_limit); only with --model_type gpt_oss.", range=POSITIVE)
+    # ---- linear attention (Qwen3-Next; megatron's GatedDeltaNet) -------------------------
+    linear_attention_freq: Optional[str] = flag(
+        None, "Gated delta-net (linear attention) layers: an integer k (layers k, 2k, ... "
+        "counting from 1 keep full attention, the others are delta-net layers) or a per-layer "
+        "list of 1 (delta net) and 0 (full attention), e.g. '[1,1,1,0]'; unset: none.")
+    linear_conv_kernel_dim: int = flag(4, "Delta net: width of the causal conv1d.",
+                                       range=POSITIVE)
+    linear_key_head_dim: int = flag(128, "Delta net: per-head query/key size.", range=POSITIVE)
+    linear_value_head_dim: int = flag(128, "Delta net: per-head value size.", range=POSITIVE)
+    linear_num_key_heads: int = flag(16, "Delta net: query/key heads.", range=POSITIVE)
+    linear_num_value_heads: int = flag(
+        32, "Delta net: value heads (a multiple of --linear_num_key_heads).", range=POSITIVE)
+    attention_output_gate: bool = flag(
+        False, "Full attention's output multiplied by sigmoid(a per-head gate the query "
+        "projection also computes) (Qwen3-Next).")
     hidden_dropout: float = flag(0.0, "Dropout after attention and MLP.", range=FRACTION)
     attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.",
                                     range=FRACTION)
@@ -213,6 +232,16 @@ def window_layer_pattern(m: ModelArguments) -> List[int]:
     if m.window_attn_skip_freq is None:
         return [1] * int(m.num_layers)
     return _layer_pattern("window_attn_skip_freq", m.window_attn_skip_freq,
+                          int(m.num_layers), lambda i, k: 0 if (i + 1) % k == 0 else 1)
+
+
+def linear_attention_pattern(m: ModelArguments) -> List[int]:
+    """--linear_attention_freq as one 0/1 per layer (1: gated delta net, 0: full
+    attention), as megatron reads it: an integer k keeps full attention in layers k, 2k, ...
+    (counting from 1). [] when unset."""
+    if m.linear_attention_freq is None:
+        return []
+    return _layer_pattern("linear_attention_freq", m.linear_attention_freq,
                           int(m.num_layers), lambda i, k: 0 if (i + 1) % k == 0 else 1)
 
 

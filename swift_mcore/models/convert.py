@@ -22,6 +22,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from . import mtp
+from .delta_net import DeltaNet
 from .mla import Mla
 
 # Transformer Engine fuses the pre-attention and pre-MLP norms into the next linear layer;
@@ -53,6 +54,8 @@ _ROW_PARALLEL = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 
+# families whose delta nets keep Qwen3.5's four input projections (models/delta_net.py)
+FLAT_DELTA_NET = ("qwen3_5", "qwen3_5_moe")
 # the HF expert spelling of each family (Experts.names); the rest are Qwen's
 _EXPERT_NAMES = {"mixtral": "mixtral", "deepseek_v3": "deepseek", "glm4_moe": "deepseek",
                  "gpt_oss": "gpt_oss"}
@@ -197,10 +200,16 @@ class Layout:
     mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
     post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
     mtp_layers: int = 0       # multi-token prediction layers after the decoder (mtp.py)
+    # gated delta-net layers (Qwen3-Next, models/delta_net.py): 1 per such layer
+    delta_net: Optional[DeltaNet] = None
+    linear: Tuple[int, ...] = ()
+    output_gate: bool = False  # q_proj also holds each head's output gate (Qwen3-Next)
     score: int = 0  # a reward model: score.weight [score, hidden] instead of lm_head
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
+        from ..arguments.model import linear_attention_pattern
+
         heads = m.num_attention_heads
         experts = None
         if getattr(m, "num_experts", None) is not None:
@@ -221,6 +230,10 @@ class Layout:
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
                    mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
                    post_norms=m.model_type == "gemma3", mtp_layers=m.mtp_num_layers or 0,
+                   delta_net=DeltaNet.from_model_args(m, flat=m.model_type in FLAT_DELTA_NET)
+                   if m.linear_attention_freq else None,
+                   linear=tuple(linear_attention_pattern(m)),
+                   output_gate=bool(m.attention_output_gate),
                    score=getattr(m, "num_labels", None) or 0)
 
     def same(self) -> dict:
@@ -228,6 +241,11 @@ class Layout:
         if not self.post_norms:
             return _SAME
         return {**_SAME, **_POST_NORMS}
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether HF layer ``layer`` is a delta-net layer (an MTP layer: as the last)."""
+        layer = min(layer, self.num_layers - 1)
+        return bool(self.linear) and bool(self.linear[layer])
 
     def is_moe(self, layer: int) -> bool:
         """Whether HF layer ``layer`` is MoE; an MTP layer (past the decoder's) is built like
@@ -287,17 +305,22 @@ class Layout:
         h, hd = self.hidden, self.head_dim
         p = f"model.layers.{i}."
         out = [(p + "input_layernorm.weight", (h,))]
-        if self.mla is not None:
+        if self.is_linear(i):
+            out += self.delta_net.hf_tensors(p) + [(p + "post_attention_layernorm.weight",
+                                                    (h,))]
+        elif self.mla is not None:
             out += self.mla.hf_tensors(p) + [(p + "post_attention_layernorm.weight", (h,))]
-        for proj, rows in (("q", self.heads * hd), ("k", self.groups * hd),
-                           ("v", self.groups * hd)) if self.mla is None else ():
+        q_rows = self.heads * hd * (2 if self.output_gate else 1)
+        full = self.mla is None and not self.is_linear(i)
+        for proj, rows in (("q", q_rows), ("k", self.groups * hd),
+                           ("v", self.groups * hd)) if full else ():
             out.append((p + f"self_attn.{proj}_proj.weight", (rows, h)))
             if self.qkv_bias:
                 out.append((p + f"self_attn.{proj}_proj.bias", (rows,)))
-        if self.qk_norm and self.mla is None:
+        if self.qk_norm and full:
             out += [(p + "self_attn.q_norm.weight", (hd,)),
                     (p + "self_attn.k_norm.weight", (hd,))]
-        if self.mla is None:
+        if full:
             out.append((p + "self_attn.o_proj.weight", (h, self.heads * hd)))
             if self.proj_bias:
                 out.append((p + _PROJ_BIAS[1], (h,)))
@@ -339,6 +362,8 @@ class Layout:
             layer = f"mtp.layers.{k}.{mtp.TRANSFORMER_LAYER}"
         if self.mla is not None and self.mla.mcore_name(suffix):
             return get(layer + self.mla.mcore_name(suffix))
+        if self.is_linear(i) and self.delta_net.owns_hf(suffix):
+            return self.delta_net.to_hf(suffix, layer, get)
         for mc, hf in {**self.same(), **_ROW_PARALLEL, **self._attention_extras()}.items():
             if suffix == hf:
                 return get(layer + mc)
@@ -366,10 +391,18 @@ class Layout:
                                                (_SINKS, self.sinks)) if present)
 
     def _split_qkv(self, fused: torch.Tensor):
-        hd, n = self.head_dim, self.per_group
-        grouped = fused.reshape(self.groups, (n + 2) * hd, *fused.shape[1:])
+        hd, n, tail = self.head_dim, self.per_group, fused.shape[1:]
+        if self.output_gate:
+            # megatron: per group [its queries; their gates; key; value]; HF's q_proj: per
+            # head [query; gate]
+            grouped = fused.reshape(self.groups, (2 * n + 2) * hd, *tail)
+            q, gate, k, v = grouped.split([n * hd, n * hd, hd, hd], dim=1)
+            q = torch.stack([q.reshape(self.groups, n, hd, *tail),
+                             gate.reshape(self.groups, n, hd, *tail)], dim=2)
+            return [t.reshape(-1, *tail) for t in (q, k, v)]
+        grouped = fused.reshape(self.groups, (n + 2) * hd, *tail)
         q, k, v = grouped.split([n * hd, hd, hd], dim=1)
-        return [t.reshape(-1, *fused.shape[1:]) for t in (q, k, v)]
+        return [t.reshape(-1, *tail) for t in (q, k, v)]
 
     # ---- the megatron side ---------------------------------------------------------------
     def to_mcore(self, name: str, read: Read, tp_rank: int = 0, tp_size: int = 1,
@@ -404,6 +437,8 @@ class Layout:
         prefix = f"model.layers.{index}."
         if self.mla is not None and self.mla.hf_name(suffix):  # TP 1 (arguments/run.py)
             return read(prefix + self.mla.hf_name(suffix))
+        if self.is_linear(index) and self.delta_net.owns(suffix):
+            return self.delta_net.to_mcore(suffix, prefix, read, tp_rank, tp_size)
         if suffix in self.same():
             return read(prefix + self.same()[suffix])
         if self.proj_bias and suffix == _PROJ_BIAS[0]:  # row-parallel: whole on every rank
@@ -455,14 +490,24 @@ class Layout:
         hd, n = self.head_dim, self.per_group
         local = self.groups // tp_size
         first = tp_rank * local
-        q = read(prefix + f"self_attn.q_proj.{kind}",
-                 rows=slice(first * n * hd, (first + local) * n * hd))
+        if self.output_gate:  # HF: per head [query; gate]; megatron: [queries; gates]
+            both = read(prefix + f"self_attn.q_proj.{kind}",
+                        rows=slice(first * n * 2 * hd, (first + local) * n * 2 * hd))
+            tail = both.shape[1:]
+            both = both.reshape(local, n, 2, hd, *tail)
+            q = torch.cat([both[:, :, 0].reshape(local, n * hd, *tail),
+                           both[:, :, 1].reshape(local, n * hd, *tail)], dim=1)
+            n_rows = 2 * n * hd
+        else:
+            q = read(prefix + f"self_attn.q_proj.{kind}",
+                     rows=slice(first * n * hd, (first + local) * n * hd))
+            n_rows = n * hd
         k = read(prefix + f"self_attn.k_proj.{kind}", rows=slice(first * hd, (first + local) * hd))
         v = read(prefix + f"self_attn.v_proj.{kind}", rows=slice(first * hd, (first + local) * hd))
-        tail = q.shape[1:]
-        fused = torch.cat([q.reshape(local, n * hd, *tail), k.reshape(local, hd, *tail),
+        tail = k.shape[1:]
+        fused = torch.cat([q.reshape(local, n_rows, *tail), k.reshape(local, hd, *tail),
                            v.reshape(local, hd, *tail)], dim=1)
-        return fused.reshape(local * (n + 2) * hd, *tail)
+        return fused.reshape(-1, *tail)
 
     def _vocab_rows(self, hf_name: str, read: Read, tp_rank: int, tp_size: int):
         """This rank's rows of the (padded) vocabulary; padding rows are zero."""

@@ -57,6 +57,10 @@ def transformer_config(config, initialize: bool = True):
         overlap_p2p_comm=bool(config.args.virtual_stages()),
         batch_p2p_comm=not config.args.virtual_stages(),
         sequence_parallel=p.sequence_parallel,
+        # context parallelism: Transformer Engine's attention exchanges keys and values over
+        # the group as --cp_comm_type says; on CPU the CPU port's attention (layer_spec)
+        context_parallel_size=p.context_parallel_size,
+        cp_comm_type=p.cp_comm_type if p.context_parallel_size > 1 else None,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=config.precision == "bf16",
@@ -107,6 +111,10 @@ def transformer_config(config, initialize: bool = True):
         from . import gpt_oss_layers
 
         fields.update(gpt_oss_layers.transformer_fields(m))
+    if m.linear_attention_freq is not None or m.attention_output_gate:
+        from . import hybrid_layers
+
+        fields.update(hybrid_layers.transformer_fields(m))
     tc = config_class(**fields)
     # read by gemma3_layers.Gemma3SelfAttention (TransformerConfig has no such field)
     tc.rotary_base_local = m.rotary_base_local or m.rotary_base
@@ -238,9 +246,13 @@ def layer_spec(config, moe: bool = False):
         qk_layernorm=m.qk_layernorm, normalization=m.normalization,
         multi_latent_attention=m.multi_latent_attention, **experts)
     if config.attention == "sdpa":
+        from ..runtime import cpu
         from .sdpa_attention import SdpaAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+        # --context_parallel_size on CPU: the CPU port's attention over the group (None on
+        # CUDA and without CP, where run_config allows only TE's there)
+        spec.submodules.self_attention.submodules.core_attention = (
+            cpu.context_parallel_attention(config) or SdpaAttention)
     if swiglu_module(config):
         from .swiglu import SwiGLU
 
@@ -261,6 +273,12 @@ def layer_spec(config, moe: bool = False):
         from . import gpt_oss_layers
 
         spec = gpt_oss_layers.adapt_moe_spec(spec)
+    from ..arguments.model import HYBRID_MODEL_TYPES
+
+    if m.model_type in HYBRID_MODEL_TYPES:
+        from . import hybrid_layers
+
+        spec = hybrid_layers.adapt_spec(spec, m.qk_layernorm)
     if config.parallel.sequence_parallel:
         from . import sequence_parallel_norm
 
@@ -276,7 +294,9 @@ def block_spec(config, transformer_config, vp_stage=None):
     whenever TE is importable, so a local-spec model on a machine with TE (a conversion
     child on the CPU, --attention_backend sdpa on a GPU) would hold one TE module."""
     spec = layer_spec(config)
-    if config.layer_spec == "transformer_engine" and config.model.num_experts is None:
+    linear = config.model.linear_attention_freq is not None
+    if config.layer_spec == "transformer_engine" and config.model.num_experts is None \
+            and not linear:
         return spec
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -293,6 +313,13 @@ def block_spec(config, transformer_config, vp_stage=None):
         offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
         pattern = moe_layer_pattern(config.model)[offset: offset + layers]
         specs = [moe_spec if is_moe else spec for is_moe in pattern]
+    if linear:  # --linear_attention_freq: this stage's slice
+        from ..arguments.model import linear_attention_pattern
+        from .hybrid_layers import with_delta_net
+
+        offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
+        specs = with_delta_net(specs, linear_attention_pattern(config.model)[offset:
+                                                                            offset + layers])
     if config.layer_spec == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 

@@ -192,6 +192,14 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              untie_embeddings_and_output_weights=False),
         dict(model_type="gemma3", window_size=8, window_attn_skip_freq="2", kv_channels=8,
              rotary_base_local=10000, softmax_scale=0.25),
+        # Qwen3-Next: a delta-net layer and a gated-attention layer, a gated shared expert
+        dict(model_type="qwen3_next", linear_attention_freq="[1,0]", attention_output_gate=True,
+             qk_layernorm=True, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+             num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq="[1,0]",
+             moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True),
+        # delta-net layers in a model of no family: plain norms, attention without the gate
+        dict(linear_attention_freq="2", rotary_percent=0.5),
         # a reward model: the score head [1, hidden] in place of the LM head, tied or not
         dict(num_labels=1),
         dict(num_labels=1, untie_embeddings_and_output_weights=False),
@@ -204,6 +212,12 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         dict(add_bias_linear=True, num_experts=4, moe_ffn_hidden_size=16,
              moe_layer_freq="[0,1]"),
     ]
+    from megatron.core import tensor_parallel
+
+    # megatron's GatedDeltaNet initializes dt_bias and A_log under the RNG tracker, which a
+    # run seeds (runtime/seed.py)
+    tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True,
+                                                    force_reset_rng=True)
     for changes in cases:
         flags = RunArguments.from_flags(
             num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,

@@ -164,6 +164,11 @@ VALUES: Dict[str, Value] = {
     # gpt-oss
     "swiglu_alpha": Value("number", 0, low_open=True),
     "swiglu_limit": Value("number", 0, low_open=True),
+    # Qwen3-Next (gated delta-net layers)
+    "full_attention_interval": Value("int", 1), "linear_conv_kernel_dim": Value("int", 1),
+    "linear_key_head_dim": Value("int", 1), "linear_value_head_dim": Value("int", 1),
+    "linear_num_key_heads": Value("int", 1), "linear_num_value_heads": Value("int", 1),
+    "mtp_num_hidden_layers": Value("int", 0), "mtp_use_dedicated_embeddings": Value("bool"),
 }
 # Flags only some families express (a family that does lists them in its ``fixed`` or
 # handles them in its own representation_problems); every other family needs them unset.
@@ -299,6 +304,7 @@ class Family:
                   "rotary_percent": 1.0, "add_bias_linear": False, "add_qkv_bias": False,
                   "qk_layernorm": False, "multi_latent_attention": False,
                   "softmax_type": "vanilla", "activation_func_clamp_value": None,
+                  "linear_attention_freq": None, "attention_output_gate": False,
                   **{name: None for name in UNSET_FLAGS}, **self.fixed}
         problems = [f"--{name} {getattr(m, name)!r} (a {self.name} model has {value!r})"
                     for name, value in wanted.items() if getattr(m, name) != value]
