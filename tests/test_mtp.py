@@ -106,7 +106,7 @@ def test_router_losses_average_over_the_moe_mtp_layers_too(gloo_group):
     tracker.clear()
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark  # outside the suite's time budget: run with -m benchmark
 def test_dp2_gives_the_dp1_losses(tmp_path, data):
     """Two data-parallel ranks (megatron's MTP tracker averaged over them with gloo) log
     the one-rank LM and MTP losses."""

@@ -258,7 +258,7 @@ def test_new_mtp_layers_on_a_folder_without_them_train_and_export_is_refused(tmp
         families.for_model_args(config.model)
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark  # outside the suite's time budget: run with -m benchmark
 def test_ep2_with_the_mtp_layer_gives_the_ep1_losses(folder, tmp_path, train_here):
     """Continued pretraining of a DeepSeek-V3 folder with its MTP layer at EP=2 (each rank
     loads its experts of the MTP layer's MoE too) gives the one-rank LM and MTP losses."""
