@@ -53,12 +53,18 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log: Log, trust: bool,
     from .models.hf_folder import HFFolder
     from .models.hf_load import load_hf_weights
 
+    from .models import mtp
+    from .models.families import for_config
+
+    folder = HFFolder(path, flag="--model")
     # Only the model matters; a sequence length its positions allow keeps the checks happy.
-    positions = HFFolder(path, flag="--model").config.get("max_position_embeddings") or 256
+    positions = folder.config.get("max_position_embeddings") or 256
+    # the folder's multi-token prediction layers, carried to the checkpoint or folder written
+    held = mtp.folder_layers(for_config(folder.config, folder.config_path), folder)
     # float32, on a GPU too (--precision auto would be bf16 there): the weights as stored.
     flags = RunArguments.from_flags(model=path, tokenizer=tokenizer_path,
                                          seq_length=min(256, int(positions)), precision="fp32",
-                                         trust_remote_code=trust)
+                                         trust_remote_code=trust, mtp_num_layers=held or None)
     tokenizer = None
     if tokenizer_path or not tokenizer_optional or has_tokenizer_files(path):
         tokenizer = build_tokenizer(flags)

@@ -200,6 +200,16 @@ class ModelArguments:
         choices=("allgather", "alltoall"))
     moe_grouped_gemm: bool = flag(
         False, "All local experts in one grouped GEMM (CUDA with Transformer Engine).")
+    # ---- multi-token prediction (megatron's MultiTokenPredictionBlock; docs/models.md) ----
+    mtp_num_layers: Optional[int] = flag(
+        None, "Multi-token prediction (DeepSeek-V3): this many MTP layers after the decoder, "
+        "layer k predicting the token k + 1 places ahead; their loss trains the model and is "
+        "logged apart (mtp_loss). With --model, a folder's MTP layers load only with the "
+        "same count; 0 leaves them out. Unset: none.",
+        range=Range(low=0, high=MAX_LAYERS, words="0 to a million"))
+    mtp_loss_scaling_factor: float = flag(
+        0.1, "Weight of the MTP loss (the mean over the MTP layers) added to the LM loss.",
+        range=NON_NEGATIVE)
 
 
 def moe_layer_pattern(m: ModelArguments) -> List[int]:

@@ -168,6 +168,7 @@ class RunArguments:
         self.check_parallel(world_size)
         self.check_moe(world_size)
         self.check_attention()
+        self.check_mtp()
         self.check_recompute()
         self.check_checkpoint_flags()
         self.check_best_flags()
@@ -374,6 +375,47 @@ class RunArguments:
             raise ArgumentError("--multi_latent_attention with --tensor_model_parallel_size "
                                 f"{p.tensor_model_parallel_size}: not supported yet; use "
                                 f"--expert_model_parallel_size or data parallelism")
+
+    def check_mtp(self) -> None:
+        """Multi-token prediction (--mtp_num_layers): what swift-mcore runs it with so far.
+        megatron places every MTP layer on the last pipeline stage, with a copy of the
+        embedding there (tested at PP=2, and TP=2 with sequence parallelism); the
+        interleaved schedule is not yet."""
+        m, p, t = self.model, self.parallel, self.training
+        if not m.mtp_num_layers:
+            # (a saved run's flags, all explicit, hold the default)
+            if "mtp_loss_scaling_factor" in self.explicit and m.mtp_loss_scaling_factor != \
+                    flag_field(type(self), "mtp_loss_scaling_factor").default:
+                raise ArgumentError("--mtp_loss_scaling_factor weighs the multi-token "
+                                    "prediction loss: it needs --mtp_num_layers N > 0")
+            return
+        n = f"--mtp_num_layers {m.mtp_num_layers}"
+        refusals = [
+            (p.pipeline_model_parallel_size > 1 and bool(self.virtual_stages()),
+             f"{n} with virtual pipeline stages (the interleaved schedule): not supported "
+             f"yet; drop --num_layers_per_virtual_pipeline_stage / "
+             f"--num_virtual_stages_per_pipeline_rank"),
+            (self.COMMAND == "rlhf",
+             f"{n} with rlhf: the preference loss has no multi-token prediction term; drop "
+             f"the flag (or give 0 to leave a folder's MTP layers out)"),
+            (self.tuner.tuner_type == "lora",
+             f"{n} with --tuner_type lora: not supported yet; use --tuner_type full"),
+            (p.context_parallel_size > 1,
+             f"{n} with --context_parallel_size {p.context_parallel_size}: not supported yet "
+             f"(the next-token shift crosses the ranks' sequence chunks)"),
+            (m.linear_attention_freq is not None,
+             f"{n} with --linear_attention_freq (gated delta-net layers): not supported yet"),
+            (bool(getattr(getattr(self, "sft", None), "packing", False)),
+             f"{n} with --packing: the next-token shift would cross from one packed "
+             f"conversation into the next; drop --packing"),
+            (t.recompute_granularity == "full" and t.recompute_method == "uniform"
+             and t.recompute_num_layers != 1,
+             f"{n} with --recompute_method uniform needs --recompute_num_layers 1 (megatron "
+             f"recomputes each MTP layer alone)"),
+        ]
+        for broken, message in refusals:
+            if broken:
+                raise ArgumentError(message)
 
     def check_parallel(self, world_size: int) -> None:
         p, t = self.parallel, self.training

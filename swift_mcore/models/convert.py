@@ -21,6 +21,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from . import mtp
 from .delta_net import DeltaNet
 from .mla import Mla
 
@@ -78,14 +79,17 @@ class ConversionError(ValueError):
 _TE_GROUPED = re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$")
 
 
+_ANY_LAYER = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
+
+
 def canonical(name: str) -> str:
-    """A megatron parameter name in the local spec's spelling."""
-    match = _LAYER.match(name)
+    """A megatron parameter name in the local spec's spelling (decoder and MTP layers)."""
+    match = _ANY_LAYER.match(name)
     if match and match.group(2) in _TE_NAMES:
-        return f"decoder.layers.{match.group(1)}.{_TE_NAMES[match.group(2)]}"
+        return f"{match.group(1)}.{_TE_NAMES[match.group(2)]}"
     grouped = _TE_GROUPED.match(match.group(2)) if match else None
     if grouped:
-        return (f"decoder.layers.{match.group(1)}.mlp.experts.local_experts."
+        return (f"{match.group(1)}.mlp.experts.local_experts."
                 f"{grouped.group(2)}.linear_fc{grouped.group(1)}.weight")
     return name
 
@@ -195,6 +199,7 @@ class Layout:
     sinks: bool = False       # a learned sink logit per head (gpt-oss)
     mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
     post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
+    mtp_layers: int = 0       # multi-token prediction layers after the decoder (mtp.py)
     # gated delta-net layers (Qwen3-Next, models/delta_net.py): 1 per such layer
     delta_net: Optional[DeltaNet] = None
     linear: Tuple[int, ...] = ()
@@ -224,7 +229,7 @@ class Layout:
                    proj_bias=m.add_bias_linear, sinks=m.softmax_type == "learnable",
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
                    mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
-                   post_norms=m.model_type == "gemma3",
+                   post_norms=m.model_type == "gemma3", mtp_layers=m.mtp_num_layers or 0,
                    delta_net=DeltaNet.from_model_args(m, flat=m.model_type in FLAT_DELTA_NET)
                    if m.linear_attention_freq else None,
                    linear=tuple(linear_attention_pattern(m)),
@@ -238,9 +243,14 @@ class Layout:
         return {**_SAME, **_POST_NORMS}
 
     def is_linear(self, layer: int) -> bool:
+        """Whether HF layer ``layer`` is a delta-net layer (an MTP layer: as the last)."""
+        layer = min(layer, self.num_layers - 1)
         return bool(self.linear) and bool(self.linear[layer])
 
     def is_moe(self, layer: int) -> bool:
+        """Whether HF layer ``layer`` is MoE; an MTP layer (past the decoder's) is built like
+        the decoder's last layer (models/gpt.py mtp_block_spec)."""
+        layer = min(layer, self.num_layers - 1)
         return self.experts is not None and bool(self.experts.layers[layer])
 
     def _moe_shapes(self, layer: int) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -268,49 +278,63 @@ class Layout:
         return self.heads // self.groups
 
     # ---- the HF side -------------------------------------------------------------------
-    def hf_tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
-        """Every HF tensor of the model with its shape, in file order."""
-        h, hd = self.hidden, self.head_dim
+    def hf_tensors(self, mtp_layers: bool = True) -> List[Tuple[str, Tuple[int, ...]]]:
+        """Every HF tensor of the model with its shape, in file order; the MTP layers last
+        (``mtp_layers=False``: without them, as transformers' model has it)."""
+        h = self.hidden
         out = [("model.embed_tokens.weight", (self.vocab, h))]
         for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            out.append((p + "input_layernorm.weight", (h,)))
-            if self.is_linear(i):
-                out += self.delta_net.hf_tensors(p) + [(p + "post_attention_layernorm.weight",
-                                                        (h,))]
-            elif self.mla is not None:
-                out += self.mla.hf_tensors(p) + [(p + "post_attention_layernorm.weight", (h,))]
-            q_rows = self.heads * hd * (2 if self.output_gate else 1)
-            full = self.mla is None and not self.is_linear(i)
-            for proj, rows in (("q", q_rows), ("k", self.groups * hd),
-                               ("v", self.groups * hd)) if full else ():
-                out.append((p + f"self_attn.{proj}_proj.weight", (rows, h)))
-                if self.qkv_bias:
-                    out.append((p + f"self_attn.{proj}_proj.bias", (rows,)))
-            if self.qk_norm and full:
-                out += [(p + "self_attn.q_norm.weight", (hd,)),
-                        (p + "self_attn.k_norm.weight", (hd,))]
-            if full:
-                out.append((p + "self_attn.o_proj.weight", (h, self.heads * hd)))
-                if self.proj_bias:
-                    out.append((p + _PROJ_BIAS[1], (h,)))
-                if self.sinks:
-                    out.append((p + _SINKS[1], (self.heads,)))
-                out.append((p + "post_attention_layernorm.weight", (h,)))
-            if self.post_norms:
-                out += [(p + "pre_feedforward_layernorm.weight", (h,)),
-                        (p + "post_feedforward_layernorm.weight", (h,))]
-            if self.is_moe(i):
-                out += [(p + name, shape) for name, shape in self._moe_shapes(i)]
-                continue
-            out += [(p + "mlp.gate_proj.weight", (self.ffn, h)),
-                    (p + "mlp.up_proj.weight", (self.ffn, h)),
-                    (p + "mlp.down_proj.weight", (h, self.ffn))]
+            out += self._layer_tensors(i)
         out.append(("model.norm.weight", (h,)))
         if self.score:  # *ForSequenceClassification: the score head, no LM head
             out.append(("score.weight", (self.score, h)))
         elif not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
+        return out + (self.mtp_hf_tensors() if mtp_layers else [])
+
+    def mtp_hf_tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """The tensors of the MTP layers (model.layers.<num_layers + k>.*)."""
+        out = []
+        for i in range(self.num_layers, self.num_layers + self.mtp_layers):
+            before, after = mtp.hf_extra_tensors(f"model.layers.{i}.", self.hidden, self.vocab)
+            out += before + self._layer_tensors(i) + after
+        return out
+
+    def _layer_tensors(self, i: int) -> List[Tuple[str, Tuple[int, ...]]]:
+        """The tensors of decoder layer ``i`` (or an MTP layer's decoder-layer part)."""
+        h, hd = self.hidden, self.head_dim
+        p = f"model.layers.{i}."
+        out = [(p + "input_layernorm.weight", (h,))]
+        if self.is_linear(i):
+            out += self.delta_net.hf_tensors(p) + [(p + "post_attention_layernorm.weight",
+                                                    (h,))]
+        elif self.mla is not None:
+            out += self.mla.hf_tensors(p) + [(p + "post_attention_layernorm.weight", (h,))]
+        q_rows = self.heads * hd * (2 if self.output_gate else 1)
+        full = self.mla is None and not self.is_linear(i)
+        for proj, rows in (("q", q_rows), ("k", self.groups * hd),
+                           ("v", self.groups * hd)) if full else ():
+            out.append((p + f"self_attn.{proj}_proj.weight", (rows, h)))
+            if self.qkv_bias:
+                out.append((p + f"self_attn.{proj}_proj.bias", (rows,)))
+        if self.qk_norm and full:
+            out += [(p + "self_attn.q_norm.weight", (hd,)),
+                    (p + "self_attn.k_norm.weight", (hd,))]
+        if full:
+            out.append((p + "self_attn.o_proj.weight", (h, self.heads * hd)))
+            if self.proj_bias:
+                out.append((p + _PROJ_BIAS[1], (h,)))
+            if self.sinks:
+                out.append((p + _SINKS[1], (self.heads,)))
+            out.append((p + "post_attention_layernorm.weight", (h,)))
+        if self.post_norms:
+            out += [(p + "pre_feedforward_layernorm.weight", (h,)),
+                    (p + "post_feedforward_layernorm.weight", (h,))]
+        if self.is_moe(i):
+            return out + [(p + name, shape) for name, shape in self._moe_shapes(i)]
+        out += [(p + "mlp.gate_proj.weight", (self.ffn, h)),
+                (p + "mlp.up_proj.weight", (self.ffn, h)),
+                (p + "mlp.down_proj.weight", (h, self.ffn))]
         return out
 
     def to_hf(self, hf_name: str, get: Get) -> torch.Tensor:
@@ -328,6 +352,14 @@ class Layout:
             raise ConversionError(f"no megatron counterpart for {hf_name}")
         i, suffix = int(match.group(1)), match.group(2)
         layer = f"decoder.layers.{i}."
+        if self.num_layers <= i < self.num_layers + self.mtp_layers:
+            k = i - self.num_layers
+            if mtp.mcore_name(suffix):
+                return get(f"mtp.layers.{k}.{mtp.mcore_name(suffix)}")
+            if mtp.copied(suffix, self.tied):  # the model's embedding / output layer again,
+                # its own tensor (safetensors writes no two names over one storage)
+                return self.to_hf(mtp.copied(suffix, self.tied), get).clone()
+            layer = f"mtp.layers.{k}.{mtp.TRANSFORMER_LAYER}"
         if self.mla is not None and self.mla.mcore_name(suffix):
             return get(layer + self.mla.mcore_name(suffix))
         if self.is_linear(i) and self.delta_net.owns_hf(suffix):
@@ -389,12 +421,23 @@ class Layout:
         if name == "decoder.final_layernorm.weight":
             return read("model.norm.weight")
         match = _LAYER.match(name)
-        if not match:
+        index, suffix = (int(match.group(1)), match.group(2)) if match else (None, None)
+        in_mtp = mtp.MCORE_LAYER.match(name)
+        if in_mtp and int(in_mtp.group(1)) < self.mtp_layers:
+            index, suffix = self.num_layers + int(in_mtp.group(1)), in_mtp.group(2)
+            if suffix == "eh_proj.weight":  # column-parallel: TP shards its output rows
+                return read(f"model.layers.{index}.eh_proj.weight",
+                            rows=_part(self.hidden, tp_rank, tp_size))
+            if mtp.hf_name(suffix):
+                return read(f"model.layers.{index}.{mtp.hf_name(suffix)}")
+            suffix = suffix[len(mtp.TRANSFORMER_LAYER):] \
+                if suffix.startswith(mtp.TRANSFORMER_LAYER) else None
+        if suffix is None:
             raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
-        prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
+        prefix = f"model.layers.{index}."
         if self.mla is not None and self.mla.hf_name(suffix):  # TP 1 (arguments/run.py)
             return read(prefix + self.mla.hf_name(suffix))
-        if self.is_linear(int(match.group(1))) and self.delta_net.owns(suffix):
+        if self.is_linear(index) and self.delta_net.owns(suffix):
             return self.delta_net.to_mcore(suffix, prefix, read, tp_rank, tp_size)
         if suffix in self.same():
             return read(prefix + self.same()[suffix])
@@ -402,9 +445,9 @@ class Layout:
             return read(prefix + _PROJ_BIAS[1])
         if self.sinks and suffix == _SINKS[0]:  # this rank's heads
             return read(prefix + _SINKS[1], rows=_part(self.heads, tp_rank, tp_size))
-        if self.is_moe(int(match.group(1))) and suffix.startswith("mlp.") \
+        if self.is_moe(index) and suffix.startswith("mlp.") \
                 and not suffix.startswith("mlp.linear_fc"):
-            return self._moe_shard(int(match.group(1)), prefix, suffix, read, tp_rank, tp_size,
+            return self._moe_shard(index, prefix, suffix, read, tp_rank, tp_size,
                                    ep_rank, ep_size)
         if suffix in _ROW_PARALLEL:
             width = self.heads * self.head_dim if "linear_proj" in suffix else self.ffn

@@ -100,6 +100,16 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
                                         + ((expert_ffn * gated + h) if bias else 0))
                      + h * shared * gated + shared * h + (h if m.moe_shared_expert_gate else 0))
         counts["experts"] = moe_layers * per_layer
+    if m.mtp_num_layers:
+        # multi-token prediction: per MTP layer its embedding and hidden norms, the
+        # [embedding; hidden] -> hidden projection, its final norm and a transformer layer
+        # like the decoder's last (embedding and output layer shared with the model's)
+        last_moe = bool(moe_layers) and moe_layer_pattern(m)[-1] == 1
+        counts["layers"] += m.mtp_num_layers * (
+            3 * norm + 2 * h * h + attention + (4 if gemma3 else 2) * norm
+            + (0 if last_moe else dense_mlp))
+        if last_moe:
+            counts["experts"] += m.mtp_num_layers * per_layer
     if tuner is not None and tuner.tuner_type == "lora":
         from ..arguments.tuner import MCORE_LINEARS, mcore_targets
 

@@ -99,6 +99,9 @@ def transformer_config(config, initialize: bool = True):
         recompute_modules=(list(t.recompute_modules) if t.recompute_granularity == "selective"
                            else None),
         **window_config(m),
+        # multi-token prediction (mtp_block_spec below); 0 is none, as unset
+        mtp_num_layers=m.mtp_num_layers or None,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
     )
     if m.model_type == "gemma3":
         from . import gemma3_layers
@@ -325,6 +328,28 @@ def block_spec(config, transformer_config, vp_stage=None):
                                       layer_norm=spec.submodules.input_layernorm)
 
 
+def mtp_block_spec(config, transformer_config, decoder_spec, vp_stage=None):
+    """megatron's multi-token prediction block (--mtp_num_layers), or None: each MTP layer's
+    transformer layer is the decoder's last layer's (an MoE layer when that one is, as in
+    DeepSeek-V3 and GLM-4.5). With the local spec its three norms are the decoder's own
+    norm class, as block_spec's final norm (megatron's local backend would pick apex's
+    LayerNorm whenever apex is importable, whatever --normalization says)."""
+    if not config.model.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    te = config.layer_spec == "transformer_engine"
+    spec = get_gpt_mtp_block_spec(transformer_config, decoder_spec, use_transformer_engine=te,
+                                  vp_stage=vp_stage)
+    if spec is None or te:
+        return spec
+    for layer in spec.layer_specs:
+        norm = layer.submodules.transformer_layer.submodules.input_layernorm
+        layer.submodules.enorm = layer.submodules.hnorm = norm
+        layer.submodules.layer_norm = norm
+    return spec
+
+
 def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
     """This rank's GPTModel chunks: one holding its pipeline stage and TP shard, or with the
     interleaved schedule one per virtual stage (megatron's vp_stage), in that order.
@@ -337,13 +362,17 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
     from megatron.core.models.gpt import GPTModel
 
     m = config.model
+    if m.mtp_num_layers:
+        GPTModel = _logits_without_mtp(GPTModel)
     tc = transformer_config(config, initialize)
     virtual = config.args.virtual_stages()
     chunks = []
     for vp_stage in (range(virtual) if virtual else [None]):
+        decoder_spec = block_spec(config, tc, vp_stage)
         model = GPTModel(
             config=tc,
-            transformer_layer_spec=block_spec(config, tc, vp_stage),
+            transformer_layer_spec=decoder_spec,
+            mtp_block_spec=mtp_block_spec(config, tc, decoder_spec, vp_stage),
             vocab_size=config.padded_vocab_size,
             max_sequence_length=m.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
@@ -375,6 +404,30 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+_MTP_CLASSES: dict = {}
+
+
+def _logits_without_mtp(gpt_model):
+    """megatron's GPTModel whose forward without labels (logits: infer, the conversion
+    check) skips the MTP block: megatron-core 0.16.1 computes the MTP loss from the labels
+    whenever the model has MTP layers (gpt_model.py:611, ``labels.clone()``), and the
+    logits do not depend on it. With labels (training, evaluation) it is megatron's."""
+    if gpt_model not in _MTP_CLASSES:
+        class GPTModelWithMTP(gpt_model):
+            def _postprocess(self, **kwargs):
+                if kwargs.get("labels") is not None:
+                    return super()._postprocess(**kwargs)
+                kwargs["mtp_in_postprocess"] = False
+                layers, self.config.mtp_num_layers = self.config.mtp_num_layers, None
+                try:
+                    return super()._postprocess(**kwargs)
+                finally:
+                    self.config.mtp_num_layers = layers
+
+        _MTP_CLASSES[gpt_model] = GPTModelWithMTP
+    return _MTP_CLASSES[gpt_model]
 
 
 def count_parameters(chunks) -> int:

@@ -20,6 +20,7 @@ from .finite import nonfinite
 from .value_head import is_score_config
 from ..errors import ArgumentError
 from ..runtime import collectives
+from . import mtp
 from .convert import Layout, global_name, layer_offset
 from .hf_folder import IGNORABLE_SUFFIXES, HFFolder
 
@@ -61,7 +62,7 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
     """Raise ArgumentError naming file and key for every tensor that is missing, has a shape
     other than config.json implies, or is not used by the model."""
     expected = expected_hf_shapes(folder.path)
-    ours = dict(layout.hf_tensors())
+    ours = dict(layout.hf_tensors(mtp_layers=False))  # transformers builds no MTP layers
     if layout.experts is not None:
         # transformers 5 holds each layer's experts fused in memory (experts.gate_up_proj)
         # and reads and writes them per expert on disk, as the Hub's files are: the files
@@ -79,9 +80,18 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                              f"{sorted(set(expected) - set(ours))[:4]}")
     from . import mxfp4
 
+    expected.update(layout.mtp_hf_tensors())
     found = folder.shapes()
     if mxfp4.is_mxfp4(folder.config):  # the experts' blocks and scales, as read dequantized
         found = mxfp4.quantized_shapes(found)
+    if not layout.mtp_layers:  # --mtp_num_layers 0: the folder's MTP layers left out
+        from .families import for_config
+
+        held = mtp.folder_layers(for_config(folder.config, folder.config_path), folder)
+        first = layout.num_layers
+        found = {name: value for name, value in found.items()
+                 if not any(name.startswith(f"model.layers.{i}.")
+                            for i in range(first, first + held))}
     problems: List[str] = []
     for name, shape in expected.items():
         if name not in found:
@@ -110,11 +120,19 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     from ..runtime.ddp import unwrap
 
     start = time.time()
+    from .families import for_config
+
     folder = HFFolder(config.model.model, flag="--model")
     layout = Layout.from_model_args(config.model, config.padded_vocab_size)
     fresh_head = bool(layout.score) and not is_score_config(folder.config)
     if fresh_head:  # a reward model from a causal LM: its body; the new head stays as drawn
         layout = dataclasses.replace(layout, score=0)
+    # MTP layers the folder does not hold (a family without, or a folder without them)
+    # start from their initialization; a folder's own are loaded (mtp.check_flag)
+    fresh_mtp = layout.mtp_layers and not mtp.folder_layers(
+        for_config(folder.config, folder.config_path), folder)
+    if fresh_mtp:
+        layout = dataclasses.replace(layout, mtp_layers=0)
     check_shapes(folder, layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -148,6 +166,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
             # the router's expert bias is a buffer (moved by the balancing, not by gradients)
             bias = [(n, b) for n, b in module.named_buffers() if n.endswith(".expert_bias")]
             for local, param in [*module.named_parameters(), *bias]:
+                if fresh_mtp and local.startswith("mtp."):
+                    continue
                 name = global_name(local, offset)
                 if fresh_head and name == "output_layer.weight":
                     continue
@@ -157,7 +177,12 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
                                          f"model shape {list(param.shape)}")
                 param.data.copy_(value)
                 loaded += param.numel()
+        if layout.mtp_layers:  # the folder's MTP copies of the embedding and output layer
+            mtp.check_copies(layout, reader.read, f"--model {folder.path}")
     collectives.raise_if_any(problems[0] if problems else None)
+    if fresh_mtp:
+        log(f"--mtp_num_layers {config.model.mtp_num_layers}: {folder.path} holds no MTP "
+            f"layers; they start from their initialization")
     log(f"loaded Hugging Face weights from {folder.path} ({len(folder.files)} file(s), "
         f"{loaded / 1e6:.2f}M parameters on this rank) in {time.time() - start:.1f}s")
     return loaded

@@ -7,6 +7,8 @@ import math
 import time
 from typing import Callable, Dict, List, Optional
 
+from .mtp_metrics import is_mtp_loss
+
 
 def _layer_flops(config) -> Dict[str, object]:
     """Forward multiply-adds per token of one layer: its attention projections, the attention
@@ -112,7 +114,8 @@ class LogWindow:
     def flush(self) -> Dict[str, float]:
         seconds = max(time.perf_counter() - self.start, 1e-9)
         metrics = {"lr": self.steps[-1]["lr"], "skipped": sum(s["skipped"] for s in self.steps)}
-        averaged = ["loss", "grad_norm"] + [k for k in self.steps[-1] if k in MOE_LOSSES]
+        averaged = ["loss", "grad_norm"] + [k for k in self.steps[-1]
+                                            if k in MOE_LOSSES or is_mtp_loss(k)]
         for key in averaged:  # a skipped non-finite step is left out
             values = [s[key] for s in self.steps
                       if s.get(key) is not None and math.isfinite(s[key])]

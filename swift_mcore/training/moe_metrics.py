@@ -41,15 +41,29 @@ def collect(config) -> Dict[str, float]:
     from ..arguments.model import moe_layer_pattern
 
     m = config.model
+    mtp = mtp_moe_layers(m)
     if "z_loss" in names:
         _average_z_loss_over_tp_and_dp(config)
     totals: Dict = {}
     # force_initialize: a stage whose layers are all dense tracks nothing, yet joins the
-    # reductions over the pipeline.
+    # reductions over the pipeline. The routers of MoE MTP layers track their losses after
+    # the decoder's (router.py:446: num_layers + mtp_num_layers values), and count as MoE
+    # layers in the average.
     track_moe_metrics(loss_scale=1.0 / config.world.num_microbatches, iteration=0,
                       total_loss_dict=totals, force_initialize=True, track_names=names,
-                      num_layers=m.num_layers, moe_layer_freq=moe_layer_pattern(m))
+                      num_layers=m.num_layers + (m.mtp_num_layers or 0),
+                      moe_layer_freq=moe_layer_pattern(m), mtp_num_layers=mtp or None)
     return {name: float(totals[name]) for name in names}
+
+
+def mtp_moe_layers(m) -> int:
+    """The multi-token prediction layers that are MoE layers (each is built like the
+    decoder's last layer: models/gpt.py mtp_block_spec)."""
+    if not m.mtp_num_layers or m.num_experts is None:
+        return 0
+    from ..arguments.model import moe_layer_pattern
+
+    return m.mtp_num_layers if moe_layer_pattern(m)[-1] else 0
 
 
 def _average_z_loss_over_tp_and_dp(config) -> None:
@@ -65,7 +79,7 @@ def _average_z_loss_over_tp_and_dp(config) -> None:
     tracker = get_moe_layer_wise_logging_tracker()
     if "z_loss" not in tracker:  # a stage without MoE layers: zeros, as force_initialize
         tracker["z_loss"] = {
-            "values": torch.zeros(config.model.num_layers,
+            "values": torch.zeros(config.model.num_layers + (config.model.mtp_num_layers or 0),
                                   device="cuda" if config.cuda else "cpu"),
             "reduce_group": None, "reduce_group_has_dp": False}
     tracker["z_loss"]["avg_group"] = parallel_state.get_tensor_and_data_parallel_group(

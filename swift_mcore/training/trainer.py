@@ -15,7 +15,7 @@ from ..arguments import RunArguments
 from ..checkpointing.state import TrainState
 from ..run_config import RunConfig, check_vocab, resolve
 from ..runtime import collectives, cpu, distributed, run_lock, seed
-from . import best, moe_metrics, run_log
+from . import best, moe_metrics, mtp_metrics, run_log
 from .metrics import LogWindow, executed_flops_per_token, flops_per_token
 from .nonfinite import NonFiniteGuard
 from .peak import device_peak, peak_memory_gb
@@ -126,6 +126,8 @@ class Trainer:
         megatron_config.no_sync_func = [chunk.no_sync for chunk in self.model]
         if config.model.num_experts is not None:
             moe_metrics.reset_loss_scale()
+        if config.model.mtp_num_layers:
+            mtp_metrics.reset()
         if len(self.model) == 1:
             megatron_config.no_sync_func = megatron_config.no_sync_func[0]
         if config.parallel.align_param_gather:  # the interleaved schedule starts them
@@ -280,6 +282,7 @@ class Trainer:
             "skipped": 0.0 if update_successful else 1.0,
             "tokens": tokens,
             **moe_metrics.collect(self.config),  # the router's losses, apart from the LM loss
+            **mtp_metrics.collect(self.config),  # multi-token prediction's, apart as well
         }
 
     def optimizer_step(self, loss: Optional[float]) -> tuple:
@@ -317,9 +320,12 @@ class Trainer:
         """One micro-batch through one model chunk: returns (output, loss function)."""
         batch = (data_iterator.next_batch(self.get_batch) if hasattr(data_iterator, "next_batch")
                  else self.get_batch(data_iterator))
+        # multi-token prediction weighs its targets by the mask the LM loss uses (megatron
+        # shifts it with the labels); without MTP the model does not read it
+        mtp = {"loss_mask": batch["loss_mask"]} if self.config.model.mtp_num_layers else {}
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                        attention_mask=batch.get("attention_mask"), labels=batch["labels"],
-                       packed_seq_params=batch.get("packed_seq_params"))
+                       packed_seq_params=batch.get("packed_seq_params"), **mtp)
         return output, partial(self.compute_loss, batch)
 
     def get_batch(self, data_iterator) -> Dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from .trackers import Tracker, close_quietly
 
 def format_log_line(iteration: int, total: int, metrics: Dict[str, float]) -> str:
     parts = [f"iter {iteration}/{total}"]
-    labels = [("loss", "loss {:.4f}"), ("load_balancing_loss", "load_balancing_loss {:.4f}"),
+    labels = [("loss", "loss {:.4f}"), ("mtp_loss", "mtp_loss {:.4f}"), ("load_balancing_loss", "load_balancing_loss {:.4f}"),
               ("seq_load_balancing_loss", "seq_load_balancing_loss {:.4f}"),
               ("global_load_balancing_loss", "global_load_balancing_loss {:.4f}"),
               ("z_loss", "z_loss {:.4f}"), ("lr", "lr {:.3e}"), ("grad_norm", "grad_norm {:.3f}"),

@@ -181,6 +181,15 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              moe_router_enable_expert_bias=True),
         dict(multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=16, qk_head_dim=8,
              qk_pos_emb_head_dim=4, v_head_dim=12),
+        # multi-token prediction: two MTP layers like the last decoder layer (MoE, MLA)...
+        dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=24, kv_lora_rank=16,
+             qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=12,
+             num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq="[0,1]",
+             moe_shared_expert_intermediate_size=32, moe_router_score_function="sigmoid",
+             moe_router_enable_expert_bias=True, mtp_num_layers=2),
+        # ... and dense, with LayerNorm (two parameters per norm) and tied embeddings
+        dict(mtp_num_layers=1, normalization="LayerNorm",
+             untie_embeddings_and_output_weights=False),
         dict(model_type="gemma3", window_size=8, window_attn_skip_freq="2", kv_channels=8,
              rotary_base_local=10000, softmax_scale=0.25),
         # Qwen3-Next: a delta-net layer and a gated-attention layer, a gated shared expert

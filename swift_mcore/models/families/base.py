@@ -205,6 +205,7 @@ class Family:
     fixed          ModelArguments every model of the family has (q/k/v bias, q/k norm)
     known_keys     family keys beyond MAPPED_KEYS that ``checks`` inspects
     checks         family rules: a list of problems (empty: supported)
+    mtp            whether its folders may hold multi-token prediction layers
     """
 
     name: str
@@ -215,6 +216,7 @@ class Family:
     known_keys: frozenset = frozenset()
     checks: Check = no_checks
     moe: Optional["MoeKeys"] = None  # a mixture-of-experts family: its config.json keys
+    mtp: bool = False  # its folders may carry multi-token prediction layers (models/mtp.py)
 
     # ---- config.json -> ModelArguments --------------------------------------------------
     def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
@@ -306,6 +308,9 @@ class Family:
                   **{name: None for name in UNSET_FLAGS}, **self.fixed}
         problems = [f"--{name} {getattr(m, name)!r} (a {self.name} model has {value!r})"
                     for name, value in wanted.items() if getattr(m, name) != value]
+        if m.mtp_num_layers and not self.mtp:
+            problems.append(f"--mtp_num_layers {m.mtp_num_layers} (a {self.name} folder holds "
+                            f"no multi-token prediction layers)")
         if self.moe is None and getattr(m, "num_experts", None) is not None:
             problems.append(f"--num_experts {m.num_experts} (a {self.name} model is dense)")
         elif self.moe is not None:

@@ -131,4 +131,5 @@ FAMILY = DeepseekFamily(
     known_keys=KEYS,
     checks=require(attention_bias=False, moe_layer_freq=1),
     moe=sigmoid_moe.MOE,
+    mtp=True,  # num_nextn_predict_layers MTP layers past num_hidden_layers (models/mtp.py)
 )

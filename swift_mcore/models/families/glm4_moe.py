@@ -62,4 +62,5 @@ FAMILY = Glm4MoeFamily(
     fixed=dict(sigmoid_moe.FIXED),
     known_keys=KEYS,
     moe=sigmoid_moe.MOE,
+    mtp=True,  # num_nextn_predict_layers MTP layers past num_hidden_layers (models/mtp.py)
 )

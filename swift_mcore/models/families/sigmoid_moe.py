@@ -42,6 +42,9 @@ class SigmoidMoeFamily(Family):
             value = config.get(key)
             return self.defaults.get(key) if value is None else value
 
+        from .. import mtp
+
+        mtp.check_flag(self, model_args)  # its MTP layers (past num_hidden_layers)
         problems: List[str] = []
         try:
             values = super().model_values(self.generic_config(config), model_args)
@@ -126,5 +129,6 @@ class SigmoidMoeFamily(Family):
             n_shared_experts=(m.moe_shared_expert_intermediate_size or 0) // ffn,
             n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1,
             routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
-            first_k_dense_replace=moe_layer_pattern(m).count(0), norm_topk_prob=True)
+            first_k_dense_replace=moe_layer_pattern(m).count(0), norm_topk_prob=True,
+            num_nextn_predict_layers=m.mtp_num_layers or 0)
         return config

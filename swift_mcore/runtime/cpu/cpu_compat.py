@@ -73,6 +73,10 @@ PATCHED_MODULES = {
     "megatron.core.transformer.moe.moe_utils":
         "aux-loss tracker values on 'cuda' (998), ReduceOp.AVG that gloo lacks (946)",
     "megatron.core.transformer.moe.shared_experts": "the overlapped shared expert's stream (123)",
+    # multi-token prediction (--mtp_num_layers)
+    "megatron.core.transformer.multi_token_prediction":
+        "MTP loss tracker values on torch.cuda.current_device() (337), ReduceOp.AVG over the "
+        "data-parallel ranks that gloo lacks (359)",
 }
 
 _FACTORIES = (

@@ -1,0 +1,139 @@
+"""Multi-token prediction (--mtp_num_layers, megatron's MTP block): a run trains it, logs its
+loss beside the LM loss (per layer too), and its loss reaches the gradients by
+--mtp_loss_scaling_factor; what it does not run with yet is refused in one line."""
+
+import json
+
+import pytest
+
+from in_process import train_in_process
+from run_helpers import train_records
+from swift_mcore.errors import ArgumentError
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mtp") / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    return path
+
+
+def test_mtp_loss_is_logged_apart_and_trains_the_model(tmp_path, gloo_group, data):
+    runs = {}
+    for factor in ("0.5", "0"):
+        out = tmp_path / factor
+        stdout = train_in_process(out, "--dataset", data, "--train_iters", "3", "--no_save",
+                                  "--mtp_num_layers", "2", "--mtp_loss_scaling_factor", factor,
+                                  command="pt").stdout
+        assert "| mtp_loss " in stdout
+        runs[factor] = train_records(out)
+    weighted, unweighted = runs["0.5"], runs["0"]
+    for record in weighted:
+        assert record["mtp_loss"] == pytest.approx(
+            (record["mtp_1_loss"] + record["mtp_2_loss"]) / 2, abs=1e-6)
+        assert 5 < record["mtp_2_loss"] < 10  # a cross entropy over 4096 tokens, near ln 4096
+    # the same first step: the MTP loss weighs nothing in the forward pass ...
+    assert weighted[0]["loss"] == unweighted[0]["loss"]
+    assert weighted[0]["mtp_loss"] == unweighted[0]["mtp_loss"]
+    # ... and in the gradients only with a weight: the LM losses then part
+    assert weighted[2]["loss"] != unweighted[2]["loss"]
+    # trained with weight 0 the MTP layers stay where they started; with a weight they learn
+    assert weighted[2]["mtp_loss"] < unweighted[2]["mtp_loss"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(mtp_loss_scaling_factor=0.3),
+     r"^--mtp_loss_scaling_factor weighs the multi-token prediction loss: it needs "
+     r"--mtp_num_layers N > 0$"),
+    (dict(mtp_num_layers=1, pipeline_model_parallel_size=2, world_size=2, num_layers=4,
+          num_layers_per_virtual_pipeline_stage=1),
+     r"^--mtp_num_layers 1 with virtual pipeline stages \(the interleaved schedule\): not "
+     r"supported yet"),
+    (dict(mtp_num_layers=1, tuner_type="lora"),
+     r"^--mtp_num_layers 1 with --tuner_type lora: not supported yet"),
+    (dict(mtp_num_layers=1, recompute_granularity="full", recompute_method="uniform",
+          recompute_num_layers=2),
+     r"^--mtp_num_layers 1 with --recompute_method uniform needs --recompute_num_layers 1"),
+    (dict(mtp_num_layers=1, context_parallel_size=2, world_size=2),
+     r"^--mtp_num_layers 1 with --context_parallel_size 2: not supported yet"),
+    (dict(mtp_num_layers=-1), r"^--mtp_num_layers"),
+])
+def test_what_mtp_does_not_run_with_is_refused(flags, message):
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    world_size = flags.pop("world_size", 1)
+    with pytest.raises(ArgumentError, match=message):
+        resolve(RunArguments.from_flags(**{"num_layers": 2, "global_batch_size": 8, **flags}),
+                world_size=world_size)
+
+
+def test_mtp_with_packing_or_rlhf_is_refused(tmp_path):
+    from swift_mcore.arguments import RlhfArguments, SftArguments, parse_args
+    from swift_mcore.run_config import resolve
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    with pytest.raises(ArgumentError, match=r"^--mtp_num_layers 1 with --packing: the "):
+        resolve(parse_args(["--dataset", str(data), "--packing", "true", "--mtp_num_layers",
+                            "1"], cls=SftArguments), world_size=1)
+    with pytest.raises(ArgumentError, match=r"^--mtp_num_layers 2 with rlhf: the preference"):
+        resolve(parse_args(["--dataset", str(data), "--mtp_num_layers", "2"],
+                           cls=RlhfArguments), world_size=1)
+
+
+def test_router_losses_average_over_the_moe_mtp_layers_too(gloo_group):
+    """An MoE model's MTP layer is an MoE layer (like the decoder's last); its router tracks
+    its losses after the decoder's, and the logged average counts it."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+    from swift_mcore.training import moe_metrics
+
+    config = resolve(RunArguments.from_flags(
+        num_layers=2, micro_batch_size=1, global_batch_size=4, num_experts=4,
+        moe_aux_loss_coeff=0.01, moe_layer_freq="[0,1]", mtp_num_layers=1), world_size=1)
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    tracker.clear()
+    # the decoder's MoE layer (layer 2) and the MTP layer's router (layer 3 of 2 + 1)
+    moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(3.0), 2, 3)
+    moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(5.0), 3, 3)
+    # two MoE layers, 4 micro-batches
+    assert moe_metrics.collect(config) == {"load_balancing_loss": pytest.approx(8.0 / 2 / 4)}
+    tracker.clear()
+
+
+@pytest.mark.benchmark  # outside the suite's time budget: run with -m benchmark
+def test_dp2_gives_the_dp1_losses(tmp_path, data):
+    """Two data-parallel ranks (megatron's MTP tracker averaged over them with gloo) log
+    the one-rank LM and MTP losses."""
+    from run_helpers import run_pt
+
+    runs = {}
+    for nproc in (1, 2):
+        run_pt(tmp_path / f"dp{nproc}", "--dataset", data, "--train_iters", "3", "--no_save",
+               "--mtp_num_layers", "2", nproc=nproc)
+        runs[nproc] = train_records(tmp_path / f"dp{nproc}")
+    for a, b in zip(runs[1], runs[2]):
+        for key in ("loss", "mtp_loss", "mtp_1_loss", "mtp_2_loss"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a, b)
+
+
+def test_a_checkpoint_with_mtp_layers_resumes_or_loads_only_with_them(tmp_path, gloo_group,
+                                                                      data):
+    """The MTP layers are part of the model's shape: resuming (or --load --finetune) a
+    checkpoint that has them without --mtp_num_layers would drop them; refused by name."""
+    from swift_mcore.errors import CheckpointError
+
+    out = tmp_path / "run"
+    train_in_process(out, "--dataset", data, "--train_iters", "1", "--save_steps", "1",
+                     "--mtp_num_layers", "1", command="pt")
+    for flags in (["--resume", out / "checkpoint"],
+                  ["--load", out / "checkpoint", "--finetune"]):
+        with pytest.raises((ArgumentError, CheckpointError),
+                           match=r"--mtp_num_layers: checkpoint 1, now unset"):
+            train_in_process(tmp_path / "again", "--dataset", data, "--train_iters", "1",
+                             "--no_save", *flags, command="pt")
