@@ -46,10 +46,37 @@ def image_prompt(grids, text=(5, 3, 4), seed=0):
     return torch.tensor([ids]), pixels, torch.tensor(grids)
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_processor_files(path):
+    """The tiny BPE with Qwen2.5-VL's special tokens at the config's ids, a ChatML template,
+    and transformers' PIL image processor (4x4 patches, 2x2 merged, at most 32x32 pixels)."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    H.write_tokenizer(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_tokens([f"<|filler_{i}|>" for i in range(IMAGE - len(tokenizer))])
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>",
+        "<|im_start|>", "<|im_end|>"]})
+    assert tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>",
+                                            "<|vision_end|>"]) == [IMAGE, START, END]
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(str(path))
+    Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                             min_pixels=8 * 8, max_pixels=32 * 32).save_pretrained(str(path))
+
+
 @pytest.fixture(scope="module")
 def vl_folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2_5_vl") / "hf"
     make_qwen2_5_vl(path)
+    write_processor_files(path)
     return path
 
 
@@ -156,3 +183,121 @@ def test_configs_it_cannot_build_are_named(vl_folder, change, message):
     config = {**json.loads((vl_folder / "config.json").read_text()), **change}
     with pytest.raises(UnsupportedConfig, match=message):
         vision.VisionLanguage.from_hf_config(config)
+
+
+# ---- image rows (data/multimodal.py) ------------------------------------------------------
+
+def write_image(path, width, height, seed=0):
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(str(path))
+    return str(path)
+
+
+def encoder_for(folder):
+    from transformers import AutoImageProcessor
+
+    from swift_mcore.data.multimodal import ImageEncoder
+    from swift_mcore.data.templates import Template
+    from swift_mcore.data.tokenizer import load_tokenizer
+
+    return ImageEncoder(Template("tokenizer", load_tokenizer(str(folder))),
+                        AutoImageProcessor.from_pretrained(str(folder)))
+
+
+def test_image_rows_encode_as_transformers_and_give_its_logits(gloo_group, vl_folder, tmp_path):
+    """An ms-swift row (<image> tags, an images list) and the same row as transformers'
+    content lists encode alike: the image processor's patches, each pad expanded to its
+    grid's tokens, the answer alone trained; the sample gives transformers' logits."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from swift_mcore.data.multimodal import read_image_row
+
+    wide, tall = write_image(tmp_path / "wide.png", 30, 14), write_image(tmp_path / "t.png", 9, 26)
+    row = {"messages": [{"role": "user", "content": "<image>add<image> them"},
+                        {"role": "assistant", "content": "def add(a, b)"}],
+           "images": [wide, tall]}
+    listed = {"messages": [{"role": "user", "content": [
+        {"type": "image", "image": wide}, {"type": "text", "text": "add"},
+        {"type": "image", "path": tall}, {"type": "text", "text": " them"}]},
+        {"role": "assistant", "content": "def add(a, b)"}]}
+    encoder = encoder_for(vl_folder)
+    ours = encoder.encode(read_image_row(row, "row 0"))
+    again = encoder.encode(read_image_row(listed, "row 1"))
+    assert torch.equal(torch.from_numpy(ours.ids), torch.from_numpy(again.ids))
+    assert torch.equal(ours.pixel_values, again.pixel_values)
+
+    from PIL import Image
+
+    processor = AutoImageProcessor.from_pretrained(str(vl_folder))
+    reference = processor(images=[Image.open(wide).convert("RGB"),
+                                  Image.open(tall).convert("RGB")], return_tensors="pt")
+    assert torch.equal(ours.pixel_values, reference["pixel_values"])
+    assert torch.equal(ours.image_grid_thw, reference["image_grid_thw"])
+    counts = (reference["image_grid_thw"].prod(-1) // 4).tolist()
+    assert counts[0] != counts[1]
+    tokenizer = AutoTokenizer.from_pretrained(str(vl_folder))
+    pads = ["<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>" for n in counts]
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{pads[0]}add{pads[1]} them"},
+         {"role": "assistant", "content": "def add(a, b)"}], tokenize=False)
+    assert ours.ids.tolist() == tokenizer.encode(expected, add_special_tokens=False)
+    trained = tokenizer.decode(ours.ids[ours.targets].tolist())
+    assert trained.startswith("def add(a, b)<|im_end|>") and not (
+        ours.ids[ours.targets] == IMAGE).any()
+
+    model, _, _ = load_ours(vl_folder)
+    ids = torch.from_numpy(ours.ids).long()[None]
+    with torch.no_grad():
+        theirs = transformers_model(vl_folder)(
+            input_ids=ids, pixel_values=ours.pixel_values, image_grid_thw=ours.image_grid_thw,
+            mm_token_type_ids=(ids == IMAGE).int()).logits
+        logits = model(input_ids=ids, position_ids=None, attention_mask=None,
+                       pixel_values=ours.pixel_values,
+                       image_grid_thw=ours.image_grid_thw)[..., :320]
+    assert (logits - theirs).abs().max() <= 1e-4
+
+
+def _bad_rows(tmp_path):
+    image = write_image(tmp_path / "ok.png", 12, 12)
+    (tmp_path / "notes.png").write_text("not an image")
+    os_fifo = tmp_path / "pipe.png"
+    import os
+
+    os.mkfifo(os_fifo)
+    user = lambda text: [{"role": "user", "content": text},  # noqa: E731
+                         {"role": "assistant", "content": "ok"}]
+    missing = str(tmp_path / "gone.png")
+    return [
+        ({"messages": user("<image>hi"), "images": [missing]},
+         f"row 7: images\\[0\\] {missing}: cannot be read \\(No such file"),
+        ({"messages": user("<image><image>hi"), "images": [image]},
+         "row 7: 2 <image> tag\\(s\\) in the messages but 1 image\\(s\\)"),
+        ({"messages": user("hi"), "images": [image]},
+         "row 7: 0 <image> tag\\(s\\) in the messages but 1 image"),
+        ({"messages": user("<image>hi"), "images": ["https://x.org/a.png"]},
+         "row 7: images\\[0\\]: https://x.org/a.png is a URL"),
+        ({"messages": user("<image>hi"), "images": [str(tmp_path / "notes.png")]},
+         "notes.png: not an image PIL can read"),
+        ({"messages": user("<image>hi"), "images": [str(os_fifo)]},
+         "pipe.png: is a FIFO"),
+        ({"messages": user("<video>hi"), "videos": [image]}, "row 7: .*videos are not supported"),
+        ({"messages": [{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": "<image>"}], "images": [image]},
+         r"row 7: messages\[1\] \(assistant\) holds <image>"),
+        ({"messages": user([{"type": "audio", "audio": "a.wav"}])},
+         r"row 7: messages\[0\].content\[0\]: "),
+        ({"messages": user("<image>hi"), "images": [3]},
+         r"row 7: images\[0\]: 3 is not an image path"),
+    ]
+
+
+def test_bad_image_rows_are_named_before_any_work(tmp_path):
+    from swift_mcore.data.multimodal import read_image_row
+    from swift_mcore.errors import ArgumentError
+
+    for row, message in _bad_rows(tmp_path):
+        with pytest.raises(ArgumentError, match=message):
+            read_image_row(row, "row 7")

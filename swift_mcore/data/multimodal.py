@@ -1,0 +1,217 @@
+"""Image conversation rows checked before any work and encoded for a Qwen2.5-VL model: token
+ids with each image's pads expanded, answer-only targets, the images' patches.
+
+Two row formats are read. ms-swift's: the messages' text holds ``<image>`` tags and the
+``images`` column lists one local path per tag, in order. transformers': a message's
+``content`` is a list of ``{"type": "text", "text": ...}`` and ``{"type": "image",
+"image"|"path": PATH}`` items. Either becomes one Conversation (the tags in the text) and
+its image paths.
+
+Every image is checked when the row is read, before anything is encoded: a regular file of
+at most MAX_IMAGE_BYTES that PIL opens as an image of at most MAX_IMAGE_PIXELS pixels. URLs
+are refused (nothing is fetched at run time); so are videos (not supported yet).
+
+Encoding renders the conversation with the text sft's Template (the same answer-only
+targets), each tag written as Qwen2.5-VL's chat template writes an image
+(``<|vision_start|><|image_pad|><|vision_end|>``); the folder's image processor decides the
+patches and each image's pad becomes ``t * h * w / merge**2`` pads, as transformers'
+Qwen2.5-VL processor expands it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import ArgumentError
+from ..input_files import check_regular, open_regular
+from .conversations import Conversation, to_conversation
+from .templates import CONTEXT
+
+IMAGE_TAG = "<image>"
+VIDEO_TAG = "<video>"
+# Qwen2.5-VL's tokens around and for an image (its chat template and processor)
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+# Larger than any photograph a VL model is trained on; bounds what one row may make us read.
+MAX_IMAGE_BYTES = 64 << 20
+MAX_IMAGE_PIXELS = 1 << 26  # 8192 x 8192; PIL's own decompression-bomb limit is ~89M
+
+
+@dataclass(frozen=True)
+class ImageConversation:
+    """One row: its conversation (``<image>`` tags in the text) and the tags' image paths."""
+
+    conversation: Conversation
+    images: Tuple[str, ...]
+
+    @property
+    def where(self) -> str:
+        return self.conversation.where
+
+
+def read_image_row(row: Dict[str, Any], where: str) -> ImageConversation:
+    """One row in either format -> ImageConversation, every image checked. ArgumentError
+    naming ``where`` (file and row) and the field for anything that cannot be trained."""
+    videos = row.get("videos")
+    if videos not in (None, [], ()) or VIDEO_TAG in str(row.get("messages") or ""):
+        raise ArgumentError(f"{where}: column 'videos' / {VIDEO_TAG} tags: videos are not "
+                            f"supported yet (images only)")
+    images = row.get("images")
+    if images is None:
+        images = []
+    if isinstance(images, str):
+        images = [images]
+    if not isinstance(images, (list, tuple)):
+        raise ArgumentError(f"{where}: column 'images' must be a list of image paths, got "
+                            f"{type(images).__name__} {images!r:.80}")
+    images = [_path(value, f"{where}: images[{i}]") for i, value in enumerate(images)]
+    messages = row.get("messages")
+    if isinstance(messages, (list, tuple)) and any(
+            isinstance(m, dict) and isinstance(m.get("content"), (list, tuple))
+            for m in messages):
+        if images:
+            raise ArgumentError(f"{where}: both an 'images' column and image items in the "
+                                f"messages' content lists; give the images one way")
+        messages, images = _from_content_lists(messages, where)
+        row = {**row, "messages": messages}
+    conversation = to_conversation(row, where)
+    tags = 0
+    for i, message in enumerate(conversation.messages):
+        count = str(message.get("content") or "").count(IMAGE_TAG)
+        if count and message["role"] == "assistant":
+            raise ArgumentError(f"{where}: messages[{i}] (assistant) holds {IMAGE_TAG}; "
+                                f"images go in the user's (or system's) messages")
+        tags += count
+    if tags != len(images):
+        raise ArgumentError(f"{where}: {tags} {IMAGE_TAG} tag(s) in the messages but "
+                            f"{len(images)} image(s) in 'images' (one path per tag, in order)")
+    for i, path in enumerate(images):
+        check_image(path, f"{where}: images[{i}] {path}")
+    return ImageConversation(conversation, tuple(images))
+
+
+def _path(value: Any, where: str) -> str:
+    if isinstance(value, dict):  # ms-swift's {"path": ...}
+        value = value.get("path", value.get("image"))
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ArgumentError(f"{where}: {value!r:.80} is not an image path")
+    if "://" in value or value.startswith("data:"):
+        raise ArgumentError(f"{where}: {value:.80} is a URL; swift-mcore reads images only "
+                            f"from local files (nothing is fetched at run time): download "
+                            f"it and give its path")
+    return os.path.expanduser(value)
+
+
+def _from_content_lists(messages: Sequence[Any], where: str
+                        ) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """transformers' content lists -> text with <image> tags, and the images in order."""
+    out, images = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, (list, tuple)):
+            out.append(message)
+            continue
+        text = []
+        for j, item in enumerate(content):
+            at = f"{where}: messages[{i}].content[{j}]"
+            kind = item.get("type") if isinstance(item, dict) else None
+            if kind == "text" and isinstance(item.get("text"), str):
+                text.append(item["text"])
+            elif kind == "image":
+                images.append(_path(item.get("image", item.get("path", item.get("url"))), at))
+                text.append(IMAGE_TAG)
+            else:
+                raise ArgumentError(f"{at}: {item!r:.80} (a {{'type': 'text', 'text': ...}} "
+                                    f"or {{'type': 'image', 'image': PATH}} item)")
+        out.append({**message, "content": "".join(text)})
+    return out, images
+
+
+def check_image(path: str, where: str) -> None:
+    """ArgumentError unless ``path`` is a regular file of at most MAX_IMAGE_BYTES that PIL
+    reads as an image of at most MAX_IMAGE_PIXELS pixels (the header only: no decoding)."""
+    from PIL import Image, UnidentifiedImageError
+
+    check_regular(path, where)
+    size = os.path.getsize(path)
+    if size > MAX_IMAGE_BYTES:
+        raise ArgumentError(f"{where}: {size} bytes, more than an image may have "
+                            f"({MAX_IMAGE_BYTES >> 20} MiB)")
+    with open_regular(path, "rb", where) as fh:
+        try:
+            with Image.open(fh) as image:
+                width, height = image.size
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+            raise ArgumentError(f"{where}: not an image PIL can read") from None
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ArgumentError(f"{where}: {width}x{height} pixels, more than {MAX_IMAGE_PIXELS} "
+                            f"(downscale it)")
+
+
+def load_image(path: str, where: str):
+    """The image at ``path`` (checked by check_image) as RGB."""
+    from PIL import Image
+
+    with open_regular(path, "rb", where) as fh:
+        with Image.open(fh) as image:
+            return image.convert("RGB")
+
+
+@dataclass
+class EncodedImages:
+    """One sample: int32 ids, the tokens trained on, the images' patches and grids."""
+
+    ids: np.ndarray
+    targets: np.ndarray
+    pixel_values: Any      # torch.Tensor [patches, channels * temporal * patch * patch]
+    image_grid_thw: Any    # torch.Tensor [images, 3]
+
+
+class ImageEncoder:
+    """Encodes ImageConversations with a Template and the folder's image processor."""
+
+    def __init__(self, template, image_processor, loss_on: str = "all"):
+        self.template = template
+        self.image_processor = image_processor
+        self.merge = int(image_processor.merge_size)
+        self.loss_on = loss_on
+        backend = template.tokenizer.backend
+        self.pad_id = backend.token_to_id(IMAGE_PAD)
+        if self.pad_id is None or backend.token_to_id(VISION_START) is None:
+            raise ArgumentError(f"the tokenizer ({template.tokenizer.source}) has no "
+                                f"{IMAGE_PAD} / {VISION_START} token: not a Qwen2.5-VL "
+                                f"tokenizer")
+
+    def encode(self, item: ImageConversation) -> EncodedImages:
+        from dataclasses import replace
+
+        placeholder = VISION_START + IMAGE_PAD + VISION_END
+        messages = [{**m, "content": m["content"].replace(IMAGE_TAG, placeholder)}
+                    if isinstance(m.get("content"), str) else m
+                    for m in item.conversation.messages]
+        samples = self.template.encode_samples(replace(item.conversation, messages=messages))
+        if len(samples) != 1:
+            raise ArgumentError(f"{item.where}: the conversation renders as {len(samples)} "
+                                f"samples; a conversation with images must be one")
+        ids, turns = samples[0]
+        trained = turns == turns.max() if self.loss_on == "last_turn" else turns != CONTEXT
+        pads = np.flatnonzero(ids == self.pad_id)
+        if len(pads) != len(item.images):
+            raise ArgumentError(f"{item.where}: {len(pads)} {IMAGE_PAD} tokens for "
+                                f"{len(item.images)} images (does the text itself hold "
+                                f"{IMAGE_PAD}?)")
+        if item.images:
+            images = [load_image(p, f"{item.where}: images[{i}] {p}")
+                      for i, p in enumerate(item.images)]
+            out = self.image_processor(images=images, return_tensors="pt")
+            pixels, grids = out["pixel_values"], out["image_grid_thw"]
+            counts = (grids.prod(-1) // self.merge ** 2).tolist()
+        else:
+            pixels, grids, counts = None, None, []
+        repeat = np.ones(len(ids), dtype=np.int64)
+        repeat[pads] = counts
+        return EncodedImages(np.repeat(ids, repeat).astype(np.int32),
+                             np.repeat(trained, repeat), pixels, grids)
