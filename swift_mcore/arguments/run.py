@@ -220,6 +220,7 @@ class RunArguments:
                 f"({groups}){source}")
         self.pipeline_stage_layers(source)
         self.check_window()
+        self.check_vision()
 
     UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                     "account_for_embedding_in_pipeline_split",
@@ -294,6 +295,41 @@ class RunArguments:
         if m.model_type == "gemma3" and self.parallel.sequence_parallel:
             raise ArgumentError("--sequence_parallel with a gemma3 model: its post-attention "
                                 "and post-MLP norms do not support it yet; drop the flag")
+
+    def check_vision(self) -> None:
+        """The vision-language flags come together (a Qwen2.5-VL folder sets all three);
+        its vision tower sits on one stage and joins the sequence before it is split."""
+        import json
+
+        m, p = self.model, self.parallel
+        given = [f"--{name}" for name, on in (
+            ("position_embedding_type mrope", m.position_embedding_type == "mrope"),
+            ("mrope_section", m.mrope_section is not None),
+            ("vision_config", m.vision_config is not None)) if on]
+        if not given:
+            return
+        if len(given) < 3:
+            raise ArgumentError(f"{' and '.join(given)}: a vision-language model needs "
+                                f"--position_embedding_type mrope, --mrope_section and "
+                                f"--vision_config together (a Qwen2.5-VL --model folder sets "
+                                f"them)")
+        try:
+            section = json.loads(m.mrope_section)
+            vision = json.loads(m.vision_config)
+        except (TypeError, ValueError):
+            raise ArgumentError("--mrope_section and --vision_config are JSON (a list of three "
+                                "integers; an object)") from None
+        head = m.kv_channels or m.hidden_size // m.num_attention_heads
+        if not (isinstance(section, list) and len(section) == 3 and all(
+                type(s) is int and s >= 0 for s in section) and 2 * sum(section) == head):
+            raise ArgumentError(f"--mrope_section {m.mrope_section} must be three integers "
+                                f"summing to half the head size ({head // 2})")
+        if not isinstance(vision, dict) or not isinstance(vision.get("vision_config"), dict):
+            raise ArgumentError("--vision_config must be a JSON object with a vision_config "
+                                "object (a Qwen2.5-VL --model folder sets it)")
+        if p.pipeline_model_parallel_size > 1 or p.sequence_parallel:
+            raise ArgumentError("a vision-language model runs without pipeline stages and "
+                                "without --sequence_parallel for now (issue 42)")
 
     def check_attention(self) -> None:
         """Multi-latent attention's flags (YaRN is MLA's RoPE only here)."""

@@ -139,6 +139,9 @@ class Layout:
     experts: Optional[Experts] = None
     mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
     post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
+    # a vision-language model's tower (models/vision.py): (HF name, shape) of each tensor,
+    # named alike in the files and the model, copied as they are
+    vision: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -160,7 +163,7 @@ class Layout:
                    tied=not m.untie_embeddings_and_output_weights,
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
                    mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
-                   post_norms=m.model_type == "gemma3")
+                   post_norms=m.model_type == "gemma3", vision=_vision_tensors(m))
 
     def same(self) -> dict:
         """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
@@ -226,10 +229,12 @@ class Layout:
         out.append(("model.norm.weight", (h,)))
         if not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
-        return out
+        return out + list(self.vision)
 
     def to_hf(self, hf_name: str, get: Get) -> torch.Tensor:
         """One HF tensor from full megatron tensors (``get(name)``, TP=1 layout)."""
+        if self.vision and hf_name.startswith(_VISION):
+            return get(hf_name)
         if hf_name == "model.embed_tokens.weight":
             return get("embedding.word_embeddings.weight")[: self.vocab]
         if hf_name == "lm_head.weight":
@@ -275,6 +280,8 @@ class Layout:
         With expert parallelism local expert j of EP rank r is global expert
         r * experts / ep_size + j."""
         name = canonical(name)
+        if self.vision and name.startswith(_VISION):  # replicated over TP
+            return read(name)
         if name == "embedding.word_embeddings.weight":
             return self._vocab_rows("model.embed_tokens.weight", read, tp_rank, tp_size)
         if name == "output_layer.weight":
@@ -354,6 +361,17 @@ class Layout:
         if real is not None:
             out[: real.shape[0]] = real
         return out
+
+
+_VISION = "visual."
+
+
+def _vision_tensors(m) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    if not getattr(m, "vision_config", None):
+        return ()
+    from .vision import VisionLanguage, tower_shapes
+
+    return tower_shapes(VisionLanguage.from_model_args(m))
 
 
 def _part(size: int, rank: int, parts: int) -> slice:

@@ -84,6 +84,7 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
         + (layers - moe_layers) * dense_mlp + norm,
         "experts": 0,
         "LoRA adapters": 0,
+        "vision tower": vision_parameters(m),
     }
     if moe_layers:
         expert_ffn = m.moe_ffn_hidden_size or ffn
@@ -101,6 +102,18 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
                  "linear_fc1": h + ffn * gated, "linear_fc2": ffn + h}
         counts["LoRA adapters"] = layers * tuner.lora_rank * sum(sizes[k] for k in kinds)
     return counts
+
+
+def vision_parameters(m) -> int:
+    """A vision-language model's tower and merger (transformers' modules, built on the
+    meta device); 0 for a text model."""
+    if not getattr(m, "vision_config", None):
+        return 0
+    import math
+
+    from .vision import VisionLanguage, tower_shapes
+
+    return sum(math.prod(shape) for _, shape in tower_shapes(VisionLanguage.from_model_args(m)))
 
 
 def mla_parameters(m) -> int:
@@ -152,7 +165,7 @@ def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Pa
         return weight  # frozen base weights
 
     shards = {"embedding": tp, "output layer": tp, "layers": tp * pp, "experts": ep * tp * pp,
-              "LoRA adapters": pp}
+              "LoRA adapters": pp, "vision tower": 1}  # the tower: whole on each rank
     sizes = {
         "embedding": (("vocab_size", padded_vocab(m)), ("hidden_size", m.hidden_size),
                       ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)),
@@ -167,6 +180,7 @@ def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Pa
                     ("hidden_size", m.hidden_size), ("num_layers", m.num_layers)),
         "LoRA adapters": (("lora_rank", tuner.lora_rank), ("hidden_size", m.hidden_size),
                           ("num_layers", m.num_layers)),
+        "vision tower": (("vision_config", 1),),
     }
     if m.position_embedding_type == "learned_absolute":
         sizes["embedding"] += (("max_position_embeddings", m.max_position_embeddings),)

@@ -262,6 +262,10 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
     from megatron.core.models.gpt import GPTModel
 
     m = config.model
+    if m.vision_config:  # a vision-language model: one chunk (no pipeline stages yet)
+        from .vision import VisionLanguage, build_vl_model
+
+        return [build_vl_model(config, VisionLanguage.from_model_args(m), initialize)]
     tc = transformer_config(config, initialize)
     virtual = config.args.virtual_stages()
     chunks = []

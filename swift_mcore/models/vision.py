@@ -20,6 +20,7 @@ vision tower; the commands reach this module once the data path brings images.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -42,6 +43,7 @@ class VisionLanguage:
     mrope_section: Tuple[int, ...]  # RoPE channel pairs of the temporal, height, width rows
     spatial_merge_size: int
     hidden_size: int                # the language model's (the merger's output)
+    token_ids: Tuple[Tuple[str, Any], ...] = ()  # config.json's TOP_KEYS, as written there
 
     @classmethod
     def from_hf_config(cls, config: Dict[str, Any]) -> "VisionLanguage":
@@ -80,7 +82,30 @@ class VisionLanguage:
         return cls(vision_config=dict(vision), image_token_id=int(image),
                    video_token_id=config.get("video_token_id"),
                    mrope_section=tuple(section), spatial_merge_size=int(merge),
-                   hidden_size=int(text["hidden_size"]))
+                   hidden_size=int(text["hidden_size"]),
+                   token_ids=tuple((k, config[k]) for k in TOP_KEYS if k in config))
+
+    def flags(self) -> Dict[str, str]:
+        """The ModelArguments values that carry this (saved with every checkpoint)."""
+        vision = {"vision_config": self.vision_config, **dict(self.token_ids)}
+        return {"mrope_section": json.dumps(list(self.mrope_section), separators=(",", ":")),
+                "vision_config": json.dumps(vision, sort_keys=True, separators=(",", ":"))}
+
+    @classmethod
+    def from_model_args(cls, m: Any) -> "VisionLanguage":
+        """From --vision_config and --mrope_section (checked by RunArguments.check_vision)."""
+        vision = json.loads(m.vision_config)
+        return cls.from_hf_config({
+            "model_type": "qwen2_5_vl", **{k: v for k, v in vision.items() if k in TOP_KEYS},
+            "vision_config": vision["vision_config"],
+            "text_config": {"hidden_size": m.hidden_size, "vocab_size": m.vocab_size or 2 ** 31,
+                            "num_attention_heads": m.num_attention_heads,
+                            "head_dim": m.kv_channels or m.hidden_size // m.num_attention_heads,
+                            "rope_parameters": {"mrope_section": json.loads(m.mrope_section)}}})
+
+    def hf_keys(self) -> Dict[str, Any]:
+        """config.json's keys of the vision side (vision_config and the token ids)."""
+        return {"vision_config": dict(self.vision_config), **dict(self.token_ids)}
 
     def tokens_per_image(self, grid_thw: torch.Tensor) -> List[int]:
         """Image-pad tokens each image of ``grid_thw`` ([images, 3] patches) stands for."""
@@ -186,7 +211,10 @@ def _model_class():
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None,
                     labels=None, pixel_values=None, image_grid_thw=None, **kwargs):
-            if position_ids is None or position_ids.dim() == 2:
+            if position_ids is not None and position_ids.dim() == 2 and pixel_values is None:
+                # text alone: the three rows are the text positions (packed rows restart)
+                position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+            elif position_ids is None or position_ids.dim() == 2:
                 position_ids = rope_index(input_ids, image_grid_thw, self.vl)
             if decoder_input is None and self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)
@@ -243,12 +271,61 @@ def build_vl_model(config, vl: VisionLanguage, initialize: bool = True):
     return model
 
 
+def precision_inputs(vl: VisionLanguage, tokens: torch.Tensor, generator: torch.Generator
+                     ) -> Dict[str, torch.Tensor]:
+    """Random ``tokens`` [batch, length] with one random image of 4 merged patches in each
+    row (after two tokens): the inputs export's --test_convert_precision feeds both models."""
+    merge, v = vl.spatial_merge_size, vl.vision_config
+    grid = [1, 2 * merge, 2 * merge]
+    count = 4
+    ids = tokens.clone()
+    ids[ids == vl.image_token_id] = 0
+    ids[:, 2: 2 + count] = vl.image_token_id
+    patch = int(v.get("patch_size", 14))
+    width = int(v.get("in_channels", 3)) * int(v.get("temporal_patch_size", 2)) * patch * patch
+    pixels = torch.randn(ids.shape[0] * grid[1] * grid[2], width, generator=generator)
+    return {"input_ids": ids, "pixel_values": pixels,
+            "image_grid_thw": torch.tensor([grid] * ids.shape[0])}
+
+
+def transformers_model(path: str):
+    """transformers' own Qwen2.5-VL model of a folder (float32, eager attention)."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", trust_remote_code=False).eval()
+
+
+@torch.no_grad()
+def compare_logits(model, hf_path: str, vl: VisionLanguage, tokens: torch.Tensor, vocab: int,
+                   generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(our logits, transformers') on ``tokens`` with an image in each row."""
+    inputs = precision_inputs(vl, tokens, generator)
+    ours = model.float()(position_ids=None, attention_mask=None, **inputs)[..., :vocab]
+    theirs = transformers_model(hf_path)(
+        **inputs, mm_token_type_ids=(inputs["input_ids"] == vl.image_token_id).int()).logits
+    return ours.float().cpu(), theirs.float()
+
+
 # ---- weights: Hugging Face names <-> the model's -----------------------------------------
 
 def hf_tensors(layout, vision_shapes: Dict[str, Tuple[int, ...]]
                ) -> List[Tuple[str, Tuple[int, ...]]]:
     """Every HF tensor of the model: the language model's (``layout``) and the tower's."""
     return layout.hf_tensors() + sorted(vision_shapes.items())
+
+
+def tower_shapes(vl: VisionLanguage) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    """(HF name, shape) of every vision-tower tensor, from a tower on the meta device."""
+    import warnings
+
+    from accelerate import init_empty_weights
+
+    with warnings.catch_warnings(), init_empty_weights():
+        warnings.simplefilter("ignore")
+        tower = build_vision_tower(vl)
+    return tuple(sorted((VISION_PREFIX + name, tuple(t.shape))
+                        for name, t in tower.state_dict().items()))
 
 
 def vision_shapes(model) -> Dict[str, Tuple[int, ...]]:

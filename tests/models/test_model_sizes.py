@@ -17,6 +17,9 @@ import hf_helpers as H
 from run_helpers import ROOT, TINY, child_env, run_pt
 from swift_mcore.arguments import RunArguments
 
+# a tiny Qwen2.5-VL vision tower (2 blocks of 32 channels, merged into hidden 64)
+VL_TOWER = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                patch_size=4, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
 LIMIT = 4_000_000_000  # bytes of address space a refused command may take (torch: ~1.5 GB)
 
 
@@ -183,6 +186,10 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              qk_pos_emb_head_dim=4, v_head_dim=12),
         dict(model_type="gemma3", window_size=8, window_attn_skip_freq="2", kv_channels=8,
              rotary_base_local=10000, softmax_scale=0.25),
+        # Qwen2.5-VL: transformers' vision tower and merger inside the model
+        dict(model_type="qwen2_5_vl", add_qkv_bias=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL_TOWER})),
     ]
     for changes in cases:
         flags = RunArguments.from_flags(

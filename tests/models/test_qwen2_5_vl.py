@@ -301,3 +301,44 @@ def test_bad_image_rows_are_named_before_any_work(tmp_path):
     for row, message in _bad_rows(tmp_path):
         with pytest.raises(ArgumentError, match=message):
             read_image_row(row, "row 7")
+
+
+# ---- the folder through the commands (family qwen2_5_vl) ---------------------------------
+
+def test_folder_loads_as_one_model_and_exports_bit_for_bit(gloo_group, vl_folder, tmp_path):
+    """`--model FOLDER`: the family sets the language model's flags and the vision ones;
+    load_model builds the tower inside; HF -> checkpoint -> HF gives every tensor back and a
+    config.json (and processor files) transformers loads to the same logits."""
+    from transformers import AutoImageProcessor
+
+    from swift_mcore.loaded_model import load_model
+
+    loaded = load_model(str(vl_folder), log=lambda line: None)
+    m = loaded.config.model
+    assert (m.model_type, m.position_embedding_type, m.mrope_section) == (
+        "qwen2_5_vl", "mrope", "[2,3,3]")
+    ids, pixels, grids = image_prompt([(1, 4, 8), (1, 6, 2)])
+    with torch.no_grad():
+        ours = loaded.model(input_ids=ids, position_ids=None, attention_mask=None,
+                            pixel_values=pixels, image_grid_thw=grids)[..., :320]
+        theirs = transformers_model(vl_folder)(
+            input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+            mm_token_type_ids=(ids == IMAGE).int()).logits
+    assert (ours - theirs).abs().max() <= 1e-4
+
+    config = H.check_round_trip(vl_folder, tmp_path)
+    source = json.loads((vl_folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert config["vision_config"] == source["vision_config"]
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                "vision_end_token_id", "tie_word_embeddings"):
+        assert config[key] == source[key], key
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    back = tmp_path / "back"
+    with torch.no_grad():
+        again = transformers_model(back)(
+            input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+            mm_token_type_ids=(ids == IMAGE).int()).logits
+    assert torch.equal(again, theirs)
+    assert AutoImageProcessor.from_pretrained(str(back)).to_dict() == \
+        AutoImageProcessor.from_pretrained(str(vl_folder)).to_dict()

@@ -161,6 +161,10 @@ VALUES: Dict[str, Value] = {
     "sliding_window_pattern": Value("int", 1), "_sliding_window_pattern": Value("int", 1),
     "attn_logit_softcapping": Value("number"), "final_logit_softcapping": Value("number"),
     "use_bidirectional_attention": Value("bool"),
+    # vision-language (Qwen2.5-VL: models/vision.py)
+    "text_config": Value("dict"), "vision_config": Value("dict"),
+    "image_token_id": Value("int", 0), "video_token_id": Value("int", 0),
+    "vision_start_token_id": Value("int", 0), "vision_end_token_id": Value("int", 0),
 }
 # Flags only some families express (a family that does lists them in its ``fixed`` or
 # handles them in its own representation_problems); every other family needs them unset.
