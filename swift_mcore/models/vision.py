@@ -240,24 +240,19 @@ def _model_class():
     return VisionLanguageModel
 
 
-def build_vl_model(config, vl: VisionLanguage, initialize: bool = True):
-    """This rank's Qwen2.5-VL model (one chunk) for a RunConfig of its language model.
-    Without pipeline stages or sequence parallelism for now (the tower sits on the first
-    stage and the image features enter before the sequence is split)."""
+def build_vl_model(config, vl: VisionLanguage, tc, spec):
+    """This rank's Qwen2.5-VL model (one chunk) for a RunConfig, its TransformerConfig and
+    decoder block spec (models/gpt.py makes both). Without pipeline stages or sequence
+    parallelism for now (RunArguments.check_vision): the tower sits on the first stage and
+    the image features enter before the sequence would be split."""
     from megatron.core import parallel_state
 
-    from .gpt import block_spec, transformer_config
-
-    m, p = config.model, config.parallel
-    if p.pipeline_model_parallel_size > 1 or p.sequence_parallel or config.args.virtual_stages():
-        raise UnsupportedConfig("a Qwen2.5-VL model runs without pipeline stages and without "
-                                "sequence parallelism for now")
-    tc = transformer_config(config, initialize)
+    m = config.model
     tc.mrope_section = list(vl.mrope_section)
     model = _model_class()(
         vl,
         config=tc,
-        transformer_layer_spec=block_spec(config, tc),
+        transformer_layer_spec=spec,
         vocab_size=config.padded_vocab_size,
         max_sequence_length=m.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -307,16 +302,9 @@ def compare_logits(model, hf_path: str, vl: VisionLanguage, tokens: torch.Tensor
     return ours.float().cpu(), theirs.float()
 
 
-# ---- weights: Hugging Face names <-> the model's -----------------------------------------
-
-def hf_tensors(layout, vision_shapes: Dict[str, Tuple[int, ...]]
-               ) -> List[Tuple[str, Tuple[int, ...]]]:
-    """Every HF tensor of the model: the language model's (``layout``) and the tower's."""
-    return layout.hf_tensors() + sorted(vision_shapes.items())
-
-
 def tower_shapes(vl: VisionLanguage) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
-    """(HF name, shape) of every vision-tower tensor, from a tower on the meta device."""
+    """(name, shape) of every vision-tower tensor, as the model and the Hugging Face files
+    both name it (``visual.*``), from a tower built on the meta device."""
     import warnings
 
     from accelerate import init_empty_weights
@@ -326,22 +314,3 @@ def tower_shapes(vl: VisionLanguage) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
         tower = build_vision_tower(vl)
     return tuple(sorted((VISION_PREFIX + name, tuple(t.shape))
                         for name, t in tower.state_dict().items()))
-
-
-def vision_shapes(model) -> Dict[str, Tuple[int, ...]]:
-    """HF name -> shape of each vision-tower tensor of ``model`` (names as in the files)."""
-    return {VISION_PREFIX + name: tuple(t.shape) for name, t in model.visual.state_dict().items()}
-
-
-def to_mcore(layout, name: str, read, tp_rank: int = 0, tp_size: int = 1) -> torch.Tensor:
-    """The model's parameter ``name`` read from the HF files: the tower's as stored (it is
-    replicated over TP), the language model's through ``layout``."""
-    if name.startswith(VISION_PREFIX):
-        return read(name)
-    return layout.to_mcore(name, read, tp_rank, tp_size)
-
-
-def to_hf(layout, hf_name: str, get) -> torch.Tensor:
-    if hf_name.startswith(VISION_PREFIX):
-        return get(hf_name)
-    return layout.to_hf(hf_name, get)

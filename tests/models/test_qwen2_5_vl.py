@@ -85,21 +85,25 @@ def load_ours(folder):
     from swift_mcore.arguments import RunArguments
     from swift_mcore.models import vision
     from swift_mcore.models.convert import Layout
+    from swift_mcore.models.families import by_name
+    from swift_mcore.models.gpt import build_model
     from swift_mcore.models.hf_folder import HFFolder
     from swift_mcore.run_config import resolve
 
     hf = HFFolder(str(folder))
     vl = vision.VisionLanguage.from_hf_config(hf.config)
-    values = vision.language_values(hf.config)
-    flags = RunArguments.from_flags(**values, precision="fp32",
-                                    seq_length=128)
+    values = by_name("qwen2_5_vl").model_values(hf.config, None)
+    assert {k: v for k, v in values.items() if k not in vl.flags()} == {
+        **vision.language_values(hf.config), "model_type": "qwen2_5_vl",
+        "position_embedding_type": "mrope"}
+    flags = RunArguments.from_flags(**values, precision="fp32", seq_length=128)
     config = resolve(flags, world_size=1, weights_only=True).complete(values["vocab_size"],
                                                                       None)
-    model = vision.build_vl_model(config, vl, initialize=False)
+    model = build_model(config, initialize=False)[0]
     layout = Layout.from_model_args(config.model, config.padded_vocab_size)
     with hf.reader() as reader, torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(vision.to_mcore(layout, name, reader.read))
+            param.copy_(layout.to_mcore(name, reader.read))
     return model.eval(), layout, vl
 
 
@@ -156,15 +160,15 @@ def test_logits_match_transformers_with_images_and_without(gloo_group, vl_folder
 def test_weights_round_trip_bit_for_bit(gloo_group, vl_folder):
     """HF files -> the model's parameters -> HF tensors: every tensor of the folder, each
     equal to the file's, and nothing else."""
-    from swift_mcore.models import vision
-
     model, layout, _ = load_ours(vl_folder)
     params = dict(model.named_parameters())
     original = H.safetensors_state(str(vl_folder))
-    names = dict(vision.hf_tensors(layout, vision.vision_shapes(model)))
+    names = dict(layout.hf_tensors())
     assert sorted(names) == sorted(original)
+    tower = sorted(n for n in params if n.startswith("visual."))
+    assert tower and tower == sorted(n for n in original if n.startswith("visual."))
     for name, tensor in original.items():
-        back = vision.to_hf(layout, name, lambda n: params[n].detach())
+        back = layout.to_hf(name, lambda n: params[n].detach())
         assert tuple(back.shape) == names[name] and torch.equal(back, tensor), name
 
 
