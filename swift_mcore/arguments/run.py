@@ -306,8 +306,21 @@ class RunArguments:
             ("position_embedding_type mrope", m.position_embedding_type == "mrope"),
             ("mrope_section", m.mrope_section is not None),
             ("vision_config", m.vision_config is not None)) if on]
+        freeze = [f"--{name}" for name in ("freeze_vit", "freeze_aligner", "freeze_llm")
+                  if name in self.explicit]
+        if freeze and not given:
+            raise ArgumentError(f"{freeze[0]} freezes a part of a vision-language model; "
+                                f"this is a text model (give a Qwen2.5-VL --model folder)")
         if not given:
             return
+        t = self.tuner
+        if freeze and t.tuner_type == "lora":
+            raise ArgumentError(f"{freeze[0]} with --tuner_type lora: the adapters train and "
+                                f"every base weight, the vision tower's too, stays frozen; "
+                                f"the freeze flags choose the parts of full finetuning")
+        if t.tuner_type == "full" and t.freeze_vit and t.freeze_aligner and t.freeze_llm:
+            raise ArgumentError("--freeze_vit, --freeze_aligner and --freeze_llm together "
+                                "leave nothing to train")
         if len(given) < 3:
             raise ArgumentError(f"{' and '.join(given)}: a vision-language model needs "
                                 f"--position_embedding_type mrope, --mrope_section and "

@@ -134,20 +134,26 @@ def language_values(config: Dict[str, Any], model_args: Any = None) -> Dict[str,
 
 # ---- 3-D position ids --------------------------------------------------------------------
 
-def _runs(ids: List[int], image_token_id: int) -> Iterator[Tuple[bool, int, int]]:
-    """(is_image, start, end) of each run of equal kind (text / image pad) in ``ids``."""
+def _runs(ids: List[int], image_token_id: int, breaks=frozenset()
+          ) -> Iterator[Tuple[bool, int, int]]:
+    """(is_image, start, end) of each run of equal kind (text / image pad) in ``ids``; a
+    run also ends before each index in ``breaks``."""
     start = 0
     for i in range(1, len(ids) + 1):
-        if i == len(ids) or (ids[i] == image_token_id) != (ids[start] == image_token_id):
+        if i == len(ids) or i in breaks or \
+                (ids[i] == image_token_id) != (ids[start] == image_token_id):
             yield ids[start] == image_token_id, start, i
             start = i
 
 
 def rope_index(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
-               vl: VisionLanguage) -> torch.Tensor:
+               vl: VisionLanguage, text_positions: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
     """Position ids [3, batch, sequence] of ``input_ids`` (images in ``image_grid_thw``
     order, row by row). A run of image-pad tokens may hold several images back to back;
-    each takes its own grid's share. Raises ValueError when the pads and grids disagree."""
+    each takes its own grid's share. ``text_positions`` [batch, sequence] (a packed row's
+    positions) start a new sample wherever they are 0: positions restart there. Raises
+    ValueError when the pads and grids disagree."""
     batch, length = input_ids.shape
     out = torch.zeros(3, batch, length, dtype=torch.long)
     counts = vl.tokens_per_image(image_grid_thw) if image_grid_thw is not None else []
@@ -155,8 +161,12 @@ def rope_index(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
     image = 0
     for b in range(batch):
         ids = input_ids[b].tolist()
+        starts = set() if text_positions is None else set(
+            torch.nonzero(text_positions[b] == 0).flatten().tolist())
         position = 0
-        for is_image, start, end in _runs(ids, vl.image_token_id):
+        for is_image, start, end in _runs(ids, vl.image_token_id, starts):
+            if start in starts:
+                position = 0
             if not is_image:
                 out[:, b, start:end] = torch.arange(position, position + end - start)
                 position += end - start
@@ -215,7 +225,8 @@ def _model_class():
                 # text alone: the three rows are the text positions (packed rows restart)
                 position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
             elif position_ids is None or position_ids.dim() == 2:
-                position_ids = rope_index(input_ids, image_grid_thw, self.vl)
+                # each sample's (a packed row's samples restart at text position 0)
+                position_ids = rope_index(input_ids, image_grid_thw, self.vl, position_ids)
             if decoder_input is None and self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)
                 if pixel_values is not None:
@@ -314,3 +325,25 @@ def tower_shapes(vl: VisionLanguage) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
         tower = build_vision_tower(vl)
     return tuple(sorted((VISION_PREFIX + name, tuple(t.shape))
                         for name, t in tower.state_dict().items()))
+
+
+def part_of(name: str) -> str:
+    """'vit', 'aligner' or 'llm': the part of the model parameter ``name`` belongs to."""
+    if name.startswith(VISION_PREFIX + "merger."):
+        return "aligner"
+    return "vit" if name.startswith(VISION_PREFIX) else "llm"
+
+
+def freeze(chunks, tuner) -> Dict[str, int]:
+    """--freeze_vit / --freeze_aligner / --freeze_llm of full finetuning: those parts'
+    parameters stop requiring gradients (before DDP and the optimizer see them). Returns
+    the parameters frozen per part."""
+    frozen = {"vit": tuner.freeze_vit, "aligner": tuner.freeze_aligner, "llm": tuner.freeze_llm}
+    counts = {part: 0 for part in frozen}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            part = part_of(name)
+            if frozen[part]:
+                param.requires_grad_(False)
+                counts[part] += param.numel()
+    return counts

@@ -346,3 +346,85 @@ def test_folder_loads_as_one_model_and_exports_bit_for_bit(gloo_group, vl_folder
     assert torch.equal(again, theirs)
     assert AutoImageProcessor.from_pretrained(str(back)).to_dict() == \
         AutoImageProcessor.from_pretrained(str(vl_folder)).to_dict()
+
+
+# ---- sft on image rows --------------------------------------------------------------------
+
+def image_dataset(tmp_path, rows=16, size=16, seed=0):
+    """rows image conversations (each its own random image of size x size pixels)."""
+    lines = []
+    for i in range(rows):
+        image = write_image(tmp_path / f"img{seed}_{i}.png", size, size, seed=seed + i)
+        lines.append(json.dumps({
+            "messages": [{"role": "user", "content": f"<image>what is {i}?"},
+                         {"role": "assistant", "content": f"def add(a, b): {i % 3}"}],
+            "images": [image]}))
+    data = tmp_path / f"images{seed}.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    return data
+
+
+def test_sft_with_images_trains_and_resumes_exactly(tmp_path, train_here, vl_folder):
+    """sft on image rows: the loss is computed on the answers with the images in the
+    model; resumed from step 2 it logs steps 3 and 4 exactly as the straight run."""
+    from run_helpers import losses
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ["--model", vl_folder, "--dataset", data, "--seq_length", "64", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--train_iters", "4", "--template", "tokenizer"]
+    train_here(straight, *flags, "--save_steps", "2", base=run_flags())
+    train_here(resumed, *flags, "--no_save", "--resume",
+               straight / "checkpoint" / "iter_0000002", base=run_flags())
+    first, second = losses(straight), losses(resumed)
+    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [3, 4]
+    assert second == {3: first[3], 4: first[4]}
+    assert first[4] < first[1]
+    # the images are in the model: other pixels, the same text, another first loss
+    other = tmp_path / "other"
+    train_here(other, *flags[:3], image_dataset(tmp_path, seed=100), *flags[4:-4],
+               "--train_iters", "1", "--template", "tokenizer", "--no_save", base=run_flags())
+    assert losses(other)[1] != first[1]
+
+
+def test_frozen_parts_stay_bit_for_bit(tmp_path, train_here, vl_folder):
+    """Full sft trains the language model and keeps the tower and merger (ms-swift's
+    defaults); --freeze_vit false --freeze_llm true trains the tower's blocks alone."""
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path, rows=8)
+    source = H.safetensors_state(str(vl_folder))
+    flags = ["--model", vl_folder, "--dataset", data, "--seq_length", "64", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--train_iters", "1", "--template", "tokenizer",
+             "--save_steps", "1"]
+    for name, extra, changed in (("default", [], {"llm"}),
+                                 ("vit", ["--freeze_vit", "false", "--freeze_llm", "true"],
+                                  {"vit"})):
+        out = tmp_path / name
+        train_here(out, *flags, *extra, base=run_flags())
+        H.convert(out / "checkpoint", tmp_path / f"{name}_hf", "to_hf")
+        exported = H.safetensors_state(str(tmp_path / f"{name}_hf"))
+        from swift_mcore.models.vision import part_of
+
+        moved = {part_of(n[len("model."):] if n.startswith("model.") else n)
+                 for n, t in source.items() if not torch.equal(exported[n], t)}
+        assert moved == changed, (name, moved)
+
+
+def test_freeze_flags_are_checked(vl_folder):
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    with pytest.raises(ArgumentError, match="--freeze_vit freezes a part of a vision-language "
+                                            "model; this is a text model"):
+        resolve(RunArguments.from_flags(freeze_vit=False), world_size=1)
+    with pytest.raises(ArgumentError, match="leave nothing to train"):
+        resolve(RunArguments.from_flags(model=str(vl_folder), freeze_llm=True), world_size=1)
+    with pytest.raises(ArgumentError, match="--freeze_llm with --tuner_type lora"):
+        resolve(RunArguments.from_flags(model=str(vl_folder), freeze_llm=True,
+                                        tuner_type="lora"), world_size=1)
+    with pytest.raises(ArgumentError, match="without pipeline stages"):
+        resolve(RunArguments.from_flags(model=str(vl_folder), pipeline_model_parallel_size=2,
+                                        num_layers=2), world_size=2)
