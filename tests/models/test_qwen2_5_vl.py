@@ -428,3 +428,46 @@ def test_freeze_flags_are_checked(vl_folder):
     with pytest.raises(ArgumentError, match="without pipeline stages"):
         resolve(RunArguments.from_flags(model=str(vl_folder), pipeline_model_parallel_size=2,
                                         num_layers=2), world_size=2)
+
+
+def test_packed_image_rows_give_each_samples_logits(gloo_group, vl_folder):
+    """Two image prompts in one row, kept apart by the block-causal mask, with text
+    positions restarting at the second: each gets the logits it has alone (its 3-D
+    positions restart too)."""
+    from swift_mcore.data.packing import block_causal_mask
+
+    model, _, _ = load_ours(vl_folder)
+    first, pixels1, grids1 = image_prompt([(1, 4, 8)], seed=1)
+    second, pixels2, grids2 = image_prompt([(1, 6, 2), (1, 2, 2)], seed=2)
+    n1, n2 = first.shape[1], second.shape[1]
+    row = torch.cat([first, second], dim=1)
+    positions = torch.cat([torch.arange(n1), torch.arange(n2)])[None]
+    segments = torch.tensor([[0] * n1 + [1] * n2])
+    with torch.no_grad():
+        packed = model(input_ids=row, position_ids=positions,
+                       attention_mask=block_causal_mask(segments),
+                       pixel_values=torch.cat([pixels1, pixels2]),
+                       image_grid_thw=torch.cat([grids1, grids2]))
+        alone = [model(input_ids=ids, position_ids=None, attention_mask=None,
+                       pixel_values=p, image_grid_thw=g)
+                 for ids, p, g in ((first, pixels1, grids1), (second, pixels2, grids2))]
+    assert (packed[:, :n1] - alone[0]).abs().max() <= 1e-5
+    assert (packed[:, n1:] - alone[1]).abs().max() <= 1e-5
+    # the second sample's 3-D positions are those it has alone (transformers' per sample)
+    from swift_mcore.models import vision
+
+    both = vision.rope_index(row, torch.cat([grids1, grids2]), model.vl, positions)
+    assert torch.equal(both[:, :, n1:], vision.rope_index(second, grids2, model.vl))
+
+
+def test_an_image_longer_than_seq_length_is_named(tmp_path, train_here, vl_folder):
+    from swift_mcore.errors import ArgumentError
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path, rows=2, size=32)  # 8x8 patches: 16 image tokens
+    with pytest.raises(ArgumentError, match=r"images0.jsonl, row 0: \d+ tokens \(16 of them "
+                                            r"its images'\), more than --seq_length 24"):
+        train_here(tmp_path / "out", "--model", vl_folder, "--dataset", data,
+                   "--seq_length", "24", "--train_iters", "1", "--template", "tokenizer",
+                   base=run_flags())
+    assert not (tmp_path / "out" / "checkpoint").exists()
