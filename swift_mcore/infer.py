@@ -34,7 +34,12 @@ def run(args: InferArguments) -> str:
                         trust_remote_code=args.trust_remote_code)
     tokenizer = loaded.tokenizer
     template, end_marker = None, ""
-    if args.template:
+    logits_fn = lambda t: forward_logits(loaded.model, t)  # noqa: E731
+    if args.image is not None:
+        from .data.multimodal import image_prompt
+
+        prompt, logits_fn, end_marker, template = image_prompt(loaded, args)
+    elif args.template:
         from .data.templates import Template
 
         template = Template(args.template, tokenizer, system=args.system)
@@ -52,7 +57,7 @@ def run(args: InferArguments) -> str:
         print(args.prompt, end="", flush=True)
     new: List[int] = []
     shown = ""
-    for token in generate(lambda t: forward_logits(loaded.model, t), prompt,
+    for token in generate(logits_fn, prompt,
                           args.max_new_tokens, loaded.vocab, eos=tokenizer.eod,
                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                           max_length=limit):

@@ -337,3 +337,38 @@ def build_image_sft_datasets(config, tokenizer, log=print):
                                     False, f"{fingerprint}:{name}")
 
     return dataset(train, images, "train"), dataset(valid, val_images, "valid"), None
+
+
+def image_prompt(loaded, args):
+    """`infer --image`: (prompt ids, logits function, end marker, template) of a user
+    message showing the image, for a loaded vision-language model."""
+    import torch
+    from transformers import AutoImageProcessor
+
+    from .templates import Template
+
+    if not loaded.config.model.vision_config:
+        raise ArgumentError(f"--image: --model {args.model} is a text model; images need a "
+                            f"vision-language model (a Qwen2.5-VL folder or its checkpoint)")
+    if loaded.hf_folder is None:
+        raise ArgumentError(f"--image: the image processor of --model {args.model} is not "
+                            f"known (its Hugging Face folder is gone)")
+    template = Template(args.template, loaded.tokenizer, system=args.system)
+    encoder = ImageEncoder(template, AutoImageProcessor.from_pretrained(
+        loaded.hf_folder, local_files_only=True))
+    path = os.path.expanduser(args.image)
+    ids = template.prompt([{"role": "user", "content": VISION_START + IMAGE_PAD + VISION_END
+                            + args.prompt}])
+    pixels, grid = encoder.patches([path])
+    count = int(grid.prod(-1).sum()) // encoder.merge ** 2
+    at = ids.index(encoder.pad_id)
+    ids = ids[:at] + [encoder.pad_id] * count + ids[at + 1:]
+
+    @torch.no_grad()
+    def logits(tokens):
+        device = next(loaded.model.parameters()).device
+        return loaded.model(input_ids=tokens.to(device), position_ids=None,
+                            attention_mask=None, pixel_values=pixels.to(device),
+                            image_grid_thw=grid).float()
+
+    return ids, logits, template.end_marker(), template

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hf_helpers as H
+from swift_mcore.errors import ArgumentError
 
 IMAGE, VIDEO, START, END = 300, 301, 302, 303
 TEXT = dict(H.BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -471,3 +472,39 @@ def test_an_image_longer_than_seq_length_is_named(tmp_path, train_here, vl_folde
                    "--seq_length", "24", "--train_iters", "1", "--template", "tokenizer",
                    base=run_flags())
     assert not (tmp_path / "out" / "checkpoint").exists()
+
+
+def test_infer_with_an_image_gives_transformers_greedy_tokens(gloo_group, capsys, vl_folder,
+                                                               tmp_path):
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from PIL import Image
+
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.infer import run
+
+    image = write_image(tmp_path / "cat.png", 20, 12)
+    answer = run(InferArguments(model=str(vl_folder), prompt="what is it?", image=image,
+                                template="tokenizer", max_new_tokens=5).validate())
+    tokenizer = AutoTokenizer.from_pretrained(str(vl_folder))
+    patches = AutoImageProcessor.from_pretrained(str(vl_folder))(
+        images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    pads = int(patches["image_grid_thw"].prod()) // 4
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<|vision_start|>" + "<|image_pad|>" * pads
+          + "<|vision_end|>what is it?"}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    hf = transformers_model(vl_folder)
+    new = []
+    with torch.no_grad():
+        for _ in range(5):  # greedy, the whole sequence each step (as infer does)
+            logits = hf(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(),
+                        **patches).logits[0, -1, :306]
+            new.append(int(logits.argmax()))
+            ids = torch.cat([ids, torch.tensor([[new[-1]]])], dim=1)
+    expected = tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
+    assert answer and answer == expected.split("<|im_end|>")[0], (answer, expected)
+    with pytest.raises(ArgumentError, match="--image needs --template"):
+        InferArguments(model=str(vl_folder), prompt="hi", image=image).validate()
+    with pytest.raises(ArgumentError, match=r"--image .*gone.png: cannot be read"):
+        InferArguments(model=str(vl_folder), prompt="hi", image=str(tmp_path / "gone.png"),
+                       template="tokenizer").validate()
