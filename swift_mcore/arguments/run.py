@@ -306,13 +306,22 @@ class RunArguments:
             ("position_embedding_type mrope", m.position_embedding_type == "mrope"),
             ("mrope_section", m.mrope_section is not None),
             ("vision_config", m.vision_config is not None)) if on]
-        freeze = [f"--{name}" for name in ("freeze_vit", "freeze_aligner", "freeze_llm")
+        freeze = [f"--{name}" for name in ("freeze_vit", "freeze_aligner", "freeze_llm",
+                                            "max_pixels", "min_pixels")
                   if name in self.explicit]
         if freeze and not given:
-            raise ArgumentError(f"{freeze[0]} freezes a part of a vision-language model; "
-                                f"this is a text model (give a Qwen2.5-VL --model folder)")
+            raise ArgumentError(f"{freeze[0]} is a flag of vision-language models; this is "
+                                f"a text model (give a Qwen2.5-VL --model folder)")
         if not given:
             return
+        s = getattr(self, "sft", None)
+        if s is not None and s.cached_dataset:
+            raise ArgumentError("--cached_dataset with a vision-language model: not supported "
+                                "yet (its images are read with --dataset)")
+        if s is not None and s.max_pixels and s.min_pixels and s.min_pixels > s.max_pixels:
+            raise ArgumentError(f"--min_pixels {s.min_pixels} is above --max_pixels "
+                                f"{s.max_pixels}")
+        freeze = [f for f in freeze if f.startswith("--freeze")]
         t = self.tuner
         if freeze and t.tuner_type == "lora":
             raise ArgumentError(f"{freeze[0]} with --tuner_type lora: the adapters train and "

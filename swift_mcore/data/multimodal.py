@@ -294,7 +294,9 @@ def build_image_sft_datasets(config, tokenizer, log=print):
     train_rows = read_image_conversations(config.dataset_sources, columns, "--dataset")
     val_rows = (read_image_conversations(config.val_dataset_sources, columns, "--val_dataset")
                 if config.val_dataset_sources else None)
-    processor = AutoImageProcessor.from_pretrained(config.model.model, local_files_only=True)
+    sizes = {k: getattr(s, k) for k in ("min_pixels", "max_pixels") if getattr(s, k)}
+    processor = AutoImageProcessor.from_pretrained(config.model.model, local_files_only=True,
+                                                   **sizes)
     encoder = ImageEncoder(template, processor, s.loss_on)
 
     def encode(rows):

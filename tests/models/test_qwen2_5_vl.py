@@ -418,8 +418,8 @@ def test_freeze_flags_are_checked(vl_folder):
     from swift_mcore.errors import ArgumentError
     from swift_mcore.run_config import resolve
 
-    with pytest.raises(ArgumentError, match="--freeze_vit freezes a part of a vision-language "
-                                            "model; this is a text model"):
+    with pytest.raises(ArgumentError, match="--freeze_vit is a flag of vision-language "
+                                            "models; this is a text model"):
         resolve(RunArguments.from_flags(freeze_vit=False), world_size=1)
     with pytest.raises(ArgumentError, match="leave nothing to train"):
         resolve(RunArguments.from_flags(model=str(vl_folder), freeze_llm=True), world_size=1)
@@ -467,11 +467,15 @@ def test_an_image_longer_than_seq_length_is_named(tmp_path, train_here, vl_folde
 
     data = image_dataset(tmp_path, rows=2, size=32)  # 8x8 patches: 16 image tokens
     with pytest.raises(ArgumentError, match=r"images0.jsonl, row 0: \d+ tokens \(16 of them "
-                                            r"its images'\), more than --seq_length 24"):
+                                            r"its images'\), more than --seq_length 48"):
         train_here(tmp_path / "out", "--model", vl_folder, "--dataset", data,
-                   "--seq_length", "24", "--train_iters", "1", "--template", "tokenizer",
+                   "--seq_length", "48", "--train_iters", "1", "--template", "tokenizer",
                    base=run_flags())
     assert not (tmp_path / "out" / "checkpoint").exists()
+    # --max_pixels 256 scales them to 16x16 pixels: 4 image tokens, the rows fit
+    train_here(tmp_path / "small", "--model", vl_folder, "--dataset", data, "--seq_length",
+               "48", "--train_iters", "1", "--template", "tokenizer", "--max_pixels", "256",
+               "--no_save", base=run_flags())
 
 
 def test_infer_with_an_image_gives_transformers_greedy_tokens(gloo_group, capsys, vl_folder,
