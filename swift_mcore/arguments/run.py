@@ -306,15 +306,18 @@ class RunArguments:
             ("position_embedding_type mrope", m.position_embedding_type == "mrope"),
             ("mrope_section", m.mrope_section is not None),
             ("vision_config", m.vision_config is not None)) if on]
-        freeze = [f"--{name}" for name in ("freeze_vit", "freeze_aligner", "freeze_llm",
-                                            "max_pixels", "min_pixels")
-                  if name in self.explicit]
+        # values other than the defaults (a checkpoint's saved flags restate the defaults)
+        t, s = self.tuner, getattr(self, "sft", None)
+        freeze = [f"--{name} {value}" for name, value, default in (
+            ("freeze_vit", t.freeze_vit, True), ("freeze_aligner", t.freeze_aligner, True),
+            ("freeze_llm", t.freeze_llm, False),
+            ("max_pixels", getattr(s, "max_pixels", None), None),
+            ("min_pixels", getattr(s, "min_pixels", None), None)) if value != default]
         if freeze and not given:
             raise ArgumentError(f"{freeze[0]} is a flag of vision-language models; this is "
                                 f"a text model (give a Qwen2.5-VL --model folder)")
         if not given:
             return
-        s = getattr(self, "sft", None)
         if s is not None and s.cached_dataset:
             raise ArgumentError("--cached_dataset with a vision-language model: not supported "
                                 "yet (its images are read with --dataset)")
@@ -322,7 +325,6 @@ class RunArguments:
             raise ArgumentError(f"--min_pixels {s.min_pixels} is above --max_pixels "
                                 f"{s.max_pixels}")
         freeze = [f for f in freeze if f.startswith("--freeze")]
-        t = self.tuner
         if freeze and t.tuner_type == "lora":
             raise ArgumentError(f"{freeze[0]} with --tuner_type lora: the adapters train and "
                                 f"every base weight, the vision tower's too, stays frozen; "

@@ -391,7 +391,8 @@ def test_sft_with_images_trains_and_resumes_exactly(tmp_path, train_here, vl_fol
 
 def test_frozen_parts_stay_bit_for_bit(tmp_path, train_here, vl_folder):
     """Full sft trains the language model and keeps the tower and merger (ms-swift's
-    defaults); --freeze_vit false --freeze_llm true trains the tower's blocks alone."""
+    defaults); --freeze_vit false --freeze_llm true trains the tower's blocks alone; LoRA's
+    adapters, merged on export, change the language model only."""
     from test_hf_training import run_flags
 
     data = image_dataset(tmp_path, rows=8)
@@ -401,10 +402,12 @@ def test_frozen_parts_stay_bit_for_bit(tmp_path, train_here, vl_folder):
              "--save_steps", "1"]
     for name, extra, changed in (("default", [], {"llm"}),
                                  ("vit", ["--freeze_vit", "false", "--freeze_llm", "true"],
-                                  {"vit"})):
+                                  {"vit"}),
+                                 ("lora", ["--tuner_type", "lora"], {"llm"})):
         out = tmp_path / name
         train_here(out, *flags, *extra, base=run_flags())
-        H.convert(out / "checkpoint", tmp_path / f"{name}_hf", "to_hf")
+        H.convert(out / "checkpoint", tmp_path / f"{name}_hf", "to_hf",
+                  **({"merge_lora": True} if name == "lora" else {}))
         exported = H.safetensors_state(str(tmp_path / f"{name}_hf"))
         from swift_mcore.models.vision import part_of
 
@@ -418,12 +421,16 @@ def test_freeze_flags_are_checked(vl_folder):
     from swift_mcore.errors import ArgumentError
     from swift_mcore.run_config import resolve
 
-    with pytest.raises(ArgumentError, match="--freeze_vit is a flag of vision-language "
+    with pytest.raises(ArgumentError, match="--freeze_vit False is a flag of vision-language "
                                             "models; this is a text model"):
         resolve(RunArguments.from_flags(freeze_vit=False), world_size=1)
+    # the defaults restated (as a checkpoint's saved flags do) are no request
+    resolve(RunArguments.from_flags(freeze_vit=True, freeze_llm=False), world_size=1)
+    resolve(RunArguments.from_flags(model=str(vl_folder), tuner_type="lora", freeze_vit=True),
+            world_size=1)
     with pytest.raises(ArgumentError, match="leave nothing to train"):
         resolve(RunArguments.from_flags(model=str(vl_folder), freeze_llm=True), world_size=1)
-    with pytest.raises(ArgumentError, match="--freeze_llm with --tuner_type lora"):
+    with pytest.raises(ArgumentError, match="--freeze_llm True with --tuner_type lora"):
         resolve(RunArguments.from_flags(model=str(vl_folder), freeze_llm=True,
                                         tuner_type="lora"), world_size=1)
     with pytest.raises(ArgumentError, match="without pipeline stages"):
