@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, List
 
@@ -30,6 +31,10 @@ def run(args: InferArguments) -> str:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.image is not None:  # before the model loads
+        from .input_files import check_image
+
+        check_image(os.path.expanduser(args.image), f"--image {args.image}")
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
                         trust_remote_code=args.trust_remote_code)
     tokenizer = loaded.tokenizer

@@ -59,9 +59,6 @@ class InferArguments:
             if self.template is None:
                 raise ArgumentError("--image needs --template (the image goes in the user's "
                                     "message)")
-            from ..data.multimodal import check_image
-
-            check_image(os.path.expanduser(self.image), f"--image {self.image}")
         if self.max_new_tokens <= 0:
             raise ArgumentError(f"--max_new_tokens must be a positive integer, got "
                                 f"{self.max_new_tokens}")

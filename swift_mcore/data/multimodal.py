@@ -8,7 +8,7 @@ Two row formats are read. ms-swift's: the messages' text holds ``<image>`` tags 
 its image paths.
 
 Every image is checked when the row is read, before anything is encoded: a regular file of
-at most MAX_IMAGE_BYTES that PIL opens as an image of at most MAX_IMAGE_PIXELS pixels. URLs
+bounded size that PIL opens as an image of bounded pixels (input_files.check_image). URLs
 are refused (nothing is fetched at run time); so are videos (not supported yet).
 
 Encoding renders the conversation with the text sft's Template (the same answer-only
@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..errors import ArgumentError
-from ..input_files import check_regular, open_regular
+from ..input_files import check_image, open_regular
 from .conversations import Conversation, to_conversation
 from .templates import CONTEXT
 
@@ -35,9 +35,6 @@ IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"
 # Qwen2.5-VL's tokens around and for an image (its chat template and processor)
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
-# Larger than any photograph a VL model is trained on; bounds what one row may make us read.
-MAX_IMAGE_BYTES = 64 << 20
-MAX_IMAGE_PIXELS = 1 << 26  # 8192 x 8192; PIL's own decompression-bomb limit is ~89M
 
 
 @dataclass(frozen=True)
@@ -128,27 +125,6 @@ def _from_content_lists(messages: Sequence[Any], where: str
                                     f"or {{'type': 'image', 'image': PATH}} item)")
         out.append({**message, "content": "".join(text)})
     return out, images
-
-
-def check_image(path: str, where: str) -> None:
-    """ArgumentError unless ``path`` is a regular file of at most MAX_IMAGE_BYTES that PIL
-    reads as an image of at most MAX_IMAGE_PIXELS pixels (the header only: no decoding)."""
-    from PIL import Image, UnidentifiedImageError
-
-    check_regular(path, where)
-    size = os.path.getsize(path)
-    if size > MAX_IMAGE_BYTES:
-        raise ArgumentError(f"{where}: {size} bytes, more than an image may have "
-                            f"({MAX_IMAGE_BYTES >> 20} MiB)")
-    with open_regular(path, "rb", where) as fh:
-        try:
-            with Image.open(fh) as image:
-                width, height = image.size
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-            raise ArgumentError(f"{where}: not an image PIL can read") from None
-    if width * height > MAX_IMAGE_PIXELS:
-        raise ArgumentError(f"{where}: {width}x{height} pixels, more than {MAX_IMAGE_PIXELS} "
-                            f"(downscale it)")
 
 
 def load_image(path: str, where: str):

@@ -517,5 +517,5 @@ def test_infer_with_an_image_gives_transformers_greedy_tokens(gloo_group, capsys
     with pytest.raises(ArgumentError, match="--image needs --template"):
         InferArguments(model=str(vl_folder), prompt="hi", image=image).validate()
     with pytest.raises(ArgumentError, match=r"--image .*gone.png: cannot be read"):
-        InferArguments(model=str(vl_folder), prompt="hi", image=str(tmp_path / "gone.png"),
-                       template="tokenizer").validate()
+        run(InferArguments(model=str(vl_folder), prompt="hi", image=str(tmp_path / "gone.png"),
+                           template="tokenizer").validate())
