@@ -12,10 +12,10 @@ checkpoint hold both.
 Position ids are computed as transformers' ``Qwen2_5_VLModel.get_rope_index`` does for
 images: text tokens count up on all three rows; an image of ``t x h x w`` merged patches
 starting at position p gets rows p + (t index, h index, w index), and the text after it
-continues at p + max(h, w).
+continues at p + max(h, w). A packed row's samples each start again at 0.
 
 Not yet here (issue 42): video, Qwen3-VL, sequence parallelism and pipeline stages for the
-vision tower; the commands reach this module once the data path brings images.
+vision tower (RunArguments.check_vision refuses them).
 """
 
 from __future__ import annotations
