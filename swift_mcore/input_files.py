@@ -121,19 +121,33 @@ MAX_IMAGE_PIXELS = 1 << 26  # 8192 x 8192; PIL's own decompression-bomb limit is
 def check_image(path: str, where: str) -> None:
     """ArgumentError unless ``path`` is a regular file of at most MAX_IMAGE_BYTES that PIL
     reads as an image of at most MAX_IMAGE_PIXELS pixels (the header only: no decoding)."""
-    from PIL import Image, UnidentifiedImageError
-
     check_regular(path, where)
     size = os.path.getsize(path)
     if size > MAX_IMAGE_BYTES:
         raise ArgumentError(f"{where}: {size} bytes, more than an image may have "
                             f"({MAX_IMAGE_BYTES >> 20} MiB)")
     with open_regular(path, "rb", where) as fh:
-        try:
-            with Image.open(fh) as image:
-                width, height = image.size
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-            raise ArgumentError(f"{where}: not an image PIL can read") from None
+        _check_image_header(fh, where)
+
+
+def check_image_bytes(data: bytes, where: str) -> None:
+    """check_image for an image given inline (base64 in a data row)."""
+    import io
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ArgumentError(f"{where}: {len(data)} bytes, more than an image may have "
+                            f"({MAX_IMAGE_BYTES >> 20} MiB)")
+    _check_image_header(io.BytesIO(data), where)
+
+
+def _check_image_header(fh, where: str) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(fh) as image:
+            width, height = image.size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        raise ArgumentError(f"{where}: not an image PIL can read") from None
     if width * height > MAX_IMAGE_PIXELS:
         raise ArgumentError(f"{where}: {width}x{height} pixels, more than {MAX_IMAGE_PIXELS} "
                             f"(downscale it)")

@@ -2,7 +2,7 @@
 ids with each image's pads expanded, answer-only targets, the images' patches.
 
 Two row formats are read. ms-swift's: the messages' text holds ``<image>`` tags and the
-``images`` column lists one local path per tag, in order. transformers': a message's
+``images`` column lists one local path (or ``data:image/...;base64,`` URI) per tag, in order. transformers': a message's
 ``content`` is a list of ``{"type": "text", "text": ...}`` and ``{"type": "image",
 "image"|"path": PATH}`` items. Either becomes one Conversation (the tags in the text) and
 its image paths.
@@ -21,17 +21,20 @@ Qwen2.5-VL processor expands it.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import ArgumentError
-from ..input_files import check_image, open_regular
+from ..input_files import MAX_IMAGE_BYTES, check_image, check_image_bytes, open_regular
 from .conversations import Conversation, to_conversation
 from .templates import CONTEXT
 
 IMAGE_TAG = "<image>"
+# an image given inline in a row (ms-swift accepts base64 images)
+BASE64_IMAGE = re.compile(r"^data:image/[\w.+-]+;base64,")
 VIDEO_TAG = "<video>"
 # Qwen2.5-VL's tokens around and for an image (its chat template and processor)
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -85,8 +88,11 @@ def read_image_row(row: Dict[str, Any], where: str) -> ImageConversation:
     if tags != len(images):
         raise ArgumentError(f"{where}: {tags} {IMAGE_TAG} tag(s) in the messages but "
                             f"{len(images)} image(s) in 'images' (one path per tag, in order)")
-    for i, path in enumerate(images):
-        check_image(path, f"{where}: images[{i}] {path}")
+    for i, ref in enumerate(images):
+        if BASE64_IMAGE.match(ref):
+            check_image_bytes(_decoded(ref, f"{where}: images[{i}]"), f"{where}: images[{i}]")
+        else:
+            check_image(ref, f"{where}: images[{i}] {ref}")
     return ImageConversation(conversation, tuple(images))
 
 
@@ -95,6 +101,11 @@ def _path(value: Any, where: str) -> str:
         value = value.get("path", value.get("image"))
     if not isinstance(value, str) or not value or "\0" in value:
         raise ArgumentError(f"{where}: {value!r:.80} is not an image path")
+    if BASE64_IMAGE.match(value):
+        if len(value) > MAX_IMAGE_BYTES * 4 // 3 + 256:
+            raise ArgumentError(f"{where}: a base64 image of {len(value)} characters, more "
+                                f"than an image may have ({MAX_IMAGE_BYTES >> 20} MiB)")
+        return value
     if "://" in value or value.startswith("data:"):
         raise ArgumentError(f"{where}: {value:.80} is a URL; swift-mcore reads images only "
                             f"from local files (nothing is fetched at run time): download "
@@ -127,11 +138,28 @@ def _from_content_lists(messages: Sequence[Any], where: str
     return out, images
 
 
-def load_image(path: str, where: str):
-    """The image at ``path`` (checked by check_image) as RGB."""
+def _decoded(ref: str, where: str) -> bytes:
+    import base64
+    import binascii
+
+    try:
+        return base64.b64decode(ref[BASE64_IMAGE.match(ref).end():], validate=True)
+    except (binascii.Error, ValueError):
+        raise ArgumentError(f"{where}: a data:image URI whose payload is not valid "
+                            f"base64") from None
+
+
+def load_image(ref: str, where: str):
+    """The image at path ``ref``, or given inline as a base64 data URI (checked first by
+    read_image_row), as RGB."""
+    import io
+
     from PIL import Image
 
-    with open_regular(path, "rb", where) as fh:
+    if BASE64_IMAGE.match(ref):
+        with Image.open(io.BytesIO(_decoded(ref, where))) as image:
+            return image.convert("RGB")
+    with open_regular(ref, "rb", where) as fh:
         with Image.open(fh) as image:
             return image.convert("RGB")
 

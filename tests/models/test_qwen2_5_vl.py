@@ -228,11 +228,16 @@ def test_image_rows_encode_as_transformers_and_give_its_logits(gloo_group, vl_fo
         {"type": "image", "image": wide}, {"type": "text", "text": "add"},
         {"type": "image", "path": tall}, {"type": "text", "text": " them"}]},
         {"role": "assistant", "content": "def add(a, b)"}]}
+    import base64
+
+    inline = dict(row, images=[wide, "data:image/png;base64," + base64.b64encode(
+        open(tall, "rb").read()).decode()])
     encoder = encoder_for(vl_folder)
     ours = encoder.encode(read_image_row(row, "row 0"))
-    again = encoder.encode(read_image_row(listed, "row 1"))
-    assert torch.equal(torch.from_numpy(ours.ids), torch.from_numpy(again.ids))
-    assert torch.equal(ours.pixel_values, again.pixel_values)
+    for other in (listed, inline):
+        again = encoder.encode(read_image_row(other, "row 1"))
+        assert torch.equal(torch.from_numpy(ours.ids), torch.from_numpy(again.ids))
+        assert torch.equal(ours.pixel_values, again.pixel_values)
 
     from PIL import Image
 
@@ -296,6 +301,12 @@ def _bad_rows(tmp_path):
          r"row 7: messages\[0\].content\[0\]: "),
         ({"messages": user("<image>hi"), "images": [3]},
          r"row 7: images\[0\]: 3 is not an image path"),
+        ({"messages": user("<image>hi"), "images": ["data:image/png;base64,!!"]},
+         r"row 7: images\[0\]: a data:image URI whose payload is not valid base64"),
+        ({"messages": user("<image>hi"), "images": ["data:image/png;base64,aGVsbG8="]},
+         r"row 7: images\[0\]: not an image PIL can read"),
+        ({"messages": user("<image>hi"), "images": ["data:text/plain;base64,aGk="]},
+         r"row 7: images\[0\]: data:text/plain;base64,aGk= is a URL"),
     ]
 
 
