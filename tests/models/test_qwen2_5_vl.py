@@ -530,3 +530,20 @@ def test_infer_with_an_image_gives_transformers_greedy_tokens(gloo_group, capsys
     with pytest.raises(ArgumentError, match=r"--image .*gone.png: cannot be read"):
         run(InferArguments(model=str(vl_folder), prompt="hi", image=str(tmp_path / "gone.png"),
                            template="tokenizer").validate())
+
+
+@pytest.mark.slow
+def test_tp2_matches_transformers_and_exports_bit_identical(tmp_path, gloo_group, vl_folder):
+    """TP=2 on gloo: the language model sharded, the tower whole on each rank; the logits
+    of text are transformers', and the TP=2 checkpoint exports every tensor bit for bit."""
+    from test_hf_parallel import run_two_ranks
+
+    ids, out = run_two_ranks(tmp_path, vl_folder, 2, 1)
+    with torch.no_grad():
+        theirs = transformers_model(vl_folder)(input_ids=ids).logits
+    assert (torch.load(out / "logits.pt") - theirs).abs().max() <= 1e-4
+    H.convert(out, tmp_path / "exported", "to_hf")
+    original, back = H.safetensors_state(str(vl_folder)), H.safetensors_state(
+        str(tmp_path / "exported"))
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
