@@ -68,6 +68,9 @@ def run_training(argv: List[str], cls) -> int:
         launch = torchrun_launch()  # the layout first: a wrong one would wait forever
         config = resolve(parse_args(argv, prog=prog, cls=cls),
                          world_size=launch.world_size if launch else None)
+        from .arguments.rlhf import check_score_head
+
+        check_score_head(config)  # a score head trains only as a reward model
     except ArgumentError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         _no_restart_on_bad_flags(prog)
@@ -114,6 +117,18 @@ def _train(prog: str, config) -> int:
 
 def trainer_class(config):
     """The Trainer a command trains with: rlhf's own, else the base one."""
+    if config.COMMAND == "rlhf" and config.rlhf.rlhf_type == "kto":
+        from .training.kto_trainer import KtoTrainer
+
+        return KtoTrainer
+    if config.COMMAND == "rlhf" and config.rlhf.rlhf_type == "rm":
+        from .training.reward_trainer import RewardTrainer
+
+        return RewardTrainer
+    if config.COMMAND == "rlhf" and config.rlhf.rlhf_type in ("orpo", "simpo"):
+        from .training.reference_free_trainer import ReferenceFreeTrainer
+
+        return ReferenceFreeTrainer
     if config.COMMAND == "rlhf":
         from .training.rlhf_trainer import DpoTrainer
 
@@ -140,8 +155,9 @@ COMMANDS = {
                          "embedded corpus)"),
     "sft": (run_sft, "finetune on conversations (messages or query/response; jsonl, json, "
                      "parquet, datasets folders)"),
-    "rlhf": (run_rlhf, "preference training: DPO on prompt/chosen/rejected pairs, against a "
-                       "frozen reference (docs/rlhf.md)"),
+    "rlhf": (run_rlhf, "preference training: DPO on prompt/chosen/rejected pairs, KTO on "
+                       "labelled answers, against a frozen reference, or a reward model "
+                       "(docs/rlhf.md)"),
     "preprocess": (_lazy("swift_mcore.preprocess"),
                    "tokenize text files (jsonl, parquet, csv, txt, datasets) into .bin/.idx"),
     "export": (_lazy("swift_mcore.export"),

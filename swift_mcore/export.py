@@ -119,6 +119,10 @@ def to_peft(args: ExportArguments, log) -> Dict[str, object]:
     if not lora.is_lora(loaded.model):
         raise ArgumentError(f"--to_peft: --model {args.model} is not a LoRA checkpoint "
                             f"(trained with --tuner_type full); use --to_hf")
+    if loaded.config.model.num_labels:
+        raise ArgumentError(f"--to_peft: --model {args.model} is a reward model, whose score "
+                            f"head trained whole beside the adapters; write it with --to_hf "
+                            f"--merge_lora")
     layout = Layout.from_model_args(loaded.config.model, loaded.config.padded_vocab_size)
     config, tensors = lora.peft_adapter(loaded.model, loaded.config.tuner, layout,
                                         loaded.hf_folder)
@@ -165,7 +169,8 @@ def to_mcore(args: ExportArguments, log) -> Dict[str, object]:
         # A weights-only checkpoint: no optimizer state, iteration 0.
         flags = with_flags(loaded.flags, output_dir=os.path.abspath(args.output_dir),
                            no_save_optim=True)
-        config = resolve(flags, world_size=1).complete(
+        # It trains nothing: only the weights must fit (the folder was read already).
+        config = resolve(flags, world_size=1, weights_only=True).complete(
             loaded.config.vocab_size, None,
             padded_vocab_size=loaded.config.padded_vocab_size)
         path, _, _ = save_checkpoint(config, TrainState(), [loaded.model], None, None, None)
@@ -187,6 +192,8 @@ def compare_logits(loaded, hf_path: str, log) -> float:
 
     from .loaded_model import forward_logits
 
+    if loaded.config.model.num_labels:
+        return compare_scores(loaded, hf_path, log)
     hf_logging.disable_progress_bar()
     # the families swift-mcore converts are transformers' own: no folder code is ever run
     hf = None if loaded.config.model.vision_config else AutoModelForCausalLM.from_pretrained(
@@ -208,6 +215,33 @@ def compare_logits(loaded, hf_path: str, log) -> float:
     log(f"test_convert_precision: max |logit difference| {diff:.3g} (mean "
         f"{float((ours - theirs).abs().mean()):.3g}, logits up to "
         f"{float(theirs.abs().max()):.3g}) over {PRECISION_BATCH}x{length} tokens")
+    return diff
+
+
+def compare_scores(loaded, hf_path: str, log) -> float:
+    """A reward model's --test_convert_precision: largest |score difference| between ours
+    and transformers' *ForSequenceClassification of ``hf_path`` on the same random tokens
+    (each read at its last non-pad token, both sides)."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from .models.value_head import score_sequences
+
+    hf_logging.disable_progress_bar()
+    hf = AutoModelForSequenceClassification.from_pretrained(
+        hf_path, dtype=torch.float32, attn_implementation="eager",
+        trust_remote_code=False).eval()
+    generator = torch.Generator().manual_seed(0)
+    length = min(PRECISION_LENGTH, loaded.config.model.max_position_embeddings)
+    tokens = torch.randint(0, loaded.vocab, (PRECISION_BATCH, length), generator=generator)
+    ours = score_sequences(loaded.model.float(), tokens.tolist(),
+                           hf.config.pad_token_id).cpu()
+    with torch.no_grad():
+        theirs = hf(tokens).logits.float()
+    diff = float((ours - theirs).abs().max())
+    log(f"test_convert_precision: max |score difference| {diff:.3g} (scores up to "
+        f"{float(theirs.abs().max()):.3g}) over {PRECISION_BATCH} sequences of {length} "
+        f"tokens")
     return diff
 
 

@@ -38,6 +38,8 @@ def run(args: InferArguments) -> str:
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
                         trust_remote_code=args.trust_remote_code)
     tokenizer = loaded.tokenizer
+    if loaded.config.model.num_labels:
+        return score(args, loaded, log)
     template, end_marker = None, ""
     logits_fn = lambda t: forward_logits(loaded.model, t)  # noqa: E731
     if args.image is not None:
@@ -80,6 +82,34 @@ def run(args: InferArguments) -> str:
         return answer
     print(flush=True)
     return shown
+
+
+def score(args: InferArguments, loaded, log: Callable[[str], None]) -> str:
+    """A reward model scores --prompt (prompt and answer as one text, the EOS appended as
+    its training rows had it) instead of continuing it: prints the score, one line."""
+    from .models.value_head import pad_id_of, score_sequences
+
+    if args.template:
+        raise ArgumentError(f"--template: --model {args.model} is a reward model, which "
+                            f"scores text instead of answering; give the prompt and its "
+                            f"answer as one --prompt")
+    hf = loaded.tokenizer.hf
+    text = args.prompt if args.prompt.endswith(hf.eos_token) else args.prompt + hf.eos_token
+    ids = list(hf(text=text)["input_ids"])
+    m = loaded.config.model
+    if len(ids) > m.max_position_embeddings:
+        log(f"WARNING: --prompt is {len(ids)} tokens, past max_position_embeddings "
+            f"({m.max_position_embeddings}), the longest sequence this model was built for")
+    pad = pad_id_of(loaded.tokenizer)
+    if loaded.kind == "hf":  # transformers reads the score by config.json's pad token
+        from .models.hf_folder import HFFolder
+
+        configured = HFFolder(loaded.path, flag="--model").config.get("pad_token_id")
+        pad = configured if isinstance(configured, int) else pad
+    value = float(score_sequences(loaded.model, [ids], pad)[0, 0])
+    line = repr(value)
+    print(line, flush=True)
+    return line
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, context: int, positions: str,

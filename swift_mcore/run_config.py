@@ -35,6 +35,7 @@ class World:
     data_parallel: int
     num_microbatches: int
     expert_parallel: int = 1     # MoE experts split over this many of the data-parallel ranks
+    context_parallel: int = 1    # ranks that share each sequence (two of 2 x CP chunks each)
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,8 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
     sources, val_sources = check_inputs(flags)
     attention = choose_attention(flags.model.attention_backend, cuda, transformer_engine)
     attention = choose_window_attention(flags.model, attention)
+    attention = choose_hybrid_attention(flags, attention)
+    check_delta_net_kernels(flags, cuda)
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
@@ -206,19 +209,53 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
         raise ArgumentError(
             "--packing with Transformer Engine passes each packed row as one variable-length "
             "batch (THD); set --micro_batch_size 1 and raise --seq_length instead")
+    check_context_parallel_hardware(flags, cuda, attention, packed_rows)
     p, t = flags.parallel, flags.training
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    dp = world_size // (tp * pp)
+    tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                  p.context_parallel_size)
+    dp = world_size // (tp * pp * cp)
     world = World(world_size=world_size, tensor_parallel=tp, pipeline_parallel=pp,
                   data_parallel=dp,
                   num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
-                  expert_parallel=p.expert_model_parallel_size)
+                  expert_parallel=p.expert_model_parallel_size, context_parallel=cp)
     return RunConfig(args=flags.frozen(), world=world, cuda=cuda, backend=backend,
                      layer_spec=layer_spec, attention=attention, packed_rows=packed_rows,
                      dataset_sources=sources, val_dataset_sources=val_sources,
                      precision=precision, base_model=base_model, lora_import=lora_import,
                      **cpu.choose(flags, cuda),
                      **choose_gpu_defaults(flags, world, cuda, transformer_engine))
+
+
+def check_context_parallel_hardware(flags: RunArguments, cuda: bool, attention: str,
+                                    packed_rows: str) -> None:
+    """--context_parallel_size > 1 needs an attention that sees the other ranks' keys and
+    values: Transformer Engine's on GPU (--cp_comm_type), the CPU port's all-gather on CPU
+    (in place of torch SDPA; megatron's local DotProductAttention refuses CP)."""
+    p = flags.parallel
+    cp = p.context_parallel_size
+    if cp == 1:
+        return
+    if cuda:
+        if attention != "transformer_engine":
+            raise ArgumentError(
+                f"--context_parallel_size {cp} on GPU needs Transformer Engine's attention "
+                f"(pip install -r requirements/gpu.txt; --attention_backend auto or "
+                f"transformer_engine), not --attention_backend {attention}")
+        if flags.COMMAND == "sft" and flags.sft.packing and packed_rows == "thd":
+            raise ArgumentError(
+                f"--packing with --context_parallel_size {cp} on GPU (variable-length THD "
+                f"rows split over the group) is not supported yet; drop --packing or use "
+                f"--context_parallel_size 1")
+        return
+    if attention != "sdpa":
+        raise ArgumentError(
+            f"--context_parallel_size {cp} on CPU needs --attention_backend sdpa or auto "
+            f"(megatron's local DotProductAttention refuses context parallelism)")
+    if "cp_comm_type" in flags.explicit and p.cp_comm_type != "allgather":
+        raise ArgumentError(
+            f"--cp_comm_type {p.cp_comm_type} is Transformer Engine's (GPU); on CPU the "
+            f"context-parallel attention all-gathers keys and values: drop the flag or give "
+            f"allgather")
 
 
 def check_lora(flags: RunArguments, layer_spec: str, cuda: bool) -> Optional[str]:
@@ -322,8 +359,13 @@ def choose_window_attention(m, attention: str) -> str:
     SDPA core attention and the local layer spec implement here: megatron's local
     attention builds its window mask on CUDA only and drops the packed rows' mask with it,
     and Gemma 3's extra norms are local-spec modules. 'auto' becomes sdpa; an explicit other
-    backend is refused."""
+    backend is refused. Attention sinks (gpt-oss) run on sdpa or local: 'auto' picks sdpa
+    over Transformer Engine (arguments/run.py refuses it given explicitly)."""
     if not m.window_size and m.model_type != "gemma3":
+        if m.softmax_type != "vanilla" and attention == "transformer_engine":
+            # attention sinks: our SDPA's and megatron's local softmax (check_attention
+            # refuses an explicit transformer_engine)
+            return "sdpa"
         return attention
     if attention == "sdpa":
         return attention
@@ -333,6 +375,37 @@ def choose_window_attention(m, attention: str) -> str:
     raise ArgumentError(f"--attention_backend {m.attention_backend} with {what}: only sdpa "
                         f"runs sliding-window attention and Gemma 3's layers exactly here; "
                         f"use --attention_backend sdpa (or auto)")
+
+
+def choose_hybrid_attention(flags: RunArguments, attention: str) -> str:
+    """The attention of a model with gated delta-net layers or Qwen3-Next's norms, built
+    from the local layer spec only (models/hybrid_layers.py): 'auto' there becomes sdpa,
+    transformer_engine is refused (packed rows then reach the delta nets as the
+    block-causal mask, hybrid_layers.DocumentGatedDeltaNet)."""
+    from .arguments.model import HYBRID_MODEL_TYPES
+
+    m = flags.model
+    if m.linear_attention_freq is None and m.model_type not in HYBRID_MODEL_TYPES:
+        return attention
+    if attention != "transformer_engine":
+        return attention
+    if m.attention_backend == "auto":
+        return "sdpa"
+    raise ArgumentError("--attention_backend transformer_engine with gated delta-net layers "
+                        "or a qwen3_next model: they are built from the local layer spec; "
+                        "use --attention_backend sdpa, local or auto")
+
+
+def check_delta_net_kernels(flags: RunArguments, cuda: bool) -> None:
+    """Gated delta-net layers on a GPU run flash-linear-attention's kernels (megatron's
+    GatedDeltaNet refuses to be built without them); on CPU the CPU port has its own."""
+    from .runtime import hardware
+
+    if cuda and flags.model.linear_attention_freq is not None \
+            and not hardware.flash_linear_attention_available():
+        raise ArgumentError("--linear_attention_freq (gated delta-net layers, Qwen3-Next and "
+                            "Qwen3.5) on a GPU needs flash-linear-attention's kernels: pip "
+                            "install flash-linear-attention (requirements/gpu.txt)")
 
 
 def check_hardware(flags: RunArguments, cuda: bool) -> str:

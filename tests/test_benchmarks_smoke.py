@@ -209,3 +209,13 @@ def test_dpo_vs_trl_smoke():
     assert all(abs(r["loss_first"] - math.log(2)) < 1e-6 for r in runs if "loss_first" in r)
     assert measured(summary["speed_ratio_vs_trl"], summary["memory_ratio_vs_trl"],
                     *(r["tokens_per_s"] for r in runs), *(r["peak_rss_MB"] for r in runs))
+
+
+@pytest.mark.benchmark
+def test_optimizer_memory_smoke():
+    lines = run_script("optimizer_memory.py", "--tiny", "--dp", "2", timeout=600)
+    plain, sharded, ratios = lines
+    # two Adam moments per parameter in float32, whole on each rank without sharding
+    assert plain["state_bytes_per_rank"] == [8 * plain["parameters"]] * 2
+    assert sum(sharded["state_bytes_per_rank"]) == 8 * sharded["parameters"]
+    assert 0.5 <= ratios["distributed_over_plain_per_rank"]["2"] < 0.51

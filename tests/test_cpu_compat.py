@@ -57,6 +57,21 @@ def test_default_causal_mask_on_cpu():
     assert mask.tolist()[0] == [False, True, True, True]
 
 
+def test_learnable_softmax_offset_is_created_on_cpu(gloo_group):
+    """megatron's attention sinks (softmax_type 'learnable', gpt-oss) are a parameter made
+    on the CUDA device in DotProductAttention's constructor."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               use_cpu_initialization=True, softmax_type="learnable")
+    attention = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                    attention_type="self")
+    assert attention.softmax_offset.device.type == "cpu"
+    assert attention.softmax_offset.shape == (4,)
+
+
 def test_clip_grad_scales_like_megatron():
     from megatron.core.optimizer import optimizer
 

@@ -3,6 +3,7 @@ output_dir/profile, readable as Chrome trace JSON (TensorBoard, Perfetto); the f
 checks, and --record_memory_history refused on CPU."""
 
 import json
+import os
 
 import pytest
 
@@ -54,3 +55,39 @@ def test_profile_flags_are_checked(flags, world, message):
         resolve(RunArguments.from_flags(**SMALL, **flags), world_size=world, cuda=False)
     assert resolve(RunArguments.from_flags(**SMALL, profile=True, record_memory_history=True),
                    world_size=1, cuda=True, transformer_engine=False).logging.profile
+
+
+def test_a_link_planted_as_the_profile_folder_is_refused_before_training(tmp_path, gloo_group):
+    """output_dir/profile -> a folder of the user: refused with one line before the first
+    iteration; nothing is written into the folder the link points at."""
+    from in_process import train_in_process
+
+    from swift_mcore.errors import OutputError
+
+    out, elsewhere = tmp_path / "run", tmp_path / "home"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "profile").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(OutputError, match="--profile: .*profile is not a folder") as err:
+        train_in_process(out, "--train_iters", "2", "--no_save", "--profile",
+                         "--profile_step_start", "2", "--profile_step_end", "2", command="pt")
+    assert "\n" not in str(err.value)
+    assert list(elsewhere.iterdir()) == []
+    metrics = out / "metrics.jsonl"
+    assert not metrics.exists() or '"split": "train"' not in metrics.read_text()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_a_link_planted_as_the_trace_is_replaced_never_followed(tmp_path, gloo_group, kind):
+    from in_process import train_in_process
+
+    victim = tmp_path / "home" / "precious.txt"
+    victim.parent.mkdir()
+    victim.write_text("the user's file\n")
+    trace = tmp_path / "run" / "profile" / "rank_0.pt.trace.json"
+    trace.parent.mkdir(parents=True)
+    (os.symlink if kind == "symlink" else os.link)(victim, trace)
+    train_in_process(tmp_path / "run", "--train_iters", "1", "--no_save", "--profile",
+                     "--profile_step_start", "1", "--profile_step_end", "1", command="pt")
+    assert victim.read_text() == "the user's file\n" and victim.stat().st_nlink == 1
+    assert not trace.is_symlink() and json.loads(trace.read_text())["traceEvents"]

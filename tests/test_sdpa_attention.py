@@ -8,7 +8,7 @@ from run_helpers import losses, run_pt, train_records
 TOL = 1e-5
 
 
-def attention_pair(heads=4, groups=2, dropout=0.0):
+def attention_pair(heads=4, groups=2, dropout=0.0, softmax_type="vanilla"):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
@@ -19,10 +19,16 @@ def attention_pair(heads=4, groups=2, dropout=0.0):
     seed.set_seed(0)  # megatron's attention forks the tensor-parallel RNG tracker
     config = TransformerConfig(num_layers=1, hidden_size=16 * heads, num_attention_heads=heads,
                                num_query_groups=groups, attention_dropout=dropout,
-                               use_cpu_initialization=True)
+                               use_cpu_initialization=True, softmax_type=softmax_type)
     build = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                  attention_type="self")
-    return DotProductAttention(**build), SdpaAttention(**build)
+    local, sdpa = DotProductAttention(**build), SdpaAttention(**build)
+    if softmax_type == "learnable":
+        with torch.no_grad():  # sinks of a few units, so a wrong one shows
+            sinks = 2 * torch.randn(heads, generator=torch.Generator().manual_seed(3))
+            local.softmax_offset.copy_(sinks)
+            sdpa.softmax_offset.copy_(sinks)
+    return local, sdpa
 
 
 def inputs(seq, batch, heads, groups, head_dim=16, seed=0):
@@ -63,6 +69,25 @@ def test_explicit_mask_matches_local_attention(gloo_group):
     mask = mask.clone()
     mask[1, :, 5:, 3:5] = True
     assert_all_close(run(local, q, k, v, mask), run(sdpa, q, k, v, mask))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_sinks_match_megatrons_learnable_softmax(gloo_group, masked):
+    """gpt-oss's sinks: megatron's softmax_type 'learnable' (SoftmaxOne over the scores and
+    a per-head offset) in one SDPA call; outputs and the gradients of q, k, v and the
+    offsets within 1e-5, causal and with a packed row's mask."""
+    local, sdpa = attention_pair(softmax_type="learnable")
+    q, k, v = inputs(32, 2, 4, 2, seed=1)
+    mask = None
+    if masked:
+        mask = torch.triu(torch.ones(32, 32, dtype=torch.bool), diagonal=1).repeat(2, 1, 1, 1)
+        mask[1, :, 16:, :16] = True  # two documents in the second row
+    expected, got = run(local, q, k, v, mask), run(sdpa, q, k, v, mask)
+    assert_all_close(expected, got)
+    assert float((local.softmax_offset.grad - sdpa.softmax_offset.grad).abs().max()) <= TOL
+    assert float(sdpa.softmax_offset.grad.abs().max()) > 1e-3
+    plain = attention_pair()[1]
+    assert float((plain(q, k, v, mask).detach() - got[0]).abs().max()) > 1e-2  # sinks count
 
 
 def test_dropout_is_applied_in_training_only(gloo_group):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End to end: sft a tiny random Hugging Face Llama, then DPO on preference pairs (the right
-# answer chosen, a wrong one rejected), export the result and ask it with `infer`.
+# answer chosen, a wrong one rejected), export the result and ask it with `infer`; then a
+# reward model on the same pairs, exported and scoring a right and a wrong answer.
 #
 #   bash examples/rlhf/run.sh [OUT]          (a few minutes on 2 CPU cores)
 #
@@ -8,7 +9,7 @@
 set -euo pipefail
 OUT=${1:-output/rlhf-example}
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
-rm -rf "$OUT/sft" "$OUT/dpo" "$OUT/dpo-hf"
+rm -rf "$OUT/sft" "$OUT/dpo" "$OUT/dpo-hf" "$OUT/rm" "$OUT/rm-hf"
 
 # 1. The starting point (the sft example's): a random Llama, 24 questions, and the pairs.
 "$PY" examples/sft/make_tiny_model_and_data.py "$OUT"
@@ -30,3 +31,16 @@ SFT=$(ls -d "$OUT"/sft/checkpoint/iter_*-hf | tail -n 1)
 "$PY" -m swift_mcore export --to_hf --model "$OUT/dpo" --output_dir "$OUT/dpo-hf"
 "$PY" -m swift_mcore infer --model "$OUT/dpo-hf" --template plain \
     --prompt "Which planet does Ada live on?"
+
+# 5. A reward model from the sft model on the same pairs (a new score head on its decoder):
+#    export it and score the first pair's right and wrong answer, one number each.
+"$PY" -m swift_mcore rlhf --rlhf_type rm --model "$SFT" --dataset "$OUT/prefs.jsonl" \
+    --seq_length 64 --micro_batch_size 4 --global_batch_size 8 --lr 1e-3 \
+    --num_train_epochs 3 --log_interval 3 --progress_bar false --output_dir "$OUT/rm"
+"$PY" -m swift_mcore export --to_hf --model "$OUT/rm" --output_dir "$OUT/rm-hf"
+for answer in chosen rejected; do
+    TEXT=$("$PY" -c "import json, sys; r = json.loads(open(sys.argv[1]).readline()); \
+print(r['prompt'] + r[sys.argv[2]], end='')" "$OUT/prefs.jsonl" "$answer")
+    echo "reward of the $answer answer: $("$PY" -m swift_mcore infer --model "$OUT/rm-hf" \
+        --prompt "$TEXT" 2>/dev/null)"
+done

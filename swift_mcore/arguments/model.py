@@ -14,6 +14,9 @@ from .fields import FRACTION, NON_NEGATIVE, NONZERO_FRACTION, POSITIVE, Range, f
 # (the MoE layer pattern, LoRA's target names) stay small. models/footprint.py refuses what
 # does not fit long before this.
 MAX_LAYERS = 1_000_000
+# --model_type values built with Qwen3-Next's layers (models/hybrid_layers.py): zero-centred
+# norms, gated delta nets, gated attention
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # --moe_layer_freq's expression: nesting depth and text length (per layer) it may have.
 MAX_FREQ_DEPTH = 32
 FREQ_CHARS_PER_LAYER = 8
@@ -27,7 +30,8 @@ class ModelArguments:
         "are loaded.")
     model_type: Optional[str] = flag(
         None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral, "
-        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3, qwen2_5_vl; "
+        "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3, gpt_oss, qwen3_next, "
+        "qwen3_5, qwen3_5_moe, qwen2_5_vl; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
     num_layers: int = flag(4, "Number of transformer layers.",
@@ -79,9 +83,9 @@ class ModelArguments:
     qk_head_dim: int = flag(128, "MLA: the per-head query/key channels without RoPE.")
     qk_pos_emb_head_dim: int = flag(64, "MLA: the per-head query/key channels RoPE rotates.")
     v_head_dim: int = flag(128, "MLA: the per-head value channels.")
-    rope_type: str = flag("rope", "MLA's RoPE: rope (plain) or yarn (YaRN context extension "
-                          "with the --rotary_scaling_factor and --mscale flags).",
-                          choices=("rope", "yarn"))
+    rope_type: str = flag("rope", "RoPE: rope (plain) or yarn (YaRN context extension with "
+                          "the --rotary_scaling_factor and --mscale flags; multi-latent "
+                          "attention's or gpt-oss's).", choices=("rope", "yarn"))
     rotary_scaling_factor: float = flag(1.0, "YaRN: the context extension factor.",
                                         range=POSITIVE)
     original_max_position_embeddings: int = flag(
@@ -94,6 +98,14 @@ class ModelArguments:
                           range=NON_NEGATIVE)
     mscale_all_dim: float = flag(0.0, "YaRN: mscale_all_dim (also scales the softmax).",
                                   range=NON_NEGATIVE)
+    num_labels: Optional[int] = flag(
+        None, "A score head of this many outputs in place of the LM head, as transformers' "
+        "*ForSequenceClassification has (only 1: a reward model's scalar score). rlhf "
+        "--rlhf_type rm sets it, a *ForSequenceClassification --model's config.json too; "
+        "unset: a causal LM.", range=POSITIVE)
+    yarn_truncate: bool = flag(
+        True, "YaRN: round the correction range to whole channels (transformers' truncate; "
+        "gpt-oss has false). Only true with --multi_latent_attention.")
     untie_embeddings_and_output_weights: bool = flag(
         True, "Separate input embedding and output layer weights.")
     add_bias_linear: bool = flag(False, "Bias in the linear layers.")
@@ -116,6 +128,28 @@ class ModelArguments:
     softmax_scale: Optional[float] = flag(
         None, "Scale of the attention scores (Gemma 3: query_pre_attn_scalar ** -0.5); unset: "
         "1 / sqrt(head size).", range=POSITIVE)
+    softmax_type: str = flag(
+        "vanilla", "Attention softmax: vanilla, or learnable (a learned logit per head in "
+        "every softmax's denominator: gpt-oss's attention sinks; megatron's softmax_type). "
+        "Runs with --attention_backend sdpa or local.", choices=("vanilla", "learnable"))
+    activation_func_clamp_value: Optional[float] = flag(
+        None, "gpt-oss's clamped SwiGLU: the gate clamped above and the linear part on both "
+        "sides to this value (swiglu_limit); only with --model_type gpt_oss.", range=POSITIVE)
+    # ---- linear attention (Qwen3-Next; megatron's GatedDeltaNet) -------------------------
+    linear_attention_freq: Optional[str] = flag(
+        None, "Gated delta-net (linear attention) layers: an integer k (layers k, 2k, ... "
+        "counting from 1 keep full attention, the others are delta-net layers) or a per-layer "
+        "list of 1 (delta net) and 0 (full attention), e.g. '[1,1,1,0]'; unset: none.")
+    linear_conv_kernel_dim: int = flag(4, "Delta net: width of the causal conv1d.",
+                                       range=POSITIVE)
+    linear_key_head_dim: int = flag(128, "Delta net: per-head query/key size.", range=POSITIVE)
+    linear_value_head_dim: int = flag(128, "Delta net: per-head value size.", range=POSITIVE)
+    linear_num_key_heads: int = flag(16, "Delta net: query/key heads.", range=POSITIVE)
+    linear_num_value_heads: int = flag(
+        32, "Delta net: value heads (a multiple of --linear_num_key_heads).", range=POSITIVE)
+    attention_output_gate: bool = flag(
+        False, "Full attention's output multiplied by sigmoid(a per-head gate the query "
+        "projection also computes) (Qwen3-Next).")
     hidden_dropout: float = flag(0.0, "Dropout after attention and MLP.", range=FRACTION)
     attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.",
                                     range=FRACTION)
@@ -198,6 +232,16 @@ def window_layer_pattern(m: ModelArguments) -> List[int]:
     if m.window_attn_skip_freq is None:
         return [1] * int(m.num_layers)
     return _layer_pattern("window_attn_skip_freq", m.window_attn_skip_freq,
+                          int(m.num_layers), lambda i, k: 0 if (i + 1) % k == 0 else 1)
+
+
+def linear_attention_pattern(m: ModelArguments) -> List[int]:
+    """--linear_attention_freq as one 0/1 per layer (1: gated delta net, 0: full
+    attention), as megatron reads it: an integer k keeps full attention in layers k, 2k, ...
+    (counting from 1). [] when unset."""
+    if m.linear_attention_freq is None:
+        return []
+    return _layer_pattern("linear_attention_freq", m.linear_attention_freq,
                           int(m.num_layers), lambda i, k: 0 if (i + 1) % k == 0 else 1)
 
 

@@ -31,6 +31,17 @@ class ParallelArguments:
     account_for_loss_in_pipeline_split: bool = flag(
         False, "Count the output layer and loss as one layer when splitting the layers over "
         "the pipeline stages (the last stage gets one layer fewer).")
+    context_parallel_size: int = flag(
+        1, "Context-parallel ranks per model replica: each sequence is cut into 2 x this many "
+        "chunks, and each rank holds two of them (megatron's causal load balance); the "
+        "attention sees the whole sequence. --seq_length must be a multiple of 2 x this. On "
+        "GPU Transformer Engine's attention (--cp_comm_type); on CPU keys and values are "
+        "all-gathered over the group (docs/cpu.md).")
+    cp_comm_type: str = flag(
+        "p2p", "How Transformer Engine's attention exchanges keys and values over the "
+        "context-parallel group on GPU: p2p (a ring), a2a (all-to-all, as Ulysses), "
+        "allgather, or a2a+p2p. On CPU only allgather runs.",
+        choices=("p2p", "a2a", "allgather", "a2a+p2p"))
     sequence_parallel: bool = flag(False, "Shard layer norms and dropout along the sequence "
                                    "across tensor-parallel ranks (needed by MoE with TP). "
                                    "On a GPU with Transformer Engine's layer spec or apex "
@@ -43,6 +54,14 @@ class ParallelArguments:
         "--overlap_grad_reduce.")
     overlap_grad_reduce: bool = flag(
         False, "Start each bucket's all-reduce as soon as its gradients are ready.")
+    overlap_param_gather: bool = flag(
+        False, "With --use_distributed_optimizer: all-gather the updated weights bucket by "
+        "bucket during the next forward pass instead of at the end of the optimizer step "
+        "(needs --overlap_grad_reduce).")
+    align_param_gather: bool = flag(
+        False, "With --overlap_param_gather and the interleaved pipeline: every pipeline "
+        "stage starts each model chunk's weight all-gather at the same point of the "
+        "schedule (megatron's param_sync_func) instead of at its first layer.")
     use_distributed_optimizer: bool = flag(
         False, "Shard the optimizer state (Adam's moments, the fp32 weights) across the "
         "data-parallel ranks (megatron's distributed optimizer, ZeRO-1); checkpoints keep it "

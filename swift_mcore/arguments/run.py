@@ -295,6 +295,46 @@ class RunArguments:
         if m.model_type == "gemma3" and self.parallel.sequence_parallel:
             raise ArgumentError("--sequence_parallel with a gemma3 model: its post-attention "
                                 "and post-MLP norms do not support it yet; drop the flag")
+        self.check_linear_attention()
+
+    def check_linear_attention(self) -> None:
+        """The gated delta-net flags (megatron's GatedDeltaNet): its value heads group its key
+        heads, TP splits whole key heads and needs --sequence_parallel (megatron sums the
+        per-head output norm's partial gradients over the TP ranks only then); the output
+        gate is not megatron's for MLA."""
+        from .model import linear_attention_pattern
+
+        m, p = self.model, self.parallel
+        if m.attention_output_gate and m.multi_latent_attention:
+            raise ArgumentError("--attention_output_gate with --multi_latent_attention is not "
+                                "supported by megatron-core; drop one")
+        if not linear_attention_pattern(m):
+            return
+        if m.linear_num_value_heads % m.linear_num_key_heads:
+            raise ArgumentError(f"--linear_num_value_heads ({m.linear_num_value_heads}) must be "
+                                f"a multiple of --linear_num_key_heads "
+                                f"({m.linear_num_key_heads})")
+        tp = p.tensor_model_parallel_size
+        if m.linear_num_key_heads % tp:
+            raise ArgumentError(f"--tensor_model_parallel_size ({tp}) must divide "
+                                f"--linear_num_key_heads ({m.linear_num_key_heads})")
+        if tp > 1 and not p.sequence_parallel:
+            raise ArgumentError(f"--tensor_model_parallel_size {tp} with gated delta-net layers "
+                                f"(--linear_attention_freq) needs --sequence_parallel (the "
+                                f"delta nets' output norm sums its gradients over the TP ranks "
+                                f"only then); add --sequence_parallel")
+        if tp > 1 and getattr(getattr(self, "sft", None), "packing", False):
+            raise ArgumentError(f"--packing with gated delta-net layers and "
+                                f"--tensor_model_parallel_size {tp} is not supported yet "
+                                f"(each rank holds a slice of the packed row); drop --packing "
+                                f"or use --tensor_model_parallel_size 1")
+        if m.multi_latent_attention:
+            raise ArgumentError("--linear_attention_freq with --multi_latent_attention is not "
+                                "supported; drop one")
+        if self.tuner.tuner_type == "lora":
+            raise ArgumentError("--tuner_type lora with gated delta-net layers "
+                                "(--linear_attention_freq, Qwen3-Next) is not supported yet; "
+                                "use --tuner_type full")
 
     def check_vision(self) -> None:
         """The vision-language flags come together (a Qwen2.5-VL folder sets all three);
@@ -351,18 +391,36 @@ class RunArguments:
         if not isinstance(vision, dict) or not isinstance(vision.get("vision_config"), dict):
             raise ArgumentError("--vision_config must be a JSON object with a vision_config "
                                 "object (a Qwen2.5-VL --model folder sets it)")
-        if p.pipeline_model_parallel_size > 1 or p.sequence_parallel:
-            raise ArgumentError("a vision-language model runs without pipeline stages and "
-                                "without --sequence_parallel for now (issue 42)")
+        if p.pipeline_model_parallel_size > 1 or p.sequence_parallel or \
+                p.context_parallel_size > 1:
+            raise ArgumentError("a vision-language model runs without pipeline stages, "
+                                "--sequence_parallel and --context_parallel_size for now "
+                                "(issue 42)")
 
     def check_attention(self) -> None:
-        """Multi-latent attention's flags (YaRN is MLA's RoPE only here)."""
+        """Multi-latent attention's flags, YaRN's and gpt-oss's (attention sinks, the
+        clamped SwiGLU)."""
         m, p = self.model, self.parallel
-        if m.rope_type == "yarn" and not m.multi_latent_attention:
-            raise ArgumentError("--rope_type yarn is multi-latent attention's RoPE here; it "
-                                "needs --multi_latent_attention")
+        if m.rope_type == "yarn" and not m.multi_latent_attention \
+                and m.model_type != "gpt_oss":
+            raise ArgumentError("--rope_type yarn is multi-latent attention's RoPE or "
+                                "gpt-oss's here; it needs --multi_latent_attention or "
+                                "--model_type gpt_oss")
+        if m.rope_type == "yarn" and m.position_embedding_type != "rope":
+            raise ArgumentError(f"--rope_type yarn with --position_embedding_type "
+                                f"{m.position_embedding_type}: YaRN scales RoPE (rope only)")
+        if m.activation_func_clamp_value is not None and m.model_type != "gpt_oss":
+            raise ArgumentError("--activation_func_clamp_value is gpt-oss's clamped SwiGLU: "
+                                "it needs --model_type gpt_oss")
+        if m.softmax_type != "vanilla" and m.attention_backend == "transformer_engine":
+            raise ArgumentError(f"--softmax_type {m.softmax_type} with --attention_backend "
+                                f"transformer_engine: not tested here; use sdpa, local or "
+                                f"auto (sdpa)")
         if not m.multi_latent_attention:
             return
+        if not m.yarn_truncate:
+            raise ArgumentError("--yarn_truncate false with --multi_latent_attention: "
+                                "megatron's MLA rounds YaRN's correction range; only true")
         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
             _positive(m, name)
         if m.q_lora_rank is not None:
@@ -382,13 +440,18 @@ class RunArguments:
     def check_parallel(self, world_size: int) -> None:
         p, t = self.parallel, self.training
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        if world_size % (tp * pp):
+        _positive(p, "context_parallel_size")
+        cp = p.context_parallel_size
+        if world_size % (tp * pp * cp):
+            cp_part = f" x --context_parallel_size ({cp})" if cp > 1 else ""
             raise ArgumentError(
                 f"the world size ({world_size} ranks) must be divisible by "
-                f"--tensor_model_parallel_size ({tp}) x --pipeline_model_parallel_size ({pp})")
+                f"--tensor_model_parallel_size ({tp}) x --pipeline_model_parallel_size "
+                f"({pp}){cp_part}")
         if p.sequence_parallel and tp == 1:
             raise ArgumentError("--sequence_parallel needs --tensor_model_parallel_size > 1")
-        dp = world_size // (tp * pp)
+        self.check_context_parallel()
+        dp = world_size // (tp * pp * cp)
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ArgumentError(
                 f"--global_batch_size ({t.global_batch_size}) must be a multiple of "
@@ -403,6 +466,23 @@ class RunArguments:
         if t.bf16 and t.fp16:
             raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
         self.check_virtual_pipeline(dp)
+        self.check_param_gather()
+
+    def check_param_gather(self) -> None:
+        """--overlap_param_gather and --align_param_gather: megatron's DDP options of the
+        distributed optimizer's weight all-gather (Megatron-LM asks the same)."""
+        p = self.parallel
+        if p.overlap_param_gather and not (p.use_distributed_optimizer
+                                           and p.overlap_grad_reduce):
+            raise ArgumentError(
+                "--overlap_param_gather all-gathers the distributed optimizer's weights: it "
+                "needs --use_distributed_optimizer and --overlap_grad_reduce")
+        if p.align_param_gather and not (p.overlap_param_gather and self.virtual_stages()):
+            raise ArgumentError(
+                "--align_param_gather aligns the weight all-gathers of the interleaved "
+                "pipeline's model chunks: it needs --overlap_param_gather and "
+                "--num_virtual_stages_per_pipeline_rank (or "
+                "--num_layers_per_virtual_pipeline_stage)")
         if p.use_distributed_optimizer and p.expert_model_parallel_size > 1:
             raise ArgumentError(
                 f"--use_distributed_optimizer with --expert_model_parallel_size "
@@ -419,6 +499,33 @@ class RunArguments:
             return m.num_layers // (p.pipeline_model_parallel_size
                                     * p.num_layers_per_virtual_pipeline_stage)
         return None
+
+    def check_context_parallel(self) -> None:
+        """--context_parallel_size: megatron cuts each sequence into 2 x CP chunks (x TP
+        under --sequence_parallel), so --seq_length must split into them; the parts of the
+        run that do not take a cut sequence yet are refused."""
+        m, p = self.model, self.parallel
+        cp = p.context_parallel_size
+        if cp == 1:
+            if "cp_comm_type" in self.explicit and p.cp_comm_type != "p2p":
+                raise ArgumentError("--cp_comm_type needs --context_parallel_size > 1")
+            return
+        unit = 2 * cp * (p.tensor_model_parallel_size if p.sequence_parallel else 1)
+        if m.seq_length % unit:
+            what = " x --tensor_model_parallel_size (--sequence_parallel)" \
+                if p.sequence_parallel else ""
+            raise ArgumentError(
+                f"--seq_length ({m.seq_length}) must be a multiple of 2 x "
+                f"--context_parallel_size{what} ({unit}): each context-parallel rank holds "
+                f"two of {2 * cp} equal chunks of every sequence")
+        refused = [("--num_experts", m.num_experts is not None),
+                   ("--multi_latent_attention", m.multi_latent_attention),
+                   (f"--model_type {m.model_type}", m.model_type == "gemma3"),
+                   ("rlhf", self.COMMAND == "rlhf")]
+        for what, given in refused:
+            if given:
+                raise ArgumentError(f"--context_parallel_size {cp} with {what} is not "
+                                    f"supported yet; use --context_parallel_size 1")
 
     def check_virtual_pipeline(self, dp: int) -> None:
         """The interleaved schedule: PP > 1, equal chunks, and micro-batches that megatron's
@@ -516,9 +623,16 @@ class RunArguments:
                 f"--sequence_parallel (megatron's MoE layer refuses to train with tensor "
                 f"parallelism without it): add --sequence_parallel, or use "
                 f"--expert_model_parallel_size instead of TP")
-        if m.add_bias_linear:
-            raise ArgumentError("--num_experts with --add_bias_linear: megatron's MoE layer "
-                                "has no bias in its experts; drop --add_bias_linear")
+        if m.add_bias_linear and tp > 1:
+            raise ArgumentError(f"--tensor_model_parallel_size {tp} with biased experts "
+                                f"(--add_bias_linear: gpt-oss): megatron-core supports expert "
+                                f"biases only with expert tensor parallelism 1, which "
+                                f"swift-mcore ties to TP; use --expert_model_parallel_size, "
+                                f"pipeline or data parallelism")
+        if m.add_bias_linear and m.moe_shared_expert_intermediate_size:
+            raise ArgumentError("--moe_shared_expert_intermediate_size with --add_bias_linear: "
+                                "megatron's shared expert has no bias (its routed experts "
+                                "and router have: gpt-oss); drop one of them")
         groups, chosen = m.moe_router_num_groups, m.moe_router_group_topk
         if (groups is None) != (chosen is None):
             raise ArgumentError("--moe_router_num_groups and --moe_router_group_topk go "

@@ -21,7 +21,7 @@ MODEL_FIELDS = [("model", name) for name in (
     "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
-    "moe_router_pre_softmax")]
+    "moe_router_pre_softmax", "num_labels")]
 # What trains (--tuner_type lora: the adapters and their scaling).
 TUNER_FIELDS = [("tuner", name) for name in (
     "tuner_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "target_regex",

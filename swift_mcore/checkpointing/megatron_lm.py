@@ -240,7 +240,7 @@ def args_namespace(config, state) -> "argparse.Namespace":
         fp16=bool(t.fp16), bf16=bool(t.bf16),
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        context_parallel_size=1, expert_model_parallel_size=1,
+        context_parallel_size=ps.get_context_parallel_world_size(), expert_model_parallel_size=1,
         data_parallel_size=ps.get_data_parallel_world_size(),
         world_size=config.world.world_size,
         micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,

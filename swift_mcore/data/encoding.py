@@ -5,11 +5,8 @@ Read in order, tokenized in this process or in a pool, written atomically by Ind
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
-import multiprocessing
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
@@ -19,15 +16,13 @@ import numpy as np
 from ..errors import ArgumentError
 from .indexed import IndexedWriter, token_dtype
 from .sources import Source, iter_texts, probe
+from .worker_pool import forked_pool, in_order
 
 # A task sent to a worker holds up to this many documents or characters: large enough that
 # pickling and queueing cost little next to tokenizing, small enough that a few tasks per
 # worker fit in memory and the progress bar moves. Chunking never changes the output.
 CHUNK_DOCUMENTS = 512
 CHUNK_CHARACTERS = 1 << 20
-# Tasks in flight per worker; bounds memory (the reader would otherwise run ahead of the
-# tokenizers and hold the whole corpus) while keeping every worker busy.
-TASKS_PER_WORKER = 3
 
 
 @dataclass
@@ -51,8 +46,6 @@ _worker_state: dict = {}
 
 
 def _init_worker(tokenizer, append_eod: bool, dtype) -> None:
-    # One core per worker: the tokenizer's own thread pool would fight the other workers.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_state.update(tokenizer=tokenizer, append_eod=append_eod, dtype=dtype)
 
 
@@ -96,24 +89,8 @@ def _pool(workers: int, tokenizer, append_eod: bool, dtype):
     if workers <= 1:
         yield None
         return
-    methods = multiprocessing.get_all_start_methods()
-    # fork: the workers inherit the loaded tokenizer instead of unpickling it (a HF folder
-    # tokenizer costs seconds to import); spawn where fork does not exist.
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    # Set before the fork, so the tokenizers library does not warn in each child that a
-    # parent's thread pool was forked.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, append_eod, dtype))
-    try:
+    with forked_pool(workers, _init_worker, (tokenizer, append_eod, dtype)) as pool:
         yield pool
-    finally:
-        pool.terminate()
-        pool.join()
-        if saved is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
 def _encoded(chunks, pool, workers, tokenizer, append_eod, dtype):
@@ -122,15 +99,7 @@ def _encoded(chunks, pool, workers, tokenizer, append_eod, dtype):
         for number, texts in chunks:
             yield number, _encode_chunk(texts, tokenizer, append_eod, dtype)
         return
-    pending: collections.deque = collections.deque()
-    for number, texts in chunks:
-        pending.append((number, pool.apply_async(_encode_chunk, (texts,))))
-        if len(pending) >= workers * TASKS_PER_WORKER:
-            number, result = pending.popleft()
-            yield number, result.get()
-    while pending:
-        number, result = pending.popleft()
-        yield number, result.get()
+    yield from in_order(pool, _encode_chunk, chunks, workers)
 
 
 def encode_sources(sources: Sequence[Source], text_key: str, tokenizer, prefix: str,

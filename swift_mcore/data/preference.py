@@ -34,6 +34,7 @@ class Pair:
     rejected: Any
     tools: Optional[List[Dict[str, Any]]]
     where: str
+    margin: Optional[float] = None  # a reward model's per-row margin (TRL's 'margin' column)
 
     @property
     def conversational(self) -> bool:
@@ -71,6 +72,30 @@ def _implicit_prompt(chosen, rejected) -> Tuple[Any, Any, Any]:
 
 def to_pair(row: Dict[str, Any], where: str) -> Pair:
     """One row -> a Pair; raises ArgumentError naming the row and what is accepted."""
+    if row.get("chosen") is None and row.get("messages") is None and \
+            row.get("completion") is not None and row.get("label") is not None:
+        raise ArgumentError(f"{where}: an unpaired row (prompt/completion/label, TRL's KTO "
+                            f"format); this task trains on pairs: prompt/chosen/rejected, or "
+                            f"messages + rejected_response")
+    pair = _row_pair(row, where)
+    pair.margin = _margin(row.get("margin"), where)
+    return pair
+
+
+def _margin(value, where: str) -> Optional[float]:
+    """A row's 'margin': a finite number (or absent/null)."""
+    import math
+    import numbers
+
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or \
+            not math.isfinite(float(value)):
+        raise ArgumentError(f"{where}: 'margin' must be a finite number, got {value!r:.80}")
+    return float(value)
+
+
+def _row_pair(row: Dict[str, Any], where: str) -> Pair:
     tools = row.get("tools")
     if isinstance(tools, str):
         try:
@@ -171,6 +196,48 @@ def tokenize_pair(pair: Pair, hf) -> Tuple[List[int], List[int], List[int]]:
     return prompt[:start], with_chosen[start:], with_rejected[start:]
 
 
+def tokenize_pair_per_answer(pair: Pair, hf) -> Tuple[List[int], List[int], List[int], int,
+                                                       int]:
+    """(shared prompt ids, chosen ids, rejected ids, how many of chosen's first ids are
+    still its prompt, the same for rejected) as TRL 1.16's ORPOTrainer and CPOTrainer make
+    them: the text (a conversation rendered by the chat template) tokenized without
+    special tokens, each answer's prompt ending where the tokenized prompt ends, one token
+    earlier if prompt + answer merged across that boundary; the BOS put first and the EOS
+    appended as tokens where missing."""
+    if pair.conversational:
+        def text(messages, **kwargs):
+            return hf.apply_chat_template(messages, tools=pair.tools, tokenize=False, **kwargs)
+
+        # TRL's apply_chat_template: the prompt rendered for generation (or continuing its
+        # last assistant turn), cut to what it shares with each rendered prompt + answer
+        ends_assistant = pair.prompt[-1].get("role") == "assistant"
+        prompt = text(pair.prompt, add_generation_prompt=not ends_assistant,
+                      continue_final_message=ends_assistant)
+        full = [text(pair.prompt + a) for a in (pair.chosen, pair.rejected)]
+        for other in full:
+            prompt = prompt[:_common_prefix(prompt, other)]
+        answers = [f[len(prompt):] for f in full]
+    else:
+        prompt, answers = pair.prompt, [pair.chosen, pair.rejected]
+    prompt_ids = list(hf(prompt, add_special_tokens=False)["input_ids"])
+    bos, eos = hf.bos_token_id, hf.eos_token_id
+    split = []
+    for answer in answers:
+        full = list(hf(prompt + answer, add_special_tokens=False)["input_ids"])
+        start = len(prompt_ids) - (prompt_ids != full[:len(prompt_ids)])
+        head, tail = full[:start], full[start:]
+        if bos is not None and (not head or head[0] != bos):
+            head = [bos] + head
+        if not tail or tail[-1] != eos:
+            tail = tail + [eos]
+        split.append((head, tail))
+    (chosen_head, chosen), (rejected_head, rejected) = split
+    shared = _common_prefix(chosen_head, rejected_head)
+    return (chosen_head[:shared], chosen_head[shared:] + chosen,
+            rejected_head[shared:] + rejected, len(chosen_head) - shared,
+            len(rejected_head) - shared)
+
+
 class PreferenceDataset(torch.utils.data.Dataset):
     """Tokenized pairs; ``collate`` makes a micro-batch of B pairs into 2B rows, the chosen
     sequences first, each cut to ``max_length`` tokens as TRL's collator cuts them."""
@@ -189,8 +256,11 @@ class PreferenceDataset(torch.utils.data.Dataset):
         return len(self.encoded)
 
     def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
-        prompt, chosen, rejected = self.encoded[index]
-        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+        prompt, chosen, rejected, *heads = self.encoded[index]
+        # heads: how many first ids of each answer are still its prompt (ORPO's, SimPO's)
+        heads = heads[0] if heads else np.zeros(2, np.int32)
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "heads": heads,
+                "index": index}
 
     def _cut(self, ids: np.ndarray) -> np.ndarray:
         if len(ids) <= self.max_length:
@@ -200,11 +270,12 @@ class PreferenceDataset(torch.utils.data.Dataset):
 
     def collate(self, items: List[Dict[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
         seqs, masks = [], []
-        for answer in ("chosen", "rejected"):
+        for side, answer in enumerate(("chosen", "rejected")):
             for item in items:
-                seqs.append(self._cut(np.concatenate([item["prompt"], item[answer]])))
-                masks.append(self._cut(np.concatenate([np.zeros(len(item["prompt"]), bool),
-                                                       np.ones(len(item[answer]), bool)])))
+                head = len(item["prompt"]) + int(item["heads"][side])
+                seq = np.concatenate([item["prompt"], item[answer]])
+                seqs.append(self._cut(seq))
+                masks.append(self._cut(np.arange(len(seq)) >= head))
         # n tokens train n - 1 positions: the model reads ids[:-1] and predicts ids[1:]
         width = max(len(s) for s in seqs) - 1
         width = -(-width // self.pad_multiple) * self.pad_multiple
@@ -214,6 +285,8 @@ class PreferenceDataset(torch.utils.data.Dataset):
             "labels": torch.full((rows, width), self.pad_id, dtype=torch.long),
             "loss_mask": torch.zeros(rows, width, dtype=torch.float),
             "position_ids": torch.zeros(rows, width, dtype=torch.long),
+            # every real position, prompt included (ORPO's NLL is over all of them)
+            "sequence_mask": torch.zeros(rows, width, dtype=torch.float),
         }
         for i, (ids, mask) in enumerate(zip(seqs, masks)):
             n = len(ids) - 1
@@ -222,10 +295,14 @@ class PreferenceDataset(torch.utils.data.Dataset):
             batch["labels"][i, :n] = ids[1:]
             batch["loss_mask"][i, :n] = torch.from_numpy(mask[1:].astype(np.float32))
             batch["position_ids"][i, :n] = torch.arange(n)
+            batch["sequence_mask"][i, :n] = 1.0
         # the answers' token counts as TRL's ipo and sigmoid_norm divide by them
         batch["completion_lengths"] = torch.tensor([int(m.sum()) for m in masks],
                                                    dtype=torch.float)
         batch["num_tokens"] = torch.tensor(sum(len(s) for s in seqs), dtype=torch.long)
+        # which pairs these are (--precompute_ref_log_probs looks their reference values up)
+        batch["pair_index"] = torch.tensor([int(item["index"]) for item in items],
+                                           dtype=torch.long)
         return batch
 
 
@@ -243,20 +320,28 @@ class PairReport:
 
 
 def encode_pairs(pairs: List[Pair], hf, max_length: int, truncation_mode: str,
-                 report: PairReport):
+                 report: PairReport, per_answer: bool = False):
+    """The pairs tokenized as DPOTrainer does, or with ``per_answer`` as ORPOTrainer and
+    CPOTrainer do (tokenize_pair_per_answer)."""
     encoded = []
     fills = []
     for pair in pairs:
-        prompt, chosen, rejected = tokenize_pair(pair, hf)
+        heads = ()
+        if per_answer:
+            prompt, chosen, rejected, *extra = tokenize_pair_per_answer(pair, hf)
+            heads = (np.asarray(extra, np.int32),)
+        else:
+            prompt, chosen, rejected = tokenize_pair(pair, hf)
         # keep_start would cut every answer token of a prompt that fills --max_length:
         # TRL drops such rows silently; here they are counted and refused.
-        if truncation_mode == "keep_start" and len(prompt) >= max_length:
+        longest_prompt = len(prompt) + (int(heads[0].max()) if heads else 0)
+        if truncation_mode == "keep_start" and longest_prompt >= max_length:
             fills.append(pair.where)
             continue
         if len(prompt) + max(len(chosen), len(rejected)) > max_length:
             report.truncated += 1
         encoded.append((np.asarray(prompt, np.int32), np.asarray(chosen, np.int32),
-                        np.asarray(rejected, np.int32)))
+                        np.asarray(rejected, np.int32), *heads))
     report.pairs = len(encoded)
     if fills:
         raise ArgumentError(
@@ -278,7 +363,8 @@ def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = pr
     max_length = max_length_of(config)
     report = PairReport()
     pairs = read_pairs(list(config.dataset_sources))
-    encoded = encode_pairs(pairs, tokenizer.hf, max_length, r.truncation_mode, report)
+    encoded = encode_pairs(pairs, tokenizer.hf, max_length, r.truncation_mode, report,
+                           per_answer=_per_answer(config))
     log(f"rlhf data --dataset: {report.describe(max_length)} "
         f"(truncation: {r.truncation_mode})")
     pad = tokenizer.hf.pad_token_id
@@ -302,4 +388,14 @@ def preference_fingerprint(config, tokenizer) -> str:
         "max_length": max_length_of(config),
         "truncation_mode": r.truncation_mode,
     }
+    if _per_answer(config):
+        identity["tokenized_as"] = "ORPOTrainer/CPOTrainer"
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def _per_answer(config) -> bool:
+    """orpo and simpo tokenize as TRL's ORPOTrainer and CPOTrainer (each answer its own
+    prompt boundary, BOS and EOS as tokens)."""
+    from ..arguments.rlhf import REFERENCE_FREE_TYPES
+
+    return config.rlhf.rlhf_type in REFERENCE_FREE_TYPES

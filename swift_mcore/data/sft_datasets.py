@@ -139,8 +139,11 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
     fingerprint = sft_fingerprint(config, tokenizer, template)
     pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
     pad_fixed = config.parallel.pipeline_model_parallel_size > 1
+    # rows split over TP ranks (--sequence_parallel) and into 2 x CP chunks
+    # (--context_parallel_size) pad to a multiple of both
+    cp = config.parallel.context_parallel_size
     pad_multiple = (config.parallel.tensor_model_parallel_size
-                    if config.parallel.sequence_parallel else 1)
+                    if config.parallel.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
 
     def dataset(encoded, name):
         if encoded is None:

@@ -214,7 +214,6 @@ _sft_worker: dict = {}
 
 
 def _init_sft_worker(template, loss_on: str) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
     _sft_worker.update(template=template, loss_on=loss_on)
 
 
@@ -227,10 +226,8 @@ def _encode_sft_chunk(conversations):
 def _write_sft_tokens(conversations, template, loss_on: str, num_proc: int, job) -> int:
     """Encodes ``conversations`` in chunks (in this process, or in ``num_proc`` forked
     workers, results taken in order) into the build's arrays; returns the split count."""
-    import collections
-    import multiprocessing
-
     from .sft_samples import encode_chunk
+    from .worker_pool import forked_pool, in_order
 
     chunks = (conversations[i:i + SFT_CHUNK] for i in range(0, len(conversations), SFT_CHUNK))
     ids, targets, offsets, answers = (job.writer(n) for n in ("ids", "targets", "offsets",
@@ -254,33 +251,11 @@ def _write_sft_tokens(conversations, template, loss_on: str, num_proc: int, job)
                 add(encode_chunk(chunk, template, loss_on))
                 bar.update(len(chunk))
             return state["split"]
-        # fork: the workers inherit the loaded tokenizer and template (a Hugging Face
-        # tokenizer takes seconds to load); they run only the tokenizer and Jinja, none of
-        # the parent's other threads' work. spawn where fork does not exist.
-        methods = multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        saved = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        pool = ctx.Pool(num_proc, initializer=_init_sft_worker, initargs=(template, loss_on))
-        try:
-            pending: collections.deque = collections.deque()
-            for chunk in chunks:
-                pending.append((len(chunk), pool.apply_async(_encode_sft_chunk, (chunk,))))
-                if len(pending) >= 3 * num_proc:  # bounded: the reader never runs far ahead
-                    n, result = pending.popleft()
-                    add(result.get())
-                    bar.update(n)
-            while pending:
-                n, result = pending.popleft()
-                add(result.get())
+        with forked_pool(num_proc, _init_sft_worker, (template, loss_on)) as pool:
+            sized = ((len(chunk), chunk) for chunk in chunks)
+            for n, result in in_order(pool, _encode_sft_chunk, sized, num_proc):
+                add(result)
                 bar.update(n)
-        finally:
-            pool.terminate()
-            pool.join()
-            if saved is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = saved
         return state["split"]
     finally:
         bar.close()

@@ -21,6 +21,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from .delta_net import DeltaNet
 from .mla import Mla
 
 # Transformer Engine fuses the pre-attention and pre-MLP norms into the next linear layer;
@@ -52,8 +53,18 @@ _ROW_PARALLEL = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 
+# families whose delta nets keep Qwen3.5's four input projections (models/delta_net.py)
+FLAT_DELTA_NET = ("qwen3_5", "qwen3_5_moe")
 # the HF expert spelling of each family (Experts.names); the rest are Qwen's
-_EXPERT_NAMES = {"mixtral": "mixtral", "deepseek_v3": "deepseek", "glm4_moe": "deepseek"}
+_EXPERT_NAMES = {"mixtral": "mixtral", "deepseek_v3": "deepseek", "glm4_moe": "deepseek",
+                 "gpt_oss": "gpt_oss"}
+# gpt-oss: each layer's experts in four fused tensors [experts, ...]; gate_up_proj is
+# [hidden, 2 * ffn] per expert (the input side first) with gate and up interleaved by
+# column (gate the even ones), down_proj [ffn, hidden]
+_FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
+                  "mlp.experts.down_proj", "mlp.experts.down_proj_bias")
+_SINKS = ("self_attention.core_attention.softmax_offset", "self_attn.sinks")
+_PROJ_BIAS = ("self_attention.linear_proj.bias", "self_attn.o_proj.bias")
 
 Read = Callable[..., torch.Tensor]   # read(hf_name, rows=None, cols=None)
 Get = Callable[[str], torch.Tensor]  # get(megatron_name) -> full tensor
@@ -93,9 +104,52 @@ class Experts:
     names: str = "qwen"
     expert_bias: bool = False    # the router's expert bias (DeepSeek-V3's correction bias)
 
+    def fused_shapes(self, hidden: int) -> List[Tuple[str, Tuple[int, ...]]]:
+        """gpt-oss's fused expert tensors of one layer with their shapes."""
+        e, f = self.count, self.ffn
+        return list(zip(_FUSED_EXPERTS, [(e, hidden, 2 * f), (e, 2 * f), (e, f, hidden),
+                                         (e, hidden)]))
+
+    def fused_to_hf(self, suffix: str, layer: str, get: Get) -> torch.Tensor:
+        """One fused HF tensor of the layer whose megatron prefix is ``layer``."""
+        per = []
+        for e in range(self.count):
+            expert = f"{layer}mlp.experts.local_experts.{e}."
+            if suffix.startswith("mlp.experts.gate_up_proj"):
+                kind = "bias" if suffix.endswith("_bias") else "weight"
+                gate, up = get(expert + f"linear_fc1.{kind}").chunk(2, dim=0)
+                # [gate; up] rows -> columns interleaved gate, up, gate, ... (weights
+                # stored input side first)
+                both = torch.stack([gate, up], dim=1).flatten(0, 1)
+                per.append(both.t() if kind == "weight" else both)
+            elif suffix == "mlp.experts.down_proj":
+                per.append(get(expert + "linear_fc2.weight").t())
+            else:
+                per.append(get(expert + "linear_fc2.bias"))
+        return torch.stack(per).contiguous()
+
+    def fused_to_mcore(self, expert: int, suffix: str, prefix: str, read: Read,
+                       tp_rank: int, tp_size: int) -> torch.Tensor:
+        """Global expert ``expert``'s linear_fc1/fc2 weight or bias (``suffix``: e.g.
+        'linear_fc1.weight'), this TP rank's part, read from the fused tensors."""
+        rows = slice(expert, expert + 1)
+        part = _part(self.ffn, tp_rank, tp_size)
+        if suffix.startswith("linear_fc1."):
+            name = "mlp.experts.gate_up_proj" + ("_bias" if suffix.endswith("bias") else "")
+            fused = read(prefix + name, rows=rows)[0]
+            if suffix.endswith("weight"):
+                fused = fused.t()
+            return torch.cat([fused[0::2][part], fused[1::2][part]], dim=0)
+        if suffix == "linear_fc2.weight":
+            return read(prefix + "mlp.experts.down_proj", rows=rows)[0].t()[:, part]
+        return read(prefix + "mlp.experts.down_proj_bias", rows=rows)[0]
+
     def hf_names(self, i: int) -> dict:
         """megatron suffix (local spec, layer i) -> the HF suffix, for each MoE tensor."""
         out = {}
+        if self.names == "gpt_oss":  # the experts: fused_to_hf / fused_to_mcore
+            return {"mlp.router.weight": "mlp.router.weight",
+                    "mlp.router.bias": "mlp.router.bias"}
         if self.names == "mixtral":
             out["mlp.router.weight"] = "block_sparse_moe.gate.weight"
             for e in range(self.count):
@@ -137,14 +191,23 @@ class Layout:
     qkv_bias: bool
     qk_norm: bool
     experts: Optional[Experts] = None
+    proj_bias: bool = False   # a bias on the attention output (gpt-oss's o_proj)
+    sinks: bool = False       # a learned sink logit per head (gpt-oss)
     mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
     post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
+    # gated delta-net layers (Qwen3-Next, models/delta_net.py): 1 per such layer
+    delta_net: Optional[DeltaNet] = None
+    linear: Tuple[int, ...] = ()
+    output_gate: bool = False  # q_proj also holds each head's output gate (Qwen3-Next)
+    score: int = 0  # a reward model: score.weight [score, hidden] instead of lm_head
     # a vision-language model's tower (models/vision.py): (HF name, shape) of each tensor,
     # named alike in the files and the model, copied as they are
     vision: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
+        from ..arguments.model import linear_attention_pattern
+
         heads = m.num_attention_heads
         experts = None
         if getattr(m, "num_experts", None) is not None:
@@ -161,15 +224,25 @@ class Layout:
                    head_dim=m.kv_channels or m.hidden_size // heads,
                    vocab=m.vocab_size or padded_vocab, padded_vocab=padded_vocab,
                    tied=not m.untie_embeddings_and_output_weights,
+                   proj_bias=m.add_bias_linear, sinks=m.softmax_type == "learnable",
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
                    mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
-                   post_norms=m.model_type == "gemma3", vision=_vision_tensors(m))
+                   post_norms=m.model_type == "gemma3",
+                   delta_net=DeltaNet.from_model_args(m, flat=m.model_type in FLAT_DELTA_NET)
+                   if m.linear_attention_freq else None,
+                   linear=tuple(linear_attention_pattern(m)),
+                   output_gate=bool(m.attention_output_gate),
+                   score=getattr(m, "num_labels", None) or 0,
+                   vision=_vision_tensors(m))
 
     def same(self) -> dict:
         """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
         if not self.post_norms:
             return _SAME
         return {**_SAME, **_POST_NORMS}
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear) and bool(self.linear[layer])
 
     def is_moe(self, layer: int) -> bool:
         return self.experts is not None and bool(self.experts.layers[layer])
@@ -180,7 +253,7 @@ class Layout:
         for mc, hf in x.hf_names(layer).items():
             if mc == "mlp.router.weight":
                 shapes.append((hf, (x.count, h)))
-            elif mc == "mlp.router.expert_bias":
+            elif mc in ("mlp.router.expert_bias", "mlp.router.bias"):
                 shapes.append((hf, (x.count,)))
             elif mc == "mlp.shared_experts.gate_weight":
                 shapes.append((hf, (1, h)))
@@ -190,6 +263,8 @@ class Layout:
                     shapes += [(name, (ffn, h)) for name in hf]
                 else:
                     shapes.append((hf, (h, ffn)))
+        if x.names == "gpt_oss":
+            shapes += x.fused_shapes(h)
         return shapes
 
     @property
@@ -204,19 +279,28 @@ class Layout:
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             out.append((p + "input_layernorm.weight", (h,)))
-            if self.mla is not None:
+            if self.is_linear(i):
+                out += self.delta_net.hf_tensors(p) + [(p + "post_attention_layernorm.weight",
+                                                        (h,))]
+            elif self.mla is not None:
                 out += self.mla.hf_tensors(p) + [(p + "post_attention_layernorm.weight", (h,))]
-            for proj, rows in (("q", self.heads * hd), ("k", self.groups * hd),
-                               ("v", self.groups * hd)) if self.mla is None else ():
+            q_rows = self.heads * hd * (2 if self.output_gate else 1)
+            full = self.mla is None and not self.is_linear(i)
+            for proj, rows in (("q", q_rows), ("k", self.groups * hd),
+                               ("v", self.groups * hd)) if full else ():
                 out.append((p + f"self_attn.{proj}_proj.weight", (rows, h)))
                 if self.qkv_bias:
                     out.append((p + f"self_attn.{proj}_proj.bias", (rows,)))
-            if self.qk_norm and self.mla is None:
+            if self.qk_norm and full:
                 out += [(p + "self_attn.q_norm.weight", (hd,)),
                         (p + "self_attn.k_norm.weight", (hd,))]
-            if self.mla is None:
-                out += [(p + "self_attn.o_proj.weight", (h, self.heads * hd)),
-                        (p + "post_attention_layernorm.weight", (h,))]
+            if full:
+                out.append((p + "self_attn.o_proj.weight", (h, self.heads * hd)))
+                if self.proj_bias:
+                    out.append((p + _PROJ_BIAS[1], (h,)))
+                if self.sinks:
+                    out.append((p + _SINKS[1], (self.heads,)))
+                out.append((p + "post_attention_layernorm.weight", (h,)))
             if self.post_norms:
                 out += [(p + "pre_feedforward_layernorm.weight", (h,)),
                         (p + "post_feedforward_layernorm.weight", (h,))]
@@ -227,7 +311,9 @@ class Layout:
                     (p + "mlp.up_proj.weight", (self.ffn, h)),
                     (p + "mlp.down_proj.weight", (h, self.ffn))]
         out.append(("model.norm.weight", (h,)))
-        if not self.tied:
+        if self.score:  # *ForSequenceClassification: the score head, no LM head
+            out.append(("score.weight", (self.score, h)))
+        elif not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
         return out + list(self.vision)
 
@@ -239,6 +325,8 @@ class Layout:
             return get("embedding.word_embeddings.weight")[: self.vocab]
         if hf_name == "lm_head.weight":
             return get("output_layer.weight")[: self.vocab]
+        if hf_name == "score.weight" and self.score:
+            return get("output_layer.weight")
         if hf_name == "model.norm.weight":
             return get("decoder.final_layernorm.weight")
         match = _HF_LAYER.match(hf_name)
@@ -248,9 +336,13 @@ class Layout:
         layer = f"decoder.layers.{i}."
         if self.mla is not None and self.mla.mcore_name(suffix):
             return get(layer + self.mla.mcore_name(suffix))
-        for mc, hf in {**self.same(), **_ROW_PARALLEL}.items():
+        if self.is_linear(i) and self.delta_net.owns_hf(suffix):
+            return self.delta_net.to_hf(suffix, layer, get)
+        for mc, hf in {**self.same(), **_ROW_PARALLEL, **self._attention_extras()}.items():
             if suffix == hf:
                 return get(layer + mc)
+        if suffix in _FUSED_EXPERTS and self.is_moe(i) and self.experts.names == "gpt_oss":
+            return self.experts.fused_to_hf(suffix, layer, get)
         qkv = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", suffix)
         if qkv:
             fused = get(layer + f"self_attention.linear_qkv.{qkv.group(2)}")
@@ -267,11 +359,24 @@ class Layout:
                     return get(layer + mc)
         raise ConversionError(f"no megatron counterpart for {hf_name}")
 
+    def _attention_extras(self) -> dict:
+        """megatron suffix -> HF suffix of the output bias and the sinks, where present."""
+        return dict(pair for pair, present in ((_PROJ_BIAS, self.proj_bias),
+                                               (_SINKS, self.sinks)) if present)
+
     def _split_qkv(self, fused: torch.Tensor):
-        hd, n = self.head_dim, self.per_group
-        grouped = fused.reshape(self.groups, (n + 2) * hd, *fused.shape[1:])
+        hd, n, tail = self.head_dim, self.per_group, fused.shape[1:]
+        if self.output_gate:
+            # megatron: per group [its queries; their gates; key; value]; HF's q_proj: per
+            # head [query; gate]
+            grouped = fused.reshape(self.groups, (2 * n + 2) * hd, *tail)
+            q, gate, k, v = grouped.split([n * hd, n * hd, hd, hd], dim=1)
+            q = torch.stack([q.reshape(self.groups, n, hd, *tail),
+                             gate.reshape(self.groups, n, hd, *tail)], dim=2)
+            return [t.reshape(-1, *tail) for t in (q, k, v)]
+        grouped = fused.reshape(self.groups, (n + 2) * hd, *tail)
         q, k, v = grouped.split([n * hd, hd, hd], dim=1)
-        return [t.reshape(-1, *fused.shape[1:]) for t in (q, k, v)]
+        return [t.reshape(-1, *tail) for t in (q, k, v)]
 
     # ---- the megatron side ---------------------------------------------------------------
     def to_mcore(self, name: str, read: Read, tp_rank: int = 0, tp_size: int = 1,
@@ -284,6 +389,8 @@ class Layout:
             return read(name)
         if name == "embedding.word_embeddings.weight":
             return self._vocab_rows("model.embed_tokens.weight", read, tp_rank, tp_size)
+        if name == "output_layer.weight" and self.score:
+            return read("score.weight")  # whole on every rank (models/value_head.py)
         if name == "output_layer.weight":
             source = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
             return self._vocab_rows(source, read, tp_rank, tp_size)
@@ -295,8 +402,14 @@ class Layout:
         prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
         if self.mla is not None and self.mla.hf_name(suffix):  # TP 1 (arguments/run.py)
             return read(prefix + self.mla.hf_name(suffix))
+        if self.is_linear(int(match.group(1))) and self.delta_net.owns(suffix):
+            return self.delta_net.to_mcore(suffix, prefix, read, tp_rank, tp_size)
         if suffix in self.same():
             return read(prefix + self.same()[suffix])
+        if self.proj_bias and suffix == _PROJ_BIAS[0]:  # row-parallel: whole on every rank
+            return read(prefix + _PROJ_BIAS[1])
+        if self.sinks and suffix == _SINKS[0]:  # this rank's heads
+            return read(prefix + _SINKS[1], rows=_part(self.heads, tp_rank, tp_size))
         if self.is_moe(int(match.group(1))) and suffix.startswith("mlp.") \
                 and not suffix.startswith("mlp.linear_fc"):
             return self._moe_shard(int(match.group(1)), prefix, suffix, read, tp_rank, tp_size,
@@ -322,11 +435,14 @@ class Layout:
         if local:
             suffix = (f"mlp.experts.local_experts."
                       f"{ep_rank * (x.count // ep_size) + int(local.group(1))}.{local.group(2)}")
+        if local and x.names == "gpt_oss":
+            expert, rest = suffix.split(".")[3], local.group(2)
+            return x.fused_to_mcore(int(expert), rest, prefix, read, tp_rank, tp_size)
         hf = x.hf_names(layer).get(suffix)
         if hf is None:
             raise ConversionError(f"no Hugging Face counterpart for megatron parameter "
                                   f"{prefix}{suffix}")
-        if suffix in ("mlp.router.weight", "mlp.router.expert_bias",
+        if suffix in ("mlp.router.weight", "mlp.router.expert_bias", "mlp.router.bias",
                       "mlp.shared_experts.gate_weight"):
             return read(prefix + hf)
         ffn = x.shared_ffn if "shared" in suffix else x.ffn
@@ -339,14 +455,24 @@ class Layout:
         hd, n = self.head_dim, self.per_group
         local = self.groups // tp_size
         first = tp_rank * local
-        q = read(prefix + f"self_attn.q_proj.{kind}",
-                 rows=slice(first * n * hd, (first + local) * n * hd))
+        if self.output_gate:  # HF: per head [query; gate]; megatron: [queries; gates]
+            both = read(prefix + f"self_attn.q_proj.{kind}",
+                        rows=slice(first * n * 2 * hd, (first + local) * n * 2 * hd))
+            tail = both.shape[1:]
+            both = both.reshape(local, n, 2, hd, *tail)
+            q = torch.cat([both[:, :, 0].reshape(local, n * hd, *tail),
+                           both[:, :, 1].reshape(local, n * hd, *tail)], dim=1)
+            n_rows = 2 * n * hd
+        else:
+            q = read(prefix + f"self_attn.q_proj.{kind}",
+                     rows=slice(first * n * hd, (first + local) * n * hd))
+            n_rows = n * hd
         k = read(prefix + f"self_attn.k_proj.{kind}", rows=slice(first * hd, (first + local) * hd))
         v = read(prefix + f"self_attn.v_proj.{kind}", rows=slice(first * hd, (first + local) * hd))
-        tail = q.shape[1:]
-        fused = torch.cat([q.reshape(local, n * hd, *tail), k.reshape(local, hd, *tail),
+        tail = k.shape[1:]
+        fused = torch.cat([q.reshape(local, n_rows, *tail), k.reshape(local, hd, *tail),
                            v.reshape(local, hd, *tail)], dim=1)
-        return fused.reshape(local * (n + 2) * hd, *tail)
+        return fused.reshape(-1, *tail)
 
     def _vocab_rows(self, hf_name: str, read: Read, tp_rank: int, tp_size: int):
         """This rank's rows of the (padded) vocabulary; padding rows are zero."""

@@ -57,30 +57,37 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
     it: embedding, output layer, the dense layers, the MoE layers' experts (router and
     shared expert included), the final norm and the LoRA adapters (an upper bound: every
     targeted linear of every layer)."""
-    from ..arguments.model import moe_layer_pattern
+    from ..arguments.model import linear_attention_pattern, moe_layer_pattern
 
     h, heads = m.hidden_size, m.num_attention_heads
     groups = m.num_query_groups or heads
     kv = m.kv_channels or h // heads
     ffn = m.ffn_hidden_size
     gemma3 = m.model_type == "gemma3"  # gated gelu-tanh; norms after attention and MLP
-    gated = 2 if m.swiglu or gemma3 else 1
+    # Gemma 3's gated gelu-tanh and gpt-oss's clamped SwiGLU are gated without --swiglu
+    gated = 2 if m.swiglu or gemma3 or m.model_type == "gpt_oss" else 1
     norm = h * (2 if m.normalization == "LayerNorm" else 1)
-    qkv_out = kv * (heads + 2 * groups)
+    # --attention_output_gate: the query projection also computes each head's gate
+    qkv_out = kv * (heads * (2 if m.attention_output_gate else 1) + 2 * groups)
     bias = m.add_bias_linear
     attention = (h * qkv_out + heads * kv * h + (qkv_out if bias or m.add_qkv_bias else 0)
-                 + (h if bias else 0) + (2 * kv if m.qk_layernorm else 0))
+                 + (h if bias else 0) + (2 * kv if m.qk_layernorm else 0)
+                 + (heads if m.softmax_type == "learnable" else 0))  # attention sinks
     if m.multi_latent_attention:
         attention = mla_parameters(m)
     dense_mlp = h * ffn * gated + ffn * h + ((ffn * gated + h) if bias else 0)
     moe_layers = sum(moe_layer_pattern(m)) if m.num_experts else 0
     layers = m.num_layers
+    linear = sum(linear_attention_pattern(m))
     vocab = padded_vocab(m)
     counts = {
         "embedding": vocab * h + (m.max_position_embeddings * h
                                   if m.position_embedding_type == "learned_absolute" else 0),
-        "output layer": vocab * h if m.untie_embeddings_and_output_weights else 0,
-        "layers": layers * (attention + (4 if gemma3 else 2) * norm)
+        # a reward model's score head replaces the LM head (models/value_head.py)
+        "output layer": (m.num_labels * h if getattr(m, "num_labels", None) else
+                         vocab * h if m.untie_embeddings_and_output_weights else 0),
+        "layers": (layers - linear) * attention + linear * delta_net_parameters(m)
+        + layers * (4 if gemma3 else 2) * norm
         + (layers - moe_layers) * dense_mlp + norm,
         "experts": 0,
         "LoRA adapters": 0,
@@ -89,8 +96,9 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
     if moe_layers:
         expert_ffn = m.moe_ffn_hidden_size or ffn
         shared = m.moe_shared_expert_intermediate_size or 0
-        per_layer = (m.num_experts * h  # router
-                     + m.num_experts * (h * expert_ffn * gated + expert_ffn * h)
+        per_layer = (m.num_experts * (h + (1 if bias else 0))  # router
+                     + m.num_experts * (h * expert_ffn * gated + expert_ffn * h
+                                        + ((expert_ffn * gated + h) if bias else 0))
                      + h * shared * gated + shared * h + (h if m.moe_shared_expert_gate else 0))
         counts["experts"] = moe_layers * per_layer
     if tuner is not None and tuner.tuner_type == "lora":
@@ -102,6 +110,19 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
                  "linear_fc1": h + ffn * gated, "linear_fc2": ffn + h}
         counts["LoRA adapters"] = layers * tuner.lora_rank * sum(sizes[k] for k in kinds)
     return counts
+
+
+def delta_net_parameters(m) -> int:
+    """One gated delta-net block (megatron's GatedDeltaNet, models/delta_net.py): the input
+    projection (queries, keys, values, output gates, betas, alphas), the depthwise causal
+    conv1d over queries, keys and values (no bias), dt_bias and A_log per value head, the
+    per-head output norm and the output projection."""
+    h = m.hidden_size
+    qk = m.linear_num_key_heads * m.linear_key_head_dim
+    v = m.linear_num_value_heads * m.linear_value_head_dim
+    heads = m.linear_num_value_heads
+    return (h * (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) * m.linear_conv_kernel_dim
+            + 2 * heads + m.linear_value_head_dim + v * h)
 
 
 def vision_parameters(m) -> int:
@@ -211,9 +232,10 @@ def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Pa
 
 def needs_reference_copy(flags) -> bool:
     """rlhf keeps a second, frozen copy of the model as its reference, unless LoRA's base
-    serves (adapters switched off) or --reference_free."""
+    serves (adapters switched off), --reference_free, or the task has no reference (orpo,
+    simpo)."""
     r = getattr(flags, "rlhf", None)
-    if getattr(flags, "COMMAND", None) != "rlhf" or r is None or r.reference_free:
+    if getattr(flags, "COMMAND", None) != "rlhf" or r is None or not r.needs_reference():
         return False
     return bool(r.ref_model) or flags.tuner.tuner_type != "lora"
 

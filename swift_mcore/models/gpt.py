@@ -37,6 +37,8 @@ def transformer_config(config, initialize: bool = True):
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
         qk_layernorm=m.qk_layernorm,
+        # gpt-oss's attention sinks: megatron's learnable softmax offset per head
+        softmax_type=m.softmax_type,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -55,6 +57,10 @@ def transformer_config(config, initialize: bool = True):
         overlap_p2p_comm=bool(config.args.virtual_stages()),
         batch_p2p_comm=not config.args.virtual_stages(),
         sequence_parallel=p.sequence_parallel,
+        # context parallelism: Transformer Engine's attention exchanges keys and values over
+        # the group as --cp_comm_type says; on CPU the CPU port's attention (layer_spec)
+        context_parallel_size=p.context_parallel_size,
+        cp_comm_type=p.cp_comm_type if p.context_parallel_size > 1 else None,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=config.precision == "bf16",
@@ -98,10 +104,56 @@ def transformer_config(config, initialize: bool = True):
         from . import gemma3_layers
 
         fields.update(gemma3_layers.transformer_fields(m))
+    if m.model_type == "gpt_oss":
+        from . import gpt_oss_layers
+
+        fields.update(gpt_oss_layers.transformer_fields(m))
+    if m.linear_attention_freq is not None or m.attention_output_gate:
+        from . import hybrid_layers
+
+        fields.update(hybrid_layers.transformer_fields(m))
     tc = config_class(**fields)
     # read by gemma3_layers.Gemma3SelfAttention (TransformerConfig has no such field)
     tc.rotary_base_local = m.rotary_base_local or m.rotary_base
+    if position_embedding(m) == "yarn":
+        # megatron's GPTModel and attention read YaRN from these attributes
+        # (gpt_model.py:172-190, attention.py:1102); TransformerConfig declares none
+        for name, value in yarn_attributes(m).items():
+            setattr(tc, name, value)
     return tc
+
+
+def position_embedding(m) -> str:
+    """GPTModel's position_embedding_type: 'yarn' for YaRN RoPE outside multi-latent
+    attention (which builds its own)."""
+    if m.rope_type == "yarn" and not m.multi_latent_attention \
+            and m.position_embedding_type == "rope":
+        return "yarn"
+    return m.position_embedding_type
+
+
+def yarn_attributes(m) -> dict:
+    """The yarn_* attributes megatron's GPTModel reads for its YarnRotaryEmbedding."""
+    return dict(yarn_rotary_scaling_factor=m.rotary_scaling_factor,
+                yarn_original_max_position_embeddings=m.original_max_position_embeddings,
+                yarn_beta_fast=m.beta_fast, yarn_beta_slow=m.beta_slow,
+                yarn_mscale=m.mscale, yarn_mscale_all_dim=m.mscale_all_dim,
+                yarn_correction_range_round_to_int=m.yarn_truncate)
+
+
+def mark_sinks_tensor_parallel(model) -> int:
+    """Marks each attention's learnable softmax offset (its heads' sinks: a TP rank holds
+    its own heads') as tensor-parallel, as megatron's sharded linears are: megatron-core
+    0.16.1 leaves the mark out, and the gradient norm would then count TP rank 0's sinks
+    only (param_is_not_tensor_parallel_duplicate). Returns how many."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    marked = 0
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            set_tensor_model_parallel_attributes(param, True, 0, 1)
+            marked += 1
+    return marked
 
 
 def window_config(m) -> dict:
@@ -191,9 +243,13 @@ def layer_spec(config, moe: bool = False):
         qk_layernorm=m.qk_layernorm, normalization=m.normalization,
         multi_latent_attention=m.multi_latent_attention, **experts)
     if config.attention == "sdpa":
+        from ..runtime import cpu
         from .sdpa_attention import SdpaAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+        # --context_parallel_size on CPU: the CPU port's attention over the group (None on
+        # CUDA and without CP, where run_config allows only TE's there)
+        spec.submodules.self_attention.submodules.core_attention = (
+            cpu.context_parallel_attention(config) or SdpaAttention)
     if swiglu_module(config):
         from .swiglu import SwiGLU
 
@@ -210,6 +266,16 @@ def layer_spec(config, moe: bool = False):
         from . import gemma3_layers
 
         spec = gemma3_layers.adapt_spec(spec, config)
+    if moe and m.add_bias_linear:
+        from . import gpt_oss_layers
+
+        spec = gpt_oss_layers.adapt_moe_spec(spec)
+    from ..arguments.model import HYBRID_MODEL_TYPES
+
+    if m.model_type in HYBRID_MODEL_TYPES:
+        from . import hybrid_layers
+
+        spec = hybrid_layers.adapt_spec(spec, m.qk_layernorm)
     if config.parallel.sequence_parallel:
         from . import sequence_parallel_norm
 
@@ -225,7 +291,9 @@ def block_spec(config, transformer_config, vp_stage=None):
     whenever TE is importable, so a local-spec model on a machine with TE (a conversion
     child on the CPU, --attention_backend sdpa on a GPU) would hold one TE module."""
     spec = layer_spec(config)
-    if config.layer_spec == "transformer_engine" and config.model.num_experts is None:
+    linear = config.model.linear_attention_freq is not None
+    if config.layer_spec == "transformer_engine" and config.model.num_experts is None \
+            and not linear:
         return spec
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -242,6 +310,13 @@ def block_spec(config, transformer_config, vp_stage=None):
         offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
         pattern = moe_layer_pattern(config.model)[offset: offset + layers]
         specs = [moe_spec if is_moe else spec for is_moe in pattern]
+    if linear:  # --linear_attention_freq: this stage's slice
+        from ..arguments.model import linear_attention_pattern
+        from .hybrid_layers import with_delta_net
+
+        offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
+        specs = with_delta_net(specs, linear_attention_pattern(config.model)[offset:
+                                                                            offset + layers])
     if config.layer_spec == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -280,8 +355,11 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
                                                                 vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
                                                                vp_stage=vp_stage),
-            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-            position_embedding_type=m.position_embedding_type,
+            # a reward model has no LM head: nothing of the vocabulary's size is allocated
+            # for it (one stage: rlhf refuses pipeline parallelism), the score head replaces it
+            share_embeddings_and_output_weights=(not m.untie_embeddings_and_output_weights
+                                                 or bool(m.num_labels)),
+            position_embedding_type=position_embedding(m),
             rotary_percent=m.rotary_percent,
             rotary_base=m.rotary_base,
             rope_scaling=m.use_rope_scaling,
@@ -293,6 +371,11 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
             from . import gemma3_layers
 
             gemma3_layers.scale_embedding(model, m.hidden_size)
+        mark_sinks_tensor_parallel(model)
+        if m.num_labels:
+            from . import value_head
+
+            value_head.install(model, config, tc)
         if config.cuda:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

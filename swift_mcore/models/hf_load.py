@@ -8,6 +8,7 @@ against transformers' own model for the config, built on the meta device (no mem
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -16,6 +17,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from .finite import nonfinite
+from .value_head import is_score_config
 from ..errors import ArgumentError
 from ..runtime import collectives
 from .convert import Layout, global_name, layer_offset
@@ -28,7 +30,8 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     import warnings
 
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import (AutoConfig, AutoModelForCausalLM,
+                              AutoModelForSequenceClassification)
 
     from .families import for_config
 
@@ -44,13 +47,15 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
         else:
             hf_config = AutoConfig.from_pretrained(folder, local_files_only=True,
                                                    trust_remote_code=False)
+        head = AutoModelForSequenceClassification if is_score_config(raw) \
+            else AutoModelForCausalLM
         with init_empty_weights():
             if getattr(hf_config, "vision_config", None) is not None:
                 from transformers import AutoModelForImageTextToText
 
                 model = AutoModelForImageTextToText.from_config(hf_config)
             else:
-                model = AutoModelForCausalLM.from_config(hf_config)
+                model = head.from_config(hf_config)
     shapes = {_file_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
@@ -87,7 +92,11 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                              f"of {folder.config_path}: only ours "
                              f"{sorted(set(ours) - set(expected))[:4]}, only transformers' "
                              f"{sorted(set(expected) - set(ours))[:4]}")
+    from . import mxfp4
+
     found = folder.shapes()
+    if mxfp4.is_mxfp4(folder.config):  # the experts' blocks and scales, as read dequantized
+        found = mxfp4.quantized_shapes(found)
     problems: List[str] = []
     for name, shape in expected.items():
         if name not in found:
@@ -118,6 +127,9 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     start = time.time()
     folder = HFFolder(config.model.model, flag="--model")
     layout = Layout.from_model_args(config.model, config.padded_vocab_size)
+    fresh_head = bool(layout.score) and not is_score_config(folder.config)
+    if fresh_head:  # a reward model from a causal LM: its body; the new head stays as drawn
+        layout = dataclasses.replace(layout, score=0)
     check_shapes(folder, layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -125,8 +137,20 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     loaded, problems = 0, []
     with folder.reader() as reader, torch.no_grad():
+        from . import mxfp4
+
+        quantized = mxfp4.is_mxfp4(folder.config)
+
         def read(name, rows=None, cols=None):
-            value = reader.read(name, rows, cols)
+            if quantized and name not in folder.weight_map and cols is None \
+                    and name + mxfp4.BLOCKS in folder.weight_map:
+                try:
+                    value = mxfp4.read_dequantized(reader.read, name, rows)
+                except ValueError as err:  # blocks or scales of another dtype
+                    raise ArgumentError(f"--model {folder.weight_map[name + mxfp4.BLOCKS]}: "
+                                        f"{name}: {err}") from None
+            else:
+                value = reader.read(name, rows, cols)
             bad = not problems and nonfinite(value)
             if bad:  # this rank's slice: the ranks agree below
                 problems.append(f"--model {folder.weight_map[name]}: the weights are not "
@@ -140,6 +164,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
             bias = [(n, b) for n, b in module.named_buffers() if n.endswith(".expert_bias")]
             for local, param in [*module.named_parameters(), *bias]:
                 name = global_name(local, offset)
+                if fresh_head and name == "output_layer.weight":
+                    continue
                 value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size)
                 if tuple(value.shape) != tuple(param.shape):
                     raise AssertionError(f"{name}: converted shape {list(value.shape)}, "

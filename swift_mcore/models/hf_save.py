@@ -66,6 +66,12 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     config = family.hf_config(model_args, layout.vocab, base)
     if base is None and tokenizer is not None:
         config.update(eos_token_id=tokenizer.eod, bos_token_id=_bos_id(tokenizer))
+    if getattr(model_args, "num_labels", None) and tokenizer is not None:
+        from .value_head import pad_id_of
+
+        # transformers reads a score at the last token that is not pad_token_id: the pad
+        # token the reward model trained with (models/value_head.py)
+        config["pad_token_id"] = pad_id_of(tokenizer)
     config["dtype"] = next(k for k, v in DTYPES.items() if v == dtype)
 
     out_dir = os.path.abspath(out_dir)

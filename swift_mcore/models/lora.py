@@ -240,6 +240,9 @@ def apply(config, chunks) -> list:
             module = _find(chunk, SAVABLE_MODULES[name])
             if module is not None:
                 module.requires_grad_(True)
+        if config.model.num_labels and getattr(chunk, "post_process", False):
+            # a reward model's score head is new: it trains whole, as peft's modules_to_save
+            chunk.output_layer.requires_grad_(True)
         embedding = getattr(chunk, "embedding", None)
         if embedding is not None and config.training.recompute_granularity == "full":
             # Full recompute checkpoints each layer on its input hidden states. With the
@@ -444,8 +447,14 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
             continue
         match = _LINEAR.match(name)
         layer, suffix = int(match.group(1)), match.group(2)
-        parts = _hf_parts(layout, layer, suffix)
         expert = _EXPERT.match(suffix)
+        if expert and layout.experts.names == "gpt_oss":
+            raise ArgumentError(
+                f"--to_peft: {name} (a gpt-oss expert) has an adapter; peft's LoRA on "
+                f"gpt-oss's fused expert tensors is not written yet: export the merged model "
+                f"with --to_hf --merge_lora, or adapt the attention only (--target_modules "
+                f"linear_qkv linear_proj)")
+        parts = _hf_parts(layout, layer, suffix)
         if expert:
             experts.setdefault((layer, expert.group(2)), set()).add(int(expert.group(1)))
         a = module.lora_A[ADAPTER].weight.detach().float().cpu()

@@ -15,7 +15,10 @@ and ``sharded_state_dict`` (no parameters: checkpoints are interchangeable with 
 spec). One difference by construction: masked scores are -inf here and -10000 in megatron,
 which is the same after softmax unless a row is masked entirely (padding masks only; a
 causal row always sees itself). Sliding windows (``--window_size``) are masks built here on
-the row's device, combined with a packed row's block-causal mask.
+the row's device, combined with a packed row's block-causal mask. Attention sinks
+(``--softmax_type learnable``, gpt-oss) are megatron's own ``softmax_offset`` parameter,
+applied in the same SDPA call (``with_sinks``); ``tests/test_sdpa_attention.py`` holds them
+to megatron's ``SoftmaxOne``.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ class SdpaAttention(DotProductAttention):
         super().__init__(config, layer_number, attn_mask_type, attention_type,
                          attention_dropout=attention_dropout, softmax_scale=softmax_scale,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-        if self.config.softmax_type != "vanilla":
-            raise ValueError(f"SdpaAttention supports softmax_type 'vanilla' only, not "
-                             f"{self.config.softmax_type!r}")
+        if self.config.softmax_type not in ("vanilla", "learnable"):
+            raise ValueError(f"SdpaAttention supports softmax_type 'vanilla' and 'learnable', "
+                             f"not {self.config.softmax_type!r}")
         # (left, right) of this layer's sliding window, or None (DotProductAttention chose it
         # from window_size and window_attn_skip_freq by the layer number).
         self.window = self.scale_mask_softmax.window_size
@@ -82,6 +85,14 @@ class SdpaAttention(DotProductAttention):
                 raise ValueError(f"causal attention needs sq == sk, got {sq} and {sk}")
             is_causal = True
 
+        sinks = self.softmax_offset
+        if sinks is not None:
+            # megatron's learnable softmax offset (gpt-oss's attention sinks)
+            if mask is None:
+                mask = is_causal_mask(sq, sk, mask_type, query.device)
+                is_causal = False
+            mask, key, value = with_sinks(mask, key, value, sinks, query.dtype)
+
         if value.untyped_storage().data_ptr() != query.untyped_storage().data_ptr():
             # RoPE gave q and k storages of their own, so v is the one view left of the
             # [s, b, q + k + v] output of linear_qkv: SDPA keeps it for the backward pass,
@@ -115,3 +126,33 @@ def window_mask(sq: int, sk: int, window, device) -> torch.Tensor:
     k = torch.arange(sk, device=device)[None, :]
     keep = k >= q - left if left >= 0 else torch.ones(sq, sk, dtype=torch.bool, device=device)
     return keep & (k <= q + right) if right >= 0 else keep
+
+
+def is_causal_mask(sq: int, sk: int, mask_type, device) -> torch.Tensor:
+    """[sq, sk] True where query i may see key j: causal for the last sq of sk positions
+    (all True without a causal mask type)."""
+    if mask_type != AttnMaskType.causal or sq == 1:
+        return torch.ones(sq, sk, dtype=torch.bool, device=device)
+    return window_mask(sq, sk, (-1, 0), device)
+
+
+def with_sinks(keep: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               sinks: torch.Tensor, dtype: torch.dtype):
+    """(additive mask, key, value) that give softmax(scores + sink column)[..., :-1] V, the
+    learnable softmax offset of megatron's SoftmaxOne, in one SDPA call: one more key
+    position of zeros, whose score q . 0 = 0 plus the mask's column, the head's sink
+    (the softmax's extra term in the denominator); its value of zeros adds nothing. The
+    sink's gradient flows through the mask.
+
+    keep: the boolean mask (True: attend), [sq, sk] or [b, 1|heads, sq, sk]; key and
+    value [sk, b, groups, hn]; sinks [heads]."""
+    heads = sinks.shape[0]
+    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+    additive = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
+        ~keep, float("-inf"))
+    rows, sq = additive.shape[0], additive.shape[2]
+    additive = additive.expand(rows, heads, sq, additive.shape[3])
+    column = sinks.to(dtype).reshape(1, heads, 1, 1).expand(rows, heads, sq, 1)
+    mask = torch.cat([additive, column], dim=-1)
+    pad = key.new_zeros((1, *key.shape[1:]))
+    return mask, torch.cat([key, pad]), torch.cat([value, value.new_zeros((1, *value.shape[1:]))])

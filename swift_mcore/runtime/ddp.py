@@ -42,6 +42,10 @@ def wrap_model(config, models: List[torch.nn.Module], wrap_with_ddp: bool = True
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=config.training.bf16 or config.training.fp16,
         overlap_grad_reduce=p.overlap_grad_reduce,
+        # the weights' all-gather in the next forward's pre-hooks (sync_weights before a
+        # save), aligned over the pipeline stages by the trainer's param_sync_func
+        overlap_param_gather=p.overlap_param_gather,
+        align_param_gather=p.align_param_gather,
         use_distributed_optimizer=p.use_distributed_optimizer,
         bucket_size=bucket_size_for(config, models),
         fp8_param_gather=config.training.fp8_param_gather,
@@ -67,6 +71,17 @@ def wrap_model(config, models: List[torch.nn.Module], wrap_with_ddp: bool = True
         torch.cuda.current_stream().wait_stream(stream)
     cpu.after_ddp(wrapped, config)
     return wrapped
+
+
+def sync_weights(config, chunks) -> None:
+    """Under --overlap_param_gather the distributed optimizer's step updates only this
+    rank's shard of the weights, and the next forward pass all-gathers the rest: before
+    anything reads the weights outside a forward pass (a checkpoint) they are all-gathered
+    now (megatron's forced param sync; the next forward then gathers nothing again)."""
+    if not config.parallel.overlap_param_gather:
+        return
+    for chunk in chunks:
+        chunk.start_param_sync(force_sync=True)
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -76,6 +76,8 @@ def initialize(config) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
+            # ranks that share each sequence; the data-parallel ones are what remains
+            context_parallel_size=config.parallel.context_parallel_size,
             # the interleaved schedule's model chunks per pipeline rank (None: plain PP)
             virtual_pipeline_model_parallel_size=config.args.virtual_stages(),
             # MoE: the experts are split over EP ranks carved out of the data-parallel ones

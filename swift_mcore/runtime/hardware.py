@@ -44,6 +44,14 @@ def apex_available() -> bool:
     return _usable_with_cuda("apex", "megatron.core.fusions.fused_layer_norm")
 
 
+@lru_cache(maxsize=None)
+def flash_linear_attention_available() -> bool:
+    """flash-linear-attention's kernels that megatron's GatedDeltaNet imports are there (its
+    HAVE_FLA, gated_delta_net.py:39-47), and CUDA to run them. Without CUDA the CPU port
+    gives the layer its own (runtime/cpu/gated_delta_rule.py)."""
+    return _usable_with_cuda("fla.modules.l2norm", "fla.ops.gated_delta_rule")
+
+
 def _usable_with_cuda(*modules: str) -> bool:
     """CUDA is there and every one of ``modules`` imports (any error: not usable)."""
     if not cuda_available():

@@ -40,6 +40,14 @@ class StepProfiler:
         profiler = cls(config, rank, log)
         return profiler if profiler.active else None
 
+    @staticmethod
+    def check_folder(config) -> None:
+        """Before any work: under --profile, output_dir/profile is absent or a real folder
+        (a link planted at its name, or a file, is refused with OutputError)."""
+        if config.logging.profile:
+            _refuse_unless_folder(os.path.join(config.logging.output_dir, FOLDER),
+                                  missing_ok=True)
+
     def before_step(self, iteration: int) -> None:
         if self.profiler is not None or not self.first <= iteration <= self.last:
             return
@@ -87,6 +95,12 @@ def _make_folder(folder: str) -> None:
         os.mkdir(folder)
     except FileExistsError:
         pass
+    _refuse_unless_folder(folder)
+
+
+def _refuse_unless_folder(folder: str, missing_ok: bool = False) -> None:
+    if missing_ok and not os.path.lexists(folder):
+        return
     if os.path.islink(folder) or not os.path.isdir(folder):
         raise OutputError(f"--profile: {folder} is not a folder swift-mcore can write its "
                           f"trace into (a link or a file is there); remove it")

@@ -24,12 +24,17 @@ class DpoTrainer(Trainer):
     """``DpoTrainer(RlhfArguments...).train()``; ``self.reference`` is the frozen reference's
     chunks (None when the LoRA policy serves as its own reference, or --reference_free)."""
 
+    # the metrics the log line, metrics.jsonl and the trackers carry after the usual fields
+    METRIC_NAMES = (*METRICS, "nll_loss")
+
     def __init__(self, args):
         super().__init__(args)
         self.dpo = DpoLoss.from_config(self.config.rlhf)
         self.reference: Optional[List[torch.nn.Module]] = None
         self._losses = None  # the last forward_backward's per-micro-batch reports
         self._window: List[Dict[str, float]] = []  # preference metrics since the last log
+        # --precompute_ref_log_probs: [pairs, 2] (chosen, rejected), by pair index
+        self.ref_table: Optional[torch.Tensor] = None
 
     # ---- data -------------------------------------------------------------------------
     def fingerprint_data(self) -> str:
@@ -67,8 +72,50 @@ class DpoTrainer(Trainer):
             self.reference = self.build_reference(None, copy_from=chunks)
             what = "a frozen copy of the starting weights"
         self.writer_print_early(f"rlhf {r.rlhf_type}: reference model: {what}; loss "
-                                f"{describe_loss(self.dpo)}, beta {r.beta}")
+                                f"{self.describe_loss()}, beta {r.beta}")
+        if r.precompute_ref_log_probs:
+            self.ref_table = self.precompute_reference(chunks)
         return chunks
+
+    def precompute_reference(self, chunks) -> torch.Tensor:
+        """The reference's log-probabilities of every pair: read from the run folder when
+        computed there before for the same data and reference, else computed in one pass
+        (in the pairs' order, --micro_batch_size at a time) and stored; the reference
+        model is freed after."""
+        import torch.distributed as dist
+
+        from . import ref_log_probs
+
+        path = ref_log_probs.path_in(self.config.logging.output_dir)
+        table = ref_log_probs.read(path, self.data_fingerprint, len(self.train_ds))
+        if table is not None:
+            self.writer_print_early(f"rlhf: reference log-probabilities of "
+                                    f"{len(table)} pairs read from {path}")
+        else:
+            device = self.device()
+
+            def forward(batch):
+                batch = {k: v.to(device) for k, v in batch.items()}
+                # the frozen copy, or the LoRA policy with its adapters off
+                frozen = self.reference[0] if self.reference is not None else None
+                with torch.no_grad(), (contextlib.nullcontext(frozen) if frozen is not None
+                                       else self.reference_of(chunks[0])) as reference:
+                    losses = reference(input_ids=batch["tokens"],
+                                       position_ids=batch["position_ids"],
+                                       attention_mask=None, labels=batch["labels"])
+                return -(losses.float() * batch["loss_mask"]).sum(1)
+
+            table = ref_log_probs.compute(self.train_ds, self.config.training.micro_batch_size,
+                                          forward)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                ref_log_probs.write(path, table, self.data_fingerprint)
+            self.writer_print_early(f"rlhf: reference log-probabilities of {len(table)} "
+                                    f"pairs computed and stored in {path}")
+        self.reference = None  # freed: training reads the table
+        return table
+
+    def describe_loss(self) -> str:
+        return describe_loss(self.dpo)
 
     def build_reference(self, folder: Optional[str], copy_from=None) -> list:
         """Frozen model chunks in eval mode: ``folder``'s Hugging Face weights, or a copy of
@@ -117,7 +164,10 @@ class DpoTrainer(Trainer):
         batch = self.get_batch(data_iterator)
         inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                       attention_mask=None, labels=batch["labels"])
-        if not self.config.rlhf.reference_free:
+        if self.ref_table is not None:
+            ref = self.ref_table[batch["pair_index"].cpu()]
+            batch["ref_logps"] = torch.cat([ref[:, 0], ref[:, 1]]).to(batch["tokens"].device)
+        elif not self.config.rlhf.reference_free:
             with torch.no_grad(), self.reference_of(model) as reference:
                 ref_losses = reference(**inputs)
             batch["ref_logps"] = -(ref_losses.float() * batch["loss_mask"]).sum(1)
@@ -176,7 +226,7 @@ class DpoTrainer(Trainer):
         it, total = self.state.iteration, self.config.training.train_iters
         self.writer.step(it, step.get("loss"))
         self.log_window.add(step)
-        names = [n for n in (*METRICS, "nll_loss") if step.get(n) is not None]
+        names = [n for n in self.METRIC_NAMES if step.get(n) is not None]
         self._window.append({n: step[n] for n in names})
         if it % self.config.logging.log_interval == 0 or it == total:
             metrics = self.log_window.flush()
@@ -225,8 +275,9 @@ def reference_identity(config) -> str:
     from ..models import lora
 
     r = config.rlhf
-    if r.reference_free:
-        return "none (--reference_free)"
+    if not r.needs_reference():
+        return ("none (--reference_free)" if r.reference_free
+                else f"none (--rlhf_type {r.rlhf_type})")
     if r.ref_model:
         return "sha256:" + lora.folder_fingerprint(r.ref_model)
     return lora.base_reference(config, config.cuda)

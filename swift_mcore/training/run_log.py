@@ -23,6 +23,7 @@ def start_line(config, num_parameters: int, peak, state) -> str:
         f"swift-mcore: {num_parameters / 1e6:.2f}M parameters, "
         f"vocab {c.vocab_size} (padded {c.padded_vocab_size}), "
         f"world {w.world_size} = TP {w.tensor_parallel} x PP {w.pipeline_parallel} x "
+        f"{f'CP {w.context_parallel} x ' if w.context_parallel > 1 else ''}"
         f"DP {w.data_parallel}{ep}, global batch {c.training.global_batch_size} = micro "
         f"{c.training.micro_batch_size} x {w.num_microbatches} micro-batches x DP "
         f"{w.data_parallel}, seq {c.model.seq_length}; {c.describe()}; MFU against "

@@ -98,6 +98,9 @@ class Trainer:
         distributed.initialize(plan)
         # Before any work: one run per --output_dir (runtime/run_lock.py).
         run_lock.acquire_for_run(plan.logging.output_dir, f"swift-mcore {plan.COMMAND}")
+        from .profiler import StepProfiler
+
+        StepProfiler.check_folder(plan)  # a link planted at output_dir/profile: refused now
         self.tokenizer = data.build_tokenizer(plan)
         check_vocab(plan.model, self.tokenizer.vocab_size)
         seed.set_seed(plan.training.seed, plan.cuda)
@@ -125,6 +128,8 @@ class Trainer:
             moe_metrics.reset_loss_scale()
         if len(self.model) == 1:
             megatron_config.no_sync_func = megatron_config.no_sync_func[0]
+        if config.parallel.align_param_gather:  # the interleaved schedule starts them
+            megatron_config.param_sync_func = [chunk.start_param_sync for chunk in self.model]
         self.optimizer = build_optimizer(config, self.model)
         megatron_config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = build_scheduler(config, self.optimizer)
@@ -351,6 +356,8 @@ class Trainer:
             from ..data.packing import block_causal_mask
 
             batch["attention_mask"] = block_causal_mask(batch["segment_ids"])
+        if self.config.world.context_parallel > 1:
+            batch = on_this_cp_rank(batch, self.config.world.context_parallel)
         return batch
 
     def device(self) -> torch.device:
@@ -380,7 +387,9 @@ class Trainer:
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None, None, None
         total = torch.stack([entry["lm loss"] for entry in losses]).sum(0)
-        total = collectives.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        # the context-parallel ranks of a replica hold the parts of the same sequences
+        total = collectives.all_reduce(total, group=parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
         total = total.tolist()  # one host sync for the three numbers
         # A custom compute_loss may report (loss sum, targets) only: tokens then unknown.
         tokens = float(total[2]) if len(total) > 2 else None
@@ -539,6 +548,9 @@ class Trainer:
         --save_safetensors also its Hugging Face folder."""
         if self.config.checkpoint.no_save or self.checkpoints.saved_at(self.state.iteration):
             return None
+        from ..runtime.ddp import sync_weights
+
+        sync_weights(self.config, self.model)  # --overlap_param_gather: the whole weights
         path = self.checkpoints.save(self.state, self.model, self.optimizer, self.scheduler,
                                      self.data_fingerprint)
         self.writer.print(run_log.saved_line(path, self.state,
@@ -617,6 +629,23 @@ class Trainer:
             for tracker in self.trackers:
                 close_quietly(tracker, failed=failed)
         self.trackers = []
+
+
+# What a micro-batch holds along the sequence (dim 1; the attention mask's query rows,
+# dim 2): what megatron's context-parallel split cuts.
+SEQUENCE_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+
+
+def on_this_cp_rank(batch: Dict[str, torch.Tensor], cp: int) -> Dict[str, torch.Tensor]:
+    """This context-parallel rank's two of the 2 x CP sequence chunks, by megatron's own
+    split (``get_batch_on_this_cp_rank``: chunks r and 2CP-1-r; the attention mask keeps
+    every key column). The input-token count is the whole micro-batch's share per rank, so
+    that the sum over the group is the micro-batch's."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    full = batch.get("num_tokens", batch["tokens"].numel())
+    split = get_batch_on_this_cp_rank({k: batch[k] for k in SEQUENCE_FIELDS if k in batch})
+    return {**batch, **split, "num_tokens": torch.as_tensor(full, dtype=torch.float) / cp}
 
 
 def model_is_training(model_chunks) -> bool:

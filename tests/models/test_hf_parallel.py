@@ -14,7 +14,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_worker.py"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_two_ranks(tmp_path, model, tp, pp):
+def run_two_ranks(tmp_path, model, tp, pp, *extra):
     ids = H.tokens(length=48)
     torch.save(ids, tmp_path / "tokens.pt")
     out = tmp_path / "run"
@@ -22,7 +22,7 @@ def run_two_ranks(tmp_path, model, tp, pp):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            f"--master_port={H.free_port()}", WORKER, "--model", str(model), "--out", str(out),
-           "--tp", str(tp), "--pp", str(pp), "--tokens", str(tmp_path / "tokens.pt")]
+           "--tp", str(tp), "--pp", str(pp), "--tokens", str(tmp_path / "tokens.pt"), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return ids, out

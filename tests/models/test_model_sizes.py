@@ -186,11 +186,36 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              qk_pos_emb_head_dim=4, v_head_dim=12),
         dict(model_type="gemma3", window_size=8, window_attn_skip_freq="2", kv_channels=8,
              rotary_base_local=10000, softmax_scale=0.25),
+        # Qwen3-Next: a delta-net layer and a gated-attention layer, a gated shared expert
+        dict(model_type="qwen3_next", linear_attention_freq="[1,0]", attention_output_gate=True,
+             qk_layernorm=True, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+             num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq="[1,0]",
+             moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True),
+        # delta-net layers in a model of no family: plain norms, attention without the gate
+        dict(linear_attention_freq="2", rotary_percent=0.5),
+        # a reward model: the score head [1, hidden] in place of the LM head, tied or not
+        dict(num_labels=1),
+        dict(num_labels=1, untie_embeddings_and_output_weights=False),
+        # gpt-oss: attention sinks, q/k/v/o biases, router and expert biases, the clamped
+        # SwiGLU (gated without --swiglu); then expert biases in a dense + MoE model
+        dict(model_type="gpt_oss", swiglu=False, add_bias_linear=True, add_qkv_bias=True,
+             softmax_type="learnable", activation_func_clamp_value=7.0, window_size=8,
+             window_attn_skip_freq="[1,0]", num_experts=4, moe_ffn_hidden_size=16,
+             rope_type="yarn", rotary_scaling_factor=4.0, yarn_truncate=False),
+        dict(add_bias_linear=True, num_experts=4, moe_ffn_hidden_size=16,
+             moe_layer_freq="[0,1]"),
         # Qwen2.5-VL: transformers' vision tower and merger inside the model
         dict(model_type="qwen2_5_vl", add_qkv_bias=True, position_embedding_type="mrope",
              mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
                                                                 "vision_config": VL_TOWER})),
     ]
+    from megatron.core import tensor_parallel
+
+    # megatron's GatedDeltaNet initializes dt_bias and A_log under the RNG tracker, which a
+    # run seeds (runtime/seed.py)
+    tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True,
+                                                    force_reset_rng=True)
     for changes in cases:
         flags = RunArguments.from_flags(
             num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -200,3 +225,25 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         built = sum(p.numel() for p in model.parameters())
         assert sum(footprint.parameter_counts(config.model, config.tuner).values()) == built, \
             changes
+
+
+def test_conversion_needs_room_for_the_weights_alone(llama, tmp_path, monkeypatch, gloo_group):
+    """export --to_mcore and --to_hf never train: on a machine with room for the weights
+    but not for training (1.5x the weights), both directions convert."""
+    from swift_mcore.models import footprint
+
+    real_parts, weights = footprint.parts, []
+
+    def parts(flags, world_size, precision, weights_only=False):
+        found = real_parts(flags, world_size, precision, weights_only)
+        if weights_only:
+            weights.append(sum(part.bytes for part in found))
+        return found
+
+    monkeypatch.setattr(footprint, "parts", parts)
+    monkeypatch.setattr(footprint, "available",
+                        lambda cuda, ranks: (int(1.5 * weights[0]), "a small machine"))
+    H.convert(llama, tmp_path / "mcore", "to_mcore")
+    H.convert(tmp_path / "mcore", tmp_path / "back", "to_hf")
+    original, back = H.safetensors_state(str(llama)), H.safetensors_state(str(tmp_path / "back"))
+    assert sorted(back) == sorted(original)

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
 import hf_helpers as H  # noqa: E402
-from rlhf_helpers import ROWS  # noqa: E402
+from rlhf_helpers import KTO_ROWS, ROWS  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +22,11 @@ def tiny_hf(tmp_path_factory):
     data = root / "prefs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     return folder, data
+
+
+@pytest.fixture(scope="session")
+def kto_file(tiny_hf):
+    """A jsonl of KTO_ROWS (TRL's unpaired prompt/completion/label) beside tiny_hf."""
+    data = tiny_hf[1].parent / "kto.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in KTO_ROWS))
+    return data

@@ -14,3 +14,12 @@ def run_flags(*extra):
             "--lr", "1e-3", "--min_lr", "1e-3", "--lr_decay_style", "constant",
             "--log_interval", "1", "--eval_steps", "0", "--progress_bar", "false",
             "--tensorboard", "false", "--plot", "false", "--num_workers", "0", *extra]
+
+# KTO's unpaired rows (TRL's prompt/completion/label): three desirable, two undesirable
+KTO_ROWS = [
+    {"prompt": "def add(a, b):", "completion": "\n    return a + b", "label": True},
+    {"prompt": "def sub(a, b):", "completion": "\n    return b", "label": False},
+    {"prompt": "x = ", "completion": "1 + 2", "label": True},
+    {"prompt": "def f():", "completion": "\n    return a + b + b", "label": False},
+    {"prompt": "y = ", "completion": " 3", "label": True},
+]

@@ -73,8 +73,38 @@ def test_prompts_that_fill_max_length_are_counted_and_refused(tiny_hf):
     (["--rpo_alpha", "1", "--loss_type", "sft"], "--rpo_alpha adds the 'sft' loss"),
     (["--reference_free", "--ref_model", "x"], "--reference_free trains without a reference"),
     (["--max_length", "100"], "--max_length 100 exceeds --seq_length 64 \\+ 1"),
-    (["--rlhf_type", "kto"], "--rlhf_type"),
+    (["--rlhf_type", "ppo"], "--rlhf_type"),
+    (["--rlhf_type", "kto", "--rpo_alpha", "1"], "^--rpo_alpha is a DPO flag; --rlhf_type kto"),
+    (["--rlhf_type", "kto", "--loss_type", "ipo"], "^--loss_type is a DPO flag"),
+    (["--rlhf_type", "kto", "--reference_free"], "^--reference_free is a DPO flag"),
+    (["--rlhf_type", "kto", "--micro_batch_size", "1"],
+     "^--rlhf_type kto needs --micro_batch_size 2 or more"),
+    (["--desirable_weight", "2"], "^--desirable_weight weighs KTO's losses; it needs "
+                                  "--rlhf_type kto"),
     (["--load", ".", "--finetune"], "rlhf --load: the reference would not be the loaded weights"),
+    (["--rlhf_type", "orpo", "--ref_model", "x"],
+     "^--ref_model: --rlhf_type orpo is reference-free \\(no reference model is loaded\\)"),
+    (["--rlhf_type", "simpo", "--ref_model", "x"], "^--ref_model: --rlhf_type simpo is "),
+    (["--rlhf_type", "orpo", "--reference_free"],
+     "^--reference_free does not apply to --rlhf_type orpo"),
+    (["--rlhf_type", "simpo", "--loss_type", "ipo"],
+     "^--loss_type does not apply to --rlhf_type simpo"),
+    (["--rlhf_type", "orpo", "--rpo_alpha", "1"], "^--rpo_alpha does not apply to --rlhf_type"),
+    (["--rlhf_type", "orpo", "--label_smoothing", "0.1"], "^--label_smoothing does not apply"),
+    (["--rlhf_type", "orpo", "--simpo_gamma", "1"], "^--simpo_gamma does not apply"),
+    (["--rlhf_type", "orpo", "--cpo_alpha", "1"], "^--cpo_alpha does not apply"),
+    (["--rlhf_type", "simpo", "--truncation_mode", "keep_end"],
+     "^--truncation_mode keep_end: --rlhf_type simpo cuts the answer"),
+    (["--simpo_gamma", "1"], "^--simpo_gamma is a SimPO flag; it needs --rlhf_type simpo"),
+    (["--rlhf_type", "kto", "--cpo_alpha", "1"], "^--cpo_alpha is a SimPO flag"),
+    (["--rlhf_type", "simpo", "--simpo_gamma", "-1"], "--simpo_gamma"),
+    (["--precompute_ref_log_probs", "--reference_free"],
+     "^--precompute_ref_log_probs computes the reference's log-probabilities; "
+     "--reference_free has no reference"),
+    (["--rlhf_type", "kto", "--precompute_ref_log_probs"],
+     "^--precompute_ref_log_probs is a DPO flag; --rlhf_type kto"),
+    (["--rlhf_type", "orpo", "--precompute_ref_log_probs"],
+     "^--precompute_ref_log_probs does not apply to --rlhf_type orpo"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):
     from swift_mcore.arguments import RlhfArguments, parse_args
@@ -106,6 +136,9 @@ def test_the_memory_estimate_counts_the_reference_copy_but_not_with_lora(tmp_pat
     assert reference_bytes(RlhfArguments, tuner_type="lora")[0] is None
     assert reference_bytes(RlhfArguments, tuner_type="lora", ref_model=str(tmp_path))[0]
     assert reference_bytes(RlhfArguments, reference_free=True)[0] is None
+    assert reference_bytes(RlhfArguments, rlhf_type="orpo")[0] is None
+    assert reference_bytes(RlhfArguments, rlhf_type="simpo")[0] is None
+    assert reference_bytes(RlhfArguments, rlhf_type="rm")[0] is None  # no reference either
     assert reference_bytes(SftArguments)[0] is None
 
 

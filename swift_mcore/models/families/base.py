@@ -161,6 +161,14 @@ VALUES: Dict[str, Value] = {
     "sliding_window_pattern": Value("int", 1), "_sliding_window_pattern": Value("int", 1),
     "attn_logit_softcapping": Value("number"), "final_logit_softcapping": Value("number"),
     "use_bidirectional_attention": Value("bool"),
+    # gpt-oss
+    "swiglu_alpha": Value("number", 0, low_open=True),
+    "swiglu_limit": Value("number", 0, low_open=True),
+    # Qwen3-Next (gated delta-net layers)
+    "full_attention_interval": Value("int", 1), "linear_conv_kernel_dim": Value("int", 1),
+    "linear_key_head_dim": Value("int", 1), "linear_value_head_dim": Value("int", 1),
+    "linear_num_key_heads": Value("int", 1), "linear_num_value_heads": Value("int", 1),
+    "mtp_num_hidden_layers": Value("int", 0), "mtp_use_dedicated_embeddings": Value("bool"),
     # vision-language (Qwen2.5-VL: models/vision.py)
     "text_config": Value("dict"), "vision_config": Value("dict"),
     "image_token_id": Value("int", 0), "video_token_id": Value("int", 0),
@@ -271,6 +279,15 @@ class Family:
         }
         values.update(self.fixed)
         values.update(moe_values)
+        from ..value_head import config_num_labels, is_score_config
+
+        if is_score_config(config):  # a reward model's folder: its score head, not an LM head
+            labels = config_num_labels(config)
+            if labels != 1:
+                raise UnsupportedConfig(f"architectures {config['architectures'][0]} with "
+                                        f"{labels} labels (id2label): only 1, a reward "
+                                        f"model's score")
+            values["num_labels"] = 1
         return values
 
     def read_keys(self) -> frozenset:
@@ -288,6 +305,8 @@ class Family:
         wanted = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
                   "rotary_percent": 1.0, "add_bias_linear": False, "add_qkv_bias": False,
                   "qk_layernorm": False, "multi_latent_attention": False,
+                  "softmax_type": "vanilla", "activation_func_clamp_value": None,
+                  "linear_attention_freq": None, "attention_output_gate": False,
                   **{name: None for name in UNSET_FLAGS}, **self.fixed}
         problems = [f"--{name} {getattr(m, name)!r} (a {self.name} model has {value!r})"
                     for name, value in wanted.items() if getattr(m, name) != value]
@@ -295,6 +314,8 @@ class Family:
             problems.append(f"--num_experts {m.num_experts} (a {self.name} model is dense)")
         elif self.moe is not None:
             problems += self.moe.representation_problems(m, self.name)
+        if m.rope_type != "rope" and not m.multi_latent_attention:
+            problems.append(f"--rope_type {m.rope_type} (a {self.name} model has plain RoPE)")
         return problems
 
     def hf_config(self, m: Any, vocab_size: int, base: Optional[Dict[str, Any]] = None
@@ -324,6 +345,13 @@ class Family:
         )
         if self.moe is not None:
             config.update(self.moe.hf_config(m))
+        if getattr(m, "num_labels", None):  # a reward model: *ForSequenceClassification
+            from ..value_head import SEQUENCE_CLASSIFICATION
+
+            for key in ("id2label", "label2id", "num_labels"):
+                config.pop(key, None)
+            config.update(architectures=[self.architecture.replace(
+                "ForCausalLM", SEQUENCE_CLASSIFICATION)], num_labels=m.num_labels)
         return config
 
 

@@ -16,6 +16,8 @@ The order a run calls them in:
 * ``after_ddp(chunks, config)``: once DDP has wrapped the model (runtime/ddp.py).
 * ``after_optimizer(optimizer, config)``: once megatron has built the optimizer.
 * ``wrap_forward_step(forward_step, config)``: the trainer's forward step per micro-batch.
+* ``context_parallel_attention(config)``: the layer spec's core attention under
+  --context_parallel_size (models/gpt.py).
 
 A new CPU adaptation (another megatron module, kernel or collective) is a module here,
 installed by ``install`` or one of the others; the general code does not change.
@@ -87,6 +89,17 @@ def after_optimizer(optimizer, config) -> int:
     from .fused_adamw import use_fused_adamw
 
     return use_fused_adamw(optimizer)
+
+
+def context_parallel_attention(config):
+    """The core attention of a CPU run with --context_parallel_size > 1: keys and values
+    all-gathered over the context-parallel group (all_gather_attention.py), where
+    Transformer Engine's ring attention cannot run. None on CUDA or without CP."""
+    if config.cuda or config.parallel.context_parallel_size == 1:
+        return None
+    from .all_gather_attention import GatheredKVAttention
+
+    return GatheredKVAttention
 
 
 def wrap_forward_step(forward_step: Callable, config) -> Callable:

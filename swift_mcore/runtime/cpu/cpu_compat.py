@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import distributed_optimizer
+from . import distributed_optimizer, gated_delta_rule
 from ..mcore_adaptation import (
     ModuleProxy,
     patch_mla_without_te,
@@ -35,6 +35,8 @@ PATCHED_MODULES = {
         "RoPE moves inv_freq to torch.cuda.current_device() (160-162)",
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding":
         "YaRN RoPE (multi-latent attention) moves its frequencies to the CUDA device (120-126)",
+    "megatron.core.models.common.embeddings.rope_utils":
+        "--context_parallel_size: the index of this rank's RoPE chunks, pinned (62-64)",
     "megatron.core.utils": "GlobalMemoryBuffer allocates on the CUDA device (631)",
     "megatron.core.distributed.param_and_grad_buffer":
         "grad/param buffers on the CUDA device, streams (417-806)",
@@ -51,6 +53,8 @@ PATCHED_MODULES = {
         "all-gather buffers on the CUDA device (181); uneven all_gather/reduce_scatter of the "
         "MoE dispatchers with TP (150, 193), which gloo refuses",
     "megatron.core.transformer.utils": "default causal mask built on 'cuda' (35)",
+    "megatron.core.transformer.dot_product_attention":
+        "the learnable softmax offset (attention sinks) created on the CUDA device (121-135)",
     "megatron.core.tensor_parallel.layers":
         "weight-grad buffers on the CUDA device (552); the placeholder weight gradients of "
         "gradient_accumulation_fusion (589-606)",
@@ -93,6 +97,8 @@ def _redirect(fn):
     def call(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        # pinned memory needs an accelerator's allocator: without one torch refuses it
+        kwargs.pop("pin_memory", None)
         return fn(*args, **kwargs)
 
     call.__name__ = getattr(fn, "__name__", "factory")
@@ -293,8 +299,10 @@ def activate() -> bool:
     _patch_checkpoint_without_output()
     _install_weight_gradient_accumulation()
     _install_eager_rope()
+    _patch_cp_rope_index()
     _install_eager_cross_entropy()
     _install_onednn_linear()
+    gated_delta_rule.install(proxy)
     distributed_optimizer.install()
     _ACTIVE = True
     return True
@@ -316,6 +324,23 @@ def _install_eager_rope():
     original = rope_utils._apply_rotary_pos_emb_bshd
     if not hasattr(original, "_swift_mcore_original"):
         rope_utils._apply_rotary_pos_emb_bshd = make_apply_rotary_bshd(original)
+
+
+def _patch_cp_rope_index():
+    """Under --context_parallel_size RoPE keeps this rank's two chunks of its table with
+    ``rope_utils.get_pos_emb_on_this_cp_rank``, whose chunk index is moved to the GPU with
+    ``.cuda()`` (rope_utils.py:62-64; the module's torch is the proxy, which makes its pinned
+    tensor a plain one): that call leaves it on the CPU, where the table is."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    from .distributed_optimizer import _within, cuda_moves_stay_on_cpu
+
+    original = rope_utils.get_pos_emb_on_this_cp_rank
+    if hasattr(original, "_swift_mcore_original"):
+        return
+    wrapped = _within(cuda_moves_stay_on_cpu, original)
+    rope_utils.get_pos_emb_on_this_cp_rank = wrapped
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = wrapped
 
 
 def _install_eager_cross_entropy():

@@ -1,0 +1,290 @@
+"""Unpaired preference rows (prompt, completion, desirable or not) for KTO: read, tokenized
+as TRL 1.16's KTOTrainer tokenizes them, and batched with the KL rows TRL pairs them with.
+
+Formats (docs/rlhf.md): TRL's unpaired one (``prompt``/``completion``/``label``, text or
+message lists, with an optional ``tools`` column), ms-swift's (``messages`` whose last
+assistant turn is the completion, plus ``label``), and any preference-pair form
+(data/preference.py), which becomes two rows, the chosen answer desirable and the
+rejected one not (TRL's unpair_preference_dataset). Text completions get the EOS
+appended; the completion starts where the tokenized prompt and prompt + completion diverge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..errors import ArgumentError
+from .preference import (PairReport, _common_prefix, _is_messages, _messages, _try_json,
+                         max_length_of, to_pair)
+
+# Part of the fingerprint: change it whenever tokenizing changes what a row becomes.
+ENCODING_VERSION = 1
+
+
+@dataclass
+class Unpaired:
+    """One row in TRL's unpaired form: text, or message lists (conversational)."""
+
+    prompt: Any
+    completion: Any
+    desirable: bool
+    tools: Optional[List[Dict[str, Any]]]
+    where: str
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.completion, list)
+
+
+def _label(value, where: str) -> bool:
+    # numpy's bool_ is what a parquet bool column may give; 0/1 or "true" are refused:
+    # a label read wrong would silently train the opposite way
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ArgumentError(f"{where}: 'label' must be true (desirable) or false (undesirable), "
+                        f"got {value!r:.40}")
+
+
+def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
+    """One row -> its unpaired rows (two for a preference pair); raises ArgumentError naming
+    the row and what is accepted."""
+    if row.get("label") is None:
+        if any(row.get(k) is not None for k in ("chosen", "rejected", "rejected_response")):
+            pair = to_pair(row, where)
+            return [Unpaired(pair.prompt, pair.chosen, True, pair.tools, where),
+                    Unpaired(pair.prompt, pair.rejected, False, pair.tools, where)]
+        present = ", ".join(repr(k) for k, v in row.items() if v is not None) or "none"
+        raise ArgumentError(f"{where}: no 'label' (the row has {present}); a KTO row has "
+                            f"prompt/completion/label, or messages + label (label true for "
+                            f"a desirable answer, false for an undesirable one)")
+    desirable = _label(row["label"], where)
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise ArgumentError(f"{where}: 'tools' is not valid JSON") from None
+    if row.get("messages") is not None:  # ms-swift: the last assistant turn is the answer
+        messages = _messages(row["messages"], where, "messages")
+        if messages[-1].get("role") != "assistant":
+            raise ArgumentError(f"{where}: the last message must be the assistant's (the "
+                                f"labelled answer), got role {messages[-1].get('role')!r}")
+        return [Unpaired(messages[:-1], [messages[-1]], desirable, tools, where)]
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if completion is None or prompt is None:
+        missing = "completion" if completion is None else "prompt"
+        raise ArgumentError(f"{where}: no '{missing}'; a KTO row has prompt/completion/label, "
+                            f"or messages + label")
+    conversational = _is_messages(completion) or isinstance(completion, list) or (
+        isinstance(completion, str) and completion.lstrip()[:1] == "["
+        and _is_messages(_try_json(completion)))
+    if conversational:
+        return [Unpaired(_messages(prompt, where, "prompt"),
+                         _messages(completion, where, "completion"), desirable, tools, where)]
+    for name, value in (("completion", completion), ("prompt", prompt)):
+        if not isinstance(value, str):
+            raise ArgumentError(f"{where}: '{name}' must be text or a list of messages, got "
+                                f"{type(value).__name__}")
+    return [Unpaired(prompt, completion, desirable, None, where)]
+
+
+def read_unpaired(sources, flag: str = "--dataset") -> List[Unpaired]:
+    """Every row of ``sources``; KTO data with one class only is refused (its loss would
+    have nothing to weigh the answers against)."""
+    from .sources import read_batches
+
+    rows: List[Unpaired] = []
+    for source in sources:
+        before = len(rows)
+        batches = (dict(zip(batch, values))
+                   for batch in read_batches(source, flag, batch_size=256)
+                   for values in zip(*batch.values()))
+        for index, row in enumerate(batches):
+            rows.extend(to_unpaired(row, f"{flag} {source.path}, row {index}"))
+        if len(rows) == before:
+            raise ArgumentError(f"{flag} {source.path}: is empty (no rows)")
+    desirable = sum(r.desirable for r in rows)
+    if desirable in (0, len(rows)):
+        kind = "desirable (label true)" if desirable else "undesirable (label false)"
+        files = " ".join(str(s.path) for s in sources)
+        raise ArgumentError(f"{flag} {files}: all {len(rows)} rows are {kind}; --rlhf_type "
+                            f"kto needs both desirable and undesirable answers")
+    return rows
+
+
+def tokenize_unpaired(row: Unpaired, hf) -> Tuple[List[int], List[int]]:
+    """(prompt ids, completion ids) as TRL 1.16's KTOTrainer makes them; ``hf`` is the
+    Hugging Face tokenizer."""
+    if row.conversational:
+        def ids(messages, **kwargs):
+            return list(hf.apply_chat_template(messages, tools=row.tools, tokenize=True,
+                                               return_dict=True, **kwargs)["input_ids"])
+
+        prompt = ids(row.prompt, add_generation_prompt=True)
+        whole = ids(row.prompt + row.completion)
+    else:
+        eos = hf.eos_token
+        completion = row.completion if row.completion.endswith(eos) else row.completion + eos
+        prompt = list(hf(text=row.prompt)["input_ids"])
+        whole = list(hf(text=row.prompt + completion)["input_ids"])
+    start = _common_prefix(prompt, whole)
+    return prompt[:start], whole[start:]
+
+
+@dataclass
+class UnpairedReport(PairReport):
+    desirable: int = 0
+
+    def describe(self, max_length: int) -> str:
+        text = (f"{self.pairs} KTO rows ({self.desirable} desirable, "
+                f"{self.pairs - self.desirable} undesirable)")
+        if self.truncated:
+            text += f"; {self.truncated} cut to --max_length {max_length}"
+        return text
+
+
+def encode_unpaired(rows: List[Unpaired], hf, max_length: int, truncation_mode: str,
+                    report: UnpairedReport):
+    encoded, fills = [], []
+    for row in rows:
+        prompt, completion = tokenize_unpaired(row, hf)
+        # as for pairs: a prompt that fills --max_length under keep_start leaves no answer
+        # token; TRL drops such rows silently, here they are counted and refused
+        if truncation_mode == "keep_start" and len(prompt) >= max_length:
+            fills.append(row.where)
+            continue
+        if len(prompt) + len(completion) > max_length:
+            report.truncated += 1
+        encoded.append((np.asarray(prompt, np.int32), np.asarray(completion, np.int32),
+                        bool(row.desirable)))
+    report.pairs = len(encoded)
+    report.desirable = sum(e[2] for e in encoded)
+    if fills:
+        raise ArgumentError(
+            f"{len(fills)} of {len(rows)} rows have a prompt of --max_length {max_length} "
+            f"tokens or more, which would leave no answer token to train (first: "
+            f"{fills[0]}); raise --max_length (and --seq_length), shorten those prompts, or "
+            f"use --truncation_mode keep_end")
+    return encoded
+
+
+class UnpairedDataset(torch.utils.data.Dataset):
+    """Tokenized unpaired rows; ``collate`` makes a micro-batch of B rows plus B KL rows:
+    row i's prompt with row i-1's completion (cyclically), TRL's mismatched pairs for the
+    KL estimate, each cut to ``max_length`` tokens as the training rows are."""
+
+    def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, bool]], max_length: int,
+                 truncation_mode: str, pad_id: int, fingerprint: str, pad_multiple: int = 1):
+        self.encoded = encoded
+        self.max_length = max_length
+        self.truncation_mode = truncation_mode
+        self.pad_id = pad_id
+        self.fingerprint = fingerprint
+        self.pad_multiple = pad_multiple
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        prompt, completion, desirable = self.encoded[index]
+        return {"prompt": prompt, "completion": completion, "desirable": desirable}
+
+    def _cut(self, ids: np.ndarray) -> np.ndarray:
+        if len(ids) <= self.max_length:
+            return ids
+        return ids[:self.max_length] if self.truncation_mode == "keep_start" \
+            else ids[-self.max_length:]
+
+    def _rows(self, prompts, completions, prefix: str) -> Dict[str, torch.Tensor]:
+        seqs = [self._cut(np.concatenate([p, c])) for p, c in zip(prompts, completions)]
+        masks = [self._cut(np.concatenate([np.zeros(len(p), bool), np.ones(len(c), bool)]))
+                 for p, c in zip(prompts, completions)]
+        # n tokens train n - 1 positions: the model reads ids[:-1] and predicts ids[1:]
+        width = max(len(s) for s in seqs) - 1
+        width = -(-width // self.pad_multiple) * self.pad_multiple
+        rows = len(seqs)
+        batch = {
+            "tokens": torch.full((rows, width), self.pad_id, dtype=torch.long),
+            "labels": torch.full((rows, width), self.pad_id, dtype=torch.long),
+            "loss_mask": torch.zeros(rows, width, dtype=torch.float),
+            "position_ids": torch.zeros(rows, width, dtype=torch.long),
+        }
+        for i, (ids, mask) in enumerate(zip(seqs, masks)):
+            n = len(ids) - 1
+            ids = torch.from_numpy(ids.astype(np.int64))
+            batch["tokens"][i, :n] = ids[:-1]
+            batch["labels"][i, :n] = ids[1:]
+            batch["loss_mask"][i, :n] = torch.from_numpy(mask[1:].astype(np.float32))
+            batch["position_ids"][i, :n] = torch.arange(n)
+        out = {prefix + k: v for k, v in batch.items()}
+        out[prefix + "num_tokens"] = torch.tensor(sum(len(s) for s in seqs), dtype=torch.long)
+        return out
+
+    def collate(self, items: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+        prompts = [item["prompt"] for item in items]
+        completions = [item["completion"] for item in items]
+        batch = self._rows(prompts, completions, "")
+        batch.update(self._rows(prompts, completions[-1:] + completions[:-1], "kl_"))
+        batch["desirable"] = torch.tensor([bool(item["desirable"]) for item in items])
+        return batch
+
+
+def weight_advice(report: UnpairedReport, desirable_weight: float,
+                  undesirable_weight: float) -> Optional[str]:
+    """TRL's advice (the KTO paper's Eq. 8) when the classes are unbalanced and neither
+    weight is in the range that balances them; None otherwise."""
+    d = max(report.desirable, 1)
+    u = max(report.pairs - report.desirable, 1)
+    if d == u:
+        return None
+    d_ratio, u_ratio = u * undesirable_weight / d, d * desirable_weight / u
+    d_low, d_high = round(d_ratio, 2), round(d_ratio * 1.33, 2)
+    u_low, u_high = round(u_ratio / 1.33, 2), round(u_ratio, 2)
+    if d_low <= desirable_weight <= d_high or u_low <= undesirable_weight <= u_high:
+        return None
+    return (f"{d} desirable and {u} undesirable rows: the KTO paper recommends either "
+            f"--desirable_weight in [{d_low}, {d_high}] or --undesirable_weight in "
+            f"[{u_low}, {u_high}] (not both)")
+
+
+def build_unpaired_datasets(config, tokenizer, log: Callable[[str], None] = print):
+    """(train, None, None): the --dataset rows for KTO; ``config`` is a RunConfig."""
+    r = config.rlhf
+    max_length = max_length_of(config)
+    report = UnpairedReport()
+    rows = read_unpaired(list(config.dataset_sources))
+    encoded = encode_unpaired(rows, tokenizer.hf, max_length, r.truncation_mode, report)
+    log(f"rlhf data --dataset: {report.describe(max_length)} "
+        f"(truncation: {r.truncation_mode})")
+    advice = weight_advice(report, r.desirable_weight, r.undesirable_weight)
+    if advice:
+        log(f"rlhf kto: {advice}")
+    pad = tokenizer.hf.pad_token_id
+    pad_id = pad if pad is not None else tokenizer.eod
+    train = UnpairedDataset(encoded, max_length, r.truncation_mode, pad_id,
+                            f"{unpaired_fingerprint(config, tokenizer)}:train")
+    return train, None, None
+
+
+def unpaired_fingerprint(config, tokenizer) -> str:
+    """Identity of a run's KTO data, from the files alone: their content, the tokenizer
+    and its chat template, and the flags that change the rows."""
+    from .sources import content_fingerprint
+
+    r = config.rlhf
+    identity = {
+        "task": "kto",
+        "version": ENCODING_VERSION,
+        "train": content_fingerprint(config.dataset_sources),
+        "tokenizer": tokenizer.fingerprint,
+        "chat_template": tokenizer.chat_template,
+        "max_length": max_length_of(config),
+        "truncation_mode": r.truncation_mode,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

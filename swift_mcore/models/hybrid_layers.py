@@ -1,0 +1,117 @@
+"""Qwen3-Next's layers for megatron-core's GPTModel: megatron's gated delta-net (linear
+attention) layers among its gated full-attention layers, with zero-centred norms.
+
+``--linear_attention_freq`` says which layers are delta-net layers (megatron's
+``linear_attention_freq``); in them megatron's ``GatedDeltaNet`` takes the self-attention
+slot, with the local spec's column- and row-parallel linears and torch's RMSNorm as the
+per-head output norm (plain weight, as transformers' gated norm). With TP each rank
+normalises only its value heads, so that norm's weight gradient is a partial sum: it is
+marked ``sequence_parallel`` (sequence_parallel_norm.py) and megatron sums it over the TP
+ranks, which it does under --sequence_parallel only (arguments/run.py requires the flag). The other layers keep the
+local spec's attention, with ``--attention_output_gate`` (megatron's
+``attention_output_gate``: the query projection also computes a per-head sigmoid gate on the
+attention output). megatron's own hybrid block spec
+(``get_transformer_block_with_experimental_attention_variant_spec``) is Transformer Engine's
+only; this is the same layer list from the local spec. Every other Qwen3-Next norm (before
+attention, before the MLP, on queries and keys, the final one) multiplies by ``1 + weight``
+(gemma3_layers.ZeroCenteredRMSNorm).
+
+megatron's GatedDeltaNet ignores the attention mask, so in a packed row (sft --packing: the
+block-causal mask of data/packing.py) its conv and its recurrence would run from one
+document into the next. ``DocumentGatedDeltaNet`` reads the documents off that mask (a
+position that may not see the one before it starts a document) and passes each document
+through megatron's layer on its own: the same output as the document alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import List
+
+import torch
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+
+def transformer_fields(m) -> dict:
+    """TransformerConfig fields of the delta-net layers and the gated attention."""
+    from ..arguments.model import linear_attention_pattern
+
+    fields = dict(attention_output_gate=bool(m.attention_output_gate))
+    pattern = linear_attention_pattern(m)
+    if pattern:
+        fields.update(experimental_attention_variant="gated_delta_net",
+                      linear_attention_freq=pattern,
+                      linear_conv_kernel_dim=m.linear_conv_kernel_dim,
+                      linear_key_head_dim=m.linear_key_head_dim,
+                      linear_value_head_dim=m.linear_value_head_dim,
+                      linear_num_key_heads=m.linear_num_key_heads,
+                      linear_num_value_heads=m.linear_num_value_heads)
+    return fields
+
+
+def adapt_spec(spec, qk_layernorm: bool):
+    """The local layer spec with Qwen3-Next's zero-centred norms (on q and k with
+    --qk_layernorm)."""
+    from .gemma3_layers import ZeroCenteredRMSNorm
+
+    sub = spec.submodules
+    sub.input_layernorm = ZeroCenteredRMSNorm
+    sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+    if qk_layernorm:
+        attention = sub.self_attention.submodules
+        attention.q_layernorm = ZeroCenteredRMSNorm
+        attention.k_layernorm = ZeroCenteredRMSNorm
+    return spec
+
+
+class DocumentGatedDeltaNet(GatedDeltaNet):
+    """megatron's GatedDeltaNet, one document of a packed row at a time."""
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        starts = document_starts(attention_mask, hidden_states.shape[1])
+        if starts is None:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        pieces = []
+        for row, row_starts in enumerate(starts):
+            bounds = row_starts + [hidden_states.shape[0]]
+            outputs = [super(DocumentGatedDeltaNet, self).forward(
+                hidden_states[start:stop, row:row + 1], None, *args, **kwargs)[0]
+                for start, stop in zip(bounds[:-1], bounds[1:])]
+            pieces.append(torch.cat(outputs, dim=0))
+        return torch.cat(pieces, dim=1), None
+
+
+def document_starts(mask, batch: int):
+    """The first position of each document of each row, from a [b or 1, 1, s, s] mask (True:
+    hidden); None when no row holds more than one document (or there is no mask)."""
+    if mask is None or mask.dim() != 4 or mask.shape[-1] < 2:
+        return None
+    # position i starts a document when it may not see position i - 1
+    breaks = torch.diagonal(mask[:, 0], offset=-1, dim1=-2, dim2=-1)
+    if not bool(breaks.any()):
+        return None
+    breaks = breaks.expand(batch, -1)
+    return [[0] + [int(i) + 1 for i in torch.nonzero(row).flatten()] for row in breaks]
+
+
+def delta_net_spec(spec):
+    """``spec`` (a local-spec layer) with megatron's GatedDeltaNet as its token mixer."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .sequence_parallel_norm import SequenceParallelNorm
+
+    layer = copy.deepcopy(spec)
+    layer.submodules.self_attention = ModuleSpec(
+        module=DocumentGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear,
+                                           out_norm=SequenceParallelNorm,
+                                           out_proj=RowParallelLinear))
+    return layer
+
+
+def with_delta_net(specs: List, pattern: List[int]) -> List:
+    """This stage's layer specs with the delta-net layers of ``pattern`` (its slice of
+    --linear_attention_freq, 1: delta net) swapped in."""
+    return [delta_net_spec(spec) if linear else spec for spec, linear in zip(specs, pattern)]

@@ -1,0 +1,116 @@
+"""The `swift-mcore rlhf --rlhf_type kto` Trainer: KTO on unpaired rows, DPO's Trainer with
+TRL's KL estimate, loss and metrics.
+
+Each micro-batch runs its rows through the policy (with autograd) and the reference, and
+its KL rows (each prompt with another row's completion) through both without autograd; the
+reference is DPO's (a frozen copy, --ref_model, or the LoRA base with adapters off).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Dict
+
+import torch
+
+from ..runtime import collectives
+from .kto_loss import METRICS, KtoLoss, kl_estimate, metric_sums, metrics_from_sums
+from .rlhf_trainer import DpoTrainer, reference_identity
+
+
+def _sequence_logps(per_token_losses, mask) -> torch.Tensor:
+    return -(per_token_losses.float() * mask.float()).sum(1)
+
+
+class KtoTrainer(DpoTrainer):
+    """``KtoTrainer(RlhfArguments...).train()`` with ``--rlhf_type kto``."""
+
+    METRIC_NAMES = METRICS
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.kto = KtoLoss.from_config(self.config.rlhf)
+
+    def describe_loss(self) -> str:
+        return (f"kto (desirable_weight {self.kto.desirable_weight}, undesirable_weight "
+                f"{self.kto.undesirable_weight})")
+
+    # ---- data -------------------------------------------------------------------------
+    def fingerprint_data(self) -> str:
+        """As DPO's: the data's identity with the reference's after it."""
+        from ..checkpointing.compat import with_reference
+        from ..data.unpaired import unpaired_fingerprint
+        from .rlhf_trainer import check_reference_folder
+
+        if self.config.rlhf.ref_model:  # before anything is read or built
+            check_reference_folder(self.config, self.tokenizer.vocab_size)
+        return with_reference(unpaired_fingerprint(self.config, self.tokenizer),
+                              reference_identity(self.config))
+
+    def build_datasets(self):
+        from ..data.unpaired import build_unpaired_datasets
+
+        return build_unpaired_datasets(self.config, self.tokenizer,
+                                       log=self.writer_print_early)
+
+    # ---- one micro-batch --------------------------------------------------------------
+    def forward_step(self, data_iterator, model):
+        batch = self.get_batch(data_iterator)
+
+        def inputs(prefix):
+            return dict(input_ids=batch[prefix + "tokens"],
+                        position_ids=batch[prefix + "position_ids"], attention_mask=None,
+                        labels=batch[prefix + "labels"])
+
+        with torch.no_grad():
+            # the KL rows only estimate a constant of the loss: no autograd for them
+            with self.reference_of(model) as reference:
+                batch["ref_logps"] = _sequence_logps(reference(**inputs("")),
+                                                     batch["loss_mask"])
+                batch["ref_kl_logps"] = _sequence_logps(reference(**inputs("kl_")),
+                                                        batch["kl_loss_mask"])
+            batch["kl_logps"] = _sequence_logps(model(**inputs("kl_")), batch["kl_loss_mask"])
+        output = model(**inputs(""))
+        return output, partial(self.compute_loss, batch)
+
+    def batch_kl(self, batch) -> torch.Tensor:
+        """TRL's KL estimate: this micro-batch's mean, averaged over the data-parallel ranks
+        (each runs the same number of micro-batches), clamped at 0."""
+        from megatron.core import parallel_state
+
+        kl = kl_estimate(batch["kl_logps"], batch["ref_kl_logps"])
+        group = parallel_state.get_data_parallel_group()
+        ranks = parallel_state.get_data_parallel_world_size()
+        if ranks > 1:
+            kl = collectives.all_reduce(kl.clone(), group=group).to(kl.device) / ranks
+        return kl.clamp(min=0)
+
+    def compute_loss(self, batch, output_tensor):
+        """(sum of the rows' losses, row count, report): megatron divides the gradients by
+        the global batch's rows, so the loss is the mean over rows, as TRL's."""
+        logps = _sequence_logps(output_tensor, batch["loss_mask"])
+        kl = self.batch_kl(batch)
+        desirable = batch["desirable"].to(logps.device).bool()
+        out = self.kto(logps, batch["ref_logps"], desirable, kl)
+        loss_sum = out["loss"].sum()
+        rows = logps.shape[0]
+        tokens = torch.as_tensor(batch.get("num_tokens", batch["tokens"].numel()),
+                                 dtype=torch.float, device=logps.device)
+        report = {"lm loss": torch.stack([loss_sum.detach(),
+                                          torch.tensor(float(rows), device=logps.device),
+                                          tokens]),
+                  "rlhf": metric_sums(logps, out["rewards"], desirable, kl)}
+        return loss_sum, torch.tensor(rows, dtype=torch.int, device=logps.device), report
+
+    # ---- metrics ----------------------------------------------------------------------
+    def preference_metrics(self, losses) -> Dict[str, float]:
+        """TRL's KTO metrics over the global batch, on the last pipeline stage."""
+        from megatron.core import parallel_state
+
+        if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return {}
+        sums = torch.stack([e["rlhf"] for e in losses]).sum(0)
+        sums = torch.cat([sums, sums.new_tensor([float(len(losses))])])
+        sums = collectives.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        values = sums.tolist()
+        return metrics_from_sums(values[:-1], values[-1])
