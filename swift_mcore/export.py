@@ -196,15 +196,21 @@ def compare_logits(loaded, hf_path: str, log) -> float:
         return compare_scores(loaded, hf_path, log)
     hf_logging.disable_progress_bar()
     # the families swift-mcore converts are transformers' own: no folder code is ever run
-    hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32,
-                                              attn_implementation="eager",
-                                              trust_remote_code=False).eval()
+    hf = None if loaded.config.model.vision_config else AutoModelForCausalLM.from_pretrained(
+        hf_path, dtype=torch.float32, attn_implementation="eager",
+        trust_remote_code=False).eval()
     generator = torch.Generator().manual_seed(0)
     length = min(PRECISION_LENGTH, loaded.config.model.max_position_embeddings)
     tokens = torch.randint(0, loaded.vocab, (PRECISION_BATCH, length), generator=generator)
-    ours = forward_logits(loaded.model.float(), tokens)[..., : loaded.vocab].cpu()
-    with torch.no_grad():
-        theirs = hf(tokens).logits.float()
+    if loaded.config.model.vision_config:  # a vision-language model: an image in each row
+        from .models.vision import VisionLanguage, compare_logits as image_logits
+
+        ours, theirs = image_logits(loaded.model, hf_path, VisionLanguage.from_model_args(
+            loaded.config.model), tokens, loaded.vocab, generator)
+    else:
+        ours = forward_logits(loaded.model.float(), tokens)[..., : loaded.vocab].cpu()
+        with torch.no_grad():
+            theirs = hf(tokens).logits.float()
     diff = float((ours - theirs).abs().max())
     log(f"test_convert_precision: max |logit difference| {diff:.3g} (mean "
         f"{float((ours - theirs).abs().mean()):.3g}, logits up to "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, List
 
@@ -30,13 +31,22 @@ def run(args: InferArguments) -> str:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.image is not None:  # before the model loads
+        from .input_files import check_image
+
+        check_image(os.path.expanduser(args.image), f"--image {args.image}")
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
                         trust_remote_code=args.trust_remote_code)
     tokenizer = loaded.tokenizer
     if loaded.config.model.num_labels:
         return score(args, loaded, log)
     template, end_marker = None, ""
-    if args.template:
+    logits_fn = lambda t: forward_logits(loaded.model, t)  # noqa: E731
+    if args.image is not None:
+        from .data.multimodal import image_prompt
+
+        prompt, logits_fn, end_marker, template = image_prompt(loaded, args)
+    elif args.template:
         from .data.templates import Template
 
         template = Template(args.template, tokenizer, system=args.system)
@@ -54,7 +64,7 @@ def run(args: InferArguments) -> str:
         print(args.prompt, end="", flush=True)
     new: List[int] = []
     shown = ""
-    for token in generate(lambda t: forward_logits(loaded.model, t), prompt,
+    for token in generate(logits_fn, prompt,
                           args.max_new_tokens, loaded.vocab, eos=tokenizer.eod,
                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                           max_length=limit):

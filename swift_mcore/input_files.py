@@ -1,10 +1,10 @@
 """Reading input files safely: regular files only, names read from a file kept inside its
-folder, and JSON parsed only within bounds of size and nesting (a leaf: imports only errors).
+folder, JSON parsed and images opened only within bounds (a leaf: imports only errors).
 
 Why: a FIFO or device named like a weight file blocks ``open`` forever (or streams without
 end); an index or config naming ``../../etc/passwd`` would be read as weights; a JSON value
 nested 100,000 levels deep exhausts the parser's recursion (a RecursionError, or a crash of a
-C parser). Every problem is an ArgumentError whose message starts with what the caller
+C parser); an image header may claim a billion pixels. Every problem is an ArgumentError whose message starts with what the caller
 names (a flag and path, or a file and row), so the CLI prints it as one line.
 """
 
@@ -109,6 +109,48 @@ def inside(folder: str, name: Any, where: str) -> str:
         raise ArgumentError(f"{where}: names {name!r:.200}, a path outside its folder "
                             f"{folder}; only files inside the folder are read")
     return os.path.join(folder, os.path.normpath(name))
+
+
+# ---- images -------------------------------------------------------------------------------
+
+# Larger than any photograph a VL model is trained on; bounds what one row may make us read.
+MAX_IMAGE_BYTES = 64 << 20
+MAX_IMAGE_PIXELS = 1 << 26  # 8192 x 8192; PIL's own decompression-bomb limit is ~89M
+
+
+def check_image(path: str, where: str) -> None:
+    """ArgumentError unless ``path`` is a regular file of at most MAX_IMAGE_BYTES that PIL
+    reads as an image of at most MAX_IMAGE_PIXELS pixels (the header only: no decoding)."""
+    check_regular(path, where)
+    size = os.path.getsize(path)
+    if size > MAX_IMAGE_BYTES:
+        raise ArgumentError(f"{where}: {size} bytes, more than an image may have "
+                            f"({MAX_IMAGE_BYTES >> 20} MiB)")
+    with open_regular(path, "rb", where) as fh:
+        _check_image_header(fh, where)
+
+
+def check_image_bytes(data: bytes, where: str) -> None:
+    """check_image for an image given inline (base64 in a data row)."""
+    import io
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ArgumentError(f"{where}: {len(data)} bytes, more than an image may have "
+                            f"({MAX_IMAGE_BYTES >> 20} MiB)")
+    _check_image_header(io.BytesIO(data), where)
+
+
+def _check_image_header(fh, where: str) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(fh) as image:
+            width, height = image.size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        raise ArgumentError(f"{where}: not an image PIL can read") from None
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ArgumentError(f"{where}: {width}x{height} pixels, more than {MAX_IMAGE_PIXELS} "
+                            f"(downscale it)")
 
 
 # ---- bounded JSON -------------------------------------------------------------------------

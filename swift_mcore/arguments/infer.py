@@ -24,6 +24,9 @@ class InferArguments:
         "--template`) and print the assistant's answer; default: continue the raw text.",
         choices=TEMPLATES)
     system: Optional[str] = flag(None, "System prompt, with --template.")
+    image: Optional[str] = flag(
+        None, "An image file the user's message shows (before --prompt), for a "
+        "vision-language model (Qwen2.5-VL); needs --template (docs/multimodal.md).")
     max_new_tokens: int = flag(64, "Tokens to generate at most (generation also stops at the "
                                "end-of-document token).")
     temperature: float = flag(0.0, "Sampling temperature; 0 picks the most likely token "
@@ -52,6 +55,10 @@ class InferArguments:
             raise ArgumentError("--prompt is required: the text to continue")
         if self.system is not None and self.template is None:
             raise ArgumentError("--system needs --template (a raw prompt has no roles)")
+        if self.image is not None:
+            if self.template is None:
+                raise ArgumentError("--image needs --template (the image goes in the user's "
+                                    "message)")
         if self.max_new_tokens <= 0:
             raise ArgumentError(f"--max_new_tokens must be a positive integer, got "
                                 f"{self.max_new_tokens}")

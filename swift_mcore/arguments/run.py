@@ -221,6 +221,7 @@ class RunArguments:
                 f"({groups}){source}")
         self.pipeline_stage_layers(source)
         self.check_window()
+        self.check_vision()
 
     UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                     "account_for_embedding_in_pipeline_split",
@@ -335,6 +336,67 @@ class RunArguments:
             raise ArgumentError("--tuner_type lora with gated delta-net layers "
                                 "(--linear_attention_freq, Qwen3-Next) is not supported yet; "
                                 "use --tuner_type full")
+
+    def check_vision(self) -> None:
+        """The vision-language flags come together (a Qwen2.5-VL folder sets all three);
+        its vision tower sits on one stage and joins the sequence before it is split."""
+        import json
+
+        m, p = self.model, self.parallel
+        given = [f"--{name}" for name, on in (
+            ("position_embedding_type mrope", m.position_embedding_type == "mrope"),
+            ("mrope_section", m.mrope_section is not None),
+            ("vision_config", m.vision_config is not None)) if on]
+        # values other than the defaults (a checkpoint's saved flags restate the defaults)
+        t, s = self.tuner, getattr(self, "sft", None)
+        freeze = [f"--{name} {value}" for name, value, default in (
+            ("freeze_vit", t.freeze_vit, True), ("freeze_aligner", t.freeze_aligner, True),
+            ("freeze_llm", t.freeze_llm, False),
+            ("max_pixels", getattr(s, "max_pixels", None), None),
+            ("min_pixels", getattr(s, "min_pixels", None), None)) if value != default]
+        if freeze and not given:
+            raise ArgumentError(f"{freeze[0]} is a flag of vision-language models; this is "
+                                f"a text model (give a Qwen2.5-VL --model folder)")
+        if not given:
+            return
+        if s is not None and s.cached_dataset:
+            raise ArgumentError("--cached_dataset with a vision-language model: not supported "
+                                "yet (its images are read with --dataset)")
+        if s is not None and s.max_pixels and s.min_pixels and s.min_pixels > s.max_pixels:
+            raise ArgumentError(f"--min_pixels {s.min_pixels} is above --max_pixels "
+                                f"{s.max_pixels}")
+        freeze = [f for f in freeze if f.startswith("--freeze")]
+        if freeze and t.tuner_type == "lora":
+            raise ArgumentError(f"{freeze[0]} with --tuner_type lora: the adapters train and "
+                                f"every base weight, the vision tower's too, stays frozen; "
+                                f"the freeze flags choose the parts of full finetuning")
+        if t.tuner_type == "full" and t.freeze_vit and t.freeze_aligner and t.freeze_llm:
+            raise ArgumentError("--freeze_vit, --freeze_aligner and --freeze_llm together "
+                                "leave nothing to train")
+        if len(given) < 3:
+            raise ArgumentError(f"{' and '.join(given)}: a vision-language model needs "
+                                f"--position_embedding_type mrope, --mrope_section and "
+                                f"--vision_config together (a Qwen2.5-VL --model folder sets "
+                                f"them)")
+        try:
+            section = json.loads(m.mrope_section)
+            vision = json.loads(m.vision_config)
+        except (TypeError, ValueError):
+            raise ArgumentError("--mrope_section and --vision_config are JSON (a list of three "
+                                "integers; an object)") from None
+        head = m.kv_channels or m.hidden_size // m.num_attention_heads
+        if not (isinstance(section, list) and len(section) == 3 and all(
+                type(s) is int and s >= 0 for s in section) and 2 * sum(section) == head):
+            raise ArgumentError(f"--mrope_section {m.mrope_section} must be three integers "
+                                f"summing to half the head size ({head // 2})")
+        if not isinstance(vision, dict) or not isinstance(vision.get("vision_config"), dict):
+            raise ArgumentError("--vision_config must be a JSON object with a vision_config "
+                                "object (a Qwen2.5-VL --model folder sets it)")
+        if p.pipeline_model_parallel_size > 1 or p.sequence_parallel or \
+                p.context_parallel_size > 1:
+            raise ArgumentError("a vision-language model runs without pipeline stages, "
+                                "--sequence_parallel and --context_parallel_size for now "
+                                "(issue 42)")
 
     def check_attention(self) -> None:
         """Multi-latent attention's flags, YaRN's and gpt-oss's (attention sinks, the

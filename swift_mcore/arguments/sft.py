@@ -54,6 +54,13 @@ class SftDataArguments:
         "tokenized; the raw files are not read) instead of --dataset. Give the tokenizer and "
         "the template flags it was prepared with; --seq_length, --truncation_strategy and "
         "--packing may differ (docs/sft.md, 'Prepared offline').")
+    max_pixels: Optional[int] = flag(
+        None, "Vision-language models: the most pixels an image keeps (larger ones are "
+        "scaled down, aspect kept); default: the folder's preprocessor_config.json.",
+        range=POSITIVE)
+    min_pixels: Optional[int] = flag(
+        None, "Vision-language models: the fewest pixels an image has (smaller ones are "
+        "scaled up); default: the folder's preprocessor_config.json.", range=POSITIVE)
     val_dataset: Optional[List[str]] = flag(
         None, "Validation conversations (files, folders or globs, as --dataset).")
     split_dataset_ratio: float = flag(

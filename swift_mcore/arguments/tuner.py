@@ -61,6 +61,18 @@ class TunerArguments:
         "q/k/v and gate/up adapters are fused exactly into megatron's layers; rank, alpha, "
         "rslora and the targets come from adapter_config.json (docs/lora.md).")
 
+    # ms-swift's names and defaults: a vision-language model's full finetuning trains the
+    # language model; the vision tower and its merger (the aligner) only when asked.
+    freeze_vit: bool = flag(
+        True, "Vision-language models, full finetuning: keep the vision tower's blocks and "
+        "patch embedding as they are (docs/multimodal.md).")
+    freeze_aligner: bool = flag(
+        True, "Vision-language models, full finetuning: keep the merger that projects the "
+        "vision features into the language model as it is.")
+    freeze_llm: bool = flag(
+        False, "Vision-language models, full finetuning: keep the language model (embedding, "
+        "layers, output layer) as it is.")
+
     def check(self, explicit) -> None:
         """The tuner flags alone; which layers a regex matches is resolve's to check."""
         if self.tuner_type != "lora":

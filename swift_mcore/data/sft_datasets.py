@@ -201,6 +201,9 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
     # the flag, or with it off) keep their fingerprint.
     if s.ignore_empty_think:
         identity["ignore_empty_think"] = True
+    for key in ("max_pixels", "min_pixels"):  # images' sizes (data/multimodal.py), when set
+        if getattr(s, key, None) is not None:
+            identity[key] = getattr(s, key)
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 

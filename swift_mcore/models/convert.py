@@ -205,6 +205,9 @@ class Layout:
     linear: Tuple[int, ...] = ()
     output_gate: bool = False  # q_proj also holds each head's output gate (Qwen3-Next)
     score: int = 0  # a reward model: score.weight [score, hidden] instead of lm_head
+    # a vision-language model's tower (models/vision.py): (HF name, shape) of each tensor,
+    # named alike in the files and the model, copied as they are
+    vision: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -234,7 +237,8 @@ class Layout:
                    if m.linear_attention_freq else None,
                    linear=tuple(linear_attention_pattern(m)),
                    output_gate=bool(m.attention_output_gate),
-                   score=getattr(m, "num_labels", None) or 0)
+                   score=getattr(m, "num_labels", None) or 0,
+                   vision=_vision_tensors(m))
 
     def same(self) -> dict:
         """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
@@ -290,7 +294,7 @@ class Layout:
             out.append(("score.weight", (self.score, h)))
         elif not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
-        return out + (self.mtp_hf_tensors() if mtp_layers else [])
+        return out + list(self.vision) + (self.mtp_hf_tensors() if mtp_layers else [])
 
     def mtp_hf_tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """The tensors of the MTP layers (model.layers.<num_layers + k>.*)."""
@@ -339,6 +343,8 @@ class Layout:
 
     def to_hf(self, hf_name: str, get: Get) -> torch.Tensor:
         """One HF tensor from full megatron tensors (``get(name)``, TP=1 layout)."""
+        if self.vision and hf_name.startswith(_VISION):
+            return get(hf_name)
         if hf_name == "model.embed_tokens.weight":
             return get("embedding.word_embeddings.weight")[: self.vocab]
         if hf_name == "lm_head.weight":
@@ -411,6 +417,8 @@ class Layout:
         With expert parallelism local expert j of EP rank r is global expert
         r * experts / ep_size + j."""
         name = canonical(name)
+        if self.vision and name.startswith(_VISION):  # replicated over TP
+            return read(name)
         if name == "embedding.word_embeddings.weight":
             return self._vocab_rows("model.embed_tokens.weight", read, tp_rank, tp_size)
         if name == "output_layer.weight" and self.score:
@@ -522,6 +530,17 @@ class Layout:
         if real is not None:
             out[: real.shape[0]] = real
         return out
+
+
+_VISION = "visual."
+
+
+def _vision_tensors(m) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    if not getattr(m, "vision_config", None):
+        return ()
+    from .vision import VisionLanguage, tower_shapes
+
+    return tower_shapes(VisionLanguage.from_model_args(m))
 
 
 def _part(size: int, rank: int, parts: int) -> slice:

@@ -91,6 +91,7 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
         + (layers - moe_layers) * dense_mlp + norm,
         "experts": 0,
         "LoRA adapters": 0,
+        "vision tower": vision_parameters(m),
     }
     if moe_layers:
         expert_ffn = m.moe_ffn_hidden_size or ffn
@@ -132,6 +133,18 @@ def delta_net_parameters(m) -> int:
     heads = m.linear_num_value_heads
     return (h * (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) * m.linear_conv_kernel_dim
             + 2 * heads + m.linear_value_head_dim + v * h)
+
+
+def vision_parameters(m) -> int:
+    """A vision-language model's tower and merger (transformers' modules, built on the
+    meta device); 0 for a text model."""
+    if not getattr(m, "vision_config", None):
+        return 0
+    import math
+
+    from .vision import VisionLanguage, tower_shapes
+
+    return sum(math.prod(shape) for _, shape in tower_shapes(VisionLanguage.from_model_args(m)))
 
 
 def mla_parameters(m) -> int:
@@ -183,7 +196,7 @@ def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Pa
         return weight  # frozen base weights
 
     shards = {"embedding": tp, "output layer": tp, "layers": tp * pp, "experts": ep * tp * pp,
-              "LoRA adapters": pp}
+              "LoRA adapters": pp, "vision tower": 1}  # the tower: whole on each rank
     sizes = {
         "embedding": (("vocab_size", padded_vocab(m)), ("hidden_size", m.hidden_size),
                       ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)),
@@ -198,6 +211,7 @@ def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Pa
                     ("hidden_size", m.hidden_size), ("num_layers", m.num_layers)),
         "LoRA adapters": (("lora_rank", tuner.lora_rank), ("hidden_size", m.hidden_size),
                           ("num_layers", m.num_layers)),
+        "vision tower": (("vision_config", 1),),
     }
     if m.position_embedding_type == "learned_absolute":
         sizes["embedding"] += (("max_position_embeddings", m.max_position_embeddings),)

@@ -51,11 +51,26 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
         head = AutoModelForSequenceClassification if is_score_config(raw) \
             else AutoModelForCausalLM
         with init_empty_weights():
-            model = head.from_config(hf_config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            if getattr(hf_config, "vision_config", None) is not None:
+                from transformers import AutoModelForImageTextToText
+
+                model = AutoModelForImageTextToText.from_config(hf_config)
+            else:
+                model = head.from_config(hf_config)
+    shapes = {_file_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def _file_name(name: str) -> str:
+    """A vision-language model's tensor as the Hub's files name it: transformers 5 holds
+    the language model under model.language_model and the tower under model.visual."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("model.visual."):
+        return name[len("model."):]
+    return name
 
 
 def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:

@@ -22,6 +22,9 @@ from ..errors import ArgumentError, OutputError
 from .convert import Layout
 
 INDEX = "model.safetensors.index.json"
+# A vision-language folder's processor files, copied from the folder the model came from.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -57,6 +60,9 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     generation = os.path.join(base_folder or "", "generation_config.json")
     if base_folder and os.path.lexists(generation):  # before anything is written: a regular
         load_json(generation)                        # file of bounded JSON
+    for name in PROCESSOR_FILES:  # a vision-language model's image processor: likewise
+        if base_folder and os.path.lexists(os.path.join(base_folder, name)):
+            load_json(os.path.join(base_folder, name))
     config = family.hf_config(model_args, layout.vocab, base)
     if base is None and tokenizer is not None:
         config.update(eos_token_id=tokenizer.eod, bos_token_id=_bos_id(tokenizer))
@@ -170,6 +176,9 @@ def _write_folder(staging: str, out_dir: str, family, config, layout: Layout, ge
     generation = os.path.join(base_folder or "", "generation_config.json")
     if base_folder and os.path.lexists(generation):  # checked regular by save_hf_folder
         shutil.copy2(generation, staging)
+    for name in PROCESSOR_FILES:  # checked regular by save_hf_folder
+        if base_folder and os.path.lexists(os.path.join(base_folder, name)):
+            shutil.copy2(os.path.join(base_folder, name), staging)
     return {"path": out_dir, "family": family.name, "shards": len(plan), "bytes": total,
             "tensors": len(weight_map)}
 

@@ -187,6 +187,11 @@ class Trainer:
 
     def build_datasets(self):
         """(train, valid, test): megatron's GPT datasets for pt, conversation rows for sft."""
+        if self.config.COMMAND == "sft" and self.config.model.vision_config:
+            from ..data.multimodal import build_image_sft_datasets
+
+            return build_image_sft_datasets(self.config, self.tokenizer,
+                                            log=self.writer_print_early)
         if self.config.COMMAND == "sft":
             from ..data.sft_datasets import build_sft_datasets
 
@@ -203,7 +208,12 @@ class Trainer:
 
         chunks = build_model(self.config)
         self.load_pretrained_weights(chunks)
-        return lora.apply(self.config, chunks)
+        chunks = lora.apply(self.config, chunks)
+        if self.config.model.vision_config and self.config.tuner.tuner_type == "full":
+            from ..models.vision import freeze
+
+            freeze(chunks, self.config.tuner)  # --freeze_vit, --freeze_aligner, --freeze_llm
+        return chunks
 
     def load_pretrained_weights(self, chunks) -> None:
         """--model: the Hugging Face weights, after the model is built and before the optimizer
@@ -323,9 +333,11 @@ class Trainer:
         # multi-token prediction weighs its targets by the mask the LM loss uses (megatron
         # shifts it with the labels); without MTP the model does not read it
         mtp = {"loss_mask": batch["loss_mask"]} if self.config.model.mtp_num_layers else {}
+        # a vision-language model's images (data/multimodal.py)
+        images = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                        attention_mask=batch.get("attention_mask"), labels=batch["labels"],
-                       packed_seq_params=batch.get("packed_seq_params"), **mtp)
+                       packed_seq_params=batch.get("packed_seq_params"), **mtp, **images)
         return output, partial(self.compute_loss, batch)
 
     def get_batch(self, data_iterator) -> Dict[str, torch.Tensor]:

@@ -17,6 +17,9 @@ import hf_helpers as H
 from run_helpers import ROOT, TINY, child_env, run_pt
 from swift_mcore.arguments import RunArguments
 
+# a tiny Qwen2.5-VL vision tower (2 blocks of 32 channels, merged into hidden 64)
+VL_TOWER = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                patch_size=4, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
 LIMIT = 4_000_000_000  # bytes of address space a refused command may take (torch: ~1.5 GB)
 
 
@@ -211,6 +214,10 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              rope_type="yarn", rotary_scaling_factor=4.0, yarn_truncate=False),
         dict(add_bias_linear=True, num_experts=4, moe_ffn_hidden_size=16,
              moe_layer_freq="[0,1]"),
+        # Qwen2.5-VL: transformers' vision tower and merger inside the model
+        dict(model_type="qwen2_5_vl", add_qkv_bias=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL_TOWER})),
     ]
     from megatron.core import tensor_parallel
 

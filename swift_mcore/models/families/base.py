@@ -169,6 +169,10 @@ VALUES: Dict[str, Value] = {
     "linear_key_head_dim": Value("int", 1), "linear_value_head_dim": Value("int", 1),
     "linear_num_key_heads": Value("int", 1), "linear_num_value_heads": Value("int", 1),
     "mtp_num_hidden_layers": Value("int", 0), "mtp_use_dedicated_embeddings": Value("bool"),
+    # vision-language (Qwen2.5-VL: models/vision.py)
+    "text_config": Value("dict"), "vision_config": Value("dict"),
+    "image_token_id": Value("int", 0), "video_token_id": Value("int", 0),
+    "vision_start_token_id": Value("int", 0), "vision_end_token_id": Value("int", 0),
 }
 # Flags only some families express (a family that does lists them in its ``fixed`` or
 # handles them in its own representation_problems); every other family needs them unset.

@@ -1,0 +1,82 @@
+"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``): Qwen2's language model under
+``text_config`` with multimodal RoPE, and the vision tower of ``vision_config``
+(models/vision.py builds both as one model)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from .base import IGNORED_KEYS, Family, InvalidConfig, UnsupportedConfig, value_problems
+
+TEXT_TYPE = "qwen2_5_vl_text"
+
+
+def _text_family() -> Family:
+    from . import by_name
+
+    return by_name("qwen2")
+
+
+@dataclass(frozen=True)
+class Qwen2_5VLFamily(Family):
+    """The language model is read and written by the qwen2 family; this adds the rest."""
+
+    def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
+        from ..vision import VisionLanguage, language_config
+
+        invalid = value_problems(config, self.read_keys())
+        if invalid:
+            raise InvalidConfig("; ".join(invalid))
+        text = language_config(config)
+        try:
+            values = _text_family().model_values(text, model_args)
+        except UnsupportedConfig as err:  # InvalidConfig too: its class is kept
+            raise type(err)(f"text_config: {err}") from None
+        vl = VisionLanguage.from_hf_config(config)
+        values.update(model_type=self.name, position_embedding_type="mrope", **vl.flags())
+        return values
+
+    def unknown_keys(self, config: Dict[str, Any]) -> List[str]:
+        from ..vision import language_config
+
+        top = sorted(k for k in config if k not in IGNORED_KEYS | self.read_keys())
+        text = _text_family().unknown_keys(language_config(config)) \
+            if isinstance(config.get("text_config"), dict) else []
+        return top + [f"text_config.{k}" for k in text]
+
+    def representation_problems(self, m: Any) -> List[str]:
+        if not m.vision_config:
+            return [f"--vision_config unset (a {self.name} model has a vision tower)"]
+        return [p for p in _text_family().representation_problems(m)
+                if not p.startswith("--position_embedding_type ")]
+
+    def hf_config(self, m: Any, vocab_size: int, base: Optional[Dict[str, Any]] = None
+                  ) -> Dict[str, Any]:
+        from ..vision import VisionLanguage
+
+        vl = VisionLanguage.from_model_args(m)
+        base = dict(base or {})
+        text = _text_family().hf_config(m, vocab_size, base.get("text_config"))
+        text.pop("architectures", None)
+        tied = text.pop("tie_word_embeddings")
+        text["model_type"] = TEXT_TYPE
+        text["rope_parameters"] = {**text["rope_parameters"],
+                                   "mrope_section": list(vl.mrope_section)}
+        config = {k: v for k, v in base.items()
+                  if k not in ("text_config", "architectures", "model_type", "dtype",
+                               "torch_dtype", "transformers_version")}
+        config.update(architectures=[self.architecture], text_config=text,
+                      tie_word_embeddings=tied, **vl.hf_keys())
+        return config
+
+
+FAMILY = Qwen2_5VLFamily(
+    name="qwen2_5_vl",
+    model_types=("qwen2_5_vl",),
+    architecture="Qwen2_5_VLForConditionalGeneration",
+    defaults={},
+    known_keys=frozenset({"text_config", "vision_config", "image_token_id", "video_token_id",
+                          "vision_start_token_id", "vision_end_token_id"}),
+)

@@ -1,0 +1,349 @@
+"""Qwen2.5-VL as one megatron model: megatron-core's GPTModel with multimodal RoPE for the
+language model, the folder's own transformers vision tower (and merger) inside it.
+
+The language model is Qwen2's (q/k/v bias, SwiGLU, RMSNorm) with RoPE over three position
+rows (temporal, height, width: megatron's ``mrope`` with ``mrope_section``). The vision
+tower is transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` built from config.json's
+``vision_config`` (as mcore-bridge keeps it): its merged patch features replace the token
+embeddings at the image-pad positions before the first decoder layer. Its parameters are
+the model's (``visual.*``, the names the Hugging Face files use), so one optimizer and one
+checkpoint hold both.
+
+Position ids are computed as transformers' ``Qwen2_5_VLModel.get_rope_index`` does for
+images: text tokens count up on all three rows; an image of ``t x h x w`` merged patches
+starting at position p gets rows p + (t index, h index, w index), and the text after it
+continues at p + max(h, w). A packed row's samples each start again at 0.
+
+Not yet here (issue 42): video, Qwen3-VL, sequence parallelism and pipeline stages for the
+vision tower (RunArguments.check_vision refuses them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .families.base import UnsupportedConfig
+
+VISION_PREFIX = "visual."
+# config.json keys of a Qwen2.5-VL folder besides text_config / vision_config
+TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+@dataclass(frozen=True)
+class VisionLanguage:
+    """What a Qwen2.5-VL config.json adds to its language model."""
+
+    vision_config: Dict[str, Any]   # config.json's vision_config, as written there
+    image_token_id: int
+    video_token_id: Optional[int]
+    mrope_section: Tuple[int, ...]  # RoPE channel pairs of the temporal, height, width rows
+    spatial_merge_size: int
+    hidden_size: int                # the language model's (the merger's output)
+    token_ids: Tuple[Tuple[str, Any], ...] = ()  # config.json's TOP_KEYS, as written there
+
+    @classmethod
+    def from_hf_config(cls, config: Dict[str, Any]) -> "VisionLanguage":
+        """Raises UnsupportedConfig naming the key(s) that do not describe a Qwen2.5-VL model
+        swift-mcore builds exactly."""
+        problems: List[str] = []
+        if config.get("model_type") != "qwen2_5_vl":
+            problems.append(f"model_type {config.get('model_type')!r} (only 'qwen2_5_vl')")
+        text = language_config(config)
+        vision = config.get("vision_config")
+        if not isinstance(vision, dict):
+            raise UnsupportedConfig(f"vision_config {vision!r} (an object: the vision tower)")
+        image = config.get("image_token_id")
+        vocab = text.get("vocab_size")
+        if isinstance(image, bool) or not isinstance(image, int) or not isinstance(vocab, int) \
+                or not 0 <= image < vocab:
+            problems.append(f"image_token_id {image!r} (a token id below vocab_size {vocab!r})")
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        section = rope.get("mrope_section") if isinstance(rope, dict) else None
+        heads = text.get("num_attention_heads") or 1
+        head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
+        if not (isinstance(section, list) and len(section) == 3
+                and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                        for s in section) and sum(section) * 2 == head_dim):
+            problems.append(f"text_config.rope_parameters.mrope_section {section!r} (three "
+                            f"channel-pair counts summing to head_dim / 2 = {head_dim // 2})")
+        merge = vision.get("spatial_merge_size", 2)
+        out = vision.get("out_hidden_size")
+        if out is not None and out != text.get("hidden_size"):
+            problems.append(f"vision_config.out_hidden_size {out!r} (the language model's "
+                            f"hidden_size {text.get('hidden_size')!r})")
+        if not isinstance(merge, int) or isinstance(merge, bool) or merge < 1:
+            problems.append(f"vision_config.spatial_merge_size {merge!r} (an integer >= 1)")
+        if problems:
+            raise UnsupportedConfig("; ".join(problems))
+        return cls(vision_config=dict(vision), image_token_id=int(image),
+                   video_token_id=config.get("video_token_id"),
+                   mrope_section=tuple(section), spatial_merge_size=int(merge),
+                   hidden_size=int(text["hidden_size"]),
+                   token_ids=tuple((k, config[k]) for k in TOP_KEYS if k in config))
+
+    def flags(self) -> Dict[str, str]:
+        """The ModelArguments values that carry this (saved with every checkpoint)."""
+        vision = {"vision_config": self.vision_config, **dict(self.token_ids)}
+        return {"mrope_section": json.dumps(list(self.mrope_section), separators=(",", ":")),
+                "vision_config": json.dumps(vision, sort_keys=True, separators=(",", ":"))}
+
+    @classmethod
+    def from_model_args(cls, m: Any) -> "VisionLanguage":
+        """From --vision_config and --mrope_section (checked by RunArguments.check_vision)."""
+        vision = json.loads(m.vision_config)
+        return cls.from_hf_config({
+            "model_type": "qwen2_5_vl", **{k: v for k, v in vision.items() if k in TOP_KEYS},
+            "vision_config": vision["vision_config"],
+            "text_config": {"hidden_size": m.hidden_size, "vocab_size": m.vocab_size or 2 ** 31,
+                            "num_attention_heads": m.num_attention_heads,
+                            "head_dim": m.kv_channels or m.hidden_size // m.num_attention_heads,
+                            "rope_parameters": {"mrope_section": json.loads(m.mrope_section)}}})
+
+    def hf_keys(self) -> Dict[str, Any]:
+        """config.json's keys of the vision side (vision_config and the token ids)."""
+        return {"vision_config": dict(self.vision_config), **dict(self.token_ids)}
+
+    def tokens_per_image(self, grid_thw: torch.Tensor) -> List[int]:
+        """Image-pad tokens each image of ``grid_thw`` ([images, 3] patches) stands for."""
+        return (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()
+
+
+def language_config(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The language model of a Qwen2.5-VL config.json as a Qwen2 config.json: text_config
+    (older folders keep its keys at the top level) with the top-level tie_word_embeddings."""
+    text = config.get("text_config")
+    if text is None:
+        text = {k: v for k, v in config.items() if k not in ("vision_config", *TOP_KEYS)}
+    out = dict(text)
+    if "tie_word_embeddings" in config:
+        out["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return out
+
+
+def language_values(config: Dict[str, Any], model_args: Any = None) -> Dict[str, Any]:
+    """The ModelArguments values of the language model (the qwen2 family reads it: its
+    defaults, checks and refusals); raises UnsupportedConfig naming the key."""
+    from .families import by_name
+
+    return by_name("qwen2").model_values(language_config(config), model_args)
+
+
+# ---- 3-D position ids --------------------------------------------------------------------
+
+def _runs(ids: List[int], image_token_id: int, breaks=frozenset()
+          ) -> Iterator[Tuple[bool, int, int]]:
+    """(is_image, start, end) of each run of equal kind (text / image pad) in ``ids``; a
+    run also ends before each index in ``breaks``."""
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or i in breaks or \
+                (ids[i] == image_token_id) != (ids[start] == image_token_id):
+            yield ids[start] == image_token_id, start, i
+            start = i
+
+
+def rope_index(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
+               vl: VisionLanguage, text_positions: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+    """Position ids [3, batch, sequence] of ``input_ids`` (images in ``image_grid_thw``
+    order, row by row). A run of image-pad tokens may hold several images back to back;
+    each takes its own grid's share. ``text_positions`` [batch, sequence] (a packed row's
+    positions) start a new sample wherever they are 0: positions restart there. Raises
+    ValueError when the pads and grids disagree."""
+    batch, length = input_ids.shape
+    out = torch.zeros(3, batch, length, dtype=torch.long)
+    counts = vl.tokens_per_image(image_grid_thw) if image_grid_thw is not None else []
+    grids = image_grid_thw.tolist() if image_grid_thw is not None else []
+    image = 0
+    for b in range(batch):
+        ids = input_ids[b].tolist()
+        starts = set() if text_positions is None else set(
+            torch.nonzero(text_positions[b] == 0).flatten().tolist())
+        position = 0
+        for is_image, start, end in _runs(ids, vl.image_token_id, starts):
+            if start in starts:
+                position = 0
+            if not is_image:
+                out[:, b, start:end] = torch.arange(position, position + end - start)
+                position += end - start
+                continue
+            at = start
+            while at < end:
+                if image >= len(grids) or at + counts[image] > end:
+                    raise ValueError(f"row {b}: image-pad tokens at {start}..{end} do not "
+                                     f"match the images' grids {grids}")
+                t, h, w = grids[image]
+                h, w = h // vl.spatial_merge_size, w // vl.spatial_merge_size
+                rows = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h),
+                                                  torch.arange(w), indexing="ij")).reshape(3, -1)
+                out[:, b, at: at + counts[image]] = rows + position
+                position += max(h, w)
+                at += counts[image]
+                image += 1
+    if image != len(grids):
+        raise ValueError(f"{len(grids)} images but image-pad tokens for {image}")
+    return out.to(input_ids.device)
+
+
+# ---- the model ---------------------------------------------------------------------------
+
+def build_vision_tower(vl: VisionLanguage, dtype: torch.dtype = torch.float32):
+    """transformers' Qwen2.5-VL vision tower and merger for ``vl.vision_config`` (random
+    weights: the caller loads the folder's)."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    config = Qwen2_5_VLVisionConfig(**{k: v for k, v in vl.vision_config.items()
+                                       if k != "model_type"})
+    tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(
+        config, attn_implementation="sdpa", dtype=dtype)
+    return tower.to(dtype)
+
+
+def _model_class():
+    from megatron.core.models.gpt import GPTModel
+
+    class VisionLanguageModel(GPTModel):
+        """GPTModel whose first stage embeds images: the vision tower's features replace the
+        image-pad tokens' embeddings; positions are the three mrope rows."""
+
+        def __init__(self, vl: VisionLanguage, **kwargs):
+            super().__init__(position_embedding_type="mrope", **kwargs)
+            self.vl = vl
+            if self.pre_process:
+                self.visual = build_vision_tower(vl, self.config.params_dtype)
+
+        def forward(self, input_ids, position_ids, attention_mask, decoder_input=None,
+                    labels=None, pixel_values=None, image_grid_thw=None, **kwargs):
+            if position_ids is not None and position_ids.dim() == 2 and pixel_values is None:
+                # text alone: the three rows are the text positions (packed rows restart)
+                position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+            elif position_ids is None or position_ids.dim() == 2:
+                # each sample's (a packed row's samples restart at text position 0)
+                position_ids = rope_index(input_ids, image_grid_thw, self.vl, position_ids)
+            if decoder_input is None and self.pre_process:
+                decoder_input = self.embedding(input_ids=input_ids, position_ids=None)
+                if pixel_values is not None:
+                    decoder_input = self._with_images(input_ids, decoder_input, pixel_values,
+                                                      image_grid_thw)
+            return super().forward(input_ids, position_ids, attention_mask,
+                                   decoder_input=decoder_input, labels=labels, **kwargs)
+
+        def _with_images(self, input_ids, embedded, pixel_values, image_grid_thw):
+            """[sequence, batch, hidden] embeddings with the image features at the pads,
+            in the rows' order (row 0's images first, as transformers fills them)."""
+            features = self.visual(pixel_values.to(self.config.params_dtype),
+                                   grid_thw=image_grid_thw).pooler_output
+            mask = input_ids == self.vl.image_token_id
+            if int(mask.sum()) != features.shape[0]:
+                raise ValueError(f"{int(mask.sum())} image-pad tokens but {features.shape[0]} "
+                                 f"image features (image_grid_thw {image_grid_thw.tolist()})")
+            rows = embedded.transpose(0, 1)
+            rows = rows.masked_scatter(mask.unsqueeze(-1), features.to(rows.dtype))
+            return rows.transpose(0, 1).contiguous()
+
+    return VisionLanguageModel
+
+
+def build_vl_model(config, vl: VisionLanguage, tc, spec):
+    """This rank's Qwen2.5-VL model (one chunk) for a RunConfig, its TransformerConfig and
+    decoder block spec (models/gpt.py makes both). Without pipeline stages or sequence
+    parallelism for now (RunArguments.check_vision): the tower sits on the first stage and
+    the image features enter before the sequence would be split."""
+    from megatron.core import parallel_state
+
+    m = config.model
+    tc.mrope_section = list(vl.mrope_section)
+    model = _model_class()(
+        vl,
+        config=tc,
+        transformer_layer_spec=spec,
+        vocab_size=config.padded_vocab_size,
+        max_sequence_length=m.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        rotary_percent=m.rotary_percent,
+        rotary_base=m.rotary_base,
+    )
+    if config.cuda:
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def precision_inputs(vl: VisionLanguage, tokens: torch.Tensor, generator: torch.Generator
+                     ) -> Dict[str, torch.Tensor]:
+    """Random ``tokens`` [batch, length] with one random image of 4 merged patches in each
+    row (after two tokens): the inputs export's --test_convert_precision feeds both models."""
+    merge, v = vl.spatial_merge_size, vl.vision_config
+    grid = [1, 2 * merge, 2 * merge]
+    count = 4
+    ids = tokens.clone()
+    ids[ids == vl.image_token_id] = 0
+    ids[:, 2: 2 + count] = vl.image_token_id
+    patch = int(v.get("patch_size", 14))
+    width = int(v.get("in_channels", 3)) * int(v.get("temporal_patch_size", 2)) * patch * patch
+    pixels = torch.randn(ids.shape[0] * grid[1] * grid[2], width, generator=generator)
+    return {"input_ids": ids, "pixel_values": pixels,
+            "image_grid_thw": torch.tensor([grid] * ids.shape[0])}
+
+
+def transformers_model(path: str):
+    """transformers' own Qwen2.5-VL model of a folder (float32, eager attention)."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", trust_remote_code=False).eval()
+
+
+@torch.no_grad()
+def compare_logits(model, hf_path: str, vl: VisionLanguage, tokens: torch.Tensor, vocab: int,
+                   generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(our logits, transformers') on ``tokens`` with an image in each row."""
+    inputs = precision_inputs(vl, tokens, generator)
+    ours = model.float()(position_ids=None, attention_mask=None, **inputs)[..., :vocab]
+    theirs = transformers_model(hf_path)(
+        **inputs, mm_token_type_ids=(inputs["input_ids"] == vl.image_token_id).int()).logits
+    return ours.float().cpu(), theirs.float()
+
+
+def tower_shapes(vl: VisionLanguage) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    """(name, shape) of every vision-tower tensor, as the model and the Hugging Face files
+    both name it (``visual.*``), from a tower built on the meta device."""
+    import warnings
+
+    from accelerate import init_empty_weights
+
+    with warnings.catch_warnings(), init_empty_weights():
+        warnings.simplefilter("ignore")
+        tower = build_vision_tower(vl)
+    return tuple(sorted((VISION_PREFIX + name, tuple(t.shape))
+                        for name, t in tower.state_dict().items()))
+
+
+def part_of(name: str) -> str:
+    """'vit', 'aligner' or 'llm': the part of the model parameter ``name`` belongs to."""
+    if name.startswith(VISION_PREFIX + "merger."):
+        return "aligner"
+    return "vit" if name.startswith(VISION_PREFIX) else "llm"
+
+
+def freeze(chunks, tuner) -> Dict[str, int]:
+    """--freeze_vit / --freeze_aligner / --freeze_llm of full finetuning: those parts'
+    parameters stop requiring gradients (before DDP and the optimizer see them). Returns
+    the parameters frozen per part."""
+    frozen = {"vit": tuner.freeze_vit, "aligner": tuner.freeze_aligner, "llm": tuner.freeze_llm}
+    counts = {part: 0 for part in frozen}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            part = part_of(name)
+            if frozen[part]:
+                param.requires_grad_(False)
+                counts[part] += param.numel()
+    return counts
