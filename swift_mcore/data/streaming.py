@@ -470,6 +470,12 @@ class StreamIterator:
     def __next__(self):
         batch = next(self._iterator)
         if "error" in batch:
+            # The worker's stream has ended; end the worker too, now: it ignores SIGTERM
+            # (loader.ignore_stop_signals), and a caller that goes on (an API user's
+            # script) would otherwise leave it for the interpreter's exit to wait on.
+            shutdown = getattr(self._iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
             cls = CheckpointError if batch.get("kind") == "CheckpointError" else ArgumentError
             raise cls(batch["error"])
         state = batch.pop("stream_state", None)

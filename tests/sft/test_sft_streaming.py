@@ -229,3 +229,17 @@ def test_a_file_that_cannot_stream_is_refused(tmp_path):
         f"swift-mcore sft: error: --dataset {path}: --streaming reads .jsonl, .parquet and "
         f"saved datasets folders (it resumes from a row without reading the file up to it); "
         f"convert it, or train without --streaming"]
+
+
+def test_a_bad_row_met_in_the_loader_worker_stops_the_run_naming_it(tmp_path, sft_here):
+    """The row is encoded in the loader worker; its error reaches the trainer as the same
+    one-line ArgumentError (the CLI prints it and exits 2), not as a worker traceback."""
+    from swift_mcore.errors import ArgumentError
+
+    data = rows(12)
+    data[7] = {"messages": [{"role": "user", "content": "no answer"}]}
+    path = write_jsonl(tmp_path / "bad.jsonl", data)
+    with pytest.raises(ArgumentError) as err:
+        sft_here(tmp_path / "out", "--dataset", path, *DATA, "--micro_batch_size", "2")
+    assert str(err.value) == (f"--dataset {path}, row 7: the conversation has no assistant "
+                              f"turn, so there is nothing to learn from it")
