@@ -209,3 +209,11 @@ def test_dpo_vs_trl_smoke():
     assert all(abs(r["loss_first"] - math.log(2)) < 1e-6 for r in runs if "loss_first" in r)
     assert measured(summary["speed_ratio_vs_trl"], summary["memory_ratio_vs_trl"],
                     *(r["tokens_per_s"] for r in runs), *(r["peak_rss_MB"] for r in runs))
+
+
+def test_sft_stream_loader_smoke():
+    result = run_script("sft_stream_loader.py", "--rows", "300", "--batches", "4",
+                        "--repeats", "1", "--shuffle_buffer_size", "16")[-1]
+    assert len(result["streaming_tokens_per_s"]) == len(result["cached_tokens_per_s"]) == 1
+    assert measured(result["streaming_median"], result["cached_median"],
+                    result["streaming_vs_cached"], result["streaming_vs_1b_h200_training"])

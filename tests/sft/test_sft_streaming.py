@@ -163,7 +163,9 @@ def test_a_stopped_stream_resumes_bit_exact(tmp_path, files, sft_here):
     stream with dropout trains the straight run's rows: the same sample ids per iteration
     and the same losses bit for bit."""
     flags = ["--packing", "--micro_batch_size", "2", "--hidden_dropout", "0.1"]
-    sft_here(tmp_path / "whole", "--dataset", *map(str, files["jsonl"]), *DATA, *flags)
+    # in this process without a loader worker: the stream is the same for any worker count
+    sft_here(tmp_path / "whole", "--dataset", *map(str, files["jsonl"]), *DATA, *flags,
+             "--num_workers", "0")
     split = tmp_path / "split"
     sft(split, files["jsonl"], *flags, "--exit_interval", "3")
     assert sorted(losses(split)) == [1, 2, 3]
@@ -243,3 +245,62 @@ def test_a_bad_row_met_in_the_loader_worker_stops_the_run_naming_it(tmp_path, sf
         sft_here(tmp_path / "out", "--dataset", path, *DATA, "--micro_batch_size", "2")
     assert str(err.value) == (f"--dataset {path}, row 7: the conversation has no assistant "
                               f"turn, so there is nothing to learn from it")
+
+
+def last_records(out, name):
+    """{iteration: value} of metrics.jsonl's loss or sample_ids.jsonl's ids; an iteration
+    trained again after a SIGKILL (its checkpoint was not written) counts its last record."""
+    if name == "loss":
+        return losses(out)
+    return {r["iteration"]: r["sample_ids"] for r in sample_ids(out)}
+
+
+@pytest.mark.slow
+def test_a_stream_killed_and_stopped_resumes_exactly(tmp_path, files, sft_here):
+    """SIGKILL (a checkpoint every iteration) and then SIGTERM, each resumed: every
+    iteration trains the straight run's rows with its losses bit for bit."""
+    import os
+    import signal
+    import time
+
+    flags = ["--packing", "--micro_batch_size", "2", "--hidden_dropout", "0.1",
+             "--train_iters", "12", "--save_steps", "1"]
+    sft_here(tmp_path / "whole", "--dataset", *map(str, files["jsonl"]), *DATA, *flags,
+             "--num_workers", "0")
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "swift_mcore", "sft", *TINY, "--output_dir", str(out),
+            "--dataset", *map(str, files["jsonl"]), *DATA, *flags]
+
+    def run_until(iterations, sig):
+        proc = subprocess.Popen(argv + ["--resume", "auto"], env=child_env(), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        metrics = out / "metrics.jsonl"
+        while proc.poll() is None and not (
+                metrics.exists() and len(losses(out)) >= iterations):
+            time.sleep(0.2)
+        os.killpg(proc.pid, sig)
+        proc.wait(240)
+        return proc
+
+    run_until(3, signal.SIGKILL)
+    stopped = run_until(6, signal.SIGTERM)
+    assert stopped.returncode == 0, stopped.stderr.read()[-2000:]
+    sft(out, files["jsonl"], *flags, "--resume", "auto")
+    whole = tmp_path / "whole"
+    assert last_records(out, "loss") == last_records(whole, "loss")
+    assert last_records(out, "ids") == last_records(whole, "ids")
+    assert sorted(i for ids in last_records(out, "ids").values() for i in ids) == \
+        list(range(48))
+
+
+def test_preprocess_sft_refuses_streaming(tmp_path, files, capsys):
+    from swift_mcore import preprocess
+
+    folder = tmp_path / "prepared"
+    assert preprocess.main(["sft", "--dataset", str(files["jsonl"][0]), "--streaming",
+                            "--output_dir", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--streaming reads the files while training; `preprocess sft` " \
+        "tokenizes them whole" in err[0], err
+    assert not folder.exists()
