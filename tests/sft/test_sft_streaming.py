@@ -304,3 +304,16 @@ def test_preprocess_sft_refuses_streaming(tmp_path, files, capsys):
     assert len(err) == 1 and "--streaming reads the files while training; `preprocess sft` " \
         "tokenizes them whole" in err[0], err
     assert not folder.exists()
+
+
+def test_validation_files_are_read_whole_beside_a_stream(tmp_path, files, sft_here):
+    """--val_dataset with --streaming: validation runs on the files read whole (packed as
+    the stream is), and its loss is logged."""
+    sft_here(tmp_path / "out", "--dataset", *map(str, files["jsonl"]), *DATA,
+             "--micro_batch_size", "2", "--packing", "--num_workers", "0", "--train_iters",
+             "2", "--eval_steps", "2", "--eval_iters", "1", "--val_dataset",
+             str(files["jsonl"][1]), "--no_save")
+    records = [json.loads(line) for line in
+               (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    valid = [r for r in records if r["split"] == "valid"]
+    assert [r["iteration"] for r in valid] == [2] and valid[0]["val_loss"] > 0
