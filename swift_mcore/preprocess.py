@@ -193,8 +193,11 @@ def parse_sft(argv: List[str]):
     if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in argv):
         raise ArgumentError("--output_dir is required (the folder to write; "
                             "then train with `swift-mcore sft --cached_dataset FOLDER`)")
-    config = resolve(parse_args(argv, prog="swift-mcore preprocess sft", cls=SftArguments),
-                     world_size=1, cuda=False)
+    args = parse_args(argv, prog="swift-mcore preprocess sft", cls=SftArguments)
+    if args.sft.streaming:
+        raise ArgumentError("--streaming reads the files while training; `preprocess sft` "
+                            "tokenizes them whole into --output_dir: leave --streaming out")
+    config = resolve(args, world_size=1, cuda=False)
     s, folder = config.sft, config.logging.output_dir
     if s.cached_dataset:
         raise ArgumentError("--cached_dataset is what it writes; give "

@@ -219,3 +219,11 @@ def test_optimizer_memory_smoke():
     assert plain["state_bytes_per_rank"] == [8 * plain["parameters"]] * 2
     assert sum(sharded["state_bytes_per_rank"]) == 8 * sharded["parameters"]
     assert 0.5 <= ratios["distributed_over_plain_per_rank"]["2"] < 0.51
+
+
+def test_sft_stream_loader_smoke():
+    result = run_script("sft_stream_loader.py", "--rows", "300", "--batches", "4",
+                        "--repeats", "1", "--shuffle_buffer_size", "16")[-1]
+    assert len(result["streaming_tokens_per_s"]) == len(result["cached_tokens_per_s"]) == 1
+    assert measured(result["streaming_median"], result["cached_median"],
+                    result["streaming_vs_cached"], result["streaming_vs_1b_h200_training"])

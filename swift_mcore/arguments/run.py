@@ -362,6 +362,9 @@ class RunArguments:
         if s is not None and s.cached_dataset:
             raise ArgumentError("--cached_dataset with a vision-language model: not supported "
                                 "yet (its images are read with --dataset)")
+        if s is not None and getattr(s, "streaming", False):
+            raise ArgumentError("--streaming with a vision-language model: not supported yet "
+                                "(its image rows are read whole with --dataset)")
         if s is not None and s.max_pixels and s.min_pixels and s.min_pixels > s.max_pixels:
             raise ArgumentError(f"--min_pixels {s.min_pixels} is above --max_pixels "
                                 f"{s.max_pixels}")

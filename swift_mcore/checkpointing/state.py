@@ -20,9 +20,15 @@ class TrainState:
     best_value: Optional[float] = None
     best_iteration: Optional[int] = None
     evals_without_improvement: int = 0
+    # --streaming (data/streaming.py): the stream's position after consumed_train_samples
+    # (reader offsets, shuffle generator, the locators of the rows held); None otherwise.
+    data_stream: Optional[Dict[str, Any]] = None
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        values = asdict(self)
+        if values["data_stream"] is None:  # train_state.json of other runs stays as it was
+            del values["data_stream"]
+        return values
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "TrainState":
@@ -40,9 +46,15 @@ class TrainState:
         return cls(**values)
 
 
+def _mapping(value) -> Dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"data_stream is a {type(value).__name__}, not an object")
+    return value
+
+
 REQUIRED = ("iteration", "consumed_train_samples", "consumed_valid_samples",
             "skipped_train_samples", "floating_point_operations_so_far")
 _TYPES = {"iteration": int, "consumed_train_samples": int, "consumed_valid_samples": int,
           "skipped_train_samples": int, "floating_point_operations_so_far": float,
           "best_metric": str, "best_greater_is_better": bool, "best_value": float,
-          "best_iteration": int, "evals_without_improvement": int}
+          "best_iteration": int, "evals_without_improvement": int, "data_stream": _mapping}

@@ -119,6 +119,8 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
                                 f"--seq_length or use --truncation_strategy left|right")
         return encoded
 
+    if s.streaming:
+        return _streaming(config, tokenizer, template, columns, log, encode)
     if s.cached_dataset:
         from .token_cache import load_sft_dataset
 
@@ -165,6 +167,47 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
     return dataset(train, "train"), dataset(valid, "valid"), None
 
 
+def _collator(config, tokenizer, name: str) -> SftDataset:
+    """An SftDataset without rows: its ``collate`` batches rows the same way for any data."""
+    pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
+    pad_multiple = (config.parallel.tensor_model_parallel_size
+                    if config.parallel.sequence_parallel else 1)
+    return SftDataset(None, [], config.model.seq_length, pad_id, config.sft.packing,
+                      config.parallel.pipeline_model_parallel_size > 1, name, pad_multiple)
+
+
+def _streaming(config, tokenizer, template, columns, log, encode):
+    """--streaming: (the stream, the validation set read whole, None)."""
+    from .streaming import StreamingSftDataset, check_stream_sources
+
+    s = config.sft
+    sources = list(config.dataset_sources)
+    check_stream_sources(sources)
+    fingerprint = sft_fingerprint(config, tokenizer, template)
+    train = StreamingSftDataset(
+        sources, columns, template, s.loss_on, config.model.seq_length,
+        s.truncation_strategy, s.packing, s.shuffle_buffer_size, config.training.seed,
+        _collator(config, tokenizer, f"{fingerprint}:train"), f"{fingerprint}:train")
+    log(f"sft data --dataset: streamed from {len(sources)} file(s) through a shuffle buffer "
+        f"of {s.shuffle_buffer_size} rows{', packed' if s.packing else ''} "
+        f"(template: {template.describe()})")
+    valid = None
+    if config.val_dataset_sources:
+        encoded = encode(list(config.val_dataset_sources), "--val_dataset")
+        if s.packing:
+            from .token_cache import cached_pack_plan
+
+            rows = cached_pack_plan(encoded.positions(), config.model.seq_length)
+        else:
+            n = len(encoded)
+            rows = (np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
+        collator = _collator(config, tokenizer, f"{fingerprint}:valid")
+        valid = SftDataset(encoded, rows, collator.seq_length, collator.pad_id, s.packing,
+                           collator.pad_to_seq_length, collator.fingerprint,
+                           collator.pad_multiple)
+    return train, valid, None
+
+
 def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> str:
     """Identity of a run's finetuning data, from the files alone (no encoding): their
     content, the tokenizer, the chat template and the flags that change the rows."""
@@ -182,6 +225,13 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
 
         train = load_sft_dataset(s.cached_dataset, template, s.loss_on,
                                  column_map(s.columns))[1]["sources"]
+    elif s.streaming:
+        # A stream's files are too large to hash whole at every start: their sizes and
+        # ends here, the rows a resumed stream re-reads checked on top (streaming.py).
+        from .streaming import check_stream_sources, stream_identity
+
+        check_stream_sources(config.dataset_sources)
+        train = stream_identity(config.dataset_sources)
     else:
         train = content_fingerprint(config.dataset_sources)
     identity = {
@@ -204,6 +254,12 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
     for key in ("max_pixels", "min_pixels"):  # images' sizes (data/multimodal.py), when set
         if getattr(s, key, None) is not None:
             identity[key] = getattr(s, key)
+    if s.streaming:  # another order of the same rows: a checkpoint of either resumes only so
+        from .streaming import OPEN_ROWS, STREAM_VERSION
+
+        identity["streaming"] = {"version": STREAM_VERSION, "seed": config.training.seed,
+                                 "shuffle_buffer_size": s.shuffle_buffer_size,
+                                 "open_rows": OPEN_ROWS}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 

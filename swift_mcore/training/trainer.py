@@ -111,7 +111,10 @@ class Trainer:
         # The datasets (not their iterators) come before the model: bad data stops the run
         # first, and --num_train_epochs needs the training set's size.
         self.train_ds, self.valid_ds, self.test_ds = self.build_datasets()
-        self.config = config = plan.complete(self.tokenizer.vocab_size, len(self.train_ds))
+        # A stream (--streaming) has no length: its run gives --train_iters.
+        streaming = getattr(self.train_ds, "streaming", False)
+        self.config = config = plan.complete(self.tokenizer.vocab_size,
+                                             None if streaming else len(self.train_ds))
         self.check_validation_data()
         # Trackers start before the model is built: one that cannot start stops the run
         # before any training, with one line.
@@ -137,8 +140,11 @@ class Trainer:
         self.scheduler = build_scheduler(config, self.optimizer)
         self.state = self.checkpoints.restore(self.model, self.optimizer, self.scheduler)
         best.adopt(self.state, config.checkpoint, log=self.writer_print_early)
-        self.train_iterator = self.build_iterator(self.train_ds,
-                                                  self.state.consumed_train_samples)
+        if streaming:
+            self.train_iterator = self.build_stream_iterator()
+        else:
+            self.train_iterator = self.build_iterator(self.train_ds,
+                                                      self.state.consumed_train_samples)
         self.valid_iterator = self.build_iterator(self.valid_ds,
                                                   self.state.consumed_valid_samples)
         self.writer = self.build_writer()
@@ -230,6 +236,17 @@ class Trainer:
         return build_data_iterator(
             dataset, consumed_samples, self.config,
             dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size())
+
+    def build_stream_iterator(self):
+        """--streaming: the stream continued from the checkpoint's position
+        (TrainState.data_stream; data/streaming.py), which it keeps current."""
+        from megatron.core import parallel_state
+        from ..data.streaming import build_stream_iterator
+
+        return build_stream_iterator(
+            self.train_ds, self.state.consumed_train_samples, self.state.data_stream,
+            self.config, dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size())
 
     def build_writer(self) -> MetricWriter:
@@ -405,6 +422,8 @@ class Trainer:
         state, gbs = self.state, self.config.training.global_batch_size
         state.iteration += 1
         state.consumed_train_samples += gbs
+        # --streaming: the stream's position after the batch just trained, saved with it
+        state.data_stream = getattr(self.train_iterator, "position", state.data_stream)
         if step.get("skipped"):
             state.skipped_train_samples += gbs
         # Real tokens where this rank knows them (the last pipeline stage), else a full batch.

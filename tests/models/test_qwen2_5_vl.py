@@ -447,6 +447,11 @@ def test_freeze_flags_are_checked(vl_folder):
     with pytest.raises(ArgumentError, match="without pipeline stages"):
         resolve(RunArguments.from_flags(model=str(vl_folder), pipeline_model_parallel_size=2,
                                         num_layers=2), world_size=2)
+    from swift_mcore.arguments.sft import SftArguments
+
+    with pytest.raises(ArgumentError, match="--streaming with a vision-language model"):
+        resolve(SftArguments.from_flags(model=str(vl_folder), streaming=True, train_iters=2,
+                                        dataset=["rows.jsonl"]), world_size=1)
 
 
 def test_packed_image_rows_give_each_samples_logits(gloo_group, vl_folder):

@@ -1,0 +1,520 @@
+"""Streaming sft data (--streaming): files read lazily, shuffled in a seeded buffer, encoded, packed, with an exact position.
+
+The stream is one global sequence of training rows, the same on every rank and for any
+number of ranks: the files are read in order (epoch after epoch), each row read goes
+through a shuffle buffer of --shuffle_buffer_size rows (a seeded draw picks the row to emit
+and the row read next takes its slot), an emitted row is encoded into its samples (fitted
+to --seq_length as the cached path fits them), and the samples become training rows one
+each, or, with --packing, are packed best-fit into a few open rows (the fullest is emitted
+when none has room). Global position ``p`` is the ``p``-th training row; iteration ``i``
+trains positions ``[i*GBS, (i+1)*GBS)`` and data-parallel rank ``r`` its slice of them
+(sampler.micro_batches), as for the map-style datasets.
+
+The position is small and exact: where the reader is (epoch, file, row, byte offset), the
+shuffle's generator state, and the locators (file, row, byte offset) of the rows held in
+the buffer, in the open packed rows and in rows encoded but not yet trained. A resumed run
+re-reads those few rows by their locators and continues with the very next training row;
+nothing is replayed from the start and nothing is skipped. Each rank computes the whole
+global stream (reading and encoding every row) and keeps its own slice: the position does
+not depend on the number of ranks, so a run may resume on another data-parallel size.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..errors import ArgumentError, CheckpointError
+from ..input_files import check_regular, loads
+from .sources import SAVED, Source
+
+# Part of the stream's identity: change it whenever the order or the rows a stream yields
+# change for the same files and flags.
+STREAM_VERSION = 1
+# Packed rows kept open at once: a sample goes to the open row it fills best; with none
+# with room left, the fullest row is emitted.
+OPEN_ROWS = 8
+# Bytes hashed at each end of a file for its identity (with its size): a stream's files are
+# too large to hash whole at every start.
+EDGE_BYTES = 1 << 20
+
+Locator = Tuple[int, int, int]  # (file index, row index in the file, byte offset)
+
+
+def check_stream_sources(sources: Sequence[Source], flag: str = "--dataset") -> None:
+    """--streaming reads JSON lines, Parquet and saved datasets folders (readable from any
+    row without reading what comes before)."""
+    for source in sources:
+        suffix = os.path.splitext(source.path)[1].lower()
+        if source.kind == SAVED or source.kind == "parquet" or (
+                source.kind == "json" and suffix == ".jsonl"):
+            continue
+        raise ArgumentError(f"{flag} {source.path}: --streaming reads .jsonl, .parquet and "
+                            f"saved datasets folders (it resumes from a row without reading "
+                            f"the file up to it); convert it, or train without --streaming")
+
+
+def stream_identity(sources: Sequence[Source]) -> List[list]:
+    """Per file: its kind, size and the sha256 of its first and last MiB. Cheap for files
+    too large to hash whole; the rows a resumed stream re-reads are checked besides
+    (``Stream.restore``)."""
+    from .sources import _files_of
+
+    identity = []
+    for source in sources:
+        for path in _files_of(source):
+            size = os.path.getsize(path)
+            digest = hashlib.sha256()
+            with open(path, "rb") as fh:
+                digest.update(fh.read(EDGE_BYTES))
+                if size > EDGE_BYTES:
+                    fh.seek(max(EDGE_BYTES, size - EDGE_BYTES))
+                    digest.update(fh.read(EDGE_BYTES))
+            rel = os.path.relpath(path, source.path) if source.kind == SAVED else ""
+            identity.append([source.kind, rel, size, digest.hexdigest()])
+    return identity
+
+
+def _digest(row) -> str:
+    return hashlib.sha1(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# ---- reading rows from a position ---------------------------------------------------------
+
+class RowReader:
+    """Rows of the sources from a position on, and single rows by their locators."""
+
+    def __init__(self, sources: Sequence[Source], flag: str = "--dataset"):
+        self.sources = list(sources)
+        self.flag = flag
+        self._saved: Dict[int, object] = {}
+
+    def where(self, loc: Locator) -> str:
+        return f"{self.flag} {self.sources[loc[0]].path}, row {loc[1]}"
+
+    def rows(self, file: int, row: int, offset: int) -> Iterator[Tuple[Locator, tuple, dict]]:
+        """(locator, the position after it, row) from (file, row, offset) to the end of the
+        last file."""
+        for index in range(file, len(self.sources)):
+            start = (row, offset) if index == file else (0, 0)
+            kind = self.sources[index].kind
+            read = (self._jsonl if kind == "json" else self._parquet if kind == "parquet"
+                    else self._saved_rows)
+            yield from read(index, *start)
+
+    def _jsonl(self, index: int, row: int, offset: int):
+        path = self.sources[index].path
+        check_regular(path, f"{self.flag} {path}")
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            while True:
+                line = fh.readline()
+                if not line:
+                    return
+                here, offset = offset, offset + len(line)
+                if not line.strip():
+                    continue
+                loc = (index, row, here)
+                yield loc, (index, row + 1, offset), self._parse(line, loc)
+                row += 1
+
+    def _parse(self, line: bytes, loc: Locator) -> dict:
+        value = loads(line, self.where(loc))
+        if not isinstance(value, dict):
+            raise ArgumentError(f"{self.where(loc)}: a JSON {type(value).__name__}, not an "
+                                f"object (one conversation per line)")
+        return value
+
+    def _parquet_file(self, index: int):
+        import pyarrow.parquet as pq
+
+        path = self.sources[index].path
+        check_regular(path, f"{self.flag} {path}")
+        try:
+            return pq.ParquetFile(path)
+        except Exception as err:  # pyarrow raises several types for a file it cannot read
+            raise ArgumentError(f"{self.flag} {path}: cannot be read as parquet data "
+                                f"({type(err).__name__}: {str(err)[:200]})") from None
+
+    def _parquet(self, index: int, row: int, _offset: int):
+        pf = self._parquet_file(index)
+        first = 0
+        for group in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(group).num_rows
+            if row < first + n:
+                rows = pf.read_row_group(group).to_pylist()
+                for i in range(row - first, n):
+                    yield (index, first + i, 0), (index, first + i + 1, 0), rows[i]
+                row = first + n
+            first += n
+
+    def _dataset(self, index: int):
+        if index not in self._saved:
+            from .sources import _open_saved
+
+            self._saved[index] = _open_saved(self.sources[index], self.flag)
+        return self._saved[index]
+
+    def _saved_rows(self, index: int, row: int, _offset: int):
+        data = self._dataset(index)
+        for start in range(row, len(data), 256):
+            batch = data[start:start + 256]
+            names = list(batch)
+            for i, values in enumerate(zip(*(batch[n] for n in names))):
+                yield ((index, start + i, 0), (index, start + i + 1, 0),
+                       dict(zip(names, values)))
+
+    def fetch(self, locators: Sequence[Locator]) -> Dict[Locator, dict]:
+        """The rows at ``locators`` (each read directly, not from its file's start)."""
+        found: Dict[Locator, dict] = {}
+        by_file = collections.defaultdict(list)
+        for loc in locators:
+            by_file[loc[0]].append(tuple(loc))
+        for index, locs in by_file.items():
+            if not 0 <= index < len(self.sources):
+                raise CheckpointError(f"the stream position names file {index}, but "
+                                      f"--dataset has {len(self.sources)} files")
+            kind = self.sources[index].kind
+            if kind == "json":
+                path = self.sources[index].path
+                with open(path, "rb") as fh:
+                    for loc in locs:
+                        fh.seek(loc[2])
+                        found[loc] = self._parse(fh.readline(), loc)
+            elif kind == "parquet":
+                pf = self._parquet_file(index)
+                bounds = np.cumsum([0] + [pf.metadata.row_group(g).num_rows
+                                          for g in range(pf.metadata.num_row_groups)])
+                groups: Dict[int, list] = {}
+                for loc in locs:
+                    group = int(np.searchsorted(bounds, loc[1], side="right")) - 1
+                    if not 0 <= group < pf.metadata.num_row_groups:
+                        raise CheckpointError(f"the stream position names {self.where(loc)}, "
+                                              f"which the file does not have")
+                    if group not in groups:
+                        groups[group] = pf.read_row_group(group).to_pylist()
+                    found[loc] = groups[group][loc[1] - bounds[group]]
+            else:
+                data = self._dataset(index)
+                for loc in locs:
+                    if loc[1] >= len(data):
+                        raise CheckpointError(f"the stream position names {self.where(loc)}, "
+                                              f"which the dataset does not have")
+                    found[loc] = data[loc[1]]
+        return found
+
+
+# ---- the global stream --------------------------------------------------------------------
+
+class Sample:
+    """One fitted sample of an encoded row: where it came from and its arrays."""
+
+    __slots__ = ("loc", "k", "digest", "ids", "targets")
+
+    def __init__(self, loc, k, digest, ids, targets):
+        self.loc, self.k, self.digest, self.ids, self.targets = loc, k, digest, ids, targets
+
+    @property
+    def positions(self) -> int:
+        return len(self.ids) - 1
+
+    def ref(self) -> list:
+        return [*self.loc, self.k]
+
+
+class Stream:
+    """The global sequence of training rows (lists of Samples), with a position that
+    ``state()`` captures and ``Stream(..., state)`` continues from exactly."""
+
+    def __init__(self, sources, columns: Dict[str, str], template, loss_on: str,
+                 seq_length: int, truncation: str, packing: bool, buffer_size: int,
+                 seed: int, state: Optional[dict] = None, flag: str = "--dataset"):
+        self.reader = RowReader(sources, flag)
+        self.columns, self.template, self.loss_on = columns, template, loss_on
+        self.seq_length, self.truncation, self.packing = seq_length, truncation, packing
+        self.buffer_size = buffer_size
+        self.rng = np.random.default_rng([seed, 0x57E4])
+        self.epoch, self.next_pos = 0, (0, 0, 0)
+        self.buffer: List[Tuple[Locator, dict, str]] = []
+        self.queue: collections.deque = collections.deque()  # training rows ready
+        self.open_rows: List[List[Sample]] = []
+        self.position = 0
+        self._rows: Optional[Iterator] = None
+        self._empty_rows = 0
+        self._pass_rows: Optional[int] = None
+        self._rows_this_pass = 0
+        self._whole_pass = False
+        if state:
+            self._restore(state)
+
+    # -- reading and shuffling
+    def _read(self) -> Tuple[Locator, dict, str]:
+        for _attempt in range(2):
+            if self._rows is None:
+                self._whole_pass = self.next_pos == (0, 0, 0)
+                self._rows = self.reader.rows(*self.next_pos)
+            for loc, after, row in self._rows:
+                self.next_pos = after
+                self._rows_this_pass += 1
+                return loc, row, _digest(row)
+            # the files are at their end: the next epoch reads them again
+            if self._whole_pass:
+                self._pass_rows = self._rows_this_pass
+            self.epoch, self.next_pos, self._rows = self.epoch + 1, (0, 0, 0), None
+            self._rows_this_pass = 0
+        raise ArgumentError(f"{self.reader.flag}: no rows to stream (the files are empty)")
+
+    def _next_row(self) -> Tuple[Locator, dict, str]:
+        while len(self.buffer) < self.buffer_size:
+            self.buffer.append(self._read())
+        slot = int(self.rng.integers(self.buffer_size))
+        row = self.buffer[slot]
+        self.buffer[slot] = self._read()
+        return row
+
+    # -- encoding
+    def _samples(self, loc: Locator, row: dict, digest: str) -> List[Sample]:
+        from .conversations import _refuse_media, to_conversation
+        from .sft_samples import Tokenized, _flat, encode_chunk
+
+        where = self.reader.where(loc)
+        row = {self.columns.get(k, k): v for k, v in row.items()}
+        _refuse_media(row, where)
+        ids, targets, lengths, answers, split = encode_chunk(
+            [to_conversation(row, where)], self.template, self.loss_on)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum(lengths)
+        parts = [(ids[a:b], targets[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+        fitted = Tokenized(_flat(parts), answers, 1, split).fit(self.seq_length,
+                                                                self.truncation)
+        return [Sample(tuple(loc), k, digest, *fitted.sample(k)) for k in range(len(fitted))]
+
+    def _add(self, sample: Sample) -> None:
+        if not self.packing:
+            self.queue.append([sample])
+            return
+        room = [self.seq_length - sum(s.positions for s in r) for r in self.open_rows]
+        fits = [i for i, left in enumerate(room) if left >= sample.positions]
+        if fits:
+            self.open_rows[min(fits, key=lambda i: (room[i], i))].append(sample)
+            return
+        if len(self.open_rows) >= OPEN_ROWS:
+            fullest = min(range(len(room)), key=lambda i: (room[i], i))
+            self.queue.append(self.open_rows.pop(fullest))
+        self.open_rows.append([sample])
+
+    def next_item(self) -> List[Sample]:
+        """The next training row (its samples) of the global stream."""
+        while not self.queue:
+            loc, row, digest = self._next_row()
+            samples = self._samples(loc, row, digest)
+            self._empty_rows = 0 if samples else self._empty_rows + 1
+            if self._pass_rows and self._empty_rows > 2 * (self._pass_rows + self.buffer_size):
+                raise ArgumentError(f"{self.reader.flag}: no conversation is left to train "
+                                    f"on; raise --seq_length or use --truncation_strategy "
+                                    f"left|right")
+            for sample in samples:
+                self._add(sample)
+        self.position += 1
+        return self.queue.popleft()
+
+    # -- the position
+    def state(self) -> dict:
+        """The exact position, as JSON-ready values: what follows it is the same in a stream
+        built from it as in this one."""
+        held = [entry[2] for entry in self.buffer]
+        held += [s.digest for item in self.queue for s in item]
+        held += [s.digest for item in self.open_rows for s in item]
+        return {
+            "version": STREAM_VERSION, "position": self.position, "epoch": self.epoch,
+            "next": list(self.next_pos), "rng": self.rng.bit_generator.state,
+            "buffer": [list(entry[0]) for entry in self.buffer],
+            "queue": [[s.ref() for s in item] for item in self.queue],
+            "open_rows": [[s.ref() for s in item] for item in self.open_rows],
+            "rows_digest": hashlib.sha256("".join(held).encode()).hexdigest(),
+        }
+
+    def _restore(self, state: dict) -> None:
+        try:
+            if state.get("version") != STREAM_VERSION:
+                raise CheckpointError(f"the stream position has version "
+                                      f"{state.get('version')!r}; this swift-mcore reads "
+                                      f"version {STREAM_VERSION}")
+            self.position, self.epoch = int(state["position"]), int(state["epoch"])
+            self.next_pos = tuple(int(v) for v in state["next"])
+            self.rng.bit_generator.state = state["rng"]
+            buffer = [tuple(int(v) for v in loc) for loc in state["buffer"]]
+            queue = [[tuple(int(v) for v in ref) for ref in item] for item in state["queue"]]
+            open_rows = [[tuple(int(v) for v in ref) for ref in item]
+                         for item in state["open_rows"]]
+            expected = str(state["rows_digest"])
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"the stream position in the checkpoint is malformed "
+                                  f"({type(err).__name__}: {err})") from None
+        refs = [ref for item in queue + open_rows for ref in item]
+        rows = self.reader.fetch(buffer + [ref[:3] for ref in refs])
+        digests = {loc: _digest(row) for loc, row in rows.items()}
+        self.buffer = [(loc, rows[loc], digests[loc]) for loc in buffer]
+        encoded: Dict[Locator, List[Sample]] = {}
+
+        def sample(ref) -> Sample:
+            loc = ref[:3]
+            if loc not in encoded:
+                encoded[loc] = self._samples(loc, rows[loc], digests[loc])
+            if ref[3] >= len(encoded[loc]):
+                raise CheckpointError(f"the stream position names sample {ref[3]} of "
+                                      f"{self.reader.where(loc)}, which has "
+                                      f"{len(encoded[loc])}: the data changed")
+            return encoded[loc][ref[3]]
+
+        self.queue = collections.deque([sample(r) for r in item] for item in queue)
+        self.open_rows = [[sample(r) for r in item] for item in open_rows]
+        if self.state()["rows_digest"] != expected:
+            raise CheckpointError("the rows the stream held at the checkpoint (its shuffle "
+                                  "buffer and rows not yet trained) differ from those in "
+                                  "--dataset now: the data changed since the checkpoint; "
+                                  "resume on the same files")
+
+
+# ---- training rows and the per-rank iterator ----------------------------------------------
+
+def row_arrays(samples: List[Sample]) -> Dict[str, np.ndarray]:
+    """A training row of samples laid end to end (SftDataset.__getitem__'s fields)."""
+    tokens, labels, mask, positions, segments = [], [], [], [], []
+    for segment, s in enumerate(samples):
+        tokens.append(s.ids[:-1])
+        labels.append(s.ids[1:])
+        mask.append(s.targets[1:])
+        positions.append(np.arange(len(s.ids) - 1))
+        segments.append(np.full(len(s.ids) - 1, segment))
+    return {"tokens": np.concatenate(tokens), "labels": np.concatenate(labels),
+            "loss_mask": np.concatenate(mask), "position_ids": np.concatenate(positions),
+            "segment_ids": np.concatenate(segments)}
+
+
+class StreamingSftDataset:
+    """--streaming's training data: the stream's definition (files, template, flags), no
+    length. ``collate`` is SftDataset's (``collator``)."""
+
+    streaming = True
+
+    def __init__(self, sources, columns, template, loss_on: str, seq_length: int,
+                 truncation: str, packing: bool, buffer_size: int, seed: int, collator,
+                 fingerprint: str):
+        self.sources, self.columns, self.template = list(sources), columns, template
+        self.loss_on, self.seq_length, self.truncation = loss_on, seq_length, truncation
+        self.packing, self.buffer_size, self.seed = packing, buffer_size, seed
+        self.collator = collator
+        self.fingerprint = fingerprint
+
+    def stream(self, state: Optional[dict] = None) -> Stream:
+        return Stream(self.sources, self.columns, self.template, self.loss_on,
+                      self.seq_length, self.truncation, self.packing, self.buffer_size,
+                      self.seed, state)
+
+
+class _RankBatches(torch.utils.data.IterableDataset):
+    """This rank's micro-batches of the global stream, from a position on. The last
+    micro-batch of each global batch carries the stream's position after that batch
+    (``stream_state``); a row that cannot be read or encoded arrives as ``error``."""
+
+    def __init__(self, dataset: StreamingSftDataset, state, consumed: int, mbs: int,
+                 gbs: int, dp_rank: int, dp_size: int):
+        self.dataset, self.state, self.consumed = dataset, state, consumed
+        self.mbs, self.gbs, self.dp_rank, self.dp_size = mbs, gbs, dp_rank, dp_size
+
+    def __iter__(self):
+        from .sampler import micro_batches
+
+        try:
+            stream = self.dataset.stream(self.state)
+            positions = micro_batches(self.consumed, self.mbs, self.gbs, self.dp_rank,
+                                      self.dp_size)
+            per_batch = self.gbs // (self.mbs * self.dp_size)
+            batch_start = self.consumed
+            while True:
+                items = [stream.next_item() for _ in range(self.gbs)]
+                state = stream.state()
+                for m in range(per_batch):
+                    mine = next(positions)
+                    batch = self.dataset.collator.collate(
+                        [row_arrays(items[p - batch_start]) for p in mine])
+                    batch["sample_ids"] = torch.tensor(mine, dtype=torch.int64)
+                    if m == per_batch - 1:
+                        batch["stream_state"] = state
+                    yield batch
+                batch_start += self.gbs
+        except (ArgumentError, CheckpointError) as err:
+            yield {"error": str(err), "kind": type(err).__name__}
+
+
+class StreamIterator:
+    """The trainer's iterator over a stream: hands out micro-batches and keeps the position
+    of the last global batch handed out whole (``position``, saved with checkpoints)."""
+
+    def __init__(self, iterator, position: Optional[dict]):
+        self._iterator = iterator
+        self.position = position
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._iterator)
+        if "error" in batch:
+            # The worker's stream has ended; end the worker too, now: it ignores SIGTERM
+            # (loader.ignore_stop_signals), and a caller that goes on (an API user's
+            # script) would otherwise leave it for the interpreter's exit to wait on.
+            shutdown = getattr(self._iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            cls = CheckpointError if batch.get("kind") == "CheckpointError" else ArgumentError
+            raise cls(batch["error"])
+        state = batch.pop("stream_state", None)
+        if state is not None:
+            self.position = state
+        return batch
+
+
+def build_stream_iterator(dataset: StreamingSftDataset, consumed_samples: int,
+                          position: Optional[dict], config, dp_rank: int = 0,
+                          dp_size: int = 1) -> StreamIterator:
+    """The training iterator of a streaming run, continuing from a checkpoint's stream
+    ``position`` (None: from the start). The position is checked here, in the main process,
+    before any step: it must be the one of ``consumed_samples``, and the rows it holds
+    must read back unchanged."""
+    from .loader import close_workers_at_exit, ignore_stop_signals
+
+    if consumed_samples and position is None:
+        raise CheckpointError(f"the checkpoint holds no stream position (it was not saved by "
+                              f"a --streaming run) but {consumed_samples} samples were "
+                              f"trained; resume it without --streaming")
+    if position is not None:
+        at = position.get("position") if isinstance(position, dict) else None
+        if at != consumed_samples:
+            raise CheckpointError(f"the checkpoint's stream position is at sample {at}, its "
+                                  f"counters at {consumed_samples}: the checkpoint is "
+                                  f"inconsistent")
+        dataset.stream(position)  # re-reads the held rows: a changed file stops here
+    workers = int(config.data.num_workers)
+    loader = torch.utils.data.DataLoader(
+        _RankBatches(dataset, position, consumed_samples, config.training.micro_batch_size,
+                     config.training.global_batch_size, dp_rank, dp_size),
+        batch_size=None, num_workers=workers,
+        worker_init_fn=ignore_stop_signals if workers > 0 else None,
+        prefetch_factor=2 if workers > 0 else None, pin_memory=config.cuda,
+        # iter() draws the workers' base seed from this generator, not from the global torch
+        # RNG, which a resumed run has just restored (the dropout stream)
+        generator=torch.Generator().manual_seed(config.training.seed))
+    iterator = iter(loader)
+    if workers > 0:
+        close_workers_at_exit(iterator)
+    return StreamIterator(iterator, position)
