@@ -96,14 +96,19 @@ class DpoTrainer(Trainer):
 
             def forward(batch):
                 batch = {k: v.to(device) for k, v in batch.items()}
+                mask = None
+                if "segment_ids" in batch:  # --packing
+                    from ..data.packing import block_causal_mask
+
+                    mask = block_causal_mask(batch["segment_ids"])
                 # the frozen copy, or the LoRA policy with its adapters off
                 frozen = self.reference[0] if self.reference is not None else None
                 with torch.no_grad(), (contextlib.nullcontext(frozen) if frozen is not None
                                        else self.reference_of(chunks[0])) as reference:
                     losses = reference(input_ids=batch["tokens"],
                                        position_ids=batch["position_ids"],
-                                       attention_mask=None, labels=batch["labels"])
-                return -(losses.float() * batch["loss_mask"]).sum(1)
+                                       attention_mask=mask, labels=batch["labels"])
+                return sequence_sums(-(losses.float() * batch["loss_mask"]), batch)
 
             table = ref_log_probs.compute(self.train_ds, self.config.training.micro_batch_size,
                                           forward)
@@ -163,14 +168,15 @@ class DpoTrainer(Trainer):
     def forward_step(self, data_iterator, model):
         batch = self.get_batch(data_iterator)
         inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                      attention_mask=None, labels=batch["labels"])
+                      attention_mask=batch.get("attention_mask"), labels=batch["labels"])
         if self.ref_table is not None:
             ref = self.ref_table[batch["pair_index"].cpu()]
             batch["ref_logps"] = torch.cat([ref[:, 0], ref[:, 1]]).to(batch["tokens"].device)
         elif not self.config.rlhf.reference_free:
             with torch.no_grad(), self.reference_of(model) as reference:
                 ref_losses = reference(**inputs)
-            batch["ref_logps"] = -(ref_losses.float() * batch["loss_mask"]).sum(1)
+            batch["ref_logps"] = sequence_sums(-(ref_losses.float() * batch["loss_mask"]),
+                                               batch)
         output = model(**inputs)
         return output, partial(self.compute_loss, batch)
 
@@ -178,14 +184,16 @@ class DpoTrainer(Trainer):
         """(sum of the pairs' losses, pair count, report): megatron divides the gradients by
         the global batch's pairs, so the loss is the mean over pairs, as TRL's."""
         mask = batch["loss_mask"].float()
-        logps = -(output_tensor.float() * mask).sum(1)
+        logps = sequence_sums(-(output_tensor.float() * mask), batch)
         pairs = logps.shape[0] // 2
+        chosen_tokens = (mask[:pairs].sum() if "segment_ids" not in batch
+                         else sequence_sums(mask, batch)[:pairs].sum())
         ref = batch.get("ref_logps")
         if ref is None:
             ref = torch.zeros_like(logps)
         lengths = batch["completion_lengths"].to(logps.device)
         out = self.dpo(logps[:pairs], logps[pairs:], ref[:pairs], ref[pairs:],
-                       lengths[:pairs], lengths[pairs:], mask[:pairs].sum())
+                       lengths[:pairs], lengths[pairs:], chosen_tokens)
         loss_sum = out["loss"].sum()
         tokens = torch.as_tensor(batch.get("num_tokens", batch["tokens"].numel()),
                                  dtype=torch.float, device=logps.device)
@@ -238,6 +246,17 @@ class DpoTrainer(Trainer):
             extra = " | ".join(f"{n} {metrics[n]:.4f}" for n in names)
             line = format_log_line(it, total, metrics)
             self.writer.print(f"{line} | {extra}" if extra else line)
+
+
+def sequence_sums(values: torch.Tensor, batch) -> torch.Tensor:
+    """[rows, positions] -> one sum per sequence, chosen sequences first: a row's sum, or
+    with --packing (``segment_ids``: each position's sequence, -1 padding) each segment's."""
+    segments = batch.get("segment_ids")
+    if segments is None:
+        return values.sum(1)
+    real = segments >= 0
+    count = batch["completion_lengths"].numel()
+    return values.new_zeros(count).index_add(0, segments[real], values[real])
 
 
 def check_reference_folder(config, tokenizer_vocab: int) -> None:
