@@ -167,10 +167,26 @@ class RlhfArguments(RunArguments):
             raise ArgumentError("rlhf --packing does not run with --context_parallel_size > 1 "
                                 "yet; drop --packing or use --context_parallel_size 1")
         if p.pipeline_model_parallel_size > 1:
-            raise ArgumentError("rlhf does not run under --pipeline_model_parallel_size > 1 "
-                                "yet; use tensor or data parallelism")
+            self.check_pipeline()
         if p.sequence_parallel:
             raise ArgumentError("rlhf does not run with --sequence_parallel yet")
+
+    def check_pipeline(self) -> None:
+        """Pipeline parallelism runs DPO with the policy's and the reference's activations
+        passed between the stages side by side; what does not fit that is refused."""
+        r, pp = self.rlhf, self.parallel.pipeline_model_parallel_size
+        if r.rlhf_type != "dpo":
+            raise ArgumentError(f"--pipeline_model_parallel_size {pp} runs --rlhf_type dpo "
+                                f"only yet; --rlhf_type {r.rlhf_type}: use tensor or data "
+                                f"parallelism")
+        refused = [name for name, given in (
+            ("--packing", r.packing),
+            ("--precompute_ref_log_probs", r.precompute_ref_log_probs),
+            ("--num_virtual_stages_per_pipeline_rank", self.virtual_stages() is not None))
+            if given]
+        if refused:
+            raise ArgumentError(f"{refused[0]} with --pipeline_model_parallel_size {pp} is "
+                                f"not supported yet for rlhf; drop one of them")
 
     def check_task(self) -> None:
         """The flags of one --rlhf_type are refused with another (they would do nothing)."""

@@ -251,7 +251,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
 
     def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, np.ndarray]],
                  max_length: int, truncation_mode: str, pad_id: int, fingerprint: str,
-                 pad_multiple: int = 1, pack_to: Optional[int] = None):
+                 pad_multiple: int = 1, pack_to: Optional[int] = None,
+                 pad_to: Optional[int] = None):
+        """``pad_to``: every row's width (pipeline stages exchange one fixed shape)."""
         self.encoded = encoded
         self.max_length = max_length
         self.truncation_mode = truncation_mode
@@ -259,6 +261,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         self.fingerprint = fingerprint
         self.pad_multiple = pad_multiple
         self.pack_to = pack_to
+        self.pad_to = pad_to
 
     def __len__(self) -> int:
         return len(self.encoded)
@@ -298,6 +301,8 @@ class PreferenceDataset(torch.utils.data.Dataset):
         return batch
 
     def _rows(self, count: int, width: int) -> Dict[str, torch.Tensor]:
+        if self.pad_to is not None:
+            width = self.pad_to
         width = -(-width // self.pad_multiple) * self.pad_multiple
         return {
             "tokens": torch.full((count, width), self.pad_id, dtype=torch.long),
@@ -409,7 +414,9 @@ def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = pr
     pad_id = pad if pad is not None else tokenizer.eod
     train = PreferenceDataset(encoded, max_length, r.truncation_mode, pad_id,
                               f"{preference_fingerprint(config, tokenizer)}:train",
-                              pack_to=config.model.seq_length if _packing(config) else None)
+                              pack_to=config.model.seq_length if _packing(config) else None,
+                              pad_to=(config.model.seq_length
+                                      if config.world.pipeline_parallel > 1 else None))
     return train, None, None
 
 

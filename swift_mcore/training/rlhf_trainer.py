@@ -173,12 +173,33 @@ class DpoTrainer(Trainer):
             ref = self.ref_table[batch["pair_index"].cpu()]
             batch["ref_logps"] = torch.cat([ref[:, 0], ref[:, 1]]).to(batch["tokens"].device)
         elif not self.config.rlhf.reference_free:
+            # Under pipeline parallelism a stage receives the policy's rows, then the
+            # reference's, side by side on the batch axis, and passes them on so.
+            received = stage_input(model)
+            rows = batch["tokens"].shape[0]
             with torch.no_grad(), self.reference_of(model) as reference:
-                ref_losses = reference(**inputs)
-            batch["ref_logps"] = sequence_sums(-(ref_losses.float() * batch["loss_mask"]),
-                                               batch)
+                if received is not None:
+                    set_stage_input(reference, received[:, rows:])
+                ref_out = reference(**inputs)
+            if received is not None:
+                set_stage_input(model, received[:, :rows])
+            if is_last_stage(model):
+                batch["ref_logps"] = sequence_sums(-(ref_out.float() * batch["loss_mask"]),
+                                                   batch)
+            else:
+                return torch.cat([model(**inputs), ref_out], dim=1), \
+                    partial(self.compute_loss, batch)
         output = model(**inputs)
         return output, partial(self.compute_loss, batch)
+
+    def rows_per_micro_batch(self) -> int:
+        """A pair is two rows (chosen, rejected); under pipeline parallelism the reference's
+        rows travel beside the policy's."""
+        pairs = self.config.training.micro_batch_size
+        if self.config.world.pipeline_parallel == 1:
+            return pairs  # megatron reads it for the stages' exchanges only
+        in_loop = not self.config.rlhf.reference_free and self.ref_table is None
+        return 2 * pairs * (2 if in_loop else 1)
 
     def compute_loss(self, batch, output_tensor):
         """(sum of the pairs' losses, pair count, report): megatron divides the gradients by
@@ -246,6 +267,28 @@ class DpoTrainer(Trainer):
             extra = " | ".join(f"{n} {metrics[n]:.4f}" for n in names)
             line = format_log_line(it, total, metrics)
             self.writer.print(f"{line} | {extra}" if extra else line)
+
+
+def _stage_model(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def stage_input(chunk) -> Optional[torch.Tensor]:
+    """The activations a pipeline stage received for this micro-batch ([s, b, h]); None on
+    the first stage (and without pipeline parallelism)."""
+    model = _stage_model(chunk)
+    return None if model.pre_process else model.decoder.input_tensor
+
+
+def set_stage_input(chunk, tensor: torch.Tensor) -> None:
+    _stage_model(chunk).decoder.set_input_tensor(tensor)
+
+
+def is_last_stage(chunk) -> bool:
+    """Whether the chunk ends in the output layer (it returns per-token losses)."""
+    return bool(_stage_model(chunk).post_process)
 
 
 def sequence_sums(values: torch.Tensor, batch) -> torch.Tensor:
