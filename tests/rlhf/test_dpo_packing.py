@@ -100,3 +100,26 @@ def test_packing_is_refused_for_the_tasks_that_do_not_pack(task, tmp_path):
                                             rf"dpo\); --rlhf_type {task} does not pack yet: "
                                             rf"drop --packing$"):
         resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
+
+
+@pytest.mark.slow
+def test_a_packed_run_resumes_bit_exactly_and_refuses_unpacked_rows(tiny_hf, tmp_path,
+                                                                    gloo_group):
+    from swift_mcore.errors import CheckpointError
+    from swift_mcore.runtime import run_lock
+    from test_rlhf_resume import rlhf, rlhf_here, trained
+
+    folder, data = tiny_hf
+    rlhf_here(tmp_path / "whole", folder, data, "--packing")
+    split = tmp_path / "split"
+    rlhf_here(split, folder, data, "--packing", "--exit_interval", "2")
+    assert sorted(trained(split)) == [1, 2]
+    with pytest.raises(CheckpointError, match=r"training data \(content fingerprint\)"):
+        rlhf_here(split, folder, data, "--resume")  # the same pairs, unpacked
+    run_lock.release(str(split))
+    # the resume checked for exactness is a real process
+    proc = rlhf(split, folder, data, "--packing", "--resume")
+    assert "starting at iteration 2" in proc.stdout
+    whole = trained(tmp_path / "whole")
+    assert sorted(whole) == [1, 2, 3, 4]
+    assert trained(split) == whole  # bit-equal, the metrics included
