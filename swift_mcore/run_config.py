@@ -209,6 +209,10 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
         raise ArgumentError(
             "--packing with Transformer Engine passes each packed row as one variable-length "
             "batch (THD); set --micro_batch_size 1 and raise --seq_length instead")
+    if flags.COMMAND == "rlhf" and flags.rlhf.packing and packed_rows == "thd":
+        raise ArgumentError(
+            "rlhf --packing packs rows behind a block-causal mask, not Transformer Engine's "
+            "variable-length batches (THD) yet; use --attention_backend sdpa or drop --packing")
     check_context_parallel_hardware(flags, cuda, attention, packed_rows)
     p, t = flags.parallel, flags.training
     tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

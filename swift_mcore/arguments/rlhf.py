@@ -75,6 +75,10 @@ class RlhfGroupArguments:
         0.0, "simpo: add the NLL of the chosen answers with this weight (TRL's cpo_alpha; "
         "0 is SimPO as its paper defines it, TRL's CPOConfig default 1.0 is CPO-SimPO).",
         range=NON_NEGATIVE)
+    packing: bool = flag(
+        False, "dpo: lay each micro-batch's chosen and rejected sequences end to end in "
+        "--seq_length rows (attention never crosses one; position ids restart) instead of "
+        "padding every sequence to the longest; the losses are the unpacked ones.")
     truncation_mode: str = flag(
         "keep_start", "What a cut keeps of a sequence longer than --max_length: its start or "
         "its end (TRL's truncation_mode).", choices=TRUNCATION_MODES)
@@ -156,11 +160,33 @@ class RlhfArguments(RunArguments):
             raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} + 1 "
                                 f"(a sequence of n tokens trains n - 1 positions); raise "
                                 f"--seq_length or lower --max_length")
+        if r.packing and r.rlhf_type != "dpo":
+            raise ArgumentError(f"--packing packs DPO's pairs (--rlhf_type dpo); --rlhf_type "
+                                f"{r.rlhf_type} does not pack yet: drop --packing")
+        if r.packing and p.context_parallel_size > 1:
+            raise ArgumentError("rlhf --packing does not run with --context_parallel_size > 1 "
+                                "yet; drop --packing or use --context_parallel_size 1")
         if p.pipeline_model_parallel_size > 1:
-            raise ArgumentError("rlhf does not run under --pipeline_model_parallel_size > 1 "
-                                "yet; use tensor or data parallelism")
+            self.check_pipeline()
         if p.sequence_parallel:
             raise ArgumentError("rlhf does not run with --sequence_parallel yet")
+
+    def check_pipeline(self) -> None:
+        """Pipeline parallelism runs DPO with the policy's and the reference's activations
+        passed between the stages side by side; what does not fit that is refused."""
+        r, pp = self.rlhf, self.parallel.pipeline_model_parallel_size
+        if r.rlhf_type != "dpo":
+            raise ArgumentError(f"--pipeline_model_parallel_size {pp} runs --rlhf_type dpo "
+                                f"only yet; --rlhf_type {r.rlhf_type}: use tensor or data "
+                                f"parallelism")
+        refused = [name for name, given in (
+            ("--packing", r.packing),
+            ("--precompute_ref_log_probs", r.precompute_ref_log_probs),
+            ("--num_virtual_stages_per_pipeline_rank", self.virtual_stages() is not None))
+            if given]
+        if refused:
+            raise ArgumentError(f"{refused[0]} with --pipeline_model_parallel_size {pp} is "
+                                f"not supported yet for rlhf; drop one of them")
 
     def check_task(self) -> None:
         """The flags of one --rlhf_type are refused with another (they would do nothing)."""

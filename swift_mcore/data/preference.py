@@ -240,17 +240,28 @@ def tokenize_pair_per_answer(pair: Pair, hf) -> Tuple[List[int], List[int], List
 
 class PreferenceDataset(torch.utils.data.Dataset):
     """Tokenized pairs; ``collate`` makes a micro-batch of B pairs into 2B rows, the chosen
-    sequences first, each cut to ``max_length`` tokens as TRL's collator cuts them."""
+    sequences first, each cut to ``max_length`` tokens as TRL's collator cuts them.
+
+    With ``pack_to`` (--packing) the 2B sequences are laid end to end in rows of at most
+    ``pack_to`` positions (best fit, data/packing.py) instead of one padded row each:
+    ``segment_ids`` then gives each position's sequence (chosen i is i, rejected i is B + i;
+    padding -1), which keeps the sequences apart in attention and sums each one's
+    log-probabilities. An item is still one pair, so the data order and resume are the
+    unpacked run's."""
 
     def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, np.ndarray]],
                  max_length: int, truncation_mode: str, pad_id: int, fingerprint: str,
-                 pad_multiple: int = 1):
+                 pad_multiple: int = 1, pack_to: Optional[int] = None,
+                 pad_to: Optional[int] = None):
+        """``pad_to``: every row's width (pipeline stages exchange one fixed shape)."""
         self.encoded = encoded
         self.max_length = max_length
         self.truncation_mode = truncation_mode
         self.pad_id = pad_id
         self.fingerprint = fingerprint
         self.pad_multiple = pad_multiple
+        self.pack_to = pack_to
+        self.pad_to = pad_to
 
     def __len__(self) -> int:
         return len(self.encoded)
@@ -276,26 +287,10 @@ class PreferenceDataset(torch.utils.data.Dataset):
                 seq = np.concatenate([item["prompt"], item[answer]])
                 seqs.append(self._cut(seq))
                 masks.append(self._cut(np.arange(len(seq)) >= head))
-        # n tokens train n - 1 positions: the model reads ids[:-1] and predicts ids[1:]
-        width = max(len(s) for s in seqs) - 1
-        width = -(-width // self.pad_multiple) * self.pad_multiple
-        rows = len(seqs)
-        batch = {
-            "tokens": torch.full((rows, width), self.pad_id, dtype=torch.long),
-            "labels": torch.full((rows, width), self.pad_id, dtype=torch.long),
-            "loss_mask": torch.zeros(rows, width, dtype=torch.float),
-            "position_ids": torch.zeros(rows, width, dtype=torch.long),
-            # every real position, prompt included (ORPO's NLL is over all of them)
-            "sequence_mask": torch.zeros(rows, width, dtype=torch.float),
-        }
-        for i, (ids, mask) in enumerate(zip(seqs, masks)):
-            n = len(ids) - 1
-            ids = torch.from_numpy(ids.astype(np.int64))
-            batch["tokens"][i, :n] = ids[:-1]
-            batch["labels"][i, :n] = ids[1:]
-            batch["loss_mask"][i, :n] = torch.from_numpy(mask[1:].astype(np.float32))
-            batch["position_ids"][i, :n] = torch.arange(n)
-            batch["sequence_mask"][i, :n] = 1.0
+        if self.pack_to is not None:
+            batch = self._packed(seqs, masks)
+        else:
+            batch = self._padded(seqs, masks)
         # the answers' token counts as TRL's ipo and sigmoid_norm divide by them
         batch["completion_lengths"] = torch.tensor([int(m.sum()) for m in masks],
                                                    dtype=torch.float)
@@ -303,6 +298,54 @@ class PreferenceDataset(torch.utils.data.Dataset):
         # which pairs these are (--precompute_ref_log_probs looks their reference values up)
         batch["pair_index"] = torch.tensor([int(item["index"]) for item in items],
                                            dtype=torch.long)
+        return batch
+
+    def _rows(self, count: int, width: int) -> Dict[str, torch.Tensor]:
+        if self.pad_to is not None:
+            width = self.pad_to
+        width = -(-width // self.pad_multiple) * self.pad_multiple
+        return {
+            "tokens": torch.full((count, width), self.pad_id, dtype=torch.long),
+            "labels": torch.full((count, width), self.pad_id, dtype=torch.long),
+            "loss_mask": torch.zeros(count, width, dtype=torch.float),
+            "position_ids": torch.zeros(count, width, dtype=torch.long),
+            # every real position, prompt included (ORPO's NLL is over all of them)
+            "sequence_mask": torch.zeros(count, width, dtype=torch.float),
+        }
+
+    @staticmethod
+    def _place(batch, row: int, start: int, ids: np.ndarray, mask: np.ndarray) -> int:
+        """One sequence at ``start`` of ``row``; returns the positions it takes."""
+        n = len(ids) - 1
+        ids = torch.from_numpy(ids.astype(np.int64))
+        where = (row, slice(start, start + n))
+        batch["tokens"][where] = ids[:-1]
+        batch["labels"][where] = ids[1:]
+        batch["loss_mask"][where] = torch.from_numpy(mask[1:].astype(np.float32))
+        batch["position_ids"][where] = torch.arange(n)
+        batch["sequence_mask"][where] = 1.0
+        return n
+
+    def _padded(self, seqs, masks) -> Dict[str, torch.Tensor]:
+        # n tokens train n - 1 positions: the model reads ids[:-1] and predicts ids[1:]
+        batch = self._rows(len(seqs), max(len(s) for s in seqs) - 1)
+        for i, (ids, mask) in enumerate(zip(seqs, masks)):
+            self._place(batch, i, 0, ids, mask)
+        return batch
+
+    def _packed(self, seqs, masks) -> Dict[str, torch.Tensor]:
+        from .packing import pack
+
+        rows = pack([len(s) - 1 for s in seqs], self.pack_to)
+        width = max(sum(len(seqs[k]) - 1 for k in row) for row in rows)
+        batch = self._rows(len(rows), width)
+        batch["segment_ids"] = torch.full(batch["tokens"].shape, -1, dtype=torch.long)
+        for r, row in enumerate(rows):
+            start = 0
+            for k in row:
+                n = self._place(batch, r, start, seqs[k], masks[k])
+                batch["segment_ids"][r, start:start + n] = k
+                start += n
         return batch
 
 
@@ -370,7 +413,10 @@ def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = pr
     pad = tokenizer.hf.pad_token_id
     pad_id = pad if pad is not None else tokenizer.eod
     train = PreferenceDataset(encoded, max_length, r.truncation_mode, pad_id,
-                              f"{preference_fingerprint(config, tokenizer)}:train")
+                              f"{preference_fingerprint(config, tokenizer)}:train",
+                              pack_to=config.model.seq_length if _packing(config) else None,
+                              pad_to=(config.model.seq_length
+                                      if config.world.pipeline_parallel > 1 else None))
     return train, None, None
 
 
@@ -390,6 +436,8 @@ def preference_fingerprint(config, tokenizer) -> str:
     }
     if _per_answer(config):
         identity["tokenized_as"] = "ORPOTrainer/CPOTrainer"
+    if _packing(config):  # other rows (a resume across the change is refused)
+        identity["packing"] = True
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
@@ -399,3 +447,7 @@ def _per_answer(config) -> bool:
     from ..arguments.rlhf import REFERENCE_FREE_TYPES
 
     return config.rlhf.rlhf_type in REFERENCE_FREE_TYPES
+
+
+def _packing(config) -> bool:
+    return config.rlhf.packing

@@ -96,14 +96,19 @@ class DpoTrainer(Trainer):
 
             def forward(batch):
                 batch = {k: v.to(device) for k, v in batch.items()}
+                mask = None
+                if "segment_ids" in batch:  # --packing
+                    from ..data.packing import block_causal_mask
+
+                    mask = block_causal_mask(batch["segment_ids"])
                 # the frozen copy, or the LoRA policy with its adapters off
                 frozen = self.reference[0] if self.reference is not None else None
                 with torch.no_grad(), (contextlib.nullcontext(frozen) if frozen is not None
                                        else self.reference_of(chunks[0])) as reference:
                     losses = reference(input_ids=batch["tokens"],
                                        position_ids=batch["position_ids"],
-                                       attention_mask=None, labels=batch["labels"])
-                return -(losses.float() * batch["loss_mask"]).sum(1)
+                                       attention_mask=mask, labels=batch["labels"])
+                return sequence_sums(-(losses.float() * batch["loss_mask"]), batch)
 
             table = ref_log_probs.compute(self.train_ds, self.config.training.micro_batch_size,
                                           forward)
@@ -163,29 +168,53 @@ class DpoTrainer(Trainer):
     def forward_step(self, data_iterator, model):
         batch = self.get_batch(data_iterator)
         inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                      attention_mask=None, labels=batch["labels"])
+                      attention_mask=batch.get("attention_mask"), labels=batch["labels"])
         if self.ref_table is not None:
             ref = self.ref_table[batch["pair_index"].cpu()]
             batch["ref_logps"] = torch.cat([ref[:, 0], ref[:, 1]]).to(batch["tokens"].device)
         elif not self.config.rlhf.reference_free:
+            # Under pipeline parallelism a stage receives the policy's rows, then the
+            # reference's, side by side on the batch axis, and passes them on so.
+            received = stage_input(model)
+            rows = batch["tokens"].shape[0]
             with torch.no_grad(), self.reference_of(model) as reference:
-                ref_losses = reference(**inputs)
-            batch["ref_logps"] = -(ref_losses.float() * batch["loss_mask"]).sum(1)
+                if received is not None:
+                    set_stage_input(reference, received[:, rows:])
+                ref_out = reference(**inputs)
+            if received is not None:
+                set_stage_input(model, received[:, :rows])
+            if is_last_stage(model):
+                batch["ref_logps"] = sequence_sums(-(ref_out.float() * batch["loss_mask"]),
+                                                   batch)
+            else:
+                return torch.cat([model(**inputs), ref_out], dim=1), \
+                    partial(self.compute_loss, batch)
         output = model(**inputs)
         return output, partial(self.compute_loss, batch)
+
+    def rows_per_micro_batch(self) -> int:
+        """A pair is two rows (chosen, rejected); under pipeline parallelism the reference's
+        rows travel beside the policy's."""
+        pairs = self.config.training.micro_batch_size
+        if self.config.world.pipeline_parallel == 1:
+            return pairs  # megatron reads it for the stages' exchanges only
+        in_loop = not self.config.rlhf.reference_free and self.ref_table is None
+        return 2 * pairs * (2 if in_loop else 1)
 
     def compute_loss(self, batch, output_tensor):
         """(sum of the pairs' losses, pair count, report): megatron divides the gradients by
         the global batch's pairs, so the loss is the mean over pairs, as TRL's."""
         mask = batch["loss_mask"].float()
-        logps = -(output_tensor.float() * mask).sum(1)
+        logps = sequence_sums(-(output_tensor.float() * mask), batch)
         pairs = logps.shape[0] // 2
+        chosen_tokens = (mask[:pairs].sum() if "segment_ids" not in batch
+                         else sequence_sums(mask, batch)[:pairs].sum())
         ref = batch.get("ref_logps")
         if ref is None:
             ref = torch.zeros_like(logps)
         lengths = batch["completion_lengths"].to(logps.device)
         out = self.dpo(logps[:pairs], logps[pairs:], ref[:pairs], ref[pairs:],
-                       lengths[:pairs], lengths[pairs:], mask[:pairs].sum())
+                       lengths[:pairs], lengths[pairs:], chosen_tokens)
         loss_sum = out["loss"].sum()
         tokens = torch.as_tensor(batch.get("num_tokens", batch["tokens"].numel()),
                                  dtype=torch.float, device=logps.device)
@@ -238,6 +267,39 @@ class DpoTrainer(Trainer):
             extra = " | ".join(f"{n} {metrics[n]:.4f}" for n in names)
             line = format_log_line(it, total, metrics)
             self.writer.print(f"{line} | {extra}" if extra else line)
+
+
+def _stage_model(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def stage_input(chunk) -> Optional[torch.Tensor]:
+    """The activations a pipeline stage received for this micro-batch ([s, b, h]); None on
+    the first stage (and without pipeline parallelism)."""
+    model = _stage_model(chunk)
+    return None if model.pre_process else model.decoder.input_tensor
+
+
+def set_stage_input(chunk, tensor: torch.Tensor) -> None:
+    _stage_model(chunk).decoder.set_input_tensor(tensor)
+
+
+def is_last_stage(chunk) -> bool:
+    """Whether the chunk ends in the output layer (it returns per-token losses)."""
+    return bool(_stage_model(chunk).post_process)
+
+
+def sequence_sums(values: torch.Tensor, batch) -> torch.Tensor:
+    """[rows, positions] -> one sum per sequence, chosen sequences first: a row's sum, or
+    with --packing (``segment_ids``: each position's sequence, -1 padding) each segment's."""
+    segments = batch.get("segment_ids")
+    if segments is None:
+        return values.sum(1)
+    real = segments >= 0
+    count = batch["completion_lengths"].numel()
+    return values.new_zeros(count).index_add(0, segments[real], values[real])
 
 
 def check_reference_folder(config, tokenizer_vocab: int) -> None:

@@ -338,10 +338,15 @@ class Trainer:
             model=self.model,
             num_microbatches=config.world.num_microbatches,
             seq_length=config.model.seq_length,
-            micro_batch_size=config.training.micro_batch_size,
+            micro_batch_size=self.rows_per_micro_batch(),
             decoder_seq_length=config.model.seq_length,
             forward_only=forward_only,
         )
+
+    def rows_per_micro_batch(self) -> int:
+        """The batch size of the activations pipeline stages exchange (a subclass whose
+        sample is several rows says so)."""
+        return self.config.training.micro_batch_size
 
     def forward_step(self, data_iterator, model):
         """One micro-batch through one model chunk: returns (output, loss function)."""
