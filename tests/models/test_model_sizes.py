@@ -227,8 +227,8 @@ def test_conversion_needs_room_for_the_weights_alone(llama, tmp_path, monkeypatc
 
     real_parts, weights = footprint.parts, []
 
-    def parts(flags, world_size, precision, weights_only=False):
-        found = real_parts(flags, world_size, precision, weights_only)
+    def parts(flags, world_size, precision, weights_only=False, cuda=False):
+        found = real_parts(flags, world_size, precision, weights_only, cuda)
         if weights_only:
             weights.append(sum(part.bytes for part in found))
         return found
