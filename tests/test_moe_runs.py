@@ -125,3 +125,30 @@ def test_tp2_ep2_on_four_ranks_gives_the_one_rank_losses():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] and set(result["dispatchers"]) == {"alltoall", "allgather"}
     assert result["resumed_iterations"] == [4]
+
+
+@pytest.mark.slow
+def test_ep2_with_the_distributed_optimizer_gives_the_plain_losses_and_resumes_exactly(
+        tmp_path):
+    """EP=2 on 2 ranks with --use_distributed_optimizer (the dense state sharded over DP=2,
+    the chained expert optimizer's over its expert-DP of 1): the plain optimizer's losses,
+    a bit-exact resume from its own checkpoint, and a resume at another EP refused in one
+    line (the chained state is not resharded yet)."""
+    plain, dist, resumed = tmp_path / "plain", tmp_path / "dist", tmp_path / "resumed"
+    ep2 = [*MOE, "--expert_model_parallel_size", "2", "--train_iters", "4"]
+    run_pt(plain, *ep2, "--no_save", nproc=2)
+    run_pt(dist, *ep2, "--save_steps", "2", "--use_distributed_optimizer", nproc=2)
+    ref, got = losses(plain), losses(dist)
+    assert sorted(got) == [1, 2, 3, 4]
+    for it in ref:
+        assert abs(got[it] - ref[it]) <= 1e-6, (it, got[it], ref[it])
+    checkpoint = dist / "checkpoint" / "iter_0000002"
+    run_pt(resumed, *ep2, "--no_save", "--use_distributed_optimizer", "--resume", checkpoint,
+           nproc=2)
+    again = losses(resumed)
+    assert sorted(again) == [3, 4] and all(again[it] == got[it] for it in again)
+    proc = run_pt(tmp_path / "ep1", *MOE, "--train_iters", "4", "--no_save",
+                  "--use_distributed_optimizer", "--resume", checkpoint, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert (f"checkpoint {checkpoint}: its distributed optimizer's state was saved at "
+            f"--expert_model_parallel_size 2, and is not resharded to 1 yet") in proc.stderr

@@ -84,7 +84,10 @@ def conform_optimizer_state(loaded: Dict[str, Any], optimizer) -> Any:
     differ, each part gets this optimizer's own param groups (their settings are the
     checked flags; the scheduler sets the learning rate next) and the saved step."""
     chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    if len(chained) == 1 and "param_state_sharding_type" in loaded:
+    saved = [loaded] if "param_state_sharding_type" in loaded else [
+        loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
+    if len(saved) == len(chained) and all(
+            isinstance(part, dict) and "param_state_sharding_type" in part for part in saved):
         return loaded  # the distributed optimizer's own structure, its groups in 'optimizer'
 
     def saved_groups(part) -> bool:  # common.pt's groups carry their settings, not only ids

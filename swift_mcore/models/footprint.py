@@ -155,17 +155,22 @@ def parts(flags, world_size: int, precision: str, weights_only: bool, cuda: bool
     counts = parameter_counts(m, tuner)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     ep = p.expert_model_parallel_size
-    dp = max(1, world_size // (tp * pp))
     weight = 4 if precision == "fp32" else 2
     lora = tuner.tuner_type == "lora"
     saved = set(getattr(tuner, "modules_to_save", ()) or ())
-    trained = TRAINED_BYTES
-    if p.use_distributed_optimizer:
-        trained = TRAINED_BYTES - OPTIMIZER_BYTES + -(-OPTIMIZER_BYTES // dp)
+
+    def trained_bytes(name: str) -> int:
+        if not p.use_distributed_optimizer:
+            return TRAINED_BYTES
+        # megatron shards the optimizer state over the data-parallel ranks (CP's included);
+        # the experts' over the expert-data-parallel ones, EP times fewer
+        dp = max(1, world_size // (tp * pp * (ep if name == "experts" else 1)))
+        return TRAINED_BYTES - OPTIMIZER_BYTES + -(-OPTIMIZER_BYTES // dp)
 
     def per_parameter(name: str) -> int:
         if weights_only:
             return weight
+        trained = trained_bytes(name)
         if not lora or name == "LoRA adapters":
             return trained
         if name == "embedding" and saved & {"word_embeddings", "embed_tokens"}:
