@@ -129,25 +129,6 @@ def optimizer_format_problem(saved: str, distributed: bool) -> Optional[str]:
             f"--no_load_optim to start the optimizer afresh")
 
 
-def expert_optimizer_problem(saved_flags: Any, config, record) -> Optional[str]:
-    """Why the distributed optimizer's state of a MoE checkpoint cannot be resumed at this
-    expert-parallel size (None: it can). At EP > 1 megatron chains a second distributed
-    optimizer for the expert parameters, and its saved structure (param groups, step) is
-    only read back into the same chain: resumed at another EP, the load fails."""
-    from .io import optimizer_format
-
-    saved = ((saved_flags or {}).get("parallel") or {}).get("expert_model_parallel_size", 1)
-    now = config.parallel.expert_model_parallel_size
-    if (saved == now or config.checkpoint.no_load_optim or not record.optimizer_stepped
-            or record.optimizer_format != optimizer_format(True)
-            or not config.parallel.use_distributed_optimizer):
-        return None
-    return (f"its distributed optimizer's state was saved at --expert_model_parallel_size "
-            f"{saved}, and is not resharded to {now} yet; resume at "
-            f"--expert_model_parallel_size {saved}, or pass --no_load_optim to start the "
-            f"optimizer afresh")
-
-
 def base_model_differences(saved: Optional[str], current: Optional[str],
                            model_flag: Optional[str]) -> List[str]:
     """A LoRA checkpoint holds adapters for the base weights it records (run.json

@@ -229,9 +229,6 @@ def _read_record(folder: str, config, data_fingerprint
         layout=dict(run.get("layout", {})),
         rng_layouts={int(r): lay for r, lay in run.get("rng_layouts", {}).items()},
         optimizer_format=str(contents.get("optimizer_format", "plain")))
-    problem = compat.expert_optimizer_problem(saved_flags, config, record)
-    if problem:
-        raise CheckpointError(f"checkpoint {folder}: {problem}")
     differences = compat.resume_differences(
         saved_flags, config.to_dict(), run.get("data_fingerprint"), data_fingerprint)
     differences += compat.base_model_differences(
