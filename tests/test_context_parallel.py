@@ -140,7 +140,16 @@ def test_the_estimate_counts_what_the_cp_attention_keeps(gloo_group, monkeypatch
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         attention(query, key, value, None)
-    assert sum(saved.values()) == footprint.gathered_kv_bytes(config, 1, 4) > 0  # fp32
+    measured = sum(saved.values())
+    assert measured == footprint.gathered_kv_bytes(config, 1, 4) > 0  # fp32
+    # every layer's stays for the backward pass; recomputed, one layer's at a time
+    assert footprint.gathered_kv_bytes(config, 2, 4) == 2 * measured
+    for recompute in ("full", "selective"):
+        again = resolve(RunArguments.from_flags(**SMALL, context_parallel_size=2,
+                                                num_query_groups=2,
+                                                recompute_granularity=recompute),
+                        world_size=2, cuda=False)
+        assert footprint.gathered_kv_bytes(again, 2, 4) == measured, recompute
 
 
 def test_cp_divides_the_activations_and_lets_a_refused_run_fit(monkeypatch):
