@@ -84,8 +84,6 @@ def test_python_api_and_from_flags_agree():
     (["--num_buckets", "4"], 1, "need --overlap_grad_reduce"),
     (["--bf16"], 1, "--bf16 needs a CUDA GPU"),
     (["--fp16"], 1, "--fp16 needs a CUDA GPU"),
-    (["--use_distributed_optimizer", "--num_experts", "4", "--expert_model_parallel_size",
-      "2"], 2, "--use_distributed_optimizer with --expert_model_parallel_size 2"),
     (["--global_batch_size", "10", "--micro_batch_size", "4"], 1, "--global_batch_size (10)"),
     (["--global_batch_size", "12", "--micro_batch_size", "4"], 2, "data-parallel size (2)"),
     (["--tensor_model_parallel_size", "3"], 3, "must divide --num_attention_heads"),

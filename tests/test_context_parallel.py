@@ -100,6 +100,85 @@ def test_the_layout_counts_cp_apart_from_dp():
     assert config.world.num_microbatches == 2
 
 
+# ---- the memory estimate (models/footprint.py) ---------------------------------------------
+def test_the_estimate_counts_what_the_cp_attention_keeps(gloo_group, monkeypatch):
+    """The bytes the CPU context-parallel attention keeps for the backward pass (measured on
+    rank 0 of a simulated CP=2 group: the gathered keys and values, the mask over them) are
+    what the memory estimate adds for one layer."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from swift_mcore.models import footprint
+    from swift_mcore.models.gpt import transformer_config
+    from swift_mcore.runtime.cpu.all_gather_attention import GatheredKVAttention
+
+    config = resolve(RunArguments.from_flags(**SMALL, context_parallel_size=2,
+                                             num_query_groups=2), world_size=2, cuda=False)
+    attention = GatheredKVAttention(transformer_config(config), 1, AttnMaskType.causal,
+                                    "self")
+
+    class Pair:  # rank 0 of two; the other rank's half of the sequence is this one's again
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda: Pair())
+    monkeypatch.setattr(tensor_parallel, "gather_from_sequence_parallel_region",
+                        lambda local, **_: torch.cat([local, local.detach() + 1]))
+    seq, local = SMALL["seq_length"], SMALL["seq_length"] // 2
+    query = torch.randn(local, 1, 4, 16, requires_grad=True)
+    key, value = (torch.randn(local, 1, 2, 16, requires_grad=True)
+                  for _ in range(2))
+    saved = {}
+
+    def keep(tensor):
+        if seq in tensor.shape:  # over the whole sequence: what CP adds (not q, out, lse)
+            saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        attention(query, key, value, None)
+    measured = sum(saved.values())
+    assert measured == footprint.gathered_kv_bytes(config, 1, 4) > 0  # fp32
+    # every layer's stays for the backward pass; recomputed, one layer's at a time
+    assert footprint.gathered_kv_bytes(config, 2, 4) == 2 * measured
+    for recompute in ("full", "selective"):
+        again = resolve(RunArguments.from_flags(**SMALL, context_parallel_size=2,
+                                                num_query_groups=2,
+                                                recompute_granularity=recompute),
+                        world_size=2, cuda=False)
+        assert footprint.gathered_kv_bytes(again, 2, 4) == measured, recompute
+
+
+def test_cp_divides_the_activations_and_lets_a_refused_run_fit(monkeypatch):
+    """Each CP rank holds 2 of the 2 x CP chunks of a sequence: a run refused at CP=1 for its
+    activations fits at CP=2 (plus the gathered keys and values), within the same memory."""
+    from swift_mcore.models import footprint
+
+    long = {**SMALL, "seq_length": 1024, "vocab_size": 32000}
+
+    def activations(cp, world):
+        flags = RunArguments.from_flags(**long, context_parallel_size=cp)
+        found = footprint.parts(resolve(flags, world_size=world, cuda=False), world, "fp32",
+                                False)
+        return {part.name: part.bytes for part in found}
+
+    one, two = activations(1, 1), activations(2, 2)
+    # layer inputs and logits, halved; keys and values of 2 layers, 4 heads x 16 channels
+    # each; a [512, 1024] mask per layer (fp32)
+    gathered = 2 * (2 * 1024 * 4 * 16 * 4 + 512 * 1024 * 4)
+    assert two["activations"] == one["activations"] // 2 + gathered
+    room = (sum(one.values()) + sum(two.values())) // 2
+    assert sum(two.values()) < room < sum(one.values())
+    monkeypatch.setattr(footprint, "available", lambda cuda, ranks: (room, "a small machine"))
+    with pytest.raises(ArgumentError, match="--vocab_size 32000 makes the model too large"):
+        resolve(RunArguments.from_flags(**long), world_size=1, cuda=False)
+    resolve(RunArguments.from_flags(**long, context_parallel_size=2), world_size=2,
+            cuda=False)
+
+
 # ---- CP=2 against one rank -----------------------------------------------------------------
 def assert_close(got, ref, tol=1e-5):
     assert sorted(got) == sorted(ref)

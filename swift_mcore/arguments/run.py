@@ -528,12 +528,6 @@ class RunArguments:
                 "pipeline's model chunks: it needs --overlap_param_gather and "
                 "--num_virtual_stages_per_pipeline_rank (or "
                 "--num_layers_per_virtual_pipeline_stage)")
-        if p.use_distributed_optimizer and p.expert_model_parallel_size > 1:
-            raise ArgumentError(
-                f"--use_distributed_optimizer with --expert_model_parallel_size "
-                f"{p.expert_model_parallel_size}: the chained expert optimizer's sharded "
-                f"state is not checkpointed yet; use expert parallelism 1 or the plain "
-                f"optimizer")
 
     def virtual_stages(self) -> Optional[int]:
         """Model chunks per pipeline rank of the interleaved schedule (None: not interleaved)."""

@@ -82,10 +82,16 @@ def conform_optimizer_state(loaded: Dict[str, Any], optimizer) -> Any:
     this optimizer asked for them, whatever EP saved them; the plain entries (param groups,
     the shared step) come from common.pt in the saved structure. When the two structures
     differ, each part gets this optimizer's own param groups (their settings are the
-    checked flags; the scheduler sets the learning rate next) and the saved step."""
+    checked flags; the scheduler sets the learning rate next) and the saved step; so does
+    each of the distributed optimizer's parts (``conform_distributed``)."""
     chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    if len(chained) == 1 and "param_state_sharding_type" in loaded:
+    saved = [loaded] if "param_state_sharding_type" in loaded else [
+        loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
+    if len(saved) == len(chained) and all(
+            isinstance(part, dict) and "param_state_sharding_type" in part for part in saved):
         return loaded  # the distributed optimizer's own structure, its groups in 'optimizer'
+    if any(isinstance(part, dict) and "param_state_sharding_type" in part for part in saved):
+        return conform_distributed(loaded, saved, chained)
 
     def saved_groups(part) -> bool:  # common.pt's groups carry their settings, not only ids
         groups = part.get("param_groups") if isinstance(part, dict) else None
@@ -107,6 +113,26 @@ def conform_optimizer_state(loaded: Dict[str, Any], optimizer) -> Any:
         part["state"] = state
         part["param_groups"] = sub.state_dict()["param_groups"]
         parts.append(part)
+    return parts[0] if len(chained) == 1 else dict(enumerate(parts))
+
+
+def conform_distributed(loaded: Dict[str, Any], saved: List[Dict[str, Any]],
+                        chained: List[Any]) -> Any:
+    """``conform_optimizer_state`` for the distributed optimizer saved in another chain
+    (another EP): each part gets this optimizer's own param groups and grad scaler with the
+    saved step, and the per-parameter tensors it asked for (its 'param_state')."""
+    steps = [group["step"] for part in saved
+             for group in (part.get("optimizer") or {}).get("param_groups", ())
+             if "step" in group]
+    parts = []
+    for index, sub in enumerate(chained):
+        own = sub.state_dict()
+        if steps:
+            for group in own["optimizer"]["param_groups"]:
+                group["step"] = steps[0]
+        tensors = loaded if len(chained) == 1 else loaded[index]
+        parts.append({**own, "param_state": tensors["param_state"],
+                      "param_state_sharding_type": DISTRIBUTED_OPTIMIZER_FORMAT})
     return parts[0] if len(chained) == 1 else dict(enumerate(parts))
 
 

@@ -170,23 +170,30 @@ def padded_vocab(m) -> int:
     return -(-(m.vocab_size or 1) // multiple) * multiple
 
 
-def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Part]:
-    """The memory of one rank, part by part (a lower bound)."""
+def parts(flags, world_size: int, precision: str, weights_only: bool, cuda: bool = False
+          ) -> List[Part]:
+    """The memory of one rank, part by part (a lower bound); ``cuda``: on GPU (CPU's
+    context-parallel attention keeps more)."""
     m, t, p, tuner = flags.model, flags.training, flags.parallel, flags.tuner
     counts = parameter_counts(m, tuner)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     ep = p.expert_model_parallel_size
-    dp = max(1, world_size // (tp * pp))
     weight = 4 if precision == "fp32" else 2
     lora = tuner.tuner_type == "lora"
     saved = set(getattr(tuner, "modules_to_save", ()) or ())
-    trained = TRAINED_BYTES
-    if p.use_distributed_optimizer:
-        trained = TRAINED_BYTES - OPTIMIZER_BYTES + -(-OPTIMIZER_BYTES // dp)
+
+    def trained_bytes(name: str) -> int:
+        if not p.use_distributed_optimizer:
+            return TRAINED_BYTES
+        # megatron shards the optimizer state over the data-parallel ranks (CP's included);
+        # the experts' over the expert-data-parallel ones, EP times fewer
+        dp = max(1, world_size // (tp * pp * (ep if name == "experts" else 1)))
+        return TRAINED_BYTES - OPTIMIZER_BYTES + -(-OPTIMIZER_BYTES // dp)
 
     def per_parameter(name: str) -> int:
         if weights_only:
             return weight
+        trained = trained_bytes(name)
         if not lora or name == "LoRA adapters":
             return trained
         if name == "embedding" and saved & {"word_embeddings", "embed_tokens"}:
@@ -229,15 +236,51 @@ def parts(flags, world_size: int, precision: str, weights_only: bool) -> List[Pa
                       (("num_layers", m.num_layers),)))
     if not weights_only:
         # kept for the backward pass at least: each layer's input (also under full
-        # recompute) and the logits, per micro-batch (split over the TP ranks at most)
-        tokens = t.micro_batch_size * m.seq_length
+        # recompute) and the logits, per micro-batch (split over the TP ranks at most); a
+        # context-parallel rank holds 2 of the 2 x CP chunks of every sequence
+        cp = p.context_parallel_size
+        tokens = t.micro_batch_size * m.seq_length // cp
         kept = tokens * (layers_here * m.hidden_size + padded_vocab(m)) * weight // tp
+        if cp > 1 and not cuda:
+            kept += gathered_kv_bytes(flags, layers_here, weight)
         found.append(Part("activations", 0, kept,
                           (("seq_length", m.seq_length),
                            ("micro_batch_size", t.micro_batch_size),
                            ("hidden_size", m.hidden_size), ("vocab_size", padded_vocab(m)),
                            ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by))))
     return found
+
+
+def gathered_kv_bytes(flags, layers_here: int, weight: int) -> int:
+    """What the CPU port's context-parallel attention (runtime/cpu/all_gather_attention.py)
+    adds in every attention layer and torch's CPU flash attention keeps for the backward
+    pass: the whole sequence's keys and values (all-gathered, one per query group) and the
+    mask of the local queries over every key (in the inputs' dtype). Each layer's stay until
+    its backward, except in the layers whose attention is recomputed (one chunk at a time)."""
+    from ..arguments.model import linear_attention_pattern
+
+    m, t, tp = flags.model, flags.training, flags.parallel.tensor_model_parallel_size
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    kv = m.kv_channels or m.hidden_size // heads
+    linear = sum(linear_attention_pattern(m))
+    attention_here = max(0, layers_here - linear)
+    layers = attention_here
+    if t.recompute_granularity == "selective" and "core_attn" in t.recompute_modules:
+        layers = min(1, attention_here)
+    elif t.recompute_granularity == "full" and t.recompute_method == "uniform":
+        # every chunk of --recompute_num_layers layers runs again at once in the backward
+        # pass (with delta-net layers among them, one attention layer at least)
+        chunk = 1 if linear else t.recompute_num_layers
+        layers = min(chunk, attention_here)
+    elif t.recompute_granularity == "full":  # block: the first layers recomputed
+        recomputed = min(attention_here, t.recompute_num_layers)
+        layers = attention_here - recomputed + min(1, recomputed)
+    seq, cp = m.seq_length, flags.parallel.context_parallel_size
+    keys_values = 2 * t.micro_batch_size * seq * -(-groups // tp) * kv * weight
+    mask = (seq // cp) * seq * weight  # one for the batch (a causal mask)
+    per_layer = keys_values + mask
+    return layers * per_layer
 
 
 def needs_reference_copy(flags) -> bool:
@@ -288,7 +331,7 @@ def check(flags, world_size: int, cuda: bool, precision: str, weights_only: bool
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC_PER_NODE")
                      or 1) if not cuda else 1
     ranks_here = min(ranks_here, world_size)
-    found = parts(flags, world_size, precision, weights_only)
+    found = parts(flags, world_size, precision, weights_only, cuda)
     need = sum(part.bytes for part in found)
     have, where = available(cuda, ranks_here)
     if not have or need <= have:

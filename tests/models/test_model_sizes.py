@@ -243,8 +243,8 @@ def test_conversion_needs_room_for_the_weights_alone(llama, tmp_path, monkeypatc
 
     real_parts, weights = footprint.parts, []
 
-    def parts(flags, world_size, precision, weights_only=False):
-        found = real_parts(flags, world_size, precision, weights_only)
+    def parts(flags, world_size, precision, weights_only=False, cuda=False):
+        found = real_parts(flags, world_size, precision, weights_only, cuda)
         if weights_only:
             weights.append(sum(part.bytes for part in found))
         return found
@@ -256,3 +256,27 @@ def test_conversion_needs_room_for_the_weights_alone(llama, tmp_path, monkeypatc
     H.convert(tmp_path / "mcore", tmp_path / "back", "to_hf")
     original, back = H.safetensors_state(str(llama)), H.safetensors_state(str(tmp_path / "back"))
     assert sorted(back) == sorted(original)
+
+
+def test_the_distributed_optimizer_shards_the_experts_over_expert_data_parallel():
+    """megatron's expert optimizer shards its state over the expert-data-parallel ranks
+    (world / (EP x TP x PP)): at EP=2 on 2 ranks nothing of the experts' is sharded, while
+    the dense layers' 12 optimizer bytes per parameter are split in two."""
+    from swift_mcore.models import footprint
+    from swift_mcore.run_config import resolve
+
+    def sizes(world, **flags):
+        args = RunArguments.from_flags(
+            num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+            vocab_size=300, num_experts=4, moe_ffn_hidden_size=32, micro_batch_size=1,
+            global_batch_size=4, expert_model_parallel_size=2, **flags)
+        return {part.name: part for part in footprint.parts(
+            resolve(args, world_size=world, cuda=False), world, "fp32", False)}
+
+    plain, two, four = (sizes(2), sizes(2, use_distributed_optimizer=True),
+                        sizes(4, use_distributed_optimizer=True))
+    experts = -(-plain["experts"].parameters // 2)  # each EP rank's half
+    assert plain["experts"].bytes == two["experts"].bytes == experts * 16
+    assert four["experts"].bytes == experts * (4 + 6)
+    layers = plain["layers"].parameters
+    assert (plain["layers"].bytes, two["layers"].bytes) == (layers * 16, layers * (4 + 6))
