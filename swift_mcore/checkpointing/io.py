@@ -4,6 +4,7 @@ state dicts, so a checkpoint saved at one TP/PP/DP layout loads at another."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import warnings
@@ -250,6 +251,7 @@ def load(state: Dict[str, Any], folder: str) -> Dict[str, Any]:
         raise CheckpointError(f"checkpoint {folder} uses the '{backend}' format; swift-mcore "
                               f"loads torch_dist checkpoints")
     state = without_absent_extra_state(state, folder)
+    merge_swiglu_halves_in_place(state)
     try:
         with safe_loading(), warnings.catch_warnings():
             # torch DCP's deprecation notices about ShardedTensor/load_state_dict, on each load
@@ -266,6 +268,47 @@ def load(state: Dict[str, Any], folder: str) -> Dict[str, Any]:
         text = (str(cause).strip().splitlines() or [""])[0][:300]
         raise CheckpointError(f"checkpoint {folder} could not be loaded: "
                               f"{type(cause).__name__}: {text}") from None
+
+
+# megatron-core 0.16.1's merge of a SwiGLU weight's two halves (transformer/mlp.py 334)
+SWIGLU_MERGE = "apply_swiglu_sharded_factory.<locals>.sh_ten_merge_fn"
+
+
+def merge_swiglu_halves_in_place(state: Dict[str, Any]) -> None:
+    """megatron loads a SwiGLU ``linear_fc1`` as two halves, views of the parameter filled
+    in place, then concatenates them into a new tensor; every fc1 of the model so existed
+    twice until ``restore_model`` copied it over (for a mixture of experts, about half the
+    weights again at the peak of a load). Where the loaded halves are exactly the
+    parameter's two consecutive halves, the concatenation *is* the parameter: it is handed
+    back as it is; any other pieces get megatron's own concatenation."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    for value in nested_values(state):
+        if (isinstance(value, ShardedTensorFactory) and isinstance(value.data, torch.Tensor)
+                and getattr(value.merge_fn, "__qualname__", "") == SWIGLU_MERGE):
+            value.merge_fn = functools.partial(_merged, value.data, value.merge_fn)
+
+
+def _merged(data: torch.Tensor, merge, pieces):
+    return data if _tile(data, pieces) else merge(pieces)
+
+
+def _tile(data: torch.Tensor, pieces) -> bool:
+    """Whether ``pieces`` are consecutive contiguous views covering ``data`` row by row, in
+    order (so that their concatenation equals ``data`` element for element)."""
+    if not data.is_contiguous() or not isinstance(pieces, (list, tuple)) or not pieces:
+        return False
+    address, rows = data.data_ptr(), 0
+    for piece in pieces:
+        if not (isinstance(piece, torch.Tensor) and piece.dtype == data.dtype
+                and piece.device == data.device and piece.is_contiguous()
+                and piece.dim() == data.dim() and piece.shape[1:] == data.shape[1:]
+                and piece.data_ptr() == address):
+            return False
+        address += piece.numel() * piece.element_size()
+        rows += piece.shape[0]
+    return rows == data.shape[0]
 
 
 def _backend(folder: str) -> Optional[str]:

@@ -135,11 +135,17 @@ class Reader:
     One file is open at a time: the pages of a memory-mapped file that were read count in the
     process's resident memory until it is closed, so keeping every shard open would hold the
     whole folder in RSS by the end of a conversion. Readers go through the tensors mostly in
-    file order, so a file is rarely opened twice."""
+    file order, so a file is rarely opened twice. Within a file, the mapping is dropped and
+    made again once ``remap_bytes`` were read through it: a shard is commonly 500 MB to
+    5 GB, and its pages read so far would otherwise sit in resident memory beside the model
+    they were copied into."""
+
+    remap_bytes = 64 * 2**20
 
     def __init__(self, folder: HFFolder):
         self.folder = folder
         self._handles: Dict[str, Any] = {}
+        self._read_through = 0  # bytes read through the open mapping
 
     def __enter__(self) -> "Reader":
         return self
@@ -148,6 +154,7 @@ class Reader:
         for handle in self._handles.values():
             handle.__exit__(None, None, None)
         self._handles.clear()
+        self._read_through = 0
 
     def read(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None):
         path = self.folder.weight_map.get(name)
@@ -162,12 +169,17 @@ class Reader:
         try:
             part = handle.get_slice(name)
             if rows is None and cols is None:
-                return part[:]
-            if cols is None:
-                return part[rows]
-            return part[rows if rows is not None else slice(None), cols]
+                value = part[:]
+            elif cols is None:
+                value = part[rows]
+            else:
+                value = part[rows if rows is not None else slice(None), cols]
         except Exception as err:  # a file cut short after its header, ...
             raise unreadable(self.folder.flag, path, err, name) from None
+        self._read_through += value.numel() * value.element_size()
+        if self._read_through >= self.remap_bytes:
+            self.__exit__(None, None, None)  # the next read maps the file afresh
+        return value
 
 
 def unreadable(flag: str, path: str, err: Exception, tensor: Optional[str] = None

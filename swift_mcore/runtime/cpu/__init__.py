@@ -54,18 +54,20 @@ def choose(flags, cuda: bool) -> Dict[str, Any]:
 
 def install(config) -> bool:
     """megatron-core adapted to the CPU (cpu_compat.py), with the linears on the GEMM that
-    ``config.cpu_matmul`` chose; then, unless a process group exists already, every gloo
+    ``config.cpu_matmul`` chose and checkpoints written without copying every view first
+    (checkpoint_writer.py); then, unless a process group exists already, every gloo
     group of this process on one transport device (gloo_device.py). True when the CPU
     adaptation is active."""
     if config.cuda:
         return False
     import torch.distributed as dist
 
-    from . import cpu_compat, gloo_device, onednn_linear
+    from . import checkpoint_writer, cpu_compat, gloo_device, onednn_linear
 
     active = cpu_compat.activate()
     if active:
         onednn_linear.enable(config.cpu_matmul == "onednn")
+        checkpoint_writer.install()  # views cloned one at a time while a save writes them
     if not dist.is_initialized():  # before any group: megatron's twenty then share it
         gloo_device.install()
     return active
