@@ -221,7 +221,7 @@ def test_cp2_gives_the_one_rank_losses_and_gradients(pt_runs):
     assert sorted(val_losses(base / "one")) == [4]
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_cp2_resumes_exactly_and_continues_at_cp1_and_the_reverse(pt_runs):
     base, flags, _ = pt_runs
     saved = base / "cp2" / "checkpoint" / "iter_0000002"
@@ -240,7 +240,7 @@ def test_cp2_resumes_exactly_and_continues_at_cp1_and_the_reverse(pt_runs):
 WORDS = "alpha beta gamma delta river stone cloud paper orange silver seven north".split()
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_packed_sft_rows_with_cp2_give_the_one_rank_losses(tmp_path):
     """Packed rows keep their conversations apart under CP: the block-causal mask's query
     rows are cut like the tokens, and its key columns stay in sequence order."""

@@ -208,7 +208,7 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path):
         resolve(RunArguments.from_flags(rope_type="yarn"), world_size=1)
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_lora_trains_merges_and_exports_attention_adapters_to_peft(folder, tmp_path,
                                                                    train_here):
     """LoRA on every linear (attention and each expert's fc1/fc2) trains; the merged export
@@ -255,7 +255,7 @@ def test_lora_trains_merges_and_exports_attention_adapters_to_peft(folder, tmp_p
 
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_ep2_gives_the_ep1_losses(folder, tmp_path, train_here):
     """Expert parallelism: each EP rank reads its experts' slices of the fused tensors."""
     from run_helpers import losses
@@ -355,7 +355,7 @@ def test_an_mxfp4_folder_is_dequantized_as_transformers_does(folder, tmp_path, g
         load_model(str(source), log=lambda line: None)
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_pp2_load_matches_transformers_and_exports_bit_identical(folder, tmp_path, gloo_group):
     """PP=2: the sliding layer on the first stage and the full one on the second (the window
     pattern read by global layer number), each with its sinks, give transformers' logits;

@@ -292,7 +292,7 @@ LAYOUTS = {"deepseek_v3": ("--pipeline_model_parallel_size", "2",
            "glm4_moe": ("--tensor_model_parallel_size", "2", "--sequence_parallel")}
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_two_ranks_with_the_mtp_layer_give_the_one_rank_run(folder, tmp_path, train_here):
     """PP=2 (DeepSeek-V3): megatron builds the MTP layer on the last stage with its own copy
     of the embedding, its gradients joined with the first stage's. TP=2 with sequence

@@ -537,7 +537,7 @@ def test_infer_with_an_image_gives_transformers_greedy_tokens(gloo_group, capsys
                            template="tokenizer").validate())
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_tp2_matches_transformers_and_exports_bit_identical(tmp_path, gloo_group, vl_folder):
     """TP=2 on gloo: the language model sharded, the tower whole on each rank; the logits
     of text are transformers', and the TP=2 checkpoint exports every tensor bit for bit."""

@@ -96,7 +96,7 @@ def test_packed_rows_give_each_documents_logits(gloo_group, next_folder, monkeyp
     assert (packed()[:, 20:] - logits[:, 20:]).abs().max() > 1e-3
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_tp_and_pp_match_transformers_and_export_bit_identical(tmp_path, gloo_group, tp, pp):
     """TP=2 (each rank whole key heads and their value heads of every delta net, with

@@ -22,7 +22,7 @@ def curve(out):
     return {r["iteration"]: r for r in rows if r.get("split") == "train"}
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 @pytest.mark.parametrize("reference", [[], ["--tuner_type", "lora"], ["--reference_free"]],
                          ids=["copy", "lora", "reference_free"])
 def test_pipeline_parallel_gives_the_one_rank_losses(reference, tiny_hf, tmp_path,

@@ -101,7 +101,7 @@ def test_lora_implicit_reference_equals_the_base_as_ref_model(tiny_hf, kto_file,
         assert (grads[name] - ref_grads[name]).abs().max().item() <= 1e-6, name
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_tensor_parallel_gives_the_one_rank_losses(tiny_hf, kto_file, tmp_path, gloo_group):
     import hf_helpers as H
     from test_rlhf_parallel import curve

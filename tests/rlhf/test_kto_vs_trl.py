@@ -207,7 +207,7 @@ def _dp2_rank(rank, port):
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_the_kl_estimate_is_averaged_over_data_parallel_ranks_before_the_clamp():
     import torch.multiprocessing as mp
 

@@ -61,7 +61,7 @@ def test_orpo_resume_is_bit_exact(tiny_hf, tmp_path, gloo_group):
     assert whole[4]["rewards/margins"] > whole[1]["rewards/margins"]
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_orpo_under_tensor_parallelism_gives_the_one_rank_losses(tiny_hf, tmp_path,
                                                                   gloo_group):
     import hf_helpers as H

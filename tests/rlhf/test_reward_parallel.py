@@ -21,7 +21,7 @@ def curve(out):
     return {r["iteration"]: r for r in rows if r.get("split") == "train"}
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_tensor_parallel_gives_the_one_rank_losses(tiny_hf, tmp_path, gloo_group):
     from swift_mcore.training.reward_trainer import RewardTrainer
 
