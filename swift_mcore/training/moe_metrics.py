@@ -86,13 +86,20 @@ def _average_z_loss_over_tp_and_dp(config) -> None:
         with_context_parallel=True)
 
 
-def reset_loss_scale() -> None:
-    """Forgets the aux-loss gradient scale megatron keeps for the whole process
-    (MoEAuxLossAutoScaler.main_loss_backward_scale, moe_utils.py:267-286). A backward of an
-    MoE model outside megatron's schedule (a user's own loop, an earlier test) leaves it a
-    0-dim tensor, and the schedule's later ``copy_`` of its [1]-shaped scale into it raises
-    "output with shape [] doesn't match the broadcast shape [1]". Each Trainer starts unset:
-    the schedule then stores its own."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+def reset() -> None:
+    """Forgets what megatron keeps for the whole process about the router's losses, so that
+    each Trainer starts afresh after an earlier run, test or a user's own loop in the process:
+
+    * the aux-loss gradient scale (MoEAuxLossAutoScaler.main_loss_backward_scale,
+      moe_utils.py:267-286): a backward outside megatron's schedule leaves it a 0-dim tensor,
+      and the schedule's later ``copy_`` of its [1]-shaped scale into it raises "output with
+      shape [] doesn't match the broadcast shape [1]"; unset, the schedule stores its own;
+    * the layer-wise loss tracker (moe_utils.py:880): its per-layer tensors keep the layer
+      count of the model that first tracked (a model with more layers then fails with an
+      IndexError), and losses tracked but never collected (a forward outside the Trainer)
+      would be added to this run's first iteration."""
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker)
 
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    get_moe_layer_wise_logging_tracker().clear()

@@ -128,7 +128,7 @@ class Trainer:
         megatron_config.finalize_model_grads_func = finalize_model_grads
         megatron_config.no_sync_func = [chunk.no_sync for chunk in self.model]
         if config.model.num_experts is not None:
-            moe_metrics.reset_loss_scale()
+            moe_metrics.reset()
         if config.model.mtp_num_layers:
             mtp_metrics.reset()
         if len(self.model) == 1:
