@@ -1,11 +1,12 @@
 """The CPU checkpoint writer (runtime/cpu/checkpoint_writer.py) against megatron's own: the
 same files byte for byte, and no copy of any tensor made before the writing starts."""
 
+import io as io_module
 import os
-import pickle
 
-import pytest
 import torch
+
+from swift_mcore.checkpointing.safe_load import load_dcp_metadata
 
 
 def _state():
@@ -52,7 +53,8 @@ def _files(folder):
     for name in sorted(os.listdir(folder)):
         with open(os.path.join(folder, name), "rb") as fh:
             out[name] = fh.read()
-    metadata = pickle.loads(out.pop(".metadata"))
+    # the project's restricted unpickler, as every .metadata read (checkpointing/safe_load.py)
+    metadata = load_dcp_metadata(io_module.BytesIO(out.pop(".metadata")))
     metadata.storage_meta = None  # the folder's path and a fresh uuid per save
     return out, metadata
 
