@@ -291,14 +291,18 @@ def is_last_stage(chunk) -> bool:
     return bool(_stage_model(chunk).post_process)
 
 
-def sequence_sums(values: torch.Tensor, batch) -> torch.Tensor:
-    """[rows, positions] -> one sum per sequence, chosen sequences first: a row's sum, or
-    with --packing (``segment_ids``: each position's sequence, -1 padding) each segment's."""
-    segments = batch.get("segment_ids")
+def sequence_sums(values: torch.Tensor, batch, count: Optional[int] = None,
+                  prefix: str = "") -> torch.Tensor:
+    """[rows, positions] -> one sum per sequence (pairs: chosen sequences first): a row's
+    sum, or with --packing (``segment_ids``: each position's sequence, -1 padding) each
+    segment's. ``count``: how many sequences (default: the pairs' 2B); ``prefix``: whose
+    segment ids (KTO's KL rows are ``kl_``)."""
+    segments = batch.get(prefix + "segment_ids")
     if segments is None:
         return values.sum(1)
     real = segments >= 0
-    count = batch["completion_lengths"].numel()
+    if count is None:
+        count = batch["completion_lengths"].numel()
     return values.new_zeros(count).index_add(0, segments[real], values[real])
 
 
