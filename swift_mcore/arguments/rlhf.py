@@ -178,7 +178,6 @@ class RlhfArguments(RunArguments):
                                 f"only yet; --rlhf_type {r.rlhf_type}: use tensor or data "
                                 f"parallelism")
         refused = [name for name, given in (
-            ("--packing", r.packing),
             ("--precompute_ref_log_probs", r.precompute_ref_log_probs),
             ("--num_virtual_stages_per_pipeline_rank", self.virtual_stages() is not None))
             if given]

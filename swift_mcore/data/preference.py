@@ -366,8 +366,10 @@ def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = pr
     train = PreferenceDataset(encoded, max_length, r.truncation_mode, pad_id,
                               f"{preference_fingerprint(config, tokenizer)}:train",
                               pack_to=config.model.seq_length if _packing(config) else None,
+                              # packed rows under stages: the shapes are exchanged
                               pad_to=(config.model.seq_length
-                                      if config.world.pipeline_parallel > 1 else None))
+                                      if config.world.pipeline_parallel > 1
+                                      and not _packing(config) else None))
     return train, None, None
 
 

@@ -61,6 +61,12 @@ class DpoTrainer(Trainer):
 
         chunks = super().build_model()
         r = self.config.rlhf
+        if r.packing and self.config.world.pipeline_parallel > 1:
+            # a micro-batch packs into as many rows as its pairs need: the stages tell each
+            # other each exchange's shape (megatron's variable_seq_lengths) instead of
+            # padding every micro-batch to the largest
+            for chunk in chunks:
+                _stage_model(chunk).config.variable_seq_lengths = True
         if r.reference_free:
             what = "none (--reference_free: reference log-probabilities are 0)"
         elif r.ref_model:
