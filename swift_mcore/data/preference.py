@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
-from .sequence_rows import lay_out
+from .sequence_rows import lay_out, packing_note
 
 # Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
 ENCODING_VERSION = 1
@@ -359,8 +359,6 @@ def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = pr
     pairs = read_pairs(list(config.dataset_sources))
     encoded = encode_pairs(pairs, tokenizer.hf, max_length, r.truncation_mode, report,
                            per_answer=_per_answer(config))
-    log(f"rlhf data --dataset: {report.describe(max_length)} "
-        f"(truncation: {r.truncation_mode})")
     pad = tokenizer.hf.pad_token_id
     pad_id = pad if pad is not None else tokenizer.eod
     train = PreferenceDataset(encoded, max_length, r.truncation_mode, pad_id,
@@ -370,6 +368,8 @@ def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = pr
                               pad_to=(config.model.seq_length
                                       if config.world.pipeline_parallel > 1
                                       and not _packing(config) else None))
+    log(f"rlhf data --dataset: {report.describe(max_length)} "
+        f"(truncation: {r.truncation_mode}){packing_note(train.pack_to)}")
     return train, None, None
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ArgumentError
 from .preference import Pair, preference_fingerprint, read_pairs
-from .sequence_rows import lay_out
+from .sequence_rows import lay_out, packing_note
 
 # Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
 ENCODING_VERSION = 1
@@ -129,11 +129,12 @@ def build_reward_datasets(config, tokenizer, log: Callable[[str], None] = print)
     max_length = max_length_of(config)
     pairs = read_pairs(list(config.dataset_sources))
     encoded, has_margin = encode_reward_pairs(pairs, tokenizer.hf, max_length)
-    log(f"rlhf data --dataset: {len(encoded)} preference pairs for the reward model"
-        + (" with margins" if has_margin else "") + f" (--max_length {max_length})")
     train = RewardPairs(encoded, pad_id_of(tokenizer),
                         f"{reward_fingerprint(config, tokenizer)}:train", has_margin,
                         pack_to=config.model.seq_length if config.rlhf.packing else None)
+    log(f"rlhf data --dataset: {len(encoded)} preference pairs for the reward model"
+        + (" with margins" if has_margin else "") + f" (--max_length {max_length})"
+        + packing_note(train.pack_to))
     return train, None, None
 
 

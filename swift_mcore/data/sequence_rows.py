@@ -71,3 +71,10 @@ def lay_out(seqs: Sequence[np.ndarray], pad_id: int, masks: Optional[Sequence[np
             places[k] = (r, start)
             start += n
     return batch, places
+
+
+def packing_note(pack_to: Optional[int]) -> str:
+    """What the data log line says of a dataset's layout (empty when it pads)."""
+    if pack_to is None:
+        return ""
+    return f"; --packing: each micro-batch's sequences end to end in rows of {pack_to} positions"

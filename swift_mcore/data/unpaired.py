@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
-from .sequence_rows import lay_out
+from .sequence_rows import lay_out, packing_note
 from .preference import (PairReport, _common_prefix, _is_messages, _messages, _try_json,
                          max_length_of, to_pair)
 
@@ -254,16 +254,16 @@ def build_unpaired_datasets(config, tokenizer, log: Callable[[str], None] = prin
     report = UnpairedReport()
     rows = read_unpaired(list(config.dataset_sources))
     encoded = encode_unpaired(rows, tokenizer.hf, max_length, r.truncation_mode, report)
-    log(f"rlhf data --dataset: {report.describe(max_length)} "
-        f"(truncation: {r.truncation_mode})")
-    advice = weight_advice(report, r.desirable_weight, r.undesirable_weight)
-    if advice:
-        log(f"rlhf kto: {advice}")
     pad = tokenizer.hf.pad_token_id
     pad_id = pad if pad is not None else tokenizer.eod
     train = UnpairedDataset(encoded, max_length, r.truncation_mode, pad_id,
                             f"{unpaired_fingerprint(config, tokenizer)}:train",
                             pack_to=config.model.seq_length if r.packing else None)
+    log(f"rlhf data --dataset: {report.describe(max_length)} "
+        f"(truncation: {r.truncation_mode}){packing_note(train.pack_to)}")
+    advice = weight_advice(report, r.desirable_weight, r.undesirable_weight)
+    if advice:
+        log(f"rlhf kto: {advice}")
     return train, None, None
 
 

@@ -51,12 +51,17 @@ def margin_file(tiny_hf):
     return data
 
 
+PACKED = "--packing: each micro-batch's sequences end to end in rows of 32 positions"
+
+
 def run(task, out, folder, data, *flags):
-    train_in_process(out, "--model", folder, "--dataset", data, "--rlhf_type", task,
+    proc = train_in_process(out, "--model", folder, "--dataset", data, "--rlhf_type", task,
                      "--train_iters", "3", *TASK_FLAGS[task],
                      *run_flags("--micro_batch_size", "2", "--global_batch_size", "2",
                                 "--seq_length", "32", *flags),
                      command="rlhf", base=[], trainer=trainer_of(task))
+    # the data the run trained on was laid out as the flag says
+    assert (PACKED in proc.stdout) == ("--packing" in flags)
     names = metric_names(task)
     return {r["iteration"]: {k: r.get(k) for k in names} for r in records(out) if "loss" in r}
 
