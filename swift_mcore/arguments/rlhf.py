@@ -76,9 +76,10 @@ class RlhfGroupArguments:
         "0 is SimPO as its paper defines it, TRL's CPOConfig default 1.0 is CPO-SimPO).",
         range=NON_NEGATIVE)
     packing: bool = flag(
-        False, "dpo: lay each micro-batch's chosen and rejected sequences end to end in "
-        "--seq_length rows (attention never crosses one; position ids restart) instead of "
-        "padding every sequence to the longest; the losses are the unpacked ones.")
+        False, "Lay each micro-batch's sequences (a pair's chosen and rejected; kto: the rows, "
+        "and apart from them the KL rows) end to end in --seq_length rows (attention never "
+        "crosses one; position ids restart) instead of padding every sequence to the "
+        "longest; the losses are the unpacked ones.")
     truncation_mode: str = flag(
         "keep_start", "What a cut keeps of a sequence longer than --max_length: its start or "
         "its end (TRL's truncation_mode).", choices=TRUNCATION_MODES)
@@ -160,9 +161,6 @@ class RlhfArguments(RunArguments):
             raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} + 1 "
                                 f"(a sequence of n tokens trains n - 1 positions); raise "
                                 f"--seq_length or lower --max_length")
-        if r.packing and r.rlhf_type != "dpo":
-            raise ArgumentError(f"--packing packs DPO's pairs (--rlhf_type dpo); --rlhf_type "
-                                f"{r.rlhf_type} does not pack yet: drop --packing")
         if r.packing and p.context_parallel_size > 1:
             raise ArgumentError("rlhf --packing does not run with --context_parallel_size > 1 "
                                 "yet; drop --packing or use --context_parallel_size 1")
@@ -180,7 +178,6 @@ class RlhfArguments(RunArguments):
                                 f"only yet; --rlhf_type {r.rlhf_type}: use tensor or data "
                                 f"parallelism")
         refused = [name for name, given in (
-            ("--packing", r.packing),
             ("--precompute_ref_log_probs", r.precompute_ref_log_probs),
             ("--num_virtual_stages_per_pipeline_rank", self.virtual_stages() is not None))
             if given]

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ArgumentError
 from .preference import Pair, preference_fingerprint, read_pairs
+from .sequence_rows import lay_out, packing_note
 
 # Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
 ENCODING_VERSION = 1
@@ -42,14 +43,21 @@ def tokenize_reward_pair(pair: Pair, hf) -> Tuple[List[int], List[int]]:
 
 class RewardPairs(torch.utils.data.Dataset):
     """Tokenized pairs; ``collate`` makes a micro-batch of B pairs into 2B right-padded rows,
-    the chosen sequences first (TRL's DataCollatorForPreference), and their margins."""
+    the chosen sequences first (TRL's DataCollatorForPreference), and their margins.
+
+    With ``pack_to`` (--packing) the 2B sequences are laid end to end in rows of at most
+    ``pack_to`` positions (data/sequence_rows.py; chosen i is sequence i, rejected i is
+    B + i) and ``score_index`` gives each sequence's (row, position) the score is read at:
+    its last token that is not the pad token, as in its own padded row. An item is still
+    one pair, so the data order and resume are the unpacked run's."""
 
     def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, float]], pad_id: int,
-                 fingerprint: str, has_margin: bool):
+                 fingerprint: str, has_margin: bool, pack_to: Optional[int] = None):
         self.encoded = encoded
         self.pad_id = pad_id
         self.fingerprint = fingerprint
         self.has_margin = has_margin
+        self.pack_to = pack_to
 
     def __len__(self) -> int:
         return len(self.encoded)
@@ -60,16 +68,28 @@ class RewardPairs(torch.utils.data.Dataset):
 
     def collate(self, items) -> dict:
         seqs = [item["chosen"] for item in items] + [item["rejected"] for item in items]
-        width = max(len(s) for s in seqs)
-        tokens = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        for i, ids in enumerate(seqs):
-            tokens[i, :len(ids)] = torch.from_numpy(ids.astype(np.int64))
-        return {
-            "tokens": tokens,
-            "position_ids": torch.arange(width).unsqueeze(0).expand(len(seqs), width).clone(),
-            "margin": torch.tensor([float(item["margin"]) for item in items]),
-            "num_tokens": torch.tensor(sum(len(s) for s in seqs), dtype=torch.long),
-        }
+        if self.pack_to is None:
+            width = max(len(s) for s in seqs)
+            tokens = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+            for i, ids in enumerate(seqs):
+                tokens[i, :len(ids)] = torch.from_numpy(ids.astype(np.int64))
+            batch = {"tokens": tokens, "position_ids": torch.arange(width).unsqueeze(0)
+                     .expand(len(seqs), width).clone()}
+        else:
+            batch, places = lay_out(seqs, self.pad_id, shift=False, pack_to=self.pack_to)
+            batch["score_index"] = torch.tensor(
+                [(row, start + last_real(ids, self.pad_id))
+                 for ids, (row, start) in zip(seqs, places)], dtype=torch.long)
+        batch["margin"] = torch.tensor([float(item["margin"]) for item in items])
+        batch["num_tokens"] = torch.tensor(sum(len(s) for s in seqs), dtype=torch.long)
+        return batch
+
+
+def last_real(ids: np.ndarray, pad_id: int) -> int:
+    """The position of the last id that is not ``pad_id`` (0 if none): where a padded row's
+    score is read (models/value_head.last_token_index)."""
+    real = np.flatnonzero(np.asarray(ids) != pad_id)
+    return int(real[-1]) if len(real) else 0
 
 
 def max_length_of(config) -> int:
@@ -109,10 +129,12 @@ def build_reward_datasets(config, tokenizer, log: Callable[[str], None] = print)
     max_length = max_length_of(config)
     pairs = read_pairs(list(config.dataset_sources))
     encoded, has_margin = encode_reward_pairs(pairs, tokenizer.hf, max_length)
-    log(f"rlhf data --dataset: {len(encoded)} preference pairs for the reward model"
-        + (" with margins" if has_margin else "") + f" (--max_length {max_length})")
     train = RewardPairs(encoded, pad_id_of(tokenizer),
-                        f"{reward_fingerprint(config, tokenizer)}:train", has_margin)
+                        f"{reward_fingerprint(config, tokenizer)}:train", has_margin,
+                        pack_to=config.model.seq_length if config.rlhf.packing else None)
+    log(f"rlhf data --dataset: {len(encoded)} preference pairs for the reward model"
+        + (" with margins" if has_margin else "") + f" (--max_length {max_length})"
+        + packing_note(train.pack_to))
     return train, None, None
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
+from .sequence_rows import lay_out, packing_note
 from .preference import (PairReport, _common_prefix, _is_messages, _messages, _try_json,
                          max_length_of, to_pair)
 
@@ -177,11 +178,18 @@ def encode_unpaired(rows: List[Unpaired], hf, max_length: int, truncation_mode: 
 class UnpairedDataset(torch.utils.data.Dataset):
     """Tokenized unpaired rows; ``collate`` makes a micro-batch of B rows plus B KL rows:
     row i's prompt with row i-1's completion (cyclically), TRL's mismatched pairs for the
-    KL estimate, each cut to ``max_length`` tokens as the training rows are."""
+    KL estimate, each cut to ``max_length`` tokens as the training rows are.
+
+    With ``pack_to`` (--packing) the B rows, and apart from them the B KL rows, are laid end
+    to end in rows of at most ``pack_to`` positions (data/sequence_rows.py): ``segment_ids``
+    and ``kl_segment_ids`` give each position's row (i for row i; padding -1). An item is
+    still one row, so the data order and resume are the unpacked run's."""
 
     def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, bool]], max_length: int,
-                 truncation_mode: str, pad_id: int, fingerprint: str, pad_multiple: int = 1):
+                 truncation_mode: str, pad_id: int, fingerprint: str, pad_multiple: int = 1,
+                 pack_to: Optional[int] = None):
         self.encoded = encoded
+        self.pack_to = pack_to
         self.max_length = max_length
         self.truncation_mode = truncation_mode
         self.pad_id = pad_id
@@ -205,23 +213,9 @@ class UnpairedDataset(torch.utils.data.Dataset):
         seqs = [self._cut(np.concatenate([p, c])) for p, c in zip(prompts, completions)]
         masks = [self._cut(np.concatenate([np.zeros(len(p), bool), np.ones(len(c), bool)]))
                  for p, c in zip(prompts, completions)]
-        # n tokens train n - 1 positions: the model reads ids[:-1] and predicts ids[1:]
-        width = max(len(s) for s in seqs) - 1
-        width = -(-width // self.pad_multiple) * self.pad_multiple
-        rows = len(seqs)
-        batch = {
-            "tokens": torch.full((rows, width), self.pad_id, dtype=torch.long),
-            "labels": torch.full((rows, width), self.pad_id, dtype=torch.long),
-            "loss_mask": torch.zeros(rows, width, dtype=torch.float),
-            "position_ids": torch.zeros(rows, width, dtype=torch.long),
-        }
-        for i, (ids, mask) in enumerate(zip(seqs, masks)):
-            n = len(ids) - 1
-            ids = torch.from_numpy(ids.astype(np.int64))
-            batch["tokens"][i, :n] = ids[:-1]
-            batch["labels"][i, :n] = ids[1:]
-            batch["loss_mask"][i, :n] = torch.from_numpy(mask[1:].astype(np.float32))
-            batch["position_ids"][i, :n] = torch.arange(n)
+        batch, _ = lay_out(seqs, self.pad_id, masks, pack_to=self.pack_to,
+                           pad_multiple=self.pad_multiple)
+        batch.pop("sequence_mask")
         out = {prefix + k: v for k, v in batch.items()}
         out[prefix + "num_tokens"] = torch.tensor(sum(len(s) for s in seqs), dtype=torch.long)
         return out
@@ -260,15 +254,16 @@ def build_unpaired_datasets(config, tokenizer, log: Callable[[str], None] = prin
     report = UnpairedReport()
     rows = read_unpaired(list(config.dataset_sources))
     encoded = encode_unpaired(rows, tokenizer.hf, max_length, r.truncation_mode, report)
-    log(f"rlhf data --dataset: {report.describe(max_length)} "
-        f"(truncation: {r.truncation_mode})")
-    advice = weight_advice(report, r.desirable_weight, r.undesirable_weight)
-    if advice:
-        log(f"rlhf kto: {advice}")
     pad = tokenizer.hf.pad_token_id
     pad_id = pad if pad is not None else tokenizer.eod
     train = UnpairedDataset(encoded, max_length, r.truncation_mode, pad_id,
-                            f"{unpaired_fingerprint(config, tokenizer)}:train")
+                            f"{unpaired_fingerprint(config, tokenizer)}:train",
+                            pack_to=config.model.seq_length if r.packing else None)
+    log(f"rlhf data --dataset: {report.describe(max_length)} "
+        f"(truncation: {r.truncation_mode}){packing_note(train.pack_to)}")
+    advice = weight_advice(report, r.desirable_weight, r.undesirable_weight)
+    if advice:
+        log(f"rlhf kto: {advice}")
     return train, None, None
 
 
@@ -287,4 +282,6 @@ def unpaired_fingerprint(config, tokenizer) -> str:
         "max_length": max_length_of(config),
         "truncation_mode": r.truncation_mode,
     }
+    if r.packing:  # other rows (a resume across the change is refused)
+        identity["packing"] = True
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

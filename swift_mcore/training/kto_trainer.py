@@ -15,11 +15,14 @@ import torch
 
 from ..runtime import collectives
 from .kto_loss import METRICS, KtoLoss, kl_estimate, metric_sums, metrics_from_sums
-from .rlhf_trainer import DpoTrainer, reference_identity
+from .rlhf_trainer import DpoTrainer, reference_identity, sequence_sums
 
 
-def _sequence_logps(per_token_losses, mask) -> torch.Tensor:
-    return -(per_token_losses.float() * mask.float()).sum(1)
+def _sequence_logps(per_token_losses, batch, prefix: str = "") -> torch.Tensor:
+    """Each row's log-probability of its completion (a packed row's sequences apart)."""
+    mask = batch[prefix + "loss_mask"].float()
+    return sequence_sums(-(per_token_losses.float() * mask), batch,
+                         count=batch["desirable"].numel(), prefix=prefix)
 
 
 class KtoTrainer(DpoTrainer):
@@ -56,20 +59,24 @@ class KtoTrainer(DpoTrainer):
     # ---- one micro-batch --------------------------------------------------------------
     def forward_step(self, data_iterator, model):
         batch = self.get_batch(data_iterator)
+        if "kl_segment_ids" in batch:  # --packing: get_batch masked the rows, not the KL rows
+            from ..data.packing import block_causal_mask
+
+            batch["kl_attention_mask"] = block_causal_mask(batch["kl_segment_ids"])
 
         def inputs(prefix):
             return dict(input_ids=batch[prefix + "tokens"],
-                        position_ids=batch[prefix + "position_ids"], attention_mask=None,
+                        position_ids=batch[prefix + "position_ids"],
+                        attention_mask=batch.get(prefix + "attention_mask"),
                         labels=batch[prefix + "labels"])
 
         with torch.no_grad():
             # the KL rows only estimate a constant of the loss: no autograd for them
             with self.reference_of(model) as reference:
-                batch["ref_logps"] = _sequence_logps(reference(**inputs("")),
-                                                     batch["loss_mask"])
-                batch["ref_kl_logps"] = _sequence_logps(reference(**inputs("kl_")),
-                                                        batch["kl_loss_mask"])
-            batch["kl_logps"] = _sequence_logps(model(**inputs("kl_")), batch["kl_loss_mask"])
+                batch["ref_logps"] = _sequence_logps(reference(**inputs("")), batch)
+                batch["ref_kl_logps"] = _sequence_logps(reference(**inputs("kl_")), batch,
+                                                        "kl_")
+            batch["kl_logps"] = _sequence_logps(model(**inputs("kl_")), batch, "kl_")
         output = model(**inputs(""))
         return output, partial(self.compute_loss, batch)
 
@@ -88,7 +95,7 @@ class KtoTrainer(DpoTrainer):
     def compute_loss(self, batch, output_tensor):
         """(sum of the rows' losses, row count, report): megatron divides the gradients by
         the global batch's rows, so the loss is the mean over rows, as TRL's."""
-        logps = _sequence_logps(output_tensor, batch["loss_mask"])
+        logps = _sequence_logps(output_tensor, batch)
         kl = self.batch_kl(batch)
         desirable = batch["desirable"].to(logps.device).bool()
         out = self.kto(logps, batch["ref_logps"], desirable, kl)

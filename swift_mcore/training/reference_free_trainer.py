@@ -15,7 +15,7 @@ import torch
 from ..runtime import collectives
 from .dpo_loss import reward_metrics
 from .reference_free_loss import ORPO_METRICS, SIMPO_METRICS, OrpoLoss, SimpoLoss
-from .rlhf_trainer import DpoTrainer
+from .rlhf_trainer import DpoTrainer, sequence_sums
 from .trainer import Trainer
 
 
@@ -47,7 +47,7 @@ class ReferenceFreeTrainer(DpoTrainer):
     def forward_step(self, data_iterator, model):
         batch = self.get_batch(data_iterator)
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=None, labels=batch["labels"])
+                       attention_mask=batch.get("attention_mask"), labels=batch["labels"])
         return output, partial(self.compute_loss, batch)
 
     def chosen_nll(self, losses, batch, pairs) -> torch.Tensor:
@@ -55,18 +55,24 @@ class ReferenceFreeTrainer(DpoTrainer):
         every position (prompt included), SimPO's over the answers (0 without
         --cpo_alpha, as TRL reports it)."""
         if self.orpo:
-            mask = batch["sequence_mask"][:pairs].float()
+            mask = batch["sequence_mask"].float()
         elif self.loss.cpo_alpha == 0:
             return losses.new_zeros(())
         else:
-            mask = batch["loss_mask"][:pairs].float()
-        return (losses[:pairs].float() * mask).sum() / mask.sum().clamp(min=1.0)
+            mask = batch["loss_mask"].float()
+        segments = batch.get("segment_ids")
+        if segments is None:
+            mask, losses = mask[:pairs], losses[:pairs]
+        else:  # --packing: chosen i is sequence i
+            mask = mask * ((segments >= 0) & (segments < pairs))
+        return (losses.float() * mask).sum() / mask.sum().clamp(min=1.0)
 
     def compute_loss(self, batch, output_tensor):
         """(sum of the pairs' losses, pair count, report): megatron divides the gradients by
         the global batch's pairs, so the loss is the mean over pairs, as TRL's."""
         mask = batch["loss_mask"].float()
-        logps = -(output_tensor.float() * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        logps = (sequence_sums(-(output_tensor.float() * mask), batch)
+                 / sequence_sums(mask, batch).clamp(min=1.0))
         pairs = logps.shape[0] // 2
         nll = self.chosen_nll(output_tensor, batch, pairs)
         out = self.loss(logps[:pairs], logps[pairs:], nll)

@@ -67,13 +67,17 @@ class RewardTrainer(DpoTrainer):
     def forward_step(self, data_iterator, model):
         batch = self.get_batch(data_iterator)
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=None)
+                       attention_mask=batch.get("attention_mask"))
         return output, partial(self.compute_loss, batch)
 
     def rewards(self, batch, output_tensor) -> torch.Tensor:
-        """Each row's score [2B] at its last non-pad token."""
+        """Each sequence's score [2B] at its last non-pad token (a packed row's sequences
+        each at theirs: ``score_index``)."""
         from ..models.value_head import pooled
 
+        if "score_index" in batch:
+            where = batch["score_index"].to(output_tensor.device)
+            return output_tensor[where[:, 0], where[:, 1], 0].float()
         pad = self.pad_id if self.pad_id is not None else self.train_ds.pad_id
         return pooled(output_tensor.float(), batch["tokens"], pad)[:, 0]
 

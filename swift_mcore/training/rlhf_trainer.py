@@ -61,6 +61,12 @@ class DpoTrainer(Trainer):
 
         chunks = super().build_model()
         r = self.config.rlhf
+        if r.packing and self.config.world.pipeline_parallel > 1:
+            # a micro-batch packs into as many rows as its pairs need: the stages tell each
+            # other each exchange's shape (megatron's variable_seq_lengths) instead of
+            # padding every micro-batch to the largest
+            for chunk in chunks:
+                _stage_model(chunk).config.variable_seq_lengths = True
         if r.reference_free:
             what = "none (--reference_free: reference log-probabilities are 0)"
         elif r.ref_model:
@@ -291,14 +297,18 @@ def is_last_stage(chunk) -> bool:
     return bool(_stage_model(chunk).post_process)
 
 
-def sequence_sums(values: torch.Tensor, batch) -> torch.Tensor:
-    """[rows, positions] -> one sum per sequence, chosen sequences first: a row's sum, or
-    with --packing (``segment_ids``: each position's sequence, -1 padding) each segment's."""
-    segments = batch.get("segment_ids")
+def sequence_sums(values: torch.Tensor, batch, count: Optional[int] = None,
+                  prefix: str = "") -> torch.Tensor:
+    """[rows, positions] -> one sum per sequence (pairs: chosen sequences first): a row's
+    sum, or with --packing (``segment_ids``: each position's sequence, -1 padding) each
+    segment's. ``count``: how many sequences (default: the pairs' 2B); ``prefix``: whose
+    segment ids (KTO's KL rows are ``kl_``)."""
+    segments = batch.get(prefix + "segment_ids")
     if segments is None:
         return values.sum(1)
     real = segments >= 0
-    count = batch["completion_lengths"].numel()
+    if count is None:
+        count = batch["completion_lengths"].numel()
     return values.new_zeros(count).index_add(0, segments[real], values[real])
 
 

@@ -1,6 +1,6 @@
 """rlhf --packing (dpo): a micro-batch's chosen and rejected sequences laid end to end in
 --seq_length rows give the unpacked run's losses and metrics; the rows keep each sequence
-apart (segment ids, position ids restarting); the other tasks refuse the flag."""
+apart (segment ids, position ids restarting). The other tasks: test_task_packing.py."""
 
 import numpy as np
 import pytest
@@ -82,24 +82,6 @@ def test_collate_lays_sequences_end_to_end_in_rows():
     assert not batch["loss_mask"][seg < 0].any()
     for name in ("completion_lengths", "num_tokens", "pair_index"):
         assert torch.equal(batch[name], plain[name])
-
-
-@pytest.mark.parametrize("task", ["kto", "rm", "orpo", "simpo"])
-def test_packing_is_refused_for_the_tasks_that_do_not_pack(task, tmp_path):
-    import json
-
-    from swift_mcore.arguments import RlhfArguments, parse_args
-    from swift_mcore.errors import ArgumentError
-    from swift_mcore.run_config import resolve
-
-    data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
-    argv = ["--dataset", str(data), "--output_dir", str(tmp_path / "o"),
-            *run_flags("--rlhf_type", task, "--packing")]
-    with pytest.raises(ArgumentError, match=rf"^--packing packs DPO's pairs \(--rlhf_type "
-                                            rf"dpo\); --rlhf_type {task} does not pack yet: "
-                                            rf"drop --packing$"):
-        resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """DPO under pipeline parallelism (PP=2: the policy's and the reference's activations passed
-between the stages side by side) gives the one-rank losses and metrics; what does not run
-under it yet is refused in one line."""
+between the stages side by side) gives the one-rank losses and metrics, packed rows too;
+what does not run under it yet is refused in one line."""
 
 import json
 import subprocess
@@ -56,10 +56,37 @@ def test_pipeline_parallel_gives_the_one_rank_losses(reference, tiny_hf, tmp_pat
     assert one[1]["logps/chosen"] != one[3]["logps/chosen"]  # it trained
 
 
+@pytest.mark.benchmark
+def test_packed_pipeline_parallel_gives_the_one_rank_losses(tiny_hf, tmp_path, gloo_group):
+    """--packing under stages: each micro-batch packs into the rows it needs, the stages
+    exchanging each shape; the losses are the one-rank unpacked run's."""
+    from swift_mcore.training.rlhf_trainer import DpoTrainer
+
+    folder, data = tiny_hf
+    flags = ["--model", str(folder), "--dataset", str(data), "--train_iters", "3",
+             "--no_save", "--rpo_alpha", "0.5",
+             *run_flags("--micro_batch_size", "2", "--global_batch_size", "4",
+                        "--seq_length", "32")]
+    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[], trainer=DpoTrainer)
+    env = child_env(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags, "--packing",
+                           "--pipeline_model_parallel_size", "2", "--output_dir",
+                           str(tmp_path / "pp2")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, pp2 = curve(tmp_path / "one"), curve(tmp_path / "pp2")
+    assert sorted(one) == sorted(pp2) == [1, 2, 3]
+    for it in one:
+        for name in METRICS:
+            assert pp2[it][name] == pytest.approx(one[it][name], abs=1e-5, rel=1e-6), \
+                (it, name)
+        assert pp2[it]["grad_norm"] == pytest.approx(one[it]["grad_norm"], rel=1e-5), it
+    assert one[1]["logps/chosen"] != one[3]["logps/chosen"]  # it trained
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--rlhf_type", "kto"], r"^--pipeline_model_parallel_size 2 runs --rlhf_type dpo only "
                              r"yet; --rlhf_type kto: use tensor or data parallelism$"),
-    (["--packing"], r"^--packing with --pipeline_model_parallel_size 2 is not supported yet"),
     (["--precompute_ref_log_probs"], r"^--precompute_ref_log_probs with "
                                      r"--pipeline_model_parallel_size 2 is not supported"),
 ])
