@@ -194,7 +194,7 @@ def parse_sft(argv: List[str]):
         raise ArgumentError("--output_dir is required (the folder to write; "
                             "then train with `swift-mcore sft --cached_dataset FOLDER`)")
     args = parse_args(argv, prog="swift-mcore preprocess sft", cls=SftArguments)
-    if args.sft.streaming:
+    if args.data.streaming:
         raise ArgumentError("--streaming reads the files while training; `preprocess sft` "
                             "tokenizes them whole into --output_dir: leave --streaming out")
     config = resolve(args, world_size=1, cuda=False)

@@ -119,7 +119,7 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
                                 f"--seq_length or use --truncation_strategy left|right")
         return encoded
 
-    if s.streaming:
+    if config.data.streaming:
         return _streaming(config, tokenizer, template, columns, log, encode)
     if s.cached_dataset:
         from .token_cache import load_sft_dataset
@@ -186,10 +186,11 @@ def _streaming(config, tokenizer, template, columns, log, encode):
     fingerprint = sft_fingerprint(config, tokenizer, template)
     train = StreamingSftDataset(
         sources, columns, template, s.loss_on, config.model.seq_length,
-        s.truncation_strategy, s.packing, s.shuffle_buffer_size, config.training.seed,
+        s.truncation_strategy, s.packing, config.data.shuffle_buffer_size,
+        config.training.seed,
         _collator(config, tokenizer, f"{fingerprint}:train"), f"{fingerprint}:train")
     log(f"sft data --dataset: streamed from {len(sources)} file(s) through a shuffle buffer "
-        f"of {s.shuffle_buffer_size} rows{', packed' if s.packing else ''} "
+        f"of {config.data.shuffle_buffer_size} rows{', packed' if s.packing else ''} "
         f"(template: {template.describe()})")
     valid = None
     if config.val_dataset_sources:
@@ -225,7 +226,7 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
 
         train = load_sft_dataset(s.cached_dataset, template, s.loss_on,
                                  column_map(s.columns))[1]["sources"]
-    elif s.streaming:
+    elif config.data.streaming:
         # A stream's files are too large to hash whole at every start: their sizes and
         # ends here, the rows a resumed stream re-reads checked on top (streaming.py).
         from .streaming import check_stream_sources, stream_identity
@@ -254,11 +255,11 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
     for key in ("max_pixels", "min_pixels"):  # images' sizes (data/multimodal.py), when set
         if getattr(s, key, None) is not None:
             identity[key] = getattr(s, key)
-    if s.streaming:  # another order of the same rows: a checkpoint of either resumes only so
+    if config.data.streaming:  # another order of the same rows: resumes only so
         from .streaming import OPEN_ROWS, STREAM_VERSION
 
         identity["streaming"] = {"version": STREAM_VERSION, "seed": config.training.seed,
-                                 "shuffle_buffer_size": s.shuffle_buffer_size,
+                                 "shuffle_buffer_size": config.data.shuffle_buffer_size,
                                  "open_rows": OPEN_ROWS}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
