@@ -97,9 +97,10 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
     """(train, valid, None) SftDatasets from --dataset (and --val_dataset or
     --split_dataset_ratio); ``config`` is a RunConfig. Conversations are tokenized once into
     the token cache (token_cache.cached_sft_tokens; ``on_cache`` hears "built" or "reused"
-    per file set, and "packing built" or "packing reused" per packing plan). Raises ArgumentError naming the file, row and flag."""
+    per file set, and "packing built", "packing reused" or "packing stored" per packing
+    plan). Raises ArgumentError naming the file, row and flag."""
     from ..arguments.sft import column_map
-    from .token_cache import cached_pack_plan, cached_sft_tokens
+    from .token_cache import cached_sft_tokens, pack_plan
     s, seq = config.sft, config.model.seq_length
     template = Template(s.template, tokenizer, system=s.system,
                         train_separator=s.train_separator,
@@ -152,8 +153,9 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
             return None
         positions = encoded.positions()
         if s.packing:
-            rows = cached_pack_plan(positions, seq,
-                                    on_event=lambda event: on_cache(f"packing {event}"))
+            # a --cached_dataset folder's stored plan, when it has one for these samples
+            rows = pack_plan(positions, seq, s.cached_dataset if name == "train" else None,
+                             on_event=lambda event: on_cache(f"packing {event}"))
             count = len(rows[1]) - 1
             fill = positions.sum() / (count * seq)
             log(f"sft data {name}: {len(encoded)} conversations packed into {count} rows "
