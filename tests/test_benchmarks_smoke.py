@@ -226,4 +226,5 @@ def test_sft_stream_loader_smoke():
                         "--repeats", "1", "--shuffle_buffer_size", "16")[-1]
     assert len(result["streaming_tokens_per_s"]) == len(result["cached_tokens_per_s"]) == 1
     assert measured(result["streaming_median"], result["cached_median"],
-                    result["streaming_vs_cached"], result["streaming_vs_1b_h200_training"])
+                    result["streaming_vs_cached"], result["streaming_vs_1b_h200_training"],
+                    result["stream_cpu_batched_vs_one_row"])

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, CheckpointError
-from .streaming import (DATA_CHANGED, STREAM_VERSION, Locator, ShuffledRows, check_version,
-                        held_digest)
+from .streaming import (DATA_CHANGED, ENCODE_ROWS, STREAM_VERSION, Locator, ShuffledRows,
+                        check_version, held_digest)
 
 WHAT = "pt text"
 
@@ -57,9 +57,7 @@ class TextStream:
     def epoch(self) -> int:
         return self.rows.epoch
 
-    def tokens(self, loc: Locator, row: dict) -> Optional[np.ndarray]:
-        """The row's document (its text's tokens and an end-of-document token); None for an
-        empty text."""
+    def _text(self, loc: Locator, row: dict) -> Optional[str]:
         if self.text_key not in row:
             shown = ", ".join(repr(c) for c in row) or "none"
             raise ArgumentError(f"{self.reader.where(loc)}: no '{self.text_key}' column (it "
@@ -71,27 +69,39 @@ class TextStream:
             raise ArgumentError(f"{self.reader.where(loc)}: column '{self.text_key}' holds a "
                                 f"{type(text).__name__} value, not text; choose the text "
                                 f"column with --text_key")
-        ids = self.tokenizer.encode_batch([text])[0]
-        if not ids:
-            return None
-        return np.asarray(list(ids) + [self.tokenizer.eod], dtype=np.int64)
+        return text
+
+    def documents(self, drawn: Sequence) -> List[Optional[np.ndarray]]:
+        """Each drawn (locator, row) as its document (its text's tokens and an
+        end-of-document token; None for an empty text), tokenized in one call."""
+        texts = [self._text(loc, row) for loc, row, *_ in drawn]
+        present = [t for t in texts if t is not None]
+        encoded = iter(self.tokenizer.encode_batch(present) if present else [])
+        out = []
+        for text in texts:
+            ids = next(encoded) if text is not None else None
+            out.append(np.asarray(list(ids) + [self.tokenizer.eod], dtype=np.int64)
+                       if ids else None)
+        return out
 
     def next_item(self) -> np.ndarray:
         """The next training row: --seq_length + 1 token ids."""
         need = self.seq_length + 1
         while self.available < need:
-            loc, row, digest = self.rows.next_row()
-            ids = self.tokens(loc, row)
-            if ids is None:
-                self._empty_rows += 1
-                passes = self.rows.pass_rows
-                if passes and self._empty_rows > 2 * (passes + self.buffer_size):
-                    raise ArgumentError(f"{self.reader.flag}: holds no text (every "
-                                        f"'{self.text_key}' value is empty)")
-                continue
-            self._empty_rows = 0
-            self.carry.append((tuple(loc), digest, ids))
-            self.available += len(ids)
+            # ENCODE_ROWS rows per tokenizer call; every document drawn joins the carry (so
+            # the position holds it), in draw order: the rows are those of drawing one by one
+            drawn = [self.rows.next_row() for _ in range(ENCODE_ROWS)]
+            for (loc, _row, digest), ids in zip(drawn, self.documents(drawn)):
+                if ids is None:
+                    self._empty_rows += 1
+                    passes = self.rows.pass_rows
+                    if passes and self._empty_rows > 2 * (passes + self.buffer_size):
+                        raise ArgumentError(f"{self.reader.flag}: holds no text (every "
+                                            f"'{self.text_key}' value is empty)")
+                    continue
+                self._empty_rows = 0
+                self.carry.append((tuple(loc), digest, ids))
+                self.available += len(ids)
         parts, left, offset = [], need, self.start
         for _loc, _digest, ids in self.carry:
             piece = ids[offset:offset + left]
@@ -133,12 +143,11 @@ class TextStream:
                                   f"({type(err).__name__}: {err})") from None
         rows = self.rows.restore(state, carry)
         self.carry = collections.deque()
-        for loc in carry:
-            row, digest = rows[loc]
-            ids = self.tokens(loc, row)
+        documents = self.documents([(loc, rows[loc][0]) for loc in carry])
+        for loc, ids in zip(carry, documents):
             if ids is None:
                 raise CheckpointError(DATA_CHANGED)
-            self.carry.append((loc, digest, ids))
+            self.carry.append((loc, rows[loc][1], ids))
         self.available = sum(len(entry[2]) for entry in self.carry) - self.start
         if self.state()["rows_digest"] != expected or not (
                 not self.carry or 0 <= self.start < len(self.carry[0][2])):

@@ -91,6 +91,19 @@ def test_a_text_stream_continued_from_any_position_equals_the_straight_stream(
         s.next_item()
 
 
+def test_rows_tokenized_several_per_call_are_those_tokenized_one_by_one(files, tokenizer,
+                                                                         monkeypatch):
+    from swift_mcore.data import text_stream
+
+    def items(count):
+        monkeypatch.setattr(text_stream, "ENCODE_ROWS", count)
+        s = stream(files["jsonl"], tokenizer)
+        return [s.next_item().tolist() for _ in range(40)]
+
+    assert text_stream.ENCODE_ROWS > 1
+    assert items(text_stream.ENCODE_ROWS) == items(1)
+
+
 def test_the_order_is_the_same_for_every_file_kind(files, tokenizer):
     def rows(kind):
         s = stream(files[kind], tokenizer)
