@@ -173,6 +173,17 @@ def test_a_stored_packing_plan_is_mapped_and_another_length_replans_without_enco
             on_cache=events.append)
         assert events == [event], (seq, events)
         assert rows(train) == fresh[seq], seq
+    # A stored plan that is not a plain array (here a pickle's bytes) is never unpickled:
+    # it fails its checks and the packing is planned again, to the same rows.
+    plan = os.path.join(folder, "packing", os.listdir(os.path.join(folder, "packing"))[0])
+    with open(os.path.join(plan, "members.npy"), "wb") as fh:
+        fh.write(b"\x80\x04\x95" + b"\0" * 64)
+    events = []
+    train, _, _ = build_sft_datasets(
+        sft_args(cached_dataset=folder, seq_length=64, packing=True,
+                 truncation_strategy="right"), tok, log=lambda line: None,
+        on_cache=events.append)
+    assert events == ["packing built"] and rows(train) == fresh[64]
 
 
 def test_preprocess_sft_packing_that_fits_nothing_leaves_no_folder(tmp_path, monkeypatch,
