@@ -238,16 +238,28 @@ def run_cli(tmp_path, command, *flags):
      "--split cuts a dataset read whole; a --streaming run trains on every row"),
     (["--dataset", "FILE", "--train_iters", "2", "--num_workers", "2"],
      "--streaming reads the stream in one loader worker per rank"),
-    (["--dataset", "FILE", "--train_iters", "2", "--text_key", "body"],
-     "a.jsonl, row 0: no 'body' column (it has 'id', 'text'); choose the text column with "
-     "--text_key"),
 ])
-def test_pt_streaming_flags_refused_in_one_line(tmp_path, files, flags, message):
-    argv = ["--streaming"] + [str(files["jsonl"][0]) if f == "FILE" else f for f in flags]
-    proc = run_cli(tmp_path, "pt", *argv)
+def test_pt_streaming_flags_refused(tmp_path, files, flags, message):
+    from swift_mcore.arguments import RunArguments, parse_args
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    argv = [*TINY, "--output_dir", str(tmp_path / "out"), "--streaming",
+            *(str(files["jsonl"][0]) if f == "FILE" else f for f in flags)]
+    with pytest.raises(ArgumentError) as err:
+        resolve(parse_args(argv, prog="swift-mcore pt", cls=RunArguments), world_size=1)
+    assert message in str(err.value)
+
+
+def test_a_missing_text_column_stops_the_run_in_one_line(tmp_path, files):
+    """Checked on each file's first row before the model is built: exit 2, one line, no
+    checkpoint."""
+    proc = run_cli(tmp_path, "pt", "--streaming", "--dataset", files["jsonl"][0],
+                   "--train_iters", "2", "--text_key", "body")
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert lines == [f"swift-mcore pt: error: --dataset {files['jsonl'][0]}, row 0: no 'body' "
+                     f"column (it has 'id', 'text'); choose the text column with --text_key"]
     assert not (tmp_path / "out" / "checkpoint").exists()
 
 
