@@ -10,7 +10,10 @@ build_data_iterator over build_sft_datasets' rows), in this process (--num_worke
 worker's work), drained for --batches micro-batches; the rounds alternate. Real tokens
 per second (padding not counted) and the streaming loader's ratio to the cached one; also
 the ratio of the streaming rate to 50,000 tokens/s, the training rate of a 1B model on one
-H200 the issue names (a figure, not measured here). Prints one JSON line.
+H200 the issue names (a figure, not measured here). Also the streaming loader's CPU
+seconds (time.process_time, all threads) for the same batches when it tokenizes one drawn
+row per call against streaming.ENCODE_ROWS rows per call, and their ratio (the rows are
+the same either way: tests/sft/test_sft_streaming.py). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -37,6 +40,23 @@ def drain(iterator, batches: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def stream_cpu(stream, config, batches: int, encode_rows: int) -> float:
+    """CPU seconds (time.process_time: every thread of this process, the tokenizer's
+    included) the streaming loader spends on ``batches`` micro-batches when it tokenizes
+    ``encode_rows`` drawn rows per call (streaming.ENCODE_ROWS)."""
+    from swift_mcore.data import streaming
+
+    saved, streaming.ENCODE_ROWS = streaming.ENCODE_ROWS, encode_rows
+    try:
+        iterator = streaming.build_stream_iterator(stream, 0, None, config)
+        start = time.process_time()
+        for _ in range(batches):
+            next(iterator)
+        return time.process_time() - start
+    finally:
+        streaming.ENCODE_ROWS = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=20_000)
@@ -49,7 +69,7 @@ def main() -> None:
     from swift_mcore.arguments import SftArguments
     from swift_mcore.data import build_data_iterator, default_tokenizer
     from swift_mcore.data.sft_datasets import build_sft_datasets
-    from swift_mcore.data.streaming import build_stream_iterator
+    from swift_mcore.data.streaming import ENCODE_ROWS, build_stream_iterator
     from swift_mcore.run_config import resolve
 
     tokenizer = default_tokenizer()
@@ -71,17 +91,25 @@ def main() -> None:
                                   shuffle_buffer_size=cli.shuffle_buffer_size)
         stream = build_sft_datasets(streaming_config, tokenizer, log=lambda s: None)[0]
         rates = {"streaming": [], "cached": []}
+        cpu = {1: [], ENCODE_ROWS: []}
         for _ in range(cli.repeats):
             rates["streaming"].append(drain(
                 build_stream_iterator(stream, 0, None, streaming_config), cli.batches))
             rates["cached"].append(drain(
                 build_data_iterator(cached, 0, cached_config), cli.batches))
+            for rows in cpu:
+                cpu[rows].append(stream_cpu(stream, streaming_config, cli.batches, rows))
     for name, values in rates.items():
         out[f"{name}_tokens_per_s"] = [round(v) for v in values]
         out[f"{name}_median"] = round(statistics.median(values))
     out["streaming_vs_cached"] = round(out["streaming_median"] / out["cached_median"], 4)
     out["streaming_vs_1b_h200_training"] = round(
         out["streaming_median"] / TRAINING_RATE_1B_H200, 4)
+    # tokenizing several drawn rows per call against one per call: CPU, not wall time
+    out["stream_cpu_s_one_row_per_call"] = [round(v, 3) for v in cpu[1]]
+    out[f"stream_cpu_s_{ENCODE_ROWS}_rows_per_call"] = [round(v, 3) for v in cpu[ENCODE_ROWS]]
+    out["stream_cpu_batched_vs_one_row"] = round(
+        statistics.median(cpu[ENCODE_ROWS]) / max(statistics.median(cpu[1]), 1e-9), 4)
     print(json.dumps(out))
 
 

@@ -194,7 +194,7 @@ def parse_sft(argv: List[str]):
         raise ArgumentError("--output_dir is required (the folder to write; "
                             "then train with `swift-mcore sft --cached_dataset FOLDER`)")
     args = parse_args(argv, prog="swift-mcore preprocess sft", cls=SftArguments)
-    if args.sft.streaming:
+    if args.data.streaming:
         raise ArgumentError("--streaming reads the files while training; `preprocess sft` "
                             "tokenizes them whole into --output_dir: leave --streaming out")
     config = resolve(args, world_size=1, cuda=False)
@@ -229,6 +229,7 @@ def preprocess_sft(config) -> dict:
     os.makedirs(parent, exist_ok=True)
     write_sft_dataset(folder, list(config.dataset_sources), column_map(s.columns), template,
                       s.loss_on, s.dataset_num_proc)
+    packed = _store_pack_plan(config, folder, template) if s.packing else None
     manifest = json.loads(open(os.path.join(folder, "manifest.json"), encoding="utf-8").read())
     shapes = manifest["arrays"]
     flags = [f"--{name} {value}" for name, value in (
@@ -236,8 +237,33 @@ def preprocess_sft(config) -> dict:
         ("template", s.template if s.template != "auto" else None)) if value]
     return {"folder": folder, "conversations": manifest["meta"]["conversations"],
             "samples": shapes["answers"]["shape"][0], "tokens": shapes["ids"]["shape"][0],
-            "template": template.describe(), "flags": " ".join(flags),
+            "template": template.describe(), "flags": " ".join(flags), "packed": packed,
             "seconds": time.perf_counter() - start}
+
+
+def _store_pack_plan(config, folder: str, template) -> dict:
+    """--packing: the packing plan for --seq_length and --truncation_strategy stored in the
+    folder (an index over its samples; `sft --cached_dataset --packing` with these flags
+    maps it, with others re-plans from the stored lengths). A plan that cannot be made
+    leaves no folder behind."""
+    import shutil
+
+    from .arguments.sft import column_map
+    from .data.token_cache import load_sft_dataset, write_pack_plan
+
+    s, seq = config.sft, config.model.seq_length
+    try:
+        tokenized, _ = load_sft_dataset(folder, template, s.loss_on, column_map(s.columns))
+        samples = tokenized.fit(seq, s.truncation_strategy)
+        if len(samples) == 0:
+            raise ArgumentError(f"--packing: no conversation fits --seq_length {seq}; raise "
+                                f"it or use --truncation_strategy left|right")
+        rows = write_pack_plan(folder, samples.positions(), seq)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return {"seq_length": seq, "truncation_strategy": s.truncation_strategy,
+            "samples": len(samples), "rows": rows}
 
 
 def format_sft_summary(s: dict) -> str:
@@ -247,7 +273,10 @@ def format_sft_summary(s: dict) -> str:
         f"  train on it: swift-mcore sft --cached_dataset {s['folder']}"
         + (f" {s['flags']}" if s["flags"] else "")
         + " (and the --system, --loss_on, --columns, --ignore_empty_think flags used here)",
-    ])
+    ] + ([f"  packing plan stored for --seq_length {s['packed']['seq_length']} "
+          f"--truncation_strategy {s['packed']['truncation_strategy']}: "
+          f"{s['packed']['samples']:,} samples in {s['packed']['rows']:,} rows (another "
+          f"--seq_length re-plans from the stored tokens)"] if s.get("packed") else []))
 
 
 def _preprocess_sft_and_report(config) -> None:

@@ -212,6 +212,18 @@ def test_dpo_vs_trl_smoke():
 
 
 @pytest.mark.benchmark
+def test_sft_vs_trl_smoke():
+    *runs, summary = run_script("sft_vs_trl.py", "--size", "tiny", "--rounds", "1", "--iters",
+                                "3", "--warmup", "1", "--rows", "40", "--words", "30", "--seq",
+                                "64", timeout=900)
+    assert sorted(r["contender"] for r in runs) == ["peft-lora", "swift-mcore",
+                                                    "swift-mcore-lora", "trl"]
+    assert all(r["steps_timed"] == 2 for r in runs)
+    assert measured(summary["speed_ratio_vs_trl"], summary["lora_speed_ratio_vs_peft"],
+                    *(r["tokens_per_s"] for r in runs))
+
+
+@pytest.mark.benchmark
 def test_optimizer_memory_smoke():
     lines = run_script("optimizer_memory.py", "--tiny", "--dp", "2", timeout=600)
     plain, sharded, ratios = lines
@@ -226,4 +238,5 @@ def test_sft_stream_loader_smoke():
                         "--repeats", "1", "--shuffle_buffer_size", "16")[-1]
     assert len(result["streaming_tokens_per_s"]) == len(result["cached_tokens_per_s"]) == 1
     assert measured(result["streaming_median"], result["cached_median"],
-                    result["streaming_vs_cached"], result["streaming_vs_1b_h200_training"])
+                    result["streaming_vs_cached"], result["streaming_vs_1b_h200_training"],
+                    result["stream_cpu_batched_vs_one_row"])

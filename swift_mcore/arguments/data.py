@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .fields import flag
+from .fields import POSITIVE, flag
 
 
 def text_key_flag():
@@ -40,6 +40,16 @@ class DataArguments:
         "sequence as its MegatronPretrainingSampler does), which depends on --train_iters, "
         "--eval_steps and --eval_iters (docs/data.md).", choices=("resumable", "megatron"))
     num_workers: int = flag(1, "Data loader worker processes per rank (0: in the main process).")
+    streaming: bool = flag(
+        False, "Read --dataset lazily while training (.jsonl, .parquet, saved datasets "
+        "folders too large to tokenize up front): rows are shuffled through a buffer of "
+        "--shuffle_buffer_size and tokenized on the fly (sft: encoded and packed; pt: the "
+        "--text_key text cut into --seq_length rows); needs --train_iters. The stream's "
+        "position is saved with checkpoints and resumed exactly, also on another number of "
+        "ranks (docs/sft.md, 'Streaming'; docs/data.md, 'pt data: cache or stream').")
+    shuffle_buffer_size: int = flag(
+        1000, "--streaming: rows held in the shuffle buffer (each row trained is drawn from "
+        "it with --seed's generator; 1 keeps the files' order).", range=POSITIVE)
     trust_remote_code: bool = flag(
         False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
         "tokenizer_config.json or config.json); without it a folder that needs its code is "

@@ -173,6 +173,9 @@ class RunArguments:
         self.check_checkpoint_flags()
         self.check_best_flags()
         self.check_tuner()
+        if self.data.streaming and self.COMMAND not in ("pt", "sft"):
+            raise ArgumentError(f"--streaming reads pt and sft data; `swift-mcore "
+                                f"{self.COMMAND}` reads its rows whole (leave it out)")
         self.check_command()
 
     def check_profile(self, world_size: int) -> None:
@@ -362,7 +365,7 @@ class RunArguments:
         if s is not None and s.cached_dataset:
             raise ArgumentError("--cached_dataset with a vision-language model: not supported "
                                 "yet (its images are read with --dataset)")
-        if s is not None and getattr(s, "streaming", False):
+        if s is not None and self.data.streaming:
             raise ArgumentError("--streaming with a vision-language model: not supported yet "
                                 "(its image rows are read whole with --dataset)")
         if s is not None and s.max_pixels and s.min_pixels and s.min_pixels > s.max_pixels:
@@ -801,10 +804,23 @@ class RunArguments:
         return None
 
     def check_command(self) -> None:
-        """The command's own flag checks (sft: its data flags); pt has none beyond these."""
-        if self.data.data_path and self.data.dataset:
+        """The command's own flag checks (sft: its data flags); pt's --dataset/--data_path
+        and --streaming."""
+        d = self.data
+        if d.data_path and d.dataset:
             raise ArgumentError("--data_path and --dataset are exclusive: give preprocessed "
                                 "prefixes or raw files, not both")
+        if d.streaming:
+            if not d.dataset:
+                raise ArgumentError("--streaming reads raw text files: give them with "
+                                    "--dataset (.jsonl, .parquet or a saved datasets folder)")
+            if d.data_order != "resumable":
+                raise ArgumentError("--data_order megatron orders megatron's GPTDataset; a "
+                                    "--streaming run reads its own order (leave it out)")
+            if "split" in self.explicit:
+                raise ArgumentError("--split cuts a dataset read whole; a --streaming run "
+                                    "trains on every row and has no validation split")
+            check_streaming_flags(self)
 
 
 # The mixture-of-experts flags that mean something only with --num_experts.
@@ -814,6 +830,17 @@ MOE_FLAGS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_interm
              "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_score_function",
              "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
              "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor")
+
+
+def check_streaming_flags(args) -> None:
+    """What every --streaming run needs (pt and sft): --train_iters, one loader worker."""
+    if "train_iters" not in args.explicit:
+        raise ArgumentError("--streaming needs --train_iters: a stream has no length to "
+                            "count --num_train_epochs in")
+    if args.data.num_workers > 1:
+        raise ArgumentError(f"--streaming reads the stream in one loader worker per rank "
+                            f"(its position is exact only so); give --num_workers 0 or 1, "
+                            f"not {args.data.num_workers}")
 
 
 def check_schedule_length(t, train_iters: int) -> None:

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 
 from ..errors import ArgumentError
 from .fields import FRACTION, POSITIVE, flag
-from .run import RunArguments
+from .run import RunArguments, check_streaming_flags
 
 TEMPLATES = ("auto", "tokenizer", "chatml", "plain")
 # The columns a row can hold after --columns renames it (docs/sft.md, "Data formats").
@@ -61,15 +61,6 @@ class SftDataArguments:
     min_pixels: Optional[int] = flag(
         None, "Vision-language models: the fewest pixels an image has (smaller ones are "
         "scaled up); default: the folder's preprocessor_config.json.", range=POSITIVE)
-    streaming: bool = flag(
-        False, "Read --dataset lazily while training (.jsonl, .parquet, saved datasets "
-        "folders too large to tokenize up front): rows are shuffled through a buffer of "
-        "--shuffle_buffer_size, encoded and packed on the fly; needs --train_iters. The "
-        "stream's position is saved with checkpoints and resumed exactly, also on another "
-        "number of ranks (docs/sft.md, 'Streaming').")
-    shuffle_buffer_size: int = flag(
-        1000, "--streaming: rows held in the shuffle buffer (each row trained is drawn from "
-        "it with --seed's generator; 1 keeps the files' order).", range=POSITIVE)
     val_dataset: Optional[List[str]] = flag(
         None, "Validation conversations (files, folders or globs, as --dataset).")
     split_dataset_ratio: float = flag(
@@ -107,7 +98,7 @@ class SftArguments(RunArguments):
         if d.data_order != "resumable":
             raise ArgumentError("--data_order megatron orders megatron's GPTDataset (pt); sft "
                                 "rows keep the resumable order")
-        if s.streaming:
+        if d.streaming:
             self.check_streaming()
         if s.val_dataset and s.split_dataset_ratio:
             raise ArgumentError("--val_dataset and --split_dataset_ratio are alternatives; "
@@ -118,16 +109,10 @@ class SftArguments(RunArguments):
         if s.cached_dataset:
             raise ArgumentError("--streaming reads --dataset's raw files; a --cached_dataset "
                                 "folder is memory-mapped already: give one of them")
-        if "train_iters" not in self.explicit:
-            raise ArgumentError("--streaming needs --train_iters: a stream has no length to "
-                                "count --num_train_epochs in")
+        check_streaming_flags(self)
         if s.split_dataset_ratio:
             raise ArgumentError("--split_dataset_ratio holds out a share of a dataset read "
                                 "whole; with --streaming give --val_dataset")
-        if self.data.num_workers > 1:
-            raise ArgumentError(f"--streaming reads the stream in one loader worker per rank "
-                                f"(its position is exact only so); give --num_workers 0 or 1, "
-                                f"not {self.data.num_workers}")
 
     def validation_problem(self):
         """sft validates on --val_dataset or a held-out share of --dataset."""

@@ -97,9 +97,10 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
     """(train, valid, None) SftDatasets from --dataset (and --val_dataset or
     --split_dataset_ratio); ``config`` is a RunConfig. Conversations are tokenized once into
     the token cache (token_cache.cached_sft_tokens; ``on_cache`` hears "built" or "reused"
-    per file set, and "packing built" or "packing reused" per packing plan). Raises ArgumentError naming the file, row and flag."""
+    per file set, and "packing built", "packing reused" or "packing stored" per packing
+    plan). Raises ArgumentError naming the file, row and flag."""
     from ..arguments.sft import column_map
-    from .token_cache import cached_pack_plan, cached_sft_tokens
+    from .token_cache import cached_sft_tokens, pack_plan
     s, seq = config.sft, config.model.seq_length
     template = Template(s.template, tokenizer, system=s.system,
                         train_separator=s.train_separator,
@@ -119,7 +120,7 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
                                 f"--seq_length or use --truncation_strategy left|right")
         return encoded
 
-    if s.streaming:
+    if config.data.streaming:
         return _streaming(config, tokenizer, template, columns, log, encode)
     if s.cached_dataset:
         from .token_cache import load_sft_dataset
@@ -152,8 +153,9 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
             return None
         positions = encoded.positions()
         if s.packing:
-            rows = cached_pack_plan(positions, seq,
-                                    on_event=lambda event: on_cache(f"packing {event}"))
+            # a --cached_dataset folder's stored plan, when it has one for these samples
+            rows = pack_plan(positions, seq, s.cached_dataset if name == "train" else None,
+                             on_event=lambda event: on_cache(f"packing {event}"))
             count = len(rows[1]) - 1
             fill = positions.sum() / (count * seq)
             log(f"sft data {name}: {len(encoded)} conversations packed into {count} rows "
@@ -186,10 +188,11 @@ def _streaming(config, tokenizer, template, columns, log, encode):
     fingerprint = sft_fingerprint(config, tokenizer, template)
     train = StreamingSftDataset(
         sources, columns, template, s.loss_on, config.model.seq_length,
-        s.truncation_strategy, s.packing, s.shuffle_buffer_size, config.training.seed,
+        s.truncation_strategy, s.packing, config.data.shuffle_buffer_size,
+        config.training.seed,
         _collator(config, tokenizer, f"{fingerprint}:train"), f"{fingerprint}:train")
     log(f"sft data --dataset: streamed from {len(sources)} file(s) through a shuffle buffer "
-        f"of {s.shuffle_buffer_size} rows{', packed' if s.packing else ''} "
+        f"of {config.data.shuffle_buffer_size} rows{', packed' if s.packing else ''} "
         f"(template: {template.describe()})")
     valid = None
     if config.val_dataset_sources:
@@ -225,7 +228,7 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
 
         train = load_sft_dataset(s.cached_dataset, template, s.loss_on,
                                  column_map(s.columns))[1]["sources"]
-    elif s.streaming:
+    elif config.data.streaming:
         # A stream's files are too large to hash whole at every start: their sizes and
         # ends here, the rows a resumed stream re-reads checked on top (streaming.py).
         from .streaming import check_stream_sources, stream_identity
@@ -254,11 +257,11 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
     for key in ("max_pixels", "min_pixels"):  # images' sizes (data/multimodal.py), when set
         if getattr(s, key, None) is not None:
             identity[key] = getattr(s, key)
-    if s.streaming:  # another order of the same rows: a checkpoint of either resumes only so
+    if config.data.streaming:  # another order of the same rows: resumes only so
         from .streaming import OPEN_ROWS, STREAM_VERSION
 
         identity["streaming"] = {"version": STREAM_VERSION, "seed": config.training.seed,
-                                 "shuffle_buffer_size": s.shuffle_buffer_size,
+                                 "shuffle_buffer_size": config.data.shuffle_buffer_size,
                                  "open_rows": OPEN_ROWS}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 

@@ -8,7 +8,7 @@ stores) and fitted to a sequence length afterwards by moving their bounds only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -124,6 +124,20 @@ class Tokenized:
         return Encoded(e.ids, e.targets, starts[kept], ends[kept])
 
 
+def _kept_samples(samples, loss_on: str):
+    """(ids, trained, answer tokens) of one conversation's encoded samples that train:
+    all of them, or with last_turn only the sample of its last answer."""
+    last = max(int(turns.max()) for _, turns in samples)
+    kept = []
+    for sample_ids, turns in samples:
+        # last_turn: a split conversation trains only the sample of its last answer
+        if loss_on == "last_turn" and turns.max() < last:
+            continue
+        trained = turns == last if loss_on == "last_turn" else turns != CONTEXT
+        kept.append((sample_ids, trained, int(trained[1:].sum())))
+    return kept
+
+
 def encode_chunk(conversations, template: Template, loss_on: str):
     """(ids, targets, lengths, answers, split) of the samples of some conversations, back to
     back: a pure function of its input, so the process it runs in cannot matter."""
@@ -131,20 +145,27 @@ def encode_chunk(conversations, template: Template, loss_on: str):
     split = 0
     for samples in template.encode_many(conversations):
         split += len(samples) > 1
-        last = max(int(turns.max()) for _, turns in samples)
-        for sample_ids, turns in samples:
-            # last_turn: a split conversation trains only the sample of its last answer
-            if loss_on == "last_turn" and turns.max() < last:
-                continue
-            trained = turns == last if loss_on == "last_turn" else turns != CONTEXT
+        for sample_ids, trained, answer in _kept_samples(samples, loss_on):
             ids.append(sample_ids)
             targets.append(trained)
             lengths.append(len(sample_ids))
-            answers.append(int(trained[1:].sum()))
+            answers.append(answer)
     cat = (lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts
            else np.zeros(0, dtype))
     return (cat(ids, np.int32), cat(targets, bool), np.asarray(lengths, np.int64),
             np.asarray(answers, np.int64), split)
+
+
+def encode_each(conversations, template: Template, loss_on: str) -> List[Tokenized]:
+    """Per conversation, its samples whole (what ``encode_chunk`` gives for it alone), all
+    tokenized in one call: a stream encodes the rows it draws so."""
+    out = []
+    for samples in template.encode_many(conversations):
+        kept = _kept_samples(samples, loss_on)
+        out.append(Tokenized(_flat([(ids, trained) for ids, trained, _ in kept]),
+                             np.asarray([answer for *_, answer in kept], np.int64), 1,
+                             int(len(samples) > 1)))
+    return out
 
 
 def tokenize_conversations(conversations, template: Template, loss_on: str,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -13,6 +14,8 @@ from . import corpus, indexed
 from ..atomic_write import write_atomic
 from ..cache import cache_dir, locked
 from ..errors import ArgumentError
+
+logger = logging.getLogger("swift_mcore")
 
 
 def cached_prefix(kind: str, key: str, name: str, build: Callable[[str], dict]) -> str:
@@ -274,16 +277,13 @@ def _progress(total: int):
 PACK_SCHEMA = {"members": ("int64", 1), "row_offsets": ("int64", 1)}
 
 
-def cached_pack_plan(positions: np.ndarray, capacity: int, on_event=lambda event: None):
-    """(members, row_offsets) of packing.pack(positions, capacity), cached by the positions'
-    content and the capacity: a pure function of them, planned once (seconds per million
-    samples) and mapped by later starts and the other ranks."""
-    from .array_cache import cached_arrays
-    from .packing import pack
+def _pack_key(positions: np.ndarray, capacity: int) -> str:
+    return json.dumps({"what": "sft packing", "version": 1, "capacity": int(capacity),
+                       "positions": hashlib.sha256(positions.tobytes()).hexdigest()})
 
-    positions = np.ascontiguousarray(positions, dtype=np.int64)
-    key = json.dumps({"what": "sft packing", "version": 1, "capacity": int(capacity),
-                      "positions": hashlib.sha256(positions.tobytes()).hexdigest()})
+
+def _pack_build(positions: np.ndarray, capacity: int):
+    from .packing import pack
 
     def build(job) -> dict:
         rows = pack(positions, capacity)
@@ -294,6 +294,10 @@ def cached_pack_plan(positions: np.ndarray, capacity: int, on_event=lambda event
         job.writer("row_offsets").append(offsets)
         return {"rows": len(rows)}
 
+    return build
+
+
+def _pack_check(positions: np.ndarray, capacity: int):
     def check(arrays, meta) -> None:
         members, offsets = arrays["members"], arrays["row_offsets"]
         if len(members) != len(positions) or not np.array_equal(
@@ -306,6 +310,62 @@ def cached_pack_plan(positions: np.ndarray, capacity: int, on_event=lambda event
         if (used > capacity).any():
             raise ValueError(f"a row holds more than {capacity} positions")
 
-    arrays, _ = cached_arrays("sft-packing", key, PACK_SCHEMA, build, check=check,
-                              on_event=on_event)
+    return check
+
+
+def cached_pack_plan(positions: np.ndarray, capacity: int, on_event=lambda event: None):
+    """(members, row_offsets) of packing.pack(positions, capacity), cached by the positions'
+    content and the capacity: a pure function of them, planned once (seconds per million
+    samples) and mapped by later starts and the other ranks."""
+    from .array_cache import cached_arrays
+
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    arrays, _ = cached_arrays("sft-packing", _pack_key(positions, capacity), PACK_SCHEMA,
+                              _pack_build(positions, capacity),
+                              check=_pack_check(positions, capacity), on_event=on_event)
     return arrays["members"], arrays["row_offsets"]
+
+
+# A prepared folder's packing plans: FOLDER/packing/<sha256 of the plan's key>/, an index
+# (members, row offsets) over the folder's samples for one --seq_length and truncation.
+PLANS = "packing"
+
+
+def _plan_folder(folder: str, positions: np.ndarray, capacity: int) -> str:
+    key = _pack_key(positions, capacity)
+    return os.path.join(folder, PLANS, hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def write_pack_plan(folder: str, positions: np.ndarray, capacity: int) -> int:
+    """The packing plan of ``positions`` stored in the prepared ``folder``; returns its
+    row count."""
+    from .array_cache import build_folder, load_arrays
+
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    plan = _plan_folder(folder, positions, capacity)
+    os.makedirs(os.path.dirname(plan), exist_ok=True)
+    key = _pack_key(positions, capacity)
+    build_folder(plan, key, PACK_SCHEMA, _pack_build(positions, capacity))
+    arrays, _ = load_arrays(plan, key, PACK_SCHEMA, check=_pack_check(positions, capacity))
+    return len(arrays["row_offsets"]) - 1
+
+
+def pack_plan(positions: np.ndarray, capacity: int, prepared: Optional[str] = None,
+              on_event=lambda event: None):
+    """(members, row_offsets): the plan stored in the ``prepared`` folder when it has one
+    for these samples and capacity (``on_event("stored")``), else ``cached_pack_plan``
+    (re-planned from the samples' lengths; no token is encoded either way)."""
+    from .array_cache import CacheInvalid, load_arrays
+
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    if prepared:
+        plan = _plan_folder(prepared, positions, capacity)
+        if os.path.lexists(plan):
+            try:
+                arrays, _ = load_arrays(plan, _pack_key(positions, capacity), PACK_SCHEMA,
+                                        check=_pack_check(positions, capacity))
+                on_event("stored")
+                return arrays["members"], arrays["row_offsets"]
+            except CacheInvalid as err:
+                logger.warning("warning: %s: %s; planning the packing again", plan, err)
+    return cached_pack_plan(positions, capacity, on_event)

@@ -187,12 +187,17 @@ class Trainer:
             from ..data.sft_datasets import sft_fingerprint
 
             return sft_fingerprint(self.config, self.tokenizer)
+        if self.config.data.streaming:
+            from ..data.text_stream import text_stream_fingerprint
+
+            return text_stream_fingerprint(self.config, self.tokenizer)
         from ..data.gpt_datasets import dataset_fingerprint
 
         return dataset_fingerprint(self.config, self.tokenizer)
 
     def build_datasets(self):
-        """(train, valid, test): megatron's GPT datasets for pt, conversation rows for sft."""
+        """(train, valid, test): megatron's GPT datasets for pt (a text stream with
+        --streaming), conversation rows for sft."""
         if self.config.COMMAND == "sft" and self.config.model.vision_config:
             from ..data.multimodal import build_image_sft_datasets
 
@@ -202,6 +207,11 @@ class Trainer:
             from ..data.sft_datasets import build_sft_datasets
 
             return build_sft_datasets(self.config, self.tokenizer, log=self.writer_print_early)
+        if self.config.data.streaming:  # pt on raw text read lazily: no validation split
+            from ..data.text_stream import build_text_stream
+
+            return build_text_stream(self.config, self.tokenizer,
+                                     log=self.writer_print_early), None, None
         from ..data.gpt_datasets import build_datasets
 
         return build_datasets(self.config, self.tokenizer)

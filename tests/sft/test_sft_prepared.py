@@ -4,6 +4,7 @@ token, at any --seq_length (packing re-planned from the stored sample lengths)."
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -120,3 +121,80 @@ def test_training_from_the_folder_equals_training_from_the_files(prepared, tmp_p
     run_sft(tmp_path / "cached", "--cached_dataset", folder, *flags)
     assert losses(tmp_path / "cached") == losses(tmp_path / "raw")
     assert len(losses(tmp_path / "raw")) == 3
+
+
+class _NoEncoding:
+    """A tokenizer backend that refuses to encode (everything else passes through)."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def __getattr__(self, name):
+        if name.startswith("encode"):
+            raise AssertionError(f"the tokenizer was called ({name})")
+        return getattr(self._backend, name)
+
+
+def test_a_stored_packing_plan_is_mapped_and_another_length_replans_without_encoding(
+        tmp_path, monkeypatch, tok, capsys):
+    """`preprocess sft --packing` stores the plan for its --seq_length in the folder;
+    `sft --cached_dataset --packing` maps it at that length and re-plans from the stored
+    tokens at another, never calling the tokenizer; both equal a fresh raw-file run's
+    packed rows token for token."""
+    monkeypatch.setenv("SWIFT_MCORE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(40)),
+                    encoding="utf-8")
+    folder = str(tmp_path / "prepared")
+    assert preprocess.main(["sft", "--dataset", str(path), "--template", "plain",
+                            "--output_dir", folder, "--packing", "--seq_length", "64",
+                            "--truncation_strategy", "right"]) == 0
+    out = capsys.readouterr().out
+    assert "packing plan stored for --seq_length 64 --truncation_strategy right: 40 samples " \
+           "in " in out, out
+    assert len(os.listdir(os.path.join(folder, "packing"))) == 1
+    fresh = {seq: rows(build(tok, dataset=[str(path)], seq_length=seq, packing=True,
+                             truncation_strategy="right")[0]) for seq in (64, 40)}
+    os.remove(path)
+    shutil.rmtree(tmp_path / "cache")  # no packing plan left in the cache: only the folder's
+    tok.fingerprint  # noqa: B018  (computed before the backend is replaced)
+    monkeypatch.setattr(tok, "backend", _NoEncoding(tok.backend))
+    monkeypatch.setattr(tok, "encode", lambda *a: pytest.fail("the tokenizer was called"))
+    monkeypatch.setattr(tok, "encode_batch", lambda *a: pytest.fail("the tokenizer was called"))
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps(conversation(3)) + "\n", encoding="utf-8")
+    with pytest.raises(AssertionError, match="the tokenizer was called"):
+        build(tok, dataset=[str(other)], seq_length=64)  # raw files do call it
+    for seq, event in ((64, "packing stored"), (40, "packing built")):
+        events = []
+        train, _, _ = build_sft_datasets(
+            sft_args(cached_dataset=folder, seq_length=seq, packing=True,
+                     truncation_strategy="right"), tok, log=lambda line: None,
+            on_cache=events.append)
+        assert events == [event], (seq, events)
+        assert rows(train) == fresh[seq], seq
+    # A stored plan that is not a plain array (here a pickle's bytes) is never unpickled:
+    # it fails its checks and the packing is planned again, to the same rows.
+    plan = os.path.join(folder, "packing", os.listdir(os.path.join(folder, "packing"))[0])
+    with open(os.path.join(plan, "members.npy"), "wb") as fh:
+        fh.write(b"\x80\x04\x95" + b"\0" * 64)
+    events = []
+    train, _, _ = build_sft_datasets(
+        sft_args(cached_dataset=folder, seq_length=64, packing=True,
+                 truncation_strategy="right"), tok, log=lambda line: None,
+        on_cache=events.append)
+    assert events == ["packing built"] and rows(train) == fresh[64]
+
+
+def test_preprocess_sft_packing_that_fits_nothing_leaves_no_folder(tmp_path, monkeypatch,
+                                                                     capsys):
+    monkeypatch.setenv("SWIFT_MCORE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(5)),
+                    encoding="utf-8")
+    folder = tmp_path / "prepared"
+    assert preprocess.main(["sft", "--dataset", str(path), "--template", "plain",
+                            "--output_dir", str(folder), "--packing", "--seq_length", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--packing: no conversation fits --seq_length 4" in err[0], err
+    assert not folder.exists()

@@ -95,6 +95,22 @@ def test_a_stream_continued_from_any_position_equals_the_straight_stream(
         s.next_item()
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_rows_encoded_several_per_call_are_those_encoded_one_by_one(files, template,
+                                                                    monkeypatch, packing):
+    """The stream tokenizes ENCODE_ROWS drawn rows per call: the training rows, their
+    tokens and targets are those of drawing and encoding one row at a time."""
+    from swift_mcore.data import streaming
+
+    def items(count):
+        monkeypatch.setattr(streaming, "ENCODE_ROWS", count)
+        s = stream(files["jsonl"], template, packing=packing)
+        return [key(s.next_item()) for _ in range(45)]
+
+    assert streaming.ENCODE_ROWS > 1
+    assert items(streaming.ENCODE_ROWS) == items(1)
+
+
 def test_the_order_is_the_same_for_every_file_kind(files, template):
     """Locators differ (byte offsets in jsonl), the rows and their order do not."""
     def ids(kind):
