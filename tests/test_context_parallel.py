@@ -3,6 +3,7 @@ chunks), the CPU port's attention over the group, the loss reduced over it. A CP
 the one-rank run's losses and gradient norms (pt, and sft with packed rows); it resumes
 exactly at CP=2 and continues at CP=1; bad layouts are refused before any work."""
 
+import copy
 import json
 import random
 
@@ -55,6 +56,149 @@ def test_the_trainer_splits_each_sequence_field_and_keeps_the_token_count(monkey
     assert out["sample_ids"].tolist() == [5] and float(out["num_tokens"]) * 2 == 8
 
 
+# ---- the attention: in blocks of keys, against SDPA's dense mask and megatron's own path ----
+def within_1e6(got, ref):
+    """float32's rounding apart: within 1e-6 of the largest value (at least 1)."""
+    assert (got - ref).abs().max() <= 1e-6 * max(1.0, float(ref.abs().max()))
+
+
+def dense_sdpa(q, k, v, keep, scale):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=keep, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "packed", "none"])
+def test_blocked_attention_equals_sdpa_with_the_dense_mask(case, monkeypatch):
+    """Outputs and gradients of the key-block attention equal SDPA's over the dense mask of
+    the same positions (CP=2 rank 1's queries over a 40-token sequence, blocks of 8 keys, 4
+    heads over 2 key/value groups)."""
+    from swift_mcore.runtime.cpu import blocked_attention as blocked
+
+    monkeypatch.setattr(blocked, "KEY_BLOCK", 8)
+    torch.manual_seed(0)
+    seq, b = 40, 2
+    q_pos = local_positions(2, 1, seq // 2)
+    k_pos = torch.arange(seq)
+    hidden, window, causal = None, None, case != "none"
+    keep = torch.ones(len(q_pos), seq, dtype=torch.bool)
+    if case in ("causal", "window"):
+        keep = k_pos[None] <= q_pos[:, None]
+    if case == "window":
+        window = (5, 0)
+        keep = keep & (k_pos[None] >= q_pos[:, None] - 5)
+    if case == "packed":  # rows of 13, 17 and 10 tokens in row 0; 25 and 15 in row 1
+        doc = torch.tensor([[0] * 13 + [1] * 17 + [2] * 10, [0] * 25 + [1] * 15])
+        whole = (doc[:, :, None] == doc[:, None, :]) & (k_pos[None, None] <= k_pos[:, None])
+        keep = whole[:, None, q_pos]  # [b, 1, sq, seq]
+        hidden = ~keep
+    q = torch.randn(b, 4, len(q_pos), 16, requires_grad=True)
+    k, v = (torch.randn(b, 2, seq, 16, requires_grad=True) for _ in range(2))
+    weight = torch.randn(b, 4, len(q_pos), 16)
+    got = blocked.blocked_attention(q, k, v, blocked.Visibility(q_pos, causal, window, hidden),
+                                    0.3)
+    grads = torch.autograd.grad((got * weight).sum(), (q, k, v))
+    ref = dense_sdpa(q, k, v, keep, 0.3)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    within_1e6(got, ref)
+    for one, other in zip(grads, ref_grads):
+        within_1e6(one, other)
+
+
+def test_blocked_attention_s_dropout_is_the_same_in_both_passes(monkeypatch):
+    """With dropout, the backward pass redraws the forward pass's masks: the gradients are
+    those of the output actually computed (checked against finite differences of a
+    fixed-seed forward)."""
+    from swift_mcore.runtime.cpu import blocked_attention as blocked
+
+    monkeypatch.setattr(blocked, "KEY_BLOCK", 4)
+    torch.manual_seed(1)
+    q = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 1, 12, 4, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    seen = blocked.Visibility(torch.arange(6, 12), True, None, None)
+
+    def run(*inputs, p=0.3):
+        return blocked._BlockedAttention.apply(inputs[0].view(1, 1, 2, 6, 4),
+                                               inputs[1][:, :, None], inputs[2][:, :, None],
+                                               seen, 0.5, p, 1234)
+
+    assert not torch.allclose(run(q, k, v), run(q, k, v, p=0.0))  # dropout acts
+    assert torch.autograd.gradcheck(run, (q, k, v))
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "packed"])
+def test_cp_attention_equals_megatron_s_own_attention(case, gloo_group, monkeypatch):
+    """Two simulated CP ranks' GatheredKVAttention, their outputs put back in sequence order,
+    give megatron's DotProductAttention over the whole sequence, and the same gradients of
+    the whole sequence's queries, keys and values."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from swift_mcore.models.gpt import transformer_config
+    from swift_mcore.runtime.cpu import blocked_attention as blocked
+    from swift_mcore.runtime.cpu.all_gather_attention import GatheredKVAttention
+    from swift_mcore.runtime.seed import set_seed
+
+    set_seed(2, cuda=False)  # megatron's attention forks the tracker even without dropout
+    monkeypatch.setattr(blocked, "KEY_BLOCK", 8)
+    extra = dict(window_size=6) if case == "window" else {}
+    config = resolve(RunArguments.from_flags(**SMALL, context_parallel_size=2,
+                                             num_query_groups=2, attention_dropout=0.0,
+                                             **extra), world_size=2, cuda=False)
+    tconfig = transformer_config(config)
+    cp_attention = GatheredKVAttention(tconfig, 1, AttnMaskType.causal, "self").eval()
+    single = copy.copy(tconfig)
+    single.context_parallel_size = 1
+    mask_type = AttnMaskType.arbitrary if case == "packed" else AttnMaskType.causal
+    megatron_s = DotProductAttention(single, 1, mask_type, "self").eval()
+    if case == "window":
+        assert cp_attention.window is not None
+
+    torch.manual_seed(2)
+    seq, b = SMALL["seq_length"], 2
+    q = torch.randn(seq, b, 4, 16, requires_grad=True)
+    k, v = (torch.randn(seq, b, 2, 16, requires_grad=True) for _ in range(2))
+    weight = torch.randn(seq, b, 64)
+    mask = None
+    if case == "packed":
+        doc = torch.tensor([[0] * 11 + [1] * 21, [0] * 7 + [1] * 9 + [2] * 16])
+        pos = torch.arange(seq)
+        mask = ~((doc[:, :, None] == doc[:, None, :]) & (pos[None, None] <= pos[:, None]))
+        mask = mask[:, None]  # hides, [b, 1, seq, seq]
+    ref = megatron_s(q, k, v, mask)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+
+    where = [local_positions(2, rank, seq // 2) for rank in range(2)]
+    pieces = {}
+
+    class Rank:
+        def __init__(self, rank):
+            self.r = rank
+
+        def size(self):
+            return 2
+
+        def rank(self):
+            return self.r
+
+    monkeypatch.setattr(tensor_parallel, "gather_from_sequence_parallel_region",
+                        lambda local, **_: torch.cat(pieces[id(local)]))
+    out = torch.zeros(seq, b, 64)
+    for rank in range(2):
+        monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda r=rank: Rank(r))
+        local = [t.index_select(0, where[rank]) for t in (q, k, v)]
+        for whole, piece in zip((k, v), local[1:]):
+            pieces[id(piece)] = [piece if r == rank else whole.index_select(0, where[r])
+                                 for r in range(2)]
+        local_mask = None if mask is None else mask[:, :, where[rank]]
+        out = out.index_put((where[rank],), cp_attention(*local, local_mask))
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    within_1e6(out, ref)
+    for one, other in zip(grads, ref_grads):
+        within_1e6(one, other)
+
+
 # ---- refused before any work ---------------------------------------------------------------
 SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
              micro_batch_size=1, global_batch_size=4)
@@ -103,7 +247,7 @@ def test_the_layout_counts_cp_apart_from_dp():
 # ---- the memory estimate (models/footprint.py) ---------------------------------------------
 def test_the_estimate_counts_what_the_cp_attention_keeps(gloo_group, monkeypatch):
     """The bytes the CPU context-parallel attention keeps for the backward pass (measured on
-    rank 0 of a simulated CP=2 group: the gathered keys and values, the mask over them) are
+    rank 0 of a simulated CP=2 group: the gathered keys and values, no mask) are
     what the memory estimate adds for one layer."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
@@ -167,8 +311,8 @@ def test_cp_divides_the_activations_and_lets_a_refused_run_fit(monkeypatch):
 
     one, two = activations(1, 1), activations(2, 2)
     # layer inputs and logits, halved; keys and values of 2 layers, 4 heads x 16 channels
-    # each; a [512, 1024] mask per layer (fp32)
-    gathered = 2 * (2 * 1024 * 4 * 16 * 4 + 512 * 1024 * 4)
+    # each (fp32), and no mask
+    gathered = 2 * (2 * 1024 * 4 * 16 * 4)
     assert two["activations"] == one["activations"] // 2 + gathered
     room = (sum(one.values()) + sum(two.values())) // 2
     assert sum(two.values()) < room < sum(one.values())

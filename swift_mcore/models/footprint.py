@@ -253,10 +253,10 @@ def parts(flags, world_size: int, precision: str, weights_only: bool, cuda: bool
 
 def gathered_kv_bytes(flags, layers_here: int, weight: int) -> int:
     """What the CPU port's context-parallel attention (runtime/cpu/all_gather_attention.py)
-    adds in every attention layer and torch's CPU flash attention keeps for the backward
-    pass: the whole sequence's keys and values (all-gathered, one per query group) and the
-    mask of the local queries over every key (in the inputs' dtype). Each layer's stay until
-    its backward, except in the layers whose attention is recomputed (one chunk at a time)."""
+    adds in every attention layer and keeps for the backward pass: the whole sequence's
+    keys and values (all-gathered, one per query group; its mask is built per block of
+    keys, never kept). Each layer's stay until its backward, except in the layers whose
+    attention is recomputed (one chunk at a time)."""
     from ..arguments.model import linear_attention_pattern
 
     m, t, tp = flags.model, flags.training, flags.parallel.tensor_model_parallel_size
@@ -276,11 +276,9 @@ def gathered_kv_bytes(flags, layers_here: int, weight: int) -> int:
     elif t.recompute_granularity == "full":  # block: the first layers recomputed
         recomputed = min(attention_here, t.recompute_num_layers)
         layers = attention_here - recomputed + min(1, recomputed)
-    seq, cp = m.seq_length, flags.parallel.context_parallel_size
+    seq = m.seq_length
     keys_values = 2 * t.micro_batch_size * seq * -(-groups // tp) * kv * weight
-    mask = (seq // cp) * seq * weight  # one for the batch (a causal mask)
-    per_layer = keys_values + mask
-    return layers * per_layer
+    return layers * keys_values
 
 
 def needs_reference_copy(flags) -> bool:

@@ -9,9 +9,10 @@ on CUDA); megatron's local ``DotProductAttention`` refuses CP. ``GatheredKVAtten
 the all-gather variant: each layer all-gathers K and V over the group with megatron's own
 autograd collective (``gather_from_sequence_parallel_region``: all-gather forward,
 reduce-scatter of the gradients backward), puts the 2N chunks back in sequence order, and
-runs ``F.scaled_dot_product_attention`` for the local queries with a mask built from their
-global positions (causal, a sliding window, or the packed rows' block-causal mask, whose
-query rows megatron's split already cut and whose key columns stay in sequence order).
+attends the local queries to them (blocked_attention.py: keys in blocks, each block's mask
+built from the queries' global positions, never a dense mask over the whole sequence:
+causal, a sliding window, or the packed rows' block-causal mask, whose query rows
+megatron's split already cut and whose key columns stay in sequence order).
 Memory per rank is the whole sequence's K and V for one layer at a time; the point is
 that the whole CP path (data split, positions, loss, gradients, checkpoints) runs on every
 CPU test run, against the one-rank path (tests/test_context_parallel.py).
@@ -23,10 +24,11 @@ import copy
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from .blocked_attention import Visibility, blocked_attention
 
 
 def chunk_order(cp: int) -> torch.Tensor:
@@ -78,34 +80,17 @@ class GatheredKVAttention(DotProductAttention):
         group = parallel_state.get_context_parallel_group()
         cp, rank = group.size(), group.rank()
         sq, b, heads, head_dim = query.shape
-        groups = key.shape[2]
         key, value = (self.whole_sequence(t, group, cp) for t in (key, value))
-        total = key.shape[0]
 
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        q_pos = local_positions(cp, rank, sq).to(query.device)[:, None]
-        k_pos = torch.arange(total, device=query.device)[None, :]
-        if attention_mask is not None:
-            keep = ~attention_mask  # megatron's mask hides; [b|1, 1, sq, total]
-        elif mask_type == AttnMaskType.causal:
-            keep = k_pos <= q_pos
-        else:
-            keep = torch.ones(sq, total, dtype=torch.bool, device=query.device)
-        if self.window is not None:
-            # (left, right): key j from query i - left to i + right; -1 is unbounded
-            left, right = self.window
-            if right >= 0:
-                keep = keep & (k_pos <= q_pos + right)
-            if left >= 0:
-                keep = keep & (k_pos >= q_pos - left)
-
+        visibility = Visibility(local_positions(cp, rank, sq).to(query.device),
+                                causal=mask_type == AttnMaskType.causal, window=self.window,
+                                hidden=attention_mask)  # hides: [b|1, 1, sq, seq]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.attention_dropout.p if self.training else 0.0
 
         def attend():
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=self.sdpa_scale,
-                enable_gqa=groups != heads)
+            return blocked_attention(q, k, v, visibility, self.sdpa_scale, dropout_p)
 
         if dropout_p and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
