@@ -560,8 +560,7 @@ class RunArguments:
                 f"--seq_length ({m.seq_length}) must be a multiple of 2 x "
                 f"--context_parallel_size{what} ({unit}): each context-parallel rank holds "
                 f"two of {2 * cp} equal chunks of every sequence")
-        refused = [("--num_experts", m.num_experts is not None),
-                   ("--multi_latent_attention", m.multi_latent_attention),
+        refused = [("--multi_latent_attention", m.multi_latent_attention),
                    (f"--model_type {m.model_type}", m.model_type == "gemma3"),
                    ("rlhf", self.COMMAND == "rlhf")]
         for what, given in refused:

@@ -91,7 +91,7 @@ def transformer_config(config, initialize: bool = True):
         # p2p without torch.cuda.synchronize (megatron p2p_communication.py:398).
         batch_p2p_sync=cuda,
         expert_model_parallel_size=p.expert_model_parallel_size,
-        **moe_config(m, p.tensor_model_parallel_size),
+        **moe_config(m, p.tensor_model_parallel_size, p.context_parallel_size),
         # Activation recompute, megatron's own (checked in arguments.check_recompute).
         recompute_granularity=t.recompute_granularity,
         recompute_method=t.recompute_method,
@@ -169,7 +169,7 @@ def window_config(m) -> dict:
                 window_attn_skip_freq=pattern or None, softmax_scale=m.softmax_scale)
 
 
-def moe_config(m, tensor_parallel: int = 1) -> dict:
+def moe_config(m, tensor_parallel: int = 1, context_parallel: int = 1) -> dict:
     """The TransformerConfig fields of the mixture-of-experts flags ({} for a dense model).
     Routing is dropless (no expert capacity): every token reaches its top-k experts. The
     router-loss coefficients megatron gets are the flags' times router_loss_scale."""
@@ -177,7 +177,7 @@ def moe_config(m, tensor_parallel: int = 1) -> dict:
         return {}
     from ..arguments.model import moe_layer_pattern
 
-    scale = router_loss_scale(tensor_parallel)
+    scale = router_loss_scale(tensor_parallel, context_parallel)
 
     return dict(
         num_moe_experts=m.num_experts,
@@ -202,16 +202,18 @@ def moe_config(m, tensor_parallel: int = 1) -> dict:
     )
 
 
-def router_loss_scale(tensor_parallel: int) -> int:
+def router_loss_scale(tensor_parallel: int, context_parallel: int = 1) -> int:
     """What the router-loss coefficients are multiplied by so that their gradients do not
-    depend on TP (docs/models.md, "TP and the router losses").
+    depend on TP or CP (docs/models.md, "TP and the router losses").
 
     Our losses are per token (calculate_per_token_loss: every gradient is divided by the
     global batch's target count in finalize_model_grads). megatron-core 0.16.1's router
     multiplies each rank's load-balancing and z-loss by the tokens that rank routes
     (router.py:466, 498) before their gradients join the LM loss's; with TP (always with
     sequence parallelism for MoE, arguments/run.py) a rank routes its 1/TP slice of
-    the sequence, so the router losses would weigh 1/TP of what they weigh on one rank.
+    the sequence, and with CP its 1/CP part, so the router losses would weigh 1/(TP x CP)
+    of what they weigh on one rank (the token counts of the router's statistics and the
+    logged values are reduced over TP x CP by megatron already).
     The values megatron logs are each loss over its coefficient: unchanged. Megatron-LM
     fixed this after 0.16 (PR 5047: the scale times the tp_cp size), so a later
     megatron-core gets no compensation; tests/test_moe_runs.py's TP=2 run against one
@@ -219,7 +221,7 @@ def router_loss_scale(tensor_parallel: int) -> int:
     from megatron.core import package_info
 
     major_minor = tuple(int(part) for part in package_info.__version__.split(".")[:2])
-    return 1 if major_minor >= (0, 17) else tensor_parallel
+    return 1 if major_minor >= (0, 17) else tensor_parallel * context_parallel
 
 
 def swiglu_module(config) -> bool:

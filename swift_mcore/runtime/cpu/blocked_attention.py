@@ -128,12 +128,12 @@ class _BlockedAttention(torch.autograd.Function):
             if keep is not None:
                 probs = probs.masked_fill(~keep, 0.0)
             dprobs = dout @ vb.transpose(-1, -2)
+            kept = probs
             if dropout_p:
                 drop = _dropout_keep(seed, n, probs.shape, dropout_p, q.device)
-                dv[..., start:stop, :] += ((probs * drop).transpose(-1, -2) @ dout).sum(2, keepdim=True)
-                dprobs = dprobs * drop
-            else:
-                dv[..., start:stop, :] += (probs.transpose(-1, -2) @ dout).sum(2, keepdim=True)
+                kept, dprobs = probs * drop, dprobs * drop
+            # summed over the heads that share a key/value group (dim 2)
+            dv[..., start:stop, :] += (kept.transpose(-1, -2) @ dout).sum(2, keepdim=True)
             dscores = probs * (dprobs - delta)
             dq += dscores @ kb
             dk[..., start:stop, :] += (dscores.transpose(-1, -2) @ qs).sum(2, keepdim=True)
