@@ -168,8 +168,6 @@ class RlhfArguments(RunArguments):
                                 "yet; drop --packing or use --context_parallel_size 1")
         if p.pipeline_model_parallel_size > 1:
             self.check_pipeline()
-        if p.sequence_parallel:
-            raise ArgumentError("rlhf does not run with --sequence_parallel yet")
 
     def check_pipeline(self) -> None:
         """Pipeline parallelism runs DPO with the policy's and the reference's activations

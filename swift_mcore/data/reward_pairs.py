@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
-from .preference import Pair, preference_fingerprint, read_pairs
+from .preference import Pair, preference_fingerprint, read_pairs, sequence_pad_multiple
 
 # Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
 ENCODING_VERSION = 1
@@ -45,8 +45,9 @@ class RewardPairs(torch.utils.data.Dataset):
     the chosen sequences first (TRL's DataCollatorForPreference), and their margins."""
 
     def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, float]], pad_id: int,
-                 fingerprint: str, has_margin: bool):
+                 fingerprint: str, has_margin: bool, pad_multiple: int = 1):
         self.encoded = encoded
+        self.pad_multiple = pad_multiple
         self.pad_id = pad_id
         self.fingerprint = fingerprint
         self.has_margin = has_margin
@@ -61,6 +62,7 @@ class RewardPairs(torch.utils.data.Dataset):
     def collate(self, items) -> dict:
         seqs = [item["chosen"] for item in items] + [item["rejected"] for item in items]
         width = max(len(s) for s in seqs)
+        width = -(-width // self.pad_multiple) * self.pad_multiple
         tokens = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         for i, ids in enumerate(seqs):
             tokens[i, :len(ids)] = torch.from_numpy(ids.astype(np.int64))
@@ -112,7 +114,8 @@ def build_reward_datasets(config, tokenizer, log: Callable[[str], None] = print)
     log(f"rlhf data --dataset: {len(encoded)} preference pairs for the reward model"
         + (" with margins" if has_margin else "") + f" (--max_length {max_length})")
     train = RewardPairs(encoded, pad_id_of(tokenizer),
-                        f"{reward_fingerprint(config, tokenizer)}:train", has_margin)
+                        f"{reward_fingerprint(config, tokenizer)}:train", has_margin,
+                        sequence_pad_multiple(config))
     return train, None, None
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ArgumentError
 from .preference import (PairReport, _common_prefix, _is_messages, _messages, _try_json,
-                         max_length_of, to_pair)
+                         max_length_of, sequence_pad_multiple, to_pair)
 
 # Part of the fingerprint: change it whenever tokenizing changes what a row becomes.
 ENCODING_VERSION = 1
@@ -268,7 +268,8 @@ def build_unpaired_datasets(config, tokenizer, log: Callable[[str], None] = prin
     pad = tokenizer.hf.pad_token_id
     pad_id = pad if pad is not None else tokenizer.eod
     train = UnpairedDataset(encoded, max_length, r.truncation_mode, pad_id,
-                            f"{unpaired_fingerprint(config, tokenizer)}:train")
+                            f"{unpaired_fingerprint(config, tokenizer)}:train",
+                            sequence_pad_multiple(config))
     return train, None, None
 
 
