@@ -180,8 +180,11 @@ class UnpairedDataset(torch.utils.data.Dataset):
     KL estimate, each cut to ``max_length`` tokens as the training rows are."""
 
     def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, bool]], max_length: int,
-                 truncation_mode: str, pad_id: int, fingerprint: str, pad_multiple: int = 1):
+                 truncation_mode: str, pad_id: int, fingerprint: str, pad_multiple: int = 1,
+                 kl_rows: bool = True):
+        """``kl_rows``: False for a loss without a KL term (no KL rows are made)."""
         self.encoded = encoded
+        self.kl_rows = kl_rows
         self.max_length = max_length
         self.truncation_mode = truncation_mode
         self.pad_id = pad_id
@@ -230,7 +233,8 @@ class UnpairedDataset(torch.utils.data.Dataset):
         prompts = [item["prompt"] for item in items]
         completions = [item["completion"] for item in items]
         batch = self._rows(prompts, completions, "")
-        batch.update(self._rows(prompts, completions[-1:] + completions[:-1], "kl_"))
+        if self.kl_rows:
+            batch.update(self._rows(prompts, completions[-1:] + completions[:-1], "kl_"))
         batch["desirable"] = torch.tensor([bool(item["desirable"]) for item in items])
         return batch
 
@@ -269,7 +273,8 @@ def build_unpaired_datasets(config, tokenizer, log: Callable[[str], None] = prin
     pad_id = pad if pad is not None else tokenizer.eod
     train = UnpairedDataset(encoded, max_length, r.truncation_mode, pad_id,
                             f"{unpaired_fingerprint(config, tokenizer)}:train",
-                            sequence_pad_multiple(config))
+                            sequence_pad_multiple(config),
+                            kl_rows=r.kto_loss_type() == "kto")
     return train, None, None
 
 
