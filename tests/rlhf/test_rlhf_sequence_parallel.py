@@ -23,6 +23,8 @@ TASKS = {
     "orpo": (LOGPS, "reference_free_trainer.ReferenceFreeTrainer", ()),
     "simpo": (LOGPS, "reference_free_trainer.ReferenceFreeTrainer", ()),
     "rm": (("min_reward", "max_reward"), "reward_trainer.RewardTrainer", ()),
+    # rows of --seq_length 63 positions, padded to 64 (the split over two ranks)
+    "dpo --packing": (LOGPS, "rlhf_trainer.DpoTrainer", ("--packing", "--seq_length", "63")),
 }
 
 
@@ -41,9 +43,9 @@ def trainer_class(path):
 def check_task(task, tiny_hf, kto_file, tmp_path):
     extra, trainer, task_flags = TASKS[task]
     folder, data = tiny_hf
-    flags = ["--rlhf_type", task, "--model", str(folder),
+    flags = ["--rlhf_type", task.split()[0], "--model", str(folder),
              "--dataset", str(kto_file if task == "kto" else data), "--train_iters", "3",
-             "--no_save", *task_flags, *run_flags("--micro_batch_size", "2")]
+             "--no_save", *run_flags("--micro_batch_size", "2", *task_flags)]
     train_in_process(tmp_path / "one", *flags, command="rlhf", base=[],
                      trainer=trainer_class(trainer))
     env = child_env(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
@@ -70,7 +72,7 @@ def test_sequence_parallel_gives_the_one_rank_run(task, tiny_hf, kto_file, tmp_p
 
 
 @pytest.mark.benchmark
-@pytest.mark.parametrize("task", ["kto", "orpo", "simpo"])
+@pytest.mark.parametrize("task", ["kto", "orpo", "simpo", "dpo --packing"])
 def test_sequence_parallel_gives_the_one_rank_run_for_the_other_tasks(task, tiny_hf,
                                                                       kto_file, tmp_path,
                                                                       gloo_group):
