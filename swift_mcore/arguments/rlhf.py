@@ -192,6 +192,13 @@ class RlhfArguments(RunArguments):
         if refused:
             raise ArgumentError(f"{refused[0]} with --pipeline_model_parallel_size {pp} is "
                                 f"not supported yet for rlhf; drop one of them")
+        tp, seq = self.parallel.tensor_model_parallel_size, self.model.seq_length
+        if self.parallel.sequence_parallel and seq % tp:
+            raise ArgumentError(f"--seq_length {seq} with --sequence_parallel and "
+                                f"--pipeline_model_parallel_size {pp}: the stages exchange "
+                                f"rows of --seq_length positions split over the "
+                                f"--tensor_model_parallel_size {tp} ranks; give a multiple "
+                                f"of {tp}")
 
     def check_task(self) -> None:
         """The flags of one --rlhf_type are refused with another (they would do nothing)."""

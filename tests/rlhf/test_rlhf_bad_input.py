@@ -125,6 +125,23 @@ def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):
         resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
 
 
+def test_pipeline_with_sequence_parallel_needs_a_seq_length_the_ranks_split(tmp_path):
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    argv = ["--dataset", str(data), "--output_dir", str(tmp_path / "o"),
+            *run_flags("--seq_length", "63", "--pipeline_model_parallel_size", "2",
+                       "--tensor_model_parallel_size", "2", "--sequence_parallel",
+                       "--num_layers", "2", "--global_batch_size", "8")]
+    with pytest.raises(ArgumentError, match=r"^--seq_length 63 with --sequence_parallel and "
+                                            r"--pipeline_model_parallel_size 2: .* give a "
+                                            r"multiple of 2$"):
+        resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=4)
+
+
 def test_apo_zero_unpaired_takes_one_row_micro_batches(tmp_path):
     """KTO's micro-batch of one is refused for its KL rows; apo_zero_unpaired has none."""
     from swift_mcore.arguments import RlhfArguments, parse_args

@@ -25,6 +25,9 @@ TASKS = {
     "rm": (("min_reward", "max_reward"), "reward_trainer.RewardTrainer", ()),
     # rows of --seq_length 63 positions, padded to 64 (the split over two ranks)
     "dpo --packing": (LOGPS, "rlhf_trainer.DpoTrainer", ("--packing", "--seq_length", "63")),
+    # four ranks: the policy's and the reference's activations pass between the stages split
+    # along the sequence
+    "dpo PP=2": (LOGPS, "rlhf_trainer.DpoTrainer", ()),
 }
 
 
@@ -48,8 +51,9 @@ def check_task(task, tiny_hf, kto_file, tmp_path):
              "--no_save", *run_flags("--micro_batch_size", "2", *task_flags)]
     train_in_process(tmp_path / "one", *flags, command="rlhf", base=[],
                      trainer=trainer_class(trainer))
-    env = child_env(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
-    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags,
+    pipeline = ["--pipeline_model_parallel_size", "2"] if "PP=2" in task else []
+    env = child_env(NPROC_PER_NODE=str(4 if pipeline else 2), MASTER_PORT=str(H.free_port()))
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags, *pipeline,
                            "--tensor_model_parallel_size", "2", "--sequence_parallel",
                            "--output_dir", str(tmp_path / "sp")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
@@ -72,7 +76,7 @@ def test_sequence_parallel_gives_the_one_rank_run(task, tiny_hf, kto_file, tmp_p
 
 
 @pytest.mark.benchmark
-@pytest.mark.parametrize("task", ["kto", "orpo", "simpo", "dpo --packing"])
+@pytest.mark.parametrize("task", ["kto", "orpo", "simpo", "dpo --packing", "dpo PP=2"])
 def test_sequence_parallel_gives_the_one_rank_run_for_the_other_tasks(task, tiny_hf,
                                                                       kto_file, tmp_path,
                                                                       gloo_group):
