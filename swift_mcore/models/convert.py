@@ -208,6 +208,9 @@ class Layout:
     # a vision-language model's tower (models/vision.py): (HF name, shape) of each tensor,
     # named alike in the files and the model, copied as they are
     vision: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
+    # the files name the language model model.language_model.* and the tower model.visual.*
+    # (Qwen3-VL's); the names below are the flat ones (model.*, visual.*) either way
+    nested: bool = False
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -238,7 +241,8 @@ class Layout:
                    linear=tuple(linear_attention_pattern(m)),
                    output_gate=bool(m.attention_output_gate),
                    score=getattr(m, "num_labels", None) or 0,
-                   vision=_vision_tensors(m))
+                   vision=_vision_tensors(m),
+                   nested=bool(getattr(m, "vision_config", None)) and _nested(m.model_type))
 
     def same(self) -> dict:
         """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
@@ -294,7 +298,8 @@ class Layout:
             out.append(("score.weight", (self.score, h)))
         elif not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
-        return out + list(self.vision) + (self.mtp_hf_tensors() if mtp_layers else [])
+        out = out + list(self.vision) + (self.mtp_hf_tensors() if mtp_layers else [])
+        return [(nested_name(n), shape) for n, shape in out] if self.nested else out
 
     def mtp_hf_tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """The tensors of the MTP layers (model.layers.<num_layers + k>.*)."""
@@ -343,6 +348,8 @@ class Layout:
 
     def to_hf(self, hf_name: str, get: Get) -> torch.Tensor:
         """One HF tensor from full megatron tensors (``get(name)``, TP=1 layout)."""
+        if self.nested:
+            hf_name = flat_name(hf_name)
         if self.vision and hf_name.startswith(_VISION):
             return get(hf_name)
         if hf_name == "model.embed_tokens.weight":
@@ -417,6 +424,8 @@ class Layout:
         With expert parallelism local expert j of EP rank r is global expert
         r * experts / ep_size + j."""
         name = canonical(name)
+        if self.nested:
+            read = _reading_nested(read)
         if self.vision and name.startswith(_VISION):  # replicated over TP
             return read(name)
         if name == "embedding.word_embeddings.weight":
@@ -533,6 +542,39 @@ class Layout:
 
 
 _VISION = "visual."
+_NESTED_LM, _NESTED_VISION = "model.language_model.", "model.visual."
+
+
+def _nested(model_type) -> bool:
+    from .vision import NESTED_NAMES
+
+    return model_type in NESTED_NAMES
+
+
+def nested_name(name: str) -> str:
+    """A flat HF name (model.*, visual.*) as a nested folder's files spell it."""
+    if name.startswith((_NESTED_LM, _NESTED_VISION)):
+        return name
+    if name.startswith(_VISION):
+        return "model." + name
+    if name.startswith("model."):
+        return _NESTED_LM + name[len("model."):]
+    return name
+
+
+def flat_name(name: str) -> str:
+    """The flat HF name of a nested folder's tensor name (the inverse of nested_name)."""
+    if name.startswith(_NESTED_VISION):
+        return name[len("model."):]
+    if name.startswith(_NESTED_LM):
+        return "model." + name[len(_NESTED_LM):]
+    return name
+
+
+def _reading_nested(read: Read) -> Read:
+    def nested_read(name, *args, **kwargs):
+        return read(nested_name(name), *args, **kwargs)
+    return nested_read
 
 
 def _vision_tensors(m) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:

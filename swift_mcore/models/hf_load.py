@@ -57,7 +57,11 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
                 model = AutoModelForImageTextToText.from_config(hf_config)
             else:
                 model = head.from_config(hf_config)
-    shapes = {_file_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    from .vision import NESTED_NAMES
+
+    nested = raw.get("model_type") in NESTED_NAMES  # the files use the names in memory
+    shapes = {(k if nested else _file_name(k)): tuple(v.shape)
+              for k, v in model.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes

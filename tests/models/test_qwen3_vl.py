@@ -1,0 +1,151 @@
+"""Qwen3-VL (models/vision.py, family qwen3_vl): a tiny random folder built from transformers'
+config gives transformers' logits on an image prompt (deepstack features, interleaved
+multimodal RoPE, Qwen3's q/k norms) and on text alone, goes HF -> checkpoint -> HF bit for
+bit, and trains on image rows with an exact resume."""
+
+import json
+
+import pytest
+import torch
+
+import hf_helpers as H
+from test_qwen2_5_vl import (IMAGE, VIDEO, START, END, image_dataset, image_prompt,
+                             write_processor_files)
+
+TEXT = dict(H.BASE, head_dim=16, rope_parameters={
+    "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+    "mrope_interleaved": True}, bos_token_id=None, eos_token_id=0)
+# patches of 4x4 pixels, 2x2 merged; a 4x4 learned position grid (interpolated per image);
+# the first two of three blocks feed the first two decoder layers (deepstack)
+VISION = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+              patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+              num_position_embeddings=16, deepstack_visual_indexes=[0, 1], in_channels=3,
+              initializer_range=0.2)
+
+
+def make_qwen3_vl(path, seed: int = 0):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    config = Qwen3VLConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE,
+                           video_token_id=VIDEO, vision_start_token_id=START,
+                           vision_end_token_id=END, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration._from_config(
+        config, attn_implementation="eager").float()
+    model.save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def vl3_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_vl") / "hf"
+    make_qwen3_vl(path)
+    write_processor_files(path)
+    return path
+
+
+def transformers_model(folder):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def test_logits_match_transformers_with_images_and_without(gloo_group, vl3_folder):
+    from swift_mcore.loaded_model import load_model
+
+    loaded = load_model(str(vl3_folder), log=lambda line: None)
+    m = loaded.config.model
+    assert (m.model_type, m.position_embedding_type, m.mrope_section, m.qk_layernorm) == (
+        "qwen3_vl", "mrope", "[2,3,3]", True)
+    model, hf = loaded.model.eval(), transformers_model(vl3_folder)
+    ids, pixels, grids = image_prompt([(1, 4, 8), (1, 6, 2)])
+
+    def ours(**inputs):
+        with torch.no_grad():
+            return model(position_ids=None, attention_mask=None, **inputs)[..., :320]
+
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+                    mm_token_type_ids=(ids == IMAGE).int()).logits
+    assert (ours(input_ids=ids, pixel_values=pixels, image_grid_thw=grids) - theirs
+            ).abs().max() <= 1e-4
+    # the deepstack features count: without them the logits are others
+    mergers = model.visual.deepstack_merger_list
+    saved = [p.detach().clone() for p in mergers.parameters()]
+    with torch.no_grad():
+        for p in mergers.parameters():
+            p.zero_()
+    assert (ours(input_ids=ids, pixel_values=pixels, image_grid_thw=grids) - theirs
+            ).abs().max() > 1e-2
+    with torch.no_grad():
+        for p, value in zip(mergers.parameters(), saved):
+            p.copy_(value)
+    text = H.tokens(vocab=290, batch=2, length=24)
+    with torch.no_grad():
+        theirs = hf(input_ids=text).logits
+    assert (ours(input_ids=text) - theirs).abs().max() <= 1e-4
+
+
+def test_interleaved_rope_is_transformers_layout(gloo_group, vl3_folder):
+    """Each channel pair takes the row transformers' Qwen3-VL gives it (its cos equal)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from swift_mcore.loaded_model import load_model
+
+    loaded = load_model(str(vl3_folder), log=lambda line: None)
+    rope = loaded.model.rotary_pos_emb
+    positions = torch.stack([torch.arange(10), torch.arange(10) * 3,
+                             torch.arange(10) * 7])[:, None, :]
+    ours = rope(positions, [2, 3, 3])[:, 0, 0]  # [sequence, head_dim] angles
+    theirs, _ = Qwen3VLTextRotaryEmbedding(transformers_model(vl3_folder).config.text_config)(
+        torch.zeros(1, dtype=torch.float32), positions)
+    assert (ours.cos() - theirs[0]).abs().max() <= 1e-6
+    # not Qwen2.5-VL's contiguous blocks: the third pair takes the width row here
+    assert torch.equal(ours[:, 2], positions[2, 0].float() * rope.inv_freq[2])
+
+
+def test_folder_exports_bit_for_bit_with_transformers_names(gloo_group, vl3_folder, tmp_path):
+    """HF -> checkpoint (its --test_convert_precision feeds an image) -> HF: every tensor
+    under the folder's own names (model.language_model.*, model.visual.*), a config.json
+    transformers loads to the same logits."""
+    config = H.check_round_trip(vl3_folder, tmp_path)
+    source = json.loads((vl3_folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    assert config["vision_config"] == source["vision_config"]
+    assert config["text_config"]["rope_parameters"] == source["text_config"]["rope_parameters"]
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                "vision_end_token_id", "tie_word_embeddings"):
+        assert config[key] == source[key], key
+    names = H.safetensors_state(str(tmp_path / "back"))
+    assert any(n.startswith("model.language_model.layers.") for n in names)
+    assert any(n.startswith("model.visual.deepstack_merger_list.") for n in names)
+    ids, pixels, grids = image_prompt([(1, 4, 4)])
+    with torch.no_grad():
+        logits = [transformers_model(f)(input_ids=ids, pixel_values=pixels,
+                                        image_grid_thw=grids,
+                                        mm_token_type_ids=(ids == IMAGE).int()).logits
+                  for f in (vl3_folder, tmp_path / "back")]
+    assert torch.equal(*logits)
+
+
+def test_sft_with_images_trains_and_resumes_exactly(tmp_path, train_here, vl3_folder):
+    """Full sft on image rows (the tower and mergers frozen by default, as ms-swift): the
+    loss falls, a resume from step 2 logs steps 3 and 4 exactly, and the deepstack mergers
+    are trained when --freeze_aligner false asks."""
+    from run_helpers import losses
+    from test_hf_training import run_flags
+
+    from swift_mcore.models.vision import part_of
+
+    data = image_dataset(tmp_path)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ["--model", vl3_folder, "--dataset", data, "--seq_length", "64", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--train_iters", "4", "--template", "tokenizer"]
+    train_here(straight, *flags, "--save_steps", "2", base=run_flags())
+    train_here(resumed, *flags, "--no_save", "--resume",
+               straight / "checkpoint" / "iter_0000002", base=run_flags())
+    first, second = losses(straight), losses(resumed)
+    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [3, 4]
+    assert second == {3: first[3], 4: first[4]}
+    assert first[4] < first[1]
+    assert part_of("visual.deepstack_merger_list.0.norm.weight") == "aligner"
