@@ -353,7 +353,9 @@ class RunArguments:
             ("freeze_vit", t.freeze_vit, True), ("freeze_aligner", t.freeze_aligner, True),
             ("freeze_llm", t.freeze_llm, False),
             ("max_pixels", getattr(s, "max_pixels", None), None),
-            ("min_pixels", getattr(s, "min_pixels", None), None)) if value != default]
+            ("min_pixels", getattr(s, "min_pixels", None), None),
+            ("vit_lr", self.training.vit_lr, None),
+            ("aligner_lr", self.training.aligner_lr, None)) if value != default]
         if freeze and not given:
             raise ArgumentError(f"{freeze[0]} is a flag of vision-language models; this is "
                                 f"a text model (give a Qwen2.5-VL --model folder)")
@@ -368,6 +370,13 @@ class RunArguments:
         if s is not None and s.max_pixels and s.min_pixels and s.min_pixels > s.max_pixels:
             raise ArgumentError(f"--min_pixels {s.min_pixels} is above --max_pixels "
                                 f"{s.max_pixels}")
+        for flag_name, lr, frozen, part in (
+                ("--vit_lr", self.training.vit_lr, t.freeze_vit, "--freeze_vit"),
+                ("--aligner_lr", self.training.aligner_lr, t.freeze_aligner,
+                 "--freeze_aligner")):
+            if lr is not None and (frozen or t.tuner_type != "full"):
+                raise ArgumentError(f"{flag_name} {lr}: that part does not train here (it "
+                                    f"needs --tuner_type full and {part} false)")
         freeze = [f for f in freeze if f.startswith("--freeze")]
         if freeze and t.tuner_type == "lora":
             raise ArgumentError(f"{freeze[0]} with --tuner_type lora: the adapters train and "
