@@ -377,14 +377,15 @@ class RunArguments:
             if lr is not None and (frozen or t.tuner_type != "full"):
                 raise ArgumentError(f"{flag_name} {lr}: that part does not train here (it "
                                     f"needs --tuner_type full and {part} false)")
-        freeze = [f for f in freeze if f.startswith("--freeze")]
-        if freeze and t.tuner_type == "lora":
-            raise ArgumentError(f"{freeze[0]} with --tuner_type lora: the adapters train and "
-                                f"every base weight, the vision tower's too, stays frozen; "
-                                f"the freeze flags choose the parts of full finetuning")
-        if t.tuner_type == "full" and t.freeze_vit and t.freeze_aligner and t.freeze_llm:
+        if t.freeze_vit and t.freeze_aligner and t.freeze_llm:
             raise ArgumentError("--freeze_vit, --freeze_aligner and --freeze_llm together "
-                                "leave nothing to train")
+                                "leave nothing to train (with --tuner_type lora: nothing to "
+                                "put adapters on)")
+        if t.tuner_type == "lora" and t.freeze_llm and (t.target_regex or t.adapters):
+            raise ArgumentError(f"--freeze_llm True with "
+                                f"{'--target_regex' if t.target_regex else '--adapters'}: "
+                                f"those choose the language model's adapters, which "
+                                f"--freeze_llm leaves out")
         if len(given) < 3:
             raise ArgumentError(f"{' and '.join(given)}: a vision-language model needs "
                                 f"--position_embedding_type mrope, --mrope_section and "

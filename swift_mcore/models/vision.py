@@ -420,6 +420,42 @@ def part_of(name: str) -> str:
     return "vit" if name.startswith(VISION_PREFIX) else "llm"
 
 
+def adapted_parts(tuner) -> Tuple[str, ...]:
+    """The tower's parts that get LoRA adapters with --tuner_type lora: those whose freeze
+    flag is false (ms-swift's rule: the freeze flags choose where the adapters go)."""
+    return tuple(part for part, frozen in (("vit", tuner.freeze_vit),
+                                           ("aligner", tuner.freeze_aligner)) if not frozen)
+
+
+def lora_targets(chunk, tuner) -> List[str]:
+    """The names of the tower's linear layers (torch's nn.Linear: its attention, MLP and
+    merger projections; not the patch embedding's convolution) that get adapters."""
+    parts = adapted_parts(tuner)
+    if not parts:
+        return []
+    return [name for name, module in chunk.named_modules()
+            if name.startswith(VISION_PREFIX) and type(module) is torch.nn.Linear
+            and part_of(name + ".weight") in parts]
+
+
+def lora_parameters(vl: VisionLanguage, tuner) -> int:
+    """The adapters' parameters lora_targets gives (rank x (in + out) per linear layer)."""
+    import warnings
+
+    from accelerate import init_empty_weights
+
+    parts = adapted_parts(tuner)
+    if not parts:
+        return 0
+    with warnings.catch_warnings(), init_empty_weights():
+        warnings.simplefilter("ignore")
+        tower = build_vision_tower(vl)
+    return sum(tuner.lora_rank * (module.in_features + module.out_features)
+               for name, module in tower.named_modules()
+               if type(module) is torch.nn.Linear
+               and part_of(VISION_PREFIX + name + ".weight") in parts)
+
+
 def freeze(chunks, tuner) -> Dict[str, int]:
     """--freeze_vit / --freeze_aligner / --freeze_llm of full finetuning: those parts'
     parameters stop requiring gradients (before DDP and the optimizer see them). Returns

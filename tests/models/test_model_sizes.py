@@ -225,6 +225,15 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         dict(model_type="qwen3_vl", qk_layernorm=True, position_embedding_type="mrope",
              mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
                                                                 "vision_config": VL3_TOWER})),
+        # LoRA on the tower's and mergers' linear layers too; on the tower's alone
+        dict(model_type="qwen3_vl", qk_layernorm=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL3_TOWER}),
+             tuner_type="lora", freeze_vit=False, freeze_aligner=False),
+        dict(model_type="qwen2_5_vl", add_qkv_bias=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL_TOWER}),
+             tuner_type="lora", freeze_vit=False, freeze_llm=True),
     ]
     from megatron.core import tensor_parallel
 

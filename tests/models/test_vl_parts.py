@@ -1,5 +1,6 @@
 """A vision-language model's parts trained apart: --vit_lr and --aligner_lr give the tower
-and the merger(s) their own learning rate in megatron's param groups (training/optimizer.py)."""
+and the merger(s) their own learning rate in megatron's param groups (training/optimizer.py);
+with --tuner_type lora, --freeze_vit false puts adapters on the tower's linear layers."""
 
 import pytest
 import torch
@@ -81,3 +82,53 @@ def test_part_lrs_are_checked(vl_folder):  # noqa: F811
     with pytest.raises(ArgumentError, match="--aligner_lr 0.001: that part does not train"):
         resolve(RunArguments.from_flags(model=str(vl_folder), aligner_lr=1e-3,
                                         freeze_aligner=False, tuner_type="lora"), world_size=1)
+
+
+def test_lora_on_the_tower_resumes_and_merges_into_transformers_logits(
+        tmp_path, train_here, vl_folder):  # noqa: F811
+    """--tuner_type lora --freeze_vit false: adapters on the tower's linear layers (and the
+    language model's); a resume continues them exactly; the merged export changes the
+    tower's linear weights and the language model's and nothing else, and transformers on
+    it gives the LoRA model's logits on an image prompt."""
+    from run_helpers import losses
+    from test_hf_training import run_flags
+    from test_qwen2_5_vl import IMAGE, image_prompt, transformers_model
+
+    from swift_mcore.loaded_model import load_model
+    from swift_mcore.models.vision import part_of
+
+    data = image_dataset(tmp_path, rows=8)
+    flags = ["--model", vl_folder, "--dataset", data, "--seq_length", "64", "--lr", "5e-2",
+             "--min_lr", "5e-2", "--train_iters", "2", "--template", "tokenizer",
+             "--tuner_type", "lora", "--freeze_vit", "false"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_here(straight, *flags, "--save_steps", "1", base=run_flags())
+    train_here(resumed, *flags, "--no_save", "--resume",
+               straight / "checkpoint" / "iter_0000001", base=run_flags())
+    assert losses(resumed) == {2: losses(straight)[2]}
+
+    checkpoint = straight / "checkpoint"
+    loaded = load_model(str(checkpoint), log=lambda line: None)
+    adapted = {n for n, p in loaded.model.named_parameters() if "lora_A" in n}
+    assert any(n.startswith("visual.blocks.") for n in adapted)
+    assert not any(n.startswith("visual.merger.") for n in adapted)
+    H.convert(checkpoint, tmp_path / "hf", "to_hf", merge_lora=True)
+    source, exported = H.safetensors_state(str(vl_folder)), H.safetensors_state(
+        str(tmp_path / "hf"))
+    changed = {n for n, t in source.items() if not torch.equal(exported[n], t)}
+    tower = {n for n in changed if n.startswith("visual.")}
+    assert tower and all(part_of(n) == "vit" and n.endswith(".weight")
+                         and ("attn." in n or "mlp." in n) for n in tower)
+    assert any(n.startswith("model.layers.") for n in changed)
+    ids, pixels, grids = image_prompt([(1, 4, 8)])
+    with torch.no_grad():
+        ours = loaded.model.eval()(input_ids=ids, position_ids=None, attention_mask=None,
+                                   pixel_values=pixels, image_grid_thw=grids)[..., :320]
+        theirs = transformers_model(tmp_path / "hf")(
+            input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+            mm_token_type_ids=(ids == IMAGE).int()).logits
+        before = transformers_model(vl_folder)(
+            input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+            mm_token_type_ids=(ids == IMAGE).int()).logits
+    assert (ours - theirs).abs().max() <= 1e-4
+    assert (theirs - before).abs().max() > 1e-3
