@@ -338,9 +338,9 @@ def _model_class():
 
 def build_vl_model(config, vl: VisionLanguage, tc, spec):
     """This rank's Qwen2.5-VL / Qwen3-VL model (one chunk) for a RunConfig, its
-    TransformerConfig and decoder block spec (models/gpt.py makes both). Without pipeline stages or sequence
-    parallelism for now (RunArguments.check_vision): the tower sits on the first stage and
-    the image features enter before the sequence would be split."""
+    TransformerConfig and decoder block spec (models/gpt.py makes both). Without pipeline
+    stages or sequence parallelism for now (RunArguments.check_vision): the tower sits on
+    the first stage and the image features enter before the sequence would be split."""
     from megatron.core import parallel_state
 
     m = config.model
