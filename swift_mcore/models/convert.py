@@ -58,10 +58,13 @@ _ROW_PARALLEL = {
 FLAT_DELTA_NET = ("qwen3_5", "qwen3_5_moe")
 # the HF expert spelling of each family (Experts.names); the rest are Qwen's
 _EXPERT_NAMES = {"mixtral": "mixtral", "deepseek_v3": "deepseek", "glm4_moe": "deepseek",
-                 "gpt_oss": "gpt_oss"}
+                 "gpt_oss": "gpt_oss", "qwen3_vl_moe": "stacked"}
+# the spellings whose experts are whole-layer tensors (Experts.fused_*)
+FUSED_NAMES = ("gpt_oss", "stacked")
 # gpt-oss: each layer's experts in four fused tensors [experts, ...]; gate_up_proj is
 # [hidden, 2 * ffn] per expert (the input side first) with gate and up interleaved by
-# column (gate the even ones), down_proj [ffn, hidden]
+# column (gate the even ones), down_proj [ffn, hidden]. Qwen3-VL-MoE ("stacked"): the first
+# and third only, without biases, gate_up_proj's columns the gate's then the up's
 _FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
                   "mlp.experts.down_proj", "mlp.experts.down_proj_bias")
 _SINKS = ("self_attention.core_attention.softmax_offset", "self_attn.sinks")
@@ -109,8 +112,10 @@ class Experts:
     expert_bias: bool = False    # the router's expert bias (DeepSeek-V3's correction bias)
 
     def fused_shapes(self, hidden: int) -> List[Tuple[str, Tuple[int, ...]]]:
-        """gpt-oss's fused expert tensors of one layer with their shapes."""
+        """gpt-oss's (Qwen3-VL-MoE's) fused expert tensors of one layer with their shapes."""
         e, f = self.count, self.ffn
+        if self.names == "stacked":
+            return [(_FUSED_EXPERTS[0], (e, hidden, 2 * f)), (_FUSED_EXPERTS[2], (e, f, hidden))]
         return list(zip(_FUSED_EXPERTS, [(e, hidden, 2 * f), (e, 2 * f), (e, f, hidden),
                                          (e, hidden)]))
 
@@ -119,7 +124,12 @@ class Experts:
         per = []
         for e in range(self.count):
             expert = f"{layer}mlp.experts.local_experts.{e}."
-            if suffix.startswith("mlp.experts.gate_up_proj"):
+            if self.names == "stacked":  # the Hub's layout: fc1 and fc2 transposed
+                fc = "linear_fc1" if suffix == _FUSED_EXPERTS[0] else "linear_fc2"
+                weight = get(expert + fc + ".weight")
+                # a square one in memory's layout, which transformers reads it as
+                per.append(weight if weight.shape[0] == weight.shape[1] else weight.t())
+            elif suffix.startswith("mlp.experts.gate_up_proj"):
                 kind = "bias" if suffix.endswith("_bias") else "weight"
                 gate, up = get(expert + f"linear_fc1.{kind}").chunk(2, dim=0)
                 # [gate; up] rows -> columns interleaved gate, up, gate, ... (weights
@@ -138,6 +148,20 @@ class Experts:
         'linear_fc1.weight'), this TP rank's part, read from the fused tensors."""
         rows = slice(expert, expert + 1)
         part = _part(self.ffn, tp_rank, tp_size)
+        if self.names == "stacked":
+            # the Hub's files hold [hidden, 2 * ffn] and [ffn, hidden] per expert, those
+            # transformers writes [2 * ffn, hidden] and [hidden, ffn] (its layout in memory);
+            # either is read, the shape telling which as transformers' own loading does (a
+            # square one is in memory's layout)
+            if suffix == "linear_fc1.weight":
+                fused = read(prefix + _FUSED_EXPERTS[0], rows=rows)[0]
+                if fused.shape[0] != 2 * self.ffn:
+                    fused = fused.t()
+                return torch.cat([fused[: self.ffn][part], fused[self.ffn:][part]], dim=0)
+            down = read(prefix + _FUSED_EXPERTS[2], rows=rows)[0]
+            if down.shape[1] != self.ffn:
+                down = down.t()
+            return down[:, part]
         if suffix.startswith("linear_fc1."):
             name = "mlp.experts.gate_up_proj" + ("_bias" if suffix.endswith("bias") else "")
             fused = read(prefix + name, rows=rows)[0]
@@ -154,6 +178,8 @@ class Experts:
         if self.names == "gpt_oss":  # the experts: fused_to_hf / fused_to_mcore
             return {"mlp.router.weight": "mlp.router.weight",
                     "mlp.router.bias": "mlp.router.bias"}
+        if self.names == "stacked":
+            return {"mlp.router.weight": "mlp.gate.weight"}
         if self.names == "mixtral":
             out["mlp.router.weight"] = "block_sparse_moe.gate.weight"
             for e in range(self.count):
@@ -277,7 +303,7 @@ class Layout:
                     shapes += [(name, (ffn, h)) for name in hf]
                 else:
                     shapes.append((hf, (h, ffn)))
-        if x.names == "gpt_oss":
+        if x.names in FUSED_NAMES:
             shapes += x.fused_shapes(h)
         return shapes
 
@@ -380,7 +406,7 @@ class Layout:
         for mc, hf in {**self.same(), **_ROW_PARALLEL, **self._attention_extras()}.items():
             if suffix == hf:
                 return get(layer + mc)
-        if suffix in _FUSED_EXPERTS and self.is_moe(i) and self.experts.names == "gpt_oss":
+        if suffix in _FUSED_EXPERTS and self.is_moe(i) and self.experts.names in FUSED_NAMES:
             return self.experts.fused_to_hf(suffix, layer, get)
         qkv = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", suffix)
         if qkv:
@@ -487,7 +513,7 @@ class Layout:
         if local:
             suffix = (f"mlp.experts.local_experts."
                       f"{ep_rank * (x.count // ep_size) + int(local.group(1))}.{local.group(2)}")
-        if local and x.names == "gpt_oss":
+        if local and x.names in FUSED_NAMES:
             expert, rest = suffix.split(".")[3], local.group(2)
             return x.fused_to_mcore(int(expert), rest, prefix, read, tp_rank, tp_size)
         hf = x.hf_names(layer).get(suffix)

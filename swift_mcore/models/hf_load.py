@@ -77,6 +77,9 @@ def _file_name(name: str) -> str:
     return name
 
 
+STACKED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
 def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
     """Raise ArgumentError naming file and key for every tensor that is missing, has a shape
     other than config.json implies, or is not used by the model."""
@@ -112,9 +115,13 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                  if not any(name.startswith(f"model.layers.{i}.")
                             for i in range(first, first + held))}
     problems: List[str] = []
+    stacked = layout.experts is not None and layout.experts.names == "stacked"
     for name, shape in expected.items():
         if name not in found:
             problems.append(f"{name}: missing from the weights")
+        elif stacked and name.endswith(STACKED_EXPERTS) and len(shape) == 3 \
+                and found[name][0] == (shape[0], shape[2], shape[1]):
+            continue  # transformers' own layout of the experts (Experts.fused_to_mcore)
         elif found[name][0] != shape:
             problems.append(f"{os.path.basename(found[name][1])}: {name} has shape "
                             f"{list(found[name][0])}, config.json implies {list(shape)}")

@@ -483,10 +483,11 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
         match = _LINEAR.match(name)
         layer, suffix = int(match.group(1)), match.group(2)
         expert = _EXPERT.match(suffix)
-        if expert and layout.experts.names == "gpt_oss":
+        if expert and layout.experts.names in ("gpt_oss", "stacked"):
+            which = "gpt-oss" if layout.experts.names == "gpt_oss" else "Qwen3-VL-MoE"
             raise ArgumentError(
-                f"--to_peft: {name} (a gpt-oss expert) has an adapter; peft's LoRA on "
-                f"gpt-oss's fused expert tensors is not written yet: export the merged model "
+                f"--to_peft: {name} (a {which} expert) has an adapter; peft's LoRA on "
+                f"{which}'s fused expert tensors is not written yet: export the merged model "
                 f"with --to_hf --merge_lora, or adapt the attention only (--target_modules "
                 f"linear_qkv linear_proj)")
         parts = _hf_parts(layout, layer, suffix)

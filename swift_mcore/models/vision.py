@@ -40,11 +40,11 @@ from .families.base import UnsupportedConfig
 VISION_PREFIX = "visual."
 # config.json keys of a Qwen2.5-VL folder besides text_config / vision_config
 TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-# model_type -> the family that reads and writes its language model
-TEXT_FAMILIES = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+# the model_types built here (families/qwen2_5_vl.py, qwen3_vl.py, qwen3_vl_moe.py)
+VL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Qwen3-VL's files name the language model model.language_model.* and the tower
 # model.visual.* (Qwen2.5-VL's: model.* and visual.*)
-NESTED_NAMES = frozenset({"qwen3_vl"})
+NESTED_NAMES = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 
 
 @dataclass(frozen=True)
@@ -58,21 +58,21 @@ class VisionLanguage:
     spatial_merge_size: int
     hidden_size: int                # the language model's (the merger's output)
     token_ids: Tuple[Tuple[str, Any], ...] = ()  # config.json's TOP_KEYS, as written there
-    model_type: str = "qwen2_5_vl"  # a key of TEXT_FAMILIES
+    model_type: str = "qwen2_5_vl"  # one of VL_TYPES
 
     @property
     def interleaved(self) -> bool:
         """Whether the RoPE rows interleave over the channel pairs (Qwen3-VL's)."""
-        return self.model_type == "qwen3_vl"
+        return self.model_type in ("qwen3_vl", "qwen3_vl_moe")
 
     @classmethod
     def from_hf_config(cls, config: Dict[str, Any]) -> "VisionLanguage":
         """Raises UnsupportedConfig naming the key(s) that do not describe a Qwen2.5-VL model
         swift-mcore builds exactly."""
         problems: List[str] = []
-        if config.get("model_type") not in TEXT_FAMILIES:
+        if config.get("model_type") not in VL_TYPES:
             problems.append(f"model_type {config.get('model_type')!r} (one of "
-                            f"{', '.join(TEXT_FAMILIES)})")
+                            f"{', '.join(VL_TYPES)})")
         text = language_config(config)
         vision = config.get("vision_config")
         if not isinstance(vision, dict):
@@ -124,7 +124,7 @@ class VisionLanguage:
     def from_model_args(cls, m: Any) -> "VisionLanguage":
         """From --vision_config and --mrope_section (checked by RunArguments.check_vision)."""
         vision = json.loads(m.vision_config)
-        kind = m.model_type if m.model_type in TEXT_FAMILIES else "qwen2_5_vl"
+        kind = m.model_type if m.model_type in VL_TYPES else "qwen2_5_vl"
         return cls.from_hf_config({
             "model_type": kind, **{k: v for k, v in vision.items() if k in TOP_KEYS},
             "vision_config": vision["vision_config"],
@@ -156,12 +156,13 @@ def language_config(config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def language_values(config: Dict[str, Any], model_args: Any = None) -> Dict[str, Any]:
-    """The ModelArguments values of the language model (the qwen2 or qwen3 family reads it:
-    its defaults, checks and refusals); raises UnsupportedConfig naming the key."""
+    """The ModelArguments values of the language model (the text family of the folder's
+    vision-language family reads it: its defaults, checks and refusals); raises
+    UnsupportedConfig naming the key."""
     from .families import by_name
 
-    family = TEXT_FAMILIES.get(config.get("model_type"), "qwen2")
-    return by_name(family).model_values(language_config(config), model_args)
+    family = by_name(config.get("model_type") or "qwen2_5_vl")
+    return family.text().model_values(language_config(config), model_args)
 
 
 # ---- 3-D position ids --------------------------------------------------------------------
@@ -231,6 +232,13 @@ def build_vision_tower(vl: VisionLanguage, dtype: torch.dtype = torch.float32):
             Qwen3VLVisionConfig as Config,
         )
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
+    elif vl.model_type == "qwen3_vl_moe":
+        from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
+            Qwen3VLMoeVisionConfig as Config,
+        )
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+            Qwen3VLMoeVisionModel as Tower,
+        )
     else:
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
             Qwen2_5_VLVisionConfig as Config,

@@ -4,6 +4,7 @@ multimodal RoPE, Qwen3's q/k norms) and on text alone, goes HF -> checkpoint -> 
 bit, and trains on image rows with an exact resume."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -149,3 +150,91 @@ def test_sft_with_images_trains_and_resumes_exactly(tmp_path, train_here, vl3_fo
     assert second == {3: first[3], 4: first[4]}
     assert first[4] < first[1]
     assert part_of("visual.deepstack_merger_list.0.norm.weight") == "aligner"
+
+
+# ---- Qwen3-VL-MoE (family qwen3_vl_moe) ----------------------------------------------------
+
+MOE_TEXT = dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                decoder_sparse_step=1, mlp_only_layers=[1])  # layer 0 MoE, layer 1 dense
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    path = tmp_path_factory.mktemp("qwen3_vl_moe") / "hf"
+    config = Qwen3VLMoeConfig(text_config=MOE_TEXT, vision_config=VISION,
+                              image_token_id=IMAGE, video_token_id=VIDEO,
+                              vision_start_token_id=START, vision_end_token_id=END,
+                              tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3VLMoeForConditionalGeneration._from_config(
+        config, attn_implementation="eager").float()
+    with torch.no_grad():  # a router that tells the experts apart (its init is zeros)
+        for layer in model.model.language_model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.5)
+    model.save_pretrained(str(path))
+    write_processor_files(path)
+    # the Hub's layout of the stacked experts ([experts, hidden, 2 * ffn], [experts, ffn,
+    # hidden]); transformers writes them as it holds them in memory, and reads both
+    hub = path.parent / "hub"
+    shutil.copytree(path, hub)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(hub / "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(hub / "model.safetensors"), metadata={"format": "pt"})
+    return path, hub
+
+
+def test_moe_logits_match_transformers_and_export_bit_for_bit(gloo_group, moe_folder,
+                                                               tmp_path):
+    """The experts' stacked tensors (gate_up_proj [experts, hidden, 2 * ffn], down_proj)
+    split into megatron's experts and back bit for bit; the logits on an image prompt are
+    transformers' Qwen3VLMoeForConditionalGeneration's."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from swift_mcore.loaded_model import load_model
+
+    saved, hub = moe_folder
+    ids, pixels, grids = image_prompt([(1, 4, 8), (1, 6, 2)])
+    hf = Qwen3VLMoeForConditionalGeneration.from_pretrained(
+        str(saved), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+                    mm_token_type_ids=(ids == IMAGE).int()).logits
+    for folder in (saved, hub):  # either layout of the experts
+        loaded = load_model(str(folder), log=lambda line: None)
+        m = loaded.config.model
+        assert (m.model_type, m.num_experts, m.moe_layer_freq) == ("qwen3_vl_moe", 4, "[1,0]")
+        with torch.no_grad():
+            ours = loaded.model.eval()(input_ids=ids, position_ids=None, attention_mask=None,
+                                       pixel_values=pixels, image_grid_thw=grids)[..., :320]
+        assert (ours - theirs).abs().max() <= 1e-4, folder
+    config = H.check_round_trip(hub, tmp_path)
+    assert config["architectures"] == ["Qwen3VLMoeForConditionalGeneration"]
+    assert config["text_config"]["model_type"] == "qwen3_vl_moe_text"
+    names = H.safetensors_state(str(tmp_path / "back"))
+    assert tuple(names["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape) == (
+        4, 64, 48)
+    with torch.no_grad():
+        again = Qwen3VLMoeForConditionalGeneration.from_pretrained(
+            str(tmp_path / "back"), dtype=torch.float32, attn_implementation="eager").eval()(
+            input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+            mm_token_type_ids=(ids == IMAGE).int()).logits
+    assert torch.equal(again, theirs)
+
+
+def test_moe_sft_with_images_trains(tmp_path, train_here, moe_folder):
+    from run_helpers import losses
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path, rows=8)
+    train_here(tmp_path / "out", "--model", moe_folder[1], "--dataset", data, "--seq_length",
+               "64", "--lr", "1e-2", "--min_lr", "1e-2", "--train_iters", "3", "--template",
+               "tokenizer", "--no_save", base=run_flags())
+    first = losses(tmp_path / "out")
+    assert sorted(first) == [1, 2, 3] and first[3] < first[1]
