@@ -132,3 +132,9 @@ def test_lora_on_the_tower_resumes_and_merges_into_transformers_logits(
             mm_token_type_ids=(ids == IMAGE).int()).logits
     assert (ours - theirs).abs().max() <= 1e-4
     assert (theirs - before).abs().max() > 1e-3
+    # a resume with another part lr is refused (the optimizer's saved groups would win)
+    from swift_mcore.checkpointing import compat
+
+    assert compat.field_differences({"training": {"vit_lr": 1e-3}},
+                                    {"training": {"vit_lr": 2e-3}}, compat.OPTIMIZER_FIELDS) \
+        == ["--vit_lr: checkpoint 0.001, now 0.002"]
