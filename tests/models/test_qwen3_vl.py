@@ -238,3 +238,46 @@ def test_moe_sft_with_images_trains(tmp_path, train_here, moe_folder):
                "tokenizer", "--no_save", base=run_flags())
     first = losses(tmp_path / "out")
     assert sorted(first) == [1, 2, 3] and first[3] < first[1]
+
+
+def test_packed_image_rows_give_each_samples_logits(gloo_group, vl3_folder):
+    """Two image prompts in one row under the block-causal mask, positions restarting at
+    the second: each gets its logits alone (the deepstack features land on each sample's
+    own image pads)."""
+    from swift_mcore.data.packing import block_causal_mask
+    from swift_mcore.loaded_model import load_model
+
+    model = load_model(str(vl3_folder), log=lambda line: None).model.eval()
+    first, pixels1, grids1 = image_prompt([(1, 4, 8)], seed=1)
+    second, pixels2, grids2 = image_prompt([(1, 6, 2), (1, 2, 2)], seed=2)
+    n1, n2 = first.shape[1], second.shape[1]
+    positions = torch.cat([torch.arange(n1), torch.arange(n2)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat([first, second], dim=1), position_ids=positions,
+                       attention_mask=block_causal_mask(torch.tensor([[0] * n1 + [1] * n2])),
+                       pixel_values=torch.cat([pixels1, pixels2]),
+                       image_grid_thw=torch.cat([grids1, grids2]))
+        alone = [model(input_ids=ids, position_ids=None, attention_mask=None,
+                       pixel_values=p, image_grid_thw=g)
+                 for ids, p, g in ((first, pixels1, grids1), (second, pixels2, grids2))]
+    assert (packed[:, :n1] - alone[0]).abs().max() <= 1e-5
+    assert (packed[:, n1:] - alone[1]).abs().max() <= 1e-5
+
+
+@pytest.mark.benchmark
+def test_full_recompute_keeps_the_deepstack_features(tmp_path, train_here, vl3_folder):
+    """--recompute_granularity full recomputes each layer in the backward: the deepstack
+    features are added there too (a hook on the layer), so the losses, mergers trained,
+    are those without recompute."""
+    from run_helpers import losses
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path, rows=8)
+    flags = ["--model", vl3_folder, "--dataset", data, "--seq_length", "64", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--train_iters", "3", "--template", "tokenizer", "--no_save",
+             "--freeze_aligner", "false"]
+    train_here(tmp_path / "plain", *flags, base=run_flags())
+    train_here(tmp_path / "recomputed", *flags, "--recompute_granularity", "full",
+               "--recompute_method", "uniform", "--recompute_num_layers", "1",
+               base=run_flags())
+    assert losses(tmp_path / "recomputed") == losses(tmp_path / "plain")
