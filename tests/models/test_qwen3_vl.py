@@ -281,3 +281,21 @@ def test_full_recompute_keeps_the_deepstack_features(tmp_path, train_here, vl3_f
                "--recompute_method", "uniform", "--recompute_num_layers", "1",
                base=run_flags())
     assert losses(tmp_path / "recomputed") == losses(tmp_path / "plain")
+
+
+@pytest.mark.benchmark
+def test_tp2_matches_transformers_and_exports_bit_identical(tmp_path, gloo_group, vl3_folder):
+    """TP=2 on gloo: the language model sharded, the tower whole on each rank; the logits
+    of text are transformers', and the TP=2 checkpoint exports every tensor bit for bit
+    under the nested names."""
+    from test_hf_parallel import run_two_ranks
+
+    ids, out = run_two_ranks(tmp_path, vl3_folder, 2, 1)
+    with torch.no_grad():
+        theirs = transformers_model(vl3_folder)(input_ids=ids).logits
+    assert (torch.load(out / "logits.pt") - theirs).abs().max() <= 1e-4
+    H.convert(out, tmp_path / "exported", "to_hf")
+    original, back = H.safetensors_state(str(vl3_folder)), H.safetensors_state(
+        str(tmp_path / "exported"))
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
