@@ -225,6 +225,10 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         dict(model_type="qwen3_vl", qk_layernorm=True, position_embedding_type="mrope",
              mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
                                                                 "vision_config": VL3_TOWER})),
+        dict(model_type="qwen3_vl_moe", qk_layernorm=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL3_TOWER}),
+             num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2),
         # LoRA on the tower's and mergers' linear layers too; on the tower's alone
         dict(model_type="qwen3_vl", qk_layernorm=True, position_embedding_type="mrope",
              mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
