@@ -113,6 +113,12 @@ def test_lora_on_the_tower_resumes_and_merges_into_transformers_logits(
     assert any(n.startswith("visual.blocks.") for n in adapted)
     assert not any(n.startswith("visual.merger.") for n in adapted)
     H.convert(checkpoint, tmp_path / "hf", "to_hf", merge_lora=True)
+    from swift_mcore.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"--to_peft: visual\.blocks\.0\.attn\.qkv "
+                                            r"\(the vision tower's\) has an adapter"):
+        H.convert(checkpoint, tmp_path / "peft", "to_peft")
+    assert not (tmp_path / "peft" / "adapter_model.safetensors").exists()
     source, exported = H.safetensors_state(str(vl_folder)), H.safetensors_state(
         str(tmp_path / "hf"))
     changed = {n for n, t in source.items() if not torch.equal(exported[n], t)}
