@@ -356,7 +356,9 @@ class RunArguments:
             ("freeze_vit", t.freeze_vit, True), ("freeze_aligner", t.freeze_aligner, True),
             ("freeze_llm", t.freeze_llm, False),
             ("max_pixels", getattr(s, "max_pixels", None), None),
-            ("min_pixels", getattr(s, "min_pixels", None), None)) if value != default]
+            ("min_pixels", getattr(s, "min_pixels", None), None),
+            ("vit_lr", self.training.vit_lr, None),
+            ("aligner_lr", self.training.aligner_lr, None)) if value != default]
         if freeze and not given:
             raise ArgumentError(f"{freeze[0]} is a flag of vision-language models; this is "
                                 f"a text model (give a Qwen2.5-VL --model folder)")
@@ -371,14 +373,22 @@ class RunArguments:
         if s is not None and s.max_pixels and s.min_pixels and s.min_pixels > s.max_pixels:
             raise ArgumentError(f"--min_pixels {s.min_pixels} is above --max_pixels "
                                 f"{s.max_pixels}")
-        freeze = [f for f in freeze if f.startswith("--freeze")]
-        if freeze and t.tuner_type == "lora":
-            raise ArgumentError(f"{freeze[0]} with --tuner_type lora: the adapters train and "
-                                f"every base weight, the vision tower's too, stays frozen; "
-                                f"the freeze flags choose the parts of full finetuning")
-        if t.tuner_type == "full" and t.freeze_vit and t.freeze_aligner and t.freeze_llm:
+        for flag_name, lr, frozen, part in (
+                ("--vit_lr", self.training.vit_lr, t.freeze_vit, "--freeze_vit"),
+                ("--aligner_lr", self.training.aligner_lr, t.freeze_aligner,
+                 "--freeze_aligner")):
+            if lr is not None and (frozen or t.tuner_type != "full"):
+                raise ArgumentError(f"{flag_name} {lr}: that part does not train here (it "
+                                    f"needs --tuner_type full and {part} false)")
+        if t.freeze_vit and t.freeze_aligner and t.freeze_llm:
             raise ArgumentError("--freeze_vit, --freeze_aligner and --freeze_llm together "
-                                "leave nothing to train")
+                                "leave nothing to train (with --tuner_type lora: nothing to "
+                                "put adapters on)")
+        if t.tuner_type == "lora" and t.freeze_llm and (t.target_regex or t.adapters):
+            raise ArgumentError(f"--freeze_llm True with "
+                                f"{'--target_regex' if t.target_regex else '--adapters'}: "
+                                f"those choose the language model's adapters, which "
+                                f"--freeze_llm leaves out")
         if len(given) < 3:
             raise ArgumentError(f"{' and '.join(given)}: a vision-language model needs "
                                 f"--position_embedding_type mrope, --mrope_section and "

@@ -62,16 +62,18 @@ class TunerArguments:
         "rslora and the targets come from adapter_config.json (docs/lora.md).")
 
     # ms-swift's names and defaults: a vision-language model's full finetuning trains the
-    # language model; the vision tower and its merger (the aligner) only when asked.
+    # language model; the vision tower and its merger (the aligner) only when asked. With
+    # --tuner_type lora the same flags choose the parts whose linear layers get adapters.
     freeze_vit: bool = flag(
-        True, "Vision-language models, full finetuning: keep the vision tower's blocks and "
-        "patch embedding as they are (docs/multimodal.md).")
+        True, "Vision-language models: keep the vision tower's blocks and patch embedding as "
+        "they are (full finetuning), or put no adapters on its linear layers (--tuner_type "
+        "lora) (docs/multimodal.md).")
     freeze_aligner: bool = flag(
-        True, "Vision-language models, full finetuning: keep the merger that projects the "
-        "vision features into the language model as it is.")
+        True, "Vision-language models: keep the merger that projects the vision features "
+        "into the language model as it is (full), or put no adapters on it (lora).")
     freeze_llm: bool = flag(
-        False, "Vision-language models, full finetuning: keep the language model (embedding, "
-        "layers, output layer) as it is.")
+        False, "Vision-language models: keep the language model (embedding, layers, output "
+        "layer) as it is (full), or put no adapters on it (lora).")
 
     def check(self, explicit) -> None:
         """The tuner flags alone; which layers a regex matches is resolve's to check."""

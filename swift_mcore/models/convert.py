@@ -58,10 +58,13 @@ _ROW_PARALLEL = {
 FLAT_DELTA_NET = ("qwen3_5", "qwen3_5_moe")
 # the HF expert spelling of each family (Experts.names); the rest are Qwen's
 _EXPERT_NAMES = {"mixtral": "mixtral", "deepseek_v3": "deepseek", "glm4_moe": "deepseek",
-                 "gpt_oss": "gpt_oss"}
+                 "gpt_oss": "gpt_oss", "qwen3_vl_moe": "stacked"}
+# the spellings whose experts are whole-layer tensors (Experts.fused_*)
+FUSED_NAMES = ("gpt_oss", "stacked")
 # gpt-oss: each layer's experts in four fused tensors [experts, ...]; gate_up_proj is
 # [hidden, 2 * ffn] per expert (the input side first) with gate and up interleaved by
-# column (gate the even ones), down_proj [ffn, hidden]
+# column (gate the even ones), down_proj [ffn, hidden]. Qwen3-VL-MoE ("stacked"): the first
+# and third only, without biases, gate_up_proj's columns the gate's then the up's
 _FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
                   "mlp.experts.down_proj", "mlp.experts.down_proj_bias")
 _SINKS = ("self_attention.core_attention.softmax_offset", "self_attn.sinks")
@@ -109,8 +112,10 @@ class Experts:
     expert_bias: bool = False    # the router's expert bias (DeepSeek-V3's correction bias)
 
     def fused_shapes(self, hidden: int) -> List[Tuple[str, Tuple[int, ...]]]:
-        """gpt-oss's fused expert tensors of one layer with their shapes."""
+        """gpt-oss's (Qwen3-VL-MoE's) fused expert tensors of one layer with their shapes."""
         e, f = self.count, self.ffn
+        if self.names == "stacked":
+            return [(_FUSED_EXPERTS[0], (e, hidden, 2 * f)), (_FUSED_EXPERTS[2], (e, f, hidden))]
         return list(zip(_FUSED_EXPERTS, [(e, hidden, 2 * f), (e, 2 * f), (e, f, hidden),
                                          (e, hidden)]))
 
@@ -119,7 +124,12 @@ class Experts:
         per = []
         for e in range(self.count):
             expert = f"{layer}mlp.experts.local_experts.{e}."
-            if suffix.startswith("mlp.experts.gate_up_proj"):
+            if self.names == "stacked":  # the Hub's layout: fc1 and fc2 transposed
+                fc = "linear_fc1" if suffix == _FUSED_EXPERTS[0] else "linear_fc2"
+                weight = get(expert + fc + ".weight")
+                # a square one in memory's layout, which transformers reads it as
+                per.append(weight if weight.shape[0] == weight.shape[1] else weight.t())
+            elif suffix.startswith("mlp.experts.gate_up_proj"):
                 kind = "bias" if suffix.endswith("_bias") else "weight"
                 gate, up = get(expert + f"linear_fc1.{kind}").chunk(2, dim=0)
                 # [gate; up] rows -> columns interleaved gate, up, gate, ... (weights
@@ -138,6 +148,20 @@ class Experts:
         'linear_fc1.weight'), this TP rank's part, read from the fused tensors."""
         rows = slice(expert, expert + 1)
         part = _part(self.ffn, tp_rank, tp_size)
+        if self.names == "stacked":
+            # the Hub's files hold [hidden, 2 * ffn] and [ffn, hidden] per expert, those
+            # transformers writes [2 * ffn, hidden] and [hidden, ffn] (its layout in memory);
+            # either is read, the shape telling which as transformers' own loading does (a
+            # square one is in memory's layout)
+            if suffix == "linear_fc1.weight":
+                fused = read(prefix + _FUSED_EXPERTS[0], rows=rows)[0]
+                if fused.shape[0] != 2 * self.ffn:
+                    fused = fused.t()
+                return torch.cat([fused[: self.ffn][part], fused[self.ffn:][part]], dim=0)
+            down = read(prefix + _FUSED_EXPERTS[2], rows=rows)[0]
+            if down.shape[1] != self.ffn:
+                down = down.t()
+            return down[:, part]
         if suffix.startswith("linear_fc1."):
             name = "mlp.experts.gate_up_proj" + ("_bias" if suffix.endswith("bias") else "")
             fused = read(prefix + name, rows=rows)[0]
@@ -154,6 +178,8 @@ class Experts:
         if self.names == "gpt_oss":  # the experts: fused_to_hf / fused_to_mcore
             return {"mlp.router.weight": "mlp.router.weight",
                     "mlp.router.bias": "mlp.router.bias"}
+        if self.names == "stacked":
+            return {"mlp.router.weight": "mlp.gate.weight"}
         if self.names == "mixtral":
             out["mlp.router.weight"] = "block_sparse_moe.gate.weight"
             for e in range(self.count):
@@ -208,6 +234,9 @@ class Layout:
     # a vision-language model's tower (models/vision.py): (HF name, shape) of each tensor,
     # named alike in the files and the model, copied as they are
     vision: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
+    # the files name the language model model.language_model.* and the tower model.visual.*
+    # (Qwen3-VL's); the names below are the flat ones (model.*, visual.*) either way
+    nested: bool = False
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -238,7 +267,8 @@ class Layout:
                    linear=tuple(linear_attention_pattern(m)),
                    output_gate=bool(m.attention_output_gate),
                    score=getattr(m, "num_labels", None) or 0,
-                   vision=_vision_tensors(m))
+                   vision=_vision_tensors(m),
+                   nested=bool(getattr(m, "vision_config", None)) and _nested(m.model_type))
 
     def same(self) -> dict:
         """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
@@ -273,7 +303,7 @@ class Layout:
                     shapes += [(name, (ffn, h)) for name in hf]
                 else:
                     shapes.append((hf, (h, ffn)))
-        if x.names == "gpt_oss":
+        if x.names in FUSED_NAMES:
             shapes += x.fused_shapes(h)
         return shapes
 
@@ -294,7 +324,8 @@ class Layout:
             out.append(("score.weight", (self.score, h)))
         elif not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
-        return out + list(self.vision) + (self.mtp_hf_tensors() if mtp_layers else [])
+        out = out + list(self.vision) + (self.mtp_hf_tensors() if mtp_layers else [])
+        return [(nested_name(n), shape) for n, shape in out] if self.nested else out
 
     def mtp_hf_tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """The tensors of the MTP layers (model.layers.<num_layers + k>.*)."""
@@ -343,6 +374,8 @@ class Layout:
 
     def to_hf(self, hf_name: str, get: Get) -> torch.Tensor:
         """One HF tensor from full megatron tensors (``get(name)``, TP=1 layout)."""
+        if self.nested:
+            hf_name = flat_name(hf_name)
         if self.vision and hf_name.startswith(_VISION):
             return get(hf_name)
         if hf_name == "model.embed_tokens.weight":
@@ -373,7 +406,7 @@ class Layout:
         for mc, hf in {**self.same(), **_ROW_PARALLEL, **self._attention_extras()}.items():
             if suffix == hf:
                 return get(layer + mc)
-        if suffix in _FUSED_EXPERTS and self.is_moe(i) and self.experts.names == "gpt_oss":
+        if suffix in _FUSED_EXPERTS and self.is_moe(i) and self.experts.names in FUSED_NAMES:
             return self.experts.fused_to_hf(suffix, layer, get)
         qkv = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", suffix)
         if qkv:
@@ -417,6 +450,8 @@ class Layout:
         With expert parallelism local expert j of EP rank r is global expert
         r * experts / ep_size + j."""
         name = canonical(name)
+        if self.nested:
+            read = _reading_nested(read)
         if self.vision and name.startswith(_VISION):  # replicated over TP
             return read(name)
         if name == "embedding.word_embeddings.weight":
@@ -478,7 +513,7 @@ class Layout:
         if local:
             suffix = (f"mlp.experts.local_experts."
                       f"{ep_rank * (x.count // ep_size) + int(local.group(1))}.{local.group(2)}")
-        if local and x.names == "gpt_oss":
+        if local and x.names in FUSED_NAMES:
             expert, rest = suffix.split(".")[3], local.group(2)
             return x.fused_to_mcore(int(expert), rest, prefix, read, tp_rank, tp_size)
         hf = x.hf_names(layer).get(suffix)
@@ -533,6 +568,39 @@ class Layout:
 
 
 _VISION = "visual."
+_NESTED_LM, _NESTED_VISION = "model.language_model.", "model.visual."
+
+
+def _nested(model_type) -> bool:
+    from .vision import NESTED_NAMES
+
+    return model_type in NESTED_NAMES
+
+
+def nested_name(name: str) -> str:
+    """A flat HF name (model.*, visual.*) as a nested folder's files spell it."""
+    if name.startswith((_NESTED_LM, _NESTED_VISION)):
+        return name
+    if name.startswith(_VISION):
+        return "model." + name
+    if name.startswith("model."):
+        return _NESTED_LM + name[len("model."):]
+    return name
+
+
+def flat_name(name: str) -> str:
+    """The flat HF name of a nested folder's tensor name (the inverse of nested_name)."""
+    if name.startswith(_NESTED_VISION):
+        return name[len("model."):]
+    if name.startswith(_NESTED_LM):
+        return "model." + name[len(_NESTED_LM):]
+    return name
+
+
+def _reading_nested(read: Read) -> Read:
+    def nested_read(name, *args, **kwargs):
+        return read(nested_name(name), *args, **kwargs)
+    return nested_read
 
 
 def _vision_tensors(m) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:

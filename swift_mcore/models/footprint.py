@@ -119,6 +119,12 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
         sizes = {"linear_qkv": h + qkv_out, "linear_proj": heads * kv + h,
                  "linear_fc1": h + ffn * gated, "linear_fc2": ffn + h}
         counts["LoRA adapters"] = layers * tuner.lora_rank * sum(sizes[k] for k in kinds)
+        if getattr(m, "vision_config", None):
+            from .vision import VisionLanguage, lora_parameters
+
+            if tuner.freeze_llm:  # the tower's adapters alone
+                counts["LoRA adapters"] = 0
+            counts["LoRA adapters"] += lora_parameters(VisionLanguage.from_model_args(m), tuner)
     return counts
 
 

@@ -57,7 +57,11 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
                 model = AutoModelForImageTextToText.from_config(hf_config)
             else:
                 model = head.from_config(hf_config)
-    shapes = {_file_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    from .vision import NESTED_NAMES
+
+    nested = raw.get("model_type") in NESTED_NAMES  # the files use the names in memory
+    shapes = {(k if nested else _file_name(k)): tuple(v.shape)
+              for k, v in model.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes
@@ -71,6 +75,9 @@ def _file_name(name: str) -> str:
     if name.startswith("model.visual."):
         return name[len("model."):]
     return name
+
+
+STACKED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
 def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
@@ -108,9 +115,13 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                  if not any(name.startswith(f"model.layers.{i}.")
                             for i in range(first, first + held))}
     problems: List[str] = []
+    stacked = layout.experts is not None and layout.experts.names == "stacked"
     for name, shape in expected.items():
         if name not in found:
             problems.append(f"{name}: missing from the weights")
+        elif stacked and name.endswith(STACKED_EXPERTS) and len(shape) == 3 \
+                and found[name][0] == (shape[0], shape[2], shape[1]):
+            continue  # transformers' own layout of the experts (Experts.fused_to_mcore)
         elif found[name][0] != shape:
             problems.append(f"{os.path.basename(found[name][1])}: {name} has shape "
                             f"{list(found[name][0])}, config.json implies {list(shape)}")

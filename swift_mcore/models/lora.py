@@ -200,6 +200,9 @@ def apply(config, chunks) -> list:
     imported = config.lora_import  # --adapters: per-layer ranks of the fused parts
     wanted = (set(imported.parts()) if imported is not None
               else set(select_targets(t, config.model)))
+    vision = bool(config.model.vision_config)
+    if vision and t.freeze_llm:  # adapters on the vision tower alone (models/vision.py)
+        wanted = set()
     for chunk in chunks:
         chunk.swift_mcore_lora = True  # also a pipeline stage without adapters: base frozen
         offset = layer_offset(chunk)
@@ -214,6 +217,12 @@ def apply(config, chunks) -> list:
         _check_all_found(chunk, offset, wanted, set(full.values()), config)
         for param in chunk.parameters():
             param.requires_grad_(False)
+        tower = []
+        if vision:
+            from .vision import lora_targets
+
+            tower = lora_targets(chunk, t)  # torch Linears: peft's own LoRA layer
+        local += tower
         if local:  # a pipeline stage may hold none of the chosen layers
             patterns = {}
             if imported is not None:  # exact names: peft matches the keys as regexes
@@ -234,6 +243,9 @@ def apply(config, chunks) -> list:
                                      and chunk.config.gated_linear_unit)
                 module.init_adapter(config.training.seed * 1000003
                                     + zlib.crc32(full[name].encode()))
+            elif name in tower:
+                _init_torch_adapter(module, config.training.seed * 1000003
+                                    + zlib.crc32(name.encode()))
         if imported is not None:
             load_imported(config, chunk, offset)
         for name in t.modules_to_save:
@@ -251,6 +263,25 @@ def apply(config, chunks) -> list:
             # recomputed layer would train (the case HF's enable_input_require_grads is for).
             embedding.register_forward_hook(_output_requires_grad)
     return chunks
+
+
+@torch.no_grad()
+def _init_torch_adapter(module, seed: int) -> None:
+    """peft's LoRA layer of a torch Linear (the vision tower's) initialised as
+    LoraParallelLinear.init_adapter does: A Kaiming-uniform from its own generator, B = 0."""
+    import math
+
+    for name in module.lora_A:
+        nn.init.kaiming_uniform_(module.lora_A[name].weight, a=math.sqrt(5),
+                                 generator=torch.Generator().manual_seed(seed))
+        module.lora_B[name].weight.zero_()
+
+
+def _is_torch_lora(module) -> bool:
+    """peft's own LoRA layer around a torch Linear (the vision tower's adapters)."""
+    from peft.tuners.lora import Linear
+
+    return isinstance(module, Linear)
 
 
 def global_module_name(local: str, offset: int, config) -> str:
@@ -370,7 +401,7 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     from .lora_layer import LoraParallelLinear
 
     for name, module in list(model.named_modules()):
-        if isinstance(module, LoraParallelLinear):
+        if isinstance(module, LoraParallelLinear) or _is_torch_lora(module):
             module.merge()
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child,
@@ -443,15 +474,20 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     ranks: Dict[str, Tuple[int, float]] = {}  # HF module -> (rank, alpha)
     experts: Dict[Tuple[int, str], set] = {}  # (layer, fc) -> the adapted experts
     for name, module in model.named_modules():
+        if _is_torch_lora(module):
+            raise ArgumentError(f"--to_peft: {name} (the vision tower's) has an adapter; "
+                                f"the adapter format here holds the language model's only: "
+                                f"export the merged model with --to_hf --merge_lora")
         if not isinstance(module, LoraParallelLinear):
             continue
         match = _LINEAR.match(name)
         layer, suffix = int(match.group(1)), match.group(2)
         expert = _EXPERT.match(suffix)
-        if expert and layout.experts.names == "gpt_oss":
+        if expert and layout.experts.names in ("gpt_oss", "stacked"):
+            which = "gpt-oss" if layout.experts.names == "gpt_oss" else "Qwen3-VL-MoE"
             raise ArgumentError(
-                f"--to_peft: {name} (a gpt-oss expert) has an adapter; peft's LoRA on "
-                f"gpt-oss's fused expert tensors is not written yet: export the merged model "
+                f"--to_peft: {name} (a {which} expert) has an adapter; peft's LoRA on "
+                f"{which}'s fused expert tensors is not written yet: export the merged model "
                 f"with --to_hf --merge_lora, or adapt the attention only (--target_modules "
                 f"linear_qkv linear_proj)")
         parts = _hf_parts(layout, layer, suffix)

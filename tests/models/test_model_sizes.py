@@ -20,6 +20,9 @@ from swift_mcore.arguments import RunArguments
 # a tiny Qwen2.5-VL vision tower (2 blocks of 32 channels, merged into hidden 64)
 VL_TOWER = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
                 patch_size=4, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+VL3_TOWER = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                 patch_size=4, spatial_merge_size=2, num_position_embeddings=16,
+                 deepstack_visual_indexes=[0])
 LIMIT = 4_000_000_000  # bytes of address space a refused command may take (torch: ~1.5 GB)
 
 
@@ -218,6 +221,23 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         dict(model_type="qwen2_5_vl", add_qkv_bias=True, position_embedding_type="mrope",
              mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
                                                                 "vision_config": VL_TOWER})),
+        # Qwen3-VL: the tower with its deepstack merger, Qwen3's q/k norms
+        dict(model_type="qwen3_vl", qk_layernorm=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL3_TOWER})),
+        dict(model_type="qwen3_vl_moe", qk_layernorm=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL3_TOWER}),
+             num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2),
+        # LoRA on the tower's and mergers' linear layers too; on the tower's alone
+        dict(model_type="qwen3_vl", qk_layernorm=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL3_TOWER}),
+             tuner_type="lora", freeze_vit=False, freeze_aligner=False),
+        dict(model_type="qwen2_5_vl", add_qkv_bias=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL_TOWER}),
+             tuner_type="lora", freeze_vit=False, freeze_llm=True),
     ]
     from megatron.core import tensor_parallel
 
