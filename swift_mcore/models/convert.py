@@ -454,13 +454,11 @@ class Layout:
             read = _reading_nested(read)
         if self.vision and name.startswith(_VISION):  # replicated over TP
             return read(name)
-        if name == "embedding.word_embeddings.weight":
-            return self._vocab_rows("model.embed_tokens.weight", read, tp_rank, tp_size)
-        if name == "output_layer.weight" and self.score:
+        vocab = self.vocab_source(name, tp_rank, tp_size)
+        if vocab is not None:
+            return self._vocab_rows(vocab, read, tp_rank, tp_size)
+        if name == "output_layer.weight":  # a reward model's score head
             return read("score.weight")  # whole on every rank (models/value_head.py)
-        if name == "output_layer.weight":
-            source = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
-            return self._vocab_rows(source, read, tp_rank, tp_size)
         if name == "decoder.final_layernorm.weight":
             return read("model.norm.weight")
         match = _LAYER.match(name)
@@ -552,12 +550,28 @@ class Layout:
                            v.reshape(local, hd, *tail)], dim=1)
         return fused.reshape(-1, *tail)
 
-    def _vocab_rows(self, hf_name: str, read: Read, tp_rank: int, tp_size: int):
-        """This rank's rows of the (padded) vocabulary; padding rows are zero."""
+    def vocab_source(self, name: str, tp_rank: int = 0, tp_size: int = 1
+                     ) -> Optional[Tuple[str, int, int]]:
+        """For the embedding and the LM head: the HF tensor that rank ``tp_rank``'s rows of
+        the padded vocabulary come from, and which of its rows (start, stop); the rank's
+        rows past ``stop`` are padding. None for any other parameter."""
+        name = canonical(name)
+        if name == "embedding.word_embeddings.weight":
+            hf_name = "model.embed_tokens.weight"
+        elif name == "output_layer.weight" and not self.score:
+            hf_name = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
+        else:
+            return None
         per = self.padded_vocab // tp_size
-        start, stop = tp_rank * per, (tp_rank + 1) * per
-        real = read(hf_name, rows=slice(start, min(stop, self.vocab))) if start < self.vocab \
-            else None
+        start = tp_rank * per
+        return hf_name, start, max(start, min(start + per, self.vocab))
+
+    def _vocab_rows(self, source: Tuple[str, int, int], read: Read, tp_rank: int,
+                    tp_size: int) -> torch.Tensor:
+        """This rank's rows of the (padded) vocabulary; padding rows are zero."""
+        hf_name, start, stop = source
+        per = self.padded_vocab // tp_size
+        real = read(hf_name, rows=slice(start, stop)) if stop > start else None
         if real is not None and real.shape[0] == per:
             return real
         out = torch.zeros(per, self.hidden, dtype=real.dtype if real is not None else

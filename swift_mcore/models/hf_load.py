@@ -19,7 +19,7 @@ import torch
 from .finite import nonfinite
 from .value_head import is_score_config
 from ..errors import ArgumentError
-from ..runtime import collectives
+from ..runtime import collectives, cpu
 from . import mtp
 from .convert import Layout, global_name, layer_offset
 from .hf_folder import IGNORABLE_SUFFIXES, HFFolder
@@ -138,6 +138,31 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                             f"{folder.config_path}:\n" + "\n".join(f"  {p}" for p in shown))
 
 
+# The embedding and the LM head are a model's largest tensors (DeepSeek-V3's: 1.8 GB each in
+# bf16); read whole, each would sit in memory once more beside its parameter.
+VOCAB_CHUNK_BYTES = 8 * 2**20
+# The buffers a tensor is read through are freed, but glibc keeps their pages resident: they
+# are handed back (runtime/cpu's after_weights_read) every this many bytes loaded.
+RELEASE_BYTES = 64 * 2**20
+
+
+def copy_vocab_rows(param, source, read) -> None:
+    """Fill a vocabulary parameter (this rank's rows of the padded vocabulary) from the HF
+    tensor named in ``source`` (name, start, stop: Layout.vocab_source) a few rows at a
+    time; the rows past the vocabulary are zero."""
+    hf_name, start, stop = source
+    rows = param.data
+    step = max(1, VOCAB_CHUNK_BYTES // max(1, rows[0].numel() * rows.element_size()))
+    for first in range(start, stop, step):
+        last = min(first + step, stop)
+        piece = read(hf_name, rows=slice(first, last))
+        if tuple(piece.shape) != (last - first, rows.shape[1]):
+            raise AssertionError(f"{hf_name}: rows {first}:{last} read as {list(piece.shape)}, "
+                                 f"model rows of width {rows.shape[1]}")
+        rows[first - start:last - start].copy_(piece)
+    rows[stop - start:].zero_()
+
+
 def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) -> int:
     """Copy --model's weights into this rank's chunks (DDP-wrapped or not). Every parameter
     must be filled. Returns the number of parameters this rank loaded."""
@@ -164,7 +189,7 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
-    loaded, problems = 0, []
+    loaded, problems, unreleased = 0, [], 0
     with folder.reader() as reader, torch.no_grad():
         from . import mxfp4
 
@@ -197,12 +222,22 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
                 name = global_name(local, offset)
                 if fresh_head and name == "output_layer.weight":
                     continue
+                vocab = layout.vocab_source(name, tp_rank, tp_size)
+                if vocab is not None:
+                    copy_vocab_rows(param, vocab, read)
+                    loaded += param.numel()
+                    cpu.after_weights_read(config)
+                    continue
                 value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size)
                 if tuple(value.shape) != tuple(param.shape):
                     raise AssertionError(f"{name}: converted shape {list(value.shape)}, "
                                          f"model shape {list(param.shape)}")
                 param.data.copy_(value)
                 loaded += param.numel()
+                unreleased += param.numel() * param.element_size()
+                if unreleased >= RELEASE_BYTES:
+                    cpu.after_weights_read(config)
+                    unreleased = 0
         if layout.mtp_layers:  # the folder's MTP copies of the embedding and output layer
             mtp.check_copies(layout, reader.read, f"--model {folder.path}")
     collectives.raise_if_any(problems[0] if problems else None)

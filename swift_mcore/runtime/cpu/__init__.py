@@ -18,6 +18,8 @@ The order a run calls them in:
 * ``wrap_forward_step(forward_step, config)``: the trainer's forward step per micro-batch.
 * ``context_parallel_attention(config)``: the layer spec's core attention under
   --context_parallel_size (models/gpt.py).
+* ``after_weights_read(config)``: once a Hugging Face folder's weights are in the model
+  (models/hf_load.py).
 
 A new CPU adaptation (another megatron module, kernel or collective) is a module here,
 installed by ``install`` or one of the others; the general code does not change.
@@ -112,3 +114,15 @@ def wrap_forward_step(forward_step: Callable, config) -> Callable:
     from .host_memory import trimming
 
     return trimming(forward_step)
+
+
+def after_weights_read(config) -> bool:
+    """Without CUDA the model's weights sit on the host heap among the freed buffers they
+    were read through, whose pages glibc keeps resident (a conversion's peak memory is set
+    after the read: benchmarks/README.md, "Conversion memory"); those pages are handed back
+    (host_memory.py). True if any were."""
+    if config.cuda:
+        return False
+    from .host_memory import release_free_heap
+
+    return release_free_heap()
