@@ -552,9 +552,9 @@ class Layout:
 
     def vocab_source(self, name: str, tp_rank: int = 0, tp_size: int = 1
                      ) -> Optional[Tuple[str, int, int]]:
-        """For the embedding and the LM head: the HF tensor that rank ``tp_rank``'s rows of
-        the padded vocabulary come from, and which of its rows (start, stop); the rank's
-        rows past ``stop`` are padding. None for any other parameter."""
+        """For the embedding and the LM head: the HF tensor (as the files name it) that rank
+        ``tp_rank``'s rows of the padded vocabulary come from, and which of its rows (start,
+        stop); the rank's rows past ``stop`` are padding. None for any other parameter."""
         name = canonical(name)
         if name == "embedding.word_embeddings.weight":
             hf_name = "model.embed_tokens.weight"
@@ -564,6 +564,8 @@ class Layout:
             return None
         per = self.padded_vocab // tp_size
         start = tp_rank * per
+        if self.nested:  # the name the files use
+            hf_name = nested_name(hf_name)
         return hf_name, start, max(start, min(start + per, self.vocab))
 
     def _vocab_rows(self, source: Tuple[str, int, int], read: Read, tp_rank: int,
