@@ -253,6 +253,14 @@ def layer_spec(config, moe: bool = False):
         # CUDA and without CP, where run_config allows only TE's there)
         spec.submodules.self_attention.submodules.core_attention = (
             cpu.context_parallel_attention(config) or SdpaAttention)
+    if moe:
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        from ..runtime import cpu
+
+        routed = spec.submodules.mlp.submodules.experts
+        if routed.module is SequentialMLP:  # without CUDA: all experts in one function
+            routed.module = cpu.expert_module(config) or SequentialMLP
     if swiglu_module(config):
         from .swiglu import SwiGLU
 
