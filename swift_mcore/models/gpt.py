@@ -253,14 +253,6 @@ def layer_spec(config, moe: bool = False):
         # CUDA and without CP, where run_config allows only TE's there)
         spec.submodules.self_attention.submodules.core_attention = (
             cpu.context_parallel_attention(config) or SdpaAttention)
-    if moe:
-        from megatron.core.transformer.moe.experts import SequentialMLP
-
-        from ..runtime import cpu
-
-        routed = spec.submodules.mlp.submodules.experts
-        if routed.module is SequentialMLP:  # without CUDA: all experts in one function
-            routed.module = cpu.expert_module(config) or SequentialMLP
     if swiglu_module(config):
         from .swiglu import SwiGLU
 
@@ -273,6 +265,16 @@ def layer_spec(config, moe: bool = False):
         for slot in ([mlp.experts.submodules, mlp.shared_experts.submodules] if moe
                      else [mlp]):
             slot.activation_func = SwiGLU
+        if moe:
+            from megatron.core.transformer.moe.experts import SequentialMLP
+
+            from ..runtime import cpu
+
+            grouped = cpu.expert_module(config)
+            if grouped is not None and mlp.experts.module is SequentialMLP:
+                # without CUDA: every routed expert's SwiGLU MLP in one autograd function
+                mlp.experts.module = grouped
+                mlp.experts.params = {**mlp.experts.params, "swiglu": SwiGLU}
     if m.model_type == "gemma3":
         from . import gemma3_layers
 

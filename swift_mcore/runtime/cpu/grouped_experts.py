@@ -15,11 +15,12 @@ own backward, with the kernels megatron's linears use on this CPU (oneDNN or MKL
 ``main_grad`` as megatron's fused accumulation does. It keeps the fc1 output for the
 backward pass and recomputes the activation, as models/swiglu.py does.
 
-Only where SequentialMLP's forward would be plain: fp32, the local spec's SwiGLU
-(models/swiglu.py) without bias, clamp or fp8, the experts' linears megatron's own (not a
-LoRA layer), expert tensor parallelism 1 and no deferred weight gradients. Anything else
-runs SequentialMLP's forward unchanged. tests/test_grouped_experts.py holds it
-equal to SequentialMLP, forward and backward, main_grad included.
+Only where SequentialMLP's forward would be plain: fp32, the local spec's SwiGLU (the
+class models/gpt.py hands in, models/swiglu.py) without bias, clamp or fp8, the experts'
+linears megatron's own (not a LoRA layer), expert tensor parallelism 1 and no deferred
+weight gradients. Anything else runs SequentialMLP's forward unchanged.
+tests/test_grouped_experts.py holds it equal to SequentialMLP, forward and backward,
+main_grad included.
 """
 
 from __future__ import annotations
@@ -145,7 +146,15 @@ class _GroupedExpertsFunction(torch.autograd.Function):
 
 class GroupedExperts(SequentialMLP):
     """megatron's SequentialMLP (same submodules, parameters and sharded state dict) whose
-    forward runs all local experts in one autograd function where it can."""
+    forward runs all local experts in one autograd function where it can. ``swiglu``: the
+    activation module class that computes silu(gate) * up on the fc1 output (the models'
+    SwiGLU; this folder does not import models); experts with another run SequentialMLP's
+    forward."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None,
+                 swiglu=None):
+        super().__init__(num_local_experts, config, submodules, pg_collection)
+        self.swiglu = swiglu
 
     def _grouped(self, hidden: torch.Tensor, probs: torch.Tensor) -> bool:
         c = self.config
@@ -154,13 +163,12 @@ class GroupedExperts(SequentialMLP):
                 or hidden.dtype != torch.float32 or probs.dtype != torch.float32
                 or hidden.device.type != "cpu" or hidden.dim() != 2):
             return False
-        from ...models.swiglu import SwiGLU
-
+        if self.swiglu is None or not c.use_te_activation_func:
+            return False
         for expert in self.local_experts:
             if (type(expert.linear_fc1) is not ColumnParallelLinear
                     or type(expert.linear_fc2) is not RowParallelLinear
-                    or not isinstance(expert.activation_func, SwiGLU)
-                    or not c.use_te_activation_func):
+                    or type(expert.activation_func) is not self.swiglu):
                 return False
         return True
 
