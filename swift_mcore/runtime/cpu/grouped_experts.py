@@ -2,18 +2,19 @@
 
 megatron-core 0.16.1 runs the experts of its local layer spec as ``SequentialMLP``
 (moe/experts.py:820): one megatron ``MLP`` module per expert, each a fc1 linear, the
-activation, the routing-weight product and a fc2 linear, every one an autograd node. On a
-GPU that is launch latency; on the CPU it is operator and autograd bookkeeping: at
-benchmarks/moe_throughput.py's shape (8 experts, top-2) the MoE step ran about three times
-the operators of the dense step with the same active parameters, for the same GEMM work.
-torch 2.13's ``torch._grouped_mm`` runs on the CPU but loops over plain matmuls, slower than
-the same loop in Python; so ``GroupedExperts`` keeps SequentialMLP's modules and parameters
-(the same names, layout and checkpoints) and replaces only its forward: one
-``torch.autograd.Function`` runs every expert's GEMMs and SwiGLU back to back and writes its
-own backward, with the kernels megatron's linears use on this CPU (oneDNN or MKL, as
---cpu_matmul chose: onednn_linear.py) and the weight gradients added into DDP's
-``main_grad`` as megatron's fused accumulation does. It keeps the fc1 output for the
-backward pass and recomputes the activation, as models/swiglu.py does.
+activation, the routing-weight product and a fc2 linear, every one an autograd node, the
+linears on oneDNN where --cpu_matmul chose it (onednn_linear.py). An expert's row count
+changes every micro-batch, and oneDNN builds a primitive for each new shape: in a
+``swift-mcore pt`` run (benchmarks/moe_throughput.py's shape) the experts' products took
+about 3.7 times the CPU time of the dense MLP's with the same FLOPs. torch 2.13's
+``torch._grouped_mm`` runs on the CPU but loops over plain matmuls, slower than the same
+loop here. So ``GroupedExperts`` keeps SequentialMLP's modules and parameters (the same
+names, layout and checkpoints) and replaces only its forward: one
+``torch.autograd.Function`` runs every expert's products on MKL (no per-shape setup) and
+its SwiGLU back to back, writing into one output, and has its own backward, the weight
+gradients added into DDP's ``main_grad`` as megatron's fused accumulation does. It keeps
+the fc1 output for the backward pass and recomputes the activation, as models/swiglu.py
+does.
 
 Only where SequentialMLP's forward would be plain: fp32, the local spec's SwiGLU (the
 class models/gpt.py hands in, models/swiglu.py) without bias, clamp or fp8, the experts'
@@ -32,14 +33,13 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from . import onednn_linear
 
-
-def _product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows @ weight.T on the GEMM megatron's linears use here (onednn_linear.py)."""
-    if onednn_linear.enabled():
-        return onednn_linear._onednn(rows, weight)
-    return torch.matmul(rows, weight.t())
+def _product(rows: torch.Tensor, weight: torch.Tensor, out=None) -> torch.Tensor:
+    """rows @ weight.T on MKL whatever --cpu_matmul chose for the other linears: an expert's
+    row count changes every micro-batch, and oneDNN builds (and caches) a primitive per new
+    shape, which at these sizes costs more than the product (onednn_linear.py's linears
+    see one shape per run)."""
+    return torch.mm(rows, weight.t(), out=out)
 
 
 def _weight_gradient(ctx_main_grad, linear, weight, rows, grad_output):
@@ -68,7 +68,8 @@ class _GroupedExpertsFunction(torch.autograd.Function):
     def forward(ctx, hidden, probs, counts: List[int], module, *weights):
         experts = len(counts)
         fc1_weights, fc2_weights = weights[:experts], weights[experts:]
-        fc1_outs, outputs = [], []
+        fc1_outs = []
+        output = hidden.new_empty(hidden.shape[0], fc2_weights[0].shape[0])
         start = 0
         for count, w1, w2 in zip(counts, fc1_weights, fc2_weights):
             stop = start + count
@@ -79,13 +80,11 @@ class _GroupedExpertsFunction(torch.autograd.Function):
                 act = torch.ops.aten.silu.out(
                     gate, out=torch.empty_like(gate, memory_format=torch.contiguous_format))
                 act.mul_(up).mul_(probs[start:stop].unsqueeze(-1))
-                outputs.append(_product(act, w2))
+                _product(act, w2, out=output[start:stop])
             else:
                 h = hidden.new_empty(0, w1.shape[0])
             fc1_outs.append(h)
             start = stop
-        output = torch.cat(outputs) if len(outputs) > 1 else (
-            outputs[0] if outputs else hidden.new_empty(0, fc2_weights[0].shape[0]))
         ctx.counts, ctx.module = counts, module
         ctx.main_grads = [getattr(w, "main_grad", None) for w in weights]
         ctx.save_for_backward(hidden, probs, *fc1_outs, *weights)
@@ -138,7 +137,7 @@ class _GroupedExpertsFunction(torch.autograd.Function):
             if want_weights[e]:
                 weight_grads[e] = _weight_gradient(ctx.main_grads[e], expert.linear_fc1, w1,
                                                    hidden[start:stop], g_h)
-            grad_hidden[start:stop] = _product(g_h, w1.t())
+            _product(g_h, w1.t(), out=grad_hidden[start:stop])
             start = stop
         return (grad_hidden, grad_probs if ctx.needs_input_grad[1] else None, None, None,
                 *weight_grads)
