@@ -3,17 +3,18 @@ active parameters, both through `swift-mcore pt`.
 
 The MoE model routes each token to --topk of --experts experts of inner size --expert_ffn
 (megatron's MoE layer: router, alltoall dispatcher, and on CPU its SequentialMLP's experts
-run in one autograd function, runtime/cpu/grouped_experts.py); the dense model's
-MLP has inner size topk x expert_ffn, so both do the same expert matmuls per token (the MoE
+in one autograd function, runtime/cpu/grouped_experts.py); the dense model's MLP has inner
+size topk x expert_ffn, so both do the same expert matmuls per token (the MoE
 adds the router's). Each round runs both in their own process, in an order that alternates;
 per run the tokens/s of the iterations after the first (warm-up). Reported: the median
 per model and the median over rounds of MoE / dense within a round, so drifting load on a
 shared machine hits both alike. Prints one JSON line.
 
---cpu_time adds the CPU seconds per iteration, which a loaded machine disturbs far less than
-wall time: each run's CPU time (its process's rusage) less that of a one-iteration run of
-the same model (start-up and the warm-up iteration), over --iters; MoE / dense as tokens per
-CPU second. Use it with --threads 1 (idle OpenMP threads spin on CPU time).
+--cpu_time adds the CPU seconds of each training iteration (the Trainer's train_step, timed
+with time.process_time inside the run), which a loaded machine disturbs far less than wall
+time: per run the median over the iterations after the first; MoE / dense as tokens per
+CPU second, the median over rounds. Use it with --threads 1 (idle OpenMP threads spin on
+CPU time).
 
   python benchmarks/moe_throughput.py                        # 4 layers, hidden 256, 8 experts top-2
   python benchmarks/moe_throughput.py --cpu_time --threads 1 --iters 8 --rounds 2
@@ -33,13 +34,13 @@ import tempfile
 from bench_common import ROOT  # puts the checkout on sys.path
 
 
-def run(kind: str, args, out: str, iters: int = 0):
-    """One `pt` run of ``iters`` timed iterations after the warm-up one: its tokens/s over
-    the timed iterations (None without any) and the CPU seconds its process used."""
+def run(kind: str, args, out: str):
+    """One `pt` run: its tokens/s over the iterations after the first, and with --cpu_time
+    the median CPU seconds of those iterations (else None)."""
     shape = ["--num_layers", str(args.layers), "--hidden_size", str(args.hidden),
              "--num_attention_heads", "4", "--num_query_groups", "2",
              "--seq_length", str(args.seq), "--micro_batch_size", "2",
-             "--global_batch_size", "4", "--train_iters", str(iters + 1),
+             "--global_batch_size", "4", "--train_iters", str(args.iters + 1),
              "--log_interval", "1", "--eval_steps", "0", "--lr_warmup_iters", "0",
              "--progress_bar", "false", "--tensorboard", "false", "--plot", "false",
              "--no_save", "--attention_backend", "sdpa", "--num_workers", "0"]
@@ -50,23 +51,48 @@ def run(kind: str, args, out: str, iters: int = 0):
     else:
         shape += ["--ffn_hidden_size", str(args.topk * args.expert_ffn)]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(args.threads)}
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-m", "swift_mcore", "pt", *shape,
-                                 "--output_dir", out], stdout=subprocess.DEVNULL,
-                                stderr=err, env=env, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            err.seek(0)
-            raise SystemExit(f"{kind} run failed:\n{err.read().decode()[-3000:]}")
-    cpu = usage.ru_utime + usage.ru_stime
+    cpu_file = f"{out}.cpu.json"
+    launcher = ([os.path.abspath(__file__), "--pt_child", cpu_file] if args.cpu_time
+                else ["-m", "swift_mcore"])
+    proc = subprocess.run([sys.executable, *launcher, "pt", *shape,
+                           "--output_dir", out], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} run failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
         records = [r for r in map(json.loads, fh) if r.get("split") == "train"]
     timed = records[1:]  # the first iteration warms up
-    if not timed:
-        return None, cpu
-    return (sum(r["tokens"] for r in timed)
-            / sum(r["tokens"] / r["tokens_per_s"] for r in timed)), cpu
+    tokens_per_s = (sum(r["tokens"] for r in timed)
+                    / sum(r["tokens"] / r["tokens_per_s"] for r in timed))
+    if not args.cpu_time:
+        return tokens_per_s, None
+    with open(cpu_file, encoding="utf-8") as fh:
+        return tokens_per_s, statistics.median(json.load(fh)[1:])
+
+
+def pt_child(cpu_file: str, argv) -> int:
+    """`swift-mcore pt argv` in this process, the CPU seconds of each train_step written to
+    ``cpu_file`` as a JSON list."""
+    import time
+
+    from swift_mcore import cli
+    from swift_mcore.training import trainer
+
+    seconds = []
+    step = trainer.Trainer.train_step
+
+    def timed_step(self):
+        start = time.process_time()
+        try:
+            return step(self)
+        finally:
+            seconds.append(time.process_time() - start)
+
+    trainer.Trainer.train_step = timed_step
+    code = cli.main(argv)
+    with open(cpu_file, "w", encoding="utf-8") as fh:
+        json.dump(seconds, fh)
+    return code
 
 
 def add_shape_arguments(parser) -> None:
@@ -82,12 +108,14 @@ def add_shape_arguments(parser) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--pt_child"]:
+        raise SystemExit(pt_child(sys.argv[2], sys.argv[3:]))
     parser = argparse.ArgumentParser()
     add_shape_arguments(parser)
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpu_time", action="store_true",
-                        help="also CPU seconds per iteration (see the module docstring)")
+                        help="also the CPU seconds per iteration (module docstring)")
     args = parser.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.expert_ffn, args.seq, args.iters = 2, 64, 32, 32, 2
@@ -97,19 +125,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             order = ("moe", "dense") if round_ % 2 == 0 else ("dense", "moe")
-            measured, per_iter = {}, {}
-            for kind in order:
-                measured[kind], used = run(kind, args, os.path.join(tmp, f"{kind}{round_}"),
-                                           args.iters)
-                if args.cpu_time:
-                    _, start_up = run(kind, args, os.path.join(tmp, f"{kind}{round_}s"))
-                    per_iter[kind] = (used - start_up) / args.iters
-                    cpu[kind].append(per_iter[kind])
-            for kind, value in measured.items():
+            measured = {kind: run(kind, args, os.path.join(tmp, f"{kind}{round_}"))
+                        for kind in order}
+            for kind, (value, seconds) in measured.items():
                 results[kind].append(value)
-            ratios.append(measured["moe"] / measured["dense"])
+                cpu[kind].append(seconds)
+            ratios.append(measured["moe"][0] / measured["dense"][0])
             if args.cpu_time:
-                cpu_ratios.append(per_iter["dense"] / per_iter["moe"])
+                cpu_ratios.append(measured["dense"][1] / measured["moe"][1])
     report = {
         "shape": {"layers": args.layers, "hidden": args.hidden, "experts": args.experts,
                   "topk": args.topk, "expert_ffn": args.expert_ffn, "seq": args.seq},
@@ -120,8 +143,8 @@ def main() -> None:
     }
     if args.cpu_time:
         report.update({
-            "moe_cpu_s_per_iter_median": statistics.median(cpu["moe"]),
-            "dense_cpu_s_per_iter_median": statistics.median(cpu["dense"]),
+            "moe_cpu_s_per_iteration_median": statistics.median(cpu["moe"]),
+            "dense_cpu_s_per_iteration_median": statistics.median(cpu["dense"]),
             "moe_vs_dense_tokens_per_cpu_s_median": statistics.median(cpu_ratios),
             "threads": args.threads})
     print(json.dumps(report))
