@@ -64,11 +64,16 @@ def test_cpu_moe_layers_take_grouped_experts_with_sequential_mlps_state(gloo_gro
 def test_grouped_experts_equal_sequential_mlp(gloo_group, monkeypatch, matmul_off_after,
                                               onednn, fusion):
     """Forward and backward of the experts alone, one expert given no tokens; with
-    ``fusion`` the weight gradients go into main_grad as megatron's fused path adds them."""
+    ``fusion`` the weight gradients go into main_grad as megatron's fused path adds them.
+    The grouped products stay on MKL whatever --cpu_matmul chose (grouped_experts._product)."""
     if onednn and not onednn_linear.available():
         pytest.skip("this torch build has no oneDNN linear")
     grouped, sequential = _models(monkeypatch, _config())
     onednn_linear.enable(onednn)
+    onednn_calls = []
+    real = onednn_linear._onednn
+    monkeypatch.setattr(onednn_linear, "_onednn",
+                        lambda *a, **k: (onednn_calls.append(1), real(*a, **k))[1])
     generator = torch.Generator().manual_seed(0)
     counts = torch.tensor([5, 0, 7, 4])
     x = torch.randn(16, 32, generator=generator)
@@ -87,9 +92,13 @@ def test_grouped_experts_equal_sequential_mlp(gloo_group, monkeypatch, matmul_of
                                                           generator=main_grads)
                     linear.weight.grad_added_to_main_grad = False
         hidden, p = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        onednn_calls.clear()
         out, bias = experts(hidden, counts, p)
         assert bias is None
         out.backward(grad)
+        if model is grouped:
+            # a new row count per micro-batch: oneDNN would build a primitive for each
+            assert onednn_calls == []
         name = type(out.grad_fn).__name__
         weight_grads = {n: (w.main_grad.clone() if fusion else w.grad) for n, w in
                         weights.items()}
