@@ -6,7 +6,7 @@ activation, the routing-weight product and a fc2 linear, every one an autograd n
 linears on oneDNN where --cpu_matmul chose it (onednn_linear.py). An expert's row count
 changes every micro-batch, and oneDNN builds a primitive for each new shape: in a
 ``swift-mcore pt`` run (benchmarks/moe_throughput.py's shape) the experts' products took
-about 3.7 times the CPU time of the dense MLP's with the same FLOPs. torch 2.13's
+over three times the CPU time of the dense MLP's with the same FLOPs. torch 2.13's
 ``torch._grouped_mm`` runs on the CPU but loops over plain matmuls, slower than the same
 loop here. So ``GroupedExperts`` keeps SequentialMLP's modules and parameters (the same
 names, layout and checkpoints) and replaces only its forward: one
@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import List
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 
