@@ -209,7 +209,9 @@ class ModelArguments:
         "alltoall", "How tokens reach the experts of other expert-parallel ranks.",
         choices=("allgather", "alltoall"))
     moe_grouped_gemm: bool = flag(
-        False, "All local experts in one grouped GEMM (CUDA with Transformer Engine).")
+        False, "All local experts in one grouped GEMM (CUDA with Transformer Engine); there "
+        "the default is on, except with LoRA or --add_bias_linear. On CPU the experts run in "
+        "one autograd function without it.")
     # ---- multi-token prediction (megatron's MultiTokenPredictionBlock; docs/models.md) ----
     mtp_num_layers: Optional[int] = flag(
         None, "Multi-token prediction (DeepSeek-V3): this many MTP layers after the decoder, "

@@ -265,6 +265,16 @@ def layer_spec(config, moe: bool = False):
         for slot in ([mlp.experts.submodules, mlp.shared_experts.submodules] if moe
                      else [mlp]):
             slot.activation_func = SwiGLU
+        if moe:
+            from megatron.core.transformer.moe.experts import SequentialMLP
+
+            from ..runtime import cpu
+
+            grouped = cpu.expert_module(config)
+            if grouped is not None and mlp.experts.module is SequentialMLP:
+                # without CUDA: every routed expert's SwiGLU MLP in one autograd function
+                mlp.experts.module = grouped
+                mlp.experts.params = {**mlp.experts.params, "swiglu": SwiGLU}
     if m.model_type == "gemma3":
         from . import gemma3_layers
 

@@ -18,6 +18,7 @@ The order a run calls them in:
 * ``wrap_forward_step(forward_step, config)``: the trainer's forward step per micro-batch.
 * ``context_parallel_attention(config)``: the layer spec's core attention under
   --context_parallel_size (models/gpt.py).
+* ``expert_module(config)``: the MoE layer spec's routed experts (models/gpt.py).
 * ``after_weights_read(config)``: once a Hugging Face folder's weights are in the model
   (models/hf_load.py).
 
@@ -104,6 +105,17 @@ def context_parallel_attention(config):
     from .all_gather_attention import GatheredKVAttention
 
     return GatheredKVAttention
+
+
+def expert_module(config):
+    """The routed experts of a CPU run's MoE layers: megatron's SequentialMLP with every local
+    expert in one autograd function (grouped_experts.py; same parameters and checkpoints).
+    None on CUDA, where the spec's own experts stay."""
+    if config.cuda:
+        return None
+    from .grouped_experts import GroupedExperts
+
+    return GroupedExperts
 
 
 def wrap_forward_step(forward_step: Callable, config) -> Callable:
