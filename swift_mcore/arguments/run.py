@@ -468,8 +468,6 @@ class RunArguments:
             (p.context_parallel_size > 1,
              f"{n} with --context_parallel_size {p.context_parallel_size}: not supported yet "
              f"(the next-token shift crosses the ranks' sequence chunks)"),
-            (m.linear_attention_freq is not None,
-             f"{n} with --linear_attention_freq (gated delta-net layers): not supported yet"),
             (bool(getattr(getattr(self, "sft", None), "packing", False)),
              f"{n} with --packing: the next-token shift would cross from one packed "
              f"conversation into the next; drop --packing"),

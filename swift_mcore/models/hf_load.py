@@ -102,11 +102,13 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
     if not layout.mtp_layers:  # --mtp_num_layers 0: the folder's MTP layers left out
         from .families import for_config
 
-        held = mtp.folder_layers(for_config(folder.config, folder.config_path), folder)
+        family = for_config(folder.config, folder.config_path)
+        held = mtp.folder_layers(family, folder)
         first = layout.num_layers
         found = {name: value for name, value in found.items()
-                 if not any(name.startswith(f"model.layers.{i}.")
-                            for i in range(first, first + held))}
+                 if not (held and mtp.prefixed(family.name) and name.startswith("mtp."))
+                 and not any(name.startswith(f"model.layers.{i}.")
+                             for i in range(first, first + held))}
     problems: List[str] = []
     for name, shape in expected.items():
         if name not in found:

@@ -183,7 +183,8 @@ def test_resume_continues_exactly(tmp_path, train_here, next_folder):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(mtp_num_hidden_layers=1), "mtp_num_hidden_layers 1"),
+    (dict(mtp_num_hidden_layers=2), "mtp_num_hidden_layers 2"),
+    (dict(mtp_use_dedicated_embeddings=True), "mtp_use_dedicated_embeddings true"),
     (dict(linear_num_value_heads=3), "linear_num_value_heads 3"),
     (dict(attention_bias=True), "attention_bias True"),
     (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention",

@@ -15,4 +15,5 @@ FAMILY = Qwen3NextFamily(
     fixed={"qk_layernorm": True, "attention_output_gate": True},
     known_keys=frozenset({"attention_bias"}),
     checks=require(attention_bias=False),
+    mtp=True,  # mtp_num_hidden_layers: its MTP layer under mtp.* (models/mtp.py)
 )

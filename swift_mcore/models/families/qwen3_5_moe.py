@@ -15,6 +15,7 @@ FAMILY = Qwen3NextFamily(
     fixed={"qk_layernorm": True, "attention_output_gate": True},
     known_keys=frozenset({"attention_bias"}),
     checks=require(attention_bias=False),
+    mtp=True,  # mtp_num_hidden_layers: its MTP layer under mtp.* (models/mtp.py)
     moe=MoeKeys(experts=("num_experts",), expert_ffn="moe_intermediate_size",
                 shared_ffn="shared_expert_intermediate_size", dense_layers=False,
                 norm_topk=None),
