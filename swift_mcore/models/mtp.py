@@ -140,11 +140,11 @@ def check_flag(family, model_args) -> None:
     count (new layers from their initialization)."""
     from ..errors import ArgumentError
 
-    from .hf_folder import HFFolder
+    from .text_part import open_folder
 
     if not getattr(family, "mtp", False) or not getattr(model_args, "model", None):
         return
-    held = folder_layers(family, HFFolder(model_args.model, flag="--model"))
+    held = folder_layers(family, open_folder(model_args.model, flag="--model"))
     key = count_key(family.name)
     wanted = model_args.mtp_num_layers
     if not held or wanted in (0, held):

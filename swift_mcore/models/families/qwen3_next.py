@@ -60,6 +60,18 @@ class Qwen3NextFamily(Family):
     """Family with Qwen3-Next's own reading and writing of config.json."""
 
     def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
+        from .. import text_part
+
+        if text_part.is_multimodal(config):  # the language model, trained on text alone
+            problems = text_part.top_level_problems(config)
+            if problems:
+                raise InvalidConfig("; ".join(problems))
+            if getattr(model_args, "model", None):  # its files name the language model
+                text_part.open_folder(model_args.model)
+            try:
+                return self.model_values(text_part.language_config(config), model_args)
+            except UnsupportedConfig as err:  # InvalidConfig too: its class is kept
+                raise type(err)(f"text_config: {err}") from None
         if "text_config" in config:
             raise UnsupportedConfig(
                 f"model_type {config.get('model_type')!r} (the vision-language model, its text "
@@ -123,6 +135,13 @@ class Qwen3NextFamily(Family):
 
     def read_keys(self) -> frozenset:
         return super().read_keys() | frozenset(OWN_KEYS)
+
+    def unknown_keys(self, config: Dict[str, Any]) -> List[str]:
+        from .. import text_part
+
+        if text_part.is_multimodal(config):
+            return text_part.unknown_keys(self, config)
+        return super().unknown_keys(config)
 
     def representation_problems(self, m: Any) -> List[str]:
         own = ("--rotary_percent ", "--linear_attention_freq ")
