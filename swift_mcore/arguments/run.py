@@ -332,10 +332,6 @@ class RunArguments:
         if m.multi_latent_attention:
             raise ArgumentError("--linear_attention_freq with --multi_latent_attention is not "
                                 "supported; drop one")
-        if self.tuner.tuner_type == "lora":
-            raise ArgumentError("--tuner_type lora with gated delta-net layers "
-                                "(--linear_attention_freq, Qwen3-Next) is not supported yet; "
-                                "use --tuner_type full")
 
     def check_vision(self) -> None:
         """The vision-language flags come together (a Qwen2.5-VL folder sets all three);
