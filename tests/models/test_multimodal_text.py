@@ -127,3 +127,27 @@ def test_training_on_text_exports_the_vision_side_unchanged(qwen_vl, tmp_path, t
     loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
     ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
     assert (ours - H.hf_logits(str(back), ids)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("change, message", [
+    # Gemma 3's configs hold null (transformers' default); a number is refused, not ignored
+    (dict(final_logit_softcapping=30.0), "text_config: final_logit_softcapping 30.0 (logit "
+                                         "soft-capping is not supported; only null)"),
+    (dict(attn_logit_softcapping=50.0), "text_config: attn_logit_softcapping 50.0"),
+    (dict(num_hidden_layers="2"), "text_config: num_hidden_layers '2' is a string"),
+])
+def test_what_the_language_model_cannot_express_is_named(gemma_vl, tmp_path, change, message):
+    import re
+    import shutil
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    folder = tmp_path / "hf"
+    shutil.copytree(gemma_vl, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"].update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        resolve(RunArguments.from_flags(model=str(folder), seq_length=32), world_size=1)
