@@ -130,7 +130,7 @@ def test_moe_throughput_smoke():
     assert measured(result["moe_tokens_per_s_median"], result["moe_vs_dense_median"])
 
 
-@pytest.mark.benchmark  # five training processes
+@pytest.mark.benchmark  # three training processes
 def test_hybrid_throughput_smoke():
     result = run_script("hybrid_throughput.py", "--tiny", "--rounds", "1", timeout=900)[-1]
     assert result["shape"]["delta_net_layers"] == 3
