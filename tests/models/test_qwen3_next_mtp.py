@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 
 import hf_helpers as H
 from swift_mcore.errors import ArgumentError
-from test_qwen3_5 import make as make_qwen3_5
 from test_qwen3_next import make_next
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU delta rule")
@@ -128,16 +127,6 @@ def test_round_trip_keeps_the_mtp_layer_bit_for_bit(next_mtp, tmp_path, gloo_gro
     config = H.check_round_trip(next_mtp, tmp_path)  # every tensor, mtp.* included
     assert config["mtp_num_hidden_layers"] == 1
     assert "mtp.fc.weight" in H.safetensors_state(str(tmp_path / "back"))
-
-
-def test_qwen3_5_dense_round_trip_keeps_the_mtp_layer_bit_for_bit(tmp_path, gloo_group):
-    """Qwen3.5's MTP layer has the dense MLP of its decoder layers."""
-    source = tmp_path / "hf"
-    make_qwen3_5(source, "qwen3_5_text")
-    add_mtp_layer(source)
-    config = H.check_round_trip(source, tmp_path)
-    assert config["mtp_num_hidden_layers"] == 1
-    assert "mtp.layers.0.mlp.gate_proj.weight" in H.safetensors_state(str(tmp_path / "back"))
 
 
 def test_the_flag_decides_what_happens_to_the_mtp_layer(next_mtp, tmp_path, gloo_group):
