@@ -3,7 +3,8 @@ config.json's mtp_num_hidden_layers, which transformers ignores): --mtp_num_laye
 it into megatron's MTP block, whose loss equals one built by hand from transformers' own
 modules with the same weights; HF -> mcore -> HF gives every tensor back bit for bit; a
 folder with the layer needs the flag (1, or 0 to leave it out); pt trains it, logs its
-loss, exports it and resumes exactly."""
+loss, exports it and resumes exactly. Qwen3.5's (dense) is converted in a vision-language
+folder in test_multimodal_text.py."""
 
 import json
 
