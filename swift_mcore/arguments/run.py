@@ -335,10 +335,6 @@ class RunArguments:
         if m.multi_latent_attention:
             raise ArgumentError("--linear_attention_freq with --multi_latent_attention is not "
                                 "supported; drop one")
-        if self.tuner.tuner_type == "lora":
-            raise ArgumentError("--tuner_type lora with gated delta-net layers "
-                                "(--linear_attention_freq, Qwen3-Next) is not supported yet; "
-                                "use --tuner_type full")
 
     def check_vision(self) -> None:
         """The vision-language flags come together (a Qwen2.5-VL folder sets all three);
@@ -481,8 +477,6 @@ class RunArguments:
             (p.context_parallel_size > 1,
              f"{n} with --context_parallel_size {p.context_parallel_size}: not supported yet "
              f"(the next-token shift crosses the ranks' sequence chunks)"),
-            (m.linear_attention_freq is not None,
-             f"{n} with --linear_attention_freq (gated delta-net layers): not supported yet"),
             (bool(getattr(getattr(self, "sft", None), "packing", False)),
              f"{n} with --packing: the next-token shift would cross from one packed "
              f"conversation into the next; drop --packing"),

@@ -11,6 +11,9 @@ from .fields import FRACTION, POSITIVE, flag
 
 # megatron's linear layers of a GPT block (the local spec), in model order.
 MCORE_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# megatron's gated delta net (Qwen3-Next's and Qwen3.5's linear_attn): its input projection
+# (transformers' in_proj_qkvz + in_proj_ba, or in_proj_qkv/z/b/a) and output projection
+DELTA_NET_LINEARS = ("in_proj", "out_proj")
 # The Hugging Face (Llama-style) names of the same layers. megatron fuses q/k/v into one
 # layer and gate/up into another: an adapter on a fused layer covers all of its parts.
 HF_LINEARS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
@@ -40,7 +43,8 @@ class TunerArguments:
         "transformer blocks, MoE experts included; not the router or the output layer), "
         "or names: megatron's "
         + ", ".join(MCORE_LINEARS) + " or Hugging Face's " + ", ".join(HF_LINEARS)
-        + " (q/k/v and gate/up are fused in megatron: give all of a fused layer's parts).",
+        + " (q/k/v and gate/up are fused in megatron: give all of a fused layer's parts); "
+        "in gated delta-net layers " + ", ".join(DELTA_NET_LINEARS) + ".",
         comma_separated=True)
     target_regex: Optional[str] = flag(
         None, "Instead of --target_modules: a regular expression matched against the whole "
@@ -112,10 +116,10 @@ def mcore_targets(names) -> List[str]:
         if len(names) > 1:
             raise ArgumentError(f"--target_modules {ALL_LINEAR} already names every linear "
                                 f"layer; give it alone")
-        return list(MCORE_LINEARS)
+        return list(MCORE_LINEARS + DELTA_NET_LINEARS)
     chosen = set()
     for name in names:
-        if name in MCORE_LINEARS:
+        if name in MCORE_LINEARS + DELTA_NET_LINEARS:
             chosen.add(name)
         elif name in HF_LINEARS:
             fused = HF_LINEARS[name]
@@ -130,5 +134,5 @@ def mcore_targets(names) -> List[str]:
         else:
             raise ArgumentError(
                 f"--target_modules: unknown module {name!r}; accepted: {ALL_LINEAR}, "
-                f"{', '.join(MCORE_LINEARS)}, {', '.join(HF_LINEARS)}")
-    return [name for name in MCORE_LINEARS if name in chosen]
+                f"{', '.join(MCORE_LINEARS + DELTA_NET_LINEARS)}, {', '.join(HF_LINEARS)}")
+    return [name for name in MCORE_LINEARS + DELTA_NET_LINEARS if name in chosen]

@@ -226,6 +226,7 @@ class Layout:
     mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
     post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
     mtp_layers: int = 0       # multi-token prediction layers after the decoder (mtp.py)
+    mtp_prefixed: bool = False  # named mtp.* in the folder (Qwen3-Next: mtp.PREFIXED)
     # gated delta-net layers (Qwen3-Next, models/delta_net.py): 1 per such layer
     delta_net: Optional[DeltaNet] = None
     linear: Tuple[int, ...] = ()
@@ -262,6 +263,7 @@ class Layout:
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
                    mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
                    post_norms=m.model_type == "gemma3", mtp_layers=m.mtp_num_layers or 0,
+                   mtp_prefixed=mtp.prefixed(m.model_type),
                    delta_net=DeltaNet.from_model_args(m, flat=m.model_type in FLAT_DELTA_NET)
                    if m.linear_attention_freq else None,
                    linear=tuple(linear_attention_pattern(m)),
@@ -277,8 +279,10 @@ class Layout:
         return {**_SAME, **_POST_NORMS}
 
     def is_linear(self, layer: int) -> bool:
-        """Whether HF layer ``layer`` is a delta-net layer (an MTP layer: as the last)."""
-        layer = min(layer, self.num_layers - 1)
+        """Whether HF layer ``layer`` is a delta-net layer (an MTP layer never is: Qwen3-Next's
+        is a full-attention layer, models/gpt.py mtp_block_spec)."""
+        if layer >= self.num_layers:
+            return False
         return bool(self.linear) and bool(self.linear[layer])
 
     def is_moe(self, layer: int) -> bool:
@@ -331,14 +335,21 @@ class Layout:
         """The tensors of the MTP layers (model.layers.<num_layers + k>.*)."""
         out = []
         for i in range(self.num_layers, self.num_layers + self.mtp_layers):
-            before, after = mtp.hf_extra_tensors(f"model.layers.{i}.", self.hidden, self.vocab)
-            out += before + self._layer_tensors(i) + after
+            if self.mtp_prefixed:
+                before, after = mtp.prefixed_hf_tensors(self.hidden)
+                prefix = f"{mtp.PREFIXED_LAYER}{i - self.num_layers}."
+            else:
+                prefix = f"model.layers.{i}."
+                before, after = mtp.hf_extra_tensors(prefix, self.hidden, self.vocab)
+            out += before + self._layer_tensors(i, prefix) + after
         return out
 
-    def _layer_tensors(self, i: int) -> List[Tuple[str, Tuple[int, ...]]]:
-        """The tensors of decoder layer ``i`` (or an MTP layer's decoder-layer part)."""
+    def _layer_tensors(self, i: int, p: Optional[str] = None
+                       ) -> List[Tuple[str, Tuple[int, ...]]]:
+        """The tensors of decoder layer ``i`` (or an MTP layer's decoder-layer part, named
+        from ``p``)."""
         h, hd = self.hidden, self.head_dim
-        p = f"model.layers.{i}."
+        p = p or f"model.layers.{i}."
         out = [(p + "input_layernorm.weight", (h,))]
         if self.is_linear(i):
             out += self.delta_net.hf_tensors(p) + [(p + "post_attention_layernorm.weight",
@@ -386,12 +397,22 @@ class Layout:
             return get("output_layer.weight")
         if hf_name == "model.norm.weight":
             return get("decoder.final_layernorm.weight")
+        if self.mtp_prefixed and self.mtp_layers:
+            own = {hf: mc for mc, hf in mtp.PREFIXED_NAMES.items()}
+            if hf_name in own:
+                return get(f"mtp.layers.0.{own[hf_name]}")
+            match = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", hf_name)
+            if match and int(match.group(1)) < self.mtp_layers:
+                k = int(match.group(1))
+                return self._layer_to_hf(self.num_layers + k, match.group(2),
+                                         f"mtp.layers.{k}.{mtp.TRANSFORMER_LAYER}", hf_name,
+                                         get)
         match = _HF_LAYER.match(hf_name)
         if not match:
             raise ConversionError(f"no megatron counterpart for {hf_name}")
         i, suffix = int(match.group(1)), match.group(2)
         layer = f"decoder.layers.{i}."
-        if self.num_layers <= i < self.num_layers + self.mtp_layers:
+        if self.num_layers <= i < self.num_layers + self.mtp_layers and not self.mtp_prefixed:
             k = i - self.num_layers
             if mtp.mcore_name(suffix):
                 return get(f"mtp.layers.{k}.{mtp.mcore_name(suffix)}")
@@ -399,6 +420,12 @@ class Layout:
                 # its own tensor (safetensors writes no two names over one storage)
                 return self.to_hf(mtp.copied(suffix, self.tied), get).clone()
             layer = f"mtp.layers.{k}.{mtp.TRANSFORMER_LAYER}"
+        return self._layer_to_hf(i, suffix, layer, hf_name, get)
+
+    def _layer_to_hf(self, i: int, suffix: str, layer: str, hf_name: str, get: Get
+                     ) -> torch.Tensor:
+        """HF tensor ``hf_name`` of layer ``i`` (suffix ``suffix``), from megatron's layer
+        whose parameters start with ``layer``."""
         if self.mla is not None and self.mla.mcore_name(suffix):
             return get(layer + self.mla.mcore_name(suffix))
         if self.is_linear(i) and self.delta_net.owns_hf(suffix):
@@ -464,18 +491,22 @@ class Layout:
         match = _LAYER.match(name)
         index, suffix = (int(match.group(1)), match.group(2)) if match else (None, None)
         in_mtp = mtp.MCORE_LAYER.match(name)
+        prefix = f"model.layers.{index}."
         if in_mtp and int(in_mtp.group(1)) < self.mtp_layers:
-            index, suffix = self.num_layers + int(in_mtp.group(1)), in_mtp.group(2)
+            k = int(in_mtp.group(1))
+            index, suffix = self.num_layers + k, in_mtp.group(2)
+            prefix = f"{mtp.PREFIXED_LAYER}{k}." if self.mtp_prefixed else \
+                f"model.layers.{index}."
+            own = mtp.PREFIXED_NAMES.get(suffix) if self.mtp_prefixed else (
+                prefix + mtp.hf_name(suffix) if mtp.hf_name(suffix) else None)
             if suffix == "eh_proj.weight":  # column-parallel: TP shards its output rows
-                return read(f"model.layers.{index}.eh_proj.weight",
-                            rows=_part(self.hidden, tp_rank, tp_size))
-            if mtp.hf_name(suffix):
-                return read(f"model.layers.{index}.{mtp.hf_name(suffix)}")
+                return read(own, rows=_part(self.hidden, tp_rank, tp_size))
+            if own:
+                return read(own)
             suffix = suffix[len(mtp.TRANSFORMER_LAYER):] \
                 if suffix.startswith(mtp.TRANSFORMER_LAYER) else None
         if suffix is None:
             raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
-        prefix = f"model.layers.{index}."
         if self.mla is not None and self.mla.hf_name(suffix):  # TP 1 (arguments/run.py)
             return read(prefix + self.mla.hf_name(suffix))
         if self.is_linear(index) and self.delta_net.owns(suffix):

@@ -341,7 +341,7 @@ def block_spec(config, transformer_config, vp_stage=None):
 def mtp_block_spec(config, transformer_config, decoder_spec, vp_stage=None):
     """megatron's multi-token prediction block (--mtp_num_layers), or None: each MTP layer's
     transformer layer is the decoder's last layer's (an MoE layer when that one is, as in
-    DeepSeek-V3 and GLM-4.5). With the local spec its three norms are the decoder's own
+    DeepSeek-V3 and GLM-4.5; with gated delta-net layers a full-attention one). With the local spec its three norms are the decoder's own
     norm class, as block_spec's final norm (megatron's local backend would pick apex's
     LayerNorm whenever apex is importable, whatever --normalization says)."""
     if not config.model.mtp_num_layers:
@@ -349,6 +349,12 @@ def mtp_block_spec(config, transformer_config, decoder_spec, vp_stage=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     te = config.layer_spec == "transformer_engine"
+    if config.model.linear_attention_freq is not None:
+        # Qwen3-Next's MTP layer is a full-attention layer whatever the decoder's last is
+        from ..arguments.model import moe_layer_pattern
+
+        moe = config.model.num_experts is not None and moe_layer_pattern(config.model)[-1]
+        decoder_spec = layer_spec(config, moe=bool(moe))
     spec = get_gpt_mtp_block_spec(transformer_config, decoder_spec, use_transformer_engine=te,
                                   vp_stage=vp_stage)
     if spec is None or te:

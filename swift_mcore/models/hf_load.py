@@ -35,12 +35,13 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
                               AutoModelForSequenceClassification)
 
     from .families import for_config
+    from .text_part import is_multimodal
 
     raw = HFFolder(folder).config
     family = for_config(raw, os.path.join(folder, "config.json"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if raw.get("model_type") in family.model_types[1:]:
+        if raw.get("model_type") in family.model_types[1:] and not is_multimodal(raw):
             # another name for the family's architecture (kimi_k2: DeepSeek-V3), which
             # transformers knows only by the first
             hf_config = AutoConfig.for_model(family.model_types[0], **{
@@ -67,6 +68,13 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
+def _is_language(name: str) -> bool:
+    """Whether a multimodal model's tensor (named as _file_name does) is its language
+    model's."""
+    return name == "lm_head.weight" or (name.startswith("model.") and not name.startswith(
+        ("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")))
+
+
 def _file_name(name: str) -> str:
     """A vision-language model's tensor as the Hub's files name it: transformers 5 holds
     the language model under model.language_model and the tower under model.visual."""
@@ -83,8 +91,13 @@ STACKED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
     """Raise ArgumentError naming file and key for every tensor that is missing, has a shape
     other than config.json implies, or is not used by the model."""
+    from .text_part import TextView
+
     expected = expected_hf_shapes(folder.path)
     ours = dict(layout.hf_tensors(mtp_layers=False))  # transformers builds no MTP layers
+    if isinstance(folder, TextView):  # the language model of a multimodal folder
+        expected = {name: shape for name, shape in expected.items()
+                    if name in ours or _is_language(name)}
     if layout.experts is not None:
         # transformers 5 holds each layer's experts fused in memory (experts.gate_up_proj)
         # and reads and writes them per expert on disk, as the Hub's files are: the files
@@ -109,11 +122,13 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
     if not layout.mtp_layers:  # --mtp_num_layers 0: the folder's MTP layers left out
         from .families import for_config
 
-        held = mtp.folder_layers(for_config(folder.config, folder.config_path), folder)
+        family = for_config(folder.config, folder.config_path)
+        held = mtp.folder_layers(family, folder)
         first = layout.num_layers
         found = {name: value for name, value in found.items()
-                 if not any(name.startswith(f"model.layers.{i}.")
-                            for i in range(first, first + held))}
+                 if not (held and mtp.prefixed(family.name) and name.startswith("mtp."))
+                 and not any(name.startswith(f"model.layers.{i}.")
+                             for i in range(first, first + held))}
     problems: List[str] = []
     stacked = layout.experts is not None and layout.experts.names == "stacked"
     for name, shape in expected.items():
@@ -173,7 +188,9 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     start = time.time()
     from .families import for_config
 
-    folder = HFFolder(config.model.model, flag="--model")
+    from .text_part import open_folder
+
+    folder = open_folder(config.model.model, flag="--model")  # a multimodal one: its text
     layout = Layout.from_model_args(config.model, config.padded_vocab_size)
     fresh_head = bool(layout.score) and not is_score_config(folder.config)
     if fresh_head:  # a reward model from a causal LM: its body; the new head stays as drawn

@@ -49,10 +49,14 @@ def linear_names(m) -> List[str]:
     """The global names of the transformer blocks' linear layers, in model order: in a MoE
     layer (SequentialMLP) each routed expert's linear_fc1/linear_fc2 (global expert index)
     and the shared expert's; the router is not a linear layer here (megatron's TopKRouter)."""
+    from ..arguments.model import linear_attention_pattern
+
     names = []
+    delta = linear_attention_pattern(m) or [0] * m.num_layers
     for i, moe in enumerate(_moe_pattern(m)):
         layer = f"decoder.layers.{i}."
-        names += [layer + "self_attention.linear_qkv", layer + "self_attention.linear_proj"]
+        mixer = ("in_proj", "out_proj") if delta[i] else ("linear_qkv", "linear_proj")
+        names += [layer + "self_attention." + name for name in mixer]
         if not moe:
             names += [layer + "mlp.linear_fc1", layer + "mlp.linear_fc2"]
             continue
@@ -93,8 +97,14 @@ def layer_shape(m, name: str) -> Tuple[int, int]:
     head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
     groups = m.num_query_groups or m.num_attention_heads
     kind = name.rsplit(".", 1)[1]
+    if kind in ("in_proj", "out_proj"):  # a gated delta net's (footprint.delta_net_parameters)
+        qk = m.linear_num_key_heads * m.linear_key_head_dim
+        v = m.linear_num_value_heads * m.linear_value_head_dim
+        return ((m.hidden_size, 2 * qk + 2 * v + 2 * m.linear_num_value_heads)
+                if kind == "in_proj" else (v, m.hidden_size))
     if kind == "linear_qkv":
-        return m.hidden_size, (m.num_attention_heads + 2 * groups) * head_dim
+        queries = m.num_attention_heads * (2 if m.attention_output_gate else 1)
+        return m.hidden_size, (queries + 2 * groups) * head_dim
     if kind == "linear_proj":
         return m.num_attention_heads * head_dim, m.hidden_size
     ffn = (m.moe_ffn_hidden_size if is_expert(name) else
@@ -490,6 +500,10 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
                 f"{which}'s fused expert tensors is not written yet: export the merged model "
                 f"with --to_hf --merge_lora, or adapt the attention only (--target_modules "
                 f"linear_qkv linear_proj)")
+        if suffix in ("self_attention.in_proj", "self_attention.out_proj"):
+            raise ArgumentError(
+                f"--to_peft: {name} (a gated delta net's projection) has an adapter; its PEFT "
+                f"form is not written yet: export the merged model with --to_hf --merge_lora")
         parts = _hf_parts(layout, layer, suffix)
         if expert:
             experts.setdefault((layer, expert.group(2)), set()).add(int(expert.group(1)))

@@ -204,6 +204,18 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
              num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq="[1,0]",
              moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True),
+        # ... with its MTP layer: full attention although the decoder's last is a delta net
+        dict(model_type="qwen3_next", linear_attention_freq="[0,1]", attention_output_gate=True,
+             qk_layernorm=True, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+             num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq="[0,1]",
+             moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
+             mtp_num_layers=1),
+        # ... LoRA on every linear: the delta nets' in_proj/out_proj, the attention's own
+        dict(model_type="qwen3_next", linear_attention_freq="[1,0]", attention_output_gate=True,
+             qk_layernorm=True, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+             tuner_type="lora", lora_rank=4),
         # delta-net layers in a model of no family: plain norms, attention without the gate
         dict(linear_attention_freq="2", rotary_percent=0.5),
         # a reward model: the score head [1, hidden] in place of the LM head, tied or not
