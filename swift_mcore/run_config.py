@@ -197,6 +197,7 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
+    check_mla_hardware(flags, layer_spec)
     check_recompute_hardware(flags, cuda, transformer_engine)
     check_fp8(flags, cuda, layer_spec)
     if flags.logging.record_memory_history and not cuda:
@@ -463,6 +464,18 @@ def check_moe_hardware(flags: RunArguments, cuda: bool, layer_spec: str) -> None
         raise ArgumentError("--moe_grouped_gemm needs CUDA and Transformer Engine's layer spec "
                             "(--attention_backend auto or transformer_engine); without them the "
                             "experts run one after another (drop the flag)")
+
+
+def check_mla_hardware(flags: RunArguments, layer_spec: str) -> None:
+    """Multi-latent attention over TP ranks runs on the local spec (models/mla.py); Transformer
+    Engine's spec keeps its down projections whole on each rank, not tested here yet."""
+    tp = flags.parallel.tensor_model_parallel_size
+    if flags.model.multi_latent_attention and tp > 1 and layer_spec == "transformer_engine":
+        raise ArgumentError(f"--multi_latent_attention with --tensor_model_parallel_size {tp} "
+                            f"on Transformer Engine's layer spec: not supported yet; use "
+                            f"--attention_backend sdpa (the local spec)")
+
+
 def check_recompute_hardware(flags: RunArguments, cuda: bool,
                              transformer_engine: bool) -> None:
     """--recompute_modules layernorm on a GPU without Transformer Engine: megatron-core

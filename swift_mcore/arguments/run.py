@@ -436,10 +436,15 @@ class RunArguments:
             raise ArgumentError("--multi_latent_attention with --attention_backend local: "
                                 "megatron's local attention cannot take MLA's head sizes; "
                                 "use sdpa, transformer_engine or auto")
-        if p.tensor_model_parallel_size > 1:
-            raise ArgumentError("--multi_latent_attention with --tensor_model_parallel_size "
-                                f"{p.tensor_model_parallel_size}: not supported yet; use "
-                                f"--expert_model_parallel_size or data parallelism")
+        tp = p.tensor_model_parallel_size
+        # the local spec's down projections are column-parallel: TP splits their outputs
+        for name, width in (("--q_lora_rank", m.q_lora_rank),
+                            ("--kv_lora_rank + --qk_pos_emb_head_dim",
+                             m.kv_lora_rank + m.qk_pos_emb_head_dim)):
+            if width is not None and width % tp:
+                raise ArgumentError(f"--tensor_model_parallel_size {tp} must divide {name} "
+                                    f"({width}): the local spec splits multi-latent "
+                                    f"attention's down projections over the TP ranks")
 
     def check_mtp(self) -> None:
         """Multi-token prediction (--mtp_num_layers): what swift-mcore runs it with so far.

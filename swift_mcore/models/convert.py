@@ -443,8 +443,8 @@ class Layout:
         if suffix is None:
             raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
         prefix = f"model.layers.{index}."
-        if self.mla is not None and self.mla.hf_name(suffix):  # TP 1 (arguments/run.py)
-            return read(prefix + self.mla.hf_name(suffix))
+        if self.mla is not None and self.mla.hf_name(suffix):
+            return self.mla.to_mcore(suffix, prefix, read, tp_rank, tp_size)
         if self.is_linear(index) and self.delta_net.owns(suffix):
             return self.delta_net.to_mcore(suffix, prefix, read, tp_rank, tp_size)
         if suffix in self.same():

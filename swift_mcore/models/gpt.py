@@ -245,6 +245,10 @@ def layer_spec(config, moe: bool = False):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         qk_layernorm=m.qk_layernorm, normalization=m.normalization,
         multi_latent_attention=m.multi_latent_attention, **experts)
+    if m.multi_latent_attention:
+        from .mla import attention_class
+
+        spec.submodules.self_attention.module = attention_class()
     if config.attention == "sdpa":
         from ..runtime import cpu
         from .sdpa_attention import SdpaAttention

@@ -170,10 +170,16 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
     for change, match in cases:
         (folder / "config.json").write_text(json.dumps({**original, **change}))
         refused(match)
+    (folder / "config.json").write_text(json.dumps({**original, "kv_lora_rank": 34}))
+    refused(r"--tensor_model_parallel_size 4 must divide --kv_lora_rank \+ "
+            r"--qk_pos_emb_head_dim \(42\)", world_size=4, tensor_model_parallel_size=4,
+            sequence_parallel=True, global_batch_size=8)
     (folder / "config.json").write_text(json.dumps(original))
-    refused("--multi_latent_attention with --tensor_model_parallel_size 2",
-            world_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
-            global_batch_size=8)
+    with pytest.raises(ArgumentError, match="--multi_latent_attention with "
+                       "--tensor_model_parallel_size 2 on Transformer Engine's layer spec"):
+        resolve(RunArguments.from_flags(model=str(folder), tensor_model_parallel_size=2,
+                                        sequence_parallel=True, global_batch_size=8),
+                world_size=2, cuda=True, transformer_engine=True)  # a GPU, simulated
     refused("--multi_latent_attention with --attention_backend local",
             attention_backend="local")
     refused("--tuner_type lora with --multi_latent_attention", tuner_type="lora")
@@ -248,6 +254,52 @@ def test_ep2_gives_the_ep1_losses(tmp_path, train_here):
                          "--expert_model_parallel_size", "2", nproc=2)
     ref, got = losses(one), losses(two)
     assert sorted(got) == [1, 2, 3]
+    for it in ref:
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+
+
+@pytest.mark.benchmark
+def test_tp2_gives_the_one_rank_logits_losses_and_export(tmp_path, train_here):
+    """TP=2 with sequence parallelism: each rank holds half of every head-split projection
+    and of MLA's down projections; the logits equal the one-rank model's, the exported
+    TP=2 checkpoint is the one-rank export bit for bit, and training gives the one-rank
+    losses (the latent norms' gradients summed over the sequence shards)."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from run_helpers import losses
+    from test_hf_parallel import run_two_ranks
+    from test_hf_training import continue_pretraining, run_flags
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    ids, out = run_two_ranks(tmp_path, source, 2, 1, "--sequence_parallel")
+    ours = torch.load(out / "logits.pt")
+    loaded = load_model(str(source), log=lambda line: None)
+    one = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    # the row-parallel sums add the ranks' halves in another order: float rounding only
+    # (1.2e-5 at logits up to ~6 here), so 1e-5 of the logits' scale
+    assert ours.shape == one.shape
+    assert (ours - one).abs().max() <= 1e-5 * one.abs().max()
+    assert (ours - H.hf_logits(str(source), ids)).abs().max() <= 1e-4
+    convert(source, tmp_path / "mcore", "to_mcore")
+    convert(tmp_path / "mcore", tmp_path / "one", "to_hf")
+    convert(out, tmp_path / "two", "to_hf")
+    reference = H.safetensors_state(str(tmp_path / "one"))
+    exported = H.safetensors_state(str(tmp_path / "two"))
+    assert sorted(exported) == sorted(reference)
+    for name, tensor in reference.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    rate = ("--moe_router_bias_update_rate", "0.05", "--lr", "1e-2", "--min_lr", "1e-2")
+    train_here(tmp_path / "tp1", "--model", source, "--dataset", data, "--no_save",
+               "--train_iters", "3", *rate, command="pt", base=run_flags())
+    continue_pretraining(source, data, tmp_path / "tp2", "--no_save", "--train_iters", "3",
+                         *rate, "--tensor_model_parallel_size", "2", "--sequence_parallel",
+                         nproc=2)
+    ref, got = losses(tmp_path / "tp1"), losses(tmp_path / "tp2")
+    assert sorted(got) == [1, 2, 3] and ref[3] < ref[1]
     for it in ref:
         assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
 
