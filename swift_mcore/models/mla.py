@@ -37,37 +37,58 @@ def attention_class():
     output over the TP ranks and splits off the RoPE key, which every head uses: each rank's
     heads give it only their part of the key's gradient, and the all-gather's backward keeps
     each rank's own columns of it, so the RoPE rows of the projection (held by the last
-    rank) and the hidden states' gradient through them miss the other ranks' heads. Here the
-    projection returns the gathered output itself, which megatron reads as a whole
-    projection's (its other branch): with --sequence_parallel megatron then all-gathers the
-    RoPE key over the sequence shards, whose backward sums the ranks' parts; without it, the
-    RoPE key passes through megatron's copy to the TP region, whose backward sums them. The
-    forward pass computes the same numbers as megatron's."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    rank) and the hidden states' gradient through them miss the other ranks' heads. Here a
+    hook gathers the projection's output itself (with its LoRA adapter's, models/lora.py),
+    which megatron then reads as a whole projection's (its other branch): with
+    --sequence_parallel megatron all-gathers the RoPE key over the sequence shards, whose
+    backward sums the ranks' parts; without it, the RoPE key passes through ``_SumGradient``,
+    whose backward sums them. The forward pass computes the same numbers as megatron's."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    class SharedRopeKeyDownProjection(ColumnParallelLinear):
-        def forward(self, input_, *args, **kwargs):
+    class LatentAttention(MLASelfAttention):
+        def get_query_key_value_tensors(self, *args, **kwargs):
+            if self.linear_kv_down_proj.weight.shape[0] == (
+                    self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim):
+                return super().get_query_key_value_tensors(*args, **kwargs)  # whole
+            # the module there now (peft's LoRA layer may have replaced the linear)
+            hook = self.linear_kv_down_proj.register_forward_hook(self._gather_latent)
+            try:
+                return super().get_query_key_value_tensors(*args, **kwargs)
+            finally:
+                hook.remove()
+
+        def _gather_latent(self, module, inputs, output):
             from megatron.core.tensor_parallel import mappings
 
-            shard, bias = super().forward(input_, *args, **kwargs)
-            whole = mappings.gather_from_tensor_model_parallel_region(shard, group=self.tp_group)
+            shard, bias = output
+            whole = mappings.gather_from_tensor_model_parallel_region(shard,
+                                                                      group=self.tp_group)
             if self.config.sequence_parallel:
                 return mappings.scatter_to_sequence_parallel_region(
                     whole, group=self.tp_group), bias
             latent, rope = whole.split([self.config.kv_lora_rank,
                                         self.config.qk_pos_emb_head_dim], dim=-1)
-            rope = mappings.copy_to_tensor_model_parallel_region(rope, group=self.tp_group)
-            return torch.cat([latent, rope], dim=-1), bias
-
-    class LatentAttention(MLASelfAttention):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            down = self.linear_kv_down_proj
-            if type(down) is ColumnParallelLinear and down.tp_group.size() > 1:
-                down.__class__ = SharedRopeKeyDownProjection  # the same parameters
+            return torch.cat([latent, _SumGradient.apply(rope, self.tp_group)], dim=-1), bias
 
     return LatentAttention
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over ``group``. megatron's
+    copy_to_tensor_model_parallel_region would all-reduce a contiguous copy of a
+    non-contiguous gradient (the RoPE key's, a slice of the last dimension: mappings.py,
+    31) and return the unreduced original."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def mla_config(m) -> tuple:

@@ -304,6 +304,27 @@ def test_tp2_gives_the_one_rank_logits_losses_and_export(tmp_path, train_here):
         assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
 
 
+@pytest.mark.benchmark
+def test_dense_mla_at_tp2_without_sequence_parallelism_gives_the_one_rank_losses(tmp_path):
+    """Without --sequence_parallel every TP rank holds the whole shared RoPE key: its
+    gradient, which each rank's heads give a part of, is summed over the ranks too."""
+    from run_helpers import losses, run_pt, train_records
+
+    flags = ["--num_query_groups", "4", "--multi_latent_attention", "--qk_layernorm",
+             "--q_lora_rank", "24", "--kv_lora_rank", "16", "--qk_head_dim", "8",
+             "--qk_pos_emb_head_dim", "4", "--v_head_dim", "8", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--train_iters", "3", "--no_save"]
+    run_pt(tmp_path / "tp1", *flags)
+    run_pt(tmp_path / "tp2", *flags, "--tensor_model_parallel_size", "2", nproc=2)
+    ref, got = losses(tmp_path / "tp1"), losses(tmp_path / "tp2")
+    assert sorted(got) == [1, 2, 3] and ref[3] < ref[1]
+    for it in ref:
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+    norms = [{r["iteration"]: r["grad_norm"] for r in train_records(tmp_path / run)}
+             for run in ("tp1", "tp2")]
+    assert all(abs(norms[1][it] - norms[0][it]) < 1e-4 for it in norms[0]), norms
+
+
 def test_a_model_no_family_expresses_is_not_exported_as_another(tmp_path, gloo_group):
     """Flags from scratch: MLA or a sigmoid router cannot be written as a Llama or Qwen
     folder (which would compute something else); as deepseek_v3 they can."""
