@@ -765,9 +765,6 @@ class RunArguments:
             raise ArgumentError("--tuner_type lora does not support --sequence_parallel (the "
                                 "adapters' replicated weights would need its gradient "
                                 "reduction); leave --sequence_parallel off")
-        if self.tuner.tuner_type == "lora" and self.model.multi_latent_attention:
-            raise ArgumentError("--tuner_type lora with --multi_latent_attention (DeepSeek-V3): "
-                                "not supported yet; use --tuner_type full")
 
     def check_best_flags(self) -> None:
         """--metric_for_best, --greater_is_better, --early_stopping_patience: they judge

@@ -118,7 +118,18 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
                  else mcore_targets(tuner.target_modules))
         sizes = {"linear_qkv": h + qkv_out, "linear_proj": heads * kv + h,
                  "linear_fc1": h + ffn * gated, "linear_fc2": ffn + h}
-        counts["LoRA adapters"] = layers * tuner.lora_rank * sum(sizes[k] for k in kinds)
+        if m.multi_latent_attention:  # in + out of each projection (models/mla.py)
+            rope, q_lora = m.qk_pos_emb_head_dim, m.q_lora_rank
+            q_out = heads * (m.qk_head_dim + rope)
+            sizes.update(linear_qkv=0, linear_proj=heads * m.v_head_dim + h,
+                         linear_q_proj=0 if q_lora else h + q_out,
+                         linear_q_down_proj=h + q_lora if q_lora else 0,
+                         linear_q_up_proj=q_lora + q_out if q_lora else 0,
+                         linear_kv_down_proj=h + m.kv_lora_rank + rope,
+                         linear_kv_up_proj=m.kv_lora_rank + heads * (m.qk_head_dim
+                                                                     + m.v_head_dim))
+        counts["LoRA adapters"] = layers * tuner.lora_rank * sum(sizes.get(k, 0)
+                                                                 for k in kinds)
     return counts
 
 

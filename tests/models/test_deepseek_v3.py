@@ -182,7 +182,6 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
                 world_size=2, cuda=True, transformer_engine=True)  # a GPU, simulated
     refused("--multi_latent_attention with --attention_backend local",
             attention_backend="local")
-    refused("--tuner_type lora with --multi_latent_attention", tuner_type="lora")
     with pytest.raises(ArgumentError, match="--rope_type yarn is multi-latent attention's"):
         resolve(RunArguments.from_flags(rope_type="yarn"), world_size=1)
     with pytest.raises(ArgumentError, match="--moe_router_num_groups and --moe_router_group"):
@@ -231,6 +230,82 @@ def test_a_folder_with_mtp_layers_is_refused_not_dropped(tmp_path, gloo_group):
     with pytest.raises(ArgumentError, match="model.layers.2.enorm.weight: missing from the "
                                             "weights"):
         load_model(str(folder), log=lambda line: None)
+
+
+@pytest.mark.slow
+def test_lora_on_mla_and_experts_trains_merges_and_exports_to_peft(tmp_path, train_here):
+    """LoRA on every linear (MLA's down and up projections, the output projection, each
+    expert's and the shared experts' fc1/fc2) trains and its merged export gives our logits
+    in transformers; --to_peft refuses it by name (peft would put the dense MLP's adapters on
+    the experts); adapters on MLA's projections alone, named as transformers names them,
+    export to peft, which loads them to our logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+    from test_lora_moe import LORA
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    tokens = H.tokens(vocab=300, length=32)
+    base_logits = H.hf_logits(str(source), tokens)
+    mla = ["--target_modules", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+           "o_proj"]
+    for name, targets in (("all", []), ("mla", mla)):
+        out = tmp_path / name
+        train_here(out, "--model", source, "--dataset", data, "--train_iters", "2",
+                   "--save_steps", "2", "--lr", "2e-2", *LORA, *targets, command="pt",
+                   base=run_flags())
+        checkpoint = out / "checkpoint" / "iter_0000002"
+        model = load_model(str(checkpoint), log=lambda line: None).model
+        adapted = {n.split(".lora_", 1)[0] for n, _ in model.named_parameters()
+                   if ".lora_" in n}
+        assert {f"decoder.layers.1.self_attention.{kind}" for kind in (
+            "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+            "linear_kv_up_proj", "linear_proj")} <= adapted
+        assert any(".local_experts." in n for n in adapted) == (name == "all")
+        ours = forward_logits(model, tokens)[..., :320]
+        assert (ours - base_logits).abs().max() > 1e-2  # the adapters trained
+        merged = tmp_path / f"{name}-merged"
+        convert(checkpoint, merged, "to_hf", merge_lora=True)
+        assert (H.hf_logits(str(merged), tokens) - ours).abs().max() < 1e-4
+    with pytest.raises(ArgumentError, match=r"--to_peft: model\.layers\.0\.mlp\.down_proj "
+                                            r"has an adapter, and peft maps every module"):
+        convert(tmp_path / "all" / "checkpoint" / "iter_0000002", tmp_path / "peft-all",
+                "to_peft")
+    adapter = tmp_path / "peft"
+    convert(checkpoint, adapter, "to_peft")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                        "q_a_proj", "q_b_proj"]
+    base = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32,
+                                                attn_implementation="eager")
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, str(adapter)).eval()(tokens).logits
+    assert (peft_logits - ours).abs().max() < 1e-4
+
+
+def test_lora_targets_a_model_does_not_have_are_refused(tmp_path):
+    """q/k/v on multi-latent attention (or MLA's names on a q/k/v model) would leave the
+    attention without adapters: refused, naming the layers the model has."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    make_deepseek(tmp_path / "ds", num_hidden_layers=2)
+    with pytest.raises(ArgumentError, match="--target_modules: this model has no linear_qkv "
+                                            "layer; its linear layers are linear_q_down_proj, "
+                                            "linear_q_up_proj, linear_kv_down_proj"):
+        resolve(RunArguments.from_flags(model=str(tmp_path / "ds"), tuner_type="lora",
+                                        target_modules=["q_proj", "k_proj", "v_proj"]),
+                world_size=1)
+    with pytest.raises(ArgumentError, match="this model has no linear_kv_up_proj layer"):
+        resolve(RunArguments.from_flags(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                        tuner_type="lora", target_modules=["kv_b_proj"]),
+                world_size=1)
 
 
 @pytest.mark.slow
