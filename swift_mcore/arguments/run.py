@@ -618,6 +618,8 @@ class RunArguments:
         ep, tp, pp = (p.expert_model_parallel_size, p.tensor_model_parallel_size,
                       p.pipeline_model_parallel_size)
         _positive(p, "expert_model_parallel_size")
+        if p.expert_tensor_parallel_size is not None:
+            _positive(p, "expert_tensor_parallel_size")
         source = f" (from {m.model}/config.json)" if m.model else ""
         if m.num_experts is None:
             # (a value equal to the default changes nothing: args.json replays every flag)
@@ -629,6 +631,10 @@ class RunArguments:
                                     f"needs --num_experts N (routed experts per layer)")
             if ep > 1:
                 raise ArgumentError(f"--expert_model_parallel_size {ep} splits the experts of "
+                                    f"MoE layers; it needs --num_experts")
+            if p.expert_tensor_parallel_size not in (None, tp):
+                raise ArgumentError(f"--expert_tensor_parallel_size "
+                                    f"{p.expert_tensor_parallel_size} splits the experts of "
                                     f"MoE layers; it needs --num_experts")
             return
         for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
@@ -661,18 +667,21 @@ class RunArguments:
                 f"the world size ({world_size} ranks) must be divisible by "
                 f"--expert_model_parallel_size ({ep}) x --tensor_model_parallel_size ({tp}) x "
                 f"--pipeline_model_parallel_size ({pp})")
+        etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+        if etp not in (1, tp):
+            raise ArgumentError(f"--expert_tensor_parallel_size {etp}: 1 (each expert whole "
+                                f"on its rank) or --tensor_model_parallel_size ({tp})")
         if tp > 1 and not p.sequence_parallel:
             raise ArgumentError(
                 f"--num_experts with --tensor_model_parallel_size {tp} needs "
                 f"--sequence_parallel (megatron's MoE layer refuses to train with tensor "
                 f"parallelism without it): add --sequence_parallel, or use "
                 f"--expert_model_parallel_size instead of TP")
-        if m.add_bias_linear and tp > 1:
+        if m.add_bias_linear and etp > 1:
             raise ArgumentError(f"--tensor_model_parallel_size {tp} with biased experts "
-                                f"(--add_bias_linear: gpt-oss): megatron-core supports expert "
-                                f"biases only with expert tensor parallelism 1, which "
-                                f"swift-mcore ties to TP; use --expert_model_parallel_size, "
-                                f"pipeline or data parallelism")
+                                f"(--add_bias_linear: gpt-oss) needs "
+                                f"--expert_tensor_parallel_size 1: megatron-core supports "
+                                f"expert biases only with each expert whole on its rank")
         if m.add_bias_linear and m.moe_shared_expert_intermediate_size:
             raise ArgumentError("--moe_shared_expert_intermediate_size with --add_bias_linear: "
                                 "megatron's shared expert has no bias (its routed experts "

@@ -153,6 +153,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
+    expert_tp = (parallel_state.get_expert_tensor_parallel_rank(),
+                 parallel_state.get_expert_tensor_parallel_world_size())
     loaded, problems = 0, []
     with folder.reader() as reader, torch.no_grad():
         from . import mxfp4
@@ -186,7 +188,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
                 name = global_name(local, offset)
                 if fresh_head and name == "output_layer.weight":
                     continue
-                value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size)
+                value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size,
+                                        expert_tp)
                 if tuple(value.shape) != tuple(param.shape):
                     raise AssertionError(f"{name}: converted shape {list(value.shape)}, "
                                          f"model shape {list(param.shape)}")
