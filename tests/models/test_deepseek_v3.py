@@ -380,15 +380,19 @@ def test_tp2_gives_the_one_rank_logits_losses_and_export(tmp_path, train_here):
 
 
 @pytest.mark.benchmark
-def test_dense_mla_at_tp2_without_sequence_parallelism_gives_the_one_rank_losses(tmp_path):
+@pytest.mark.parametrize("tuner", [[], ["--tuner_type", "lora", "--lora_dropout", "0"]],
+                         ids=["full", "lora"])
+def test_dense_mla_at_tp2_without_sequence_parallelism_gives_the_one_rank_losses(tmp_path,
+                                                                                 tuner):
     """Without --sequence_parallel every TP rank holds the whole shared RoPE key: its
-    gradient, which each rank's heads give a part of, is summed over the ranks too."""
+    gradient, which each rank's heads give a part of, is summed over the ranks too (also
+    through the LoRA layers on MLA's projections)."""
     from run_helpers import losses, run_pt, train_records
 
     flags = ["--num_query_groups", "4", "--multi_latent_attention", "--qk_layernorm",
              "--q_lora_rank", "24", "--kv_lora_rank", "16", "--qk_head_dim", "8",
              "--qk_pos_emb_head_dim", "4", "--v_head_dim", "8", "--lr", "1e-2",
-             "--min_lr", "1e-2", "--train_iters", "3", "--no_save"]
+             "--min_lr", "1e-2", "--train_iters", "3", "--no_save", *tuner]
     run_pt(tmp_path / "tp1", *flags)
     run_pt(tmp_path / "tp2", *flags, "--tensor_model_parallel_size", "2", nproc=2)
     ref, got = losses(tmp_path / "tp1"), losses(tmp_path / "tp2")
