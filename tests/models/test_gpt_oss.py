@@ -269,6 +269,32 @@ def test_lora_trains_merges_and_exports_attention_adapters_to_peft(folder, tmp_p
 
 
 
+def test_a_tp_rank_with_whole_experts_reads_whole_experts_and_half_the_attention(folder):
+    """--expert_tensor_parallel_size 1 at TP=2: TP rank 1 reads its half of the attention
+    and each routed expert whole (its weights, biases, from the fused tensors)."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.models.convert import Layout
+    from swift_mcore.models.hf_folder import HFFolder
+    from swift_mcore.run_config import resolve
+
+    m = resolve(RunArguments.from_flags(model=str(folder)), world_size=1).model
+    layout = Layout.from_model_args(m, 320)
+    with HFFolder(str(folder)).reader() as reader:
+        def shard(name, tp, expert_tp):
+            return layout.to_mcore(name, reader.read, *tp, 0, 1, expert_tp)
+
+        for suffix in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight",
+                       "linear_fc2.bias"):
+            name = f"decoder.layers.1.mlp.experts.local_experts.3.{suffix}"
+            whole = shard(name, (0, 1), (0, 1))
+            assert torch.equal(shard(name, (1, 2), (0, 1)), whole), suffix
+        fc1 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+        rows = shard(fc1, (0, 1), (0, 1)).shape[0]
+        assert shard(fc1, (1, 2), (1, 2)).shape[0] == rows // 2  # expert TP = TP: halves
+        qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+        assert 2 * shard(qkv, (1, 2), (0, 1)).shape[0] == shard(qkv, (0, 1), (0, 1)).shape[0]
+
+
 @pytest.mark.benchmark
 def test_tp2_with_whole_experts_gives_the_one_rank_logits_losses_and_export(folder, tmp_path,
                                                                             train_here):
