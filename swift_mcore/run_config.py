@@ -198,6 +198,7 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
     choose_grouped_gemm(flags, layer_spec)
+    check_mla_hardware(flags, layer_spec)
     check_recompute_hardware(flags, cuda, transformer_engine)
     check_fp8(flags, cuda, layer_spec)
     if flags.logging.record_memory_history and not cuda:
@@ -478,6 +479,16 @@ def choose_grouped_gemm(flags: RunArguments, layer_spec: str) -> None:
             and "moe_grouped_gemm" not in flags.explicit
             and flags.tuner.tuner_type != "lora" and not m.add_bias_linear):
         m.moe_grouped_gemm = True
+
+
+def check_mla_hardware(flags: RunArguments, layer_spec: str) -> None:
+    """Multi-latent attention over TP ranks runs on the local spec (models/mla.py); Transformer
+    Engine's spec keeps its down projections whole on each rank, not tested here yet."""
+    tp = flags.parallel.tensor_model_parallel_size
+    if flags.model.multi_latent_attention and tp > 1 and layer_spec == "transformer_engine":
+        raise ArgumentError(f"--multi_latent_attention with --tensor_model_parallel_size {tp} "
+                            f"on Transformer Engine's layer spec: not supported yet; use "
+                            f"--attention_backend sdpa (the local spec)")
 
 
 def check_recompute_hardware(flags: RunArguments, cuda: bool,

@@ -445,10 +445,15 @@ class RunArguments:
             raise ArgumentError("--multi_latent_attention with --attention_backend local: "
                                 "megatron's local attention cannot take MLA's head sizes; "
                                 "use sdpa, transformer_engine or auto")
-        if p.tensor_model_parallel_size > 1:
-            raise ArgumentError("--multi_latent_attention with --tensor_model_parallel_size "
-                                f"{p.tensor_model_parallel_size}: not supported yet; use "
-                                f"--expert_model_parallel_size or data parallelism")
+        tp = p.tensor_model_parallel_size
+        # the local spec's down projections are column-parallel: TP splits their outputs
+        for name, width in (("--q_lora_rank", m.q_lora_rank),
+                            ("--kv_lora_rank + --qk_pos_emb_head_dim",
+                             m.kv_lora_rank + m.qk_pos_emb_head_dim)):
+            if width is not None and width % tp:
+                raise ArgumentError(f"--tensor_model_parallel_size {tp} must divide {name} "
+                                    f"({width}): the local spec splits multi-latent "
+                                    f"attention's down projections over the TP ranks")
 
     def check_mtp(self) -> None:
         """Multi-token prediction (--mtp_num_layers): what swift-mcore runs it with so far.
@@ -620,6 +625,8 @@ class RunArguments:
         ep, tp, pp = (p.expert_model_parallel_size, p.tensor_model_parallel_size,
                       p.pipeline_model_parallel_size)
         _positive(p, "expert_model_parallel_size")
+        if p.expert_tensor_parallel_size is not None:
+            _positive(p, "expert_tensor_parallel_size")
         source = f" (from {m.model}/config.json)" if m.model else ""
         if m.num_experts is None:
             # (a value equal to the default changes nothing: args.json replays every flag)
@@ -631,6 +638,10 @@ class RunArguments:
                                     f"needs --num_experts N (routed experts per layer)")
             if ep > 1:
                 raise ArgumentError(f"--expert_model_parallel_size {ep} splits the experts of "
+                                    f"MoE layers; it needs --num_experts")
+            if p.expert_tensor_parallel_size not in (None, tp):
+                raise ArgumentError(f"--expert_tensor_parallel_size "
+                                    f"{p.expert_tensor_parallel_size} splits the experts of "
                                     f"MoE layers; it needs --num_experts")
             return
         for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
@@ -663,18 +674,21 @@ class RunArguments:
                 f"the world size ({world_size} ranks) must be divisible by "
                 f"--expert_model_parallel_size ({ep}) x --tensor_model_parallel_size ({tp}) x "
                 f"--pipeline_model_parallel_size ({pp})")
+        etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+        if etp not in (1, tp):
+            raise ArgumentError(f"--expert_tensor_parallel_size {etp}: 1 (each expert whole "
+                                f"on its rank) or --tensor_model_parallel_size ({tp})")
         if tp > 1 and not p.sequence_parallel:
             raise ArgumentError(
                 f"--num_experts with --tensor_model_parallel_size {tp} needs "
                 f"--sequence_parallel (megatron's MoE layer refuses to train with tensor "
                 f"parallelism without it): add --sequence_parallel, or use "
                 f"--expert_model_parallel_size instead of TP")
-        if m.add_bias_linear and tp > 1:
+        if m.add_bias_linear and etp > 1:
             raise ArgumentError(f"--tensor_model_parallel_size {tp} with biased experts "
-                                f"(--add_bias_linear: gpt-oss): megatron-core supports expert "
-                                f"biases only with expert tensor parallelism 1, which "
-                                f"swift-mcore ties to TP; use --expert_model_parallel_size, "
-                                f"pipeline or data parallelism")
+                                f"(--add_bias_linear: gpt-oss) needs "
+                                f"--expert_tensor_parallel_size 1: megatron-core supports "
+                                f"expert biases only with each expert whole on its rank")
         if m.add_bias_linear and m.moe_shared_expert_intermediate_size:
             raise ArgumentError("--moe_shared_expert_intermediate_size with --add_bias_linear: "
                                 "megatron's shared expert has no bias (its routed experts "
@@ -767,9 +781,6 @@ class RunArguments:
             raise ArgumentError("--tuner_type lora does not support --sequence_parallel (the "
                                 "adapters' replicated weights would need its gradient "
                                 "reduction); leave --sequence_parallel off")
-        if self.tuner.tuner_type == "lora" and self.model.multi_latent_attention:
-            raise ArgumentError("--tuner_type lora with --multi_latent_attention (DeepSeek-V3): "
-                                "not supported yet; use --tuner_type full")
 
     def check_best_flags(self) -> None:
         """--metric_for_best, --greater_is_better, --early_stopping_patience: they judge

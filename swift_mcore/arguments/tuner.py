@@ -9,14 +9,22 @@ from typing import List, Optional
 from ..errors import ArgumentError
 from .fields import FRACTION, POSITIVE, flag
 
+# multi-latent attention's projections in place of linear_qkv (DeepSeek-V3): the direct
+# query projection (no q LoRA rank) or the query down and up projections, then the
+# key/value ones
+MLA_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+               "linear_kv_down_proj", "linear_kv_up_proj")
 # megatron's linear layers of a GPT block (the local spec), in model order.
-MCORE_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+MCORE_LINEARS = ("linear_qkv", *MLA_LINEARS, "linear_proj", "linear_fc1", "linear_fc2")
 # megatron's gated delta net (Qwen3-Next's and Qwen3.5's linear_attn): its input projection
 # (transformers' in_proj_qkvz + in_proj_ba, or in_proj_qkv/z/b/a) and output projection
 DELTA_NET_LINEARS = ("in_proj", "out_proj")
 # The Hugging Face (Llama-style) names of the same layers. megatron fuses q/k/v into one
 # layer and gate/up into another: an adapter on a fused layer covers all of its parts.
+# DeepSeek-V3's MLA projections are one layer each.
 HF_LINEARS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+              "q_a_proj": "linear_q_down_proj", "q_b_proj": "linear_q_up_proj",
+              "kv_a_proj_with_mqa": "linear_kv_down_proj", "kv_b_proj": "linear_kv_up_proj",
               "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
               "down_proj": "linear_fc2"}
 ALL_LINEAR = "all-linear"

@@ -472,10 +472,12 @@ class Layout:
 
     # ---- the megatron side ---------------------------------------------------------------
     def to_mcore(self, name: str, read: Read, tp_rank: int = 0, tp_size: int = 1,
-                 ep_rank: int = 0, ep_size: int = 1) -> torch.Tensor:
+                 ep_rank: int = 0, ep_size: int = 1,
+                 expert_tp: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         """Rank ``tp_rank``'s shard of megatron parameter ``name``, read from the HF files.
         With expert parallelism local expert j of EP rank r is global expert
-        r * experts / ep_size + j."""
+        r * experts / ep_size + j; a routed expert is split over its expert-TP ranks
+        (``expert_tp``: (rank, size); None: TP's)."""
         name = canonical(name)
         if self.nested:
             read = _reading_nested(read)
@@ -507,8 +509,8 @@ class Layout:
                 if suffix.startswith(mtp.TRANSFORMER_LAYER) else None
         if suffix is None:
             raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
-        if self.mla is not None and self.mla.hf_name(suffix):  # TP 1 (arguments/run.py)
-            return read(prefix + self.mla.hf_name(suffix))
+        if self.mla is not None and self.mla.hf_name(suffix):
+            return self.mla.to_mcore(suffix, prefix, read, tp_rank, tp_size)
         if self.is_linear(index) and self.delta_net.owns(suffix):
             return self.delta_net.to_mcore(suffix, prefix, read, tp_rank, tp_size)
         if suffix in self.same():
@@ -520,7 +522,7 @@ class Layout:
         if self.is_moe(index) and suffix.startswith("mlp.") \
                 and not suffix.startswith("mlp.linear_fc"):
             return self._moe_shard(index, prefix, suffix, read, tp_rank, tp_size,
-                                   ep_rank, ep_size)
+                                   ep_rank, ep_size, expert_tp or (tp_rank, tp_size))
         if suffix in _ROW_PARALLEL:
             width = self.heads * self.head_dim if "linear_proj" in suffix else self.ffn
             return read(prefix + _ROW_PARALLEL[suffix], cols=_part(width, tp_rank, tp_size))
@@ -534,12 +536,15 @@ class Layout:
         raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
 
     def _moe_shard(self, layer: int, prefix: str, suffix: str, read: Read, tp_rank: int,
-                   tp_size: int, ep_rank: int, ep_size: int) -> torch.Tensor:
+                   tp_size: int, ep_rank: int, ep_size: int,
+                   expert_tp: Tuple[int, int]) -> torch.Tensor:
         """A router, routed-expert or shared-expert tensor of MoE layer ``layer``; the
-        experts' fc1/fc2 are sharded over TP like the dense MLP's (expert TP = TP)."""
+        routed experts' fc1/fc2 are sharded over the expert-TP ranks, the shared expert's
+        over TP, like the dense MLP's."""
         x = self.experts
         local = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$", suffix)
         if local:
+            tp_rank, tp_size = expert_tp
             suffix = (f"mlp.experts.local_experts."
                       f"{ep_rank * (x.count // ep_size) + int(local.group(1))}.{local.group(2)}")
         if local and x.names in FUSED_NAMES:

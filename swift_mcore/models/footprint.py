@@ -118,6 +118,16 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
                  else mcore_targets(tuner.target_modules))
         sizes = {"linear_qkv": h + qkv_out, "linear_proj": heads * kv + h,
                  "linear_fc1": h + ffn * gated, "linear_fc2": ffn + h}
+        if m.multi_latent_attention:  # in + out of each projection (models/mla.py)
+            rope, q_lora = m.qk_pos_emb_head_dim, m.q_lora_rank
+            q_out = heads * (m.qk_head_dim + rope)
+            sizes.update(linear_qkv=0, linear_proj=heads * m.v_head_dim + h,
+                         linear_q_proj=0 if q_lora else h + q_out,
+                         linear_q_down_proj=h + q_lora if q_lora else 0,
+                         linear_q_up_proj=q_lora + q_out if q_lora else 0,
+                         linear_kv_down_proj=h + m.kv_lora_rank + rope,
+                         linear_kv_up_proj=m.kv_lora_rank + heads * (m.qk_head_dim
+                                                                     + m.v_head_dim))
         # each kind in the layers that have it: attention's or a delta net's projections
         count = {"linear_qkv": layers - linear, "linear_proj": layers - linear,
                  "in_proj": linear, "out_proj": linear}
@@ -217,7 +227,9 @@ def parts(flags, world_size: int, precision: str, weights_only: bool, cuda: bool
             return trained
         return weight  # frozen base weights
 
-    shards = {"embedding": tp, "output layer": tp, "layers": tp * pp, "experts": ep * tp * pp,
+    # each routed expert over --expert_tensor_parallel_size ranks (TP's by default)
+    etp = p.expert_tensor_parallel_size or tp
+    shards = {"embedding": tp, "output layer": tp, "layers": tp * pp, "experts": ep * etp * pp,
               "LoRA adapters": pp, "vision tower": 1}  # the tower: whole on each rank
     sizes = {
         "embedding": (("vocab_size", padded_vocab(m)), ("hidden_size", m.hidden_size),

@@ -43,6 +43,8 @@ def transformer_config(config, initialize: bool = True):
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
+        # None: TP's (megatron's default)
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=config.args.virtual_stages(),
         # uneven first/last stages (checked in arguments/run.py pipeline_stage_layers)
@@ -245,6 +247,10 @@ def layer_spec(config, moe: bool = False):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         qk_layernorm=m.qk_layernorm, normalization=m.normalization,
         multi_latent_attention=m.multi_latent_attention, **experts)
+    if m.multi_latent_attention:
+        from .mla import attention_class
+
+        spec.submodules.self_attention.module = attention_class()
     if config.attention == "sdpa":
         from ..runtime import cpu
         from .sdpa_attention import SdpaAttention
@@ -417,6 +423,7 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
 
             gemma3_layers.scale_embedding(model, m.hidden_size)
         mark_sinks_tensor_parallel(model)
+        mark_whole_experts(model, config.parallel)
         if m.num_labels:
             from . import value_head
 
@@ -425,6 +432,21 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def mark_whole_experts(model, p) -> None:
+    """With --expert_tensor_parallel_size 1 under TP > 1 each TP rank runs whole experts on
+    its own tokens (its sequence shard), so an expert's gradient is a part on each of them;
+    megatron sums expert gradients over the expert-data-parallel ranks (which then include
+    the TP ranks) only for parameters marked ``allreduce`` False, which megatron-core 0.16.1
+    marks under expert parallelism alone (layers.py, 886): without EP the parts would never
+    be summed and the TP ranks' copies of each expert would drift apart."""
+    if p.expert_tensor_parallel_size in (None, p.tensor_model_parallel_size):
+        return
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
 
 
 _MTP_CLASSES: dict = {}

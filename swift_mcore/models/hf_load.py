@@ -206,6 +206,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
+    expert_tp = (parallel_state.get_expert_tensor_parallel_rank(),
+                 parallel_state.get_expert_tensor_parallel_world_size())
     loaded, problems, unreleased = 0, [], 0
     with folder.reader() as reader, torch.no_grad():
         from . import mxfp4
@@ -245,7 +247,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
                     loaded += param.numel()
                     cpu.after_weights_read(config)
                     continue
-                value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size)
+                value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size,
+                                        expert_tp)
                 if tuple(value.shape) != tuple(param.shape):
                     raise AssertionError(f"{name}: converted shape {list(value.shape)}, "
                                          f"model shape {list(param.shape)}")

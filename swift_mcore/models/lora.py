@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..arguments.tuner import MCORE_LINEARS, SAVABLE_MODULES, mcore_targets
+from ..arguments.tuner import ALL_LINEAR, MCORE_LINEARS, SAVABLE_MODULES, mcore_targets
 from ..errors import ArgumentError, CheckpointError
 from ..input_files import open_regular
 
@@ -52,10 +52,15 @@ def linear_names(m) -> List[str]:
     from ..arguments.model import linear_attention_pattern
 
     names = []
+    attention = ["linear_qkv"]
+    if m.multi_latent_attention:
+        attention = (["linear_q_proj"] if m.q_lora_rank is None else
+                     ["linear_q_down_proj", "linear_q_up_proj"])
+        attention += ["linear_kv_down_proj", "linear_kv_up_proj"]
     delta = linear_attention_pattern(m) or [0] * m.num_layers
     for i, moe in enumerate(_moe_pattern(m)):
         layer = f"decoder.layers.{i}."
-        mixer = ("in_proj", "out_proj") if delta[i] else ("linear_qkv", "linear_proj")
+        mixer = ("in_proj", "out_proj") if delta[i] else (*attention, "linear_proj")
         names += [layer + "self_attention." + name for name in mixer]
         if not moe:
             names += [layer + "mlp.linear_fc1", layer + "mlp.linear_fc2"]
@@ -83,7 +88,13 @@ def select_targets(tuner, m) -> List[str]:
                 + (", the experts' mlp.experts.local_experts.E.linear_fc1/2"
                    if getattr(m, "num_experts", None) else "") + ")")
         return chosen
-    kinds = set(mcore_targets(tuner.target_modules))
+    kinds = mcore_targets(tuner.target_modules)
+    present = {n.rsplit(".", 1)[1] for n in names}
+    absent = [k for k in kinds if k not in present]
+    if absent and ALL_LINEAR not in tuner.target_modules:
+        raise ArgumentError(
+            f"--target_modules: this model has no {absent[0]} layer; its linear layers are "
+            f"{', '.join(k for k in MCORE_LINEARS if k in present)}")
     return [n for n in names if n.rsplit(".", 1)[1] in kinds]
 
 
@@ -102,6 +113,16 @@ def layer_shape(m, name: str) -> Tuple[int, int]:
         v = m.linear_num_value_heads * m.linear_value_head_dim
         return ((m.hidden_size, 2 * qk + 2 * v + 2 * m.linear_num_value_heads)
                 if kind == "in_proj" else (v, m.hidden_size))
+    h, heads, rope = m.hidden_size, m.num_attention_heads, m.qk_pos_emb_head_dim
+    mla = {"linear_q_proj": (h, heads * (m.qk_head_dim + rope)),
+           "linear_q_down_proj": (h, m.q_lora_rank),
+           "linear_q_up_proj": (m.q_lora_rank, heads * (m.qk_head_dim + rope)),
+           "linear_kv_down_proj": (h, m.kv_lora_rank + rope),
+           "linear_kv_up_proj": (m.kv_lora_rank, heads * (m.qk_head_dim + m.v_head_dim))}
+    if kind in mla:
+        return mla[kind]
+    if kind == "linear_proj" and m.multi_latent_attention:
+        return heads * m.v_head_dim, h
     if kind == "linear_qkv":
         queries = m.num_attention_heads * (2 if m.attention_output_gate else 1)
         return m.hidden_size, (queries + 2 * groups) * head_dim
@@ -467,6 +488,12 @@ _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 _HF_PARTS = {"self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj",
                                            "self_attn.v_proj"),
              "self_attention.linear_proj": ("self_attn.o_proj",),
+             # multi-latent attention (models/mla.py): one HF module each
+             "self_attention.linear_q_proj": ("self_attn.q_proj",),
+             "self_attention.linear_q_down_proj": ("self_attn.q_a_proj",),
+             "self_attention.linear_q_up_proj": ("self_attn.q_b_proj",),
+             "self_attention.linear_kv_down_proj": ("self_attn.kv_a_proj_with_mqa",),
+             "self_attention.linear_kv_up_proj": ("self_attn.kv_b_proj",),
              "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
              "mlp.linear_fc2": ("mlp.down_proj",)}
 _HF_SAVED = {"embedding.word_embeddings": "model.embed_tokens", "output_layer": "lm_head"}

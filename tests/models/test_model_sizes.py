@@ -187,6 +187,13 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              moe_router_enable_expert_bias=True),
         dict(multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=16, qk_head_dim=8,
              qk_pos_emb_head_dim=4, v_head_dim=12),
+        # LoRA on MLA's projections: all of them, or some (the query's direct one)
+        dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=24, kv_lora_rank=16,
+             qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=12, tuner_type="lora",
+             lora_rank=4),
+        dict(multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=16, qk_head_dim=8,
+             qk_pos_emb_head_dim=4, v_head_dim=12, tuner_type="lora", lora_rank=4,
+             target_modules=["linear_q_proj", "linear_kv_up_proj", "linear_proj"]),
         # multi-token prediction: two MTP layers like the last decoder layer (MoE, MLA)...
         dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=24, kv_lora_rank=16,
              qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=12,
