@@ -2,14 +2,22 @@
 active parameters, both through `swift-mcore pt`.
 
 The MoE model routes each token to --topk of --experts experts of inner size --expert_ffn
-(megatron's MoE layer: router, alltoall dispatcher, SequentialMLP on CPU); the dense model's
-MLP has inner size topk x expert_ffn, so both do the same expert matmuls per token (the MoE
+(megatron's MoE layer: router, alltoall dispatcher, and on CPU its SequentialMLP's experts
+in one autograd function, runtime/cpu/grouped_experts.py); the dense model's MLP has inner
+size topk x expert_ffn, so both do the same expert matmuls per token (the MoE
 adds the router's). Each round runs both in their own process, in an order that alternates;
 per run the tokens/s of the iterations after the first (warm-up). Reported: the median
 per model and the median over rounds of MoE / dense within a round, so drifting load on a
 shared machine hits both alike. Prints one JSON line.
 
+--cpu_time adds the CPU seconds of each training iteration (the Trainer's train_step, timed
+with time.process_time inside the run), which a loaded machine disturbs far less than wall
+time: per run the median over the iterations after the first; MoE / dense as tokens per
+CPU second, the median over rounds. Use it with --threads 1 (idle OpenMP threads spin on
+CPU time).
+
   python benchmarks/moe_throughput.py                        # 4 layers, hidden 256, 8 experts top-2
+  python benchmarks/moe_throughput.py --cpu_time --threads 1 --iters 8 --rounds 2
   python benchmarks/moe_throughput.py --tiny --rounds 1      # smoke test
 """
 
@@ -26,7 +34,9 @@ import tempfile
 from bench_common import ROOT  # puts the checkout on sys.path
 
 
-def run(kind: str, args, out: str) -> float:
+def run(kind: str, args, out: str):
+    """One `pt` run: its tokens/s over the iterations after the first, and with --cpu_time
+    the median CPU seconds of those iterations (else None)."""
     shape = ["--num_layers", str(args.layers), "--hidden_size", str(args.hidden),
              "--num_attention_heads", "4", "--num_query_groups", "2",
              "--seq_length", str(args.seq), "--micro_batch_size", "2",
@@ -41,7 +51,10 @@ def run(kind: str, args, out: str) -> float:
     else:
         shape += ["--ffn_hidden_size", str(args.topk * args.expert_ffn)]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "pt", *shape,
+    cpu_file = f"{out}.cpu.json"
+    launcher = ([os.path.abspath(__file__), "--pt_child", cpu_file] if args.cpu_time
+                else ["-m", "swift_mcore"])
+    proc = subprocess.run([sys.executable, *launcher, "pt", *shape,
                            "--output_dir", out], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=3600)
     if proc.returncode != 0:
@@ -49,7 +62,37 @@ def run(kind: str, args, out: str) -> float:
     with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
         records = [r for r in map(json.loads, fh) if r.get("split") == "train"]
     timed = records[1:]  # the first iteration warms up
-    return sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+    tokens_per_s = (sum(r["tokens"] for r in timed)
+                    / sum(r["tokens"] / r["tokens_per_s"] for r in timed))
+    if not args.cpu_time:
+        return tokens_per_s, None
+    with open(cpu_file, encoding="utf-8") as fh:
+        return tokens_per_s, statistics.median(json.load(fh)[1:])
+
+
+def pt_child(cpu_file: str, argv) -> int:
+    """`swift-mcore pt argv` in this process, the CPU seconds of each train_step written to
+    ``cpu_file`` as a JSON list."""
+    import time
+
+    from swift_mcore import cli
+    from swift_mcore.training import trainer
+
+    seconds = []
+    step = trainer.Trainer.train_step
+
+    def timed_step(self):
+        start = time.process_time()
+        try:
+            return step(self)
+        finally:
+            seconds.append(time.process_time() - start)
+
+    trainer.Trainer.train_step = timed_step
+    code = cli.main(argv)
+    with open(cpu_file, "w", encoding="utf-8") as fh:
+        json.dump(seconds, fh)
+    return code
 
 
 def add_shape_arguments(parser) -> None:
@@ -65,31 +108,46 @@ def add_shape_arguments(parser) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--pt_child"]:
+        raise SystemExit(pt_child(sys.argv[2], sys.argv[3:]))
     parser = argparse.ArgumentParser()
     add_shape_arguments(parser)
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cpu_time", action="store_true",
+                        help="also the CPU seconds per iteration (module docstring)")
     args = parser.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.expert_ffn, args.seq, args.iters = 2, 64, 32, 32, 2
     results = {"moe": [], "dense": []}
-    ratios = []
+    cpu = {"moe": [], "dense": []}
+    ratios, cpu_ratios = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             order = ("moe", "dense") if round_ % 2 == 0 else ("dense", "moe")
             measured = {kind: run(kind, args, os.path.join(tmp, f"{kind}{round_}"))
                         for kind in order}
-            for kind, value in measured.items():
+            for kind, (value, seconds) in measured.items():
                 results[kind].append(value)
-            ratios.append(measured["moe"] / measured["dense"])
-    print(json.dumps({
+                cpu[kind].append(seconds)
+            ratios.append(measured["moe"][0] / measured["dense"][0])
+            if args.cpu_time:
+                cpu_ratios.append(measured["dense"][1] / measured["moe"][1])
+    report = {
         "shape": {"layers": args.layers, "hidden": args.hidden, "experts": args.experts,
                   "topk": args.topk, "expert_ffn": args.expert_ffn, "seq": args.seq},
         "moe_tokens_per_s_median": statistics.median(results["moe"]),
         "dense_tokens_per_s_median": statistics.median(results["dense"]),
         "moe_vs_dense_median": statistics.median(ratios),
         "rounds": args.rounds,
-    }))
+    }
+    if args.cpu_time:
+        report.update({
+            "moe_cpu_s_per_iteration_median": statistics.median(cpu["moe"]),
+            "dense_cpu_s_per_iteration_median": statistics.median(cpu["dense"]),
+            "moe_vs_dense_tokens_per_cpu_s_median": statistics.median(cpu_ratios),
+            "threads": args.threads})
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

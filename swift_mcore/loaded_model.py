@@ -50,13 +50,13 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log: Log, trust: bool,
              tokenizer_optional: bool = False) -> LoadedModel:
     from .data import build_tokenizer
     from .data.tokenizer import has_tokenizer_files
-    from .models.hf_folder import HFFolder
     from .models.hf_load import load_hf_weights
 
     from .models import mtp
     from .models.families import for_config
+    from .models.text_part import open_folder
 
-    folder = HFFolder(path, flag="--model")
+    folder = open_folder(path, flag="--model")  # a multimodal folder: its language model
     # Only the model matters; a sequence length its positions allow keeps the checks happy.
     positions = folder.config.get("max_position_embeddings") or 256
     # the folder's multi-token prediction layers, carried to the checkpoint or folder written

@@ -197,6 +197,8 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
     layer_spec = "transformer_engine" if attention == "transformer_engine" else "local"
     check_sequence_parallel(flags, cuda, layer_spec, apex)
     check_moe_hardware(flags, cuda, layer_spec)
+    choose_grouped_gemm(flags, layer_spec)
+    check_mla_hardware(flags, layer_spec)
     check_recompute_hardware(flags, cuda, transformer_engine)
     check_fp8(flags, cuda, layer_spec)
     if flags.logging.record_memory_history and not cuda:
@@ -458,11 +460,37 @@ def check_sequence_parallel(flags: RunArguments, cuda: bool, layer_spec: str,
 
 def check_moe_hardware(flags: RunArguments, cuda: bool, layer_spec: str) -> None:
     """--moe_grouped_gemm runs the local experts as one grouped GEMM: Transformer Engine's
-    (its layer spec, CUDA). On CPU the experts are megatron's SequentialMLP."""
+    (its layer spec, CUDA). On CPU the experts are megatron's SequentialMLP, run in one
+    autograd function (runtime/cpu/grouped_experts.py)."""
     if flags.model.moe_grouped_gemm and (not cuda or layer_spec != "transformer_engine"):
         raise ArgumentError("--moe_grouped_gemm needs CUDA and Transformer Engine's layer spec "
                             "(--attention_backend auto or transformer_engine); without them the "
                             "experts run one after another (drop the flag)")
+def choose_grouped_gemm(flags: RunArguments, layer_spec: str) -> None:
+    """An MoE model on Transformer Engine's layer spec (CUDA) runs its local experts as TE's
+    grouped GEMM unless --moe_grouped_gemm was given: Megatron-LM's MoE recipes do, one GEMM
+    for all experts in place of one launch per expert. Not with LoRA (the grouped linears
+    have no LoRA layer) or expert biases (--add_bias_linear, gpt-oss). The checkpoint keys
+    are SequentialMLP's either way (megatron maps both to one expert axis), and the token
+    dispatcher stays --moe_token_dispatcher_type's alltoall, the one megatron recommends
+    with expert parallelism. Writes the choice into ``flags`` (args.json records it)."""
+    m = flags.model
+    if (m.num_experts and layer_spec == "transformer_engine"
+            and "moe_grouped_gemm" not in flags.explicit
+            and flags.tuner.tuner_type != "lora" and not m.add_bias_linear):
+        m.moe_grouped_gemm = True
+
+
+def check_mla_hardware(flags: RunArguments, layer_spec: str) -> None:
+    """Multi-latent attention over TP ranks runs on the local spec (models/mla.py); Transformer
+    Engine's spec keeps its down projections whole on each rank, not tested here yet."""
+    tp = flags.parallel.tensor_model_parallel_size
+    if flags.model.multi_latent_attention and tp > 1 and layer_spec == "transformer_engine":
+        raise ArgumentError(f"--multi_latent_attention with --tensor_model_parallel_size {tp} "
+                            f"on Transformer Engine's layer spec: not supported yet; use "
+                            f"--attention_backend sdpa (the local spec)")
+
+
 def check_recompute_hardware(flags: RunArguments, cuda: bool,
                              transformer_engine: bool) -> None:
     """--recompute_modules layernorm on a GPU without Transformer Engine: megatron-core

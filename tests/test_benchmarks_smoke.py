@@ -130,6 +130,16 @@ def test_moe_throughput_smoke():
     assert measured(result["moe_tokens_per_s_median"], result["moe_vs_dense_median"])
 
 
+@pytest.mark.benchmark  # three training processes
+def test_hybrid_throughput_smoke():
+    result = run_script("hybrid_throughput.py", "--tiny", "--rounds", "1", timeout=900)[-1]
+    assert result["shape"]["delta_net_layers"] == 3
+    assert set(result["parameters"]) == {"hybrid", "dense"}
+    assert measured(result["hybrid_tokens_per_s_median"], result["dense_tokens_per_s_median"],
+                    result["transformers_tokens_per_s_median"],
+                    result["hybrid_vs_dense_median"], result["hybrid_vs_transformers_median"])
+
+
 @pytest.mark.benchmark
 def test_moe_profile_smoke():
     moe, dense, gemm, glu = run_script("moe_profile.py", "--tiny", "--steps", "1",

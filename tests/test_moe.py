@@ -177,3 +177,23 @@ def test_avg_all_reduce_and_stream_events_on_gloo(gloo_group):
     proxy.distributed.all_reduce(value, op=dist.ReduceOp.AVG)  # gloo itself refuses AVG
     assert value.tolist() == [4.0, 2.0]
     proxy.cuda.Stream().record_event().synchronize()
+
+
+@pytest.mark.parametrize("argv, grouped", [
+    ([], True),                                      # decided: TE's grouped GEMM
+    (["--moe_grouped_gemm", "false"], False),        # the user's word stands
+    (["--tuner_type", "lora"], False),               # grouped linears have no LoRA layer
+    (["--add_bias_linear"], False),                  # expert biases (gpt-oss)
+    (["--attention_backend", "sdpa"], False),        # the local spec: SequentialMLP
+])
+def test_gpu_moe_runs_choose_grouped_gemm_with_alltoall(argv, grouped):
+    config = resolve(parse_args(["--num_layers", "2", "--micro_batch_size", "1",
+                                 "--global_batch_size", "12", "--num_experts", "4", *argv]),
+                     world_size=1, cuda=True, transformer_engine=True)
+    assert config.model.moe_grouped_gemm is grouped
+    assert config.model.moe_token_dispatcher_type == "alltoall"
+    dense = resolve(parse_args(["--num_layers", "2", "--micro_batch_size", "1",
+                                "--global_batch_size", "12"]), world_size=1, cuda=True,
+                    transformer_engine=True)
+    assert dense.model.moe_grouped_gemm is False
+    assert resolved("--num_experts", "4").model.moe_grouped_gemm is False  # CPU

@@ -58,6 +58,12 @@ def test_every_torch_norm_slot_of_the_local_spec_is_marked():
     slots = (layer.input_layernorm, layer.pre_mlp_layernorm, attention.q_layernorm,
              attention.k_layernorm)
     assert all(slot is spn.SequenceParallelNorm for slot in slots)
+    # multi-latent attention: its latent norms work on the sequence shard too
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm",
+                                    multi_latent_attention=True)
+    spn.use_in(spec)
+    attention = spec.submodules.self_attention.submodules
+    assert attention.q_layernorm is attention.kv_layernorm is spn.SequenceParallelNorm
     norm = spn.SequenceParallelNorm(SimpleNamespace(normalization="LayerNorm",
                                                     sequence_parallel=True), 8, eps=1e-6)
     assert isinstance(norm, torch.nn.LayerNorm) and norm.eps == 1e-6

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End to end: sft a tiny random Hugging Face Llama, then DPO on preference pairs (the right
-# answer chosen, a wrong one rejected), export the result and ask it with `infer`; then a
-# reward model on the same pairs, exported and scoring a right and a wrong answer.
+# answer chosen, a wrong one rejected), export the result and ask it with `infer`; KTO on
+# the same answers labelled desirable or not, exported and asked too; then a reward model on
+# the pairs, exported and scoring a right and a wrong answer.
 #
 #   bash examples/rlhf/run.sh [OUT]          (a few minutes on 2 CPU cores)
 #
@@ -9,9 +10,10 @@
 set -euo pipefail
 OUT=${1:-output/rlhf-example}
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
-rm -rf "$OUT/sft" "$OUT/dpo" "$OUT/dpo-hf" "$OUT/rm" "$OUT/rm-hf"
+rm -rf "$OUT/sft" "$OUT/dpo" "$OUT/dpo-hf" "$OUT/kto" "$OUT/kto-hf" "$OUT/rm" "$OUT/rm-hf"
 
-# 1. The starting point (the sft example's): a random Llama, 24 questions, and the pairs.
+# 1. The starting point (the sft example's): a random Llama, 24 questions, the pairs and
+#    the labelled answers.
 "$PY" examples/sft/make_tiny_model_and_data.py "$OUT"
 "$PY" examples/rlhf/make_preferences.py "$OUT"
 
@@ -32,7 +34,16 @@ SFT=$(ls -d "$OUT"/sft/checkpoint/iter_*-hf | tail -n 1)
 "$PY" -m swift_mcore infer --model "$OUT/dpo-hf" --template plain \
     --prompt "Which planet does Ada live on?"
 
-# 5. A reward model from the sft model on the same pairs (a new score head on its decoder):
+# 5. KTO from the sft model on the answers labelled desirable (right) or not (wrong): its
+#    reference is the sft model too; the log line carries TRL's KTO metrics (kl included).
+"$PY" -m swift_mcore rlhf --rlhf_type kto --model "$SFT" --dataset "$OUT/feedback.jsonl" \
+    --beta 0.1 --seq_length 64 --micro_batch_size 4 --global_batch_size 8 --lr 1e-4 \
+    --num_train_epochs 2 --log_interval 3 --progress_bar false --output_dir "$OUT/kto"
+"$PY" -m swift_mcore export --to_hf --model "$OUT/kto" --output_dir "$OUT/kto-hf"
+"$PY" -m swift_mcore infer --model "$OUT/kto-hf" --template plain \
+    --prompt "Which planet does Ada live on?"
+
+# 6. A reward model from the sft model on the same pairs (a new score head on its decoder):
 #    export it and score the first pair's right and wrong answer, one number each.
 "$PY" -m swift_mcore rlhf --rlhf_type rm --model "$SFT" --dataset "$OUT/prefs.jsonl" \
     --seq_length 64 --micro_batch_size 4 --global_batch_size 8 --lr 1e-3 \

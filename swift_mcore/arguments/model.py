@@ -31,7 +31,7 @@ class ModelArguments:
     model_type: Optional[str] = flag(
         None, "Model family for Hugging Face import/export (llama, qwen2, qwen3, mistral, "
         "qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3, gpt_oss, qwen3_next, "
-        "qwen3_5, qwen3_5_moe, qwen2_5_vl; "
+        "qwen3_5, qwen3_5_moe, qwen2_5_vl, qwen3_vl; "
         "docs/models.md); set from --model's config.json; default: the family that fits the "
         "flags.")
     num_layers: int = flag(4, "Number of transformer layers.",
@@ -54,8 +54,8 @@ class ModelArguments:
     norm_epsilon: float = flag(1e-5, "Epsilon of the normalization layers.", range=POSITIVE)
     swiglu: bool = flag(True, "Gated SiLU MLP (SwiGLU) instead of a plain GeLU MLP.")
     position_embedding_type: str = flag(
-        "rope", "Position embedding: mrope is Qwen2.5-VL's multimodal RoPE (set from its "
-        "folder's config.json with --mrope_section and --vision_config).",
+        "rope", "Position embedding: mrope is Qwen2.5-VL's and Qwen3-VL's multimodal RoPE "
+        "(set from its folder's config.json with --mrope_section and --vision_config).",
         choices=("rope", "mrope", "learned_absolute", "none"))
     rotary_base: int = flag(10000, "RoPE base (theta).")
     rotary_percent: float = flag(1.0, "Fraction of each head's channels that RoPE rotates.",
@@ -68,11 +68,11 @@ class ModelArguments:
     mrope_section: Optional[str] = flag(
         None, "Multimodal RoPE: the channel pairs of each head rotated by the temporal, height "
         "and width position rows, e.g. '[16,24,24]' (summing to half the head size); set from "
-        "a Qwen2.5-VL folder's config.json.")
+        "a Qwen2.5-VL or Qwen3-VL folder's config.json.")
     vision_config: Optional[str] = flag(
         None, "The vision tower of a vision-language model (docs/multimodal.md): JSON with "
-        "the folder's vision_config and image token ids, set from a Qwen2.5-VL folder's "
-        "config.json; unset: a text model.")
+        "the folder's vision_config and image token ids, set from a Qwen2.5-VL or Qwen3-VL "
+        "folder's config.json; unset: a text model.")
     # ---- multi-latent attention (DeepSeek-V3; megatron's MLASelfAttention) -------------
     multi_latent_attention: bool = flag(
         False, "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through "
@@ -209,7 +209,9 @@ class ModelArguments:
         "alltoall", "How tokens reach the experts of other expert-parallel ranks.",
         choices=("allgather", "alltoall"))
     moe_grouped_gemm: bool = flag(
-        False, "All local experts in one grouped GEMM (CUDA with Transformer Engine).")
+        False, "All local experts in one grouped GEMM (CUDA with Transformer Engine); there "
+        "the default is on, except with LoRA or --add_bias_linear. On CPU the experts run in "
+        "one autograd function without it.")
     # ---- multi-token prediction (megatron's MultiTokenPredictionBlock; docs/models.md) ----
     mtp_num_layers: Optional[int] = flag(
         None, "Multi-token prediction (DeepSeek-V3): this many MTP layers after the decoder, "

@@ -73,6 +73,11 @@ class ParallelArguments:
     expert_model_parallel_size: int = flag(
         1, "Expert-parallel ranks: the routed experts of each MoE layer are split over them "
         "(inside the data-parallel ranks; needs --num_experts divisible by it).")
+    expert_tensor_parallel_size: Optional[int] = flag(
+        None, "Tensor-parallel ranks of each routed expert (default: "
+        "--tensor_model_parallel_size). 1 keeps every expert whole on its rank while the "
+        "attention and dense layers are split over TP (gpt-oss's biased experts need it); "
+        "1 or the TP size.")
     distributed_timeout_minutes: float = flag(
         30.0, "How long a collective waits for the other ranks, and how long one iteration "
         "(step, evaluation, save) may take, before the run ends with the stacks of its ranks "

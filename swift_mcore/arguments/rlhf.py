@@ -16,6 +16,8 @@ REFERENCE_FREE_TYPES = ("orpo", "simpo")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
                   "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop",
                   "sft", "sigmoid_norm")
+# TRL 1.16's KTO loss types (KTOConfig.loss_type); kto is --rlhf_type kto's default
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
@@ -34,8 +36,9 @@ class RlhfGroupArguments:
         "the ORPO paper); simpo: the reward scale.", range=POSITIVE)
     loss_type: List[str] = flag(
         ["sigmoid"], "The DPO loss, or several summed with --loss_weights, as TRL 1.16 names "
-        "them: " + ", ".join(DPO_LOSS_TYPES) + ".", choices=DPO_LOSS_TYPES,
-        comma_separated=True)
+        "them: " + ", ".join(DPO_LOSS_TYPES) + ". kto: one of " + ", ".join(KTO_LOSS_TYPES)
+        + " (default kto; apo_zero_unpaired has no KL term).",
+        choices=DPO_LOSS_TYPES + KTO_LOSS_TYPES, comma_separated=True)
     loss_weights: Optional[List[float]] = flag(
         None, "One weight per --loss_type (default: 1 each).")
     label_smoothing: float = flag(
@@ -83,6 +86,10 @@ class RlhfGroupArguments:
     truncation_mode: str = flag(
         "keep_start", "What a cut keeps of a sequence longer than --max_length: its start or "
         "its end (TRL's truncation_mode).", choices=TRUNCATION_MODES)
+
+    def kto_loss_type(self) -> str:
+        """--rlhf_type kto's loss: kto unless --loss_type names another of KTO's."""
+        return self.loss_type[0] if self.loss_type[0] in KTO_LOSS_TYPES else "kto"
 
     def needs_reference(self) -> bool:
         """Whether the task compares the policy with a reference model."""
@@ -166,8 +173,6 @@ class RlhfArguments(RunArguments):
                                 "yet; drop --packing or use --context_parallel_size 1")
         if p.pipeline_model_parallel_size > 1:
             self.check_pipeline()
-        if p.sequence_parallel:
-            raise ArgumentError("rlhf does not run with --sequence_parallel yet")
 
     def check_pipeline(self) -> None:
         """Pipeline parallelism runs DPO with the policy's and the reference's activations
@@ -184,26 +189,41 @@ class RlhfArguments(RunArguments):
         if refused:
             raise ArgumentError(f"{refused[0]} with --pipeline_model_parallel_size {pp} is "
                                 f"not supported yet for rlhf; drop one of them")
+        tp, seq = self.parallel.tensor_model_parallel_size, self.model.seq_length
+        if self.parallel.sequence_parallel and seq % tp:
+            raise ArgumentError(f"--seq_length {seq} with --sequence_parallel and "
+                                f"--pipeline_model_parallel_size {pp}: the stages exchange "
+                                f"rows of --seq_length positions split over the "
+                                f"--tensor_model_parallel_size {tp} ranks; give a multiple "
+                                f"of {tp}")
 
     def check_task(self) -> None:
         """The flags of one --rlhf_type are refused with another (they would do nothing)."""
         r, t = self.rlhf, self.training
         if r.rlhf_type == "kto":
+            if "loss_type" in self.explicit and (len(r.loss_type) != 1
+                                                 or r.loss_type[0] not in KTO_LOSS_TYPES):
+                raise ArgumentError(f"--loss_type {','.join(r.loss_type)}: --rlhf_type kto "
+                                    f"takes one of TRL's KTO losses: "
+                                    f"{', '.join(KTO_LOSS_TYPES)}")
             dpo_only = [name for name, given in (
-                ("--loss_type", list(r.loss_type) != ["sigmoid"]),
                 ("--loss_weights", r.loss_weights is not None),
                 ("--label_smoothing", r.label_smoothing != 0.0),
                 ("--rpo_alpha", r.rpo_alpha is not None),
                 ("--reference_free", r.reference_free),
                 ("--precompute_ref_log_probs", r.precompute_ref_log_probs)) if given]
             if dpo_only:
-                raise ArgumentError(f"{dpo_only[0]} is a DPO flag; --rlhf_type kto has one "
-                                    f"loss (TRL's kto), weighted by --desirable_weight and "
+                raise ArgumentError(f"{dpo_only[0]} is a DPO flag; --rlhf_type kto has "
+                                    f"TRL's KTO losses (--loss_type kto or "
+                                    f"apo_zero_unpaired), weighted by --desirable_weight and "
                                     f"--undesirable_weight, against a reference")
-            if t.micro_batch_size < 2:
+            if t.micro_batch_size < 2 and r.kto_loss_type() == "kto":
                 raise ArgumentError("--rlhf_type kto needs --micro_batch_size 2 or more: the "
                                     "KL estimate pairs each prompt with another row's answer "
                                     "of the same micro-batch (as TRL's KTOTrainer)")
+        elif kto_only := [name for name in r.loss_type if name in KTO_LOSS_TYPES]:
+            raise ArgumentError(f"--loss_type {kto_only[0]} is a KTO loss; it needs "
+                                f"--rlhf_type kto")
         elif r.desirable_weight != 1.0 or r.undesirable_weight != 1.0:
             which = "--desirable_weight" if r.desirable_weight != 1.0 else "--undesirable_weight"
             raise ArgumentError(f"{which} weighs KTO's losses; it needs --rlhf_type kto")

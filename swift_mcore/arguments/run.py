@@ -335,10 +335,6 @@ class RunArguments:
         if m.multi_latent_attention:
             raise ArgumentError("--linear_attention_freq with --multi_latent_attention is not "
                                 "supported; drop one")
-        if self.tuner.tuner_type == "lora":
-            raise ArgumentError("--tuner_type lora with gated delta-net layers "
-                                "(--linear_attention_freq, Qwen3-Next) is not supported yet; "
-                                "use --tuner_type full")
 
     def check_vision(self) -> None:
         """The vision-language flags come together (a Qwen2.5-VL folder sets all three);
@@ -356,7 +352,9 @@ class RunArguments:
             ("freeze_vit", t.freeze_vit, True), ("freeze_aligner", t.freeze_aligner, True),
             ("freeze_llm", t.freeze_llm, False),
             ("max_pixels", getattr(s, "max_pixels", None), None),
-            ("min_pixels", getattr(s, "min_pixels", None), None)) if value != default]
+            ("min_pixels", getattr(s, "min_pixels", None), None),
+            ("vit_lr", self.training.vit_lr, None),
+            ("aligner_lr", self.training.aligner_lr, None)) if value != default]
         if freeze and not given:
             raise ArgumentError(f"{freeze[0]} is a flag of vision-language models; this is "
                                 f"a text model (give a Qwen2.5-VL --model folder)")
@@ -371,14 +369,22 @@ class RunArguments:
         if s is not None and s.max_pixels and s.min_pixels and s.min_pixels > s.max_pixels:
             raise ArgumentError(f"--min_pixels {s.min_pixels} is above --max_pixels "
                                 f"{s.max_pixels}")
-        freeze = [f for f in freeze if f.startswith("--freeze")]
-        if freeze and t.tuner_type == "lora":
-            raise ArgumentError(f"{freeze[0]} with --tuner_type lora: the adapters train and "
-                                f"every base weight, the vision tower's too, stays frozen; "
-                                f"the freeze flags choose the parts of full finetuning")
-        if t.tuner_type == "full" and t.freeze_vit and t.freeze_aligner and t.freeze_llm:
+        for flag_name, lr, frozen, part in (
+                ("--vit_lr", self.training.vit_lr, t.freeze_vit, "--freeze_vit"),
+                ("--aligner_lr", self.training.aligner_lr, t.freeze_aligner,
+                 "--freeze_aligner")):
+            if lr is not None and (frozen or t.tuner_type != "full"):
+                raise ArgumentError(f"{flag_name} {lr}: that part does not train here (it "
+                                    f"needs --tuner_type full and {part} false)")
+        if t.freeze_vit and t.freeze_aligner and t.freeze_llm:
             raise ArgumentError("--freeze_vit, --freeze_aligner and --freeze_llm together "
-                                "leave nothing to train")
+                                "leave nothing to train (with --tuner_type lora: nothing to "
+                                "put adapters on)")
+        if t.tuner_type == "lora" and t.freeze_llm and (t.target_regex or t.adapters):
+            raise ArgumentError(f"--freeze_llm True with "
+                                f"{'--target_regex' if t.target_regex else '--adapters'}: "
+                                f"those choose the language model's adapters, which "
+                                f"--freeze_llm leaves out")
         if len(given) < 3:
             raise ArgumentError(f"{' and '.join(given)}: a vision-language model needs "
                                 f"--position_embedding_type mrope, --mrope_section and "
@@ -439,10 +445,15 @@ class RunArguments:
             raise ArgumentError("--multi_latent_attention with --attention_backend local: "
                                 "megatron's local attention cannot take MLA's head sizes; "
                                 "use sdpa, transformer_engine or auto")
-        if p.tensor_model_parallel_size > 1:
-            raise ArgumentError("--multi_latent_attention with --tensor_model_parallel_size "
-                                f"{p.tensor_model_parallel_size}: not supported yet; use "
-                                f"--expert_model_parallel_size or data parallelism")
+        tp = p.tensor_model_parallel_size
+        # the local spec's down projections are column-parallel: TP splits their outputs
+        for name, width in (("--q_lora_rank", m.q_lora_rank),
+                            ("--kv_lora_rank + --qk_pos_emb_head_dim",
+                             m.kv_lora_rank + m.qk_pos_emb_head_dim)):
+            if width is not None and width % tp:
+                raise ArgumentError(f"--tensor_model_parallel_size {tp} must divide {name} "
+                                    f"({width}): the local spec splits multi-latent "
+                                    f"attention's down projections over the TP ranks")
 
     def check_mtp(self) -> None:
         """Multi-token prediction (--mtp_num_layers): what swift-mcore runs it with so far.
@@ -471,8 +482,6 @@ class RunArguments:
             (p.context_parallel_size > 1,
              f"{n} with --context_parallel_size {p.context_parallel_size}: not supported yet "
              f"(the next-token shift crosses the ranks' sequence chunks)"),
-            (m.linear_attention_freq is not None,
-             f"{n} with --linear_attention_freq (gated delta-net layers): not supported yet"),
             (bool(getattr(getattr(self, "sft", None), "packing", False)),
              f"{n} with --packing: the next-token shift would cross from one packed "
              f"conversation into the next; drop --packing"),
@@ -615,6 +624,8 @@ class RunArguments:
         ep, tp, pp = (p.expert_model_parallel_size, p.tensor_model_parallel_size,
                       p.pipeline_model_parallel_size)
         _positive(p, "expert_model_parallel_size")
+        if p.expert_tensor_parallel_size is not None:
+            _positive(p, "expert_tensor_parallel_size")
         source = f" (from {m.model}/config.json)" if m.model else ""
         if m.num_experts is None:
             # (a value equal to the default changes nothing: args.json replays every flag)
@@ -626,6 +637,10 @@ class RunArguments:
                                     f"needs --num_experts N (routed experts per layer)")
             if ep > 1:
                 raise ArgumentError(f"--expert_model_parallel_size {ep} splits the experts of "
+                                    f"MoE layers; it needs --num_experts")
+            if p.expert_tensor_parallel_size not in (None, tp):
+                raise ArgumentError(f"--expert_tensor_parallel_size "
+                                    f"{p.expert_tensor_parallel_size} splits the experts of "
                                     f"MoE layers; it needs --num_experts")
             return
         for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
@@ -658,18 +673,21 @@ class RunArguments:
                 f"the world size ({world_size} ranks) must be divisible by "
                 f"--expert_model_parallel_size ({ep}) x --tensor_model_parallel_size ({tp}) x "
                 f"--pipeline_model_parallel_size ({pp})")
+        etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+        if etp not in (1, tp):
+            raise ArgumentError(f"--expert_tensor_parallel_size {etp}: 1 (each expert whole "
+                                f"on its rank) or --tensor_model_parallel_size ({tp})")
         if tp > 1 and not p.sequence_parallel:
             raise ArgumentError(
                 f"--num_experts with --tensor_model_parallel_size {tp} needs "
                 f"--sequence_parallel (megatron's MoE layer refuses to train with tensor "
                 f"parallelism without it): add --sequence_parallel, or use "
                 f"--expert_model_parallel_size instead of TP")
-        if m.add_bias_linear and tp > 1:
+        if m.add_bias_linear and etp > 1:
             raise ArgumentError(f"--tensor_model_parallel_size {tp} with biased experts "
-                                f"(--add_bias_linear: gpt-oss): megatron-core supports expert "
-                                f"biases only with expert tensor parallelism 1, which "
-                                f"swift-mcore ties to TP; use --expert_model_parallel_size, "
-                                f"pipeline or data parallelism")
+                                f"(--add_bias_linear: gpt-oss) needs "
+                                f"--expert_tensor_parallel_size 1: megatron-core supports "
+                                f"expert biases only with each expert whole on its rank")
         if m.add_bias_linear and m.moe_shared_expert_intermediate_size:
             raise ArgumentError("--moe_shared_expert_intermediate_size with --add_bias_linear: "
                                 "megatron's shared expert has no bias (its routed experts "
@@ -762,9 +780,6 @@ class RunArguments:
             raise ArgumentError("--tuner_type lora does not support --sequence_parallel (the "
                                 "adapters' replicated weights would need its gradient "
                                 "reduction); leave --sequence_parallel off")
-        if self.tuner.tuner_type == "lora" and self.model.multi_latent_attention:
-            raise ArgumentError("--tuner_type lora with --multi_latent_attention (DeepSeek-V3): "
-                                "not supported yet; use --tuner_type full")
 
     def check_best_flags(self) -> None:
         """--metric_for_best, --greater_is_better, --early_stopping_patience: they judge

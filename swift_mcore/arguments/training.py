@@ -28,6 +28,15 @@ class TrainingArguments:
                      "are).", range=NON_NEGATIVE)
     min_lr: float = flag(1e-4, "Learning rate at the end of decay; at most --lr.",
                          range=NON_NEGATIVE)
+    # ms-swift's names: a vision-language model's tower and merger on their own peak lr
+    vit_lr: Optional[float] = flag(
+        None, "Vision-language models: the peak learning rate of the vision tower's blocks "
+        "and patch embedding (with --freeze_vit false); its minimum is --min_lr scaled alike. "
+        "Default: --lr (docs/multimodal.md).", range=NON_NEGATIVE)
+    aligner_lr: Optional[float] = flag(
+        None, "Vision-language models: the peak learning rate of the merger(s) that project "
+        "the vision features into the language model (with --freeze_aligner false); its "
+        "minimum is --min_lr scaled alike. Default: --lr.", range=NON_NEGATIVE)
     lr_warmup_iters: int = flag(30, "Iterations of linear warmup from 0 to lr.")
     lr_decay_iters: Optional[int] = flag(None, "Iterations of decay; default train_iters.")
     lr_decay_style: str = flag(

@@ -9,11 +9,22 @@ from typing import List, Optional
 from ..errors import ArgumentError
 from .fields import FRACTION, POSITIVE, flag
 
+# multi-latent attention's projections in place of linear_qkv (DeepSeek-V3): the direct
+# query projection (no q LoRA rank) or the query down and up projections, then the
+# key/value ones
+MLA_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+               "linear_kv_down_proj", "linear_kv_up_proj")
 # megatron's linear layers of a GPT block (the local spec), in model order.
-MCORE_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+MCORE_LINEARS = ("linear_qkv", *MLA_LINEARS, "linear_proj", "linear_fc1", "linear_fc2")
+# megatron's gated delta net (Qwen3-Next's and Qwen3.5's linear_attn): its input projection
+# (transformers' in_proj_qkvz + in_proj_ba, or in_proj_qkv/z/b/a) and output projection
+DELTA_NET_LINEARS = ("in_proj", "out_proj")
 # The Hugging Face (Llama-style) names of the same layers. megatron fuses q/k/v into one
 # layer and gate/up into another: an adapter on a fused layer covers all of its parts.
+# DeepSeek-V3's MLA projections are one layer each.
 HF_LINEARS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+              "q_a_proj": "linear_q_down_proj", "q_b_proj": "linear_q_up_proj",
+              "kv_a_proj_with_mqa": "linear_kv_down_proj", "kv_b_proj": "linear_kv_up_proj",
               "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
               "down_proj": "linear_fc2"}
 ALL_LINEAR = "all-linear"
@@ -40,7 +51,8 @@ class TunerArguments:
         "transformer blocks, MoE experts included; not the router or the output layer), "
         "or names: megatron's "
         + ", ".join(MCORE_LINEARS) + " or Hugging Face's " + ", ".join(HF_LINEARS)
-        + " (q/k/v and gate/up are fused in megatron: give all of a fused layer's parts).",
+        + " (q/k/v and gate/up are fused in megatron: give all of a fused layer's parts); "
+        "in gated delta-net layers " + ", ".join(DELTA_NET_LINEARS) + ".",
         comma_separated=True)
     target_regex: Optional[str] = flag(
         None, "Instead of --target_modules: a regular expression matched against the whole "
@@ -62,16 +74,18 @@ class TunerArguments:
         "rslora and the targets come from adapter_config.json (docs/lora.md).")
 
     # ms-swift's names and defaults: a vision-language model's full finetuning trains the
-    # language model; the vision tower and its merger (the aligner) only when asked.
+    # language model; the vision tower and its merger (the aligner) only when asked. With
+    # --tuner_type lora the same flags choose the parts whose linear layers get adapters.
     freeze_vit: bool = flag(
-        True, "Vision-language models, full finetuning: keep the vision tower's blocks and "
-        "patch embedding as they are (docs/multimodal.md).")
+        True, "Vision-language models: keep the vision tower's blocks and patch embedding as "
+        "they are (full finetuning), or put no adapters on its linear layers (--tuner_type "
+        "lora) (docs/multimodal.md).")
     freeze_aligner: bool = flag(
-        True, "Vision-language models, full finetuning: keep the merger that projects the "
-        "vision features into the language model as it is.")
+        True, "Vision-language models: keep the merger that projects the vision features "
+        "into the language model as it is (full), or put no adapters on it (lora).")
     freeze_llm: bool = flag(
-        False, "Vision-language models, full finetuning: keep the language model (embedding, "
-        "layers, output layer) as it is.")
+        False, "Vision-language models: keep the language model (embedding, layers, output "
+        "layer) as it is (full), or put no adapters on it (lora).")
 
     def check(self, explicit) -> None:
         """The tuner flags alone; which layers a regex matches is resolve's to check."""
@@ -110,10 +124,10 @@ def mcore_targets(names) -> List[str]:
         if len(names) > 1:
             raise ArgumentError(f"--target_modules {ALL_LINEAR} already names every linear "
                                 f"layer; give it alone")
-        return list(MCORE_LINEARS)
+        return list(MCORE_LINEARS + DELTA_NET_LINEARS)
     chosen = set()
     for name in names:
-        if name in MCORE_LINEARS:
+        if name in MCORE_LINEARS + DELTA_NET_LINEARS:
             chosen.add(name)
         elif name in HF_LINEARS:
             fused = HF_LINEARS[name]
@@ -128,5 +142,5 @@ def mcore_targets(names) -> List[str]:
         else:
             raise ArgumentError(
                 f"--target_modules: unknown module {name!r}; accepted: {ALL_LINEAR}, "
-                f"{', '.join(MCORE_LINEARS)}, {', '.join(HF_LINEARS)}")
-    return [name for name in MCORE_LINEARS if name in chosen]
+                f"{', '.join(MCORE_LINEARS + DELTA_NET_LINEARS)}, {', '.join(HF_LINEARS)}")
+    return [name for name in MCORE_LINEARS + DELTA_NET_LINEARS if name in chosen]

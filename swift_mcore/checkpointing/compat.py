@@ -28,7 +28,8 @@ TUNER_FIELDS = [("tuner", name) for name in (
     "modules_to_save", "use_rslora", "adapters")]
 # Optimizer settings restored from the checkpoint's state (they would silently win).
 OPTIMIZER_FIELDS = [("training", name) for name in (
-    "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "bf16", "fp16")]
+    "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "bf16", "fp16", "vit_lr",
+    "aligner_lr")]
 # The learning-rate / weight-decay schedule, compared on the scheduler's own state.
 SCHEDULER_FIELDS = {
     "max_lr": "--lr", "min_lr": "--min_lr", "lr_warmup_steps": "--lr_warmup_iters",

@@ -1,4 +1,4 @@
-"""Image conversation rows checked before any work and encoded for a Qwen2.5-VL model: token
+"""Image conversation rows checked before any work and encoded for a Qwen VL model: token
 ids with each image's pads expanded, answer-only targets, the images' patches.
 
 Two row formats are read. ms-swift's: the messages' text holds ``<image>`` tags and the
@@ -186,8 +186,8 @@ class ImageEncoder:
         self.pad_id = backend.token_to_id(IMAGE_PAD)
         if self.pad_id is None or backend.token_to_id(VISION_START) is None:
             raise ArgumentError(f"the tokenizer ({template.tokenizer.source}) has no "
-                                f"{IMAGE_PAD} / {VISION_START} token: not a Qwen2.5-VL "
-                                f"tokenizer")
+                                f"{IMAGE_PAD} / {VISION_START} token: not a Qwen2.5-VL or "
+                                f"Qwen3-VL tokenizer")
 
     def patches(self, paths: Sequence[str]):
         """(pixel_values, image_grid_thw) of images read from ``paths``."""
@@ -355,7 +355,8 @@ def image_prompt(loaded, args):
 
     if not loaded.config.model.vision_config:
         raise ArgumentError(f"--image: --model {args.model} is a text model; images need a "
-                            f"vision-language model (a Qwen2.5-VL folder or its checkpoint)")
+                            f"vision-language model (a Qwen2.5-VL or Qwen3-VL folder, or its "
+                            f"checkpoint)")
     if loaded.hf_folder is None:
         raise ArgumentError(f"--image: the image processor of --model {args.model} is not "
                             f"known (its Hugging Face folder is gone)")

@@ -346,6 +346,13 @@ def encode_pairs(pairs: List[Pair], hf, max_length: int, truncation_mode: str,
     return encoded
 
 
+def sequence_pad_multiple(config) -> int:
+    """What every row's width is a multiple of: --sequence_parallel splits each row's
+    positions over the tensor-parallel ranks (a padded position is masked out of the loss)."""
+    p = config.parallel
+    return p.tensor_model_parallel_size if p.sequence_parallel else 1
+
+
 def max_length_of(config) -> int:
     r = config.rlhf
     return r.max_length if r.max_length is not None else config.model.seq_length + 1
@@ -363,6 +370,7 @@ def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = pr
     pad_id = pad if pad is not None else tokenizer.eod
     train = PreferenceDataset(encoded, max_length, r.truncation_mode, pad_id,
                               f"{preference_fingerprint(config, tokenizer)}:train",
+                              pad_multiple=sequence_pad_multiple(config),
                               pack_to=config.model.seq_length if _packing(config) else None,
                               # packed rows under stages: the shapes are exchanged
                               pad_to=(config.model.seq_length

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
-from .preference import Pair, preference_fingerprint, read_pairs
+from .preference import Pair, preference_fingerprint, read_pairs, sequence_pad_multiple
 from .sequence_rows import lay_out, packing_note
 
 # Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
@@ -52,8 +52,10 @@ class RewardPairs(torch.utils.data.Dataset):
     one pair, so the data order and resume are the unpacked run's."""
 
     def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, float]], pad_id: int,
-                 fingerprint: str, has_margin: bool, pack_to: Optional[int] = None):
+                 fingerprint: str, has_margin: bool, pad_multiple: int = 1,
+                 pack_to: Optional[int] = None):
         self.encoded = encoded
+        self.pad_multiple = pad_multiple
         self.pad_id = pad_id
         self.fingerprint = fingerprint
         self.has_margin = has_margin
@@ -70,13 +72,15 @@ class RewardPairs(torch.utils.data.Dataset):
         seqs = [item["chosen"] for item in items] + [item["rejected"] for item in items]
         if self.pack_to is None:
             width = max(len(s) for s in seqs)
+            width = -(-width // self.pad_multiple) * self.pad_multiple
             tokens = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
             for i, ids in enumerate(seqs):
                 tokens[i, :len(ids)] = torch.from_numpy(ids.astype(np.int64))
             batch = {"tokens": tokens, "position_ids": torch.arange(width).unsqueeze(0)
                      .expand(len(seqs), width).clone()}
         else:
-            batch, places = lay_out(seqs, self.pad_id, shift=False, pack_to=self.pack_to)
+            batch, places = lay_out(seqs, self.pad_id, shift=False, pack_to=self.pack_to,
+                                    pad_multiple=self.pad_multiple)
             batch["score_index"] = torch.tensor(
                 [(row, start + last_real(ids, self.pad_id))
                  for ids, (row, start) in zip(seqs, places)], dtype=torch.long)
@@ -131,6 +135,7 @@ def build_reward_datasets(config, tokenizer, log: Callable[[str], None] = print)
     encoded, has_margin = encode_reward_pairs(pairs, tokenizer.hf, max_length)
     train = RewardPairs(encoded, pad_id_of(tokenizer),
                         f"{reward_fingerprint(config, tokenizer)}:train", has_margin,
+                        sequence_pad_multiple(config),
                         pack_to=config.model.seq_length if config.rlhf.packing else None)
     log(f"rlhf data --dataset: {len(encoded)} preference pairs for the reward model"
         + (" with margins" if has_margin else "") + f" (--max_length {max_length})"

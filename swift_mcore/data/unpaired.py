@@ -22,7 +22,7 @@ import torch
 from ..errors import ArgumentError
 from .sequence_rows import lay_out, packing_note
 from .preference import (PairReport, _common_prefix, _is_messages, _messages, _try_json,
-                         max_length_of, to_pair)
+                         max_length_of, sequence_pad_multiple, to_pair)
 
 # Part of the fingerprint: change it whenever tokenizing changes what a row becomes.
 ENCODING_VERSION = 1
@@ -187,8 +187,10 @@ class UnpairedDataset(torch.utils.data.Dataset):
 
     def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, bool]], max_length: int,
                  truncation_mode: str, pad_id: int, fingerprint: str, pad_multiple: int = 1,
-                 pack_to: Optional[int] = None):
+                 kl_rows: bool = True, pack_to: Optional[int] = None):
+        """``kl_rows``: False for a loss without a KL term (no KL rows are made)."""
         self.encoded = encoded
+        self.kl_rows = kl_rows
         self.pack_to = pack_to
         self.max_length = max_length
         self.truncation_mode = truncation_mode
@@ -224,7 +226,8 @@ class UnpairedDataset(torch.utils.data.Dataset):
         prompts = [item["prompt"] for item in items]
         completions = [item["completion"] for item in items]
         batch = self._rows(prompts, completions, "")
-        batch.update(self._rows(prompts, completions[-1:] + completions[:-1], "kl_"))
+        if self.kl_rows:
+            batch.update(self._rows(prompts, completions[-1:] + completions[:-1], "kl_"))
         batch["desirable"] = torch.tensor([bool(item["desirable"]) for item in items])
         return batch
 
@@ -258,6 +261,8 @@ def build_unpaired_datasets(config, tokenizer, log: Callable[[str], None] = prin
     pad_id = pad if pad is not None else tokenizer.eod
     train = UnpairedDataset(encoded, max_length, r.truncation_mode, pad_id,
                             f"{unpaired_fingerprint(config, tokenizer)}:train",
+                            sequence_pad_multiple(config),
+                            kl_rows=r.kto_loss_type() == "kto",
                             pack_to=config.model.seq_length if r.packing else None)
     log(f"rlhf data --dataset: {report.describe(max_length)} "
         f"(truncation: {r.truncation_mode}){packing_note(train.pack_to)}")

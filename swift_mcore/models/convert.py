@@ -58,10 +58,13 @@ _ROW_PARALLEL = {
 FLAT_DELTA_NET = ("qwen3_5", "qwen3_5_moe")
 # the HF expert spelling of each family (Experts.names); the rest are Qwen's
 _EXPERT_NAMES = {"mixtral": "mixtral", "deepseek_v3": "deepseek", "glm4_moe": "deepseek",
-                 "gpt_oss": "gpt_oss"}
+                 "gpt_oss": "gpt_oss", "qwen3_vl_moe": "stacked"}
+# the spellings whose experts are whole-layer tensors (Experts.fused_*)
+FUSED_NAMES = ("gpt_oss", "stacked")
 # gpt-oss: each layer's experts in four fused tensors [experts, ...]; gate_up_proj is
 # [hidden, 2 * ffn] per expert (the input side first) with gate and up interleaved by
-# column (gate the even ones), down_proj [ffn, hidden]
+# column (gate the even ones), down_proj [ffn, hidden]. Qwen3-VL-MoE ("stacked"): the first
+# and third only, without biases, gate_up_proj's columns the gate's then the up's
 _FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
                   "mlp.experts.down_proj", "mlp.experts.down_proj_bias")
 _SINKS = ("self_attention.core_attention.softmax_offset", "self_attn.sinks")
@@ -109,8 +112,10 @@ class Experts:
     expert_bias: bool = False    # the router's expert bias (DeepSeek-V3's correction bias)
 
     def fused_shapes(self, hidden: int) -> List[Tuple[str, Tuple[int, ...]]]:
-        """gpt-oss's fused expert tensors of one layer with their shapes."""
+        """gpt-oss's (Qwen3-VL-MoE's) fused expert tensors of one layer with their shapes."""
         e, f = self.count, self.ffn
+        if self.names == "stacked":
+            return [(_FUSED_EXPERTS[0], (e, hidden, 2 * f)), (_FUSED_EXPERTS[2], (e, f, hidden))]
         return list(zip(_FUSED_EXPERTS, [(e, hidden, 2 * f), (e, 2 * f), (e, f, hidden),
                                          (e, hidden)]))
 
@@ -119,7 +124,12 @@ class Experts:
         per = []
         for e in range(self.count):
             expert = f"{layer}mlp.experts.local_experts.{e}."
-            if suffix.startswith("mlp.experts.gate_up_proj"):
+            if self.names == "stacked":  # the Hub's layout: fc1 and fc2 transposed
+                fc = "linear_fc1" if suffix == _FUSED_EXPERTS[0] else "linear_fc2"
+                weight = get(expert + fc + ".weight")
+                # a square one in memory's layout, which transformers reads it as
+                per.append(weight if weight.shape[0] == weight.shape[1] else weight.t())
+            elif suffix.startswith("mlp.experts.gate_up_proj"):
                 kind = "bias" if suffix.endswith("_bias") else "weight"
                 gate, up = get(expert + f"linear_fc1.{kind}").chunk(2, dim=0)
                 # [gate; up] rows -> columns interleaved gate, up, gate, ... (weights
@@ -138,6 +148,20 @@ class Experts:
         'linear_fc1.weight'), this TP rank's part, read from the fused tensors."""
         rows = slice(expert, expert + 1)
         part = _part(self.ffn, tp_rank, tp_size)
+        if self.names == "stacked":
+            # the Hub's files hold [hidden, 2 * ffn] and [ffn, hidden] per expert, those
+            # transformers writes [2 * ffn, hidden] and [hidden, ffn] (its layout in memory);
+            # either is read, the shape telling which as transformers' own loading does (a
+            # square one is in memory's layout)
+            if suffix == "linear_fc1.weight":
+                fused = read(prefix + _FUSED_EXPERTS[0], rows=rows)[0]
+                if fused.shape[0] != 2 * self.ffn:
+                    fused = fused.t()
+                return torch.cat([fused[: self.ffn][part], fused[self.ffn:][part]], dim=0)
+            down = read(prefix + _FUSED_EXPERTS[2], rows=rows)[0]
+            if down.shape[1] != self.ffn:
+                down = down.t()
+            return down[:, part]
         if suffix.startswith("linear_fc1."):
             name = "mlp.experts.gate_up_proj" + ("_bias" if suffix.endswith("bias") else "")
             fused = read(prefix + name, rows=rows)[0]
@@ -154,6 +178,8 @@ class Experts:
         if self.names == "gpt_oss":  # the experts: fused_to_hf / fused_to_mcore
             return {"mlp.router.weight": "mlp.router.weight",
                     "mlp.router.bias": "mlp.router.bias"}
+        if self.names == "stacked":
+            return {"mlp.router.weight": "mlp.gate.weight"}
         if self.names == "mixtral":
             out["mlp.router.weight"] = "block_sparse_moe.gate.weight"
             for e in range(self.count):
@@ -200,6 +226,7 @@ class Layout:
     mla: Optional[Mla] = None    # multi-latent attention (models/mla.py) instead of q/k/v
     post_norms: bool = False  # Gemma 3: norms on the attention and MLP outputs
     mtp_layers: int = 0       # multi-token prediction layers after the decoder (mtp.py)
+    mtp_prefixed: bool = False  # named mtp.* in the folder (Qwen3-Next: mtp.PREFIXED)
     # gated delta-net layers (Qwen3-Next, models/delta_net.py): 1 per such layer
     delta_net: Optional[DeltaNet] = None
     linear: Tuple[int, ...] = ()
@@ -208,6 +235,9 @@ class Layout:
     # a vision-language model's tower (models/vision.py): (HF name, shape) of each tensor,
     # named alike in the files and the model, copied as they are
     vision: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
+    # the files name the language model model.language_model.* and the tower model.visual.*
+    # (Qwen3-VL's); the names below are the flat ones (model.*, visual.*) either way
+    nested: bool = False
 
     @classmethod
     def from_model_args(cls, m, padded_vocab: int) -> "Layout":
@@ -233,12 +263,14 @@ class Layout:
                    qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm, experts=experts,
                    mla=Mla.from_model_args(m) if m.multi_latent_attention else None,
                    post_norms=m.model_type == "gemma3", mtp_layers=m.mtp_num_layers or 0,
+                   mtp_prefixed=mtp.prefixed(m.model_type),
                    delta_net=DeltaNet.from_model_args(m, flat=m.model_type in FLAT_DELTA_NET)
                    if m.linear_attention_freq else None,
                    linear=tuple(linear_attention_pattern(m)),
                    output_gate=bool(m.attention_output_gate),
                    score=getattr(m, "num_labels", None) or 0,
-                   vision=_vision_tensors(m))
+                   vision=_vision_tensors(m),
+                   nested=bool(getattr(m, "vision_config", None)) and _nested(m.model_type))
 
     def same(self) -> dict:
         """megatron per-layer suffix -> HF suffix of the tensors copied as they are."""
@@ -247,8 +279,10 @@ class Layout:
         return {**_SAME, **_POST_NORMS}
 
     def is_linear(self, layer: int) -> bool:
-        """Whether HF layer ``layer`` is a delta-net layer (an MTP layer: as the last)."""
-        layer = min(layer, self.num_layers - 1)
+        """Whether HF layer ``layer`` is a delta-net layer (an MTP layer never is: Qwen3-Next's
+        is a full-attention layer, models/gpt.py mtp_block_spec)."""
+        if layer >= self.num_layers:
+            return False
         return bool(self.linear) and bool(self.linear[layer])
 
     def is_moe(self, layer: int) -> bool:
@@ -273,7 +307,7 @@ class Layout:
                     shapes += [(name, (ffn, h)) for name in hf]
                 else:
                     shapes.append((hf, (h, ffn)))
-        if x.names == "gpt_oss":
+        if x.names in FUSED_NAMES:
             shapes += x.fused_shapes(h)
         return shapes
 
@@ -294,20 +328,28 @@ class Layout:
             out.append(("score.weight", (self.score, h)))
         elif not self.tied:
             out.append(("lm_head.weight", (self.vocab, h)))
-        return out + list(self.vision) + (self.mtp_hf_tensors() if mtp_layers else [])
+        out = out + list(self.vision) + (self.mtp_hf_tensors() if mtp_layers else [])
+        return [(nested_name(n), shape) for n, shape in out] if self.nested else out
 
     def mtp_hf_tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """The tensors of the MTP layers (model.layers.<num_layers + k>.*)."""
         out = []
         for i in range(self.num_layers, self.num_layers + self.mtp_layers):
-            before, after = mtp.hf_extra_tensors(f"model.layers.{i}.", self.hidden, self.vocab)
-            out += before + self._layer_tensors(i) + after
+            if self.mtp_prefixed:
+                before, after = mtp.prefixed_hf_tensors(self.hidden)
+                prefix = f"{mtp.PREFIXED_LAYER}{i - self.num_layers}."
+            else:
+                prefix = f"model.layers.{i}."
+                before, after = mtp.hf_extra_tensors(prefix, self.hidden, self.vocab)
+            out += before + self._layer_tensors(i, prefix) + after
         return out
 
-    def _layer_tensors(self, i: int) -> List[Tuple[str, Tuple[int, ...]]]:
-        """The tensors of decoder layer ``i`` (or an MTP layer's decoder-layer part)."""
+    def _layer_tensors(self, i: int, p: Optional[str] = None
+                       ) -> List[Tuple[str, Tuple[int, ...]]]:
+        """The tensors of decoder layer ``i`` (or an MTP layer's decoder-layer part, named
+        from ``p``)."""
         h, hd = self.hidden, self.head_dim
-        p = f"model.layers.{i}."
+        p = p or f"model.layers.{i}."
         out = [(p + "input_layernorm.weight", (h,))]
         if self.is_linear(i):
             out += self.delta_net.hf_tensors(p) + [(p + "post_attention_layernorm.weight",
@@ -343,6 +385,8 @@ class Layout:
 
     def to_hf(self, hf_name: str, get: Get) -> torch.Tensor:
         """One HF tensor from full megatron tensors (``get(name)``, TP=1 layout)."""
+        if self.nested:
+            hf_name = flat_name(hf_name)
         if self.vision and hf_name.startswith(_VISION):
             return get(hf_name)
         if hf_name == "model.embed_tokens.weight":
@@ -353,12 +397,22 @@ class Layout:
             return get("output_layer.weight")
         if hf_name == "model.norm.weight":
             return get("decoder.final_layernorm.weight")
+        if self.mtp_prefixed and self.mtp_layers:
+            own = {hf: mc for mc, hf in mtp.PREFIXED_NAMES.items()}
+            if hf_name in own:
+                return get(f"mtp.layers.0.{own[hf_name]}")
+            match = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", hf_name)
+            if match and int(match.group(1)) < self.mtp_layers:
+                k = int(match.group(1))
+                return self._layer_to_hf(self.num_layers + k, match.group(2),
+                                         f"mtp.layers.{k}.{mtp.TRANSFORMER_LAYER}", hf_name,
+                                         get)
         match = _HF_LAYER.match(hf_name)
         if not match:
             raise ConversionError(f"no megatron counterpart for {hf_name}")
         i, suffix = int(match.group(1)), match.group(2)
         layer = f"decoder.layers.{i}."
-        if self.num_layers <= i < self.num_layers + self.mtp_layers:
+        if self.num_layers <= i < self.num_layers + self.mtp_layers and not self.mtp_prefixed:
             k = i - self.num_layers
             if mtp.mcore_name(suffix):
                 return get(f"mtp.layers.{k}.{mtp.mcore_name(suffix)}")
@@ -366,6 +420,12 @@ class Layout:
                 # its own tensor (safetensors writes no two names over one storage)
                 return self.to_hf(mtp.copied(suffix, self.tied), get).clone()
             layer = f"mtp.layers.{k}.{mtp.TRANSFORMER_LAYER}"
+        return self._layer_to_hf(i, suffix, layer, hf_name, get)
+
+    def _layer_to_hf(self, i: int, suffix: str, layer: str, hf_name: str, get: Get
+                     ) -> torch.Tensor:
+        """HF tensor ``hf_name`` of layer ``i`` (suffix ``suffix``), from megatron's layer
+        whose parameters start with ``layer``."""
         if self.mla is not None and self.mla.mcore_name(suffix):
             return get(layer + self.mla.mcore_name(suffix))
         if self.is_linear(i) and self.delta_net.owns_hf(suffix):
@@ -373,7 +433,7 @@ class Layout:
         for mc, hf in {**self.same(), **_ROW_PARALLEL, **self._attention_extras()}.items():
             if suffix == hf:
                 return get(layer + mc)
-        if suffix in _FUSED_EXPERTS and self.is_moe(i) and self.experts.names == "gpt_oss":
+        if suffix in _FUSED_EXPERTS and self.is_moe(i) and self.experts.names in FUSED_NAMES:
             return self.experts.fused_to_hf(suffix, layer, get)
         qkv = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", suffix)
         if qkv:
@@ -412,39 +472,45 @@ class Layout:
 
     # ---- the megatron side ---------------------------------------------------------------
     def to_mcore(self, name: str, read: Read, tp_rank: int = 0, tp_size: int = 1,
-                 ep_rank: int = 0, ep_size: int = 1) -> torch.Tensor:
+                 ep_rank: int = 0, ep_size: int = 1,
+                 expert_tp: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         """Rank ``tp_rank``'s shard of megatron parameter ``name``, read from the HF files.
         With expert parallelism local expert j of EP rank r is global expert
-        r * experts / ep_size + j."""
+        r * experts / ep_size + j; a routed expert is split over its expert-TP ranks
+        (``expert_tp``: (rank, size); None: TP's)."""
         name = canonical(name)
+        if self.nested:
+            read = _reading_nested(read)
         if self.vision and name.startswith(_VISION):  # replicated over TP
             return read(name)
-        if name == "embedding.word_embeddings.weight":
-            return self._vocab_rows("model.embed_tokens.weight", read, tp_rank, tp_size)
-        if name == "output_layer.weight" and self.score:
+        vocab = self.vocab_source(name, tp_rank, tp_size)
+        if vocab is not None:
+            return self._vocab_rows(vocab, read, tp_rank, tp_size)
+        if name == "output_layer.weight":  # a reward model's score head
             return read("score.weight")  # whole on every rank (models/value_head.py)
-        if name == "output_layer.weight":
-            source = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
-            return self._vocab_rows(source, read, tp_rank, tp_size)
         if name == "decoder.final_layernorm.weight":
             return read("model.norm.weight")
         match = _LAYER.match(name)
         index, suffix = (int(match.group(1)), match.group(2)) if match else (None, None)
         in_mtp = mtp.MCORE_LAYER.match(name)
+        prefix = f"model.layers.{index}."
         if in_mtp and int(in_mtp.group(1)) < self.mtp_layers:
-            index, suffix = self.num_layers + int(in_mtp.group(1)), in_mtp.group(2)
+            k = int(in_mtp.group(1))
+            index, suffix = self.num_layers + k, in_mtp.group(2)
+            prefix = f"{mtp.PREFIXED_LAYER}{k}." if self.mtp_prefixed else \
+                f"model.layers.{index}."
+            own = mtp.PREFIXED_NAMES.get(suffix) if self.mtp_prefixed else (
+                prefix + mtp.hf_name(suffix) if mtp.hf_name(suffix) else None)
             if suffix == "eh_proj.weight":  # column-parallel: TP shards its output rows
-                return read(f"model.layers.{index}.eh_proj.weight",
-                            rows=_part(self.hidden, tp_rank, tp_size))
-            if mtp.hf_name(suffix):
-                return read(f"model.layers.{index}.{mtp.hf_name(suffix)}")
+                return read(own, rows=_part(self.hidden, tp_rank, tp_size))
+            if own:
+                return read(own)
             suffix = suffix[len(mtp.TRANSFORMER_LAYER):] \
                 if suffix.startswith(mtp.TRANSFORMER_LAYER) else None
         if suffix is None:
             raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
-        prefix = f"model.layers.{index}."
-        if self.mla is not None and self.mla.hf_name(suffix):  # TP 1 (arguments/run.py)
-            return read(prefix + self.mla.hf_name(suffix))
+        if self.mla is not None and self.mla.hf_name(suffix):
+            return self.mla.to_mcore(suffix, prefix, read, tp_rank, tp_size)
         if self.is_linear(index) and self.delta_net.owns(suffix):
             return self.delta_net.to_mcore(suffix, prefix, read, tp_rank, tp_size)
         if suffix in self.same():
@@ -456,7 +522,7 @@ class Layout:
         if self.is_moe(index) and suffix.startswith("mlp.") \
                 and not suffix.startswith("mlp.linear_fc"):
             return self._moe_shard(index, prefix, suffix, read, tp_rank, tp_size,
-                                   ep_rank, ep_size)
+                                   ep_rank, ep_size, expert_tp or (tp_rank, tp_size))
         if suffix in _ROW_PARALLEL:
             width = self.heads * self.head_dim if "linear_proj" in suffix else self.ffn
             return read(prefix + _ROW_PARALLEL[suffix], cols=_part(width, tp_rank, tp_size))
@@ -470,15 +536,18 @@ class Layout:
         raise ConversionError(f"no Hugging Face counterpart for megatron parameter {name}")
 
     def _moe_shard(self, layer: int, prefix: str, suffix: str, read: Read, tp_rank: int,
-                   tp_size: int, ep_rank: int, ep_size: int) -> torch.Tensor:
+                   tp_size: int, ep_rank: int, ep_size: int,
+                   expert_tp: Tuple[int, int]) -> torch.Tensor:
         """A router, routed-expert or shared-expert tensor of MoE layer ``layer``; the
-        experts' fc1/fc2 are sharded over TP like the dense MLP's (expert TP = TP)."""
+        routed experts' fc1/fc2 are sharded over the expert-TP ranks, the shared expert's
+        over TP, like the dense MLP's."""
         x = self.experts
         local = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$", suffix)
         if local:
+            tp_rank, tp_size = expert_tp
             suffix = (f"mlp.experts.local_experts."
                       f"{ep_rank * (x.count // ep_size) + int(local.group(1))}.{local.group(2)}")
-        if local and x.names == "gpt_oss":
+        if local and x.names in FUSED_NAMES:
             expert, rest = suffix.split(".")[3], local.group(2)
             return x.fused_to_mcore(int(expert), rest, prefix, read, tp_rank, tp_size)
         hf = x.hf_names(layer).get(suffix)
@@ -517,12 +586,30 @@ class Layout:
                            v.reshape(local, hd, *tail)], dim=1)
         return fused.reshape(-1, *tail)
 
-    def _vocab_rows(self, hf_name: str, read: Read, tp_rank: int, tp_size: int):
-        """This rank's rows of the (padded) vocabulary; padding rows are zero."""
+    def vocab_source(self, name: str, tp_rank: int = 0, tp_size: int = 1
+                     ) -> Optional[Tuple[str, int, int]]:
+        """For the embedding and the LM head: the HF tensor (as the files name it) that rank
+        ``tp_rank``'s rows of the padded vocabulary come from, and which of its rows (start,
+        stop); the rank's rows past ``stop`` are padding. None for any other parameter."""
+        name = canonical(name)
+        if name == "embedding.word_embeddings.weight":
+            hf_name = "model.embed_tokens.weight"
+        elif name == "output_layer.weight" and not self.score:
+            hf_name = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
+        else:
+            return None
         per = self.padded_vocab // tp_size
-        start, stop = tp_rank * per, (tp_rank + 1) * per
-        real = read(hf_name, rows=slice(start, min(stop, self.vocab))) if start < self.vocab \
-            else None
+        start = tp_rank * per
+        if self.nested:  # the name the files use
+            hf_name = nested_name(hf_name)
+        return hf_name, start, max(start, min(start + per, self.vocab))
+
+    def _vocab_rows(self, source: Tuple[str, int, int], read: Read, tp_rank: int,
+                    tp_size: int) -> torch.Tensor:
+        """This rank's rows of the (padded) vocabulary; padding rows are zero."""
+        hf_name, start, stop = source
+        per = self.padded_vocab // tp_size
+        real = read(hf_name, rows=slice(start, stop)) if stop > start else None
         if real is not None and real.shape[0] == per:
             return real
         out = torch.zeros(per, self.hidden, dtype=real.dtype if real is not None else
@@ -533,6 +620,39 @@ class Layout:
 
 
 _VISION = "visual."
+_NESTED_LM, _NESTED_VISION = "model.language_model.", "model.visual."
+
+
+def _nested(model_type) -> bool:
+    from .vision import NESTED_NAMES
+
+    return model_type in NESTED_NAMES
+
+
+def nested_name(name: str) -> str:
+    """A flat HF name (model.*, visual.*) as a nested folder's files spell it."""
+    if name.startswith((_NESTED_LM, _NESTED_VISION)):
+        return name
+    if name.startswith(_VISION):
+        return "model." + name
+    if name.startswith("model."):
+        return _NESTED_LM + name[len("model."):]
+    return name
+
+
+def flat_name(name: str) -> str:
+    """The flat HF name of a nested folder's tensor name (the inverse of nested_name)."""
+    if name.startswith(_NESTED_VISION):
+        return name[len("model."):]
+    if name.startswith(_NESTED_LM):
+        return "model." + name[len(_NESTED_LM):]
+    return name
+
+
+def _reading_nested(read: Read) -> Read:
+    def nested_read(name, *args, **kwargs):
+        return read(nested_name(name), *args, **kwargs)
+    return nested_read
 
 
 def _vision_tensors(m) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:

@@ -112,13 +112,38 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
         if last_moe:
             counts["experts"] += m.mtp_num_layers * per_layer
     if tuner is not None and tuner.tuner_type == "lora":
-        from ..arguments.tuner import MCORE_LINEARS, mcore_targets
+        from ..arguments.tuner import DELTA_NET_LINEARS, MCORE_LINEARS, mcore_targets
 
-        kinds = (MCORE_LINEARS if tuner.target_regex is not None
+        kinds = (MCORE_LINEARS + DELTA_NET_LINEARS if tuner.target_regex is not None
                  else mcore_targets(tuner.target_modules))
         sizes = {"linear_qkv": h + qkv_out, "linear_proj": heads * kv + h,
                  "linear_fc1": h + ffn * gated, "linear_fc2": ffn + h}
-        counts["LoRA adapters"] = layers * tuner.lora_rank * sum(sizes[k] for k in kinds)
+        if m.multi_latent_attention:  # in + out of each projection (models/mla.py)
+            rope, q_lora = m.qk_pos_emb_head_dim, m.q_lora_rank
+            q_out = heads * (m.qk_head_dim + rope)
+            sizes.update(linear_qkv=0, linear_proj=heads * m.v_head_dim + h,
+                         linear_q_proj=0 if q_lora else h + q_out,
+                         linear_q_down_proj=h + q_lora if q_lora else 0,
+                         linear_q_up_proj=q_lora + q_out if q_lora else 0,
+                         linear_kv_down_proj=h + m.kv_lora_rank + rope,
+                         linear_kv_up_proj=m.kv_lora_rank + heads * (m.qk_head_dim
+                                                                     + m.v_head_dim))
+        # each kind in the layers that have it: attention's or a delta net's projections
+        count = {"linear_qkv": layers - linear, "linear_proj": layers - linear,
+                 "in_proj": linear, "out_proj": linear}
+        if linear:  # a delta net's in_proj: hidden -> [q; k; v; z; b; a], out_proj: v -> hidden
+            qk = m.linear_num_key_heads * m.linear_key_head_dim
+            v = m.linear_num_value_heads * m.linear_value_head_dim
+            sizes.update(in_proj=h + 2 * qk + 2 * v + 2 * m.linear_num_value_heads,
+                         out_proj=v + h)
+        counts["LoRA adapters"] = tuner.lora_rank * sum(sizes.get(k, 0) * count.get(k, layers)
+                                                        for k in kinds)
+        if getattr(m, "vision_config", None):
+            from .vision import VisionLanguage, lora_parameters
+
+            if tuner.freeze_llm:  # the tower's adapters alone
+                counts["LoRA adapters"] = 0
+            counts["LoRA adapters"] += lora_parameters(VisionLanguage.from_model_args(m), tuner)
     return counts
 
 
@@ -202,7 +227,9 @@ def parts(flags, world_size: int, precision: str, weights_only: bool, cuda: bool
             return trained
         return weight  # frozen base weights
 
-    shards = {"embedding": tp, "output layer": tp, "layers": tp * pp, "experts": ep * tp * pp,
+    # each routed expert over --expert_tensor_parallel_size ranks (TP's by default)
+    etp = p.expert_tensor_parallel_size or tp
+    shards = {"embedding": tp, "output layer": tp, "layers": tp * pp, "experts": ep * etp * pp,
               "LoRA adapters": pp, "vision tower": 1}  # the tower: whole on each rank
     sizes = {
         "embedding": (("vocab_size", padded_vocab(m)), ("hidden_size", m.hidden_size),

@@ -43,6 +43,8 @@ def transformer_config(config, initialize: bool = True):
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
+        # None: TP's (megatron's default)
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=config.args.virtual_stages(),
         # uneven first/last stages (checked in arguments/run.py pipeline_stage_layers)
@@ -247,6 +249,10 @@ def layer_spec(config, moe: bool = False):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         qk_layernorm=m.qk_layernorm, normalization=m.normalization,
         multi_latent_attention=m.multi_latent_attention, **experts)
+    if m.multi_latent_attention:
+        from .mla import attention_class
+
+        spec.submodules.self_attention.module = attention_class()
     if config.attention == "sdpa":
         from ..runtime import cpu
         from .sdpa_attention import SdpaAttention
@@ -267,6 +273,16 @@ def layer_spec(config, moe: bool = False):
         for slot in ([mlp.experts.submodules, mlp.shared_experts.submodules] if moe
                      else [mlp]):
             slot.activation_func = SwiGLU
+        if moe:
+            from megatron.core.transformer.moe.experts import SequentialMLP
+
+            from ..runtime import cpu
+
+            grouped = cpu.expert_module(config)
+            if grouped is not None and mlp.experts.module is SequentialMLP:
+                # without CUDA: every routed expert's SwiGLU MLP in one autograd function
+                mlp.experts.module = grouped
+                mlp.experts.params = {**mlp.experts.params, "swiglu": SwiGLU}
     if m.model_type == "gemma3":
         from . import gemma3_layers
 
@@ -333,7 +349,7 @@ def block_spec(config, transformer_config, vp_stage=None):
 def mtp_block_spec(config, transformer_config, decoder_spec, vp_stage=None):
     """megatron's multi-token prediction block (--mtp_num_layers), or None: each MTP layer's
     transformer layer is the decoder's last layer's (an MoE layer when that one is, as in
-    DeepSeek-V3 and GLM-4.5). With the local spec its three norms are the decoder's own
+    DeepSeek-V3 and GLM-4.5; with gated delta-net layers a full-attention one). With the local spec its three norms are the decoder's own
     norm class, as block_spec's final norm (megatron's local backend would pick apex's
     LayerNorm whenever apex is importable, whatever --normalization says)."""
     if not config.model.mtp_num_layers:
@@ -341,6 +357,12 @@ def mtp_block_spec(config, transformer_config, decoder_spec, vp_stage=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     te = config.layer_spec == "transformer_engine"
+    if config.model.linear_attention_freq is not None:
+        # Qwen3-Next's MTP layer is a full-attention layer whatever the decoder's last is
+        from ..arguments.model import moe_layer_pattern
+
+        moe = config.model.num_experts is not None and moe_layer_pattern(config.model)[-1]
+        decoder_spec = layer_spec(config, moe=bool(moe))
     spec = get_gpt_mtp_block_spec(transformer_config, decoder_spec, use_transformer_engine=te,
                                   vp_stage=vp_stage)
     if spec is None or te:
@@ -403,6 +425,7 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
 
             gemma3_layers.scale_embedding(model, m.hidden_size)
         mark_sinks_tensor_parallel(model)
+        mark_whole_experts(model, config.parallel)
         if m.num_labels:
             from . import value_head
 
@@ -411,6 +434,21 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def mark_whole_experts(model, p) -> None:
+    """With --expert_tensor_parallel_size 1 under TP > 1 each TP rank runs whole experts on
+    its own tokens (its sequence shard), so an expert's gradient is a part on each of them;
+    megatron sums expert gradients over the expert-data-parallel ranks (which then include
+    the TP ranks) only for parameters marked ``allreduce`` False, which megatron-core 0.16.1
+    marks under expert parallelism alone (layers.py, 886): without EP the parts would never
+    be summed and the TP ranks' copies of each expert would drift apart."""
+    if p.expert_tensor_parallel_size in (None, p.tensor_model_parallel_size):
+        return
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
 
 
 _MTP_CLASSES: dict = {}

@@ -140,7 +140,7 @@ class Reader:
     5 GB, and its pages read so far would otherwise sit in resident memory beside the model
     they were copied into."""
 
-    remap_bytes = 64 * 2**20
+    remap_bytes = 16 * 2**20
 
     def __init__(self, folder: HFFolder):
         self.folder = folder

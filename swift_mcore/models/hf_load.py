@@ -19,7 +19,7 @@ import torch
 from .finite import nonfinite
 from .value_head import is_score_config
 from ..errors import ArgumentError
-from ..runtime import collectives
+from ..runtime import collectives, cpu
 from . import mtp
 from .convert import Layout, global_name, layer_offset
 from .hf_folder import IGNORABLE_SUFFIXES, HFFolder
@@ -35,12 +35,13 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
                               AutoModelForSequenceClassification)
 
     from .families import for_config
+    from .text_part import is_multimodal
 
     raw = HFFolder(folder).config
     family = for_config(raw, os.path.join(folder, "config.json"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if raw.get("model_type") in family.model_types[1:]:
+        if raw.get("model_type") in family.model_types[1:] and not is_multimodal(raw):
             # another name for the family's architecture (kimi_k2: DeepSeek-V3), which
             # transformers knows only by the first
             hf_config = AutoConfig.for_model(family.model_types[0], **{
@@ -57,10 +58,21 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
                 model = AutoModelForImageTextToText.from_config(hf_config)
             else:
                 model = head.from_config(hf_config)
-    shapes = {_file_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    from .vision import NESTED_NAMES
+
+    nested = raw.get("model_type") in NESTED_NAMES  # the files use the names in memory
+    shapes = {(k if nested else _file_name(k)): tuple(v.shape)
+              for k, v in model.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def _is_language(name: str) -> bool:
+    """Whether a multimodal model's tensor (named as _file_name does) is its language
+    model's."""
+    return name == "lm_head.weight" or (name.startswith("model.") and not name.startswith(
+        ("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")))
 
 
 def _file_name(name: str) -> str:
@@ -73,11 +85,19 @@ def _file_name(name: str) -> str:
     return name
 
 
+STACKED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
 def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
     """Raise ArgumentError naming file and key for every tensor that is missing, has a shape
     other than config.json implies, or is not used by the model."""
+    from .text_part import TextView
+
     expected = expected_hf_shapes(folder.path)
     ours = dict(layout.hf_tensors(mtp_layers=False))  # transformers builds no MTP layers
+    if isinstance(folder, TextView):  # the language model of a multimodal folder
+        expected = {name: shape for name, shape in expected.items()
+                    if name in ours or _is_language(name)}
     if layout.experts is not None:
         # transformers 5 holds each layer's experts fused in memory (experts.gate_up_proj)
         # and reads and writes them per expert on disk, as the Hub's files are: the files
@@ -102,15 +122,21 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
     if not layout.mtp_layers:  # --mtp_num_layers 0: the folder's MTP layers left out
         from .families import for_config
 
-        held = mtp.folder_layers(for_config(folder.config, folder.config_path), folder)
+        family = for_config(folder.config, folder.config_path)
+        held = mtp.folder_layers(family, folder)
         first = layout.num_layers
         found = {name: value for name, value in found.items()
-                 if not any(name.startswith(f"model.layers.{i}.")
-                            for i in range(first, first + held))}
+                 if not (held and mtp.prefixed(family.name) and name.startswith("mtp."))
+                 and not any(name.startswith(f"model.layers.{i}.")
+                             for i in range(first, first + held))}
     problems: List[str] = []
+    stacked = layout.experts is not None and layout.experts.names == "stacked"
     for name, shape in expected.items():
         if name not in found:
             problems.append(f"{name}: missing from the weights")
+        elif stacked and name.endswith(STACKED_EXPERTS) and len(shape) == 3 \
+                and found[name][0] == (shape[0], shape[2], shape[1]):
+            continue  # transformers' own layout of the experts (Experts.fused_to_mcore)
         elif found[name][0] != shape:
             problems.append(f"{os.path.basename(found[name][1])}: {name} has shape "
                             f"{list(found[name][0])}, config.json implies {list(shape)}")
@@ -127,6 +153,31 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
                             f"{folder.config_path}:\n" + "\n".join(f"  {p}" for p in shown))
 
 
+# The embedding and the LM head are a model's largest tensors (DeepSeek-V3's: 1.8 GB each in
+# bf16); read whole, each would sit in memory once more beside its parameter.
+VOCAB_CHUNK_BYTES = 8 * 2**20
+# The buffers a tensor is read through are freed, but glibc keeps their pages resident: they
+# are handed back (runtime/cpu's after_weights_read) every this many bytes loaded.
+RELEASE_BYTES = 64 * 2**20
+
+
+def copy_vocab_rows(param, source, read) -> None:
+    """Fill a vocabulary parameter (this rank's rows of the padded vocabulary) from the HF
+    tensor named in ``source`` (name, start, stop: Layout.vocab_source) a few rows at a
+    time; the rows past the vocabulary are zero."""
+    hf_name, start, stop = source
+    rows = param.data
+    step = max(1, VOCAB_CHUNK_BYTES // max(1, rows[0].numel() * rows.element_size()))
+    for first in range(start, stop, step):
+        last = min(first + step, stop)
+        piece = read(hf_name, rows=slice(first, last))
+        if tuple(piece.shape) != (last - first, rows.shape[1]):
+            raise AssertionError(f"{hf_name}: rows {first}:{last} read as {list(piece.shape)}, "
+                                 f"model rows of width {rows.shape[1]}")
+        rows[first - start:last - start].copy_(piece)
+    rows[stop - start:].zero_()
+
+
 def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) -> int:
     """Copy --model's weights into this rank's chunks (DDP-wrapped or not). Every parameter
     must be filled. Returns the number of parameters this rank loaded."""
@@ -137,7 +188,9 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     start = time.time()
     from .families import for_config
 
-    folder = HFFolder(config.model.model, flag="--model")
+    from .text_part import open_folder
+
+    folder = open_folder(config.model.model, flag="--model")  # a multimodal one: its text
     layout = Layout.from_model_args(config.model, config.padded_vocab_size)
     fresh_head = bool(layout.score) and not is_score_config(folder.config)
     if fresh_head:  # a reward model from a causal LM: its body; the new head stays as drawn
@@ -153,7 +206,9 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
-    loaded, problems = 0, []
+    expert_tp = (parallel_state.get_expert_tensor_parallel_rank(),
+                 parallel_state.get_expert_tensor_parallel_world_size())
+    loaded, problems, unreleased = 0, [], 0
     with folder.reader() as reader, torch.no_grad():
         from . import mxfp4
 
@@ -186,12 +241,23 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
                 name = global_name(local, offset)
                 if fresh_head and name == "output_layer.weight":
                     continue
-                value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size)
+                vocab = layout.vocab_source(name, tp_rank, tp_size)
+                if vocab is not None:
+                    copy_vocab_rows(param, vocab, read)
+                    loaded += param.numel()
+                    cpu.after_weights_read(config)
+                    continue
+                value = layout.to_mcore(name, read, tp_rank, tp_size, ep_rank, ep_size,
+                                        expert_tp)
                 if tuple(value.shape) != tuple(param.shape):
                     raise AssertionError(f"{name}: converted shape {list(value.shape)}, "
                                          f"model shape {list(param.shape)}")
                 param.data.copy_(value)
                 loaded += param.numel()
+                unreleased += param.numel() * param.element_size()
+                if unreleased >= RELEASE_BYTES:
+                    cpu.after_weights_read(config)
+                    unreleased = 0
         if layout.mtp_layers:  # the folder's MTP copies of the embedding and output layer
             mtp.check_copies(layout, reader.read, f"--model {folder.path}")
     collectives.raise_if_any(problems[0] if problems else None)

@@ -63,7 +63,20 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     for name in PROCESSOR_FILES:  # a vision-language model's image processor: likewise
         if base_folder and os.path.lexists(os.path.join(base_folder, name)):
             load_json(os.path.join(base_folder, name))
-    config = family.hf_config(model_args, layout.vocab, base)
+    from . import text_part
+
+    part = None
+    if base is not None and text_part.is_multimodal(base) and \
+            families.for_config(base, os.path.join(base_folder, CONFIG)) is family:
+        # the language model of a multimodal folder: the rest is copied from it unchanged
+        from .hf_folder import HFFolder
+
+        source = HFFolder(base_folder, flag="the source folder")
+        part = (text_part.part_of(source), source)
+        config = text_part.multimodal_config(base, family.hf_config(
+            model_args, layout.vocab, text_part.language_config(base)))
+    else:
+        config = family.hf_config(model_args, layout.vocab, base)
     if base is None and tokenizer is not None:
         config.update(eos_token_id=tokenizer.eod, bos_token_id=_bos_id(tokenizer))
     if getattr(model_args, "num_labels", None) and tokenizer is not None:
@@ -84,7 +97,7 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     os.chmod(staging, 0o777 & ~umask)  # as os.makedirs would (mkdtemp's is 0o700)
     try:
         result = _write_folder(staging, out_dir, family, config, layout, get, tokenizer,
-                               dtype, base_folder, max_shard_bytes)
+                               dtype, base_folder, max_shard_bytes, part)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         if is_full_disk(err):
@@ -148,26 +161,40 @@ def _replace_folder(staging: str, out_dir: str) -> None:
 
 
 def _write_folder(staging: str, out_dir: str, family, config, layout: Layout, get, tokenizer,
-                  dtype: torch.dtype, base_folder: Optional[str], max_shard_bytes: int
-                  ) -> Dict[str, Any]:
-    """Every file of the folder, into ``staging``."""
+                  dtype: torch.dtype, base_folder: Optional[str], max_shard_bytes: int,
+                  part=None) -> Dict[str, Any]:
+    """Every file of the folder, into ``staging``. ``part``: (TextPart, source HFFolder) of
+    a multimodal source, whose tensors the model does not hold are copied as they are."""
+    import contextlib
+
     from safetensors.torch import save_file
 
-    _write_config(staging, family, config)
+    _write_config(staging, config.get("model_type") if part else family.model_types[0],
+                  config)
+    tensors_of = layout.hf_tensors()
+    text_names: Dict[str, str] = {name: name for name, _ in tensors_of}
+    if part is not None:
+        from .text_part import carried
 
-    plan = plan_shards(layout.hf_tensors(), torch.tensor([], dtype=dtype).element_size(),
+        text_names = {part[0].file_name(name): name for name, _ in tensors_of}
+        tensors_of = [(part[0].file_name(name), shape) for name, shape in tensors_of] + \
+            carried(part[1], part[0])
+    plan = plan_shards(tensors_of, torch.tensor([], dtype=dtype).element_size(),
                        max_shard_bytes)
     weight_map: Dict[str, str] = {}
     total = 0
-    for number, names in enumerate(plan, start=1):
-        filename = f"model-{number:05d}-of-{len(plan):05d}.safetensors"
-        tensors = {name: layout.to_hf(name, get).detach().to("cpu", dtype).contiguous()
-                   for name in names}
-        save_file(tensors, os.path.join(staging, filename), metadata={"format": "pt"})
-        for name, tensor in tensors.items():
-            weight_map[name] = filename
-            total += tensor.numel() * tensor.element_size()
-        del tensors
+    with (part[1].reader() if part else contextlib.nullcontext()) as source:
+        for number, names in enumerate(plan, start=1):
+            filename = f"model-{number:05d}-of-{len(plan):05d}.safetensors"
+            tensors = {name: layout.to_hf(text_names[name], get).detach().to("cpu", dtype)
+                       .contiguous() if name in text_names
+                       else source.read(name).contiguous()  # carried: as the source has it
+                       for name in names}
+            save_file(tensors, os.path.join(staging, filename), metadata={"format": "pt"})
+            for name, tensor in tensors.items():
+                weight_map[name] = filename
+                total += tensor.numel() * tensor.element_size()
+            del tensors
     with open(os.path.join(staging, INDEX), "w", encoding="utf-8") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2,
                   sort_keys=True)
@@ -183,7 +210,7 @@ def _write_folder(staging: str, out_dir: str, family, config, layout: Layout, ge
             "tensors": len(weight_map)}
 
 
-def _write_config(folder: str, family, config: Dict[str, Any]) -> None:
+def _write_config(folder: str, model_type: str, config: Dict[str, Any]) -> None:
     """Through transformers' own config class, so the file is what from_pretrained expects."""
     import warnings
 
@@ -192,7 +219,7 @@ def _write_config(folder: str, family, config: Dict[str, Any]) -> None:
     fields = {k: v for k, v in config.items() if k != "model_type"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf_config = AutoConfig.for_model(family.model_types[0], **fields)
+        hf_config = AutoConfig.for_model(model_type, **fields)
     hf_config.save_pretrained(folder)
 
 

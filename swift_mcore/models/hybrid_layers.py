@@ -81,6 +81,37 @@ class DocumentGatedDeltaNet(GatedDeltaNet):
         return torch.cat(pieces, dim=1), None
 
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None, tp_group=None):
+        """megatron's, also with a LoRA adapter on in_proj (models/lora_layer.py): megatron
+        splits the base weight's rows into query, key, value, z, beta and alpha (so a
+        checkpoint reshards over TP); the adapter's B is split alike, A as the LoRA layer
+        saves it."""
+        from megatron.core.ssm import gated_delta_net
+
+        adapted = self.in_proj
+        base = getattr(adapted, "base_layer", None)
+        if base is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata, tp_group)
+        self._modules["in_proj"] = base
+        try:
+            state = super().sharded_state_dict(prefix, sharded_offsets, metadata, tp_group)
+        finally:
+            self._modules["in_proj"] = adapted
+        own = prefix + "in_proj."
+        out = {(own + "base_layer." + k[len(own):] if k.startswith(own) else k): v
+               for k, v in state.items()}
+        tp = self.tp_size
+        parts = [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp, self.v_dim // tp,
+                 self.num_value_heads // tp, self.num_value_heads // tp]
+        for key, value in adapted.sharded_state_dict(own, sharded_offsets, metadata).items():
+            if ".lora_B." in key and key.endswith(".weight"):
+                value = gated_delta_net._split_tensor_factory(
+                    value, parts, ["query", "key", "value", "z", "beta", "alpha"], 0)
+            if ".lora_" in key:
+                out[key] = value
+        return out
+
+
 def document_starts(mask, batch: int):
     """The first position of each document of each row, from a [b or 1, 1, s, s] mask (True:
     hidden); None when no row holds more than one document (or there is no mask)."""

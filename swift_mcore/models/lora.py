@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..arguments.tuner import MCORE_LINEARS, SAVABLE_MODULES, mcore_targets
+from ..arguments.tuner import ALL_LINEAR, MCORE_LINEARS, SAVABLE_MODULES, mcore_targets
 from ..errors import ArgumentError, CheckpointError
 from ..input_files import open_regular
 
@@ -49,10 +49,19 @@ def linear_names(m) -> List[str]:
     """The global names of the transformer blocks' linear layers, in model order: in a MoE
     layer (SequentialMLP) each routed expert's linear_fc1/linear_fc2 (global expert index)
     and the shared expert's; the router is not a linear layer here (megatron's TopKRouter)."""
+    from ..arguments.model import linear_attention_pattern
+
     names = []
+    attention = ["linear_qkv"]
+    if m.multi_latent_attention:
+        attention = (["linear_q_proj"] if m.q_lora_rank is None else
+                     ["linear_q_down_proj", "linear_q_up_proj"])
+        attention += ["linear_kv_down_proj", "linear_kv_up_proj"]
+    delta = linear_attention_pattern(m) or [0] * m.num_layers
     for i, moe in enumerate(_moe_pattern(m)):
         layer = f"decoder.layers.{i}."
-        names += [layer + "self_attention.linear_qkv", layer + "self_attention.linear_proj"]
+        mixer = ("in_proj", "out_proj") if delta[i] else (*attention, "linear_proj")
+        names += [layer + "self_attention." + name for name in mixer]
         if not moe:
             names += [layer + "mlp.linear_fc1", layer + "mlp.linear_fc2"]
             continue
@@ -79,7 +88,13 @@ def select_targets(tuner, m) -> List[str]:
                 + (", the experts' mlp.experts.local_experts.E.linear_fc1/2"
                    if getattr(m, "num_experts", None) else "") + ")")
         return chosen
-    kinds = set(mcore_targets(tuner.target_modules))
+    kinds = mcore_targets(tuner.target_modules)
+    present = {n.rsplit(".", 1)[1] for n in names}
+    absent = [k for k in kinds if k not in present]
+    if absent and ALL_LINEAR not in tuner.target_modules:
+        raise ArgumentError(
+            f"--target_modules: this model has no {absent[0]} layer; its linear layers are "
+            f"{', '.join(k for k in MCORE_LINEARS if k in present)}")
     return [n for n in names if n.rsplit(".", 1)[1] in kinds]
 
 
@@ -93,8 +108,24 @@ def layer_shape(m, name: str) -> Tuple[int, int]:
     head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
     groups = m.num_query_groups or m.num_attention_heads
     kind = name.rsplit(".", 1)[1]
+    if kind in ("in_proj", "out_proj"):  # a gated delta net's (footprint.delta_net_parameters)
+        qk = m.linear_num_key_heads * m.linear_key_head_dim
+        v = m.linear_num_value_heads * m.linear_value_head_dim
+        return ((m.hidden_size, 2 * qk + 2 * v + 2 * m.linear_num_value_heads)
+                if kind == "in_proj" else (v, m.hidden_size))
+    h, heads, rope = m.hidden_size, m.num_attention_heads, m.qk_pos_emb_head_dim
+    mla = {"linear_q_proj": (h, heads * (m.qk_head_dim + rope)),
+           "linear_q_down_proj": (h, m.q_lora_rank),
+           "linear_q_up_proj": (m.q_lora_rank, heads * (m.qk_head_dim + rope)),
+           "linear_kv_down_proj": (h, m.kv_lora_rank + rope),
+           "linear_kv_up_proj": (m.kv_lora_rank, heads * (m.qk_head_dim + m.v_head_dim))}
+    if kind in mla:
+        return mla[kind]
+    if kind == "linear_proj" and m.multi_latent_attention:
+        return heads * m.v_head_dim, h
     if kind == "linear_qkv":
-        return m.hidden_size, (m.num_attention_heads + 2 * groups) * head_dim
+        queries = m.num_attention_heads * (2 if m.attention_output_gate else 1)
+        return m.hidden_size, (queries + 2 * groups) * head_dim
     if kind == "linear_proj":
         return m.num_attention_heads * head_dim, m.hidden_size
     ffn = (m.moe_ffn_hidden_size if is_expert(name) else
@@ -200,6 +231,9 @@ def apply(config, chunks) -> list:
     imported = config.lora_import  # --adapters: per-layer ranks of the fused parts
     wanted = (set(imported.parts()) if imported is not None
               else set(select_targets(t, config.model)))
+    vision = bool(config.model.vision_config)
+    if vision and t.freeze_llm:  # adapters on the vision tower alone (models/vision.py)
+        wanted = set()
     for chunk in chunks:
         chunk.swift_mcore_lora = True  # also a pipeline stage without adapters: base frozen
         offset = layer_offset(chunk)
@@ -214,6 +248,12 @@ def apply(config, chunks) -> list:
         _check_all_found(chunk, offset, wanted, set(full.values()), config)
         for param in chunk.parameters():
             param.requires_grad_(False)
+        tower = []
+        if vision:
+            from .vision import lora_targets
+
+            tower = lora_targets(chunk, t)  # torch Linears: peft's own LoRA layer
+        local += tower
         if local:  # a pipeline stage may hold none of the chosen layers
             patterns = {}
             if imported is not None:  # exact names: peft matches the keys as regexes
@@ -234,6 +274,9 @@ def apply(config, chunks) -> list:
                                      and chunk.config.gated_linear_unit)
                 module.init_adapter(config.training.seed * 1000003
                                     + zlib.crc32(full[name].encode()))
+            elif name in tower:
+                _init_torch_adapter(module, config.training.seed * 1000003
+                                    + zlib.crc32(name.encode()))
         if imported is not None:
             load_imported(config, chunk, offset)
         for name in t.modules_to_save:
@@ -251,6 +294,25 @@ def apply(config, chunks) -> list:
             # recomputed layer would train (the case HF's enable_input_require_grads is for).
             embedding.register_forward_hook(_output_requires_grad)
     return chunks
+
+
+@torch.no_grad()
+def _init_torch_adapter(module, seed: int) -> None:
+    """peft's LoRA layer of a torch Linear (the vision tower's) initialised as
+    LoraParallelLinear.init_adapter does: A Kaiming-uniform from its own generator, B = 0."""
+    import math
+
+    for name in module.lora_A:
+        nn.init.kaiming_uniform_(module.lora_A[name].weight, a=math.sqrt(5),
+                                 generator=torch.Generator().manual_seed(seed))
+        module.lora_B[name].weight.zero_()
+
+
+def _is_torch_lora(module) -> bool:
+    """peft's own LoRA layer around a torch Linear (the vision tower's adapters)."""
+    from peft.tuners.lora import Linear
+
+    return isinstance(module, Linear)
 
 
 def global_module_name(local: str, offset: int, config) -> str:
@@ -370,7 +432,7 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     from .lora_layer import LoraParallelLinear
 
     for name, module in list(model.named_modules()):
-        if isinstance(module, LoraParallelLinear):
+        if isinstance(module, LoraParallelLinear) or _is_torch_lora(module):
             module.merge()
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child,
@@ -426,6 +488,12 @@ _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 _HF_PARTS = {"self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj",
                                            "self_attn.v_proj"),
              "self_attention.linear_proj": ("self_attn.o_proj",),
+             # multi-latent attention (models/mla.py): one HF module each
+             "self_attention.linear_q_proj": ("self_attn.q_proj",),
+             "self_attention.linear_q_down_proj": ("self_attn.q_a_proj",),
+             "self_attention.linear_q_up_proj": ("self_attn.q_b_proj",),
+             "self_attention.linear_kv_down_proj": ("self_attn.kv_a_proj_with_mqa",),
+             "self_attention.linear_kv_up_proj": ("self_attn.kv_b_proj",),
              "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
              "mlp.linear_fc2": ("mlp.down_proj",)}
 _HF_SAVED = {"embedding.word_embeddings": "model.embed_tokens", "output_layer": "lm_head"}
@@ -443,17 +511,26 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     ranks: Dict[str, Tuple[int, float]] = {}  # HF module -> (rank, alpha)
     experts: Dict[Tuple[int, str], set] = {}  # (layer, fc) -> the adapted experts
     for name, module in model.named_modules():
+        if _is_torch_lora(module):
+            raise ArgumentError(f"--to_peft: {name} (the vision tower's) has an adapter; "
+                                f"the adapter format here holds the language model's only: "
+                                f"export the merged model with --to_hf --merge_lora")
         if not isinstance(module, LoraParallelLinear):
             continue
         match = _LINEAR.match(name)
         layer, suffix = int(match.group(1)), match.group(2)
         expert = _EXPERT.match(suffix)
-        if expert and layout.experts.names == "gpt_oss":
+        if expert and layout.experts.names in ("gpt_oss", "stacked"):
+            which = "gpt-oss" if layout.experts.names == "gpt_oss" else "Qwen3-VL-MoE"
             raise ArgumentError(
-                f"--to_peft: {name} (a gpt-oss expert) has an adapter; peft's LoRA on "
-                f"gpt-oss's fused expert tensors is not written yet: export the merged model "
+                f"--to_peft: {name} (a {which} expert) has an adapter; peft's LoRA on "
+                f"{which}'s fused expert tensors is not written yet: export the merged model "
                 f"with --to_hf --merge_lora, or adapt the attention only (--target_modules "
                 f"linear_qkv linear_proj)")
+        if suffix in ("self_attention.in_proj", "self_attention.out_proj"):
+            raise ArgumentError(
+                f"--to_peft: {name} (a gated delta net's projection) has an adapter; its PEFT "
+                f"form is not written yet: export the merged model with --to_hf --merge_lora")
         parts = _hf_parts(layout, layer, suffix)
         if expert:
             experts.setdefault((layer, expert.group(2)), set()).add(int(expert.group(1)))

@@ -11,6 +11,18 @@ Hugging Face (model.layers.<num_layers + k>.)   megatron (mtp.layers.<k>.)
 megatron's MTP layers share the model's embedding and output layer; the folder holds a copy
 of each per MTP layer. A folder whose copies differ from the model's is refused when it is
 loaded (megatron cannot hold them apart); on export the copies are the model's again.
+
+Qwen3-Next and Qwen3.5 (``PREFIXED``) name their MTP layer apart from the decoder's
+(``mtp_num_hidden_layers`` in config.json, which transformers also ignores), without copies:
+
+Hugging Face                                    megatron (mtp.layers.0.)
+  mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden   enorm, hnorm
+  mtp.fc                                              eh_proj   ([embedding; hidden] both)
+  mtp.norm                                            final_layernorm
+  mtp.layers.0.* (a full-attention decoder layer)     transformer_layer.*
+
+Their fc and norms are one for all MTP layers (transformers' configs allow more layers
+sharing them), megatron's are per layer: only one MTP layer is expressible.
 """
 
 from __future__ import annotations
@@ -28,6 +40,31 @@ COPIES = {"embed_tokens.weight": "model.embed_tokens.weight",
           "shared_head.head.weight": "lm_head.weight"}
 MCORE_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 TRANSFORMER_LAYER = "transformer_layer."
+# families whose folders hold their MTP layer under mtp.* (the others: past the decoder's)
+PREFIXED = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# megatron suffix (after mtp.layers.0.) -> the prefixed folders' name
+PREFIXED_NAMES = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+                  "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+                  "eh_proj.weight": "mtp.fc.weight", "final_layernorm.weight": "mtp.norm.weight"}
+PREFIXED_LAYER = "mtp.layers."
+
+
+def prefixed(family_name: str) -> bool:
+    """Whether a family's folders name their MTP layer mtp.* (Qwen3-Next, Qwen3.5)."""
+    return family_name in PREFIXED
+
+
+def count_key(family_name: str) -> str:
+    """The config.json key of a family's MTP layer count."""
+    return "mtp_num_hidden_layers" if prefixed(family_name) else "num_nextn_predict_layers"
+
+
+def prefixed_hf_tensors(hidden: int) -> Tuple[List[Tuple[str, Tuple]], List[Tuple[str, Tuple]]]:
+    """(tensors before, after) the decoder layer's own in a prefixed folder's MTP layer."""
+    return ([(PREFIXED_NAMES["eh_proj.weight"], (hidden, 2 * hidden)),
+             (PREFIXED_NAMES["enorm.weight"], (hidden,)),
+             (PREFIXED_NAMES["hnorm.weight"], (hidden,))],
+            [(PREFIXED_NAMES["final_layernorm.weight"], (hidden,))])
 
 
 def hf_extra_tensors(prefix: str, hidden: int, vocab: int
@@ -63,10 +100,12 @@ def folder_layers(family, folder) -> int:
     whose tensors its weights have (a folder transformers wrote keeps the key, 1 for
     DeepSeek-V3, without the layers); 0 for a family without MTP layers."""
     config = folder.config
-    value = config.get("num_nextn_predict_layers") or 0
+    value = config.get(count_key(family.name)) or 0
     if not getattr(family, "mtp", False) or isinstance(value, bool) \
             or not isinstance(value, int):
         return 0
+    if prefixed(family.name):  # a folder transformers wrote keeps the key, not the layer
+        return value if PREFIXED_NAMES["eh_proj.weight"] in folder.weight_map else 0
     first = int(config.get("num_hidden_layers") or 0)
     return sum(1 for k in range(value)
                if f"model.layers.{first + k}.eh_proj.weight" in folder.weight_map)
@@ -78,6 +117,8 @@ def check_copies(layout, read: Callable[..., torch.Tensor], where: str,
     model's (read in row blocks: never a whole vocabulary matrix twice)."""
     from ..errors import ArgumentError
 
+    if layout.mtp_prefixed:  # Qwen3-Next's MTP layer holds no copies
+        return
     for k in range(layout.mtp_layers):
         prefix = f"model.layers.{layout.num_layers + k}."
         for suffix in COPIES:
@@ -99,18 +140,19 @@ def check_flag(family, model_args) -> None:
     count (new layers from their initialization)."""
     from ..errors import ArgumentError
 
-    from .hf_folder import HFFolder
+    from .text_part import open_folder
 
     if not getattr(family, "mtp", False) or not getattr(model_args, "model", None):
         return
-    held = folder_layers(family, HFFolder(model_args.model, flag="--model"))
+    held = folder_layers(family, open_folder(model_args.model, flag="--model"))
+    key = count_key(family.name)
     wanted = model_args.mtp_num_layers
     if not held or wanted in (0, held):
         return
     where = f"--model {getattr(model_args, 'model', None) or ''}".rstrip()
     if wanted is None:
         raise ArgumentError(
-            f"{where} holds {held} multi-token prediction layer(s) (num_nextn_predict_layers "
+            f"{where} holds {held} multi-token prediction layer(s) ({key} "
             f"{held}): give --mtp_num_layers {held} to load, train and export them, or "
             f"--mtp_num_layers 0 to leave them out")
     raise ArgumentError(f"--mtp_num_layers {wanted}: {where} holds {held} multi-token "

@@ -31,13 +31,15 @@ class SequenceParallelNorm:
 
 def use_in(spec) -> None:
     """Puts SequenceParallelNorm in the norm slots of a local transformer-layer spec that
-    hold megatron's torch norm (the layer's two norms, the attention's q/k norms); apex's
+    hold megatron's torch norm (the layer's two norms, the attention's q/k norms, MLA's latent norms); apex's
     fused LayerNorm supports sequence parallelism itself and stays."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     layer = spec.submodules
     for owner, name in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"),
                         (layer.self_attention.submodules, "q_layernorm"),
-                        (layer.self_attention.submodules, "k_layernorm")):
+                        (layer.self_attention.submodules, "k_layernorm"),
+                        # multi-latent attention's latent norms (on the sequence shard)
+                        (layer.self_attention.submodules, "kv_layernorm")):
         if getattr(owner, name, None) is WrappedTorchNorm:
             setattr(owner, name, SequenceParallelNorm)

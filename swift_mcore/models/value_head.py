@@ -6,6 +6,9 @@ GPTModel's ``output_layer`` slot, so megatron's forward, checkpoints, DDP and th
 treat it as the model's last layer; GPTModel returns [batch, sequence, num_labels]. Every
 tensor-parallel rank holds the whole head (it is tiny): its input, the final norm's output,
 is whole on every rank, so each rank computes the same scores and the same gradients.
+Under --sequence_parallel each rank holds a slice of the sequence: the head gathers the
+whole sequence first, and its backward hands each rank its own slice's gradient (no sum:
+every rank computed the same scores).
 
 A fresh head (a reward model started from a causal LM) is drawn from
 normal(0, --init_method_std) by a generator seeded with --seed alone, the same on every
@@ -22,7 +25,8 @@ class ValueHead(torch.nn.Module):
     ``(scores, None)``; a tied embedding weight megatron passes is not this head's."""
 
     def __init__(self, hidden_size: int, num_labels: int, std: float, seed: int,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None,
+                 gather_sequence: bool = False):
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
         weight = torch.empty(num_labels, hidden_size, dtype=torch.float32)
@@ -30,8 +34,15 @@ class ValueHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight.to(dtype=dtype, device=device))
         # megatron's GPTModel reads these of its output layer
         self.sequence_parallel = False
+        self.gather_sequence = gather_sequence
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.gather_sequence:
+            from megatron.core import tensor_parallel
+
+            # the same head on every rank: a rank's gradient is its own slice's, unsummed
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
         return torch.matmul(hidden_states, self.weight.t()), None
 
 
@@ -42,7 +53,8 @@ def install(model, config, tc) -> None:
     device = torch.cuda.current_device() if config.cuda else None
     model.output_layer = ValueHead(config.model.hidden_size, config.model.num_labels,
                                    config.model.init_method_std, config.training.seed,
-                                   dtype=tc.params_dtype, device=device)
+                                   dtype=tc.params_dtype, device=device,
+                                   gather_sequence=tc.sequence_parallel)
 
 
 def last_token_index(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Qwen2.5-VL as one megatron model: megatron-core's GPTModel with multimodal RoPE for the
-language model, the folder's own transformers vision tower (and merger) inside it.
+"""Qwen2.5-VL and Qwen3-VL as one megatron model: megatron-core's GPTModel with multimodal
+RoPE for the language model, the folder's own transformers vision tower (and merger) inside it.
 
 The language model is Qwen2's (q/k/v bias, SwiGLU, RMSNorm) with RoPE over three position
 rows (temporal, height, width: megatron's ``mrope`` with ``mrope_section``). The vision
@@ -14,12 +14,21 @@ images: text tokens count up on all three rows; an image of ``t x h x w`` merged
 starting at position p gets rows p + (t index, h index, w index), and the text after it
 continues at p + max(h, w). A packed row's samples each start again at 0.
 
-Not yet here (issue 42): video, Qwen3-VL, sequence parallelism and pipeline stages for the
-vision tower (RunArguments.check_vision refuses them).
+Qwen3-VL differs in three ways: its language model is Qwen3's (RMSNorm on each query and
+key head); its RoPE interleaves the three rows over the channel pairs (pair i takes the
+height row when i % 3 == 1 and i < 3 * mrope_section[1], the width row when i % 3 == 2 and
+i < 3 * mrope_section[2], else the temporal row) where Qwen2.5-VL gives each row one
+contiguous block; and its tower's ``deepstack_merger_list`` turns the output of some tower
+blocks into features added to the image-pad positions' hidden states after the first
+decoder layers (layer i gets the i-th), as transformers' Qwen3VLTextModel does.
+
+Not yet here (issue 42): video, sequence parallelism and pipeline stages for the vision
+tower (RunArguments.check_vision refuses them).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -31,6 +40,11 @@ from .families.base import UnsupportedConfig
 VISION_PREFIX = "visual."
 # config.json keys of a Qwen2.5-VL folder besides text_config / vision_config
 TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+# the model_types built here (families/qwen2_5_vl.py, qwen3_vl.py, qwen3_vl_moe.py)
+VL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Qwen3-VL's files name the language model model.language_model.* and the tower
+# model.visual.* (Qwen2.5-VL's: model.* and visual.*)
+NESTED_NAMES = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 
 
 @dataclass(frozen=True)
@@ -44,14 +58,21 @@ class VisionLanguage:
     spatial_merge_size: int
     hidden_size: int                # the language model's (the merger's output)
     token_ids: Tuple[Tuple[str, Any], ...] = ()  # config.json's TOP_KEYS, as written there
+    model_type: str = "qwen2_5_vl"  # one of VL_TYPES
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the RoPE rows interleave over the channel pairs (Qwen3-VL's)."""
+        return self.model_type in ("qwen3_vl", "qwen3_vl_moe")
 
     @classmethod
     def from_hf_config(cls, config: Dict[str, Any]) -> "VisionLanguage":
         """Raises UnsupportedConfig naming the key(s) that do not describe a Qwen2.5-VL model
         swift-mcore builds exactly."""
         problems: List[str] = []
-        if config.get("model_type") != "qwen2_5_vl":
-            problems.append(f"model_type {config.get('model_type')!r} (only 'qwen2_5_vl')")
+        if config.get("model_type") not in VL_TYPES:
+            problems.append(f"model_type {config.get('model_type')!r} (one of "
+                            f"{', '.join(VL_TYPES)})")
         text = language_config(config)
         vision = config.get("vision_config")
         if not isinstance(vision, dict):
@@ -77,13 +98,21 @@ class VisionLanguage:
                             f"hidden_size {text.get('hidden_size')!r})")
         if not isinstance(merge, int) or isinstance(merge, bool) or merge < 1:
             problems.append(f"vision_config.spatial_merge_size {merge!r} (an integer >= 1)")
+        deepstack = vision.get("deepstack_visual_indexes", [])
+        depth = vision.get("depth")
+        if not (isinstance(deepstack, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                and (not isinstance(depth, int) or i < depth) for i in deepstack)):
+            problems.append(f"vision_config.deepstack_visual_indexes {deepstack!r} (indexes of "
+                            f"the tower's {depth!r} blocks)")
         if problems:
             raise UnsupportedConfig("; ".join(problems))
         return cls(vision_config=dict(vision), image_token_id=int(image),
                    video_token_id=config.get("video_token_id"),
                    mrope_section=tuple(section), spatial_merge_size=int(merge),
                    hidden_size=int(text["hidden_size"]),
-                   token_ids=tuple((k, config[k]) for k in TOP_KEYS if k in config))
+                   token_ids=tuple((k, config[k]) for k in TOP_KEYS if k in config),
+                   model_type=config["model_type"])
 
     def flags(self) -> Dict[str, str]:
         """The ModelArguments values that carry this (saved with every checkpoint)."""
@@ -95,8 +124,9 @@ class VisionLanguage:
     def from_model_args(cls, m: Any) -> "VisionLanguage":
         """From --vision_config and --mrope_section (checked by RunArguments.check_vision)."""
         vision = json.loads(m.vision_config)
+        kind = m.model_type if m.model_type in VL_TYPES else "qwen2_5_vl"
         return cls.from_hf_config({
-            "model_type": "qwen2_5_vl", **{k: v for k, v in vision.items() if k in TOP_KEYS},
+            "model_type": kind, **{k: v for k, v in vision.items() if k in TOP_KEYS},
             "vision_config": vision["vision_config"],
             "text_config": {"hidden_size": m.hidden_size, "vocab_size": m.vocab_size or 2 ** 31,
                             "num_attention_heads": m.num_attention_heads,
@@ -113,7 +143,8 @@ class VisionLanguage:
 
 
 def language_config(config: Dict[str, Any]) -> Dict[str, Any]:
-    """The language model of a Qwen2.5-VL config.json as a Qwen2 config.json: text_config
+    """The language model of a Qwen2.5-VL (Qwen3-VL) config.json as a Qwen2 (Qwen3)
+    config.json: text_config
     (older folders keep its keys at the top level) with the top-level tie_word_embeddings."""
     text = config.get("text_config")
     if text is None:
@@ -125,11 +156,13 @@ def language_config(config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def language_values(config: Dict[str, Any], model_args: Any = None) -> Dict[str, Any]:
-    """The ModelArguments values of the language model (the qwen2 family reads it: its
-    defaults, checks and refusals); raises UnsupportedConfig naming the key."""
+    """The ModelArguments values of the language model (the text family of the folder's
+    vision-language family reads it: its defaults, checks and refusals); raises
+    UnsupportedConfig naming the key."""
     from .families import by_name
 
-    return by_name("qwen2").model_values(language_config(config), model_args)
+    family = by_name(config.get("model_type") or "qwen2_5_vl")
+    return family.text().model_values(language_config(config), model_args)
 
 
 # ---- 3-D position ids --------------------------------------------------------------------
@@ -192,18 +225,53 @@ def rope_index(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
 # ---- the model ---------------------------------------------------------------------------
 
 def build_vision_tower(vl: VisionLanguage, dtype: torch.dtype = torch.float32):
-    """transformers' Qwen2.5-VL vision tower and merger for ``vl.vision_config`` (random
-    weights: the caller loads the folder's)."""
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-        Qwen2_5_VisionTransformerPretrainedModel,
+    """transformers' Qwen2.5-VL (Qwen3-VL) vision tower and merger(s) for
+    ``vl.vision_config`` (random weights: the caller loads the folder's)."""
+    if vl.model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import (
+            Qwen3VLVisionConfig as Config,
+        )
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
+    elif vl.model_type == "qwen3_vl_moe":
+        from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
+            Qwen3VLMoeVisionConfig as Config,
+        )
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+            Qwen3VLMoeVisionModel as Tower,
+        )
+    else:
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
+            Qwen2_5_VLVisionConfig as Config,
+        )
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel as Tower,
+        )
+
+    config = Config(**{k: v for k, v in vl.vision_config.items() if k != "model_type"})
+    tower = Tower._from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return tower.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _interleaved_rope_class():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        MultimodalRotaryEmbedding,
     )
 
-    config = Qwen2_5_VLVisionConfig(**{k: v for k, v in vl.vision_config.items()
-                                       if k != "model_type"})
-    tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-        config, attn_implementation="sdpa", dtype=dtype)
-    return tower.to(dtype)
+    class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
+        """megatron's multimodal RoPE with Qwen3-VL's layout of the three rows over the
+        channel pairs (the module docstring says which pair takes which row)."""
+
+        def forward(self, position_ids, mrope_section, cp_group=None):
+            angles = position_ids.to(self.inv_freq.device).float()[..., None] * self.inv_freq
+            pairs = angles[0].clone()  # [batch, sequence, pairs]: the temporal row
+            for row in (1, 2):
+                picked = slice(row, 3 * mrope_section[row], 3)
+                pairs[..., picked] = angles[row][..., picked]
+            emb = torch.cat((pairs, pairs), dim=-1)
+            return emb[..., None, :].transpose(0, 1).contiguous()  # [sequence, batch, 1, dim]
+
+    return InterleavedMultimodalRotaryEmbedding
 
 
 def _model_class():
@@ -216,8 +284,30 @@ def _model_class():
         def __init__(self, vl: VisionLanguage, **kwargs):
             super().__init__(position_embedding_type="mrope", **kwargs)
             self.vl = vl
+            if vl.interleaved:
+                self.rotary_pos_emb = _interleaved_rope_class()(
+                    kv_channels=self.config.kv_channels,
+                    rotary_percent=kwargs.get("rotary_percent", 1.0),
+                    rotary_base=kwargs.get("rotary_base", 10000))
+            self._deepstack = None  # (image-pad mask, features per layer) of this forward
             if self.pre_process:
                 self.visual = build_vision_tower(vl, self.config.params_dtype)
+                mergers = len(getattr(self.visual, "deepstack_merger_list", ()))
+                # a hook on the layer, not a copy of megatron's block loop: it runs inside
+                # activation recompute too, where the features are still this step's
+                for i, layer in enumerate(self.decoder.layers[:mergers]):
+                    layer.register_forward_hook(self._deepstack_hook(i))
+
+        def _deepstack_hook(self, index):
+            def add_features(module, args, output):
+                if self._deepstack is None:
+                    return output
+                mask, features = self._deepstack
+                hidden, context = output
+                rows = torch.zeros_like(hidden).transpose(0, 1).masked_scatter(
+                    mask.unsqueeze(-1), features[index].to(hidden.dtype))
+                return hidden + rows.transpose(0, 1), context
+            return add_features
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None,
                     labels=None, pixel_values=None, image_grid_thw=None, **kwargs):
@@ -227,6 +317,7 @@ def _model_class():
             elif position_ids is None or position_ids.dim() == 2:
                 # each sample's (a packed row's samples restart at text position 0)
                 position_ids = rope_index(input_ids, image_grid_thw, self.vl, position_ids)
+            self._deepstack = None
             if decoder_input is None and self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)
                 if pixel_values is not None:
@@ -238,12 +329,14 @@ def _model_class():
         def _with_images(self, input_ids, embedded, pixel_values, image_grid_thw):
             """[sequence, batch, hidden] embeddings with the image features at the pads,
             in the rows' order (row 0's images first, as transformers fills them)."""
-            features = self.visual(pixel_values.to(self.config.params_dtype),
-                                   grid_thw=image_grid_thw).pooler_output
+            out = self.visual(pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw)
+            features = out.pooler_output
             mask = input_ids == self.vl.image_token_id
             if int(mask.sum()) != features.shape[0]:
                 raise ValueError(f"{int(mask.sum())} image-pad tokens but {features.shape[0]} "
                                  f"image features (image_grid_thw {image_grid_thw.tolist()})")
+            if getattr(out, "deepstack_features", None):
+                self._deepstack = (mask, out.deepstack_features)
             rows = embedded.transpose(0, 1)
             rows = rows.masked_scatter(mask.unsqueeze(-1), features.to(rows.dtype))
             return rows.transpose(0, 1).contiguous()
@@ -252,10 +345,10 @@ def _model_class():
 
 
 def build_vl_model(config, vl: VisionLanguage, tc, spec):
-    """This rank's Qwen2.5-VL model (one chunk) for a RunConfig, its TransformerConfig and
-    decoder block spec (models/gpt.py makes both). Without pipeline stages or sequence
-    parallelism for now (RunArguments.check_vision): the tower sits on the first stage and
-    the image features enter before the sequence would be split."""
+    """This rank's Qwen2.5-VL / Qwen3-VL model (one chunk) for a RunConfig, its
+    TransformerConfig and decoder block spec (models/gpt.py makes both). Without pipeline
+    stages or sequence parallelism for now (RunArguments.check_vision): the tower sits on
+    the first stage and the image features enter before the sequence would be split."""
     from megatron.core import parallel_state
 
     m = config.model
@@ -295,7 +388,7 @@ def precision_inputs(vl: VisionLanguage, tokens: torch.Tensor, generator: torch.
 
 
 def transformers_model(path: str):
-    """transformers' own Qwen2.5-VL model of a folder (float32, eager attention)."""
+    """transformers' own vision-language model of a folder (float32, eager attention)."""
     from transformers import AutoModelForImageTextToText
 
     return AutoModelForImageTextToText.from_pretrained(
@@ -328,10 +421,47 @@ def tower_shapes(vl: VisionLanguage) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
 
 
 def part_of(name: str) -> str:
-    """'vit', 'aligner' or 'llm': the part of the model parameter ``name`` belongs to."""
-    if name.startswith(VISION_PREFIX + "merger."):
+    """'vit', 'aligner' or 'llm': the part of the model parameter ``name`` belongs to (the
+    aligner: the merger and Qwen3-VL's deepstack mergers, as ms-swift counts them)."""
+    if name.startswith((VISION_PREFIX + "merger.", VISION_PREFIX + "deepstack_merger_list.")):
         return "aligner"
     return "vit" if name.startswith(VISION_PREFIX) else "llm"
+
+
+def adapted_parts(tuner) -> Tuple[str, ...]:
+    """The tower's parts that get LoRA adapters with --tuner_type lora: those whose freeze
+    flag is false (ms-swift's rule: the freeze flags choose where the adapters go)."""
+    return tuple(part for part, frozen in (("vit", tuner.freeze_vit),
+                                           ("aligner", tuner.freeze_aligner)) if not frozen)
+
+
+def lora_targets(chunk, tuner) -> List[str]:
+    """The names of the tower's linear layers (torch's nn.Linear: its attention, MLP and
+    merger projections; not the patch embedding's convolution) that get adapters."""
+    parts = adapted_parts(tuner)
+    if not parts:
+        return []
+    return [name for name, module in chunk.named_modules()
+            if name.startswith(VISION_PREFIX) and type(module) is torch.nn.Linear
+            and part_of(name + ".weight") in parts]
+
+
+def lora_parameters(vl: VisionLanguage, tuner) -> int:
+    """The adapters' parameters lora_targets gives (rank x (in + out) per linear layer)."""
+    import warnings
+
+    from accelerate import init_empty_weights
+
+    parts = adapted_parts(tuner)
+    if not parts:
+        return 0
+    with warnings.catch_warnings(), init_empty_weights():
+        warnings.simplefilter("ignore")
+        tower = build_vision_tower(vl)
+    return sum(tuner.lora_rank * (module.in_features + module.out_features)
+               for name, module in tower.named_modules()
+               if type(module) is torch.nn.Linear
+               and part_of(VISION_PREFIX + name + ".weight") in parts)
 
 
 def freeze(chunks, tuner) -> Dict[str, int]:

@@ -80,9 +80,11 @@ def initialize(config) -> None:
             context_parallel_size=config.parallel.context_parallel_size,
             # the interleaved schedule's model chunks per pipeline rank (None: plain PP)
             virtual_pipeline_model_parallel_size=config.args.virtual_stages(),
-            # MoE: the experts are split over EP ranks carved out of the data-parallel ones
-            # (expert tensor parallelism follows TP, megatron's default).
+            # MoE: the experts are split over EP ranks carved out of the data-parallel ones,
+            # and each over --expert_tensor_parallel_size ranks (None: TP's, megatron's
+            # default)
             expert_model_parallel_size=config.parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=config.parallel.expert_tensor_parallel_size,
             # megatron's groups wait as long as the default one (timedelta(minutes=...)
             # takes the fraction as it is).
             distributed_timeout_minutes=config.parallel.distributed_timeout_minutes,

@@ -1,4 +1,5 @@
-"""TRL 1.16's KTO loss, per row, from sequence log-probabilities and the batch's KL estimate.
+"""TRL 1.16's KTO losses, per row, from sequence log-probabilities and the batch's KL
+estimate: kto, and apo_zero_unpaired (the unpaired APO-zero loss, which has no KL term).
 
 The KL estimate is TRL's: the mean over a micro-batch of the policy's minus the reference's
 log-probability of mismatched rows (each prompt with another row's completion), averaged
@@ -23,10 +24,16 @@ class KtoLoss:
     beta: float = 0.1
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    loss_type: str = "kto"
 
     @classmethod
     def from_config(cls, r) -> "KtoLoss":
-        return cls(r.beta, r.desirable_weight, r.undesirable_weight)
+        return cls(r.beta, r.desirable_weight, r.undesirable_weight, r.kto_loss_type())
+
+    @property
+    def uses_kl(self) -> bool:
+        """Whether the loss reads the KL estimate (and the KL rows are run at all)."""
+        return self.loss_type == "kto"
 
     def __call__(self, logps, ref_logps, desirable, kl) -> Dict[str, torch.Tensor]:
         """Per row: ``loss`` (weighted) and ``rewards`` (beta times the policy's minus the
@@ -34,12 +41,19 @@ class KtoLoss:
         log-probabilities of each completion [B]; ``desirable``: bool [B]; ``kl``: the
         clamped KL estimate (a detached scalar)."""
         ratio = logps - ref_logps
-        # Eq. (7) of the KTO paper: a desirable answer's value rises with its log-ratio
-        # above the KL, an undesirable one's with its log-ratio below it
-        value = torch.where(desirable, ratio - kl, kl - ratio)
         weight = torch.where(desirable, torch.full_like(ratio, self.desirable_weight),
                              torch.full_like(ratio, self.undesirable_weight))
-        loss = weight * (1 - torch.sigmoid(self.beta * value))
+        if self.loss_type == "apo_zero_unpaired":
+            # the APO paper's APO-zero, unpaired: push desirable answers' log-ratios up and
+            # undesirable ones' down, each from zero (no KL reference point); kto's with the
+            # KL at 0, written as TRL writes it
+            loss = weight * torch.where(desirable, 1 - torch.sigmoid(self.beta * ratio),
+                                        torch.sigmoid(self.beta * ratio))
+        else:
+            # Eq. (7) of the KTO paper: a desirable answer's value rises with its log-ratio
+            # above the KL, an undesirable one's with its log-ratio below it
+            value = torch.where(desirable, ratio - kl, kl - ratio)
+            loss = weight * (1 - torch.sigmoid(self.beta * value))
         return {"loss": loss, "rewards": self.beta * ratio.detach()}
 
 

@@ -35,7 +35,7 @@ class KtoTrainer(DpoTrainer):
         self.kto = KtoLoss.from_config(self.config.rlhf)
 
     def describe_loss(self) -> str:
-        return (f"kto (desirable_weight {self.kto.desirable_weight}, undesirable_weight "
+        return (f"{self.kto.loss_type} (desirable_weight {self.kto.desirable_weight}, undesirable_weight "
                 f"{self.kto.undesirable_weight})")
 
     # ---- data -------------------------------------------------------------------------
@@ -74,16 +74,22 @@ class KtoTrainer(DpoTrainer):
             # the KL rows only estimate a constant of the loss: no autograd for them
             with self.reference_of(model) as reference:
                 batch["ref_logps"] = _sequence_logps(reference(**inputs("")), batch)
-                batch["ref_kl_logps"] = _sequence_logps(reference(**inputs("kl_")), batch,
-                                                        "kl_")
-            batch["kl_logps"] = _sequence_logps(model(**inputs("kl_")), batch, "kl_")
+                if self.kto.uses_kl:
+                    batch["ref_kl_logps"] = _sequence_logps(reference(**inputs("kl_")),
+                                                            batch, "kl_")
+            if self.kto.uses_kl:
+                batch["kl_logps"] = _sequence_logps(model(**inputs("kl_")), batch, "kl_")
         output = model(**inputs(""))
         return output, partial(self.compute_loss, batch)
 
     def batch_kl(self, batch) -> torch.Tensor:
         """TRL's KL estimate: this micro-batch's mean, averaged over the data-parallel ranks
-        (each runs the same number of micro-batches), clamped at 0."""
+        (each runs the same number of micro-batches), clamped at 0; 0 for a loss without a
+        KL term (TRL logs 0 then)."""
         from megatron.core import parallel_state
+
+        if "kl_logps" not in batch:
+            return torch.zeros((), device=batch["ref_logps"].device)
 
         kl = kl_estimate(batch["kl_logps"], batch["ref_kl_logps"])
         group = parallel_state.get_data_parallel_group()

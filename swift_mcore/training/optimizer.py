@@ -24,9 +24,41 @@ def build_optimizer(config, model_chunks):
         use_distributed_optimizer=config.parallel.use_distributed_optimizer,
         fp8_recipe=t.fp8_recipe if t.fp8_format else None,
     )
-    optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+    optimizer = get_megatron_optimizer(optimizer_config, model_chunks,
+                                       config_overrides=part_overrides(config, optimizer_config))
     cpu.after_optimizer(optimizer, config)
     return optimizer
+
+
+def part_overrides(config, optimizer_config):
+    """megatron's param-group overrides for --vit_lr / --aligner_lr: the tower's (aligner's)
+    parameters get their own peak lr, and a minimum scaled as --min_lr is to --lr, on top
+    of megatron's standard ones (no weight decay on biases and 1-D weights). None (megatron's
+    default, the standard ones alone) without those flags."""
+    t = config.training
+    if not config.model.vision_config or (t.vit_lr is None and t.aligner_lr is None):
+        return None
+    from megatron.core.optimizer import ParamKey, get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
+
+    from ..models.vision import part_of
+
+    overrides = get_standard_config_overrides(optimizer_config)
+    for part, lr in (("vit", t.vit_lr), ("aligner", t.aligner_lr)):
+        if lr is None:
+            continue
+        minimum = t.min_lr * lr / t.lr if t.lr else min(t.min_lr, lr)
+        predicate = ParamWithNamePredicate(
+            name=f"{part}_lr", fn=lambda param, name, part=part: part_of(_unwrapped(name)) == part)
+        overrides[ParamKey(with_name_predicate=predicate)] = {"max_lr": lr, "min_lr": minimum}
+    return overrides
+
+
+def _unwrapped(name: str) -> str:
+    """A parameter's name in the model, without DDP's (and Float16Module's) ``module.``."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
 
 
 def build_scheduler(config, optimizer):

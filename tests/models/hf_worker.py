@@ -48,13 +48,15 @@ def main():
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--tokens")
     parser.add_argument("--sequence_parallel", action="store_true")
+    parser.add_argument("--etp", type=int, default=None)  # --expert_tensor_parallel_size
     cli = parser.parse_args()
     ids = torch.load(cli.tokens)
     args = RunArguments.from_flags(
         model=cli.model, tensor_model_parallel_size=cli.tp, pipeline_model_parallel_size=cli.pp,
         seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
         global_batch_size=ids.shape[0] * int(os.environ["WORLD_SIZE"]) // (cli.tp * cli.pp),
-        output_dir=cli.out, no_save_optim=True, sequence_parallel=cli.sequence_parallel)
+        output_dir=cli.out, no_save_optim=True, sequence_parallel=cli.sequence_parallel,
+        expert_tensor_parallel_size=cli.etp)
     config = resolve(args)  # the world size from torchrun's WORLD_SIZE
     distributed.initialize(config)
     seed.set_seed(config.training.seed)

@@ -170,13 +170,18 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
     for change, match in cases:
         (folder / "config.json").write_text(json.dumps({**original, **change}))
         refused(match)
+    (folder / "config.json").write_text(json.dumps({**original, "kv_lora_rank": 34}))
+    refused(r"--tensor_model_parallel_size 4 must divide --kv_lora_rank \+ "
+            r"--qk_pos_emb_head_dim \(42\)", world_size=4, tensor_model_parallel_size=4,
+            sequence_parallel=True, global_batch_size=8)
     (folder / "config.json").write_text(json.dumps(original))
-    refused("--multi_latent_attention with --tensor_model_parallel_size 2",
-            world_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
-            global_batch_size=8)
+    with pytest.raises(ArgumentError, match="--multi_latent_attention with "
+                       "--tensor_model_parallel_size 2 on Transformer Engine's layer spec"):
+        resolve(RunArguments.from_flags(model=str(folder), tensor_model_parallel_size=2,
+                                        sequence_parallel=True, global_batch_size=8),
+                world_size=2, cuda=True, transformer_engine=True)  # a GPU, simulated
     refused("--multi_latent_attention with --attention_backend local",
             attention_backend="local")
-    refused("--tuner_type lora with --multi_latent_attention", tuner_type="lora")
     with pytest.raises(ArgumentError, match="--rope_type yarn is multi-latent attention's"):
         resolve(RunArguments.from_flags(rope_type="yarn"), world_size=1)
     with pytest.raises(ArgumentError, match="--moe_router_num_groups and --moe_router_group"):
@@ -228,6 +233,82 @@ def test_a_folder_with_mtp_layers_is_refused_not_dropped(tmp_path, gloo_group):
 
 
 @pytest.mark.slow
+def test_lora_on_mla_and_experts_trains_merges_and_exports_to_peft(tmp_path, train_here):
+    """LoRA on every linear (MLA's down and up projections, the output projection, each
+    expert's and the shared experts' fc1/fc2) trains and its merged export gives our logits
+    in transformers; --to_peft refuses it by name (peft would put the dense MLP's adapters on
+    the experts); adapters on MLA's projections alone, named as transformers names them,
+    export to peft, which loads them to our logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+    from test_lora_moe import LORA
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    tokens = H.tokens(vocab=300, length=32)
+    base_logits = H.hf_logits(str(source), tokens)
+    mla = ["--target_modules", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+           "o_proj"]
+    for name, targets in (("all", []), ("mla", mla)):
+        out = tmp_path / name
+        train_here(out, "--model", source, "--dataset", data, "--train_iters", "2",
+                   "--save_steps", "2", "--lr", "2e-2", *LORA, *targets, command="pt",
+                   base=run_flags())
+        checkpoint = out / "checkpoint" / "iter_0000002"
+        model = load_model(str(checkpoint), log=lambda line: None).model
+        adapted = {n.split(".lora_", 1)[0] for n, _ in model.named_parameters()
+                   if ".lora_" in n}
+        assert {f"decoder.layers.1.self_attention.{kind}" for kind in (
+            "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+            "linear_kv_up_proj", "linear_proj")} <= adapted
+        assert any(".local_experts." in n for n in adapted) == (name == "all")
+        ours = forward_logits(model, tokens)[..., :320]
+        assert (ours - base_logits).abs().max() > 1e-2  # the adapters trained
+        merged = tmp_path / f"{name}-merged"
+        convert(checkpoint, merged, "to_hf", merge_lora=True)
+        assert (H.hf_logits(str(merged), tokens) - ours).abs().max() < 1e-4
+    with pytest.raises(ArgumentError, match=r"--to_peft: model\.layers\.0\.mlp\.down_proj "
+                                            r"has an adapter, and peft maps every module"):
+        convert(tmp_path / "all" / "checkpoint" / "iter_0000002", tmp_path / "peft-all",
+                "to_peft")
+    adapter = tmp_path / "peft"
+    convert(checkpoint, adapter, "to_peft")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                        "q_a_proj", "q_b_proj"]
+    base = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32,
+                                                attn_implementation="eager")
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, str(adapter)).eval()(tokens).logits
+    assert (peft_logits - ours).abs().max() < 1e-4
+
+
+def test_lora_targets_a_model_does_not_have_are_refused(tmp_path):
+    """q/k/v on multi-latent attention (or MLA's names on a q/k/v model) would leave the
+    attention without adapters: refused, naming the layers the model has."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    make_deepseek(tmp_path / "ds", num_hidden_layers=2)
+    with pytest.raises(ArgumentError, match="--target_modules: this model has no linear_qkv "
+                                            "layer; its linear layers are linear_q_down_proj, "
+                                            "linear_q_up_proj, linear_kv_down_proj"):
+        resolve(RunArguments.from_flags(model=str(tmp_path / "ds"), tuner_type="lora",
+                                        target_modules=["q_proj", "k_proj", "v_proj"]),
+                world_size=1)
+    with pytest.raises(ArgumentError, match="this model has no linear_kv_up_proj layer"):
+        resolve(RunArguments.from_flags(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                        tuner_type="lora", target_modules=["kv_b_proj"]),
+                world_size=1)
+
+
+@pytest.mark.slow
 def test_ep2_gives_the_ep1_losses(tmp_path, train_here):
     """Continued pretraining of a DeepSeek-V3 folder at EP=2 (each rank loads its experts and
     their correction biases; the expert bias is updated from both ranks' loads) gives the
@@ -250,6 +331,77 @@ def test_ep2_gives_the_ep1_losses(tmp_path, train_here):
     assert sorted(got) == [1, 2, 3]
     for it in ref:
         assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+
+
+@pytest.mark.benchmark
+def test_tp2_gives_the_one_rank_logits_losses_and_export(tmp_path, train_here):
+    """TP=2 with sequence parallelism: each rank holds half of every head-split projection
+    and of MLA's down projections; the logits equal the one-rank model's, the exported
+    TP=2 checkpoint is the one-rank export bit for bit, and training gives the one-rank
+    losses (the latent norms' gradients summed over the sequence shards)."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from run_helpers import losses
+    from test_hf_parallel import run_two_ranks
+    from test_hf_training import continue_pretraining, run_flags
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    ids, out = run_two_ranks(tmp_path, source, 2, 1, "--sequence_parallel")
+    ours = torch.load(out / "logits.pt")
+    loaded = load_model(str(source), log=lambda line: None)
+    one = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    # the row-parallel sums add the ranks' halves in another order: float rounding only
+    # (1.2e-5 at logits up to ~6 here), so 1e-5 of the logits' scale
+    assert ours.shape == one.shape
+    assert (ours - one).abs().max() <= 1e-5 * one.abs().max()
+    assert (ours - H.hf_logits(str(source), ids)).abs().max() <= 1e-4
+    convert(source, tmp_path / "mcore", "to_mcore")
+    convert(tmp_path / "mcore", tmp_path / "one", "to_hf")
+    convert(out, tmp_path / "two", "to_hf")
+    reference = H.safetensors_state(str(tmp_path / "one"))
+    exported = H.safetensors_state(str(tmp_path / "two"))
+    assert sorted(exported) == sorted(reference)
+    for name, tensor in reference.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    rate = ("--moe_router_bias_update_rate", "0.05", "--lr", "1e-2", "--min_lr", "1e-2")
+    train_here(tmp_path / "tp1", "--model", source, "--dataset", data, "--no_save",
+               "--train_iters", "3", *rate, command="pt", base=run_flags())
+    continue_pretraining(source, data, tmp_path / "tp2", "--no_save", "--train_iters", "3",
+                         *rate, "--tensor_model_parallel_size", "2", "--sequence_parallel",
+                         nproc=2)
+    ref, got = losses(tmp_path / "tp1"), losses(tmp_path / "tp2")
+    assert sorted(got) == [1, 2, 3] and ref[3] < ref[1]
+    for it in ref:
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("tuner", [[], ["--tuner_type", "lora", "--lora_dropout", "0"]],
+                         ids=["full", "lora"])
+def test_dense_mla_at_tp2_without_sequence_parallelism_gives_the_one_rank_losses(tmp_path,
+                                                                                 tuner):
+    """Without --sequence_parallel every TP rank holds the whole shared RoPE key: its
+    gradient, which each rank's heads give a part of, is summed over the ranks too (also
+    through the LoRA layers on MLA's projections)."""
+    from run_helpers import losses, run_pt, train_records
+
+    flags = ["--num_query_groups", "4", "--multi_latent_attention", "--qk_layernorm",
+             "--q_lora_rank", "24", "--kv_lora_rank", "16", "--qk_head_dim", "8",
+             "--qk_pos_emb_head_dim", "4", "--v_head_dim", "8", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--train_iters", "3", "--no_save", *tuner]
+    run_pt(tmp_path / "tp1", *flags)
+    run_pt(tmp_path / "tp2", *flags, "--tensor_model_parallel_size", "2", nproc=2)
+    ref, got = losses(tmp_path / "tp1"), losses(tmp_path / "tp2")
+    assert sorted(got) == [1, 2, 3] and ref[3] < ref[1]
+    for it in ref:
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
+    norms = [{r["iteration"]: r["grad_norm"] for r in train_records(tmp_path / run)}
+             for run in ("tp1", "tp2")]
+    assert all(abs(norms[1][it] - norms[0][it]) < 1e-4 for it in norms[0]), norms
 
 
 def test_a_model_no_family_expresses_is_not_exported_as_another(tmp_path, gloo_group):

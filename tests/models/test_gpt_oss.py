@@ -198,9 +198,23 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path):
     refused("--softmax_type learnable with --attention_backend transformer_engine: not "
             "tested here; use sdpa, local or auto", attention_backend="transformer_engine")
     refused("--attention_backend local with --window_size 8", attention_backend="local")
-    refused("--tensor_model_parallel_size 2 with biased experts .* use "
-            "--expert_model_parallel_size, pipeline or data parallelism", world_size=2,
+    refused("--tensor_model_parallel_size 2 with biased experts \\(--add_bias_linear: "
+            "gpt-oss\\) needs --expert_tensor_parallel_size 1", world_size=2,
             tensor_model_parallel_size=2, sequence_parallel=True, global_batch_size=8)
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, global_batch_size=8)
+    for flags, match in [
+        (dict(num_experts=4, tensor_model_parallel_size=4, sequence_parallel=True,
+              expert_tensor_parallel_size=2),
+         r"--expert_tensor_parallel_size 2: 1 \(each expert whole on its rank\) or "
+         r"--tensor_model_parallel_size \(4\)"),
+        (dict(tensor_model_parallel_size=4, expert_tensor_parallel_size=1),
+         "--expert_tensor_parallel_size 1 splits the experts of MoE layers; it needs "
+         "--num_experts"),
+        (dict(num_experts=4, expert_tensor_parallel_size=0, global_batch_size=16),
+         "--expert_tensor_parallel_size"),
+    ]:
+        with pytest.raises(ArgumentError, match=match):
+            resolve(RunArguments.from_flags(**{**shape, **flags}), world_size=4)
     with pytest.raises(ArgumentError, match="--activation_func_clamp_value is gpt-oss's"):
         resolve(RunArguments.from_flags(activation_func_clamp_value=7.0), world_size=1)
     with pytest.raises(ArgumentError, match="--rope_type yarn is multi-latent attention's "
@@ -253,6 +267,73 @@ def test_lora_trains_merges_and_exports_attention_adapters_to_peft(folder, tmp_p
         peft_logits = PeftModel.from_pretrained(base, str(adapter)).eval()(tokens).logits
     assert (peft_logits - ours).abs().max() < 1e-4
 
+
+
+def test_a_tp_rank_with_whole_experts_reads_whole_experts_and_half_the_attention(folder):
+    """--expert_tensor_parallel_size 1 at TP=2: TP rank 1 reads its half of the attention
+    and each routed expert whole (its weights, biases, from the fused tensors)."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.models.convert import Layout
+    from swift_mcore.models.hf_folder import HFFolder
+    from swift_mcore.run_config import resolve
+
+    m = resolve(RunArguments.from_flags(model=str(folder)), world_size=1).model
+    layout = Layout.from_model_args(m, 320)
+    with HFFolder(str(folder)).reader() as reader:
+        def shard(name, tp, expert_tp):
+            return layout.to_mcore(name, reader.read, *tp, 0, 1, expert_tp)
+
+        for suffix in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight",
+                       "linear_fc2.bias"):
+            name = f"decoder.layers.1.mlp.experts.local_experts.3.{suffix}"
+            whole = shard(name, (0, 1), (0, 1))
+            assert torch.equal(shard(name, (1, 2), (0, 1)), whole), suffix
+        fc1 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+        rows = shard(fc1, (0, 1), (0, 1)).shape[0]
+        assert shard(fc1, (1, 2), (1, 2)).shape[0] == rows // 2  # expert TP = TP: halves
+        qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+        assert 2 * shard(qkv, (1, 2), (0, 1)).shape[0] == shard(qkv, (0, 1), (0, 1)).shape[0]
+
+
+@pytest.mark.benchmark
+def test_tp2_with_whole_experts_gives_the_one_rank_logits_losses_and_export(folder, tmp_path,
+                                                                            train_here):
+    """TP=2 for the attention (its heads, biases and sinks split) with each expert whole on
+    its rank (--expert_tensor_parallel_size 1, which expert biases need): the one-rank
+    logits, the one-rank export bit for bit, and the one-rank losses."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from run_helpers import losses
+    from test_hf_parallel import run_two_ranks
+    from test_hf_training import continue_pretraining, run_flags
+
+    ids, out = run_two_ranks(tmp_path, folder, 2, 1, "--sequence_parallel", "--etp", "1")
+    ours = torch.load(out / "logits.pt")
+    loaded = load_model(str(folder), log=lambda line: None)
+    one = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    # the row-parallel sums add the ranks' halves in another order: float rounding only
+    assert ours.shape == one.shape
+    assert (ours - one).abs().max() <= 1e-5 * one.abs().max()
+    assert (ours - H.hf_logits(str(folder), ids)).abs().max() <= 1e-4
+    convert(out, tmp_path / "two", "to_hf")
+    original, exported = H.safetensors_state(str(folder)), H.safetensors_state(
+        str(tmp_path / "two"))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    lr = ("--lr", "1e-2", "--min_lr", "1e-2")
+    train_here(tmp_path / "tp1", "--model", folder, "--dataset", data, "--no_save",
+               "--train_iters", "3", *lr, command="pt", base=run_flags())
+    continue_pretraining(folder, data, tmp_path / "tp2", "--no_save", "--train_iters", "3",
+                         *lr, "--tensor_model_parallel_size", "2", "--sequence_parallel",
+                         "--expert_tensor_parallel_size", "1", nproc=2)
+    ref, got = losses(tmp_path / "tp1"), losses(tmp_path / "tp2")
+    assert sorted(got) == [1, 2, 3] and ref[3] < ref[1]
+    for it in ref:
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
 
 
 @pytest.mark.benchmark

@@ -20,6 +20,9 @@ from swift_mcore.arguments import RunArguments
 # a tiny Qwen2.5-VL vision tower (2 blocks of 32 channels, merged into hidden 64)
 VL_TOWER = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
                 patch_size=4, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+VL3_TOWER = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                 patch_size=4, spatial_merge_size=2, num_position_embeddings=16,
+                 deepstack_visual_indexes=[0])
 LIMIT = 4_000_000_000  # bytes of address space a refused command may take (torch: ~1.5 GB)
 
 
@@ -184,6 +187,13 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              moe_router_enable_expert_bias=True),
         dict(multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=16, qk_head_dim=8,
              qk_pos_emb_head_dim=4, v_head_dim=12),
+        # LoRA on MLA's projections: all of them, or some (the query's direct one)
+        dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=24, kv_lora_rank=16,
+             qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=12, tuner_type="lora",
+             lora_rank=4),
+        dict(multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=16, qk_head_dim=8,
+             qk_pos_emb_head_dim=4, v_head_dim=12, tuner_type="lora", lora_rank=4,
+             target_modules=["linear_q_proj", "linear_kv_up_proj", "linear_proj"]),
         # multi-token prediction: two MTP layers like the last decoder layer (MoE, MLA)...
         dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=24, kv_lora_rank=16,
              qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=12,
@@ -201,6 +211,18 @@ def test_parameter_count_equals_the_built_models(gloo_group):
              linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
              num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq="[1,0]",
              moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True),
+        # ... with its MTP layer: full attention although the decoder's last is a delta net
+        dict(model_type="qwen3_next", linear_attention_freq="[0,1]", attention_output_gate=True,
+             qk_layernorm=True, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+             num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq="[0,1]",
+             moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
+             mtp_num_layers=1),
+        # ... LoRA on every linear: the delta nets' in_proj/out_proj, the attention's own
+        dict(model_type="qwen3_next", linear_attention_freq="[1,0]", attention_output_gate=True,
+             qk_layernorm=True, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+             tuner_type="lora", lora_rank=4),
         # delta-net layers in a model of no family: plain norms, attention without the gate
         dict(linear_attention_freq="2", rotary_percent=0.5),
         # a reward model: the score head [1, hidden] in place of the LM head, tied or not
@@ -218,6 +240,23 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         dict(model_type="qwen2_5_vl", add_qkv_bias=True, position_embedding_type="mrope",
              mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
                                                                 "vision_config": VL_TOWER})),
+        # Qwen3-VL: the tower with its deepstack merger, Qwen3's q/k norms
+        dict(model_type="qwen3_vl", qk_layernorm=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL3_TOWER})),
+        dict(model_type="qwen3_vl_moe", qk_layernorm=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL3_TOWER}),
+             num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2),
+        # LoRA on the tower's and mergers' linear layers too; on the tower's alone
+        dict(model_type="qwen3_vl", qk_layernorm=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL3_TOWER}),
+             tuner_type="lora", freeze_vit=False, freeze_aligner=False),
+        dict(model_type="qwen2_5_vl", add_qkv_bias=True, position_embedding_type="mrope",
+             mrope_section="[2,3,3]", vision_config=json.dumps({"image_token_id": 290,
+                                                                "vision_config": VL_TOWER}),
+             tuner_type="lora", freeze_vit=False, freeze_llm=True),
     ]
     from megatron.core import tensor_parallel
 

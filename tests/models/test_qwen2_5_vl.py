@@ -441,9 +441,13 @@ def test_freeze_flags_are_checked(vl_folder):
             world_size=1)
     with pytest.raises(ArgumentError, match="leave nothing to train"):
         resolve(RunArguments.from_flags(model=str(vl_folder), freeze_llm=True), world_size=1)
-    with pytest.raises(ArgumentError, match="--freeze_llm True with --tuner_type lora"):
+    with pytest.raises(ArgumentError, match="nothing to put adapters on"):
         resolve(RunArguments.from_flags(model=str(vl_folder), freeze_llm=True,
                                         tuner_type="lora"), world_size=1)
+    with pytest.raises(ArgumentError, match="--freeze_llm True with --target_regex"):
+        resolve(RunArguments.from_flags(model=str(vl_folder), freeze_llm=True,
+                                        freeze_vit=False, tuner_type="lora",
+                                        target_regex=".*linear_qkv"), world_size=1)
     with pytest.raises(ArgumentError, match="without pipeline stages"):
         resolve(RunArguments.from_flags(model=str(vl_folder), pipeline_model_parallel_size=2,
                                         num_layers=2), world_size=2)

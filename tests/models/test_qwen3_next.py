@@ -183,7 +183,8 @@ def test_resume_continues_exactly(tmp_path, train_here, next_folder):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(mtp_num_hidden_layers=1), "mtp_num_hidden_layers 1"),
+    (dict(mtp_num_hidden_layers=2), "mtp_num_hidden_layers 2"),
+    (dict(mtp_use_dedicated_embeddings=True), "mtp_use_dedicated_embeddings true"),
     (dict(linear_num_value_heads=3), "linear_num_value_heads 3"),
     (dict(attention_bias=True), "attention_bias True"),
     (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention",
@@ -243,9 +244,51 @@ def test_a_gpu_without_the_delta_net_kernels_is_refused_by_name(next_folder, mon
                 transformer_engine=False)
 
 
+def test_lora_on_the_delta_nets_merges_into_transformers_logits(tmp_path, train_here,
+                                                                 next_folder):
+    """LoRA on the delta nets' in_proj and out_proj alone (the attention layer's linear_qkv
+    and linear_proj too with all-linear): the adapters train, the merged export gives the
+    checkpoint's logits in transformers within 1e-4, and the PEFT form is refused by name."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    out = tmp_path / "lora"
+    train_here(out, "--model", next_folder, "--dataset", data, "--seq_length", "32",
+               "--lr", "1e-2", "--train_iters", "3", "--tuner_type", "lora", "--lora_rank",
+               "4", "--target_modules", "in_proj,out_proj", command="pt", base=run_flags())
+    checkpoint = out / "checkpoint"
+    loaded = load_model(str(checkpoint), log=lambda line: None)
+    adapted = sorted({name.rsplit(".lora_", 1)[0] for name, _ in
+                      loaded.model.named_parameters() if ".lora_" in name})
+    assert adapted == [f"decoder.layers.{i}.self_attention.{p}" for i in range(3)
+                       for p in ("in_proj", "out_proj")]  # layer 3 is full attention
+    H.convert(checkpoint, tmp_path / "merged", "to_hf", merge_lora=True)
+    ids = H.tokens(length=40)
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - H.hf_logits(str(next_folder), ids)).abs().max() > 1e-3  # it learned
+    assert (H.hf_logits(str(tmp_path / "merged"), ids) - ours).abs().max() <= 1e-4
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors")) \
+        if (tmp_path / "merged" / "model.safetensors").exists() \
+        else H.safetensors_state(str(tmp_path / "merged"))
+    source = H.safetensors_state(str(next_folder))
+    assert not torch.equal(merged["model.layers.0.linear_attn.in_proj_ba.weight"],
+                           source["model.layers.0.linear_attn.in_proj_ba.weight"])
+    assert torch.equal(merged["model.layers.3.self_attn.q_proj.weight"],
+                       source["model.layers.3.self_attn.q_proj.weight"])
+    with pytest.raises(ArgumentError, match=r"a gated delta net's projection\) has an adapter; "
+                                            r".* --to_hf --merge_lora"):
+        H.convert(checkpoint, tmp_path / "adapter", "to_peft")
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(tensor_model_parallel_size=2), "needs --sequence_parallel"),
-    (dict(tuner_type="lora"), "--tuner_type lora with gated delta-net layers"),
     (dict(attention_backend="transformer_engine"),
      "--attention_backend transformer_engine with gated delta-net layers"),
     (dict(linear_num_key_heads=3, linear_num_value_heads=6, tensor_model_parallel_size=2,

@@ -21,46 +21,61 @@ def kto_data(tiny_hf, kto_file, tmp_path_factory):
     return tiny_hf[0], reference, kto_file
 
 
-@pytest.fixture(scope="module")
-def ours(kto_data, tmp_path_factory, gloo_group):
+def our_trainer(kto_data, out, *flags):
+    """Our KtoTrainer, set up, and one micro-batch of every row."""
     from swift_mcore.arguments import RlhfArguments, parse_args
     from swift_mcore.run_config import resolve
-    from swift_mcore.runtime import run_lock
     from swift_mcore.training.kto_trainer import KtoTrainer
 
     folder, reference, data = kto_data
-    out = tmp_path_factory.mktemp("ours")
     argv = ["--model", str(folder), "--ref_model", str(reference), "--dataset", str(data),
             "--output_dir", str(out), "--train_iters", "1", "--no_save", "--rlhf_type", "kto",
             "--desirable_weight", str(WEIGHTS["desirable_weight"]),
-            "--undesirable_weight", str(WEIGHTS["undesirable_weight"]),
+            "--undesirable_weight", str(WEIGHTS["undesirable_weight"]), *flags,
             *run_flags("--micro_batch_size", str(ROWS), "--global_batch_size", str(ROWS))]
     config = resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments),
                      world_size=1)
     trainer = KtoTrainer(config)
     trainer.setup()
     batch = trainer.train_ds.collate([trainer.train_ds[i] for i in range(ROWS)])
-    yield trainer, batch
+    return trainer, batch
+
+
+def close(trainer, out):
+    from swift_mcore.runtime import run_lock
+
     trainer.writer.close()
     trainer.watchdog.close()
     run_lock.release(str(out))
 
 
 @pytest.fixture(scope="module")
-def trl_trainer(kto_data, tmp_path_factory):
+def ours(kto_data, tmp_path_factory, gloo_group):
+    out = tmp_path_factory.mktemp("ours")
+    trainer, batch = our_trainer(kto_data, out)
+    yield trainer, batch
+    close(trainer, out)
+
+
+def make_trl_trainer(kto_data, out, **config):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import KTOConfig, KTOTrainer
 
     folder, reference, _ = kto_data
     load = dict(dtype=torch.float32, attn_implementation="eager")
-    args = KTOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[],
+    args = KTOConfig(output_dir=str(out), report_to=[],
                      per_device_train_batch_size=ROWS, max_length=65, use_cpu=True,
-                     bf16=False, gradient_checkpointing=False, **WEIGHTS)
+                     bf16=False, gradient_checkpointing=False, **WEIGHTS, **config)
     return KTOTrainer(model=AutoModelForCausalLM.from_pretrained(str(folder), **load),
                       ref_model=AutoModelForCausalLM.from_pretrained(str(reference), **load),
                       args=args, train_dataset=Dataset.from_list(KTO_ROWS),
                       processing_class=AutoTokenizer.from_pretrained(str(folder)))
+
+
+@pytest.fixture(scope="module")
+def trl_trainer(kto_data, tmp_path_factory):
+    return make_trl_trainer(kto_data, tmp_path_factory.mktemp("trl"))
 
 
 def trl_inputs(trainer):
@@ -86,9 +101,24 @@ def test_rows_and_kl_rows_are_tokenized_as_trl_tokenizes_them(ours, trl_trainer)
 
 
 def test_loss_gradients_rewards_and_metrics_equal_trl(ours, trl_trainer):
+    check_one_step(*ours, trl_trainer)
+
+
+def test_apo_zero_unpaired_equals_trl(kto_data, tmp_path, gloo_group):
+    """--loss_type apo_zero_unpaired: TRL's unpaired APO-zero loss (no KL rows, kl 0)."""
+    trainer, batch = our_trainer(kto_data, tmp_path / "ours", "--loss_type",
+                                 "apo_zero_unpaired")
+    try:
+        assert "kl_tokens" not in batch  # no KL rows are made or run
+        theirs = make_trl_trainer(kto_data, tmp_path / "trl", loss_type="apo_zero_unpaired")
+        check_one_step(trainer, batch, theirs)
+    finally:
+        close(trainer, tmp_path / "ours")
+
+
+def check_one_step(trainer, batch, trl_trainer):
     from swift_mcore.models.convert import Layout
 
-    trainer, batch = ours
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     losses = trainer.forward_backward(iter([dict(batch)]), forward_only=False)

@@ -75,7 +75,14 @@ def test_prompts_that_fill_max_length_are_counted_and_refused(tiny_hf):
     (["--max_length", "100"], "--max_length 100 exceeds --seq_length 64 \\+ 1"),
     (["--rlhf_type", "ppo"], "--rlhf_type"),
     (["--rlhf_type", "kto", "--rpo_alpha", "1"], "^--rpo_alpha is a DPO flag; --rlhf_type kto"),
-    (["--rlhf_type", "kto", "--loss_type", "ipo"], "^--loss_type is a DPO flag"),
+    (["--rlhf_type", "kto", "--loss_type", "ipo"],
+     "^--loss_type ipo: --rlhf_type kto takes one of TRL's KTO losses: kto, "
+     "apo_zero_unpaired$"),
+    (["--rlhf_type", "kto", "--loss_type", "kto,apo_zero_unpaired"],
+     "^--loss_type kto,apo_zero_unpaired: --rlhf_type kto takes one of"),
+    (["--loss_type", "apo_zero_unpaired"],
+     "^--loss_type apo_zero_unpaired is a KTO loss; it needs --rlhf_type kto$"),
+    (["--rlhf_type", "simpo", "--loss_type", "kto"], "^--loss_type kto is a KTO loss"),
     (["--rlhf_type", "kto", "--reference_free"], "^--reference_free is a DPO flag"),
     (["--rlhf_type", "kto", "--micro_batch_size", "1"],
      "^--rlhf_type kto needs --micro_batch_size 2 or more"),
@@ -116,6 +123,37 @@ def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):
     argv = ["--dataset", str(data), "--output_dir", str(tmp_path / "o"), *run_flags(*flags)]
     with pytest.raises(ArgumentError, match=message):
         resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
+
+
+def test_pipeline_with_sequence_parallel_needs_a_seq_length_the_ranks_split(tmp_path):
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    argv = ["--dataset", str(data), "--output_dir", str(tmp_path / "o"),
+            *run_flags("--seq_length", "63", "--pipeline_model_parallel_size", "2",
+                       "--tensor_model_parallel_size", "2", "--sequence_parallel",
+                       "--num_layers", "2", "--global_batch_size", "8")]
+    with pytest.raises(ArgumentError, match=r"^--seq_length 63 with --sequence_parallel and "
+                                            r"--pipeline_model_parallel_size 2: .* give a "
+                                            r"multiple of 2$"):
+        resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=4)
+
+
+def test_apo_zero_unpaired_takes_one_row_micro_batches(tmp_path):
+    """KTO's micro-batch of one is refused for its KL rows; apo_zero_unpaired has none."""
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.run_config import resolve
+
+    data = tmp_path / "k.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b", "label": True}) + "\n")
+    argv = ["--dataset", str(data), "--output_dir", str(tmp_path / "o"), "--rlhf_type", "kto",
+            "--loss_type", "apo_zero_unpaired", *run_flags("--micro_batch_size", "1")]
+    config = resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments),
+                     world_size=1)
+    assert config.rlhf.kto_loss_type() == "apo_zero_unpaired"
 
 
 def test_the_memory_estimate_counts_the_reference_copy_but_not_with_lora(tmp_path):

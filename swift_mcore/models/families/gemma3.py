@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from .base import UNSET_FLAGS, Family, UnsupportedConfig, require
+from .base import UNSET_FLAGS, Family, InvalidConfig, UnsupportedConfig, require
 
 WINDOW, GLOBAL = "sliding_attention", "full_attention"
 # keys read here and hidden from the common reader (it knows Llama's spelling)
@@ -88,6 +88,18 @@ class Gemma3Family(Family):
     """Family with Gemma 3's own reading and writing of config.json."""
 
     def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
+        from .. import text_part
+
+        if text_part.is_multimodal(config):  # the language model, trained on text alone
+            problems = text_part.top_level_problems(config)
+            if problems:
+                raise InvalidConfig("; ".join(problems))
+            if getattr(model_args, "model", None):  # its files name the language model
+                text_part.open_folder(model_args.model)
+            try:
+                return self.model_values(text_part.language_config(config), model_args)
+            except UnsupportedConfig as err:  # InvalidConfig too: its class is kept
+                raise type(err)(f"text_config: {err}") from None
         if config.get("model_type") == "gemma3" or "text_config" in config:
             raise UnsupportedConfig(
                 f"model_type {config.get('model_type')!r} (Gemma 3's vision-language model, "
@@ -136,6 +148,13 @@ class Gemma3Family(Family):
     def read_keys(self) -> frozenset:
         return super().read_keys() | frozenset(OWN_KEYS)
 
+    def unknown_keys(self, config: Dict[str, Any]) -> List[str]:
+        from .. import text_part
+
+        if text_part.is_multimodal(config):
+            return text_part.unknown_keys(self, config)
+        return super().unknown_keys(config)
+
     def representation_problems(self, m: Any) -> List[str]:
         # the window, its pattern, the local RoPE base and the score scale are Gemma 3's
         own = tuple(f"--{name} " for name in UNSET_FLAGS)
@@ -181,7 +200,7 @@ class Gemma3Family(Family):
 
 FAMILY = Gemma3Family(
     name="gemma3",
-    # gemma3 (the vision-language folder) is found to be refused by name
+    # the multimodal folder's type: its language model trains alone (models/text_part.py)
     model_types=("gemma3_text", "gemma3"),
     architecture="Gemma3ForCausalLM",
     defaults=DEFAULTS,

@@ -7,7 +7,7 @@ from .qwen3_next import DEFAULTS, Qwen3NextFamily
 
 FAMILY = Qwen3NextFamily(
     name="qwen3_5_moe",
-    # qwen3_5_moe (the vision-language folder) is found to be refused by name
+    # the multimodal folder's type: its language model trains alone (models/text_part.py)
     model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
     architecture="Qwen3_5MoeForCausalLM",
     # transformers' Qwen3_5MoeTextConfig defaults for keys a config.json may omit
@@ -15,6 +15,7 @@ FAMILY = Qwen3NextFamily(
     fixed={"qk_layernorm": True, "attention_output_gate": True},
     known_keys=frozenset({"attention_bias"}),
     checks=require(attention_bias=False),
+    mtp=True,  # mtp_num_hidden_layers: its MTP layer under mtp.* (models/mtp.py)
     moe=MoeKeys(experts=("num_experts",), expert_ffn="moe_intermediate_size",
                 shared_ffn="shared_expert_intermediate_size", dense_layers=False,
                 norm_topk=None),

@@ -60,6 +60,18 @@ class Qwen3NextFamily(Family):
     """Family with Qwen3-Next's own reading and writing of config.json."""
 
     def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
+        from .. import text_part
+
+        if text_part.is_multimodal(config):  # the language model, trained on text alone
+            problems = text_part.top_level_problems(config)
+            if problems:
+                raise InvalidConfig("; ".join(problems))
+            if getattr(model_args, "model", None):  # its files name the language model
+                text_part.open_folder(model_args.model)
+            try:
+                return self.model_values(text_part.language_config(config), model_args)
+            except UnsupportedConfig as err:  # InvalidConfig too: its class is kept
+                raise type(err)(f"text_config: {err}") from None
         if "text_config" in config:
             raise UnsupportedConfig(
                 f"model_type {config.get('model_type')!r} (the vision-language model, its text "
@@ -71,9 +83,17 @@ class Qwen3NextFamily(Family):
         problems: List[str] = []
         kinds, found = layer_kinds(config) if config.get("num_hidden_layers") else ([], [])
         problems += found
-        if config.get("mtp_num_hidden_layers"):
-            problems.append(f"mtp_num_hidden_layers {config['mtp_num_hidden_layers']} "
-                            f"(multi-token prediction layers are not supported yet; only 0)")
+        if (config.get("mtp_num_hidden_layers") or 0) > 1:
+            problems.append(f"mtp_num_hidden_layers {config['mtp_num_hidden_layers']} (its MTP "
+                            f"layers share one fc and its norms, megatron's MTP layers have "
+                            f"their own: 0 or 1)")
+        elif config.get("mtp_use_dedicated_embeddings"):
+            problems.append("mtp_use_dedicated_embeddings true (megatron's MTP layer shares "
+                            "the model's embedding: only false)")
+        else:
+            from .. import mtp
+
+            mtp.check_flag(self, model_args)  # its MTP layer (mtp.* in the weights)
         fraction = rotary_fraction(config)
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
                 or not 0 < fraction <= 1:
@@ -116,9 +136,19 @@ class Qwen3NextFamily(Family):
     def read_keys(self) -> frozenset:
         return super().read_keys() | frozenset(OWN_KEYS)
 
+    def unknown_keys(self, config: Dict[str, Any]) -> List[str]:
+        from .. import text_part
+
+        if text_part.is_multimodal(config):
+            return text_part.unknown_keys(self, config)
+        return super().unknown_keys(config)
+
     def representation_problems(self, m: Any) -> List[str]:
         own = ("--rotary_percent ", "--linear_attention_freq ")
         problems = [p for p in super().representation_problems(m) if not p.startswith(own)]
+        if (m.mtp_num_layers or 0) > 1:
+            problems.append(f"--mtp_num_layers {m.mtp_num_layers} (a {self.name} folder holds "
+                            f"one multi-token prediction layer at most)")
         if m.model_type != self.name:
             # its norms are built for --model_type qwen3_next only
             problems.append(f"--model_type {m.model_type} (a {self.name} model is built with "
@@ -136,7 +166,7 @@ class Qwen3NextFamily(Family):
         pattern = linear_attention_pattern(m) or [0] * m.num_layers
         config.update({key: getattr(m, flag) for key, flag in LINEAR_KEYS.items()})
         config.update(layer_types=[LINEAR if k else FULL for k in pattern],
-                      attention_bias=False)
+                      attention_bias=False, mtp_num_hidden_layers=m.mtp_num_layers or 0)
         if self.moe is not None and not self.moe.dense_layers and \
                 "intermediate_size" not in (base or {}):
             config.pop("intermediate_size", None)
@@ -153,4 +183,5 @@ FAMILY = Qwen3NextFamily(
     checks=require(attention_bias=False),
     moe=MoeKeys(experts=("num_experts",), expert_ffn="moe_intermediate_size",
                 shared_ffn="shared_expert_intermediate_size", norm_topk=True),
+    mtp=True,  # mtp_num_hidden_layers: its MTP layer under mtp.* (models/mtp.py)
 )

@@ -18,6 +18,9 @@ The order a run calls them in:
 * ``wrap_forward_step(forward_step, config)``: the trainer's forward step per micro-batch.
 * ``context_parallel_attention(config)``: the layer spec's core attention under
   --context_parallel_size (models/gpt.py).
+* ``expert_module(config)``: the MoE layer spec's routed experts (models/gpt.py).
+* ``after_weights_read(config)``: once a Hugging Face folder's weights are in the model
+  (models/hf_load.py).
 
 A new CPU adaptation (another megatron module, kernel or collective) is a module here,
 installed by ``install`` or one of the others; the general code does not change.
@@ -104,6 +107,17 @@ def context_parallel_attention(config):
     return GatheredKVAttention
 
 
+def expert_module(config):
+    """The routed experts of a CPU run's MoE layers: megatron's SequentialMLP with every local
+    expert in one autograd function (grouped_experts.py; same parameters and checkpoints).
+    None on CUDA, where the spec's own experts stay."""
+    if config.cuda:
+        return None
+    from .grouped_experts import GroupedExperts
+
+    return GroupedExperts
+
+
 def wrap_forward_step(forward_step: Callable, config) -> Callable:
     """``forward_step``, releasing the free heap before each micro-batch where
     ``config.trim_host_memory`` asks for it (host_memory.py); else ``forward_step`` itself."""
@@ -112,3 +126,15 @@ def wrap_forward_step(forward_step: Callable, config) -> Callable:
     from .host_memory import trimming
 
     return trimming(forward_step)
+
+
+def after_weights_read(config) -> bool:
+    """Without CUDA the model's weights sit on the host heap among the freed buffers they
+    were read through, whose pages glibc keeps resident (a conversion's peak memory is set
+    after the read: benchmarks/README.md, "Conversion memory"); those pages are handed back
+    (host_memory.py). True if any were."""
+    if config.cuda:
+        return False
+    from .host_memory import release_free_heap
+
+    return release_free_heap()

@@ -1,0 +1,153 @@
+"""The language model of multimodal folders (Qwen3.5 ``qwen3_5`` with its vision tower and
+MTP layer, Gemma 3 ``gemma3`` with its SigLIP tower and projector), trained on text alone:
+tiny random folders give transformers' logits on text, HF -> mcore -> HF gives every
+tensor back bit for bit, and after training the export writes the tensors the model did not
+train (the vision side) back unchanged while the language model's carry the training."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_helpers as H
+from test_qwen3_5 import HYBRID
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU delta rule")
+
+QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                   out_hidden_size=64, num_position_embeddings=16)
+GEMMA_TEXT = dict(H.BASE, head_dim=16, sliding_window=8, layer_types=["sliding_attention",
+                                                                     "full_attention"],
+                  query_pre_attn_scalar=16)
+GEMMA_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, image_size=28, patch_size=14)
+
+
+def make_multimodal(path, model_type, text, vision, **top):
+    """A random multimodal model saved as transformers writes it (its language model under
+    model.language_model), every norm off its init, and a tokenizer."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **top)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "dt_bias" in name or "A_log" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    model.float().save_pretrained(str(path))
+    H.write_tokenizer(str(path))
+
+
+def add_mtp(path):
+    """Qwen3.5's MTP layer (mtp.* at the top of the files, mtp_num_hidden_layers in
+    text_config), its decoder layer the language model's layer 3 moved off its weights."""
+    state = load_file(str(path / "model.safetensors"))
+    generator = torch.Generator().manual_seed(5)
+    prefix = "model.language_model.layers.3."
+    extra = {"mtp.layers.0." + name[len(prefix):]: tensor + 0.05 * torch.randn(
+        tensor.shape, generator=generator) for name, tensor in state.items()
+        if name.startswith(prefix)}
+    h = state["model.language_model.embed_tokens.weight"].shape[1]
+    extra.update({"mtp.fc.weight": 0.05 * torch.randn(h, 2 * h, generator=generator),
+                  **{f"mtp.{name}.weight": 0.3 * torch.randn(h, generator=generator)
+                     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    save_file({**state, **extra}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def qwen_vl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_5_vl") / "hf"
+    make_multimodal(path, "qwen3_5", dict(H.BASE, **HYBRID), QWEN_VISION)
+    add_mtp(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma_vl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3_vl") / "hf"
+    make_multimodal(path, "gemma3", GEMMA_TEXT, GEMMA_VISION, mm_tokens_per_image=4)
+    return path
+
+
+@pytest.mark.parametrize("which", ["qwen_vl", "gemma_vl"])
+def test_text_logits_match_and_round_trip_is_bit_identical(which, request, tmp_path,
+                                                           gloo_group):
+    """The language model alone gives transformers' logits on text; HF -> mcore -> HF
+    writes every tensor back (the vision side copied, the MTP layer converted)."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    source = request.getfixturevalue(which)
+    loaded = load_model(str(source), log=lambda line: None)
+    ids = H.tokens(length=40)
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - H.hf_logits(str(source), ids)).abs().max() <= 1e-4
+    config = H.check_round_trip(source, tmp_path)
+    original = json.loads((source / "config.json").read_text())
+    assert config["model_type"] == original["model_type"]
+    assert config["architectures"] == original["architectures"]
+    assert config["vision_config"] == original["vision_config"]
+
+
+@pytest.mark.slow
+def test_training_on_text_exports_the_vision_side_unchanged(qwen_vl, tmp_path, train_here):
+    """pt on the Qwen3.5 vision-language folder (text alone, its MTP layer too): the export
+    holds every tensor of the source; the vision tower's are the source's bit for bit, the
+    language model's and the MTP layer's moved, and transformers' model of the exported
+    folder gives the checkpoint's logits."""
+    from run_helpers import train_records
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    out = tmp_path / "pt"
+    train_here(out, "--model", qwen_vl, "--dataset", data, "--seq_length", "32", "--lr",
+               "1e-2", "--train_iters", "2", "--save_steps", "2", "--mtp_num_layers", "1",
+               command="pt", base=run_flags())
+    assert all(r["mtp_loss"] > 0 for r in train_records(out))
+    back = tmp_path / "back"
+    H.convert(out / "checkpoint", back, "to_hf")
+    trained, initial = H.safetensors_state(str(back)), H.safetensors_state(str(qwen_vl))
+    assert sorted(trained) == sorted(initial)
+    vision = [name for name in initial if name.startswith("model.visual.")]
+    assert vision and all(torch.equal(trained[n], initial[n]) for n in vision)
+    for name in ("model.language_model.layers.0.linear_attn.in_proj_qkv.weight",
+                 "model.language_model.embed_tokens.weight", "mtp.fc.weight"):
+        assert not torch.equal(trained[name], initial[name]), name
+    config = json.loads((back / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["text_config"]["mtp_num_hidden_layers"] == 1
+    ids = H.tokens(length=40)
+    loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - H.hf_logits(str(back), ids)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("change, message", [
+    # Gemma 3's configs hold null (transformers' default); a number is refused, not ignored
+    (dict(final_logit_softcapping=30.0), "text_config: final_logit_softcapping 30.0 (logit "
+                                         "soft-capping is not supported; only null)"),
+    (dict(attn_logit_softcapping=50.0), "text_config: attn_logit_softcapping 50.0"),
+    (dict(num_hidden_layers="2"), "text_config: num_hidden_layers '2' is a string"),
+])
+def test_what_the_language_model_cannot_express_is_named(gemma_vl, tmp_path, change, message):
+    import re
+    import shutil
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    folder = tmp_path / "hf"
+    shutil.copytree(gemma_vl, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"].update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        resolve(RunArguments.from_flags(model=str(folder), seq_length=32), world_size=1)
