@@ -571,11 +571,23 @@ class RunArguments:
                 f"two of {2 * cp} equal chunks of every sequence")
         refused = [("--multi_latent_attention", m.multi_latent_attention),
                    (f"--model_type {m.model_type}", m.model_type == "gemma3"),
-                   ("rlhf", self.COMMAND == "rlhf")]
+                   *self.rlhf_refused_with_cp()]
         for what, given in refused:
             if given:
                 raise ArgumentError(f"--context_parallel_size {cp} with {what} is not "
                                     f"supported yet; use --context_parallel_size 1")
+
+    def rlhf_refused_with_cp(self) -> list:
+        """(what, given) for the rlhf runs that do not take a cut sequence yet: dpo sums
+        each sequence's log-probabilities over the group, the other losses not yet."""
+        r = getattr(self, "rlhf", None)
+        if self.COMMAND != "rlhf" or r is None:
+            return []
+        return [(f"rlhf --rlhf_type {r.rlhf_type}", r.rlhf_type != "dpo"),
+                # the one pass before training runs whole rows through the model
+                ("rlhf --precompute_ref_log_probs", r.precompute_ref_log_probs),
+                ("rlhf --pipeline_model_parallel_size > 1",
+                 self.parallel.pipeline_model_parallel_size > 1)]
 
     def check_virtual_pipeline(self, dp: int) -> None:
         """The interleaved schedule: PP > 1, equal chunks, and micro-batches that megatron's

@@ -348,9 +348,12 @@ def encode_pairs(pairs: List[Pair], hf, max_length: int, truncation_mode: str,
 
 def sequence_pad_multiple(config) -> int:
     """What every row's width is a multiple of: --sequence_parallel splits each row's
-    positions over the tensor-parallel ranks (a padded position is masked out of the loss)."""
+    positions over the tensor-parallel ranks, --context_parallel_size N cuts each row into
+    2N chunks (a padded position is masked out of the loss)."""
     p = config.parallel
-    return p.tensor_model_parallel_size if p.sequence_parallel else 1
+    cp = p.context_parallel_size
+    return (p.tensor_model_parallel_size if p.sequence_parallel else 1) * (2 * cp if cp > 1
+                                                                           else 1)
 
 
 def max_length_of(config) -> int:

@@ -190,8 +190,8 @@ class DpoTrainer(Trainer):
             if received is not None:
                 set_stage_input(model, received[:, :rows])
             if is_last_stage(model):
-                batch["ref_logps"] = sequence_sums(-(ref_out.float() * batch["loss_mask"]),
-                                                   batch)
+                batch["ref_logps"] = over_cp(sequence_sums(
+                    -(ref_out.float() * batch["loss_mask"]), batch))
             else:
                 return torch.cat([model(**inputs), ref_out], dim=1), \
                     partial(self.compute_loss, batch)
@@ -211,10 +211,10 @@ class DpoTrainer(Trainer):
         """(sum of the pairs' losses, pair count, report): megatron divides the gradients by
         the global batch's pairs, so the loss is the mean over pairs, as TRL's."""
         mask = batch["loss_mask"].float()
-        logps = sequence_sums(-(output_tensor.float() * mask), batch)
+        logps = over_cp(sequence_sums(-(output_tensor.float() * mask), batch))
         pairs = logps.shape[0] // 2
-        chosen_tokens = (mask[:pairs].sum() if "segment_ids" not in batch
-                         else sequence_sums(mask, batch)[:pairs].sum())
+        chosen_tokens = over_cp(mask[:pairs].sum() if "segment_ids" not in batch
+                                else sequence_sums(mask, batch)[:pairs].sum())
         ref = batch.get("ref_logps")
         if ref is None:
             ref = torch.zeros_like(logps)
@@ -229,7 +229,11 @@ class DpoTrainer(Trainer):
                   "rlhf": torch.cat([reward_metrics(self.dpo.beta, logps[:pairs],
                                                     logps[pairs:], ref[:pairs], ref[pairs:]),
                                      out["nll"].detach().sum().reshape(1)])}
-        return loss_sum, torch.tensor(pairs, dtype=torch.int, device=logps.device), report
+        # every CP rank holds the whole loss (over_cp), each differentiating through its own
+        # tokens; megatron sums the gradients and the counts over DP x CP: one rank counts
+        # the pairs. The report's sum and count are both CP times theirs: the mean holds.
+        counted = pairs if first_cp_rank() else 0
+        return loss_sum, torch.tensor(counted, dtype=torch.int, device=logps.device), report
 
     # ---- metrics ----------------------------------------------------------------------
     def forward_backward(self, data_iterator, forward_only: bool):
@@ -295,6 +299,24 @@ def set_stage_input(chunk, tensor: torch.Tensor) -> None:
 def is_last_stage(chunk) -> bool:
     """Whether the chunk ends in the output layer (it returns per-token losses)."""
     return bool(_stage_model(chunk).post_process)
+
+
+def over_cp(values: torch.Tensor) -> torch.Tensor:
+    """A sum over this rank's part of each sequence -> over the whole sequence: summed over
+    the context-parallel group (megatron's reduce: all-reduce forward, its gradient passed
+    on unchanged, each rank's to its own tokens)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return values
+    return tensor_parallel.reduce_from_tensor_model_parallel_region(
+        values, group=parallel_state.get_context_parallel_group())
+
+
+def first_cp_rank() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_rank() == 0
 
 
 def sequence_sums(values: torch.Tensor, batch, count: Optional[int] = None,
