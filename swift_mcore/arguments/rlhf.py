@@ -175,20 +175,22 @@ class RlhfArguments(RunArguments):
             self.check_pipeline()
 
     def check_pipeline(self) -> None:
-        """Pipeline parallelism runs DPO with the policy's and the reference's activations
-        passed between the stages side by side; what does not fit that is refused."""
+        """Pipeline parallelism (interleaved too) runs every task, the stages passing the
+        policy's activations and, beside them, the reference's (and KTO's KL rows'); what
+        does not fit that is refused."""
         r, pp = self.rlhf, self.parallel.pipeline_model_parallel_size
-        if r.rlhf_type != "dpo":
-            raise ArgumentError(f"--pipeline_model_parallel_size {pp} runs --rlhf_type dpo "
-                                f"only yet; --rlhf_type {r.rlhf_type}: use tensor or data "
-                                f"parallelism")
-        refused = [name for name, given in (
+        if r.packing and r.rlhf_type != "dpo":
+            raise ArgumentError(f"--packing with --pipeline_model_parallel_size {pp} packs "
+                                f"DPO's pairs only yet; --rlhf_type {r.rlhf_type}: drop "
+                                f"--packing")
+        packed_with = [name for name, given in (
             ("--precompute_ref_log_probs", r.precompute_ref_log_probs),
             ("--num_virtual_stages_per_pipeline_rank", self.virtual_stages() is not None))
             if given]
-        if refused:
-            raise ArgumentError(f"{refused[0]} with --pipeline_model_parallel_size {pp} is "
-                                f"not supported yet for rlhf; drop one of them")
+        if r.packing and packed_with:
+            raise ArgumentError(f"--packing with {packed_with[0]} and "
+                                f"--pipeline_model_parallel_size {pp} is not supported yet "
+                                f"for rlhf; drop one of them")
         tp, seq = self.parallel.tensor_model_parallel_size, self.model.seq_length
         if self.parallel.sequence_parallel and seq % tp:
             raise ArgumentError(f"--seq_length {seq} with --sequence_parallel and "

@@ -622,9 +622,12 @@ class RunArguments:
                 f"--{given[0]}: the interleaved schedule runs the micro-batches in groups of "
                 f"--pipeline_model_parallel_size ({pp}); this run has {micro} per iteration "
                 f"(--global_batch_size / (--micro_batch_size x DP)): make it a multiple")
-        for name, active in (("model", m.model), ("tuner_type lora",
-                                                  self.tuner.tuner_type == "lora"),
-                             ("num_experts", m.num_experts is not None)):
+        refused = (
+            # rlhf's --model loads into the chunks (tests/rlhf/test_rlhf_pipeline.py)
+            ("model", bool(m.model) and self.COMMAND != "rlhf"),
+            ("tuner_type lora", self.tuner.tuner_type == "lora"),
+            ("num_experts", m.num_experts is not None))
+        for name, active in refused:
             if active:
                 raise ArgumentError(f"--{given[0]} with --{name} is not supported yet; drop "
                                     f"one of them")

@@ -53,9 +53,11 @@ class RewardPairs(torch.utils.data.Dataset):
 
     def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, float]], pad_id: int,
                  fingerprint: str, has_margin: bool, pad_multiple: int = 1,
-                 pack_to: Optional[int] = None):
+                 pack_to: Optional[int] = None, pad_to: Optional[int] = None):
+        """``pad_to``: every row's width (pipeline stages exchange one fixed shape)."""
         self.encoded = encoded
         self.pad_multiple = pad_multiple
+        self.pad_to = pad_to
         self.pad_id = pad_id
         self.fingerprint = fingerprint
         self.has_margin = has_margin
@@ -71,7 +73,7 @@ class RewardPairs(torch.utils.data.Dataset):
     def collate(self, items) -> dict:
         seqs = [item["chosen"] for item in items] + [item["rejected"] for item in items]
         if self.pack_to is None:
-            width = max(len(s) for s in seqs)
+            width = max(len(s) for s in seqs) if self.pad_to is None else self.pad_to
             width = -(-width // self.pad_multiple) * self.pad_multiple
             tokens = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
             for i, ids in enumerate(seqs):
@@ -136,7 +138,9 @@ def build_reward_datasets(config, tokenizer, log: Callable[[str], None] = print)
     train = RewardPairs(encoded, pad_id_of(tokenizer),
                         f"{reward_fingerprint(config, tokenizer)}:train", has_margin,
                         sequence_pad_multiple(config),
-                        pack_to=config.model.seq_length if config.rlhf.packing else None)
+                        pack_to=config.model.seq_length if config.rlhf.packing else None,
+                        pad_to=(config.model.seq_length
+                                if config.world.pipeline_parallel > 1 else None))
     log(f"rlhf data --dataset: {len(encoded)} preference pairs for the reward model"
         + (" with margins" if has_margin else "") + f" (--max_length {max_length})"
         + packing_note(train.pack_to))

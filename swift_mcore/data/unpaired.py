@@ -187,11 +187,14 @@ class UnpairedDataset(torch.utils.data.Dataset):
 
     def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, bool]], max_length: int,
                  truncation_mode: str, pad_id: int, fingerprint: str, pad_multiple: int = 1,
-                 kl_rows: bool = True, pack_to: Optional[int] = None):
-        """``kl_rows``: False for a loss without a KL term (no KL rows are made)."""
+                 kl_rows: bool = True, pack_to: Optional[int] = None,
+                 pad_to: Optional[int] = None):
+        """``kl_rows``: False for a loss without a KL term (no KL rows are made); ``pad_to``:
+        every row's width (pipeline stages exchange one fixed shape)."""
         self.encoded = encoded
         self.kl_rows = kl_rows
         self.pack_to = pack_to
+        self.pad_to = pad_to
         self.max_length = max_length
         self.truncation_mode = truncation_mode
         self.pad_id = pad_id
@@ -216,7 +219,7 @@ class UnpairedDataset(torch.utils.data.Dataset):
         masks = [self._cut(np.concatenate([np.zeros(len(p), bool), np.ones(len(c), bool)]))
                  for p, c in zip(prompts, completions)]
         batch, _ = lay_out(seqs, self.pad_id, masks, pack_to=self.pack_to,
-                           pad_multiple=self.pad_multiple)
+                           pad_multiple=self.pad_multiple, pad_to=self.pad_to)
         batch.pop("sequence_mask")
         out = {prefix + k: v for k, v in batch.items()}
         out[prefix + "num_tokens"] = torch.tensor(sum(len(s) for s in seqs), dtype=torch.long)
@@ -263,7 +266,9 @@ def build_unpaired_datasets(config, tokenizer, log: Callable[[str], None] = prin
                             f"{unpaired_fingerprint(config, tokenizer)}:train",
                             sequence_pad_multiple(config),
                             kl_rows=r.kto_loss_type() == "kto",
-                            pack_to=config.model.seq_length if r.packing else None)
+                            pack_to=config.model.seq_length if r.packing else None,
+                            pad_to=(config.model.seq_length
+                                    if config.world.pipeline_parallel > 1 else None))
     log(f"rlhf data --dataset: {report.describe(max_length)} "
         f"(truncation: {r.truncation_mode}){packing_note(train.pack_to)}")
     advice = weight_advice(report, r.desirable_weight, r.undesirable_weight)

@@ -408,10 +408,7 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
                                                                 vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
                                                                vp_stage=vp_stage),
-            # a reward model has no LM head: nothing of the vocabulary's size is allocated
-            # for it (one stage: rlhf refuses pipeline parallelism), the score head replaces it
-            share_embeddings_and_output_weights=(not m.untie_embeddings_and_output_weights
-                                                 or bool(m.num_labels)),
+            share_embeddings_and_output_weights=shares_embedding(config),
             position_embedding_type=position_embedding(m),
             rotary_percent=m.rotary_percent,
             rotary_base=m.rotary_base,
@@ -449,6 +446,18 @@ def mark_whole_experts(model, p) -> None:
         if getattr(module, "is_expert", False):
             for param in module.parameters(recurse=False):
                 param.allreduce = False
+
+
+def shares_embedding(config) -> bool:
+    """Whether the output layer is the input embedding (megatron's tied weights). A reward
+    model's score head replaces the output layer: on one stage it is built tied, so nothing
+    of the vocabulary's size is allocated for it; across pipeline stages untied, else
+    megatron would reduce the score head's gradients with the first stage's embedding's and
+    checkpoint it as the embedding."""
+    m = config.model
+    if m.num_labels:
+        return config.world.pipeline_parallel == 1
+    return not m.untie_embeddings_and_output_weights
 
 
 _MTP_CLASSES: dict = {}

@@ -15,7 +15,8 @@ import torch
 
 from ..runtime import collectives
 from .kto_loss import METRICS, KtoLoss, kl_estimate, metric_sums, metrics_from_sums
-from .rlhf_trainer import DpoTrainer, reference_identity, sequence_sums
+from .rlhf_trainer import (DpoTrainer, is_last_stage, reference_identity, sequence_sums,
+                           set_stage_input, stage_input)
 
 
 def _sequence_logps(per_token_losses, batch, prefix: str = "") -> torch.Tensor:
@@ -57,12 +58,18 @@ class KtoTrainer(DpoTrainer):
                                        log=self.writer_print_early)
 
     # ---- one micro-batch --------------------------------------------------------------
+    # Under pipeline parallelism a stage receives, side by side on the batch axis, the
+    # policy's rows, the reference's, and (a loss with a KL term) the reference's KL rows and
+    # the policy's KL rows, and passes them on so; the last stage's loss reads those it
+    # holds without autograd.
     def forward_step(self, data_iterator, model):
-        batch = self.get_batch(data_iterator)
+        batch = self.micro_batch(data_iterator)
         if "kl_segment_ids" in batch:  # --packing: get_batch masked the rows, not the KL rows
             from ..data.packing import block_causal_mask
 
             batch["kl_attention_mask"] = block_causal_mask(batch["kl_segment_ids"])
+        received = stage_input(model)
+        rows = batch["tokens"].shape[0]
 
         def inputs(prefix):
             return dict(input_ids=batch[prefix + "tokens"],
@@ -70,17 +77,34 @@ class KtoTrainer(DpoTrainer):
                         attention_mask=batch.get(prefix + "attention_mask"),
                         labels=batch[prefix + "labels"])
 
+        def stream(chunk, number):
+            if received is not None:
+                set_stage_input(chunk, received[:, number * rows:(number + 1) * rows])
+            return chunk
+
         with torch.no_grad():
             # the KL rows only estimate a constant of the loss: no autograd for them
             with self.reference_of(model) as reference:
-                batch["ref_logps"] = _sequence_logps(reference(**inputs("")), batch)
+                ref = stream(reference, 1)(**inputs(""))
                 if self.kto.uses_kl:
-                    batch["ref_kl_logps"] = _sequence_logps(reference(**inputs("kl_")),
-                                                            batch, "kl_")
+                    ref_kl = stream(reference, 2)(**inputs("kl_"))
             if self.kto.uses_kl:
-                batch["kl_logps"] = _sequence_logps(model(**inputs("kl_")), batch, "kl_")
-        output = model(**inputs(""))
+                kl = stream(model, 3)(**inputs("kl_"))
+        output = stream(model, 0)(**inputs(""))
+        if not is_last_stage(model):
+            sent = [output, ref, ref_kl, kl] if self.kto.uses_kl else [output, ref]
+            return torch.cat(sent, dim=1), partial(self.compute_loss, batch)
+        batch["ref_logps"] = _sequence_logps(ref, batch)
+        if self.kto.uses_kl:
+            batch["ref_kl_logps"] = _sequence_logps(ref_kl, batch, "kl_")
+            batch["kl_logps"] = _sequence_logps(kl, batch, "kl_")
         return output, partial(self.compute_loss, batch)
+
+    def rows_per_micro_batch(self) -> int:
+        rows = self.config.training.micro_batch_size
+        if self.config.world.pipeline_parallel == 1:
+            return rows
+        return rows * (4 if self.kto.uses_kl else 2)
 
     def batch_kl(self, batch) -> torch.Tensor:
         """TRL's KL estimate: this micro-batch's mean, averaged over the data-parallel ranks

@@ -42,6 +42,37 @@ def compute(dataset, micro_batch: int, forward: Callable) -> torch.Tensor:
     return out
 
 
+def compute_in_stages(dataset, micro_batch: int, run: Callable,
+                      groups: int = 1) -> torch.Tensor:
+    """[pairs, 2] as ``compute`` gives it, under pipeline parallelism: ``run(batches, n)``
+    runs megatron's schedule forward over the ``n`` micro-batches of the iterator
+    ``batches`` and returns, on the last stage, each one's summed log-probabilities (chosen
+    rows first). Stages exchange one fixed shape and the interleaved schedule runs the
+    micro-batches in ``groups``, so the last micro-batches are filled up with the first
+    pairs (their values are dropped). Zeros on the other stages."""
+    count = -(-len(dataset) // micro_batch)
+    count = -(-count // groups) * groups
+
+    def batches():
+        for number in range(count):
+            index = [(number * micro_batch + i) % len(dataset) for i in range(micro_batch)]
+            yield dataset.collate([dataset[i] for i in index])
+
+    out = torch.zeros(len(dataset), 2, dtype=torch.float32)
+    collected = run(batches(), count)
+    if not collected:  # not the last stage
+        return out
+    for number, logps in enumerate(collected):
+        start = number * micro_batch
+        if start >= len(dataset):
+            break
+        logps = logps.detach().float().cpu()
+        pairs = min(micro_batch, len(dataset) - start)
+        out[start:start + pairs, 0] = logps[:pairs]
+        out[start:start + pairs, 1] = logps[micro_batch:micro_batch + pairs]
+    return out
+
+
 def write(path: str, table: torch.Tensor, fingerprint: str) -> None:
     from safetensors.torch import save
 

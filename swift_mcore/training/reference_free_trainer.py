@@ -45,7 +45,7 @@ class ReferenceFreeTrainer(DpoTrainer):
 
     # ---- one micro-batch --------------------------------------------------------------
     def forward_step(self, data_iterator, model):
-        batch = self.get_batch(data_iterator)
+        batch = self.micro_batch(data_iterator)
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                        attention_mask=batch.get("attention_mask"), labels=batch["labels"])
         return output, partial(self.compute_loss, batch)

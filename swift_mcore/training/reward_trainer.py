@@ -65,7 +65,7 @@ class RewardTrainer(DpoTrainer):
 
     # ---- one micro-batch --------------------------------------------------------------
     def forward_step(self, data_iterator, model):
-        batch = self.get_batch(data_iterator)
+        batch = self.micro_batch(data_iterator)
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                        attention_mask=batch.get("attention_mask"))
         return output, partial(self.compute_loss, batch)

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..runtime import collectives
+from ..runtime import collectives, cpu
 from .dpo_loss import METRICS, DpoLoss, reward_metrics
 from .trainer import Trainer
 from .writers import format_log_line
@@ -97,6 +97,9 @@ class DpoTrainer(Trainer):
         if table is not None:
             self.writer_print_early(f"rlhf: reference log-probabilities of "
                                     f"{len(table)} pairs read from {path}")
+        elif self.config.world.pipeline_parallel > 1:
+            table = self.reference_in_stages(chunks)
+            self.store_reference_table(path, table)
         else:
             device = self.device()
 
@@ -118,12 +121,68 @@ class DpoTrainer(Trainer):
 
             table = ref_log_probs.compute(self.train_ds, self.config.training.micro_batch_size,
                                           forward)
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                ref_log_probs.write(path, table, self.data_fingerprint)
-            self.writer_print_early(f"rlhf: reference log-probabilities of {len(table)} "
-                                    f"pairs computed and stored in {path}")
+            self.store_reference_table(path, table)
         self.reference = None  # freed: training reads the table
         return table
+
+    def store_reference_table(self, path: str, table: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        from . import ref_log_probs
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            ref_log_probs.write(path, table, self.data_fingerprint)
+        self.writer_print_early(f"rlhf: reference log-probabilities of {len(table)} "
+                                f"pairs computed and stored in {path}")
+
+    def reference_in_stages(self, chunks) -> torch.Tensor:
+        """The reference's log-probabilities of every pair under pipeline parallelism: one
+        forward-only pass of megatron's schedule through the reference's stages (the frozen
+        copy, or the LoRA policy with its adapters off), then the last stage's table summed
+        over the pipeline group (the other stages hold zeros), so every rank holds it."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from . import ref_log_probs
+
+        device = self.device()
+        micro = self.config.training.micro_batch_size
+        frozen = self.reference is not None
+
+        def forward_step(data_iterator, chunk):
+            batch = {k: v.to(device) for k, v in self.micro_batch(data_iterator, next).items()}
+            with (contextlib.nullcontext(chunk) if frozen
+                  else self.reference_of(chunk)) as reference:
+                losses = reference(input_ids=batch["tokens"],
+                                   position_ids=batch["position_ids"], attention_mask=None,
+                                   labels=batch["labels"])
+
+            def collect(output, non_loss_data=True):
+                return sequence_sums(-(output.float() * batch["loss_mask"]), batch)
+
+            return losses, collect
+
+        model = self.reference if frozen else chunks
+
+        def run(batches, count):
+            if len(model) > 1:  # the interleaved schedule: one feed per model chunk
+                from .chunk_feed import ChunkFeed
+
+                batches = ChunkFeed.for_chunks(batches, len(model))
+            with torch.no_grad():
+                return get_forward_backward_func()(
+                    forward_step_func=cpu.wrap_forward_step(forward_step, self.config),
+                    data_iterator=batches, model=model,
+                    num_microbatches=count, seq_length=self.config.model.seq_length,
+                    micro_batch_size=2 * micro, decoder_seq_length=self.config.model.seq_length,
+                    forward_only=True, collect_non_loss_data=True)
+
+        # the interleaved schedule runs the micro-batches in groups of the stage count
+        groups = (self.config.world.pipeline_parallel
+                  if self.config.args.virtual_stages() else 1)
+        table = ref_log_probs.compute_in_stages(self.train_ds, micro, run, groups)
+        return collectives.all_reduce(
+            table, group=parallel_state.get_pipeline_model_parallel_group()).cpu()
 
     def describe_loss(self) -> str:
         return describe_loss(self.dpo)
@@ -171,8 +230,16 @@ class DpoTrainer(Trainer):
                 layer._disable_adapters = False
 
     # ---- one micro-batch --------------------------------------------------------------
+    def micro_batch(self, data_iterator, get_batch=None):
+        """The next micro-batch (``get_batch``: the trainer's); under the interleaved
+        schedule every model chunk of a rank reads the same ones (chunk_feed.py)."""
+        get_batch = get_batch or self.get_batch
+        if hasattr(data_iterator, "next_batch"):
+            return data_iterator.next_batch(get_batch)
+        return get_batch(data_iterator)
+
     def forward_step(self, data_iterator, model):
-        batch = self.get_batch(data_iterator)
+        batch = self.micro_batch(data_iterator)
         inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                       attention_mask=batch.get("attention_mask"), labels=batch["labels"])
         if self.ref_table is not None:
@@ -204,7 +271,7 @@ class DpoTrainer(Trainer):
         pairs = self.config.training.micro_batch_size
         if self.config.world.pipeline_parallel == 1:
             return pairs  # megatron reads it for the stages' exchanges only
-        in_loop = not self.config.rlhf.reference_free and self.ref_table is None
+        in_loop = self.config.rlhf.needs_reference() and self.ref_table is None
         return 2 * pairs * (2 if in_loop else 1)
 
     def compute_loss(self, batch, output_tensor):

@@ -1,6 +1,7 @@
 """DPO under pipeline parallelism (PP=2: the policy's and the reference's activations passed
 between the stages side by side) gives the one-rank losses and metrics, packed rows too;
-what does not run under it yet is refused in one line."""
+what does not run under it yet is refused in one line (the other tasks:
+test_rlhf_pipeline.py)."""
 
 import json
 import subprocess
@@ -85,10 +86,15 @@ def test_packed_pipeline_parallel_gives_the_one_rank_losses(tiny_hf, tmp_path, g
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--rlhf_type", "kto"], r"^--pipeline_model_parallel_size 2 runs --rlhf_type dpo only "
-                             r"yet; --rlhf_type kto: use tensor or data parallelism$"),
-    (["--precompute_ref_log_probs"], r"^--precompute_ref_log_probs with "
-                                     r"--pipeline_model_parallel_size 2 is not supported"),
+    (["--rlhf_type", "kto", "--packing"], r"^--packing with --pipeline_model_parallel_size 2 "
+                                          r"packs DPO's pairs only yet; --rlhf_type kto: drop "
+                                          r"--packing$"),
+    (["--packing", "--precompute_ref_log_probs"],
+     r"^--packing with --precompute_ref_log_probs and --pipeline_model_parallel_size 2 is not "
+     r"supported yet for rlhf; drop one of them$"),
+    (["--num_layers", "4", "--num_virtual_stages_per_pipeline_rank", "2", "--micro_batch_size",
+      "2", "--tuner_type", "lora"], r"^--num_virtual_stages_per_pipeline_rank with "
+                                    r"--tuner_type lora is not supported yet; drop one of them$"),
 ])
 def test_what_does_not_run_under_stages_is_refused(flags, message, tmp_path):
     from swift_mcore.arguments import RlhfArguments, parse_args
