@@ -150,6 +150,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS),
+                        help="a subset (e.g. the two LoRA runs at 100m, whose reference copy "
+                             "is large enough to show in the peak)")
     parser.add_argument("--child", choices=CONTENDERS)
     parser.add_argument("--model")
     parser.add_argument("--data")
@@ -157,13 +160,17 @@ def main() -> None:
     if args.child:
         child(args.child, args.model, args.data, args)
         return
-    results = {k: [] for k in CONTENDERS}
+    chosen = tuple(args.contenders)
+    results = {k: [] for k in chosen}
     with tempfile.TemporaryDirectory() as folder:
         model = make_inputs(folder, args.size, args.pairs, args.words)
         data = os.path.join(folder, "prefs.jsonl")
         passed = [a for a in sys.argv[1:]]
+        if "--contenders" in passed:  # the children take one --child each
+            at = passed.index("--contenders")
+            passed = passed[:at] + passed[at + 1 + len(chosen):]
         for r in range(args.rounds):
-            order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]
+            order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
             for kind in order:
                 proc = subprocess.run([sys.executable, __file__, *passed, "--child", kind,
                                        "--model", model, "--data", data],
@@ -178,17 +185,19 @@ def main() -> None:
     def median(kind, key):
         return statistics.median(x[key] for x in results[kind])
 
-    print(json.dumps({
-        "size": args.size, "seq": args.seq, "batch": args.batch,
-        "speed_ratio_vs_trl": round(median("swift-mcore", "tokens_per_s")
-                                    / median("trl", "tokens_per_s"), 3),
-        "memory_ratio_vs_trl": round(median("swift-mcore", "peak_rss_MB")
-                                     / median("trl", "peak_rss_MB"), 3),
-        "lora_implicit_reference_saves_MB": round(median("lora-copy", "peak_rss_MB")
-                                                  - median("lora-implicit", "peak_rss_MB"), 1),
-        **{f"{k}_tokens_per_s": round(median(k, "tokens_per_s"), 1) for k in CONTENDERS},
-        **{f"{k}_peak_rss_MB": median(k, "peak_rss_MB") for k in CONTENDERS},
-    }), flush=True)
+    summary = {"size": args.size, "seq": args.seq, "batch": args.batch}
+    if {"swift-mcore", "trl"} <= set(chosen):
+        summary.update(
+            speed_ratio_vs_trl=round(median("swift-mcore", "tokens_per_s")
+                                     / median("trl", "tokens_per_s"), 3),
+            memory_ratio_vs_trl=round(median("swift-mcore", "peak_rss_MB")
+                                      / median("trl", "peak_rss_MB"), 3))
+    if {"lora-implicit", "lora-copy"} <= set(chosen):
+        summary["lora_implicit_reference_saves_MB"] = round(
+            median("lora-copy", "peak_rss_MB") - median("lora-implicit", "peak_rss_MB"), 1)
+    summary.update({f"{k}_tokens_per_s": round(median(k, "tokens_per_s"), 1) for k in chosen})
+    summary.update({f"{k}_peak_rss_MB": median(k, "peak_rss_MB") for k in chosen})
+    print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,6 @@ class TrainingArguments:
         ["core_attn"], "With --recompute_granularity selective: the parts of each layer to "
         "recompute, comma- or space-separated: core_attn (the attention scores and softmax), "
         "layernorm (the two norms; a no-op with Transformer Engine's fused norms), mlp (the "
-        "whole MLP). megatron's moe_act, moe, shared_experts and mla_up_proj need MoE or MLA "
-        "layers, which swift-mcore's GPT models do not have.",
+        "whole MLP). megatron's moe_act, moe, shared_experts and mla_up_proj (parts of MoE and "
+        "multi-latent attention layers) are not recomputed by swift-mcore yet: refused.",
         choices=RECOMPUTE_MODULES, comma_separated=True)
