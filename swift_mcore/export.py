@@ -65,6 +65,8 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     from .models.hf_save import DTYPES, save_hf_folder
     from .loaded_model import load_model
 
+    if not args.text_only:
+        check_carried(args.model)
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
                         trust_remote_code=args.trust_remote_code, tokenizer_optional=True)
     merged = merge_lora(loaded, args, log)
@@ -74,13 +76,35 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     dtype = DTYPES[args.dtype] if args.dtype else _source_dtype(loaded)
     result = save_hf_folder(args.output_dir, loaded.config.model, layout, state.__getitem__,
                             loaded.tokenizer, dtype, base_folder=loaded.hf_folder,
-                            max_shard_bytes=parse_size(args.max_shard_size))
+                            max_shard_bytes=parse_size(args.max_shard_size),
+                            carry=not args.text_only)
     log(f"wrote {result['path']}: a {result['family']} model, {result['tensors']} tensors in "
         f"{result['shards']} safetensors file(s), {result['bytes'] / 1e6:.1f} MB "
         f"({str(dtype).replace('torch.', '')})" + (", LoRA adapters merged" if merged else ""))
     if args.test_convert_precision:
         result["max_logit_difference"] = compare_logits(loaded, result["path"], log)
     return result
+
+
+def check_carried(model: str) -> None:
+    """A checkpoint of the language model of a multimodal folder: that folder still holds
+    the tensors the model did not train (the vision tower), as they were at training, for
+    the export to copy; else a CheckpointError before anything is read or written."""
+    from .checkpointing import files, find_checkpoint
+    from .errors import CheckpointError
+    from .models.carried import differences
+
+    folder = find_checkpoint(model, None, "--model", log=lambda line: None)
+    saved = files.read_json(folder, files.RUN).get("multimodal_source") if folder else None
+    if not isinstance(saved, dict):
+        return
+    problem = differences(saved)
+    if problem:
+        raise CheckpointError(
+            f"--model {folder} is the language model of the multimodal folder "
+            f"{saved.get('folder')}, whose tensors it did not train (the vision tower) an "
+            f"export copies from there, but {problem}; restore that folder as it was at "
+            f"training, or add --text_only to write the language model alone")
 
 
 def merge_lora(loaded, args: ExportArguments, log) -> bool:

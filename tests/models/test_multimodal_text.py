@@ -151,3 +151,101 @@ def test_what_the_language_model_cannot_express_is_named(gemma_vl, tmp_path, cha
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ArgumentError, match=re.escape(message)):
         resolve(RunArguments.from_flags(model=str(folder), seq_length=32), world_size=1)
+
+
+# ---- the export of a checkpoint whose source folder is gone or changed -------------------
+@pytest.fixture(scope="module")
+def qwen_vl_checkpoint(qwen_vl, tmp_path_factory, gloo_group):
+    """A copy of the Qwen3.5 vision-language folder (the tests below change it, then put it
+    back) and its checkpoint (export --to_mcore)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("qwen3_5_vl_source")
+    source, pristine = root / "hf", root / "pristine"
+    shutil.copytree(qwen_vl, source)
+    shutil.copytree(qwen_vl, pristine)
+    H.convert(source, root / "mcore", "to_mcore")
+    return source, pristine, root / "mcore"
+
+
+@pytest.fixture
+def source_folder(qwen_vl_checkpoint):
+    """The checkpoint's source folder, restored after the test changed it."""
+    import shutil
+
+    source, pristine, checkpoint = qwen_vl_checkpoint
+    yield source, checkpoint
+    shutil.rmtree(source, ignore_errors=True)
+    shutil.copytree(pristine, source)
+
+
+def _set_tensor(folder, name, change):
+    state = load_file(str(folder / "model.safetensors"))
+    state[name] = change(state[name])
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _drop_vision(folder):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config["text_config"]))
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda f: __import__("shutil").rmtree(f), "{f} no longer exists"),
+    (lambda f: (f / "config.json").unlink(),
+     "{f} is no longer a Hugging Face folder (no config.json)"),
+    (_drop_vision, "{f} is no longer a multimodal qwen3_5 folder"),
+    (lambda f: _set_tensor(f, "model.visual.blocks.0.attn.qkv.weight", lambda t: t + 1),
+     "changed: model.visual.blocks.0.attn.qkv.weight (its values)"),
+    (lambda f: _set_tensor(f, "model.visual.blocks.0.attn.qkv.weight", lambda t: t[:8]),
+     "changed: model.visual.blocks.0.attn.qkv.weight (F32 [96, 32] then, F32 [8, 32] now)"),
+], ids=["gone", "not_a_folder", "not_multimodal", "values", "shape"])
+def test_export_refuses_when_the_vision_source_is_gone_or_changed(source_folder, tmp_path,
+                                                                  capsys, change, reason):
+    """export --to_hf of the language model of a multimodal folder: when that folder is
+    gone, no longer multimodal, or its vision tower differs from training's, one line
+    naming the folder and what differs, exit code 2, nothing written."""
+    from swift_mcore.export import main
+
+    source, checkpoint = source_folder
+    change(source)
+    out = tmp_path / "out"
+    assert main(["--to_hf", "--model", str(checkpoint), "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("swift-mcore export: error: ")
+    assert f"the language model of the multimodal folder {source}," in err
+    assert reason.format(f=source) in err
+    assert "add --text_only to write the language model alone" in err
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_text_only_writes_the_language_model_alone(source_folder, qwen_vl, tmp_path):
+    """--text_only: the checkpoint whose folder is gone exports as the text model (no
+    vision tensors, the qwen3_5_text config), which gives the checkpoint's logits."""
+    import shutil
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    source, checkpoint = source_folder
+    shutil.rmtree(source)
+    out = tmp_path / "text"
+    H.convert(checkpoint, out, "to_hf", text_only=True, tokenizer=str(qwen_vl))
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and "vision_config" not in config
+    names = H.safetensors_state(str(out))
+    assert names and not any("visual" in n for n in names)
+    ids = H.tokens(length=40)
+    loaded = load_model(str(checkpoint), tokenizer=str(qwen_vl), log=lambda line: None)
+    ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
+    assert (ours - H.hf_logits(str(out), ids)).abs().max() <= 1e-4
+
+
+def test_the_checkpoint_records_its_vision_source(qwen_vl_checkpoint):
+    """run.json names the folder and fingerprints each tensor the model did not train."""
+    source, _, checkpoint = qwen_vl_checkpoint
+    run = json.loads((checkpoint / "checkpoint" / "iter_0000000" / "run.json").read_text())
+    record = run["multimodal_source"]
+    assert record["folder"] == str(source) and record["model_type"] == "qwen3_5"
+    vision = [n for n in H.safetensors_state(str(source)) if n.startswith("model.visual.")]
+    assert sorted(record["carried"]) == sorted(vision)
+    assert all(v.split()[-1].startswith("sha256:") for v in record["carried"].values())
