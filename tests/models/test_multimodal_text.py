@@ -1,8 +1,10 @@
-"""The language model of multimodal folders (Qwen3.5 ``qwen3_5`` with its vision tower and
-MTP layer, Gemma 3 ``gemma3`` with its SigLIP tower and projector), trained on text alone:
-tiny random folders give transformers' logits on text, HF -> mcore -> HF gives every
-tensor back bit for bit, and after training the export writes the tensors the model did not
-train (the vision side) back unchanged while the language model's carry the training."""
+"""The language model of multimodal folders (Qwen3.5 ``qwen3_5`` and Qwen3.5-MoE
+``qwen3_5_moe`` with their vision tower and MTP layer, Gemma 3 ``gemma3`` with its SigLIP
+tower and projector), trained on text alone: tiny random folders give transformers' logits
+on text, HF -> mcore -> HF gives every tensor back bit for bit, after training the export
+writes the tensors the model did not train (the vision side) back unchanged while the
+language model's carry the training, and an export whose source folder is gone or changed
+is refused."""
 
 import json
 
@@ -11,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hf_helpers as H
-from test_qwen3_5 import HYBRID
+from test_qwen3_5 import HYBRID, MOE
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU delta rule")
 
@@ -69,13 +71,22 @@ def qwen_vl(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen_moe_vl(tmp_path_factory):
+    """Qwen3.5-MoE's vision-language folder (qwen3_5_moe), its MTP layer an MoE layer too."""
+    path = tmp_path_factory.mktemp("qwen3_5_moe_vl") / "hf"
+    make_multimodal(path, "qwen3_5_moe", dict(H.BASE, **HYBRID, **MOE), QWEN_VISION)
+    add_mtp(path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def gemma_vl(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma3_vl") / "hf"
     make_multimodal(path, "gemma3", GEMMA_TEXT, GEMMA_VISION, mm_tokens_per_image=4)
     return path
 
 
-@pytest.mark.parametrize("which", ["qwen_vl", "gemma_vl"])
+@pytest.mark.parametrize("which", ["qwen_vl", "qwen_moe_vl", "gemma_vl"])
 def test_text_logits_match_and_round_trip_is_bit_identical(which, request, tmp_path,
                                                            gloo_group):
     """The language model alone gives transformers' logits on text; HF -> mcore -> HF
@@ -87,6 +98,9 @@ def test_text_logits_match_and_round_trip_is_bit_identical(which, request, tmp_p
     ids = H.tokens(length=40)
     ours = forward_logits(loaded.model, ids)[..., : loaded.vocab]
     assert (ours - H.hf_logits(str(source), ids)).abs().max() <= 1e-4
+    carried = [n for n in H.safetensors_state(str(source))
+               if not n.startswith(("model.language_model.", "mtp.", "lm_head."))]
+    assert carried  # the vision tower, which the round trip must give back too
     config = H.check_round_trip(source, tmp_path)
     original = json.loads((source / "config.json").read_text())
     assert config["model_type"] == original["model_type"]
