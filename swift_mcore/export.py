@@ -65,8 +65,7 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     from .models.hf_save import DTYPES, save_hf_folder
     from .loaded_model import load_model
 
-    if not args.text_only:
-        check_carried(args.model)
+    check_carried(args.model, args.text_only)
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
                         trust_remote_code=args.trust_remote_code, tokenizer_optional=True)
     merged = merge_lora(loaded, args, log)
@@ -86,16 +85,24 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     return result
 
 
-def check_carried(model: str) -> None:
+def check_carried(model: str, text_only: bool) -> None:
     """A checkpoint of the language model of a multimodal folder: that folder still holds
     the tensors the model did not train (the vision tower), as they were at training, for
-    the export to copy; else a CheckpointError before anything is read or written."""
-    from .checkpointing import files, find_checkpoint
+    the export to copy; else a CheckpointError before anything is read or written.
+    ``text_only`` (--text_only) skips the check, and is refused for any other checkpoint."""
+    from .checkpointing import files, find_checkpoint, read_run_flags
     from .errors import CheckpointError
     from .models.carried import differences
 
     folder = find_checkpoint(model, None, "--model", log=lambda line: None)
     saved = files.read_json(folder, files.RUN).get("multimodal_source") if folder else None
+    if text_only:
+        source = read_run_flags(folder).get("model", {}).get("model") if folder else None
+        if not isinstance(saved, dict) and not _is_multimodal_folder(source):
+            raise ArgumentError(f"--text_only: --model {model} is not the language model of "
+                                f"a multimodal folder (it exports as a text model anyway); "
+                                f"drop --text_only")
+        return
     if not isinstance(saved, dict):
         return
     problem = differences(saved)
@@ -105,6 +112,19 @@ def check_carried(model: str) -> None:
             f"{saved.get('folder')}, whose tensors it did not train (the vision tower) an "
             f"export copies from there, but {problem}; restore that folder as it was at "
             f"training, or add --text_only to write the language model alone")
+
+
+def _is_multimodal_folder(path) -> bool:
+    """Whether ``path`` is a multimodal folder now (a checkpoint saved before checkpoints
+    recorded it)."""
+    from .input_files import load_json
+    from .models.hf_folder import CONFIG, is_hf_folder
+    from .models.text_part import is_multimodal
+
+    if not path or not is_hf_folder(path):
+        return False
+    config = load_json(os.path.join(path, CONFIG))
+    return isinstance(config, dict) and is_multimodal(config)
 
 
 def merge_lora(loaded, args: ExportArguments, log) -> bool:

@@ -263,3 +263,20 @@ def test_the_checkpoint_records_its_vision_source(qwen_vl_checkpoint):
     vision = [n for n in H.safetensors_state(str(source)) if n.startswith("model.visual.")]
     assert sorted(record["carried"]) == sorted(vision)
     assert all(v.split()[-1].startswith("sha256:") for v in record["carried"].values())
+
+
+def test_text_only_is_refused_for_a_text_model(tmp_path, capsys, gloo_group):
+    """--text_only on a checkpoint of a text folder would change nothing: refused by name."""
+    from swift_mcore.export import main
+
+    H.make_model(str(tmp_path / "hf"), "qwen3")
+    H.convert(tmp_path / "hf", tmp_path / "mcore", "to_mcore")
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert main(["--to_hf", "--text_only", "--model", str(tmp_path / "mcore"),
+                 "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"swift-mcore export: error: --text_only: --model {tmp_path / 'mcore'} is "
+                   f"not the language model of a multimodal folder (it exports as a text "
+                   f"model anyway); drop --text_only")
+    assert not out.exists()
