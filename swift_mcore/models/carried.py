@@ -26,7 +26,7 @@ _RECORDS: Dict[str, Optional[Dict[str, Any]]] = {}
 def record(path: Optional[str]) -> Optional[Dict[str, Any]]:
     """The record of the multimodal Hugging Face folder ``path``; None when ``path`` is no
     such folder. Computed once per process and folder: a run records the folder as it was
-    at its first save."""
+    at its first save (or as the checkpoint it continues recorded it: ``inherit``)."""
     from .hf_folder import is_hf_folder
 
     if not path or not is_hf_folder(path):
@@ -35,6 +35,14 @@ def record(path: Optional[str]) -> Optional[Dict[str, Any]]:
     if path not in _RECORDS:
         _RECORDS[path] = current(path)
     return _RECORDS[path]
+
+
+def inherit(saved: Optional[Dict[str, Any]], path: Optional[str]) -> None:
+    """A run that continues a checkpoint (resume, --load --finetune) from the same folder
+    records what that checkpoint recorded: the folder as it was when the first run of the
+    line saved, so a change since then is still seen at export."""
+    if isinstance(saved, dict) and path and saved.get("folder") == os.path.abspath(path):
+        _RECORDS[os.path.abspath(path)] = saved
 
 
 def current(path: str) -> Optional[Dict[str, Any]]:

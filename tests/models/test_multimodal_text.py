@@ -280,3 +280,28 @@ def test_text_only_is_refused_for_a_text_model(tmp_path, capsys, gloo_group):
                    f"not the language model of a multimodal folder (it exports as a text "
                    f"model anyway); drop --text_only")
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_run_from_the_checkpoint_keeps_its_record_of_the_vision_source(
+        source_folder, tmp_path, capsys, train_here):
+    """pt --load CHECKPOINT --finetune after the vision tower changed: the new checkpoint
+    records the tower as the first checkpoint did, so its export is refused too."""
+    from swift_mcore.export import main
+    from swift_mcore.models import carried
+    from test_hf_training import run_flags
+
+    source, checkpoint = source_folder
+    _set_tensor(source, "model.visual.blocks.0.attn.qkv.weight", lambda t: t + 1)
+    carried._RECORDS.clear()  # as a new process: it has not fingerprinted the folder yet
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def f(x):\n    return x  # {i}\n"}) + "\n"
+                            for i in range(40)))
+    out = tmp_path / "ft"
+    train_here(out, "--model", source, "--load", checkpoint, "--finetune", "--dataset", data,
+               "--seq_length", "32", "--train_iters", "1", "--save_steps", "1",
+               "--mtp_num_layers", "1", command="pt", base=run_flags())
+    capsys.readouterr()
+    assert main(["--to_hf", "--model", str(out), "--output_dir", str(tmp_path / "o")]) == 2
+    assert "changed: model.visual.blocks.0.attn.qkv.weight (its values)" in \
+        capsys.readouterr().err
