@@ -92,19 +92,25 @@ def check_carried(model: str, text_only: bool) -> None:
     ``text_only`` (--text_only) skips the check, and is refused for any other checkpoint."""
     from .checkpointing import files, find_checkpoint, read_run_flags
     from .errors import CheckpointError
-    from .models.carried import differences
+    from .models.carried import differences, malformed
 
     folder = find_checkpoint(model, None, "--model", log=lambda line: None)
     saved = files.read_json(folder, files.RUN).get("multimodal_source") if folder else None
     if text_only:
-        source = read_run_flags(folder).get("model", {}).get("model") if folder else None
+        flags = read_run_flags(folder).get("model") if folder else None
+        source = flags.get("model") if isinstance(flags, dict) else None
         if not isinstance(saved, dict) and not _is_multimodal_folder(source):
             raise ArgumentError(f"--text_only: --model {model} is not the language model of "
                                 f"a multimodal folder (it exports as a text model anyway); "
                                 f"drop --text_only")
         return
-    if not isinstance(saved, dict):
+    if saved is None:
         return
+    if malformed(saved):
+        raise CheckpointError(f"checkpoint {folder}: run.json's multimodal_source is not "
+                              f"what swift-mcore writes (the source folder, its model_type "
+                              f"and its tensors' fingerprints); add --text_only to write the "
+                              f"language model alone")
     problem = differences(saved)
     if problem:
         raise CheckpointError(
@@ -121,7 +127,7 @@ def _is_multimodal_folder(path) -> bool:
     from .models.hf_folder import CONFIG, is_hf_folder
     from .models.text_part import is_multimodal
 
-    if not path or not is_hf_folder(path):
+    if not isinstance(path, str) or not is_hf_folder(path):
         return False
     config = load_json(os.path.join(path, CONFIG))
     return isinstance(config, dict) and is_multimodal(config)

@@ -96,17 +96,29 @@ def _fingerprints(path: str, names: List[str]) -> Dict[str, str]:
     return out
 
 
+def malformed(saved: Any) -> bool:
+    """Whether a run.json's record is not one ``record`` writes."""
+    return not (isinstance(saved, dict) and isinstance(saved.get("folder"), str)
+                and os.path.isabs(saved["folder"]) and isinstance(saved.get("model_type"), str)
+                and isinstance(saved.get("carried"), dict)
+                and all(isinstance(v, str) for v in saved["carried"].values()))
+
+
 def differences(saved: Dict[str, Any]) -> Optional[str]:
-    """What differs between the folder ``saved`` recorded and that folder now, in words;
-    None when it is the same."""
+    """What differs between the folder ``saved`` (not ``malformed``) recorded and that
+    folder now, in words; None when it is the same."""
+    from ..errors import ArgumentError
     from .hf_folder import is_hf_folder
 
-    path = saved.get("folder") or ""
+    path = saved["folder"]
     if not os.path.isdir(path):
         return f"{path} no longer exists"
     if not is_hf_folder(path):
         return f"{path} is no longer a Hugging Face folder (no config.json)"
-    now = current(path)
+    try:
+        now = current(path)
+    except ArgumentError as err:  # its weights unreadable now
+        return f"{path} cannot be read ({err})"
     if now is None:
         return f"{path} is no longer a multimodal {saved.get('model_type')} folder"
     if now["model_type"] != saved.get("model_type"):

@@ -305,3 +305,4 @@ def test_a_run_from_the_checkpoint_keeps_its_record_of_the_vision_source(
     assert main(["--to_hf", "--model", str(out), "--output_dir", str(tmp_path / "o")]) == 2
     assert "changed: model.visual.blocks.0.attn.qkv.weight (its values)" in \
         capsys.readouterr().err
+
