@@ -65,6 +65,7 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     from .models.hf_save import DTYPES, save_hf_folder
     from .loaded_model import load_model
 
+    check_carried(args.model, args.text_only)
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
                         trust_remote_code=args.trust_remote_code, tokenizer_optional=True)
     merged = merge_lora(loaded, args, log)
@@ -74,13 +75,62 @@ def to_hf(args: ExportArguments, log) -> Dict[str, object]:
     dtype = DTYPES[args.dtype] if args.dtype else _source_dtype(loaded)
     result = save_hf_folder(args.output_dir, loaded.config.model, layout, state.__getitem__,
                             loaded.tokenizer, dtype, base_folder=loaded.hf_folder,
-                            max_shard_bytes=parse_size(args.max_shard_size))
+                            max_shard_bytes=parse_size(args.max_shard_size),
+                            carry=not args.text_only)
     log(f"wrote {result['path']}: a {result['family']} model, {result['tensors']} tensors in "
         f"{result['shards']} safetensors file(s), {result['bytes'] / 1e6:.1f} MB "
         f"({str(dtype).replace('torch.', '')})" + (", LoRA adapters merged" if merged else ""))
     if args.test_convert_precision:
         result["max_logit_difference"] = compare_logits(loaded, result["path"], log)
     return result
+
+
+def check_carried(model: str, text_only: bool) -> None:
+    """A checkpoint of the language model of a multimodal folder: that folder still holds
+    the tensors the model did not train (the vision tower), as they were at training, for
+    the export to copy; else a CheckpointError before anything is read or written.
+    ``text_only`` (--text_only) skips the check, and is refused for any other checkpoint."""
+    from .checkpointing import files, find_checkpoint, read_run_flags
+    from .errors import CheckpointError
+    from .models.carried import differences, malformed
+
+    folder = find_checkpoint(model, None, "--model", log=lambda line: None)
+    saved = files.read_json(folder, files.RUN).get("multimodal_source") if folder else None
+    if text_only:
+        flags = read_run_flags(folder).get("model") if folder else None
+        source = flags.get("model") if isinstance(flags, dict) else None
+        if not isinstance(saved, dict) and not _is_multimodal_folder(source):
+            raise ArgumentError(f"--text_only: --model {model} is not the language model of "
+                                f"a multimodal folder (it exports as a text model anyway); "
+                                f"drop --text_only")
+        return
+    if saved is None:
+        return
+    if malformed(saved):
+        raise CheckpointError(f"checkpoint {folder}: run.json's multimodal_source is not "
+                              f"what swift-mcore writes (the source folder, its model_type "
+                              f"and its tensors' fingerprints); add --text_only to write the "
+                              f"language model alone")
+    problem = differences(saved)
+    if problem:
+        raise CheckpointError(
+            f"--model {folder} is the language model of the multimodal folder "
+            f"{saved.get('folder')}, whose tensors it did not train (the vision tower) an "
+            f"export copies from there, but {problem}; restore that folder as it was at "
+            f"training, or add --text_only to write the language model alone")
+
+
+def _is_multimodal_folder(path) -> bool:
+    """Whether ``path`` is a multimodal folder now (a checkpoint saved before checkpoints
+    recorded it)."""
+    from .input_files import load_json
+    from .models.hf_folder import CONFIG, is_hf_folder
+    from .models.text_part import is_multimodal
+
+    if not isinstance(path, str) or not is_hf_folder(path):
+        return False
+    config = load_json(os.path.join(path, CONFIG))
+    return isinstance(config, dict) and is_multimodal(config)
 
 
 def merge_lora(loaded, args: ExportArguments, log) -> bool:

@@ -32,6 +32,11 @@ class ExportArguments:
     merge_lora: bool = flag(
         False, "With --to_hf and a LoRA checkpoint: merge the adapters into the base weights "
         "(W + B·A·alpha/r, as peft's merge_and_unload) and write the merged model.")
+    text_only: bool = flag(
+        False, "With --to_hf and a checkpoint of the language model of a multimodal folder "
+        "(Qwen3.5, Gemma 3 with their vision tower): write the language model alone, without "
+        "the tensors it did not train, which an export otherwise copies from that folder "
+        "(and refuses to when the folder is gone or they changed since training).")
     test_convert_precision: bool = flag(
         False, "After converting, run the source and the converted model on the same tokens "
         "(float32, eager attention on the Hugging Face side) and print the largest logit "
@@ -60,6 +65,9 @@ class ExportArguments:
         if self.merge_lora and not self.to_hf:
             raise ArgumentError("--merge_lora writes merged Hugging Face weights: it goes with "
                                 "--to_hf")
+        if self.text_only and not self.to_hf:
+            raise ArgumentError("--text_only chooses what --to_hf writes of a multimodal "
+                                "model: it goes with --to_hf")
         if not self.model:
             raise ArgumentError("--model is required: the checkpoint (--to_hf, --to_peft) or "
                                 "Hugging Face folder (--to_mcore) to convert")

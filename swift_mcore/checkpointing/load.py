@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
-from ..models import finite
+from ..models import carried, finite
 from ..runtime import collectives as comm
 from . import commit, compat, files, io, locate, megatron_lm, rng
 from .state import TrainState
@@ -233,6 +233,7 @@ def _read_record(folder: str, config, data_fingerprint
         saved_flags, config.to_dict(), run.get("data_fingerprint"), data_fingerprint)
     differences += compat.base_model_differences(
         run.get("base_model"), config.base_model, config.model.model)
+    carried.inherit(run.get("multimodal_source"), config.model.model)
     return record, differences
 
 
@@ -265,8 +266,9 @@ def _saved_flags(folder: str) -> Dict[str, Dict[str, Any]]:
 
 
 def _model_differences(folder: str, config) -> List[str]:
-    saved_base = (None if megatron_lm.is_megatron_lm(folder)
-                  else files.read_json(folder, files.RUN).get("base_model"))
+    run = {} if megatron_lm.is_megatron_lm(folder) else files.read_json(folder, files.RUN)
+    saved_base = run.get("base_model")
+    carried.inherit(run.get("multimodal_source"), config.model.model)
     if saved_base and not config.base_model:
         raise CheckpointError(
             f"--load {folder} holds LoRA adapters, not a whole model: finetune from it with "

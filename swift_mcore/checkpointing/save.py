@@ -58,7 +58,7 @@ def save_checkpoint(config, state: TrainState, model, optimizer, scheduler,
     layouts = comm.all_gather(rng.layout())
     if not c.no_save_rng:
         comm.raise_if_any(comm.attempt(rng.save, staging, comm.rank(), config.cuda))
-    comm.decide(_write_json, staging, {
+    comm.decide(_write_json, staging, config.model.model, {
         files.TRAIN_STATE: state.to_dict(),
         files.ARGS: config.to_dict(),
         files.RUN: {
@@ -99,7 +99,12 @@ def _prepare(root: str, staging: str) -> None:
     os.makedirs(staging)
 
 
-def _write_json(staging: str, contents: dict) -> None:
+def _write_json(staging: str, model_folder, contents: dict) -> None:
+    from ..models import carried
+
+    # --model a multimodal folder: the tensors its language model does not hold, which an
+    # export copies from that folder (export.py checks them against the folder then)
+    contents[files.RUN]["multimodal_source"] = carried.record(model_folder)
     for name, data in contents.items():
         files.write_json(staging, name, data)
 

@@ -45,10 +45,12 @@ def plan_shards(tensors: List[Tuple[str, Tuple[int, ...]]], itemsize: int, max_b
 
 def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str], torch.Tensor],
                    tokenizer: Optional[Any], dtype: torch.dtype, base_folder: Optional[str] = None,
-                   max_shard_bytes: int = 5 * 10**9) -> Dict[str, Any]:
+                   max_shard_bytes: int = 5 * 10**9, carry: bool = True) -> Dict[str, Any]:
     """Write the folder. ``get(name)`` returns a full (TP=1) megatron tensor by global name;
     ``base_folder`` is the Hugging Face folder the model came from, whose config keys
-    swift-mcore does not model (token ids, ...) and generation_config.json are kept."""
+    swift-mcore does not model (token ids, ...) and generation_config.json are kept. Without
+    ``carry``, the language model of a multimodal ``base_folder`` is written alone (its
+    text_config's keys kept, the vision side and its processor files left out)."""
     from . import families
     from ..input_files import load_json
     from .hf_folder import CONFIG, is_hf_folder
@@ -60,10 +62,14 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     generation = os.path.join(base_folder or "", "generation_config.json")
     if base_folder and os.path.lexists(generation):  # before anything is written: a regular
         load_json(generation)                        # file of bounded JSON
-    for name in PROCESSOR_FILES:  # a vision-language model's image processor: likewise
+    from . import text_part
+
+    if base is not None and not carry and text_part.is_multimodal(base):
+        base = text_part.language_config(base)
+    processor_files = PROCESSOR_FILES if carry else ()
+    for name in processor_files:  # a vision-language model's image processor: likewise
         if base_folder and os.path.lexists(os.path.join(base_folder, name)):
             load_json(os.path.join(base_folder, name))
-    from . import text_part
 
     part = None
     if base is not None and text_part.is_multimodal(base) and \
@@ -97,7 +103,7 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     os.chmod(staging, 0o777 & ~umask)  # as os.makedirs would (mkdtemp's is 0o700)
     try:
         result = _write_folder(staging, out_dir, family, config, layout, get, tokenizer,
-                               dtype, base_folder, max_shard_bytes, part)
+                               dtype, base_folder, max_shard_bytes, part, processor_files)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         if is_full_disk(err):
@@ -162,7 +168,7 @@ def _replace_folder(staging: str, out_dir: str) -> None:
 
 def _write_folder(staging: str, out_dir: str, family, config, layout: Layout, get, tokenizer,
                   dtype: torch.dtype, base_folder: Optional[str], max_shard_bytes: int,
-                  part=None) -> Dict[str, Any]:
+                  part=None, processor_files=PROCESSOR_FILES) -> Dict[str, Any]:
     """Every file of the folder, into ``staging``. ``part``: (TextPart, source HFFolder) of
     a multimodal source, whose tensors the model does not hold are copied as they are."""
     import contextlib
@@ -203,7 +209,7 @@ def _write_folder(staging: str, out_dir: str, family, config, layout: Layout, ge
     generation = os.path.join(base_folder or "", "generation_config.json")
     if base_folder and os.path.lexists(generation):  # checked regular by save_hf_folder
         shutil.copy2(generation, staging)
-    for name in PROCESSOR_FILES:  # checked regular by save_hf_folder
+    for name in processor_files:  # checked regular by save_hf_folder
         if base_folder and os.path.lexists(os.path.join(base_folder, name)):
             shutil.copy2(os.path.join(base_folder, name), staging)
     return {"path": out_dir, "family": family.name, "shards": len(plan), "bytes": total,
