@@ -3,7 +3,8 @@ active parameters, both through `swift-mcore pt`.
 
 The MoE model routes each token to --topk of --experts experts of inner size --expert_ffn
 (megatron's MoE layer: router, alltoall dispatcher, and on CPU its SequentialMLP's experts
-in one autograd function, runtime/cpu/grouped_experts.py); the dense model's MLP has inner
+in one autograd function, runtime/cpu/grouped_experts.py, and the dispatcher without its
+cross-rank steps at EP=1, runtime/cpu/local_dispatch.py); the dense model's MLP has inner
 size topk x expert_ffn, so both do the same expert matmuls per token (the MoE
 adds the router's). Each round runs both in their own process, in an order that alternates;
 per run the tokens/s of the iterations after the first (warm-up). Reported: the median

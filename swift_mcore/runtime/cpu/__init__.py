@@ -13,7 +13,8 @@ The order a run calls them in:
   RunConfig keeps.
 * ``install(config)``: distributed.initialize, before the first process group: megatron's
   CUDA-only spots made to run on the CPU, the eager kernels, the shared gloo device.
-* ``after_ddp(chunks, config)``: once DDP has wrapped the model (runtime/ddp.py).
+* ``after_ddp(chunks, config)``: once DDP has wrapped the model (runtime/ddp.py); the MoE
+  layers' dispatchers are switched here too.
 * ``after_optimizer(optimizer, config)``: once megatron has built the optimizer.
 * ``wrap_forward_step(forward_step, config)``: the trainer's forward step per micro-batch.
 * ``context_parallel_attention(config)``: the layer spec's core attention under
@@ -78,11 +79,16 @@ def install(config) -> bool:
 
 def after_ddp(chunks, config) -> int:
     """The linears of each DDP-wrapped chunk add their weight gradients straight into DDP's
-    ``main_grad`` (cpu_compat.accumulate_weight_gradients_in_place). Returns how many."""
+    ``main_grad`` (cpu_compat.accumulate_weight_gradients_in_place), and its MoE layers'
+    alltoall dispatchers skip the cross-rank steps while all experts are local
+    (local_dispatch.py). Returns how many linears."""
     if config.cuda:
         return 0
     from .cpu_compat import accumulate_weight_gradients_in_place
+    from .local_dispatch import use_local_dispatch
 
+    for chunk in chunks:
+        use_local_dispatch(chunk)
     return sum(accumulate_weight_gradients_in_place(chunk) for chunk in chunks)
 
 
