@@ -274,6 +274,26 @@ def _interleaved_rope_class():
     return InterleavedMultimodalRotaryEmbedding
 
 
+class _JoinDeepstack(torch.autograd.Function):
+    """The embeddings unchanged forward; backward, the gradients the decoder layers left on
+    the deepstack features' stand-in leaves go to the features themselves, in the same
+    backward pass as the embeddings' (the layers' backward, recomputed or not, comes first:
+    the embeddings feed the first layer)."""
+
+    @staticmethod
+    def forward(ctx, embedded, leaves, *features):
+        ctx.leaves = leaves
+        return embedded.view_as(embedded)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sent = tuple(None if not leaf.requires_grad
+                     else leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                     for leaf in ctx.leaves)
+        ctx.leaves = None
+        return (grad, None, *sent)
+
+
 def _model_class():
     from megatron.core.models.gpt import GPTModel
 
@@ -335,11 +355,23 @@ def _model_class():
             if int(mask.sum()) != features.shape[0]:
                 raise ValueError(f"{int(mask.sum())} image-pad tokens but {features.shape[0]} "
                                  f"image features (image_grid_thw {image_grid_thw.tolist()})")
-            if getattr(out, "deepstack_features", None):
-                self._deepstack = (mask, out.deepstack_features)
             rows = embedded.transpose(0, 1)
             rows = rows.masked_scatter(mask.unsqueeze(-1), features.to(rows.dtype))
-            return rows.transpose(0, 1).contiguous()
+            embedded = rows.transpose(0, 1).contiguous()
+            deepstack = list(getattr(out, "deepstack_features", None) or ())
+            if deepstack and torch.is_grad_enabled() and any(
+                    f.requires_grad for f in deepstack):
+                # A recomputed layer (--recompute_granularity full) runs its own backward on
+                # what it used: fed the tower's features themselves, that backward would
+                # run through the tower, whose graph the main backward runs through again.
+                # The layers get leaves instead; their gradients join the tower's at the
+                # embeddings, after every layer's backward.
+                leaves = [f.detach().requires_grad_(f.requires_grad) for f in deepstack]
+                embedded = _JoinDeepstack.apply(embedded, leaves, *deepstack)
+                deepstack = leaves
+            if deepstack:
+                self._deepstack = (mask, deepstack)
+            return embedded
 
     return VisionLanguageModel
 

@@ -264,6 +264,33 @@ def test_packed_image_rows_give_each_samples_logits(gloo_group, vl3_folder):
     assert (packed[:, n1:] - alone[1]).abs().max() <= 1e-5
 
 
+def test_full_recompute_trains_the_tower_with_the_deepstack_features(gloo_group, vl3_folder):
+    """Every layer recomputed in the backward (--recompute_granularity full) with the whole
+    tower training: each parameter's gradient is the one without recompute (the deepstack
+    features' gradients reach the tower blocks in the one backward pass)."""
+    from swift_mcore.loaded_model import load_model
+
+    model = load_model(str(vl3_folder), log=lambda line: None).model.train()
+    model.requires_grad_(True)
+    ids, pixels, grids = image_prompt([(1, 4, 8), (1, 6, 2)])
+    weights = torch.randn(ids.shape[1], 320, generator=torch.Generator().manual_seed(0))
+
+    def gradients(recompute):
+        c = model.config
+        c.recompute_granularity, c.recompute_method, c.recompute_num_layers = (
+            ("full", "uniform", 1) if recompute else (None, None, None))
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, position_ids=None, attention_mask=None,
+                       pixel_values=pixels, image_grid_thw=grids)
+        (logits[0] * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, recomputed = gradients(False), gradients(True)
+    assert plain["visual.blocks.0.mlp.linear_fc1.weight"].abs().max() > 0
+    assert sorted(recomputed) == sorted(plain)
+    assert all(torch.allclose(recomputed[n], g, rtol=0, atol=1e-6) for n, g in plain.items())
+
+
 @pytest.mark.benchmark
 def test_full_recompute_keeps_the_deepstack_features(tmp_path, train_here, vl3_folder):
     """--recompute_granularity full recomputes each layer in the backward: the deepstack
