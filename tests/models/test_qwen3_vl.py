@@ -310,6 +310,52 @@ def test_full_recompute_keeps_the_deepstack_features(tmp_path, train_here, vl3_f
     assert losses(tmp_path / "recomputed") == losses(tmp_path / "plain")
 
 
+def sft_two_ranks(out, *flags):
+    """swift-mcore sft on two ranks (gloo) in a subprocess; fails the test on an error."""
+    import subprocess
+    import sys
+
+    from run_helpers import ROOT, child_env, free_port
+    from test_hf_training import run_flags
+
+    env = child_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "sft", *run_flags(),
+                           "--output_dir", str(out), *map(str, flags)],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.benchmark
+def test_tp2_sft_with_images_equals_one_rank(tmp_path, train_here, vl3_folder):
+    """sft with images at TP=2 (the tower whole on each rank, training with the mergers;
+    packed rows; every layer recomputed): the one-rank losses and gradient norms within
+    1e-5; resumed at TP=2 from the one-rank checkpoint (the tower's Adam state on both
+    ranks), the one-rank step 3."""
+    from run_helpers import train_records
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path, rows=16)
+    flags = ["--model", vl3_folder, "--dataset", data, "--seq_length", "64", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--train_iters", "3", "--template", "tokenizer",
+             "--freeze_vit", "false", "--freeze_aligner", "false", "--packing", "true",
+             "--recompute_granularity", "full"]
+    tp2 = ["--tensor_model_parallel_size", "2"]
+    train_here(tmp_path / "one", *flags, "--save_steps", "2", base=run_flags())
+    sft_two_ranks(tmp_path / "tp2", *flags, *tp2, "--no_save")
+    sft_two_ranks(tmp_path / "resumed", *flags, *tp2, "--no_save", "--resume",
+                  tmp_path / "one" / "checkpoint" / "iter_0000002")
+
+    def steps(run):
+        return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in train_records(run)}
+
+    one, two, resumed = (steps(tmp_path / name) for name in ("one", "tp2", "resumed"))
+    assert sorted(one) == sorted(two) == [1, 2, 3] and sorted(resumed) == [3]
+    assert one[3][0] < one[1][0]
+    for other in (two, resumed):
+        assert all(abs(a - b) <= 1e-5 for i in other for a, b in zip(one[i], other[i])), \
+            (one, other)
+
+
 @pytest.mark.benchmark
 def test_tp2_matches_transformers_and_exports_bit_identical(tmp_path, gloo_group, vl3_folder):
     """TP=2 on gloo: the language model sharded, the tower whole on each rank; the logits
