@@ -328,9 +328,10 @@ def sft_two_ranks(out, *flags):
 @pytest.mark.benchmark
 def test_tp2_sft_with_images_equals_one_rank(tmp_path, train_here, vl3_folder):
     """sft with images at TP=2 (the tower whole on each rank, training with the mergers;
-    packed rows; every layer recomputed): the one-rank losses and gradient norms within
-    1e-5; resumed at TP=2 from the one-rank checkpoint (the tower's Adam state on both
-    ranks), the one-rank step 3."""
+    packed rows; every layer recomputed), also with --sequence_parallel (the image and
+    deepstack features split along the sequence): the one-rank losses and gradient norms
+    within 1e-5; resumed at TP=2 from the one-rank checkpoint (the tower's Adam state on
+    both ranks), the one-rank step 3."""
     from run_helpers import train_records
     from test_hf_training import run_flags
 
@@ -342,16 +343,18 @@ def test_tp2_sft_with_images_equals_one_rank(tmp_path, train_here, vl3_folder):
     tp2 = ["--tensor_model_parallel_size", "2"]
     train_here(tmp_path / "one", *flags, "--save_steps", "2", base=run_flags())
     sft_two_ranks(tmp_path / "tp2", *flags, *tp2, "--no_save")
+    sft_two_ranks(tmp_path / "sp", *flags, *tp2, "--sequence_parallel", "--no_save")
     sft_two_ranks(tmp_path / "resumed", *flags, *tp2, "--no_save", "--resume",
                   tmp_path / "one" / "checkpoint" / "iter_0000002")
 
     def steps(run):
         return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in train_records(run)}
 
-    one, two, resumed = (steps(tmp_path / name) for name in ("one", "tp2", "resumed"))
-    assert sorted(one) == sorted(two) == [1, 2, 3] and sorted(resumed) == [3]
+    one, two, sp, resumed = (steps(tmp_path / name)
+                             for name in ("one", "tp2", "sp", "resumed"))
+    assert sorted(one) == sorted(two) == sorted(sp) == [1, 2, 3] and sorted(resumed) == [3]
     assert one[3][0] < one[1][0]
-    for other in (two, resumed):
+    for other in (two, sp, resumed):
         assert all(abs(a - b) <= 1e-5 for i in other for a, b in zip(one[i], other[i])), \
             (one, other)
 
