@@ -404,11 +404,9 @@ class RunArguments:
         if not isinstance(vision, dict) or not isinstance(vision.get("vision_config"), dict):
             raise ArgumentError("--vision_config must be a JSON object with a vision_config "
                                 "object (a Qwen2.5-VL --model folder sets it)")
-        if p.pipeline_model_parallel_size > 1 or p.sequence_parallel or \
-                p.context_parallel_size > 1:
-            raise ArgumentError("a vision-language model runs without pipeline stages, "
-                                "--sequence_parallel and --context_parallel_size for now "
-                                "(issue 42)")
+        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
+            raise ArgumentError("a vision-language model runs without pipeline stages and "
+                                "--context_parallel_size for now (issue 42)")
 
     def check_attention(self) -> None:
         """Multi-latent attention's flags, YaRN's and gpt-oss's (attention sinks, the

@@ -339,8 +339,11 @@ def build_image_sft_datasets(config, tokenizer, log=print):
         else:
             n = len(encoded)
             rows = (np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
+        # --sequence_parallel splits each row over the TP ranks: widths pad to a multiple
+        pad_multiple = (config.parallel.tensor_model_parallel_size
+                        if config.parallel.sequence_parallel else 1)
         return _sft_dataset_class()(encoded, rows, paths, encoder, seq, pad_id, s.packing,
-                                    False, f"{fingerprint}:{name}")
+                                    False, f"{fingerprint}:{name}", pad_multiple)
 
     return dataset(train, images, "train"), dataset(valid, val_images, "valid"), None
 

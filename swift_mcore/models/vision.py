@@ -22,7 +22,11 @@ contiguous block; and its tower's ``deepstack_merger_list`` turns the output of 
 blocks into features added to the image-pad positions' hidden states after the first
 decoder layers (layer i gets the i-th), as transformers' Qwen3VLTextModel does.
 
-Not yet here (issue 42): video, sequence parallelism and pipeline stages for the vision
+Under sequence parallelism the tower (whole on every rank) sees the whole sequence's
+images: their features enter the whole embeddings, which are then split along the sequence
+as megatron's embedding splits them; each deepstack layer adds its rank's part.
+
+Not yet here (issue 42): video, context parallelism and pipeline stages for the vision
 tower (RunArguments.check_vision refuses them).
 """
 
@@ -274,6 +278,26 @@ def _interleaved_rope_class():
     return InterleavedMultimodalRotaryEmbedding
 
 
+class _JoinDeepstack(torch.autograd.Function):
+    """The embeddings unchanged forward; backward, the gradients the decoder layers left on
+    the deepstack features' stand-in leaves go to the features themselves, in the same
+    backward pass as the embeddings' (the layers' backward, recomputed or not, comes first:
+    the embeddings feed the first layer)."""
+
+    @staticmethod
+    def forward(ctx, embedded, leaves, *features):
+        ctx.leaves = leaves
+        return embedded.view_as(embedded)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sent = tuple(None if not leaf.requires_grad
+                     else leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                     for leaf in ctx.leaves)
+        ctx.leaves = None
+        return (grad, None, *sent)
+
+
 def _model_class():
     from megatron.core.models.gpt import GPTModel
 
@@ -304,9 +328,15 @@ def _model_class():
                     return output
                 mask, features = self._deepstack
                 hidden, context = output
-                rows = torch.zeros_like(hidden).transpose(0, 1).masked_scatter(
-                    mask.unsqueeze(-1), features[index].to(hidden.dtype))
-                return hidden + rows.transpose(0, 1), context
+                rows = hidden.new_zeros(*mask.shape, hidden.shape[-1]).masked_scatter(
+                    mask.unsqueeze(-1), features[index].to(hidden.dtype)).transpose(0, 1)
+                if self.config.sequence_parallel:
+                    # this rank's part of the sequence; backward, the whole features'
+                    # gradient on every rank (the tower is whole on each)
+                    from megatron.core import tensor_parallel
+
+                    rows = tensor_parallel.scatter_to_sequence_parallel_region(rows)
+                return hidden + rows, context
             return add_features
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None,
@@ -323,6 +353,13 @@ def _model_class():
                 if pixel_values is not None:
                     decoder_input = self._with_images(input_ids, decoder_input, pixel_values,
                                                       image_grid_thw)
+                if self.config.sequence_parallel:
+                    # the embedding leaves the sequence whole (build_vl_model) so that the
+                    # image features land at their pads; split as megatron's embedding does
+                    from megatron.core import tensor_parallel
+
+                    decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(
+                        decoder_input)
             return super().forward(input_ids, position_ids, attention_mask,
                                    decoder_input=decoder_input, labels=labels, **kwargs)
 
@@ -335,11 +372,23 @@ def _model_class():
             if int(mask.sum()) != features.shape[0]:
                 raise ValueError(f"{int(mask.sum())} image-pad tokens but {features.shape[0]} "
                                  f"image features (image_grid_thw {image_grid_thw.tolist()})")
-            if getattr(out, "deepstack_features", None):
-                self._deepstack = (mask, out.deepstack_features)
             rows = embedded.transpose(0, 1)
             rows = rows.masked_scatter(mask.unsqueeze(-1), features.to(rows.dtype))
-            return rows.transpose(0, 1).contiguous()
+            embedded = rows.transpose(0, 1).contiguous()
+            deepstack = list(getattr(out, "deepstack_features", None) or ())
+            if deepstack and torch.is_grad_enabled() and any(
+                    f.requires_grad for f in deepstack):
+                # A recomputed layer (--recompute_granularity full) runs its own backward on
+                # what it used: fed the tower's features themselves, that backward would
+                # run through the tower, whose graph the main backward runs through again.
+                # The layers get leaves instead; their gradients join the tower's at the
+                # embeddings, after every layer's backward.
+                leaves = [f.detach().requires_grad_(f.requires_grad) for f in deepstack]
+                embedded = _JoinDeepstack.apply(embedded, leaves, *deepstack)
+                deepstack = leaves
+            if deepstack:
+                self._deepstack = (mask, deepstack)
+            return embedded
 
     return VisionLanguageModel
 
@@ -347,8 +396,9 @@ def _model_class():
 def build_vl_model(config, vl: VisionLanguage, tc, spec):
     """This rank's Qwen2.5-VL / Qwen3-VL model (one chunk) for a RunConfig, its
     TransformerConfig and decoder block spec (models/gpt.py makes both). Without pipeline
-    stages or sequence parallelism for now (RunArguments.check_vision): the tower sits on
-    the first stage and the image features enter before the sequence would be split."""
+    stages for now (RunArguments.check_vision): the tower sits on the first stage. Under
+    --sequence_parallel the embedding keeps the whole sequence: the image features enter
+    it, then the forward splits it along the sequence."""
     from megatron.core import parallel_state
 
     m = config.model
@@ -364,6 +414,7 @@ def build_vl_model(config, vl: VisionLanguage, tc, spec):
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         rotary_percent=m.rotary_percent,
         rotary_base=m.rotary_base,
+        scatter_embedding_sequence_parallel=False,
     )
     if config.cuda:
         model.cuda(torch.cuda.current_device())

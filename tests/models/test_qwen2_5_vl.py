@@ -451,6 +451,12 @@ def test_freeze_flags_are_checked(vl_folder):
     with pytest.raises(ArgumentError, match="without pipeline stages"):
         resolve(RunArguments.from_flags(model=str(vl_folder), pipeline_model_parallel_size=2,
                                         num_layers=2), world_size=2)
+    with pytest.raises(ArgumentError, match="and --context_parallel_size for now"):
+        resolve(RunArguments.from_flags(model=str(vl_folder), context_parallel_size=2),
+                world_size=2)
+    # sequence parallelism splits the sequence after the image features enter it
+    resolve(RunArguments.from_flags(model=str(vl_folder), tensor_model_parallel_size=2,
+                                    sequence_parallel=True), world_size=2)
     from swift_mcore.arguments.sft import SftArguments
 
     with pytest.raises(ArgumentError, match="--streaming with a vision-language model"):

@@ -264,6 +264,33 @@ def test_packed_image_rows_give_each_samples_logits(gloo_group, vl3_folder):
     assert (packed[:, n1:] - alone[1]).abs().max() <= 1e-5
 
 
+def test_full_recompute_trains_the_tower_with_the_deepstack_features(gloo_group, vl3_folder):
+    """Every layer recomputed in the backward (--recompute_granularity full) with the whole
+    tower training: each parameter's gradient is the one without recompute (the deepstack
+    features' gradients reach the tower blocks in the one backward pass)."""
+    from swift_mcore.loaded_model import load_model
+
+    model = load_model(str(vl3_folder), log=lambda line: None).model.train()
+    model.requires_grad_(True)
+    ids, pixels, grids = image_prompt([(1, 4, 8), (1, 6, 2)])
+    weights = torch.randn(ids.shape[1], 320, generator=torch.Generator().manual_seed(0))
+
+    def gradients(recompute):
+        c = model.config
+        c.recompute_granularity, c.recompute_method, c.recompute_num_layers = (
+            ("full", "uniform", 1) if recompute else (None, None, None))
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, position_ids=None, attention_mask=None,
+                       pixel_values=pixels, image_grid_thw=grids)
+        (logits[0] * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, recomputed = gradients(False), gradients(True)
+    assert plain["visual.blocks.0.mlp.linear_fc1.weight"].abs().max() > 0
+    assert sorted(recomputed) == sorted(plain)
+    assert all(torch.allclose(recomputed[n], g, rtol=0, atol=1e-6) for n, g in plain.items())
+
+
 @pytest.mark.benchmark
 def test_full_recompute_keeps_the_deepstack_features(tmp_path, train_here, vl3_folder):
     """--recompute_granularity full recomputes each layer in the backward: the deepstack
@@ -281,6 +308,55 @@ def test_full_recompute_keeps_the_deepstack_features(tmp_path, train_here, vl3_f
                "--recompute_method", "uniform", "--recompute_num_layers", "1",
                base=run_flags())
     assert losses(tmp_path / "recomputed") == losses(tmp_path / "plain")
+
+
+def sft_two_ranks(out, *flags):
+    """swift-mcore sft on two ranks (gloo) in a subprocess; fails the test on an error."""
+    import subprocess
+    import sys
+
+    from run_helpers import ROOT, child_env, free_port
+    from test_hf_training import run_flags
+
+    env = child_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "sft", *run_flags(),
+                           "--output_dir", str(out), *map(str, flags)],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.benchmark
+def test_tp2_sft_with_images_equals_one_rank(tmp_path, train_here, vl3_folder):
+    """sft with images at TP=2 (the tower whole on each rank, training with the mergers;
+    packed rows; every layer recomputed), also with --sequence_parallel (the image and
+    deepstack features split along the sequence): the one-rank losses and gradient norms
+    within 1e-5; resumed at TP=2 from the one-rank checkpoint (the tower's Adam state on
+    both ranks), the one-rank step 3."""
+    from run_helpers import train_records
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path, rows=16)
+    flags = ["--model", vl3_folder, "--dataset", data, "--seq_length", "64", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--train_iters", "3", "--template", "tokenizer",
+             "--freeze_vit", "false", "--freeze_aligner", "false", "--packing", "true",
+             "--recompute_granularity", "full"]
+    tp2 = ["--tensor_model_parallel_size", "2"]
+    train_here(tmp_path / "one", *flags, "--save_steps", "2", base=run_flags())
+    sft_two_ranks(tmp_path / "tp2", *flags, *tp2, "--no_save")
+    sft_two_ranks(tmp_path / "sp", *flags, *tp2, "--sequence_parallel", "--no_save")
+    sft_two_ranks(tmp_path / "resumed", *flags, *tp2, "--no_save", "--resume",
+                  tmp_path / "one" / "checkpoint" / "iter_0000002")
+
+    def steps(run):
+        return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in train_records(run)}
+
+    one, two, sp, resumed = (steps(tmp_path / name)
+                             for name in ("one", "tp2", "sp", "resumed"))
+    assert sorted(one) == sorted(two) == sorted(sp) == [1, 2, 3] and sorted(resumed) == [3]
+    assert one[3][0] < one[1][0]
+    for other in (two, sp, resumed):
+        assert all(abs(a - b) <= 1e-5 for i in other for a, b in zip(one[i], other[i])), \
+            (one, other)
 
 
 @pytest.mark.benchmark
