@@ -5,6 +5,9 @@ file and for a tampered cache folder (which runs no code), and the same losses."
 import json
 import os
 import pickle
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -222,3 +225,41 @@ def test_pickle_payload_is_real(tmp_path):
     pickle.loads(pickle.dumps(Payload(str(marker))))
     assert marker.exists()
     os.remove(marker)
+
+
+SHARED = textwrap.dedent("""
+    import json, sys
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.data.preference import build_preference_datasets
+    from swift_mcore.data.tokenizer import build_tokenizer
+    from swift_mcore.run_config import resolve
+    config = resolve(parse_args(json.loads(sys.argv[1]), prog="swift-mcore rlhf",
+                                cls=RlhfArguments), world_size=1)
+    events = []
+    train, _, _ = build_preference_datasets(config, build_tokenizer(config),
+                                            log=lambda s: None, on_cache=events.append)
+    print(json.dumps({"events": events, "rows": [[v.tolist() for v in train.encoded[i]]
+                                                  for i in range(len(train))]}))
+""")
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_build(tiny_hf, cache, tmp_path):
+    """Two ranks starting at once: one tokenizes, the other waits and maps its arrays."""
+    from run_helpers import ROOT, child_env
+
+    folder, data = tiny_hf
+    argv = ["--model", str(folder), "--dataset", str(data), "--output_dir",
+            str(tmp_path / "out"), "--train_iters", "1", *run_flags()]
+    env = child_env(SWIFT_MCORE_CACHE=str(cache), PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED, json.dumps(argv)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(e for r in results for e in r["events"]) == ["built", "reused"]
+    assert results[0]["rows"] == results[1]["rows"]
+    assert len([p for p in (cache / "rlhf").iterdir() if not p.name.startswith(".")]) == 1
