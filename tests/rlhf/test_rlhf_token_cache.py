@@ -23,7 +23,7 @@ def cache(tmp_path, monkeypatch):
     return path
 
 
-def setup(folder, data, out, *extra):
+def config_of(folder, data, out, *extra):
     """(config, tokenizer) of a one-rank rlhf run."""
     from swift_mcore.arguments import RlhfArguments, parse_args
     from swift_mcore.data.tokenizer import build_tokenizer
@@ -101,7 +101,7 @@ def test_second_run_reuses_the_cache_without_tokenizing(task, tiny_hf, kto_file,
                                                         tmp_path, monkeypatch):
     folder, prefs = tiny_hf
     data = kto_file if task == "kto" else prefs
-    config, tok = setup(folder, data, tmp_path / "out", *TASKS[task])
+    config, tok = config_of(folder, data, tmp_path / "out", *TASKS[task])
     first, events, logs = build(task, config, tok)
     assert events == ["built"]
     expected = plain(uncached(task, config, tok))
@@ -122,12 +122,12 @@ def test_a_changed_file_is_not_served_stale(tiny_hf, cache, tmp_path):
     folder, _ = tiny_hf
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    config, tok = setup(folder, data, tmp_path / "out")
+    config, tok = config_of(folder, data, tmp_path / "out")
     _, events, _ = build("dpo", config, tok)
     assert events == ["built"]
     changed = [dict(ROWS[0], chosen="\n    return b + a")] + ROWS[1:]
     data.write_text("".join(json.dumps(r) + "\n" for r in changed))
-    config, tok = setup(folder, data, tmp_path / "out")
+    config, tok = config_of(folder, data, tmp_path / "out")
     train, events, _ = build("dpo", config, tok)
     assert events == ["built"]
     assert plain(train.encoded[i] for i in range(len(train))) == \
@@ -154,7 +154,7 @@ def only_folder(cache):
 def test_a_tampered_cache_is_rebuilt_and_runs_no_code(tamper, tiny_hf, cache, tmp_path,
                                                       caplog):
     folder, data = tiny_hf
-    config, tok = setup(folder, data, tmp_path / "out")
+    config, tok = config_of(folder, data, tmp_path / "out")
     _, events, _ = build("dpo", config, tok)
     assert events == ["built"]
     stored = only_folder(cache)
