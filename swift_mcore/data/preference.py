@@ -250,8 +250,8 @@ class PreferenceDataset(torch.utils.data.Dataset):
     log-probabilities. An item is still one pair, so the data order and resume are the
     unpacked run's."""
 
-    def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, np.ndarray]],
-                 max_length: int, truncation_mode: str, pad_id: int, fingerprint: str,
+    def __init__(self, encoded: Sequence[Tuple[np.ndarray, ...]], max_length: int,
+                 truncation_mode: str, pad_id: int, fingerprint: str,
                  pad_multiple: int = 1, pack_to: Optional[int] = None,
                  pad_to: Optional[int] = None):
         """``pad_to``: every row's width (pipeline stages exchange one fixed shape)."""
@@ -361,18 +361,33 @@ def max_length_of(config) -> int:
     return r.max_length if r.max_length is not None else config.model.seq_length + 1
 
 
-def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = print):
-    """(train, None, None): the --dataset pairs; ``config`` is a RunConfig."""
+def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = print,
+                              on_cache: Callable[[str], None] = lambda event: None):
+    """(train, None, None): the --dataset pairs; ``config`` is a RunConfig. The pairs are
+    tokenized once into the rlhf cache (data/rlhf_cache.py) under the data's fingerprint;
+    ``on_cache`` hears "built" or "reused"."""
+    from .rlhf_cache import cached_rows
+
     r = config.rlhf
     max_length = max_length_of(config)
-    report = PairReport()
-    pairs = read_pairs(list(config.dataset_sources))
-    encoded = encode_pairs(pairs, tokenizer.hf, max_length, r.truncation_mode, report,
-                           per_answer=_per_answer(config))
+    per_answer = _per_answer(config)
+    fingerprint = preference_fingerprint(config, tokenizer)
+
+    def encode():
+        made = PairReport()
+        pairs = read_pairs(list(config.dataset_sources))
+        rows = encode_pairs(pairs, tokenizer.hf, max_length, r.truncation_mode, made,
+                            per_answer=per_answer)
+        return rows, {"pairs": made.pairs, "truncated": made.truncated}
+
+    encoded, meta = cached_rows("preference", fingerprint, ("prompt", "chosen", "rejected"),
+                                {"heads": ("int32", 2)} if per_answer else {}, encode,
+                                tokenizer.vocab_size, on_event=on_cache)
+    report = PairReport(pairs=meta["pairs"], truncated=meta["truncated"])
     pad = tokenizer.hf.pad_token_id
     pad_id = pad if pad is not None else tokenizer.eod
     train = PreferenceDataset(encoded, max_length, r.truncation_mode, pad_id,
-                              f"{preference_fingerprint(config, tokenizer)}:train",
+                              f"{fingerprint}:train",
                               pad_multiple=sequence_pad_multiple(config),
                               pack_to=config.model.seq_length if _packing(config) else None,
                               # packed rows under stages: the shapes are exchanged

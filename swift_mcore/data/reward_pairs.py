@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ class RewardPairs(torch.utils.data.Dataset):
     its last token that is not the pad token, as in its own padded row. An item is still
     one pair, so the data order and resume are the unpacked run's."""
 
-    def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, float]], pad_id: int,
+    def __init__(self, encoded: Sequence[Tuple[np.ndarray, np.ndarray, float]], pad_id: int,
                  fingerprint: str, has_margin: bool, pad_multiple: int = 1,
                  pack_to: Optional[int] = None, pad_to: Optional[int] = None):
         """``pad_to``: every row's width (pipeline stages exchange one fixed shape)."""
@@ -128,15 +128,27 @@ def encode_reward_pairs(pairs: List[Pair], hf, max_length: int):
     return encoded, bool(with_margin)
 
 
-def build_reward_datasets(config, tokenizer, log: Callable[[str], None] = print):
-    """(train, None, None): the --dataset pairs for --rlhf_type rm."""
+def build_reward_datasets(config, tokenizer, log: Callable[[str], None] = print,
+                          on_cache: Callable[[str], None] = lambda event: None):
+    """(train, None, None): the --dataset pairs for --rlhf_type rm, tokenized once into the
+    rlhf cache (data/rlhf_cache.py) under the data's fingerprint; ``on_cache`` hears
+    "built" or "reused"."""
     from ..models.value_head import pad_id_of
+    from .rlhf_cache import cached_rows
 
     max_length = max_length_of(config)
-    pairs = read_pairs(list(config.dataset_sources))
-    encoded, has_margin = encode_reward_pairs(pairs, tokenizer.hf, max_length)
-    train = RewardPairs(encoded, pad_id_of(tokenizer),
-                        f"{reward_fingerprint(config, tokenizer)}:train", has_margin,
+    fingerprint = reward_fingerprint(config, tokenizer)
+
+    def encode():
+        pairs = read_pairs(list(config.dataset_sources))
+        rows, margins = encode_reward_pairs(pairs, tokenizer.hf, max_length)
+        return rows, {"has_margin": margins}
+
+    encoded, meta = cached_rows("rm", fingerprint, ("chosen", "rejected"),
+                                {"margin": ("float64", 1)}, encode, tokenizer.vocab_size,
+                                on_event=on_cache)
+    has_margin = meta["has_margin"]
+    train = RewardPairs(encoded, pad_id_of(tokenizer), f"{fingerprint}:train", has_margin,
                         sequence_pad_multiple(config),
                         pack_to=config.model.seq_length if config.rlhf.packing else None,
                         pad_to=(config.model.seq_length

@@ -202,6 +202,11 @@ def _check_sft_arrays(arrays, meta, vocab_size: int) -> None:
         raise ValueError("its sample offsets are out of order")
     if (answers < 0).any():
         raise ValueError("its answer counts are negative")
+    check_token_ids(ids, vocab_size)
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
+    """Raises ValueError for ids outside the vocabulary (sampled windows of a large array)."""
     if len(ids):
         if ids.nbytes <= ID_CHECK_BYTES:
             parts = [ids]

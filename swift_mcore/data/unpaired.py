@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -185,7 +185,7 @@ class UnpairedDataset(torch.utils.data.Dataset):
     and ``kl_segment_ids`` give each position's row (i for row i; padding -1). An item is
     still one row, so the data order and resume are the unpacked run's."""
 
-    def __init__(self, encoded: List[Tuple[np.ndarray, np.ndarray, bool]], max_length: int,
+    def __init__(self, encoded: Sequence[Tuple[np.ndarray, np.ndarray, bool]], max_length: int,
                  truncation_mode: str, pad_id: int, fingerprint: str, pad_multiple: int = 1,
                  kl_rows: bool = True, pack_to: Optional[int] = None,
                  pad_to: Optional[int] = None):
@@ -253,17 +253,32 @@ def weight_advice(report: UnpairedReport, desirable_weight: float,
             f"[{u_low}, {u_high}] (not both)")
 
 
-def build_unpaired_datasets(config, tokenizer, log: Callable[[str], None] = print):
-    """(train, None, None): the --dataset rows for KTO; ``config`` is a RunConfig."""
+def build_unpaired_datasets(config, tokenizer, log: Callable[[str], None] = print,
+                            on_cache: Callable[[str], None] = lambda event: None):
+    """(train, None, None): the --dataset rows for KTO; ``config`` is a RunConfig. The rows
+    are tokenized once into the rlhf cache (data/rlhf_cache.py) under the data's
+    fingerprint; ``on_cache`` hears "built" or "reused"."""
+    from .rlhf_cache import cached_rows
+
     r = config.rlhf
     max_length = max_length_of(config)
-    report = UnpairedReport()
-    rows = read_unpaired(list(config.dataset_sources))
-    encoded = encode_unpaired(rows, tokenizer.hf, max_length, r.truncation_mode, report)
+    fingerprint = unpaired_fingerprint(config, tokenizer)
+
+    def encode():
+        made = UnpairedReport()
+        rows = read_unpaired(list(config.dataset_sources))
+        encoded = encode_unpaired(rows, tokenizer.hf, max_length, r.truncation_mode, made)
+        return encoded, {"pairs": made.pairs, "truncated": made.truncated}
+
+    encoded, meta = cached_rows("kto", fingerprint, ("prompt", "completion"),
+                                {"desirable": ("bool", 1)}, encode, tokenizer.vocab_size,
+                                on_event=on_cache)
+    report = UnpairedReport(pairs=meta["pairs"], truncated=meta["truncated"],
+                            desirable=int(np.count_nonzero(encoded.values("desirable"))))
     pad = tokenizer.hf.pad_token_id
     pad_id = pad if pad is not None else tokenizer.eod
     train = UnpairedDataset(encoded, max_length, r.truncation_mode, pad_id,
-                            f"{unpaired_fingerprint(config, tokenizer)}:train",
+                            f"{fingerprint}:train",
                             sequence_pad_multiple(config),
                             kl_rows=r.kto_loss_type() == "kto",
                             pack_to=config.model.seq_length if r.packing else None,
