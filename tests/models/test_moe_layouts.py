@@ -1,0 +1,70 @@
+"""DeepSeek-V3, GLM-4.5 and gpt-oss over several ranks: at PP=2 a folder with its MTP layer
+(the dense first layer on the first stage; the MoE layers and the MTP layer on the last)
+loads to transformers' logits, exports bit for bit as the one-rank checkpoint does and trains
+to the one-rank losses; runs stopped at TP=2 resume bit for bit, the routers' expert bias
+(aux-loss-free balancing state) included."""
+
+import json
+
+import pytest
+import torch
+
+import hf_helpers as H
+from test_mtp_hf import MAKERS, add_mtp_layer
+
+
+def write_data(path):
+    path.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(MAKERS))
+def mtp_folder(request, tmp_path_factory):
+    """A 3-layer folder of the family (layer 0 dense) with one MTP layer (model.layers.3.*)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    source = tmp / "hf"
+    MAKERS[request.param](source)
+    add_mtp_layer(source, request.param, tmp)
+    return request.param, source
+
+
+PP2 = ("--pipeline_model_parallel_size", "2", "--decoder_first_pipeline_num_layers", "1")
+
+
+@pytest.mark.benchmark
+def test_pp2_loads_exports_and_trains_as_one_rank(mtp_folder, tmp_path, train_here):
+    """PP=2, the first stage holding the dense layer and the last the two MoE layers and the
+    MTP layer: transformers' logits; the checkpoint exports the one-rank export bit for bit
+    (the MTP layer's tensors included); three training steps give the one-rank LM and MTP
+    losses within 1e-5."""
+    from run_helpers import train_records
+    from test_hf_parallel import run_two_ranks
+    from test_hf_training import continue_pretraining, run_flags
+
+    family, source = mtp_folder
+    ids, out = run_two_ranks(tmp_path, source, 1, 2, "--mtp_num_layers", "1",
+                             "--first_stage_layers", "1")
+    ours = torch.load(out / "logits.pt")
+    theirs = H.hf_logits(str(source), ids)
+    assert ours.shape == theirs.shape and (ours - theirs).abs().max() <= 1e-4
+    H.convert(source, tmp_path / "mcore", "to_mcore")
+    H.convert(tmp_path / "mcore", tmp_path / "one", "to_hf")
+    H.convert(out, tmp_path / "two", "to_hf")
+    reference = H.safetensors_state(str(tmp_path / "one"))
+    exported = H.safetensors_state(str(tmp_path / "two"))
+    assert sorted(exported) == sorted(reference) and "model.layers.3.eh_proj.weight" in exported
+    for name, tensor in reference.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+    data = write_data(tmp_path / "data.jsonl")
+    flags = ("--no_save", "--train_iters", "3", "--mtp_num_layers", "1", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--moe_router_bias_update_rate", "0.05")
+    train_here(tmp_path / "pp1", "--model", source, "--dataset", data, *flags, command="pt",
+               base=run_flags())
+    continue_pretraining(source, data, tmp_path / "pp2", *flags, *PP2, nproc=2)
+    ref, got = train_records(tmp_path / "pp1"), train_records(tmp_path / "pp2")
+    assert [r["iteration"] for r in got] == [1, 2, 3] and ref[2]["loss"] < ref[0]["loss"]
+    for a, b in zip(ref, got):
+        for key in ("loss", "mtp_loss"):
+            assert abs(a[key] - b[key]) < 1e-5, (family, key, a, b)
