@@ -68,3 +68,59 @@ def test_pp2_loads_exports_and_trains_as_one_rank(mtp_folder, tmp_path, train_he
     for a, b in zip(ref, got):
         for key in ("loss", "mtp_loss"):
             assert abs(a[key] - b[key]) < 1e-5, (family, key, a, b)
+
+
+def make_folder(family, tmp_path):
+    """DeepSeek-V3 with its MTP layer (sigmoid routers with an expert bias), or gpt-oss."""
+    from test_gpt_oss import make_gpt_oss
+
+    source = tmp_path / "hf"
+    if family == "gpt_oss":
+        make_gpt_oss(source)
+    else:
+        MAKERS[family](source)
+        add_mtp_layer(source, family, tmp_path)
+    return source
+
+
+# TP=2 with sequence parallelism; gpt-oss's biased experts stay whole on each rank
+TP2 = {"deepseek_v3": ("--tensor_model_parallel_size", "2", "--sequence_parallel",
+                       "--mtp_num_layers", "1", "--moe_router_bias_update_rate", "0.05"),
+       "gpt_oss": ("--tensor_model_parallel_size", "2", "--sequence_parallel",
+                   "--expert_tensor_parallel_size", "1")}
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("family", sorted(TP2))
+def test_a_run_stopped_at_tp2_resumes_bit_for_bit(family, tmp_path):
+    """Four steps at TP=2 saving at step 2, then a run resumed from step 2: steps 3 and 4
+    repeat the losses exactly (the MTP loss too), and both final checkpoints export the same
+    folder bit for bit: every weight, and DeepSeek-V3's e_score_correction_bias, which the
+    balancing moved and which the resumed run restored instead of starting over."""
+    from run_helpers import losses, train_records
+    from test_hf_training import continue_pretraining
+
+    source = make_folder(family, tmp_path)
+    data = write_data(tmp_path / "data.jsonl")
+    flags = ("--train_iters", "4", "--lr", "1e-2", "--min_lr", "1e-2", *TP2[family])
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    continue_pretraining(source, data, straight, *flags, "--save_steps", "2", nproc=2)
+    continue_pretraining(source, data, resumed, *flags, "--save_steps", "4", "--resume",
+                         straight / "checkpoint" / "iter_0000002", nproc=2)
+    ref, got = losses(straight), losses(resumed)
+    assert sorted(got) == [3, 4] and ref[4] < ref[1]
+    assert all(got[it] == ref[it] for it in got), (got, ref)
+    if family == "deepseek_v3":
+        records = {r["iteration"]: r["mtp_loss"] for r in train_records(straight)}
+        assert all(r["mtp_loss"] == records[r["iteration"]] for r in train_records(resumed))
+    for run in (straight, resumed):
+        H.convert(run / "checkpoint", run / "hf", "to_hf")
+    first, second = H.safetensors_state(str(straight / "hf")), H.safetensors_state(
+        str(resumed / "hf"))
+    initial = H.safetensors_state(str(source))
+    assert sorted(first) == sorted(second) == sorted(initial)
+    for name, tensor in first.items():
+        assert torch.equal(second[name], tensor), name
+    if family == "deepseek_v3":
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert not torch.equal(first[bias], initial[bias])  # the balancing moved it
