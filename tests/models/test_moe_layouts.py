@@ -2,7 +2,8 @@
 (the dense first layer on the first stage; the MoE layers and the MTP layer on the last)
 loads to transformers' logits, exports bit for bit as the one-rank checkpoint does and trains
 to the one-rank losses; runs stopped at TP=2 resume bit for bit, the routers' expert bias
-(aux-loss-free balancing state) included."""
+(aux-loss-free balancing state) included; DeepSeek-V3 at TP=2 x EP=2 on four ranks trains
+to the one-rank losses."""
 
 import json
 
@@ -124,3 +125,28 @@ def test_a_run_stopped_at_tp2_resumes_bit_for_bit(family, tmp_path):
     if family == "deepseek_v3":
         bias = "model.layers.1.mlp.gate.e_score_correction_bias"
         assert not torch.equal(first[bias], initial[bias])  # the balancing moved it
+
+
+@pytest.mark.benchmark
+def test_ep2_by_tp2_on_four_ranks_gives_the_one_rank_losses(tmp_path, train_here):
+    """DeepSeek-V3 on four ranks, TP=2 with sequence parallelism times EP=2 (each rank holds
+    half of four experts and the correction bias of all eight, updated from every rank's
+    loads): the one-rank losses within 1e-5."""
+    from run_helpers import losses
+    from test_deepseek_v3 import make_deepseek
+    from test_hf_training import continue_pretraining, run_flags
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    data = write_data(tmp_path / "data.jsonl")
+    flags = ("--no_save", "--train_iters", "3", "--lr", "1e-2", "--min_lr", "1e-2",
+             "--moe_router_bias_update_rate", "0.05")
+    train_here(tmp_path / "one", "--model", source, "--dataset", data, *flags, command="pt",
+               base=run_flags())
+    continue_pretraining(source, data, tmp_path / "four", *flags,
+                         "--tensor_model_parallel_size", "2", "--sequence_parallel",
+                         "--expert_model_parallel_size", "2", nproc=4)
+    ref, got = losses(tmp_path / "one"), losses(tmp_path / "four")
+    assert sorted(got) == [1, 2, 3] and ref[3] < ref[1]
+    for it in ref:
+        assert abs(got[it] - ref[it]) < 1e-5, (it, got[it], ref[it])
