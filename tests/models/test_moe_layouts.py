@@ -94,7 +94,7 @@ TP2 = {"deepseek_v3": ("--tensor_model_parallel_size", "2", "--sequence_parallel
 # gpt-oss's in the suite: it guards the experts' grad norm (training/optimizer.py)
 @pytest.mark.parametrize("family", [pytest.param("deepseek_v3", marks=pytest.mark.benchmark),
                                     pytest.param("gpt_oss", marks=pytest.mark.slow)])
-def test_a_run_stopped_at_tp2_resumes_bit_for_bit(family, tmp_path):
+def test_a_run_stopped_at_tp2_resumes_bit_for_bit(family, tmp_path, train_here):
     """Four steps at TP=2 saving at step 2, then a run resumed from step 2: steps 3 and 4
     repeat the losses exactly (the MTP loss too), and both final checkpoints export the same
     folder bit for bit: every weight, and DeepSeek-V3's e_score_correction_bias, which the
@@ -112,6 +112,14 @@ def test_a_run_stopped_at_tp2_resumes_bit_for_bit(family, tmp_path):
     ref, got = losses(straight), losses(resumed)
     assert sorted(got) == [3, 4] and ref[4] < ref[1]
     assert all(got[it] == ref[it] for it in got), (got, ref)
+    if family == "gpt_oss":  # the first step's gradients are the one-rank ones, biases too
+        from test_hf_training import run_flags
+
+        train_here(tmp_path / "one", "--model", source, "--dataset", data, "--no_save",
+                   "--lr", "1e-2", "--min_lr", "1e-2", "--train_iters", "1", command="pt",
+                   base=run_flags())
+        norms = [train_records(run)[0]["grad_norm"] for run in (tmp_path / "one", straight)]
+        assert abs(norms[1] - norms[0]) <= 1e-5 * norms[0], norms
     if family == "deepseek_v3":
         records = {r["iteration"]: r["mtp_loss"] for r in train_records(straight)}
         assert all(r["mtp_loss"] == records[r["iteration"]] for r in train_records(resumed))
