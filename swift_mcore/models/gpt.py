@@ -439,13 +439,18 @@ def mark_whole_experts(model, p) -> None:
     megatron sums expert gradients over the expert-data-parallel ranks (which then include
     the TP ranks) only for parameters marked ``allreduce`` False, which megatron-core 0.16.1
     marks under expert parallelism alone (layers.py, 886): without EP the parts would never
-    be summed and the TP ranks' copies of each expert would drift apart."""
+    be summed and the TP ranks' copies of each expert would drift apart. That sum is the
+    whole gradient, so an expert's row-parallel bias (gpt-oss), which megatron marks
+    ``sequence_parallel``, must not be summed over the TP ranks once more (finalize_model_grads
+    would double it)."""
     if p.expert_tensor_parallel_size in (None, p.tensor_model_parallel_size):
         return
     for module in model.modules():
         if getattr(module, "is_expert", False):
             for param in module.parameters(recurse=False):
                 param.allreduce = False
+                if getattr(param, "sequence_parallel", False):
+                    param.sequence_parallel = False
 
 
 def shares_embedding(config) -> bool:

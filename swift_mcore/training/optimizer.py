@@ -26,8 +26,33 @@ def build_optimizer(config, model_chunks):
     )
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks,
                                        config_overrides=part_overrides(config, optimizer_config))
+    count_expert_gradients_once(optimizer, config)
     cpu.after_optimizer(optimizer, config)
     return optimizer
+
+
+def count_expert_gradients_once(optimizer, config) -> bool:
+    """Which tensors a rank adds to the grad norm is decided by the tensor-parallel group
+    they repeat over; megatron (0.16) gives its expert optimizer the attention's TP group.
+    With --expert_tensor_parallel_size below --tensor_model_parallel_size (gpt-oss's whole
+    experts) a replicated expert tensor (the output projection's bias) is then counted on
+    TP rank 0 alone, while the expert norm is summed over the expert-parallel ranks, which
+    do not include the other TP ranks: each TP rank clips by another norm and the copies
+    that must stay equal drift apart (so a resumed run, reading rank 0's, differs). The
+    expert TP group is the one those tensors repeat over. Returns whether it was set."""
+    p = config.parallel
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    if etp == p.tensor_model_parallel_size:
+        return False
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_tensor_parallel_group()
+    changed = False
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if any(g.get("is_expert_parallel") for g in part.param_groups):
+            part.tp_group = group
+            changed = True
+    return changed
 
 
 def part_overrides(config, optimizer_config):

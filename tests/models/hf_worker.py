@@ -49,6 +49,8 @@ def main():
     parser.add_argument("--tokens")
     parser.add_argument("--sequence_parallel", action="store_true")
     parser.add_argument("--etp", type=int, default=None)  # --expert_tensor_parallel_size
+    parser.add_argument("--mtp_num_layers", type=int, default=None)
+    parser.add_argument("--first_stage_layers", type=int, default=None)  # uneven stages
     cli = parser.parse_args()
     ids = torch.load(cli.tokens)
     args = RunArguments.from_flags(
@@ -56,7 +58,8 @@ def main():
         seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
         global_batch_size=ids.shape[0] * int(os.environ["WORLD_SIZE"]) // (cli.tp * cli.pp),
         output_dir=cli.out, no_save_optim=True, sequence_parallel=cli.sequence_parallel,
-        expert_tensor_parallel_size=cli.etp)
+        expert_tensor_parallel_size=cli.etp, mtp_num_layers=cli.mtp_num_layers,
+        decoder_first_pipeline_num_layers=cli.first_stage_layers)
     config = resolve(args)  # the world size from torchrun's WORLD_SIZE
     distributed.initialize(config)
     seed.set_seed(config.training.seed)
