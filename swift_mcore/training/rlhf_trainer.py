@@ -88,8 +88,6 @@ class DpoTrainer(Trainer):
         computed there before for the same data and reference, else computed in one pass
         (in the pairs' order, --micro_batch_size at a time) and stored; the reference
         model is freed after."""
-        import torch.distributed as dist
-
         from . import ref_log_probs
 
         path = ref_log_probs.path_in(self.config.logging.output_dir)
