@@ -6,6 +6,7 @@ import collections
 import contextlib
 import multiprocessing
 import os
+import signal
 from typing import Callable, Iterable, Iterator, Tuple
 
 # Tasks in flight per worker; bounds memory (the reader would otherwise run ahead of the
@@ -37,13 +38,19 @@ def forked_pool(workers: int, initializer: Callable, initargs: tuple):
 
 
 class _single_threaded:
-    """The worker's initializer, run after pinning the tokenizers library to one thread (a
-    class, not a closure, so that spawn can pickle it)."""
+    """The worker's initializer, run after pinning the tokenizers library to one thread and
+    giving the stop signals their default actions (a class, not a closure, so that spawn can
+    pickle it)."""
 
     def __init__(self, initializer: Callable):
         self.initializer = initializer
 
     def __call__(self, *initargs) -> None:
+        # The pool ends its workers with SIGTERM (terminate): a handler inherited from the
+        # parent (a Trainer's, in a process that trained before) would leave them waiting
+        # on the task queue and the parent's join hanging.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         self.initializer(*initargs)
 

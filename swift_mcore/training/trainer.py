@@ -36,6 +36,7 @@ class Trainer:
         self.start_time = time.time()
         self.state = TrainState()
         self._stop_signal: Optional[int] = None
+        self._saved_handlers: Optional[dict] = None  # the process's, while training
         self.sample_audit = None  # training/sample_audit.py under --log_sample_ids
         self.trackers: list = []  # started in setup (--report_to), handed to the writer
         self.writer: Optional[MetricWriter] = None
@@ -56,6 +57,7 @@ class Trainer:
         finally:
             if self.watchdog is not None:
                 self.watchdog.close()
+            self.restore_signal_handlers()
 
     def run_loop(self) -> TrainState:
         self.setup()
@@ -548,8 +550,18 @@ class Trainer:
                 raise KeyboardInterrupt
             self._stop_signal = signum
 
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        self._saved_handlers = {signum: signal.getsignal(signum)
+                                for signum in (signal.SIGTERM, signal.SIGINT)}
+        for signum in self._saved_handlers:
             signal.signal(signum, handler)
+
+    def restore_signal_handlers(self) -> None:
+        """The handlers the process had before training: a Python caller (a notebook, a test,
+        a sweep of runs in one process) keeps its own, and processes it forks later (a
+        tokenizing pool) do not inherit a finished run's."""
+        for signum, previous in (self._saved_handlers or {}).items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._saved_handlers = None
 
     def exit_reason(self) -> Optional[str]:
         """Why to stop after this iteration, agreed by all ranks (a signal may reach one)."""
