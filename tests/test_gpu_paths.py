@@ -442,6 +442,9 @@ def test_the_cpu_port_does_nothing_on_cuda(monkeypatch):
     monkeypatch.setattr(onednn_linear, "enable", spy("enable"))
     monkeypatch.setattr(gloo_device, "install", spy("gloo_device"))
     monkeypatch.setattr(cpu_compat, "accumulate_weight_gradients_in_place", spy("wgrad", 4))
+    from swift_mcore.runtime.cpu import local_dispatch
+
+    monkeypatch.setattr(local_dispatch, "use_local_dispatch", spy("dispatch"))
     monkeypatch.setattr(fused_adamw, "use_fused_adamw", spy("adamw", 2))
     step = lambda: None  # noqa: E731
 
@@ -456,7 +459,7 @@ def test_the_cpu_port_does_nothing_on_cuda(monkeypatch):
     assert port.install(c) is True and calls[:2] == ["activate", "enable"]
     assert port.after_ddp(["chunk", "chunk"], c) == 8 and port.after_optimizer(object(), c) == 2
     assert (port.wrap_forward_step(step, c) is not step) is c.trim_host_memory
-    assert {"wgrad", "adamw"} <= set(calls)
+    assert {"wgrad", "dispatch", "adamw"} <= set(calls)
 
 
 def test_ddp_takes_its_gpu_path_from_the_config(gloo_group, monkeypatch):
