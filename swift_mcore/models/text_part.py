@@ -41,6 +41,23 @@ def language_config(config: Dict[str, Any]) -> Dict[str, Any]:
     return text
 
 
+def language_model_values(config: Dict[str, Any], model_args: Any, model_values) -> Dict[str, Any]:
+    """A family's ``model_values`` for a multimodal folder's config.json: those of its language
+    model (text_config), after the top level is checked and, when --model names a folder, its
+    files are found to hold the language model; a refusal names text_config."""
+    from .families.base import InvalidConfig, UnsupportedConfig
+
+    problems = top_level_problems(config)
+    if problems:
+        raise InvalidConfig("; ".join(problems))
+    if getattr(model_args, "model", None):  # its files name the language model
+        open_folder(model_args.model)
+    try:
+        return model_values(language_config(config), model_args)
+    except UnsupportedConfig as err:  # InvalidConfig too: its class is kept
+        raise type(err)(f"text_config: {err}") from None
+
+
 def top_level_problems(config: Dict[str, Any]) -> List[str]:
     """The top-level keys of a multimodal config.json the language model cannot follow."""
     from .families.base import VALUES

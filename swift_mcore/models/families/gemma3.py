@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from .base import UNSET_FLAGS, Family, InvalidConfig, UnsupportedConfig, require
+from .base import UNSET_FLAGS, Family, UnsupportedConfig, require
 
 WINDOW, GLOBAL = "sliding_attention", "full_attention"
 # keys read here and hidden from the common reader (it knows Llama's spelling)
@@ -91,15 +91,7 @@ class Gemma3Family(Family):
         from .. import text_part
 
         if text_part.is_multimodal(config):  # the language model, trained on text alone
-            problems = text_part.top_level_problems(config)
-            if problems:
-                raise InvalidConfig("; ".join(problems))
-            if getattr(model_args, "model", None):  # its files name the language model
-                text_part.open_folder(model_args.model)
-            try:
-                return self.model_values(text_part.language_config(config), model_args)
-            except UnsupportedConfig as err:  # InvalidConfig too: its class is kept
-                raise type(err)(f"text_config: {err}") from None
+            return text_part.language_model_values(config, model_args, self.model_values)
         if config.get("model_type") == "gemma3" or "text_config" in config:
             raise UnsupportedConfig(
                 f"model_type {config.get('model_type')!r} (Gemma 3's vision-language model, "

@@ -63,15 +63,7 @@ class Qwen3NextFamily(Family):
         from .. import text_part
 
         if text_part.is_multimodal(config):  # the language model, trained on text alone
-            problems = text_part.top_level_problems(config)
-            if problems:
-                raise InvalidConfig("; ".join(problems))
-            if getattr(model_args, "model", None):  # its files name the language model
-                text_part.open_folder(model_args.model)
-            try:
-                return self.model_values(text_part.language_config(config), model_args)
-            except UnsupportedConfig as err:  # InvalidConfig too: its class is kept
-                raise type(err)(f"text_config: {err}") from None
+            return text_part.language_model_values(config, model_args, self.model_values)
         if "text_config" in config:
             raise UnsupportedConfig(
                 f"model_type {config.get('model_type')!r} (the vision-language model, its text "
