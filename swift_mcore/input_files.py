@@ -1,11 +1,13 @@
 """Reading input files safely: regular files only, names read from a file kept inside its
-folder, JSON parsed and images opened only within bounds (a leaf: imports only errors).
+folder, JSON parsed and images and videos opened only within bounds (a leaf: imports only
+errors).
 
 Why: a FIFO or device named like a weight file blocks ``open`` forever (or streams without
 end); an index or config naming ``../../etc/passwd`` would be read as weights; a JSON value
 nested 100,000 levels deep exhausts the parser's recursion (a RecursionError, or a crash of a
-C parser); an image header may claim a billion pixels. Every problem is an ArgumentError whose message starts with what the caller
-names (a flag and path, or a file and row), so the CLI prints it as one line.
+C parser); an image header may claim a billion pixels, a video a billion frames. Every
+problem is an ArgumentError whose message starts with what the caller names (a flag and
+path, or a file and row), so the CLI prints it as one line.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import os
 import re
 import stat
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from .errors import ArgumentError
 
@@ -151,6 +153,62 @@ def _check_image_header(fh, where: str) -> None:
     if width * height > MAX_IMAGE_PIXELS:
         raise ArgumentError(f"{where}: {width}x{height} pixels, more than {MAX_IMAGE_PIXELS} "
                             f"(downscale it)")
+
+
+# ---- videos -------------------------------------------------------------------------------
+
+# An hour of 1080p H.264 at 4 Mbit/s is 1.8 GB; the file is demuxed as a stream (never read
+# whole into memory), so the bound is on the time one row may spend counting packets.
+MAX_VIDEO_BYTES = 2 << 30
+# Frames a video may have, counted before anything is decoded: 2.4 hours at 30 fps. The
+# sampled frames decode up to the last one taken (qwen_vl_utils decodes the same span).
+MAX_VIDEO_FRAMES = 1 << 18
+
+
+class VideoInfo(NamedTuple):
+    """What a video file's header and packets say: frames, their rate, their size."""
+
+    frames: int
+    fps: float
+    width: int
+    height: int
+
+
+def check_video(path: str, where: str) -> VideoInfo:
+    """ArgumentError unless ``path`` is a regular file of at most MAX_VIDEO_BYTES that PyAV
+    opens, with a video stream of frames of at most MAX_IMAGE_PIXELS, a frame rate and
+    1..MAX_VIDEO_FRAMES frames (packets counted: nothing is decoded)."""
+    check_regular(path, where)
+    size = os.path.getsize(path)
+    if size > MAX_VIDEO_BYTES:
+        raise ArgumentError(f"{where}: {size} bytes, more than a video may have "
+                            f"({MAX_VIDEO_BYTES >> 30} GiB)")
+    import av
+
+    try:
+        with open_regular(path, "rb", where) as fh, av.open(fh) as container:
+            if not container.streams.video:
+                raise ArgumentError(f"{where}: holds no video stream")
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ArgumentError(f"{where}: frames of {width}x{height} pixels, more than "
+                                    f"{MAX_IMAGE_PIXELS} (downscale it)")
+            rate = stream.average_rate or stream.guessed_rate
+            frames = 0
+            for packet in container.demux(stream):
+                if packet.size:  # the demuxer's last, empty packet flushes the decoder
+                    frames += 1
+                    if frames > MAX_VIDEO_FRAMES:
+                        raise ArgumentError(f"{where}: more than {MAX_VIDEO_FRAMES} frames "
+                                            f"(cut it shorter)")
+    except (av.error.FFmpegError, UnicodeDecodeError, ValueError):
+        raise ArgumentError(f"{where}: not a video PyAV can read") from None
+    if frames == 0:
+        raise ArgumentError(f"{where}: a video of no frames")
+    if not rate or float(rate) <= 0:
+        raise ArgumentError(f"{where}: its video stream has no frame rate")
+    return VideoInfo(frames, float(rate), int(width), int(height))
 
 
 # ---- bounded JSON -------------------------------------------------------------------------

@@ -336,6 +336,10 @@ class RunArguments:
             raise ArgumentError("--linear_attention_freq with --multi_latent_attention is not "
                                 "supported; drop one")
 
+    # sft's video flags (arguments/sft.py), of vision-language models only
+    VIDEO_FLAGS = ("fps", "fps_min_frames", "fps_max_frames", "video_min_pixels",
+                   "video_max_pixels", "video_total_pixels")
+
     def check_vision(self) -> None:
         """The vision-language flags come together (a Qwen2.5-VL folder sets all three);
         its vision tower sits on one stage and joins the sequence before it is split."""
@@ -353,6 +357,7 @@ class RunArguments:
             ("freeze_llm", t.freeze_llm, False),
             ("max_pixels", getattr(s, "max_pixels", None), None),
             ("min_pixels", getattr(s, "min_pixels", None), None),
+            *((name, getattr(s, name, None), None) for name in self.VIDEO_FLAGS),
             ("vit_lr", self.training.vit_lr, None),
             ("aligner_lr", self.training.aligner_lr, None)) if value != default]
         if freeze and not given:
@@ -366,9 +371,12 @@ class RunArguments:
         if s is not None and self.data.streaming:
             raise ArgumentError("--streaming with a vision-language model: not supported yet "
                                 "(its image rows are read whole with --dataset)")
-        if s is not None and s.max_pixels and s.min_pixels and s.min_pixels > s.max_pixels:
-            raise ArgumentError(f"--min_pixels {s.min_pixels} is above --max_pixels "
-                                f"{s.max_pixels}")
+        for low, high in (("min_pixels", "max_pixels"), ("fps_min_frames", "fps_max_frames"),
+                          ("video_min_pixels", "video_max_pixels")):
+            if s is not None and getattr(s, low) and getattr(s, high) and \
+                    getattr(s, low) > getattr(s, high):
+                raise ArgumentError(f"--{low} {getattr(s, low)} is above --{high} "
+                                    f"{getattr(s, high)}")
         for flag_name, lr, frozen, part in (
                 ("--vit_lr", self.training.vit_lr, t.freeze_vit, "--freeze_vit"),
                 ("--aligner_lr", self.training.aligner_lr, t.freeze_aligner,

@@ -61,6 +61,25 @@ class SftDataArguments:
     min_pixels: Optional[int] = flag(
         None, "Vision-language models: the fewest pixels an image has (smaller ones are "
         "scaled up); default: the folder's preprocessor_config.json.", range=POSITIVE)
+    # ms-swift's names (its FPS, FPS_MIN_FRAMES, ... environment variables) and
+    # qwen_vl_utils' defaults for a video's frames (data/video.py)
+    fps: Optional[float] = flag(
+        None, "Videos: frames taken per second of video (default 2.0), within "
+        "--fps_min_frames and --fps_max_frames.", range=POSITIVE)
+    fps_min_frames: Optional[int] = flag(
+        None, "Videos: the fewest frames taken of a video (default 4).", range=POSITIVE)
+    fps_max_frames: Optional[int] = flag(
+        None, "Videos: the most frames taken of a video (default 768).", range=POSITIVE)
+    video_min_pixels: Optional[int] = flag(
+        None, "Videos: the fewest pixels a frame has (default 128 x 28 x 28).",
+        range=POSITIVE)
+    video_max_pixels: Optional[int] = flag(
+        None, "Videos: the most pixels a frame keeps (default 768 x 28 x 28).",
+        range=POSITIVE)
+    video_total_pixels: Optional[int] = flag(
+        None, "Videos: the pixels of all a video's frames together, at most (each frame "
+        "gets its share, not below 1.05 x --video_min_pixels; default 128000 x 28 x 28 x "
+        "0.9).", range=POSITIVE)
     val_dataset: Optional[List[str]] = flag(
         None, "Validation conversations (files, folders or globs, as --dataset).")
     split_dataset_ratio: float = flag(

@@ -1,21 +1,27 @@
-"""Image conversation rows checked before any work and encoded for a Qwen VL model: token
-ids with each image's pads expanded, answer-only targets, the images' patches.
+"""Image and video conversation rows checked before any work and encoded for a Qwen VL
+model: token ids with each image's and video's pads expanded, answer-only targets, the
+patches.
 
-Two row formats are read. ms-swift's: the messages' text holds ``<image>`` tags and the
-``images`` column lists one local path (or ``data:image/...;base64,`` URI) per tag, in order. transformers': a message's
-``content`` is a list of ``{"type": "text", "text": ...}`` and ``{"type": "image",
-"image"|"path": PATH}`` items. Either becomes one Conversation (the tags in the text) and
-its image paths.
+Two row formats are read. ms-swift's: the messages' text holds ``<image>`` / ``<video>``
+tags and the ``images`` / ``videos`` columns list one item per tag, in order (an image: a
+local path or a ``data:image/...;base64,`` URI; a video: a local video file, or a list of
+its frames' image paths). transformers': a message's ``content`` is a list of
+``{"type": "text", "text": ...}``, ``{"type": "image", "image"|"path": PATH}`` and
+``{"type": "video", "video"|"path": PATH or [FRAME, ...]}`` items. Either becomes one
+Conversation (the tags in the text) and its images and videos.
 
-Every image is checked when the row is read, before anything is encoded: a regular file of
-bounded size that PIL opens as an image of bounded pixels (input_files.check_image). URLs
-are refused (nothing is fetched at run time); so are videos (not supported yet).
+Everything a row names is checked when the row is read, before anything is encoded: an
+image is a regular file of bounded size that PIL opens as an image of bounded pixels
+(input_files.check_image); a video file is a regular file of bounded size whose header
+PyAV reads, with 1..MAX_VIDEO_FRAMES frames of bounded pixels (input_files.check_video).
+URLs are refused (nothing is fetched at run time).
 
 Encoding renders the conversation with the text sft's Template (the same answer-only
-targets), each tag written as Qwen2.5-VL's chat template writes an image
-(``<|vision_start|><|image_pad|><|vision_end|>``); the folder's image processor decides the
-patches and each image's pad becomes ``t * h * w / merge**2`` pads, as transformers'
-Qwen2.5-VL processor expands it.
+targets), each tag written as Qwen2.5-VL's chat template writes it
+(``<|vision_start|><|image_pad|><|vision_end|>``, ``<|video_pad|>`` for a video); the
+folder's image processor decides an image's patches, data/video.py a video's; each pad
+becomes ``t * h * w / merge**2`` pads, as transformers' Qwen2.5-VL processor expands it.
+Qwen3-VL's videos (timestamps in the prompt) are not read yet: refused naming the row.
 """
 
 from __future__ import annotations
@@ -23,29 +29,45 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import ArgumentError
-from ..input_files import MAX_IMAGE_BYTES, check_image, check_image_bytes, open_regular
+from ..input_files import (
+    MAX_IMAGE_BYTES,
+    check_image,
+    check_image_bytes,
+    check_video,
+    open_regular,
+)
 from .conversations import Conversation, to_conversation
 from .templates import CONTEXT
+from .video import VideoSampling
 
 IMAGE_TAG = "<image>"
 # an image given inline in a row (ms-swift accepts base64 images)
 BASE64_IMAGE = re.compile(r"^data:image/[\w.+-]+;base64,")
 VIDEO_TAG = "<video>"
-# Qwen2.5-VL's tokens around and for an image (its chat template and processor)
+# Qwen2.5-VL's tokens around and for an image or a video (its chat template and processor)
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
+# the vision-language families whose videos are read (Qwen3-VL's need its timestamps)
+VIDEO_TYPES = ("qwen2_5_vl",)
+# a batch's video inputs, as the model's forward and transformers' name them
+VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 @dataclass(frozen=True)
 class ImageConversation:
-    """One row: its conversation (``<image>`` tags in the text) and the tags' image paths."""
+    """One row: its conversation (``<image>`` / ``<video>`` tags in the text), the image
+    tags' paths and the video tags' videos (a file's path, or a tuple of frame paths),
+    with the field each video came from (``videos[0]``, ``messages[0].content[1]``)."""
 
     conversation: Conversation
     images: Tuple[str, ...]
+    videos: Tuple[Any, ...] = ()
+    video_fields: Tuple[str, ...] = ()
 
     @property
     def where(self) -> str:
@@ -53,47 +75,83 @@ class ImageConversation:
 
 
 def read_image_row(row: Dict[str, Any], where: str) -> ImageConversation:
-    """One row in either format -> ImageConversation, every image checked. ArgumentError
-    naming ``where`` (file and row) and the field for anything that cannot be trained."""
-    videos = row.get("videos")
-    if videos not in (None, [], ()) or VIDEO_TAG in str(row.get("messages") or ""):
-        raise ArgumentError(f"{where}: column 'videos' / {VIDEO_TAG} tags: videos are not "
-                            f"supported yet (images only)")
-    images = row.get("images")
-    if images is None:
-        images = []
-    if isinstance(images, str):
-        images = [images]
-    if not isinstance(images, (list, tuple)):
-        raise ArgumentError(f"{where}: column 'images' must be a list of image paths, got "
-                            f"{type(images).__name__} {images!r:.80}")
+    """One row in either format -> ImageConversation, every image and video checked.
+    ArgumentError naming ``where`` (file and row) and the field for anything that cannot
+    be trained."""
+    images = _column(row, "images", where)
     images = [_path(value, f"{where}: images[{i}]") for i, value in enumerate(images)]
+    videos = [_video(value, f"{where}: videos[{i}]")
+              for i, value in enumerate(_column(row, "videos", where))]
+    fields = [f"videos[{i}]" for i in range(len(videos))]
     messages = row.get("messages")
     if isinstance(messages, (list, tuple)) and any(
             isinstance(m, dict) and isinstance(m.get("content"), (list, tuple))
             for m in messages):
-        if images:
-            raise ArgumentError(f"{where}: both an 'images' column and image items in the "
-                                f"messages' content lists; give the images one way")
-        messages, images = _from_content_lists(messages, where)
+        if images or videos:
+            raise ArgumentError(f"{where}: both an 'images'/'videos' column and media items "
+                                f"in the messages' content lists; give them one way")
+        messages, images, listed = _from_content_lists(messages, where)
+        videos, fields = [v for v, _ in listed], [f for _, f in listed]
         row = {**row, "messages": messages}
     conversation = to_conversation(row, where)
-    tags = 0
-    for i, message in enumerate(conversation.messages):
-        count = str(message.get("content") or "").count(IMAGE_TAG)
-        if count and message["role"] == "assistant":
-            raise ArgumentError(f"{where}: messages[{i}] (assistant) holds {IMAGE_TAG}; "
-                                f"images go in the user's (or system's) messages")
-        tags += count
-    if tags != len(images):
-        raise ArgumentError(f"{where}: {tags} {IMAGE_TAG} tag(s) in the messages but "
-                            f"{len(images)} image(s) in 'images' (one path per tag, in order)")
+    for tag, items, column in ((IMAGE_TAG, images, "images"), (VIDEO_TAG, videos, "videos")):
+        tags = 0
+        for i, message in enumerate(conversation.messages):
+            count = str(message.get("content") or "").count(tag)
+            if count and message["role"] == "assistant":
+                raise ArgumentError(f"{where}: messages[{i}] (assistant) holds {tag}; "
+                                    f"{column} go in the user's (or system's) messages")
+            tags += count
+        if tags != len(items):
+            raise ArgumentError(f"{where}: {tags} {tag} tag(s) in the messages but "
+                                f"{len(items)} {column[:-1]}(s) in '{column}' (one per tag, "
+                                f"in order)")
     for i, ref in enumerate(images):
         if BASE64_IMAGE.match(ref):
             check_image_bytes(_decoded(ref, f"{where}: images[{i}]"), f"{where}: images[{i}]")
         else:
             check_image(ref, f"{where}: images[{i}] {ref}")
-    return ImageConversation(conversation, tuple(images))
+    for video, field in zip(videos, fields):
+        if isinstance(video, tuple):
+            for j, frame in enumerate(video):
+                check_image(frame, f"{where}: {field}[{j}] {frame}")
+        else:
+            check_video(video, f"{where}: {field} {video}")
+    return ImageConversation(conversation, tuple(images), tuple(videos), tuple(fields))
+
+
+def _column(row: Dict[str, Any], name: str, where: str) -> List[Any]:
+    value = row.get(name)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise ArgumentError(f"{where}: column '{name}' must be a list of {name[:-1]} paths, "
+                            f"got {type(value).__name__} {value!r:.80}")
+    return list(value)
+
+
+def _video(value: Any, where: str):
+    """A video item -> its file's path, or a tuple of its frames' image paths."""
+    if isinstance(value, dict):  # {"path": ...} / {"video": ...}
+        value = value.get("path", value.get("video"))
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ArgumentError(f"{where}: an empty list of frames")
+        frames = tuple(_path(v, f"{where}[{j}]") for j, v in enumerate(value))
+        if any(BASE64_IMAGE.match(f) for f in frames):
+            raise ArgumentError(f"{where}: a video's frames are read from image files "
+                                f"(not base64)")
+        return frames
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ArgumentError(f"{where}: {value!r:.80} is not a video path (a video file, or "
+                            f"a list of its frames' image paths)")
+    if "://" in value or value.startswith("data:"):
+        raise ArgumentError(f"{where}: {value:.80} is a URL; swift-mcore reads videos only "
+                            f"from local files (nothing is fetched at run time): download "
+                            f"it and give its path")
+    return os.path.expanduser(value)
 
 
 def _path(value: Any, where: str) -> str:
@@ -114,9 +172,10 @@ def _path(value: Any, where: str) -> str:
 
 
 def _from_content_lists(messages: Sequence[Any], where: str
-                        ) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """transformers' content lists -> text with <image> tags, and the images in order."""
-    out, images = [], []
+                        ) -> Tuple[List[Dict[str, Any]], List[str], List[Tuple[Any, str]]]:
+    """transformers' content lists -> text with <image> / <video> tags, the images in
+    order, and the videos in order with the field each came from."""
+    out, images, videos = [], [], []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, (list, tuple)):
@@ -124,18 +183,24 @@ def _from_content_lists(messages: Sequence[Any], where: str
             continue
         text = []
         for j, item in enumerate(content):
-            at = f"{where}: messages[{i}].content[{j}]"
+            field = f"messages[{i}].content[{j}]"
+            at = f"{where}: {field}"
             kind = item.get("type") if isinstance(item, dict) else None
             if kind == "text" and isinstance(item.get("text"), str):
                 text.append(item["text"])
             elif kind == "image":
                 images.append(_path(item.get("image", item.get("path", item.get("url"))), at))
                 text.append(IMAGE_TAG)
+            elif kind == "video":
+                videos.append((_video(item.get("video", item.get("path", item.get("url"))),
+                                      at), field))
+                text.append(VIDEO_TAG)
             else:
-                raise ArgumentError(f"{at}: {item!r:.80} (a {{'type': 'text', 'text': ...}} "
-                                    f"or {{'type': 'image', 'image': PATH}} item)")
+                raise ArgumentError(f"{at}: {item!r:.80} (a {{'type': 'text', 'text': ...}}, "
+                                    f"{{'type': 'image', 'image': PATH}} or {{'type': 'video', "
+                                    f"'video': PATH}} item)")
         out.append({**message, "content": "".join(text)})
-    return out, images
+    return out, images, videos
 
 
 def _decoded(ref: str, where: str) -> bytes:
@@ -166,24 +231,37 @@ def load_image(ref: str, where: str):
 
 @dataclass
 class EncodedImages:
-    """One sample: int32 ids, the tokens trained on, the images' patches and grids."""
+    """One sample: int32 ids, the tokens trained on, the images' patches and grids, the
+    videos' patches, grids and seconds per temporal patch (None without any)."""
 
     ids: np.ndarray
     targets: np.ndarray
     pixel_values: Any      # torch.Tensor [patches, channels * temporal * patch * patch]
     image_grid_thw: Any    # torch.Tensor [images, 3]
+    pixel_values_videos: Any = None  # torch.Tensor [patches, channels * temporal * p * p]
+    video_grid_thw: Any = None       # torch.Tensor [videos, 3]
+    second_per_grid_ts: Any = None   # torch.Tensor [videos] (float32)
+
+    def media_tokens(self, merge: int) -> int:
+        """The pads its images and videos stand for."""
+        return sum(int((g.prod(-1) // merge ** 2).sum())
+                   for g in (self.image_grid_thw, self.video_grid_thw) if g is not None)
 
 
 class ImageEncoder:
-    """Encodes ImageConversations with a Template and the folder's image processor."""
+    """Encodes ImageConversations with a Template, the folder's image processor (images,
+    and each video frame's normalization) and the video sampling knobs."""
 
-    def __init__(self, template, image_processor, loss_on: str = "all"):
+    def __init__(self, template, image_processor, loss_on: str = "all",
+                 sampling: Optional[VideoSampling] = None):
         self.template = template
         self.image_processor = image_processor
         self.merge = int(image_processor.merge_size)
         self.loss_on = loss_on
+        self.sampling = sampling or VideoSampling()
         backend = template.tokenizer.backend
         self.pad_id = backend.token_to_id(IMAGE_PAD)
+        self.video_pad_id = backend.token_to_id(VIDEO_PAD)
         if self.pad_id is None or backend.token_to_id(VISION_START) is None:
             raise ArgumentError(f"the tokenizer ({template.tokenizer.source}) has no "
                                 f"{IMAGE_PAD} / {VISION_START} token: not a Qwen2.5-VL or "
@@ -195,11 +273,46 @@ class ImageEncoder:
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
+    def video_patches(self, videos: Sequence[Any], where: Sequence[str]):
+        """(pixel_values_videos, video_grid_thw, second_per_grid_ts) of videos (a file's
+        path or a tuple of frame paths each), sampled and resized by data/video.py;
+        ``where`` names each (row and field) in errors."""
+        import torch
+
+        from .video import patches, read_frame_list, read_video_file
+
+        p = self.image_processor
+        factor, temporal = int(p.patch_size) * self.merge, int(p.temporal_patch_size)
+        pixels, grids, seconds = [], [], []
+        for video, at in zip(videos, where):
+            if isinstance(video, tuple):
+                frames = read_frame_list(video, at, self.sampling, factor, temporal,
+                                         p.resample, load_image)
+            else:
+                frames = read_video_file(video, f"{at} {video}", self.sampling, factor,
+                                         temporal, p.resample)
+            one, grid, second = patches(frames, p)
+            pixels.append(one)
+            grids.append(grid)
+            seconds.append(second)
+        return (torch.cat(pixels), torch.tensor(grids),
+                torch.tensor(seconds, dtype=torch.float32))
+
+    def media(self, item: ImageConversation):
+        """(images' (pixel_values, grids) or None, videos' patches or None) of a row."""
+        images = self.patches(item.images) if item.images else None
+        videos = self.video_patches(item.videos, [f"{item.where}: {f}"
+                                                  for f in item.video_fields]) \
+            if item.videos else None
+        return images, videos
+
     def encode(self, item: ImageConversation) -> EncodedImages:
         from dataclasses import replace
 
-        placeholder = VISION_START + IMAGE_PAD + VISION_END
-        messages = [{**m, "content": m["content"].replace(IMAGE_TAG, placeholder)}
+        image = VISION_START + IMAGE_PAD + VISION_END
+        video = VISION_START + VIDEO_PAD + VISION_END
+        messages = [{**m, "content": m["content"].replace(IMAGE_TAG, image).replace(
+                        VIDEO_TAG, video)}
                     if isinstance(m.get("content"), str) else m
                     for m in item.conversation.messages]
         samples = self.template.encode_samples(replace(item.conversation, messages=messages))
@@ -208,20 +321,21 @@ class ImageEncoder:
                                 f"samples; a conversation with images must be one")
         ids, turns = samples[0]
         trained = turns == turns.max() if self.loss_on == "last_turn" else turns != CONTEXT
-        pads = np.flatnonzero(ids == self.pad_id)
-        if len(pads) != len(item.images):
-            raise ArgumentError(f"{item.where}: {len(pads)} {IMAGE_PAD} tokens for "
-                                f"{len(item.images)} images (does the text itself hold "
-                                f"{IMAGE_PAD}?)")
-        if item.images:
-            pixels, grids = self.patches(item.images)
-            counts = (grids.prod(-1) // self.merge ** 2).tolist()
-        else:
-            pixels, grids, counts = None, None, []
         repeat = np.ones(len(ids), dtype=np.int64)
-        repeat[pads] = counts
+        images, videos = self.media(item)
+        for pad, pad_id, given, patches in ((IMAGE_PAD, self.pad_id, item.images, images),
+                                            (VIDEO_PAD, self.video_pad_id, item.videos,
+                                             videos)):
+            at = np.flatnonzero(ids == pad_id) if pad_id is not None else np.zeros(0, int)
+            if len(at) != len(given):
+                raise ArgumentError(f"{item.where}: {len(at)} {pad} tokens for "
+                                    f"{len(given)} {'images' if pad == IMAGE_PAD else 'videos'}"
+                                    f" (does the text itself hold {pad}?)")
+            if patches is not None:
+                repeat[at] = (patches[1].prod(-1) // self.merge ** 2).tolist()
         return EncodedImages(np.repeat(ids, repeat).astype(np.int32),
-                             np.repeat(trained, repeat), pixels, grids)
+                             np.repeat(trained, repeat), *(images or (None, None)),
+                             *(videos or (None, None, None)))
 
 
 # ---- finetuning datasets ------------------------------------------------------------------
@@ -250,20 +364,34 @@ def _sft_dataset_class():
     from .sft_datasets import SftDataset
 
     class ImageSftDataset(SftDataset):
-        """SftDataset rows with their images: the patches are made again per item (by the
-        image processor, deterministically), so memory holds no pixels between steps."""
+        """SftDataset rows with their images and videos: the patches are made again per
+        item (deterministically), so memory holds no pixels between steps."""
 
-        def __init__(self, encoded, rows, images: Dict[int, Tuple[str, ...]], encoder,
+        def __init__(self, encoded, rows, media: Dict[int, ImageConversation], encoder,
                      *args, **kwargs):
             super().__init__(encoded, rows, *args, **kwargs)
-            self.images = images        # sample start offset -> its image paths
+            self.media = media          # sample start offset -> its row (images, videos)
             self.encoder = encoder
 
         def __getitem__(self, row: int) -> Dict[str, Any]:
+            from dataclasses import replace
+
             item = super().__getitem__(row)
-            paths = [p for k in self.conversations(row)
-                     for p in self.images.get(int(self.encoded.starts[k]), ())]
-            item["pixels"] = self.encoder.patches(paths) if paths else None
+            rows = [self.media[k] for k in (int(self.encoded.starts[c])
+                                            for c in self.conversations(row))
+                    if k in self.media]
+            # one row's images then videos are in the model's order: every image of the
+            # packed row, then every video (their pads are told apart by token)
+            joined = replace(rows[0], images=sum((r.images for r in rows), ()),
+                             videos=sum((r.videos for r in rows), ()),
+                             video_fields=sum((tuple(f"{r.where}: {f}" for f in r.video_fields)
+                                               for r in rows), ())) if rows else None
+            if joined is None:
+                item["pixels"], item["videos"] = None, None
+            else:
+                item["pixels"] = self.encoder.patches(joined.images) if joined.images else None
+                item["videos"] = self.encoder.video_patches(
+                    joined.videos, joined.video_fields) if joined.videos else None
             return item
 
         def collate(self, rows: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -274,16 +402,22 @@ def _sft_dataset_class():
             if pixels:
                 batch["pixel_values"] = torch.cat([p[0] for p in pixels])
                 batch["image_grid_thw"] = torch.cat([p[1] for p in pixels])
+            videos = [r["videos"] for r in rows if r["videos"] is not None]
+            if videos:
+                for i, key in enumerate(VIDEO_INPUTS):
+                    batch[key] = torch.cat([v[i] for v in videos])
             return batch
 
     return ImageSftDataset
 
 
 def build_image_sft_datasets(config, tokenizer, log=print):
-    """(train, valid, None) datasets of image conversations for a vision-language --model:
-    every row read and every image checked first, then encoded (the folder's image
-    processor decides the patches). A sample longer than --seq_length with its images'
-    tokens is an error naming its row (images cannot be cut)."""
+    """(train, valid, None) datasets of image and video conversations for a
+    vision-language --model: every row read and every image and video checked first, then
+    encoded (the folder's image processor decides an image's patches, data/video.py a
+    video's). A sample longer than --seq_length with its images' and videos' tokens is an
+    error naming its row (they cannot be cut); so is a video for a family whose videos
+    are not read (VIDEO_TYPES)."""
     from transformers import AutoImageProcessor
 
     from ..arguments.sft import column_map
@@ -298,38 +432,41 @@ def build_image_sft_datasets(config, tokenizer, log=print):
     train_rows = read_image_conversations(config.dataset_sources, columns, "--dataset")
     val_rows = (read_image_conversations(config.val_dataset_sources, columns, "--val_dataset")
                 if config.val_dataset_sources else None)
+    for item in train_rows + (val_rows or []):
+        check_video_family(item, config.model.model_type)
     sizes = {k: getattr(s, k) for k in ("min_pixels", "max_pixels") if getattr(s, k)}
     processor = AutoImageProcessor.from_pretrained(config.model.model, local_files_only=True,
                                                    **sizes)
-    encoder = ImageEncoder(template, processor, s.loss_on)
+    encoder = ImageEncoder(template, processor, s.loss_on, VideoSampling.from_args(s))
 
     def encode(rows):
-        parts, images, at = [], {}, 0
+        parts, media, at = [], {}, 0
         for item in rows:
             sample = encoder.encode(item)
             if len(sample.ids) > seq:
-                image_tokens = 0 if sample.image_grid_thw is None else int(
-                    (sample.image_grid_thw.prod(-1) // encoder.merge ** 2).sum())
                 raise ArgumentError(
-                    f"{item.where}: {len(sample.ids)} tokens ({image_tokens} of them its "
-                    f"images'), more than --seq_length {seq} (images are not cut); raise "
-                    f"--seq_length or give smaller images")
-            if item.images:
-                images[at] = item.images
+                    f"{item.where}: {len(sample.ids)} tokens ({sample.media_tokens(encoder.merge)}"
+                    f" of them its images' and videos'), more than --seq_length {seq} (images "
+                    f"and videos are not cut); raise --seq_length or give smaller images "
+                    f"(--max_pixels) or fewer, smaller video frames (--fps_max_frames, "
+                    f"--video_max_pixels)")
+            if item.images or item.videos:
+                media[at] = item
             parts.append((sample.ids, sample.targets))
             at += len(sample.ids)
-        return _flat(parts), images
+        return _flat(parts), media
 
-    train, images = encode(train_rows)
-    valid, val_images = encode(val_rows) if val_rows is not None else (None, {})
+    train, media = encode(train_rows)
+    valid, val_media = encode(val_rows) if val_rows is not None else (None, {})
     if s.split_dataset_ratio:
         train, valid = split(train, s.split_dataset_ratio, config.training.seed)
-        val_images = images
-    log(f"sft data: {len(train)} image conversations (template: {template.describe()})")
+        val_media = media
+    log(f"sft data: {len(train)} image/video conversations (template: "
+        f"{template.describe()})")
     fingerprint = sft_fingerprint(config, tokenizer, template)
     pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
 
-    def dataset(encoded, paths, name):
+    def dataset(encoded, rows_media, name):
         if encoded is None:
             return None
         if s.packing:
@@ -342,10 +479,20 @@ def build_image_sft_datasets(config, tokenizer, log=print):
         # --sequence_parallel splits each row over the TP ranks: widths pad to a multiple
         pad_multiple = (config.parallel.tensor_model_parallel_size
                         if config.parallel.sequence_parallel else 1)
-        return _sft_dataset_class()(encoded, rows, paths, encoder, seq, pad_id, s.packing,
-                                    False, f"{fingerprint}:{name}", pad_multiple)
+        return _sft_dataset_class()(encoded, rows, rows_media, encoder, seq, pad_id,
+                                    s.packing, False, f"{fingerprint}:{name}", pad_multiple)
 
-    return dataset(train, images, "train"), dataset(valid, val_images, "valid"), None
+    return dataset(train, media, "train"), dataset(valid, val_media, "valid"), None
+
+
+def check_video_family(item: ImageConversation, model_type: Optional[str]) -> None:
+    """ArgumentError naming the row and field of a video for a family whose videos are not
+    read yet (Qwen3-VL: its processor writes each frame group's timestamp into the
+    prompt)."""
+    if item.videos and model_type not in VIDEO_TYPES:
+        raise ArgumentError(f"{item.where}: {item.video_fields[0]}: a video, but videos are "
+                            f"read for {', '.join(VIDEO_TYPES)} models only, not "
+                            f"{model_type} yet (give its frames as images)")
 
 
 def image_prompt(loaded, args):

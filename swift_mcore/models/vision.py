@@ -65,6 +65,12 @@ class VisionLanguage:
     model_type: str = "qwen2_5_vl"  # one of VL_TYPES
 
     @property
+    def tokens_per_second(self) -> int:
+        """Qwen2.5-VL's temporal position step per second of video (vision_config's;
+        transformers' default 4)."""
+        return int(self.vision_config.get("tokens_per_second", 4))
+
+    @property
     def interleaved(self) -> bool:
         """Whether the RoPE rows interleave over the channel pairs (Qwen3-VL's)."""
         return self.model_type in ("qwen3_vl", "qwen3_vl_moe")
@@ -171,58 +177,75 @@ def language_values(config: Dict[str, Any], model_args: Any = None) -> Dict[str,
 
 # ---- 3-D position ids --------------------------------------------------------------------
 
-def _runs(ids: List[int], image_token_id: int, breaks=frozenset()
-          ) -> Iterator[Tuple[bool, int, int]]:
-    """(is_image, start, end) of each run of equal kind (text / image pad) in ``ids``; a
-    run also ends before each index in ``breaks``."""
+def _runs(kinds: List[int], breaks=frozenset()) -> Iterator[Tuple[int, int, int]]:
+    """(kind, start, end) of each run of equal kind (0 text, 1 image pad, 2 video pad) in
+    ``kinds``; a run also ends before each index in ``breaks``."""
     start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or i in breaks or \
-                (ids[i] == image_token_id) != (ids[start] == image_token_id):
-            yield ids[start] == image_token_id, start, i
+    for i in range(1, len(kinds) + 1):
+        if i == len(kinds) or i in breaks or kinds[i] != kinds[start]:
+            yield kinds[start], start, i
             start = i
 
 
 def rope_index(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
-               vl: VisionLanguage, text_positions: Optional[torch.Tensor] = None
-               ) -> torch.Tensor:
+               vl: VisionLanguage, text_positions: Optional[torch.Tensor] = None,
+               video_grid_thw: Optional[torch.Tensor] = None,
+               second_per_grid_ts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Position ids [3, batch, sequence] of ``input_ids`` (images in ``image_grid_thw``
-    order, row by row). A run of image-pad tokens may hold several images back to back;
-    each takes its own grid's share. ``text_positions`` [batch, sequence] (a packed row's
-    positions) start a new sample wherever they are 0: positions restart there. Raises
-    ValueError when the pads and grids disagree."""
+    order and videos in ``video_grid_thw`` order, row by row). A run of pad tokens may
+    hold several images (videos) back to back; each takes its own grid's share. A video's
+    temporal rows step by ``tokens_per_second * second_per_grid_ts`` per temporal patch
+    (truncated to integers, as transformers' get_rope_index; 1 second when not given).
+    ``text_positions`` [batch, sequence] (a packed row's positions) start a new sample
+    wherever they are 0: positions restart there. Raises ValueError when the pads and
+    grids disagree."""
     batch, length = input_ids.shape
     out = torch.zeros(3, batch, length, dtype=torch.long)
-    counts = vl.tokens_per_image(image_grid_thw) if image_grid_thw is not None else []
-    grids = image_grid_thw.tolist() if image_grid_thw is not None else []
-    image = 0
+    kinds = torch.zeros_like(input_ids, dtype=torch.long)
+    kinds[input_ids == vl.image_token_id] = 1
+    if vl.video_token_id is not None:
+        kinds[input_ids == vl.video_token_id] = 2
+    grids = {1: image_grid_thw.tolist() if image_grid_thw is not None else [],
+             2: video_grid_thw.tolist() if video_grid_thw is not None else []}
+    counts = {k: [t * h * w // vl.spatial_merge_size ** 2 for t, h, w in g]
+              for k, g in grids.items()}
+    if second_per_grid_ts is None:
+        second_per_grid_ts = torch.ones(len(grids[2]))
+    taken = {1: 0, 2: 0}
+    names = {1: "image", 2: "video"}
     for b in range(batch):
-        ids = input_ids[b].tolist()
         starts = set() if text_positions is None else set(
             torch.nonzero(text_positions[b] == 0).flatten().tolist())
         position = 0
-        for is_image, start, end in _runs(ids, vl.image_token_id, starts):
+        for kind, start, end in _runs(kinds[b].tolist(), starts):
             if start in starts:
                 position = 0
-            if not is_image:
+            if not kind:
                 out[:, b, start:end] = torch.arange(position, position + end - start)
                 position += end - start
                 continue
             at = start
             while at < end:
-                if image >= len(grids) or at + counts[image] > end:
-                    raise ValueError(f"row {b}: image-pad tokens at {start}..{end} do not "
-                                     f"match the images' grids {grids}")
-                t, h, w = grids[image]
+                index = taken[kind]
+                if index >= len(grids[kind]) or at + counts[kind][index] > end:
+                    raise ValueError(f"row {b}: {names[kind]}-pad tokens at {start}..{end} "
+                                     f"do not match the {names[kind]}s' grids {grids[kind]}")
+                t, h, w = grids[kind][index]
                 h, w = h // vl.spatial_merge_size, w // vl.spatial_merge_size
-                rows = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h),
-                                                  torch.arange(w), indexing="ij")).reshape(3, -1)
-                out[:, b, at: at + counts[image]] = rows + position
+                steps = torch.arange(t)
+                if kind == 2:  # float32 products, truncated: transformers' arithmetic
+                    steps = (steps * (vl.tokens_per_second
+                                      * second_per_grid_ts[index].float())).long()
+                rows = torch.stack(torch.meshgrid(steps, torch.arange(h), torch.arange(w),
+                                                  indexing="ij")).reshape(3, -1)
+                out[:, b, at: at + counts[kind][index]] = rows + position
                 position += max(h, w)
-                at += counts[image]
-                image += 1
-    if image != len(grids):
-        raise ValueError(f"{len(grids)} images but image-pad tokens for {image}")
+                at += counts[kind][index]
+                taken[kind] += 1
+    for kind in (1, 2):
+        if taken[kind] != len(grids[kind]):
+            raise ValueError(f"{len(grids[kind])} {names[kind]}s but {names[kind]}-pad tokens "
+                             f"for {taken[kind]}")
     return out.to(input_ids.device)
 
 
@@ -340,16 +363,23 @@ def _model_class():
             return add_features
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None,
-                    labels=None, pixel_values=None, image_grid_thw=None, **kwargs):
-            if position_ids is not None and position_ids.dim() == 2 and pixel_values is None:
+                    labels=None, pixel_values=None, image_grid_thw=None,
+                    pixel_values_videos=None, video_grid_thw=None, second_per_grid_ts=None,
+                    **kwargs):
+            media = pixel_values is not None or pixel_values_videos is not None
+            if position_ids is not None and position_ids.dim() == 2 and not media:
                 # text alone: the three rows are the text positions (packed rows restart)
                 position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
             elif position_ids is None or position_ids.dim() == 2:
                 # each sample's (a packed row's samples restart at text position 0)
-                position_ids = rope_index(input_ids, image_grid_thw, self.vl, position_ids)
+                position_ids = rope_index(input_ids, image_grid_thw, self.vl, position_ids,
+                                          video_grid_thw, second_per_grid_ts)
             self._deepstack = None
             if decoder_input is None and self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)
+                if pixel_values_videos is not None:
+                    decoder_input = self._with_videos(input_ids, decoder_input,
+                                                      pixel_values_videos, video_grid_thw)
                 if pixel_values is not None:
                     decoder_input = self._with_images(input_ids, decoder_input, pixel_values,
                                                       image_grid_thw)
@@ -362,6 +392,22 @@ def _model_class():
                         decoder_input)
             return super().forward(input_ids, position_ids, attention_mask,
                                    decoder_input=decoder_input, labels=labels, **kwargs)
+
+        def _with_videos(self, input_ids, embedded, pixel_values_videos, video_grid_thw):
+            """[sequence, batch, hidden] embeddings with the videos' features at their pads
+            (the tower run on the videos apart from the images, as transformers does)."""
+            if self.vl.interleaved or self.vl.video_token_id is None:
+                raise ValueError(f"videos are read for Qwen2.5-VL only, not "
+                                 f"{self.vl.model_type}")
+            features = self.visual(pixel_values_videos.to(self.config.params_dtype),
+                                   grid_thw=video_grid_thw).pooler_output
+            mask = input_ids == self.vl.video_token_id
+            if int(mask.sum()) != features.shape[0]:
+                raise ValueError(f"{int(mask.sum())} video-pad tokens but {features.shape[0]} "
+                                 f"video features (video_grid_thw {video_grid_thw.tolist()})")
+            rows = embedded.transpose(0, 1).masked_scatter(mask.unsqueeze(-1),
+                                                           features.to(embedded.dtype))
+            return rows.transpose(0, 1).contiguous()
 
         def _with_images(self, input_ids, embedded, pixel_values, image_grid_thw):
             """[sequence, batch, hidden] embeddings with the image features at the pads,

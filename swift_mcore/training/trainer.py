@@ -367,8 +367,9 @@ class Trainer:
         # multi-token prediction weighs its targets by the mask the LM loss uses (megatron
         # shifts it with the labels); without MTP the model does not read it
         mtp = {"loss_mask": batch["loss_mask"]} if self.config.model.mtp_num_layers else {}
-        # a vision-language model's images (data/multimodal.py)
-        images = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+        # a vision-language model's images and videos (data/multimodal.py)
+        images = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
+                                        "video_grid_thw", "second_per_grid_ts") if k in batch}
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                        attention_mask=batch.get("attention_mask"), labels=batch["labels"],
                        packed_seq_params=batch.get("packed_seq_params"), **mtp, **images)

@@ -293,7 +293,8 @@ def _bad_rows(tmp_path):
          "notes.png: not an image PIL can read"),
         ({"messages": user("<image>hi"), "images": [str(os_fifo)]},
          "pipe.png: is a FIFO"),
-        ({"messages": user("<video>hi"), "videos": [image]}, "row 7: .*videos are not supported"),
+        ({"messages": user("<video>hi")}, r"row 7: 1 <video> tag\(s\) in the messages but "
+                                          r"0 video\(s\) in 'videos'"),
         ({"messages": [{"role": "user", "content": "hi"},
                        {"role": "assistant", "content": "<image>"}], "images": [image]},
          r"row 7: messages\[1\] \(assistant\) holds <image>"),

@@ -1,0 +1,223 @@
+"""Videos for Qwen VL models: frames sampled, resized and cut into patches as Qwen's own
+processing does (qwen_vl_utils' rules, which ms-swift applies), read with PyAV.
+
+Sampling (qwen_vl_utils' smart_nframes): a video of ``total`` frames at ``video_fps``
+keeps ``total / video_fps * --fps`` frames, raised to ``--fps_min_frames`` (rounded up to
+a multiple of the tower's temporal_patch_size), cut to ``min(--fps_max_frames, total)``
+(rounded down), then to ``total``, rounded down to a multiple of temporal_patch_size; the
+frames taken are ``round(linspace(0, total - 1, n))``. The sampled frames' rate,
+``n / total * video_fps``, gives transformers' ``second_per_grid_ts``
+(``temporal_patch_size / rate``). A list of frame images is taken whole (its last frame
+repeated up to a multiple of temporal_patch_size) at ``--fps``.
+
+Resizing (qwen_vl_utils' fetch_video): each frame keeps its aspect, its sides become
+multiples of patch_size x merge_size and its pixels lie within ``--video_min_pixels`` and
+``max(min(--video_max_pixels, --video_total_pixels / n * temporal_patch_size),
+1.05 * --video_min_pixels)`` (smart_resize). Frames are resized with the image
+processor's resampling filter (PIL's bicubic; transformers' and qwen_vl_utils' readers use
+torchvision's antialiased bicubic on tensors, which differs from PIL's by rounding) and
+normalized by the image processor itself, so a video whose frames are one still image has
+that image's patches.
+
+Patches: ``t = n / temporal_patch_size`` groups of consecutive frames, each patch holding
+its group's frames side by side (the layout of transformers' Qwen2-VL video processor);
+``video_grid_thw`` is ``(t, h / patch, w / patch)``.
+
+Decoding is bounded before it starts: the file is a regular file of at most
+input_files.MAX_VIDEO_BYTES, its header's frames are at most MAX_IMAGE_PIXELS each and
+its frame count (packets counted, nothing decoded) at most MAX_VIDEO_FRAMES; frames are
+decoded up to the last sampled one and each is resized as it comes, so memory holds the
+sampled frames at their model size only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+from ..errors import ArgumentError
+
+# qwen_vl_utils' defaults (Qwen2.5-VL's: 28 = patch 14 x merge 2), which ms-swift reads
+# from the environment under these names upper-cased
+DEFAULT_FPS = 2.0
+DEFAULT_MIN_FRAMES = 4
+DEFAULT_MAX_FRAMES = 768
+DEFAULT_MIN_PIXELS = 128 * 28 * 28
+DEFAULT_MAX_PIXELS = 768 * 28 * 28
+DEFAULT_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
+MAX_RATIO = 200  # the longest side over the shortest, as smart_resize allows
+
+# a video: a file's path, or its frames as image paths
+VideoRef = Union[str, Tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class VideoSampling:
+    """The sampling and size knobs (ms-swift's names, lower-cased: --fps, ...)."""
+
+    fps: float = DEFAULT_FPS
+    fps_min_frames: int = DEFAULT_MIN_FRAMES
+    fps_max_frames: int = DEFAULT_MAX_FRAMES
+    video_min_pixels: int = DEFAULT_MIN_PIXELS
+    video_max_pixels: int = DEFAULT_MAX_PIXELS
+    video_total_pixels: int = DEFAULT_TOTAL_PIXELS
+
+    @classmethod
+    def from_args(cls, args: Any) -> "VideoSampling":
+        """From flags of these names (None: the default)."""
+        given = {k: getattr(args, k, None) for k in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in given.items() if v is not None})
+
+
+def _floor(x: float, factor: int) -> int:
+    return math.floor(x / factor) * factor
+
+
+def _ceil(x: float, factor: int) -> int:
+    return math.ceil(x / factor) * factor
+
+
+def frame_count(total: int, video_fps: float, sampling: VideoSampling, factor: int,
+                where: str) -> int:
+    """How many frames of a ``total``-frame video at ``video_fps`` are kept (module
+    docstring); ArgumentError naming ``where`` when fewer than ``factor`` can be."""
+    low = _ceil(sampling.fps_min_frames, factor)
+    high = _floor(min(sampling.fps_max_frames, total), factor)
+    n = total / video_fps * sampling.fps
+    n = _floor(min(max(n, low), high, total), factor)
+    if not factor <= n <= total:
+        raise ArgumentError(f"{where}: {total} frame(s) at {video_fps:g} fps give {n} "
+                            f"sampled frames; a video needs at least {factor} "
+                            f"(the tower's temporal_patch_size; --fps_max_frames "
+                            f"{sampling.fps_max_frames})")
+    return n
+
+
+def frame_indices(total: int, n: int) -> List[int]:
+    """The ``n`` frames taken of ``total``: ``round(linspace(0, total - 1, n))`` (torch's
+    float32 linspace and half-to-even rounding, as qwen_vl_utils computes them)."""
+    import torch
+
+    return torch.linspace(0, total - 1, n).round().long().tolist()
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: float,
+                 where: str) -> Tuple[int, int]:
+    """(height, width) multiples of ``factor`` with the aspect kept and the pixels within
+    [min_pixels, max_pixels] (qwen_vl_utils' rule)."""
+    if max(height, width) / min(height, width) > MAX_RATIO:
+        raise ArgumentError(f"{where}: {width}x{height} pixels, an aspect ratio over "
+                            f"{MAX_RATIO} (Qwen's resizing refuses it)")
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, _floor(height / beta, factor))
+        w = max(factor, _floor(width / beta, factor))
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = _ceil(height * beta, factor)
+        w = _ceil(width * beta, factor)
+    return h, w
+
+
+def frame_size(height: int, width: int, n: int, sampling: VideoSampling, factor: int,
+               temporal: int, where: str) -> Tuple[int, int]:
+    """The size every one of ``n`` sampled frames is resized to (module docstring)."""
+    most = max(min(sampling.video_max_pixels, sampling.video_total_pixels / n * temporal),
+               int(sampling.video_min_pixels * 1.05))
+    return smart_resize(height, width, factor, sampling.video_min_pixels, most, where)
+
+
+@dataclass
+class Frames:
+    """A video's sampled frames at their model size, and the rate they were taken at."""
+
+    images: List[Any]   # PIL RGB images, all one size
+    sample_fps: float
+
+
+def _resized(image, size: Tuple[int, int], resample):
+    h, w = size
+    image = image.convert("RGB")
+    return image if image.size == (w, h) else image.resize((w, h), resample=resample)
+
+
+def read_video_file(path: str, where: str, sampling: VideoSampling, factor: int,
+                    temporal: int, resample) -> Frames:
+    """The sampled frames of the video file at ``path`` (checked first: regular, bounded),
+    decoded up to the last one taken, each resized as it comes. ArgumentError naming
+    ``where`` for a file that does not decode to the frames its header promises."""
+    import av
+
+    from ..input_files import check_video, open_regular
+
+    info = check_video(path, where)
+    n = frame_count(info.frames, info.fps, sampling, temporal, where)
+    wanted = frame_indices(info.frames, n)
+    size = frame_size(info.height, info.width, n, sampling, factor, temporal, where)
+    last, images, index = wanted[-1], [], -1
+    try:
+        with open_regular(path, "rb", where) as fh, av.open(fh) as container:
+            stream = container.streams.video[0]
+            at = 0
+            for frame in container.decode(stream):
+                index += 1
+                if (frame.width, frame.height) != (info.width, info.height):
+                    raise ArgumentError(f"{where}: frame {index} is {frame.width}x"
+                                        f"{frame.height}, the video's header says "
+                                        f"{info.width}x{info.height}")
+                while at < n and wanted[at] == index:  # an index may repeat
+                    images.append(_resized(frame.to_image(), size, resample))
+                    at += 1
+                if index >= last:
+                    break
+    except av.error.FFmpegError as err:
+        raise ArgumentError(f"{where}: cannot be decoded ({err.strerror or err})") from None
+    if index < 0:
+        raise ArgumentError(f"{where}: decodes to no frames (a video with frames is needed)")
+    if len(images) < n:
+        raise ArgumentError(f"{where}: decodes to {index + 1} frame(s), its header counts "
+                            f"{info.frames}")
+    return Frames(images, n / info.frames * info.fps)
+
+
+def read_frame_list(paths: Sequence[str], where: str, sampling: VideoSampling, factor: int,
+                    temporal: int, resample, load_image) -> Frames:
+    """A video given as its frames' image paths: all of them, the last repeated up to a
+    multiple of ``temporal``, at --fps; every frame must have the first one's size."""
+    frames = [load_image(p, f"{where}[{i}] {p}") for i, p in enumerate(paths)]
+    width, height = frames[0].size
+    for i, frame in enumerate(frames):
+        if frame.size != (width, height):
+            raise ArgumentError(f"{where}[{i}] {paths[i]}: {frame.size[0]}x{frame.size[1]} "
+                                f"pixels, the video's first frame is {width}x{height} (a "
+                                f"video's frames are one size)")
+    n = _ceil(len(frames), temporal)
+    frames += [frames[-1]] * (n - len(frames))
+    size = frame_size(height, width, n, sampling, factor, temporal, where)
+    return Frames([_resized(f, size, resample) for f in frames], sampling.fps)
+
+
+def patches(frames: Frames, image_processor) -> Tuple[Any, Tuple[int, int, int], float]:
+    """(patches [t * h * w, channels * temporal * patch * patch], (t, h, w), seconds per
+    temporal patch) of sampled frames: each frame normalized by the image processor (its
+    resize off: the frames have their size), grouped by temporal_patch_size."""
+    import torch
+
+    p = image_processor
+    patch, merge, temporal = int(p.patch_size), int(p.merge_size), int(p.temporal_patch_size)
+    out = p(images=frames.images, do_resize=False, return_tensors="pt")
+    grid = out["image_grid_thw"]
+    h, w = int(grid[0, 1]), int(grid[0, 2])
+    n = len(frames.images)
+    channels = out["pixel_values"].shape[-1] // (temporal * patch * patch)
+    # per frame [h/m, w/m, m, m, C, temporal (copies of the frame), p, p]: one copy each
+    one = out["pixel_values"].view(n, h // merge, w // merge, merge, merge, channels,
+                                   temporal, patch, patch)[..., 0, :, :]
+    one = one.reshape(n // temporal, temporal, *one.shape[1:])
+    # -> [t, h/m, w/m, m, m, C, temporal, p, p]: a patch holds its group's frames
+    video = one.permute(0, 2, 3, 4, 5, 6, 1, 7, 8).reshape(
+        (n // temporal) * h * w, channels * temporal * patch * patch)
+    return video.contiguous(), (n // temporal, h, w), temporal / frames.sample_fps
