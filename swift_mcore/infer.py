@@ -35,6 +35,10 @@ def run(args: InferArguments) -> str:
         from .input_files import check_image
 
         check_image(os.path.expanduser(args.image), f"--image {args.image}")
+    if args.video is not None:
+        from .input_files import check_video
+
+        check_video(os.path.expanduser(args.video), f"--video {args.video}")
     loaded = load_model(args.model, tokenizer=args.tokenizer, log=log,
                         trust_remote_code=args.trust_remote_code)
     tokenizer = loaded.tokenizer
@@ -42,7 +46,7 @@ def run(args: InferArguments) -> str:
         return score(args, loaded, log)
     template, end_marker = None, ""
     logits_fn = lambda t: forward_logits(loaded.model, t)  # noqa: E731
-    if args.image is not None:
+    if args.image is not None or args.video is not None:
         from .data.multimodal import image_prompt
 
         prompt, logits_fn, end_marker, template = image_prompt(loaded, args)

@@ -8,11 +8,11 @@ from typing import Optional
 
 from ..errors import ArgumentError
 from .fields import NON_NEGATIVE, NONZERO_FRACTION, check_flags, flag
-from .sft import TEMPLATES
+from .sft import TEMPLATES, VideoArguments
 
 
 @dataclass
-class InferArguments:
+class InferArguments(VideoArguments):
     model: Optional[str] = flag(
         None, "A Hugging Face model folder, or a swift-mcore checkpoint (an iter_NNNNNNN "
         "folder, the checkpoint folder holding latest_checkpointed_iteration.txt, or a run's "
@@ -27,6 +27,10 @@ class InferArguments:
     image: Optional[str] = flag(
         None, "An image file the user's message shows (before --prompt), for a "
         "vision-language model (Qwen2.5-VL); needs --template (docs/multimodal.md).")
+    video: Optional[str] = flag(
+        None, "A video file the user's message shows (before --prompt), for a Qwen2.5-VL "
+        "model: frames sampled and sized as sft samples them (--fps, --video_max_pixels, "
+        "...; docs/multimodal.md); needs --template.")
     max_new_tokens: int = flag(64, "Tokens to generate at most (generation also stops at the "
                                "end-of-document token).")
     temperature: float = flag(0.0, "Sampling temperature; 0 picks the most likely token "
@@ -55,10 +59,14 @@ class InferArguments:
             raise ArgumentError("--prompt is required: the text to continue")
         if self.system is not None and self.template is None:
             raise ArgumentError("--system needs --template (a raw prompt has no roles)")
-        if self.image is not None:
-            if self.template is None:
-                raise ArgumentError("--image needs --template (the image goes in the user's "
-                                    "message)")
+        if self.image is not None and self.video is not None:
+            raise ArgumentError("--image and --video: give one (the user's message shows "
+                                "one image or one video)")
+        self.check_video_flags()
+        for name in ("image", "video"):
+            if getattr(self, name) is not None and self.template is None:
+                raise ArgumentError(f"--{name} needs --template (the {name} goes in the "
+                                    f"user's message)")
         if self.max_new_tokens <= 0:
             raise ArgumentError(f"--max_new_tokens must be a positive integer, got "
                                 f"{self.max_new_tokens}")

@@ -371,12 +371,11 @@ class RunArguments:
         if s is not None and self.data.streaming:
             raise ArgumentError("--streaming with a vision-language model: not supported yet "
                                 "(its image rows are read whole with --dataset)")
-        for low, high in (("min_pixels", "max_pixels"), ("fps_min_frames", "fps_max_frames"),
-                          ("video_min_pixels", "video_max_pixels")):
-            if s is not None and getattr(s, low) and getattr(s, high) and \
-                    getattr(s, low) > getattr(s, high):
-                raise ArgumentError(f"--{low} {getattr(s, low)} is above --{high} "
-                                    f"{getattr(s, high)}")
+        if s is not None and s.max_pixels and s.min_pixels and s.min_pixels > s.max_pixels:
+            raise ArgumentError(f"--min_pixels {s.min_pixels} is above --max_pixels "
+                                f"{s.max_pixels}")
+        if s is not None:
+            s.check_video_flags()
         for flag_name, lr, frozen, part in (
                 ("--vit_lr", self.training.vit_lr, t.freeze_vit, "--freeze_vit"),
                 ("--aligner_lr", self.training.aligner_lr, t.freeze_aligner,

@@ -17,7 +17,41 @@ COLUMN_TARGETS = ("messages", "tools", "query", "response", "system", "history")
 
 
 @dataclass
-class SftDataArguments:
+class VideoArguments:
+    """How a video's frames are sampled and sized (data/video.py): ms-swift's names (its
+    FPS, FPS_MIN_FRAMES, ... environment variables) lower-cased, qwen_vl_utils' defaults.
+    sft's data flags and infer's flags both hold them."""
+
+    fps: Optional[float] = flag(
+        None, "Videos: frames taken per second of video (default 2.0), within "
+        "--fps_min_frames and --fps_max_frames.", range=POSITIVE)
+    fps_min_frames: Optional[int] = flag(
+        None, "Videos: the fewest frames taken of a video (default 4).", range=POSITIVE)
+    fps_max_frames: Optional[int] = flag(
+        None, "Videos: the most frames taken of a video (default 768).", range=POSITIVE)
+    video_min_pixels: Optional[int] = flag(
+        None, "Videos: the fewest pixels a frame has (default 128 x 28 x 28).",
+        range=POSITIVE)
+    video_max_pixels: Optional[int] = flag(
+        None, "Videos: the most pixels a frame keeps (default 768 x 28 x 28).",
+        range=POSITIVE)
+    video_total_pixels: Optional[int] = flag(
+        None, "Videos: the pixels of all a video's frames together, at most (each frame "
+        "gets its share, not below 1.05 x --video_min_pixels; default 128000 x 28 x 28 x "
+        "0.9).", range=POSITIVE)
+
+    def check_video_flags(self) -> None:
+        """ArgumentError for a floor above its ceiling."""
+        for low, high in (("fps_min_frames", "fps_max_frames"),
+                          ("video_min_pixels", "video_max_pixels")):
+            if getattr(self, low) and getattr(self, high) and \
+                    getattr(self, low) > getattr(self, high):
+                raise ArgumentError(f"--{low} {getattr(self, low)} is above --{high} "
+                                    f"{getattr(self, high)}")
+
+
+@dataclass
+class SftDataArguments(VideoArguments):
     template: str = flag(
         "auto", "How a conversation becomes tokens: 'tokenizer' (its chat template), 'chatml' "
         "or 'plain' (built in), or 'auto': the tokenizer's template when it has one, else "
@@ -61,25 +95,6 @@ class SftDataArguments:
     min_pixels: Optional[int] = flag(
         None, "Vision-language models: the fewest pixels an image has (smaller ones are "
         "scaled up); default: the folder's preprocessor_config.json.", range=POSITIVE)
-    # ms-swift's names (its FPS, FPS_MIN_FRAMES, ... environment variables) and
-    # qwen_vl_utils' defaults for a video's frames (data/video.py)
-    fps: Optional[float] = flag(
-        None, "Videos: frames taken per second of video (default 2.0), within "
-        "--fps_min_frames and --fps_max_frames.", range=POSITIVE)
-    fps_min_frames: Optional[int] = flag(
-        None, "Videos: the fewest frames taken of a video (default 4).", range=POSITIVE)
-    fps_max_frames: Optional[int] = flag(
-        None, "Videos: the most frames taken of a video (default 768).", range=POSITIVE)
-    video_min_pixels: Optional[int] = flag(
-        None, "Videos: the fewest pixels a frame has (default 128 x 28 x 28).",
-        range=POSITIVE)
-    video_max_pixels: Optional[int] = flag(
-        None, "Videos: the most pixels a frame keeps (default 768 x 28 x 28).",
-        range=POSITIVE)
-    video_total_pixels: Optional[int] = flag(
-        None, "Videos: the pixels of all a video's frames together, at most (each frame "
-        "gets its share, not below 1.05 x --video_min_pixels; default 128000 x 28 x 28 x "
-        "0.9).", range=POSITIVE)
     val_dataset: Optional[List[str]] = flag(
         None, "Validation conversations (files, folders or globs, as --dataset).")
     split_dataset_ratio: float = flag(

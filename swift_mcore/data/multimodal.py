@@ -496,36 +496,50 @@ def check_video_family(item: ImageConversation, model_type: Optional[str]) -> No
 
 
 def image_prompt(loaded, args):
-    """`infer --image`: (prompt ids, logits function, end marker, template) of a user
-    message showing the image, for a loaded vision-language model."""
+    """`infer --image` / `--video`: (prompt ids, logits function, end marker, template) of
+    a user message showing the image or the video (sampled as --fps, ... say), for a
+    loaded vision-language model."""
     import torch
     from transformers import AutoImageProcessor
 
     from .templates import Template
 
+    flag = "--image" if args.image is not None else "--video"
     if not loaded.config.model.vision_config:
-        raise ArgumentError(f"--image: --model {args.model} is a text model; images need a "
+        raise ArgumentError(f"{flag}: --model {args.model} is a text model; it needs a "
                             f"vision-language model (a Qwen2.5-VL or Qwen3-VL folder, or its "
                             f"checkpoint)")
+    if flag == "--video" and loaded.config.model.model_type not in VIDEO_TYPES:
+        raise ArgumentError(f"--video: videos are read for {', '.join(VIDEO_TYPES)} models "
+                            f"only, not {loaded.config.model.model_type} yet")
     if loaded.hf_folder is None:
-        raise ArgumentError(f"--image: the image processor of --model {args.model} is not "
+        raise ArgumentError(f"{flag}: the image processor of --model {args.model} is not "
                             f"known (its Hugging Face folder is gone)")
     template = Template(args.template, loaded.tokenizer, system=args.system)
     encoder = ImageEncoder(template, AutoImageProcessor.from_pretrained(
-        loaded.hf_folder, local_files_only=True))
-    path = os.path.expanduser(args.image)
-    ids = template.prompt([{"role": "user", "content": VISION_START + IMAGE_PAD + VISION_END
+        loaded.hf_folder, local_files_only=True), sampling=VideoSampling.from_args(args))
+    path = os.path.expanduser(args.image if flag == "--image" else args.video)
+    pad = IMAGE_PAD if flag == "--image" else VIDEO_PAD
+    ids = template.prompt([{"role": "user", "content": VISION_START + pad + VISION_END
                             + args.prompt}])
-    pixels, grid = encoder.patches([path])
+    if flag == "--image":
+        pixels, grid = encoder.patches([path])
+        inputs = {"pixel_values": pixels, "image_grid_thw": grid}
+        pad_id = encoder.pad_id
+    else:
+        pixels, grid, seconds = encoder.video_patches([path], [f"--video {args.video}"])
+        inputs = dict(zip(VIDEO_INPUTS, (pixels, grid, seconds)))
+        pad_id = encoder.video_pad_id
     count = int(grid.prod(-1).sum()) // encoder.merge ** 2
-    at = ids.index(encoder.pad_id)
-    ids = ids[:at] + [encoder.pad_id] * count + ids[at + 1:]
+    at = ids.index(pad_id)
+    ids = ids[:at] + [pad_id] * count + ids[at + 1:]
 
     @torch.no_grad()
     def logits(tokens):
         device = next(loaded.model.parameters()).device
         return loaded.model(input_ids=tokens.to(device), position_ids=None,
-                            attention_mask=None, pixel_values=pixels.to(device),
-                            image_grid_thw=grid).float()
+                            attention_mask=None, **{
+                                k: v.to(device) if k.startswith("pixel") else v
+                                for k, v in inputs.items()}).float()
 
     return ids, logits, template.end_marker(), template

@@ -166,3 +166,237 @@ def test_video_positions_and_logits_are_transformers(gloo_group, vl_folder):
                       **dict(inputs, pixel_values_videos=videos.flip(0)))[..., :320]
     assert (got - expected).abs().max() <= 1e-4
     assert (other - expected).abs().max() > 1e-2  # the videos are in the model
+
+
+# ---- video rows (data/multimodal.py) ------------------------------------------------------
+
+SMALL_FLAGS = ["--video_min_pixels", "64", "--video_max_pixels", "256"]
+
+
+def video_encoder(folder, **extra):
+    from transformers import AutoImageProcessor
+
+    from swift_mcore.data.multimodal import ImageEncoder
+
+    encoder = encoder_for(folder)
+    return ImageEncoder(encoder.template, AutoImageProcessor.from_pretrained(str(folder)),
+                        sampling=sampling(**extra))
+
+
+def test_video_rows_encode_as_the_chat_template_writes_them(vl_folder, tmp_path):
+    """A <video> tag with a video file, the same as a content-list video item, and its
+    frames as a list of images: one encoding (pads expanded to t * h * w / 4 video pads
+    between vision_start/end, as the processor writes them), one set of patches."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from swift_mcore.data.multimodal import read_image_row
+
+    frames = coloured(4)
+    video = write_video(tmp_path / "clip.mkv", frames, fps=4)
+    paths = []
+    for i, frame in enumerate(frames):
+        paths.append(str(tmp_path / f"f{i}.png"))
+        Image.fromarray(frame).save(paths[-1])
+    image = write_image(tmp_path / "img.png", 8, 8)
+    answer = {"role": "assistant", "content": "def add(a, b)"}
+    rows = [{"messages": [{"role": "user", "content": "<image>and<video> what?"}, answer],
+             "images": [image], "videos": [video]},
+            {"messages": [{"role": "user", "content": [
+                {"type": "image", "image": image}, {"type": "text", "text": "and"},
+                {"type": "video", "video": video}, {"type": "text", "text": " what?"}]},
+                answer]},
+            {"messages": [{"role": "user", "content": "<image>and<video> what?"}, answer],
+             "images": [image], "videos": [paths]}]
+    encoder = video_encoder(vl_folder, fps=4)
+    encoded = [encoder.encode(read_image_row(row, f"row {i}")) for i, row in enumerate(rows)]
+    first = encoded[0]
+    assert first.video_grid_thw.tolist() == [[2, 4, 6]]  # 4 frames of 16 x 24
+    assert first.second_per_grid_ts.tolist() == [0.5]
+    for other in encoded[1:]:
+        assert other.ids.tolist() == first.ids.tolist()
+        assert torch.equal(other.pixel_values_videos, first.pixel_values_videos)
+        assert other.second_per_grid_ts.tolist() == [0.5]
+    tokenizer = AutoTokenizer.from_pretrained(str(vl_folder))
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>and"
+          "<|vision_start|>" + "<|video_pad|>" * 12 + "<|vision_end|> what?"}, answer],
+        tokenize=False)
+    assert first.ids.tolist() == tokenizer.encode(text, add_special_tokens=False)
+    assert not np.isin(first.ids[first.targets], [IMAGE, VIDEO]).any()
+    assert first.media_tokens(2) == 1 + 12
+
+
+def _bad_video_rows(tmp_path):
+    import os
+
+    video = write_video(tmp_path / "ok.mkv", coloured(4))
+    (tmp_path / "notes.mp4").write_text("not a video")
+    os.mkfifo(tmp_path / "pipe.mp4")
+    empty = tmp_path / "empty.avi"  # a header and a video stream, no frames
+    import av
+
+    with av.open(str(empty), "w") as container:
+        stream = container.add_stream("ffv1", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 8, 8, "bgr0"
+        container.start_encoding()
+    truncated = tmp_path / "cut.mkv"  # Matroska without any frame is no container at all
+    truncated.write_bytes(open(video, "rb").read()[:40])
+    frame = write_image(tmp_path / "frame.png", 8, 8)
+    user = lambda content: [{"role": "user", "content": content},  # noqa: E731
+                            {"role": "assistant", "content": "ok"}]
+    gone = str(tmp_path / "gone.mp4")
+    return [
+        ({"messages": user("<video>hi"), "videos": [gone]},
+         f"row 7: videos\\[0\\] {gone}: cannot be read \\(No such file"),
+        ({"messages": user("<video>hi"), "videos": [str(tmp_path / "notes.mp4")]},
+         r"row 7: videos\[0\] .*notes.mp4: not a video PyAV can read"),
+        ({"messages": user("<video>hi"), "videos": [str(tmp_path / "pipe.mp4")]},
+         r"row 7: videos\[0\] .*pipe.mp4: is a FIFO"),
+        ({"messages": user("<video>hi"), "videos": [str(empty)]},
+         r"row 7: videos\[0\] .*empty.avi: a video of no frames"),
+        ({"messages": user("<video>hi"), "videos": [str(truncated)]},
+         r"row 7: videos\[0\] .*cut.mkv: not a video PyAV can read"),
+        ({"messages": user("<video><video>hi"), "videos": [video]},
+         r"row 7: 2 <video> tag\(s\) in the messages but 1 video\(s\) in 'videos'"),
+        ({"messages": user("hi"), "videos": [video]},
+         r"row 7: 0 <video> tag\(s\) in the messages but 1 video\(s\)"),
+        ({"messages": user("<video>hi"), "videos": ["https://x.org/a.mp4"]},
+         r"row 7: videos\[0\]: https://x.org/a.mp4 is a URL"),
+        ({"messages": user([{"type": "video", "video": "http://x.org/a.mp4"}])},
+         r"row 7: messages\[0\].content\[0\]: http://x.org/a.mp4 is a URL"),
+        ({"messages": user("<video>hi"), "videos": [[frame, str(tmp_path / "f9.png")]]},
+         r"row 7: videos\[0\]\[1\] .*f9.png: cannot be read"),
+        ({"messages": user("<video>hi"), "videos": [[]]},
+         r"row 7: videos\[0\]: an empty list of frames"),
+        ({"messages": [{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": "<video>"}], "videos": [video]},
+         r"row 7: messages\[1\] \(assistant\) holds <video>"),
+    ]
+
+
+def test_bad_video_rows_are_named_before_any_work(vl_folder, tmp_path):
+    from swift_mcore.data.conversations import _refuse_media
+    from swift_mcore.data.multimodal import check_video_family, read_image_row
+    from swift_mcore.errors import ArgumentError
+
+    for row, message in _bad_video_rows(tmp_path):
+        with pytest.raises(ArgumentError, match=message):
+            read_image_row(row, "row 7")
+    video = write_video(tmp_path / "two.mkv", coloured(2))
+    row = {"messages": [{"role": "user", "content": "<video>hi"},
+                        {"role": "assistant", "content": "ok"}], "videos": [video]}
+    item = read_image_row(row, "row 7")
+    check_video_family(item, "qwen2_5_vl")
+    with pytest.raises(ArgumentError, match=r"row 7: videos\[0\]: a video, but videos are "
+                                            r"read for qwen2_5_vl models only, not qwen3_vl"):
+        check_video_family(item, "qwen3_vl")
+    with pytest.raises(ArgumentError, match="row 7: column 'videos' holds videos .*text-only"):
+        _refuse_media(row, "row 7")  # a text model's sft
+    # a video too short for one temporal patch, once sampled
+    one = write_video(tmp_path / "one.mkv", coloured(1))
+    row["videos"] = [one]
+    with pytest.raises(ArgumentError, match=r"row 7: videos\[0\] .*one.mkv: 1 frame\(s\) at 4 "
+                                            r"fps give 0 sampled frames; a video needs at "
+                                            r"least 2"):
+        video_encoder(vl_folder).encode(read_image_row(row, "row 7"))
+
+
+# ---- sft and infer with videos ------------------------------------------------------------
+
+def video_dataset(tmp_path, rows=8, size=16):
+    """rows conversations: even ones a video file, odd ones an image and a frame list."""
+    from PIL import Image
+
+    lines = []
+    for i in range(rows):
+        frames = [np.roll(f, i, axis=1) for f in coloured(4, size, size)]
+        answer = {"role": "assistant", "content": f"def add(a, b): {i % 3}"}
+        if i % 2 == 0:
+            video = write_video(tmp_path / f"v{i}.mkv", frames)
+            lines.append({"messages": [{"role": "user", "content": f"<video>what is {i}?"},
+                                       answer], "videos": [video]})
+        else:
+            paths = []
+            for j, frame in enumerate(frames[:3]):
+                paths.append(str(tmp_path / f"v{i}_{j}.png"))
+                Image.fromarray(frame).save(paths[-1])
+            image = write_image(tmp_path / f"i{i}.png", size, size, seed=i)
+            lines.append({"messages": [{"role": "user", "content": f"<image><video>is {i}?"},
+                                       answer], "images": [image], "videos": [paths]})
+    data = tmp_path / "videos.jsonl"
+    data.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return data
+
+
+def test_sft_with_videos_trains(tmp_path, train_here, vl_folder):
+    """sft on video rows (files and frame lists, with images): finite losses that fall
+    over four steps; a row whose video patches pass --seq_length is named before work."""
+    from run_helpers import losses
+    from test_hf_training import run_flags
+
+    from swift_mcore.errors import ArgumentError
+
+    data = video_dataset(tmp_path)
+    flags = ["--model", vl_folder, "--dataset", data, "--lr", "1e-2", "--min_lr", "1e-2",
+             "--template", "tokenizer", "--no_save", *SMALL_FLAGS]
+    train_here(tmp_path / "out", *flags, "--seq_length", "64", "--train_iters", "4",
+               base=run_flags())
+    first = losses(tmp_path / "out")
+    assert sorted(first) == [1, 2, 3, 4] and all(np.isfinite(list(first.values())))
+    assert first[4] < first[1]
+    # 16x16 frames: 2 temporal patches of 4 merged patches, 8 pads; 48x48 ones: 72 pads
+    big = video_dataset(tmp_path / "big" if (tmp_path / "big").mkdir() is None else None,
+                        rows=1, size=48)
+    with pytest.raises(ArgumentError, match=r"videos.jsonl, row 0: \d+ tokens \(72 of them "
+                                            r"its images' and videos'\), more than "
+                                            r"--seq_length 64"):
+        train_here(tmp_path / "big_out", *flags[:3], big, *flags[4:], "--video_max_pixels",
+                   "4096", "--seq_length", "64", "--train_iters", "1", base=run_flags())
+    assert not (tmp_path / "big_out" / "checkpoint").exists()
+
+
+def test_infer_with_a_video_gives_transformers_greedy_tokens(gloo_group, vl_folder, tmp_path):
+    from transformers import AutoTokenizer
+
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.data.video import patches, read_video_file
+    from swift_mcore.infer import run
+
+    video = write_video(tmp_path / "clip.mkv", coloured(6, 16, 16), fps=4)
+    answer = run(InferArguments(model=str(vl_folder), prompt="what is it?", video=video,
+                                template="tokenizer", max_new_tokens=5, video_min_pixels=64,
+                                video_max_pixels=256).validate())
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(str(vl_folder))
+    # 6 frames at 4 fps, 2 per second: 3 frames, raised to 4 (--fps_min_frames) taken at
+    # 4 / 6 x 4 fps: 0.75 s per temporal patch of 2 frames
+    frames = read_video_file(video, "v", sampling(video_max_pixels=256), 8, 2,
+                             processor.resample)
+    pixels, grid, seconds = patches(frames, processor)
+    assert (grid, seconds) == ((2, 4, 4), pytest.approx(0.75))
+    tokenizer = AutoTokenizer.from_pretrained(str(vl_folder))
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<|vision_start|>" + "<|video_pad|>" * 8
+          + "<|vision_end|>what is it?"}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    hf = transformers_model(vl_folder)
+    new = []
+    with torch.no_grad():
+        for _ in range(5):
+            logits = hf(input_ids=ids, mm_token_type_ids=2 * (ids == VIDEO).int(),
+                        pixel_values_videos=pixels, video_grid_thw=torch.tensor([grid]),
+                        second_per_grid_ts=torch.tensor([seconds])).logits[0, -1, :306]
+            new.append(int(logits.argmax()))
+            ids = torch.cat([ids, torch.tensor([[new[-1]]])], dim=1)
+    expected = tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
+    assert answer and answer == expected.split("<|im_end|>")[0], (answer, expected)
+    from swift_mcore.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="--image and --video: give one"):
+        InferArguments(model=str(vl_folder), prompt="hi", image=video, video=video,
+                       template="tokenizer").validate()
+    with pytest.raises(ArgumentError, match=r"--video .*gone.mp4: cannot be read"):
+        run(InferArguments(model=str(vl_folder), prompt="hi", video=str(tmp_path / "gone.mp4"),
+                           template="tokenizer").validate())
