@@ -21,7 +21,8 @@ targets), each tag written as Qwen2.5-VL's chat template writes it
 (``<|vision_start|><|image_pad|><|vision_end|>``, ``<|video_pad|>`` for a video); the
 folder's image processor decides an image's patches, data/video.py a video's; each pad
 becomes ``t * h * w / merge**2`` pads, as transformers' Qwen2.5-VL processor expands it.
-Qwen3-VL's videos (timestamps in the prompt) are not read yet: refused naming the row.
+Qwen3-VL's videos (timestamps in the prompt) are not read yet: refused naming the row
+(models/vision.py's VIDEO_TYPES).
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ VIDEO_TAG = "<video>"
 # Qwen2.5-VL's tokens around and for an image or a video (its chat template and processor)
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
-# the vision-language families whose videos are read (Qwen3-VL's need its timestamps)
-VIDEO_TYPES = ("qwen2_5_vl",)
 # a batch's video inputs, as the model's forward and transformers' name them
 VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -489,6 +488,8 @@ def check_video_family(item: ImageConversation, model_type: Optional[str]) -> No
     """ArgumentError naming the row and field of a video for a family whose videos are not
     read yet (Qwen3-VL: its processor writes each frame group's timestamp into the
     prompt)."""
+    from ..models.vision import VIDEO_TYPES
+
     if item.videos and model_type not in VIDEO_TYPES:
         raise ArgumentError(f"{item.where}: {item.video_fields[0]}: a video, but videos are "
                             f"read for {', '.join(VIDEO_TYPES)} models only, not "
@@ -502,6 +503,7 @@ def image_prompt(loaded, args):
     import torch
     from transformers import AutoImageProcessor
 
+    from ..models.vision import VIDEO_TYPES
     from .templates import Template
 
     flag = "--image" if args.image is not None else "--video"

@@ -46,6 +46,8 @@ VISION_PREFIX = "visual."
 TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 # the model_types built here (families/qwen2_5_vl.py, qwen3_vl.py, qwen3_vl_moe.py)
 VL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# those whose videos are read (data/multimodal.py; Qwen3-VL's need timestamps in the prompt)
+VIDEO_TYPES = ("qwen2_5_vl",)
 # Qwen3-VL's files name the language model model.language_model.* and the tower
 # model.visual.* (Qwen2.5-VL's: model.* and visual.*)
 NESTED_NAMES = frozenset({"qwen3_vl", "qwen3_vl_moe"})
@@ -470,7 +472,9 @@ def build_vl_model(config, vl: VisionLanguage, tc, spec):
 def precision_inputs(vl: VisionLanguage, tokens: torch.Tensor, generator: torch.Generator
                      ) -> Dict[str, torch.Tensor]:
     """Random ``tokens`` [batch, length] with one random image of 4 merged patches in each
-    row (after two tokens): the inputs export's --test_convert_precision feeds both models."""
+    row (after two tokens) and, for Qwen2.5-VL with room for it, a random video of 2
+    temporal patches of 4 merged patches after the image (1.25 seconds each): the inputs
+    export's --test_convert_precision feeds both models."""
     merge, v = vl.spatial_merge_size, vl.vision_config
     grid = [1, 2 * merge, 2 * merge]
     count = 4
@@ -480,8 +484,19 @@ def precision_inputs(vl: VisionLanguage, tokens: torch.Tensor, generator: torch.
     patch = int(v.get("patch_size", 14))
     width = int(v.get("in_channels", 3)) * int(v.get("temporal_patch_size", 2)) * patch * patch
     pixels = torch.randn(ids.shape[0] * grid[1] * grid[2], width, generator=generator)
-    return {"input_ids": ids, "pixel_values": pixels,
-            "image_grid_thw": torch.tensor([grid] * ids.shape[0])}
+    out = {"input_ids": ids, "pixel_values": pixels,
+           "image_grid_thw": torch.tensor([grid] * ids.shape[0])}
+    video = [2, 2 * merge, 2 * merge]
+    start, frames = 2 + count + 1, 2 * count
+    if vl.model_type in VIDEO_TYPES and vl.video_token_id is not None \
+            and ids.shape[1] >= start + frames + 1:
+        ids[ids == vl.video_token_id] = 0
+        ids[:, start: start + frames] = vl.video_token_id
+        out.update(pixel_values_videos=torch.randn(ids.shape[0] * 2 * grid[1] * grid[2], width,
+                                                   generator=generator),
+                   video_grid_thw=torch.tensor([video] * ids.shape[0]),
+                   second_per_grid_ts=torch.full((ids.shape[0],), 1.25))
+    return out
 
 
 def transformers_model(path: str):
@@ -495,11 +510,14 @@ def transformers_model(path: str):
 @torch.no_grad()
 def compare_logits(model, hf_path: str, vl: VisionLanguage, tokens: torch.Tensor, vocab: int,
                    generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(our logits, transformers') on ``tokens`` with an image in each row."""
+    """(our logits, transformers') on ``tokens`` with an image (and a Qwen2.5-VL video)
+    in each row."""
     inputs = precision_inputs(vl, tokens, generator)
     ours = model.float()(position_ids=None, attention_mask=None, **inputs)[..., :vocab]
-    theirs = transformers_model(hf_path)(
-        **inputs, mm_token_type_ids=(inputs["input_ids"] == vl.image_token_id).int()).logits
+    kinds = (inputs["input_ids"] == vl.image_token_id).int()
+    if "pixel_values_videos" in inputs:
+        kinds += 2 * (inputs["input_ids"] == vl.video_token_id).int()
+    theirs = transformers_model(hf_path)(**inputs, mm_token_type_ids=kinds).logits
     return ours.float().cpu(), theirs.float()
 
 

@@ -166,6 +166,12 @@ def test_video_positions_and_logits_are_transformers(gloo_group, vl_folder):
                       **dict(inputs, pixel_values_videos=videos.flip(0)))[..., :320]
     assert (got - expected).abs().max() <= 1e-4
     assert (other - expected).abs().max() > 1e-2  # the videos are in the model
+    # export's --test_convert_precision feeds a video too
+    tokens = torch.randint(0, 290, (2, 64), generator=torch.Generator().manual_seed(0))
+    assert "pixel_values_videos" in vision.precision_inputs(vl, tokens, torch.Generator())
+    ours, theirs = vision.compare_logits(model, str(vl_folder), vl, tokens, 320,
+                                         torch.Generator().manual_seed(0))
+    assert (ours - theirs).abs().max() <= 1e-4
 
 
 # ---- video rows (data/multimodal.py) ------------------------------------------------------
