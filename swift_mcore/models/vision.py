@@ -26,8 +26,13 @@ Under sequence parallelism the tower (whole on every rank) sees the whole sequen
 images: their features enter the whole embeddings, which are then split along the sequence
 as megatron's embedding splits them; each deepstack layer adds its rank's part.
 
-Not yet here (issue 42): video, context parallelism and pipeline stages for the vision
-tower (RunArguments.check_vision refuses them).
+A Qwen2.5-VL video (``pixel_values_videos``, ``video_grid_thw``) goes through the same
+tower apart from the images; its features replace the video-pad embeddings, and its
+temporal position rows step by ``tokens_per_second * second_per_grid_ts`` per frame group
+(truncated to integers), as transformers' get_rope_index computes them.
+
+Not yet here (issue 42): Qwen3-VL's videos, context parallelism and pipeline stages for
+the vision tower (RunArguments.check_vision refuses them).
 """
 
 from __future__ import annotations
