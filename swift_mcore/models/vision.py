@@ -212,6 +212,10 @@ def rope_index(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
     kinds[input_ids == vl.image_token_id] = 1
     if vl.video_token_id is not None:
         kinds[input_ids == vl.video_token_id] = 2
+    if vl.interleaved and video_grid_thw is not None:
+        # Qwen3-VL: timestamps (text) part a video's frame groups, each its own 1 x h x w
+        video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+        video_grid_thw[:, 0] = 1
     grids = {1: image_grid_thw.tolist() if image_grid_thw is not None else [],
              2: video_grid_thw.tolist() if video_grid_thw is not None else []}
     counts = {k: [t * h * w // vl.spatial_merge_size ** 2 for t, h, w in g]
@@ -384,12 +388,10 @@ def _model_class():
             self._deepstack = None
             if decoder_input is None and self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)
-                if pixel_values_videos is not None:
-                    decoder_input = self._with_videos(input_ids, decoder_input,
-                                                      pixel_values_videos, video_grid_thw)
-                if pixel_values is not None:
-                    decoder_input = self._with_images(input_ids, decoder_input, pixel_values,
-                                                      image_grid_thw)
+                if pixel_values is not None or pixel_values_videos is not None:
+                    decoder_input = self._with_media(input_ids, decoder_input, pixel_values,
+                                                     image_grid_thw, pixel_values_videos,
+                                                     video_grid_thw)
                 if self.config.sequence_parallel:
                     # the embedding leaves the sequence whole (build_vl_model) so that the
                     # image features land at their pads; split as megatron's embedding does
@@ -400,37 +402,50 @@ def _model_class():
             return super().forward(input_ids, position_ids, attention_mask,
                                    decoder_input=decoder_input, labels=labels, **kwargs)
 
-        def _with_videos(self, input_ids, embedded, pixel_values_videos, video_grid_thw):
-            """[sequence, batch, hidden] embeddings with the videos' features at their pads
-            (the tower run on the videos apart from the images, as transformers does)."""
-            if self.vl.interleaved or self.vl.video_token_id is None:
-                raise ValueError(f"videos are read for Qwen2.5-VL only, not "
-                                 f"{self.vl.model_type}")
-            features = self.visual(pixel_values_videos.to(self.config.params_dtype),
-                                   grid_thw=video_grid_thw).pooler_output
-            mask = input_ids == self.vl.video_token_id
-            if int(mask.sum()) != features.shape[0]:
-                raise ValueError(f"{int(mask.sum())} video-pad tokens but {features.shape[0]} "
-                                 f"video features (video_grid_thw {video_grid_thw.tolist()})")
-            rows = embedded.transpose(0, 1).masked_scatter(mask.unsqueeze(-1),
-                                                           features.to(embedded.dtype))
-            return rows.transpose(0, 1).contiguous()
+        def _features(self, pixels, grid_thw, token_id, what, input_ids):
+            """(the tower's features, its deepstack features, the pads' mask) of images or
+            videos (the tower runs on each kind apart, as transformers does)."""
+            if token_id is None:
+                raise ValueError(f"{what}s given, but the model has no {what} token id")
+            out = self.visual(pixels.to(self.config.params_dtype), grid_thw=grid_thw)
+            mask = input_ids == token_id
+            if int(mask.sum()) != out.pooler_output.shape[0]:
+                raise ValueError(f"{int(mask.sum())} {what}-pad tokens but "
+                                 f"{out.pooler_output.shape[0]} {what} features "
+                                 f"({what}_grid_thw {grid_thw.tolist()})")
+            return out.pooler_output, list(getattr(out, "deepstack_features", None) or ()), mask
 
-        def _with_images(self, input_ids, embedded, pixel_values, image_grid_thw):
-            """[sequence, batch, hidden] embeddings with the image features at the pads,
-            in the rows' order (row 0's images first, as transformers fills them)."""
-            out = self.visual(pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw)
-            features = out.pooler_output
-            mask = input_ids == self.vl.image_token_id
-            if int(mask.sum()) != features.shape[0]:
-                raise ValueError(f"{int(mask.sum())} image-pad tokens but {features.shape[0]} "
-                                 f"image features (image_grid_thw {image_grid_thw.tolist()})")
+        def _with_media(self, input_ids, embedded, pixel_values, image_grid_thw,
+                        pixel_values_videos, video_grid_thw):
+            """[sequence, batch, hidden] embeddings with the image and video features at
+            their pads, in the rows' order (row 0's first, as transformers fills them); for
+            Qwen3-VL, the deepstack features of both at their pads together."""
+            parts = []
+            if pixel_values is not None:
+                parts.append(self._features(pixel_values, image_grid_thw,
+                                            self.vl.image_token_id, "image", input_ids))
+            if pixel_values_videos is not None:
+                parts.append(self._features(pixel_values_videos, video_grid_thw,
+                                            self.vl.video_token_id, "video", input_ids))
             rows = embedded.transpose(0, 1)
-            rows = rows.masked_scatter(mask.unsqueeze(-1), features.to(rows.dtype))
+            for features, _, mask in parts:
+                rows = rows.masked_scatter(mask.unsqueeze(-1), features.to(rows.dtype))
             embedded = rows.transpose(0, 1).contiguous()
-            deepstack = list(getattr(out, "deepstack_features", None) or ())
-            if deepstack and torch.is_grad_enabled() and any(
-                    f.requires_grad for f in deepstack):
+            if not parts[0][1]:
+                return embedded
+            mask = parts[0][2] if len(parts) == 1 else parts[0][2] | parts[1][2]
+            if len(parts) == 1:
+                deepstack = parts[0][1]
+            else:  # both kinds: each layer's features at the image or video pads in order
+                deepstack = []
+                for image, video in zip(parts[0][1], parts[1][1]):
+                    joint = image.new_zeros(int(mask.sum()), image.shape[-1])
+                    joint = joint.index_put((torch.nonzero(parts[0][2][mask]).flatten(),),
+                                            image)
+                    joint = joint.index_put((torch.nonzero(parts[1][2][mask]).flatten(),),
+                                            video)
+                    deepstack.append(joint)
+            if torch.is_grad_enabled() and any(f.requires_grad for f in deepstack):
                 # A recomputed layer (--recompute_granularity full) runs its own backward on
                 # what it used: fed the tower's features themselves, that backward would
                 # run through the tower, whose graph the main backward runs through again.
@@ -439,8 +454,7 @@ def _model_class():
                 leaves = [f.detach().requires_grad_(f.requires_grad) for f in deepstack]
                 embedded = _JoinDeepstack.apply(embedded, leaves, *deepstack)
                 deepstack = leaves
-            if deepstack:
-                self._deepstack = (mask, deepstack)
+            self._deepstack = (mask, deepstack)
             return embedded
 
     return VisionLanguageModel

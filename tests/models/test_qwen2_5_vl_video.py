@@ -20,6 +20,7 @@ from test_qwen2_5_vl import (  # noqa: F401  (vl_folder: the module's tiny folde
     vl_folder,
     write_image,
 )
+from test_qwen3_vl import vl3_folder  # noqa: F401  (the tiny Qwen3-VL folder)
 
 # the tiny folder's patches are 4x4 pixels merged 2x2: frame sides are multiples of 8
 SMALL = dict(video_min_pixels=64, video_max_pixels=1024, video_total_pixels=1 << 20)
@@ -406,3 +407,46 @@ def test_infer_with_a_video_gives_transformers_greedy_tokens(gloo_group, vl_fold
     with pytest.raises(ArgumentError, match=r"--video .*gone.mp4: cannot be read"):
         run(InferArguments(model=str(vl_folder), prompt="hi", video=str(tmp_path / "gone.mp4"),
                            template="tokenizer").validate())
+
+
+# ---- Qwen3-VL -----------------------------------------------------------------------------
+
+def test_qwen3_vl_video_positions_and_logits_are_transformers(gloo_group, vl3_folder):
+    """Qwen3-VL: a video's frame groups are parted by timestamp text, each group its own
+    1 x h x w grid; positions equal get_rope_index's and logits (deepstack features at
+    the image and video pads together) within 1e-4 of transformers'."""
+    from test_qwen3_vl import transformers_model as hf3
+
+    from swift_mcore.loaded_model import load_model
+    from swift_mcore.models import vision
+
+    model = load_model(str(vl3_folder), log=lambda line: None).model.eval()
+    vl, hf = model.vl, hf3(vl3_folder)
+    generator = torch.Generator().manual_seed(3)
+    text = lambda n: torch.randint(0, 290, (n,), generator=generator).tolist()  # noqa: E731
+    image_ids, pixels, grids = image_prompt([(1, 2, 4)], seed=3)
+    ids = image_ids[0].tolist()
+    video_grids = torch.tensor([[3, 4, 2], [2, 2, 6]])
+    for t, h, w in video_grids.tolist():
+        for _ in range(t):  # "<0.5 seconds>" then the group's pads
+            ids += text(4) + [302] + [VIDEO] * (h * w // 4) + [303]
+        ids += text(2)
+    ids = torch.tensor([ids])
+    videos = torch.randn(int(video_grids.prod(-1).sum()), 3 * 2 * 4 * 4, generator=generator)
+    kinds = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    theirs, _ = hf.model.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grids,
+                                        video_grid_thw=video_grids)
+    assert torch.equal(vision.rope_index(ids, grids, vl, None, video_grids), theirs)
+    inputs = dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+                  pixel_values_videos=videos, video_grid_thw=video_grids)
+    with torch.no_grad():
+        expected = hf(**inputs, mm_token_type_ids=kinds).logits
+        got = model(position_ids=None, attention_mask=None, **inputs)[..., :320]
+        alone = model(position_ids=None, attention_mask=None,
+                      **dict(inputs, pixel_values=None, image_grid_thw=None,
+                             input_ids=torch.where(ids == IMAGE, 0, ids)))[..., :320]
+        theirs_alone = hf(**dict(inputs, pixel_values=None, image_grid_thw=None,
+                                 input_ids=torch.where(ids == IMAGE, 0, ids)),
+                          mm_token_type_ids=2 * (ids == VIDEO).int()).logits
+    assert (got - expected).abs().max() <= 1e-4
+    assert (alone - theirs_alone).abs().max() <= 1e-4
