@@ -28,8 +28,8 @@ class InferArguments(VideoArguments):
         None, "An image file the user's message shows (before --prompt), for a "
         "vision-language model (Qwen2.5-VL); needs --template (docs/multimodal.md).")
     video: Optional[str] = flag(
-        None, "A video file the user's message shows (before --prompt), for a Qwen2.5-VL "
-        "model: frames sampled and sized as sft samples them (--fps, --video_max_pixels, "
+        None, "A video file the user's message shows (before --prompt), for a Qwen2.5-VL or "
+        "Qwen3-VL model: frames sampled and sized as sft samples them (--fps, --video_max_pixels, "
         "...; docs/multimodal.md); needs --template.")
     max_new_tokens: int = flag(64, "Tokens to generate at most (generation also stops at the "
                                "end-of-document token).")

@@ -30,14 +30,15 @@ class VideoArguments:
     fps_max_frames: Optional[int] = flag(
         None, "Videos: the most frames taken of a video (default 768).", range=POSITIVE)
     video_min_pixels: Optional[int] = flag(
-        None, "Videos: the fewest pixels a frame has (default 128 x 28 x 28).",
+        None, "Videos: the fewest pixels a frame has (default 128 x f x f, f = patch x merge "
+        "size: 28 for Qwen2.5-VL, 32 for Qwen3-VL).",
         range=POSITIVE)
     video_max_pixels: Optional[int] = flag(
-        None, "Videos: the most pixels a frame keeps (default 768 x 28 x 28).",
+        None, "Videos: the most pixels a frame keeps (default 768 x f x f).",
         range=POSITIVE)
     video_total_pixels: Optional[int] = flag(
         None, "Videos: the pixels of all a video's frames together, at most (each frame "
-        "gets its share, not below 1.05 x --video_min_pixels; default 128000 x 28 x 28 x "
+        "gets its share, not below 1.05 x --video_min_pixels; default 128000 x f x f x "
         "0.9).", range=POSITIVE)
 
     def check_video_flags(self) -> None:

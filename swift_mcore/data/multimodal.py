@@ -21,8 +21,8 @@ targets), each tag written as Qwen2.5-VL's chat template writes it
 (``<|vision_start|><|image_pad|><|vision_end|>``, ``<|video_pad|>`` for a video); the
 folder's image processor decides an image's patches, data/video.py a video's; each pad
 becomes ``t * h * w / merge**2`` pads, as transformers' Qwen2.5-VL processor expands it.
-Qwen3-VL's videos (timestamps in the prompt) are not read yet: refused naming the row
-(models/vision.py's VIDEO_TYPES).
+Qwen3-VL writes a video as its processor does: per frame group ``<T seconds>`` then the
+group's ``<|vision_start|><|video_pad|>...<|vision_end|>``.
 """
 
 from __future__ import annotations
@@ -252,8 +252,11 @@ class ImageEncoder:
     and each video frame's normalization) and the video sampling knobs."""
 
     def __init__(self, template, image_processor, loss_on: str = "all",
-                 sampling: Optional[VideoSampling] = None):
+                 sampling: Optional[VideoSampling] = None, timestamps: bool = False):
         self.template = template
+        # Qwen3-VL's: each frame group its own pads, after its time in seconds
+        self.timestamps = timestamps
+        self.last_times: List[List[float]] = []  # the last video_patches' frame group times
         self.image_processor = image_processor
         self.merge = int(image_processor.merge_size)
         self.loss_on = loss_on
@@ -282,7 +285,7 @@ class ImageEncoder:
 
         p = self.image_processor
         factor, temporal = int(p.patch_size) * self.merge, int(p.temporal_patch_size)
-        pixels, grids, seconds = [], [], []
+        pixels, grids, seconds, self.last_times = [], [], [], []
         for video, at in zip(videos, where):
             if isinstance(video, tuple):
                 frames = read_frame_list(video, at, self.sampling, factor, temporal,
@@ -291,6 +294,7 @@ class ImageEncoder:
                 frames = read_video_file(video, f"{at} {video}", self.sampling, factor,
                                          temporal, p.resample)
             one, grid, second = patches(frames, p)
+            self.last_times.append(frames.timestamps(temporal))
             pixels.append(one)
             grids.append(grid)
             seconds.append(second)
@@ -305,13 +309,24 @@ class ImageEncoder:
             if item.videos else None
         return images, videos
 
+    def video_text(self, count: int) -> List[str]:
+        """The text each of the last ``video_patches`` call's ``count`` videos is written
+        as: Qwen2.5-VL's ``<|vision_start|><|video_pad|><|vision_end|>`` (its pad expanded
+        later); Qwen3-VL's ``<T seconds><|vision_start|><|video_pad|><|vision_end|>`` per
+        frame group (its processor's, T to one decimal)."""
+        if not self.timestamps or not count:
+            return [VISION_START + VIDEO_PAD + VISION_END] * count
+        return ["".join(f"<{t:.1f} seconds>" + VISION_START + VIDEO_PAD + VISION_END
+                        for t in times) for times in self.last_times[:count]]
+
     def encode(self, item: ImageConversation) -> EncodedImages:
         from dataclasses import replace
 
+        images, videos = self.media(item)
+        placeholders = iter(self.video_text(len(item.videos)))
         image = VISION_START + IMAGE_PAD + VISION_END
-        video = VISION_START + VIDEO_PAD + VISION_END
-        messages = [{**m, "content": m["content"].replace(IMAGE_TAG, image).replace(
-                        VIDEO_TAG, video)}
+        messages = [{**m, "content": re.sub(re.escape(VIDEO_TAG), lambda _: next(placeholders),
+                                            m["content"].replace(IMAGE_TAG, image))}
                     if isinstance(m.get("content"), str) else m
                     for m in item.conversation.messages]
         samples = self.template.encode_samples(replace(item.conversation, messages=messages))
@@ -321,17 +336,18 @@ class ImageEncoder:
         ids, turns = samples[0]
         trained = turns == turns.max() if self.loss_on == "last_turn" else turns != CONTEXT
         repeat = np.ones(len(ids), dtype=np.int64)
-        images, videos = self.media(item)
-        for pad, pad_id, given, patches in ((IMAGE_PAD, self.pad_id, item.images, images),
-                                            (VIDEO_PAD, self.video_pad_id, item.videos,
-                                             videos)):
+        for pad, pad_id, grids in ((IMAGE_PAD, self.pad_id, images and images[1]),
+                                   (VIDEO_PAD, self.video_pad_id, videos and videos[1])):
+            counts = [] if grids is None else (grids.prod(-1) // self.merge ** 2).tolist()
+            if pad == VIDEO_PAD and self.timestamps and grids is not None:
+                counts = [c // int(t) for c, (t, _, _) in zip(counts, grids.tolist())
+                          for _ in range(int(t))]  # one pad per frame group
             at = np.flatnonzero(ids == pad_id) if pad_id is not None else np.zeros(0, int)
-            if len(at) != len(given):
-                raise ArgumentError(f"{item.where}: {len(at)} {pad} tokens for "
-                                    f"{len(given)} {'images' if pad == IMAGE_PAD else 'videos'}"
-                                    f" (does the text itself hold {pad}?)")
-            if patches is not None:
-                repeat[at] = (patches[1].prod(-1) // self.merge ** 2).tolist()
+            if len(at) != len(counts):
+                raise ArgumentError(f"{item.where}: {len(at)} {pad} tokens where "
+                                    f"{len(counts)} were written (does the text itself hold "
+                                    f"{pad}?)")
+            repeat[at] = counts
         return EncodedImages(np.repeat(ids, repeat).astype(np.int32),
                              np.repeat(trained, repeat), *(images or (None, None)),
                              *(videos or (None, None, None)))
@@ -415,8 +431,7 @@ def build_image_sft_datasets(config, tokenizer, log=print):
     vision-language --model: every row read and every image and video checked first, then
     encoded (the folder's image processor decides an image's patches, data/video.py a
     video's). A sample longer than --seq_length with its images' and videos' tokens is an
-    error naming its row (they cannot be cut); so is a video for a family whose videos
-    are not read (VIDEO_TYPES)."""
+    error naming its row (they cannot be cut)."""
     from transformers import AutoImageProcessor
 
     from ..arguments.sft import column_map
@@ -431,12 +446,13 @@ def build_image_sft_datasets(config, tokenizer, log=print):
     train_rows = read_image_conversations(config.dataset_sources, columns, "--dataset")
     val_rows = (read_image_conversations(config.val_dataset_sources, columns, "--val_dataset")
                 if config.val_dataset_sources else None)
-    for item in train_rows + (val_rows or []):
-        check_video_family(item, config.model.model_type)
     sizes = {k: getattr(s, k) for k in ("min_pixels", "max_pixels") if getattr(s, k)}
     processor = AutoImageProcessor.from_pretrained(config.model.model, local_files_only=True,
                                                    **sizes)
-    encoder = ImageEncoder(template, processor, s.loss_on, VideoSampling.from_args(s))
+    from ..models.vision import TIMESTAMP_TYPES
+
+    encoder = ImageEncoder(template, processor, s.loss_on, VideoSampling.from_args(s),
+                           timestamps=config.model.model_type in TIMESTAMP_TYPES)
 
     def encode(rows):
         parts, media, at = [], {}, 0
@@ -484,18 +500,6 @@ def build_image_sft_datasets(config, tokenizer, log=print):
     return dataset(train, media, "train"), dataset(valid, val_media, "valid"), None
 
 
-def check_video_family(item: ImageConversation, model_type: Optional[str]) -> None:
-    """ArgumentError naming the row and field of a video for a family whose videos are not
-    read yet (Qwen3-VL: its processor writes each frame group's timestamp into the
-    prompt)."""
-    from ..models.vision import VIDEO_TYPES
-
-    if item.videos and model_type not in VIDEO_TYPES:
-        raise ArgumentError(f"{item.where}: {item.video_fields[0]}: a video, but videos are "
-                            f"read for {', '.join(VIDEO_TYPES)} models only, not "
-                            f"{model_type} yet (give its frames as images)")
-
-
 def image_prompt(loaded, args):
     """`infer --image` / `--video`: (prompt ids, logits function, end marker, template) of
     a user message showing the image or the video (sampled as --fps, ... say), for a
@@ -503,7 +507,7 @@ def image_prompt(loaded, args):
     import torch
     from transformers import AutoImageProcessor
 
-    from ..models.vision import VIDEO_TYPES
+    from ..models.vision import TIMESTAMP_TYPES
     from .templates import Template
 
     flag = "--image" if args.image is not None else "--video"
@@ -511,30 +515,31 @@ def image_prompt(loaded, args):
         raise ArgumentError(f"{flag}: --model {args.model} is a text model; it needs a "
                             f"vision-language model (a Qwen2.5-VL or Qwen3-VL folder, or its "
                             f"checkpoint)")
-    if flag == "--video" and loaded.config.model.model_type not in VIDEO_TYPES:
-        raise ArgumentError(f"--video: videos are read for {', '.join(VIDEO_TYPES)} models "
-                            f"only, not {loaded.config.model.model_type} yet")
     if loaded.hf_folder is None:
         raise ArgumentError(f"{flag}: the image processor of --model {args.model} is not "
                             f"known (its Hugging Face folder is gone)")
     template = Template(args.template, loaded.tokenizer, system=args.system)
     encoder = ImageEncoder(template, AutoImageProcessor.from_pretrained(
-        loaded.hf_folder, local_files_only=True), sampling=VideoSampling.from_args(args))
+        loaded.hf_folder, local_files_only=True), sampling=VideoSampling.from_args(args),
+        timestamps=loaded.config.model.model_type in TIMESTAMP_TYPES)
     path = os.path.expanduser(args.image if flag == "--image" else args.video)
-    pad = IMAGE_PAD if flag == "--image" else VIDEO_PAD
-    ids = template.prompt([{"role": "user", "content": VISION_START + pad + VISION_END
-                            + args.prompt}])
     if flag == "--image":
         pixels, grid = encoder.patches([path])
         inputs = {"pixel_values": pixels, "image_grid_thw": grid}
-        pad_id = encoder.pad_id
+        shown, pad_id = VISION_START + IMAGE_PAD + VISION_END, encoder.pad_id
+        counts = [int(grid.prod(-1).sum()) // encoder.merge ** 2]
     else:
         pixels, grid, seconds = encoder.video_patches([path], [f"--video {args.video}"])
         inputs = dict(zip(VIDEO_INPUTS, (pixels, grid, seconds)))
-        pad_id = encoder.video_pad_id
-    count = int(grid.prod(-1).sum()) // encoder.merge ** 2
-    at = ids.index(pad_id)
-    ids = ids[:at] + [pad_id] * count + ids[at + 1:]
+        shown, pad_id = encoder.video_text(1)[0], encoder.video_pad_id
+        t, h, w = grid[0].tolist()
+        counts = [t * h * w // encoder.merge ** 2] if not encoder.timestamps else \
+            [h * w // encoder.merge ** 2] * t
+    ids = template.prompt([{"role": "user", "content": shown + args.prompt}])
+    repeat = [1] * len(ids)
+    for at, count in zip([i for i, t in enumerate(ids) if t == pad_id], counts):
+        repeat[at] = count
+    ids = [t for t, n in zip(ids, repeat) for _ in range(n)]
 
     @torch.no_grad()
     def logits(tokens):

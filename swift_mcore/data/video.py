@@ -11,9 +11,13 @@ frames taken are ``round(linspace(0, total - 1, n))``. The sampled frames' rate,
 repeated up to a multiple of temporal_patch_size) at ``--fps``.
 
 Resizing (qwen_vl_utils' fetch_video): each frame keeps its aspect, its sides become
-multiples of patch_size x merge_size and its pixels lie within ``--video_min_pixels`` and
-``max(min(--video_max_pixels, --video_total_pixels / n * temporal_patch_size),
-1.05 * --video_min_pixels)`` (smart_resize). Frames are resized with the image
+multiples of factor = patch_size x merge_size and its pixels lie within
+``--video_min_pixels`` and ``max(min(--video_max_pixels, --video_total_pixels / n *
+temporal_patch_size), 1.05 * --video_min_pixels)`` (smart_resize); by default 128, 768 and
+115,200 merged patches' pixels (128 x 28 x 28 ... for Qwen2.5-VL, x 32 x 32 for Qwen3-VL).
+
+Qwen3-VL's prompt gives each frame group its time: the mean of its first and last frames'
+``index / video_fps`` (a frame list's frames are 0, 1, ... at --fps). Frames are resized with the image
 processor's resampling filter (PIL's bicubic; transformers' and qwen_vl_utils' readers use
 torchvision's antialiased bicubic on tensors, which differs from PIL's by rounding) and
 normalized by the image processor itself, so a video whose frames are one still image has
@@ -38,14 +42,13 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ..errors import ArgumentError
 
-# qwen_vl_utils' defaults (Qwen2.5-VL's: 28 = patch 14 x merge 2), which ms-swift reads
-# from the environment under these names upper-cased
+# qwen_vl_utils' defaults, which ms-swift reads from the environment under these names
+# upper-cased; the pixel ones count merged patches of factor x factor pixels (factor = patch
+# x merge: 28 for Qwen2.5-VL, 32 for Qwen3-VL)
 DEFAULT_FPS = 2.0
 DEFAULT_MIN_FRAMES = 4
 DEFAULT_MAX_FRAMES = 768
-DEFAULT_MIN_PIXELS = 128 * 28 * 28
-DEFAULT_MAX_PIXELS = 768 * 28 * 28
-DEFAULT_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
+MIN_TOKENS, MAX_TOKENS, TOTAL_TOKENS = 128, 768, 128000 * 0.9
 MAX_RATIO = 200  # the longest side over the shortest, as smart_resize allows
 
 # a video: a file's path, or its frames as image paths
@@ -59,9 +62,17 @@ class VideoSampling:
     fps: float = DEFAULT_FPS
     fps_min_frames: int = DEFAULT_MIN_FRAMES
     fps_max_frames: int = DEFAULT_MAX_FRAMES
-    video_min_pixels: int = DEFAULT_MIN_PIXELS
-    video_max_pixels: int = DEFAULT_MAX_PIXELS
-    video_total_pixels: int = DEFAULT_TOTAL_PIXELS
+    # None: MIN_TOKENS (MAX_TOKENS, TOTAL_TOKENS) x factor x factor pixels
+    video_min_pixels: Optional[int] = None
+    video_max_pixels: Optional[int] = None
+    video_total_pixels: Optional[int] = None
+
+    def pixels(self, factor: int) -> Tuple[int, int, int]:
+        """(min, max, total) pixels of a video for merged patches of ``factor`` pixels."""
+        area = factor * factor
+        return (self.video_min_pixels or MIN_TOKENS * area,
+                self.video_max_pixels or MAX_TOKENS * area,
+                self.video_total_pixels or int(TOTAL_TOKENS * area))
 
     @classmethod
     def from_args(cls, args: Any) -> "VideoSampling":
@@ -125,9 +136,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 def frame_size(height: int, width: int, n: int, sampling: VideoSampling, factor: int,
                temporal: int, where: str) -> Tuple[int, int]:
     """The size every one of ``n`` sampled frames is resized to (module docstring)."""
-    most = max(min(sampling.video_max_pixels, sampling.video_total_pixels / n * temporal),
-               int(sampling.video_min_pixels * 1.05))
-    return smart_resize(height, width, factor, sampling.video_min_pixels, most, where)
+    low, high, total = sampling.pixels(factor)
+    most = max(min(high, total / n * temporal), int(low * 1.05))
+    return smart_resize(height, width, factor, low, most, where)
 
 
 @dataclass
@@ -136,6 +147,15 @@ class Frames:
 
     images: List[Any]   # PIL RGB images, all one size
     sample_fps: float
+    indices: List[int]  # which frames of the video they are
+    video_fps: float    # the video's frame rate (a frame list's: --fps)
+
+    def timestamps(self, temporal: int) -> List[float]:
+        """Each frame group's time in seconds: the mean of its first and last frames'
+        (Qwen3-VL's processor writes them into the prompt)."""
+        times = [i / self.video_fps for i in self.indices]
+        return [(times[i] + times[i + temporal - 1]) / 2
+                for i in range(0, len(times), temporal)]
 
 
 def _resized(image, size: Tuple[int, int], resample):
@@ -180,7 +200,7 @@ def read_video_file(path: str, where: str, sampling: VideoSampling, factor: int,
     if len(images) < n:
         raise ArgumentError(f"{where}: decodes to {index + 1} frame(s), its header counts "
                             f"{info.frames}")
-    return Frames(images, n / info.frames * info.fps)
+    return Frames(images, n / info.frames * info.fps, wanted, info.fps)
 
 
 def read_frame_list(paths: Sequence[str], where: str, sampling: VideoSampling, factor: int,
@@ -197,7 +217,8 @@ def read_frame_list(paths: Sequence[str], where: str, sampling: VideoSampling, f
     n = _ceil(len(frames), temporal)
     frames += [frames[-1]] * (n - len(frames))
     size = frame_size(height, width, n, sampling, factor, temporal, where)
-    return Frames([_resized(f, size, resample) for f in frames], sampling.fps)
+    return Frames([_resized(f, size, resample) for f in frames], sampling.fps, list(range(n)),
+                  sampling.fps)
 
 
 def patches(frames: Frames, image_processor) -> Tuple[Any, Tuple[int, int, int], float]:

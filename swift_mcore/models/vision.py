@@ -31,8 +31,13 @@ tower apart from the images; its features replace the video-pad embeddings, and 
 temporal position rows step by ``tokens_per_second * second_per_grid_ts`` per frame group
 (truncated to integers), as transformers' get_rope_index computes them.
 
-Not yet here (issue 42): Qwen3-VL's videos, context parallelism and pipeline stages for
-the vision tower (RunArguments.check_vision refuses them).
+Qwen3-VL's videos: timestamps (text) part a video's frame groups, so each group is its own
+``1 x h x w`` grid in the positions (as transformers' get_rope_index splits
+``video_grid_thw``), and the deepstack features of the images and videos are added at
+their pads together, in the sequence's order.
+
+Not yet here (issue 42): context parallelism and pipeline stages for the vision tower
+(RunArguments.check_vision refuses them).
 """
 
 from __future__ import annotations
@@ -51,8 +56,8 @@ VISION_PREFIX = "visual."
 TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 # the model_types built here (families/qwen2_5_vl.py, qwen3_vl.py, qwen3_vl_moe.py)
 VL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-# those whose videos are read (data/multimodal.py; Qwen3-VL's need timestamps in the prompt)
-VIDEO_TYPES = ("qwen2_5_vl",)
+# those whose prompts give each video frame group its time (data/multimodal.py)
+TIMESTAMP_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # Qwen3-VL's files name the language model model.language_model.* and the tower
 # model.visual.* (Qwen2.5-VL's: model.* and visual.*)
 NESTED_NAMES = frozenset({"qwen3_vl", "qwen3_vl_moe"})
@@ -491,7 +496,8 @@ def build_vl_model(config, vl: VisionLanguage, tc, spec):
 def precision_inputs(vl: VisionLanguage, tokens: torch.Tensor, generator: torch.Generator
                      ) -> Dict[str, torch.Tensor]:
     """Random ``tokens`` [batch, length] with one random image of 4 merged patches in each
-    row (after two tokens) and, for Qwen2.5-VL with room for it, a random video of 2
+    row (after two tokens) and, for Qwen2.5-VL with room for it (Qwen3-VL's frame groups
+    would need timestamps between them), a random video of 2
     temporal patches of 4 merged patches after the image (1.25 seconds each): the inputs
     export's --test_convert_precision feeds both models."""
     merge, v = vl.spatial_merge_size, vl.vision_config
@@ -507,7 +513,7 @@ def precision_inputs(vl: VisionLanguage, tokens: torch.Tensor, generator: torch.
            "image_grid_thw": torch.tensor([grid] * ids.shape[0])}
     video = [2, 2 * merge, 2 * merge]
     start, frames = 2 + count + 1, 2 * count
-    if vl.model_type in VIDEO_TYPES and vl.video_token_id is not None \
+    if vl.model_type not in TIMESTAMP_TYPES and vl.video_token_id is not None \
             and ids.shape[1] >= start + frames + 1:
         ids[ids == vl.video_token_id] = 0
         ids[:, start: start + frames] = vl.video_token_id

@@ -1,8 +1,8 @@
-"""Qwen2.5-VL videos (data/video.py, data/multimodal.py, models/vision.py): frames read with
-PyAV and sampled by qwen_vl_utils' rule, patches equal to transformers' image processor's
-on a still video, 3-D positions and logits equal to transformers' with
-pixel_values_videos, rows in both formats, bad videos named before any work, sft and
-infer with a video."""
+"""Qwen2.5-VL and Qwen3-VL videos (data/video.py, data/multimodal.py, models/vision.py):
+frames read with PyAV and sampled by qwen_vl_utils' rule, patches equal to transformers'
+image processor's on a still video, 3-D positions and logits equal to transformers' with
+pixel_values_videos, rows in both formats (Qwen3-VL's with its processor's timestamps),
+bad videos named before any work, sft and infer with a video."""
 
 import json
 
@@ -115,7 +115,8 @@ def test_a_still_video_has_the_image_processors_patches(vl_folder, tmp_path):
             assert torch.equal(ours, reference["pixel_values"])
     # distinct frames: each patch holds its two frames, first then second
     frames = coloured(2)
-    ours, grid, seconds = patches(Frames([Image.fromarray(f) for f in frames], 2.0), processor)
+    ours, grid, seconds = patches(Frames([Image.fromarray(f) for f in frames], 2.0, [0, 1], 2.0),
+                                  processor)
     alone = [processor(images=[Image.fromarray(f)], return_tensors="pt")["pixel_values"]
              for f in frames]
     half = alone[0].shape[1] // 2  # [C, temporal, p, p]: per channel, frame 0 then 1
@@ -284,7 +285,7 @@ def _bad_video_rows(tmp_path):
 
 def test_bad_video_rows_are_named_before_any_work(vl_folder, tmp_path):
     from swift_mcore.data.conversations import _refuse_media
-    from swift_mcore.data.multimodal import check_video_family, read_image_row
+    from swift_mcore.data.multimodal import read_image_row
     from swift_mcore.errors import ArgumentError
 
     for row, message in _bad_video_rows(tmp_path):
@@ -293,11 +294,6 @@ def test_bad_video_rows_are_named_before_any_work(vl_folder, tmp_path):
     video = write_video(tmp_path / "two.mkv", coloured(2))
     row = {"messages": [{"role": "user", "content": "<video>hi"},
                         {"role": "assistant", "content": "ok"}], "videos": [video]}
-    item = read_image_row(row, "row 7")
-    check_video_family(item, "qwen2_5_vl")
-    with pytest.raises(ArgumentError, match=r"row 7: videos\[0\]: a video, but videos are "
-                                            r"read for qwen2_5_vl models only, not qwen3_vl"):
-        check_video_family(item, "qwen3_vl")
     with pytest.raises(ArgumentError, match="row 7: column 'videos' holds videos .*text-only"):
         _refuse_media(row, "row 7")  # a text model's sft
     # a video too short for one temporal patch, once sampled
@@ -450,3 +446,43 @@ def test_qwen3_vl_video_positions_and_logits_are_transformers(gloo_group, vl3_fo
                           mm_token_type_ids=2 * (ids == VIDEO).int()).logits
     assert (got - expected).abs().max() <= 1e-4
     assert (alone - theirs_alone).abs().max() <= 1e-4
+    # a row with a video, encoded as Qwen3-VL's processor writes it: "<T seconds>" before
+    # each frame group's pads; the sample gives transformers' logits
+    from types import SimpleNamespace
+
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from swift_mcore.data.multimodal import ImageEncoder, read_image_row
+
+    frames = coloured(10, 16, 16)
+    video = write_video(vl3_folder.parent / "clip.mkv", frames, fps=4)
+    row = {"messages": [{"role": "user", "content": "<video> what?"},
+                        {"role": "assistant", "content": "ok"}], "videos": [video]}
+    encoder = ImageEncoder(encoder_for(vl3_folder).template,
+                           AutoImageProcessor.from_pretrained(str(vl3_folder)),
+                           sampling=sampling(), timestamps=True)
+    sample = encoder.encode(read_image_row(row, "row 0"))
+    assert sample.video_grid_thw.tolist() == [[2, 4, 4]]  # frames 0, 3, 6, 9 of 16 x 16
+    processor = SimpleNamespace(
+        video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+        vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+        video_token="<|video_pad|>",
+        _calculate_timestamps=lambda *a: Qwen3VLProcessor._calculate_timestamps(None, *a))
+    shown = Qwen3VLProcessor.replace_video_token(processor, {
+        "video_grid_thw": sample.video_grid_thw,
+        "video_metadata": [VideoMetadata(total_num_frames=10, fps=4.0,
+                                         frames_indices=[0, 3, 6, 9])]}, 0)
+    assert shown.startswith("<0.4 seconds><|vision_start|><|video_pad|>")  # (0 + 3) / 2 / 4
+    tokenizer = AutoTokenizer.from_pretrained(str(vl3_folder))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": shown + " what?"},
+                                          row["messages"][1]], tokenize=False)
+    assert sample.ids.tolist() == tokenizer.encode(text, add_special_tokens=False)
+    ids = torch.from_numpy(sample.ids).long()[None]
+    inputs = dict(input_ids=ids, pixel_values_videos=sample.pixel_values_videos,
+                  video_grid_thw=sample.video_grid_thw)
+    with torch.no_grad():
+        expected = hf(**inputs, mm_token_type_ids=2 * (ids == VIDEO).int()).logits
+        got = model(position_ids=None, attention_mask=None, **inputs)[..., :320]
+    assert (got - expected).abs().max() <= 1e-4
