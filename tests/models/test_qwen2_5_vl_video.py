@@ -158,6 +158,16 @@ def test_video_positions_and_logits_are_transformers(gloo_group, vl_folder):
     assert torch.equal(ours, theirs)
     # the seconds matter: 1 s per temporal patch (transformers' default) gives others
     assert not torch.equal(ours, vision.rope_index(ids, grids, vl, None, video_grids))
+    # packed after it, a sample's positions (its video's too) are those it has alone
+    second, _, grids2, _, videos2 = video_prompt([(2, 2, 2)], seed=5)
+    n1, n2 = ids.shape[1], second.shape[1]
+    packed = vision.rope_index(torch.cat([ids, second], 1), torch.cat([grids, grids2]), vl,
+                               torch.cat([torch.arange(n1), torch.arange(n2)])[None],
+                               torch.cat([video_grids, videos2]),
+                               torch.cat([seconds, torch.tensor([0.75])]))
+    assert torch.equal(packed[:, :, :n1], ours)
+    assert torch.equal(packed[:, :, n1:], vision.rope_index(second, grids2, vl, None, videos2,
+                                                            torch.tensor([0.75])))
     inputs = dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
                   pixel_values_videos=videos, video_grid_thw=video_grids,
                   second_per_grid_ts=seconds)
@@ -357,6 +367,23 @@ def test_sft_with_videos_trains(tmp_path, train_here, vl_folder):
         train_here(tmp_path / "big_out", *flags[:3], big, *flags[4:], "--video_max_pixels",
                    "4096", "--seq_length", "64", "--train_iters", "1", base=run_flags())
     assert not (tmp_path / "big_out" / "checkpoint").exists()
+
+
+@pytest.mark.benchmark
+def test_sft_with_videos_resumes_exactly(tmp_path, train_here, vl_folder):
+    """Resumed from step 2, steps 3 and 4 log what the straight run logged (the videos are
+    decoded again per sample, deterministically; images' resume is in the suite)."""
+    from run_helpers import losses
+    from test_hf_training import run_flags
+
+    flags = ["--model", vl_folder, "--dataset", video_dataset(tmp_path), "--lr", "1e-2",
+             "--min_lr", "1e-2", "--template", "tokenizer", "--seq_length", "64",
+             "--train_iters", "4", *SMALL_FLAGS]
+    train_here(tmp_path / "out", *flags, "--save_steps", "2", base=run_flags())
+    train_here(tmp_path / "resumed", *flags, "--no_save", "--resume",
+               tmp_path / "out" / "checkpoint" / "iter_0000002", base=run_flags())
+    first = losses(tmp_path / "out")
+    assert losses(tmp_path / "resumed") == {3: first[3], 4: first[4]}
 
 
 def test_infer_with_a_video_gives_transformers_greedy_tokens(gloo_group, vl_folder, tmp_path):
