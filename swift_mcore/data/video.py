@@ -8,7 +8,9 @@ a multiple of the tower's temporal_patch_size), cut to ``min(--fps_max_frames, t
 frames taken are ``round(linspace(0, total - 1, n))``. The sampled frames' rate,
 ``n / total * video_fps``, gives transformers' ``second_per_grid_ts``
 (``temporal_patch_size / rate``). A list of frame images is taken whole (its last frame
-repeated up to a multiple of temporal_patch_size) at ``--fps``.
+repeated up to a multiple of temporal_patch_size) at ``--fps``, and sized by the video
+limits below (qwen_vl_utils sizes each by the image limits): a frame list and the video
+file of the same frames give the same patches.
 
 Resizing (qwen_vl_utils' fetch_video): each frame keeps its aspect, its sides become
 multiples of factor = patch_size x merge_size and its pixels lie within
@@ -16,12 +18,13 @@ multiples of factor = patch_size x merge_size and its pixels lie within
 temporal_patch_size), 1.05 * --video_min_pixels)`` (smart_resize); by default 128, 768 and
 115,200 merged patches' pixels (128 x 28 x 28 ... for Qwen2.5-VL, x 32 x 32 for Qwen3-VL).
 
+Frames are resized with the image processor's resampling filter (PIL's bicubic;
+transformers' and qwen_vl_utils' readers use torchvision's antialiased bicubic on tensors,
+which differs from PIL's by rounding) and normalized by the image processor itself, so a
+video whose frames are one still image has that image's patches.
+
 Qwen3-VL's prompt gives each frame group its time: the mean of its first and last frames'
-``index / video_fps`` (a frame list's frames are 0, 1, ... at --fps). Frames are resized with the image
-processor's resampling filter (PIL's bicubic; transformers' and qwen_vl_utils' readers use
-torchvision's antialiased bicubic on tensors, which differs from PIL's by rounding) and
-normalized by the image processor itself, so a video whose frames are one still image has
-that image's patches.
+``index / video_fps`` (a frame list's frames are 0, 1, ... at --fps).
 
 Patches: ``t = n / temporal_patch_size`` groups of consecutive frames, each patch holding
 its group's frames side by side (the layout of transformers' Qwen2-VL video processor);
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError
 
@@ -50,10 +53,6 @@ DEFAULT_MIN_FRAMES = 4
 DEFAULT_MAX_FRAMES = 768
 MIN_TOKENS, MAX_TOKENS, TOTAL_TOKENS = 128, 768, 128000 * 0.9
 MAX_RATIO = 200  # the longest side over the shortest, as smart_resize allows
-
-# a video: a file's path, or its frames as image paths
-VideoRef = Union[str, Tuple[str, ...]]
-
 
 @dataclass(frozen=True)
 class VideoSampling:
