@@ -225,8 +225,9 @@ def rope_index(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
              2: video_grid_thw.tolist() if video_grid_thw is not None else []}
     counts = {k: [t * h * w // vl.spatial_merge_size ** 2 for t, h, w in g]
               for k, g in grids.items()}
-    if second_per_grid_ts is None:
-        second_per_grid_ts = torch.ones(len(grids[2]))
+    # on the CPU, as the positions are built (the batch may sit on the GPU)
+    second_per_grid_ts = torch.ones(len(grids[2])) if second_per_grid_ts is None \
+        else second_per_grid_ts.detach().cpu()
     taken = {1: 0, 2: 0}
     names = {1: "image", 2: "video"}
     for b in range(batch):
