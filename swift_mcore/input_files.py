@@ -202,6 +202,8 @@ def check_video(path: str, where: str) -> VideoInfo:
                     if frames > MAX_VIDEO_FRAMES:
                         raise ArgumentError(f"{where}: more than {MAX_VIDEO_FRAMES} frames "
                                             f"(cut it shorter)")
+    except ArgumentError:
+        raise
     except (av.error.FFmpegError, UnicodeDecodeError, ValueError):
         raise ArgumentError(f"{where}: not a video PyAV can read") from None
     if frames == 0:

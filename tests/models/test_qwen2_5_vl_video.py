@@ -293,7 +293,8 @@ def _bad_video_rows(tmp_path):
     ]
 
 
-def test_bad_video_rows_are_named_before_any_work(vl_folder, tmp_path):
+def test_bad_video_rows_are_named_before_any_work(vl_folder, tmp_path, monkeypatch):
+    from swift_mcore import input_files
     from swift_mcore.data.conversations import _refuse_media
     from swift_mcore.data.multimodal import read_image_row
     from swift_mcore.errors import ArgumentError
@@ -301,6 +302,19 @@ def test_bad_video_rows_are_named_before_any_work(vl_folder, tmp_path):
     for row, message in _bad_video_rows(tmp_path):
         with pytest.raises(ArgumentError, match=message):
             read_image_row(row, "row 7")
+    # the bounds, checked before any frame is decoded (lowered here to this 4-frame video)
+    row = {"messages": [{"role": "user", "content": "<video>hi"},
+                        {"role": "assistant", "content": "ok"}],
+           "videos": [str(tmp_path / "ok.mkv")]}
+    for name, value, message in (
+            ("MAX_VIDEO_FRAMES", 3, r"ok.mkv: more than 3 frames \(cut it shorter\)"),
+            ("MAX_VIDEO_BYTES", 100, r"ok.mkv: \d+ bytes, more than a video may have"),
+            ("MAX_IMAGE_PIXELS", 100, r"ok.mkv: frames of 24x16 pixels, more than 100")):
+        with monkeypatch.context() as patch:
+            patch.setattr(input_files, name, value)
+            with pytest.raises(ArgumentError, match=r"row 7: videos\[0\] .*" + message):
+                read_image_row(row, "row 7")
+    read_image_row(row, "row 7")
     video = write_video(tmp_path / "two.mkv", coloured(2))
     row = {"messages": [{"role": "user", "content": "<video>hi"},
                         {"role": "assistant", "content": "ok"}], "videos": [video]}
