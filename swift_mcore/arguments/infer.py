@@ -12,7 +12,7 @@ from .sft import TEMPLATES, VideoArguments
 
 
 @dataclass
-class InferArguments(VideoArguments):
+class _Infer:
     model: Optional[str] = flag(
         None, "A Hugging Face model folder, or a swift-mcore checkpoint (an iter_NNNNNNN "
         "folder, the checkpoint folder holding latest_checkpointed_iteration.txt, or a run's "
@@ -46,6 +46,12 @@ class InferArguments(VideoArguments):
         "tokenizer_config.json or config.json); without it a folder that needs its code is "
         "refused. Read that code first: it runs with your permissions. Model code is never "
         "run (the model is built from config.json).")
+
+
+@dataclass
+class InferArguments(VideoArguments, _Infer):
+    """infer's flags: the model's and the sampling's (first), then the videos' (dataclasses
+    order the fields of the last base first)."""
 
     def validate(self) -> "InferArguments":
         """Check every flag before any model is built; raises ArgumentError naming it."""

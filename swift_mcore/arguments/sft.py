@@ -52,7 +52,7 @@ class VideoArguments:
 
 
 @dataclass
-class SftDataArguments(VideoArguments):
+class _SftData:
     template: str = flag(
         "auto", "How a conversation becomes tokens: 'tokenizer' (its chat template), 'chatml' "
         "or 'plain' (built in), or 'auto': the tokenizer's template when it has one, else "
@@ -101,6 +101,12 @@ class SftDataArguments(VideoArguments):
     split_dataset_ratio: float = flag(
         0.0, "Hold out this fraction of --dataset for validation (a fixed draw from --seed).",
         range=FRACTION)
+
+
+@dataclass
+class SftDataArguments(VideoArguments, _SftData):
+    """sft's data flags: the conversations' (first) and the videos' (dataclasses order the
+    fields of the last base first)."""
 
 
 @dataclass
