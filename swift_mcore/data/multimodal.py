@@ -189,13 +189,16 @@ class ImageEncoder:
                                 f"{IMAGE_PAD} / {VISION_START} token: not a Qwen2.5-VL or "
                                 f"Qwen3-VL tokenizer")
 
-    def patches(self, paths: Sequence[str]):
-        """(pixel_values, image_grid_thw) of images read from ``paths``."""
-        images = [load_image(p, p) for p in paths]
+    def patches(self, paths: Sequence[str], pictures=None):
+        """(pixel_values, image_grid_thw) of images read from ``paths``, or of the PIL
+        ``pictures`` given already read (the token cache reads each file's bytes once, to
+        hash what it encodes)."""
+        images = pictures if pictures is not None else [load_image(p, p) for p in paths]
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
-    def encode(self, item: ImageConversation) -> EncodedImages:
+    def encode(self, item: ImageConversation, pictures=None) -> EncodedImages:
+        """``pictures``: the item's images already read (PIL), else read from its paths."""
         from dataclasses import replace
 
         placeholder = VISION_START + IMAGE_PAD + VISION_END
@@ -214,7 +217,7 @@ class ImageEncoder:
                                 f"{len(item.images)} images (does the text itself hold "
                                 f"{IMAGE_PAD}?)")
         if item.images:
-            pixels, grids = self.patches(item.images)
+            pixels, grids = self.patches(item.images, pictures)
             counts = (grids.prod(-1) // self.merge ** 2).tolist()
         else:
             pixels, grids, counts = None, None, []
@@ -250,20 +253,20 @@ def _sft_dataset_class():
     from .sft_datasets import SftDataset
 
     class ImageSftDataset(SftDataset):
-        """SftDataset rows with their images: the patches are made again per item (by the
-        image processor, deterministically), so memory holds no pixels between steps."""
+        """SftDataset rows with their images: the patches are made again per item from the
+        image files (by the image processor, deterministically; image_cache checks each
+        file is the one the tokens were made for), so memory holds no pixels between
+        steps."""
 
-        def __init__(self, encoded, rows, images: Dict[int, Tuple[str, ...]], encoder,
-                     *args, **kwargs):
+        def __init__(self, encoded, rows, images, *args, **kwargs):
             super().__init__(encoded, rows, *args, **kwargs)
-            self.images = images        # sample start offset -> its image paths
-            self.encoder = encoder
+            self.images = images        # image_cache.CachedImages of the stored samples
 
         def __getitem__(self, row: int) -> Dict[str, Any]:
             item = super().__getitem__(row)
-            paths = [p for k in self.conversations(row)
-                     for p in self.images.get(int(self.encoded.starts[k]), ())]
-            item["pixels"] = self.encoder.patches(paths) if paths else None
+            item["pixels"] = self.images.patches(
+                [self.images.index(int(self.encoded.starts[k]))
+                 for k in self.conversations(row)])
             return item
 
         def collate(self, rows: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -279,73 +282,63 @@ def _sft_dataset_class():
     return ImageSftDataset
 
 
-def build_image_sft_datasets(config, tokenizer, log=print):
+def build_image_sft_datasets(config, tokenizer, log=print, on_cache=lambda event: None):
     """(train, valid, None) datasets of image conversations for a vision-language --model:
-    every row read and every image checked first, then encoded (the folder's image
-    processor decides the patches). A sample longer than --seq_length with its images'
+    the rows tokenized once into the token cache (image_cache; every row read and every
+    image checked first when it is built; ``on_cache`` hears "built" or "reused"), or read
+    from a --cached_dataset folder. A sample longer than --seq_length with its images'
     tokens is an error naming its row (images cannot be cut)."""
-    from transformers import AutoImageProcessor
-
     from ..arguments.sft import column_map
-    from .sft_datasets import _flat, sft_fingerprint, split
-    from .templates import Template
+    from .image_cache import (cached_image_tokens, check_lengths, image_encoder,
+                              load_image_sft_dataset)
+    from .sft_datasets import sft_fingerprint, split
+    from .token_cache import pack_plan
 
     s, seq = config.sft, config.model.seq_length
-    template = Template(s.template, tokenizer, system=s.system,
-                        train_separator=s.train_separator,
-                        ignore_empty_think=s.ignore_empty_think)
+    encoder = image_encoder(config, tokenizer)
+    template = encoder.template
     columns = column_map(s.columns)
-    train_rows = read_image_conversations(config.dataset_sources, columns, "--dataset")
-    val_rows = (read_image_conversations(config.val_dataset_sources, columns, "--val_dataset")
-                if config.val_dataset_sources else None)
-    sizes = {k: getattr(s, k) for k in ("min_pixels", "max_pixels") if getattr(s, k)}
-    processor = AutoImageProcessor.from_pretrained(config.model.model, local_files_only=True,
-                                                   **sizes)
-    encoder = ImageEncoder(template, processor, s.loss_on)
-
-    def encode(rows):
-        parts, images, at = [], {}, 0
-        for item in rows:
-            sample = encoder.encode(item)
-            if len(sample.ids) > seq:
-                image_tokens = 0 if sample.image_grid_thw is None else int(
-                    (sample.image_grid_thw.prod(-1) // encoder.merge ** 2).sum())
-                raise ArgumentError(
-                    f"{item.where}: {len(sample.ids)} tokens ({image_tokens} of them its "
-                    f"images'), more than --seq_length {seq} (images are not cut); raise "
-                    f"--seq_length or give smaller images")
-            if item.images:
-                images[at] = item.images
-            parts.append((sample.ids, sample.targets))
-            at += len(sample.ids)
-        return _flat(parts), images
-
-    train, images = encode(train_rows)
-    valid, val_images = encode(val_rows) if val_rows is not None else (None, {})
+    if s.cached_dataset:
+        train = load_image_sft_dataset(s.cached_dataset, encoder, columns)[0]
+    else:
+        train = cached_image_tokens(config.dataset_sources, columns, "--dataset", encoder,
+                                    on_event=on_cache)
+    valid = (cached_image_tokens(config.val_dataset_sources, columns, "--val_dataset",
+                                 encoder, on_event=on_cache)
+             if config.val_dataset_sources else None)
+    for images in (train, valid):
+        if images is not None:
+            check_lengths(images, seq)
+    train_encoded = train.tokenized.encoded
+    valid_encoded, val_images = (valid.tokenized.encoded, valid) if valid else (None, None)
     if s.split_dataset_ratio:
-        train, valid = split(train, s.split_dataset_ratio, config.training.seed)
-        val_images = images
-    log(f"sft data: {len(train)} image conversations (template: {template.describe()})")
+        train_encoded, valid_encoded = split(train_encoded, s.split_dataset_ratio,
+                                             config.training.seed)
+        val_images = train
+    log(f"sft data: {len(train_encoded)} image conversations (template: "
+        f"{template.describe()})")
     fingerprint = sft_fingerprint(config, tokenizer, template)
     pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
 
-    def dataset(encoded, paths, name):
+    def dataset(encoded, images, name):
         if encoded is None:
             return None
         if s.packing:
-            from .token_cache import cached_pack_plan
-
-            rows = cached_pack_plan(encoded.positions(), seq)
+            # a --cached_dataset folder's stored plan, when it has one for these samples
+            rows = pack_plan(encoded.positions(), seq,
+                             s.cached_dataset if name == "train" else None,
+                             on_event=lambda event: on_cache(f"packing {event}"))
         else:
             n = len(encoded)
             rows = (np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
         # --sequence_parallel splits each row over the TP ranks: widths pad to a multiple
         pad_multiple = (config.parallel.tensor_model_parallel_size
                         if config.parallel.sequence_parallel else 1)
-        return _sft_dataset_class()(encoded, rows, paths, encoder, seq, pad_id, s.packing,
+        return _sft_dataset_class()(encoded, rows, images, seq, pad_id, s.packing,
                                     False, f"{fingerprint}:{name}", pad_multiple)
 
-    return dataset(train, images, "train"), dataset(valid, val_images, "valid"), None
+    return (dataset(train_encoded, train, "train"),
+            dataset(valid_encoded, val_images, "valid"), None)
 
 
 def image_prompt(loaded, args):
