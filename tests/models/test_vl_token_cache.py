@@ -32,7 +32,7 @@ def sft_config(folder, **flags):
 
 
 def build(config):
-    from swift_mcore.data.multimodal import build_image_sft_datasets
+    from swift_mcore.data.image_sft import build_image_sft_datasets
     from swift_mcore.data.tokenizer import build_tokenizer
 
     events, logs = [], []
