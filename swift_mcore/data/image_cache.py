@@ -16,8 +16,9 @@ all); each image's sha256, size and mtime are stored instead, and checked twice:
   conversation files may be gone);
 - at load, the bytes read for the patches are hashed before they are decoded: an image
   whose bytes changed while its size and mtime stayed is refused, naming the row and the
-  image, and its patch grid must be the stored one. A changed image is never trained with
-  the tokens of the old one.
+  image, and the cache's folder is set aside so that the next start encodes the rows again
+  (a --cached_dataset folder is refused); its patch grid must be the stored one. A changed
+  image is never trained with the tokens of the old one.
 
 Paths are stored absolute. A relative image path is resolved from the directory the run
 starts in, which the cache then records: started elsewhere, the folder is rebuilt. Images
@@ -240,8 +241,12 @@ class CachedImages:
     """The stored image samples' images: a sample's patches made again from its images'
     bytes, checked against the stored sha256 and grid before they are used."""
 
-    def __init__(self, tokenized, arrays, meta: dict, encoder, flag: str):
+    def __init__(self, tokenized, arrays, meta: dict, encoder, flag: str,
+                 cache_folder: Optional[str] = None):
+        """``cache_folder``: the token cache's folder these arrays are mapped from (None
+        for a --cached_dataset folder, which is the user's and never discarded)."""
         self.tokenized, self.arrays, self.encoder, self.flag = tokenized, arrays, encoder, flag
+        self.cache_folder = cache_folder
         self.starts = np.asarray(tokenized.encoded.starts)
         self.sources = list(meta["sources"])
         self.first_rows = np.cumsum([0] + list(meta["rows"]))
@@ -254,6 +259,21 @@ class CachedImages:
     def index(self, start: int) -> int:
         """The sample whose tokens start at ``start`` (samples are never cut)."""
         return int(np.searchsorted(self.starts, start))
+
+    def discard(self) -> str:
+        """What to do about stored tokens found stale: the cache's folder is set aside (its
+        file's size and mtime did not move, so the next start could not tell); a prepared
+        folder is the user's to prepare again."""
+        if self.cache_folder is None:
+            return ("prepare the --cached_dataset folder again with `swift-mcore preprocess "
+                    "sft`, or restore the image")
+        from .array_cache import _set_aside
+
+        try:
+            _set_aside(self.cache_folder)
+        except OSError:  # another process set it aside first
+            pass
+        return "its cached tokens are discarded: start the run again to encode it anew"
 
     def image_tokens(self, k: int) -> int:
         a = self.arrays
@@ -281,10 +301,8 @@ class CachedImages:
                     at = f"{self.where(k)}: images[{i - lo}] {path}"
                     data = read_image_bytes(path, at)[0]
                 if hashlib.sha256(data).digest() != a["digests"][i].tobytes():
-                    raise ArgumentError(
-                        f"{at}: changed since its tokens were stored (its sha256 differs); "
-                        f"restart the run to encode it again (a --cached_dataset folder: "
-                        f"prepare it again with `swift-mcore preprocess sft`)")
+                    raise ArgumentError(f"{at}: changed since its tokens were stored (its "
+                                        f"sha256 differs); {self.discard()}")
                 pictures.append(picture(data, at))
                 grids.append(a["grids"][i])
         if not pictures:
@@ -301,17 +319,19 @@ def cached_image_tokens(sources, columns, flag: str, encoder,
                         on_event: Callable[[str], None] = lambda event: None) -> CachedImages:
     """The image samples of ``sources`` from the token cache, encoded into it first when
     missing, or when an image changed since (``on_event`` hears "built" or "reused")."""
-    from .array_cache import cached_arrays
+    from .array_cache import cache_folder, cached_arrays
     from .sources import content_fingerprint
     from .token_cache import _tokenized
 
     identity = image_identity(content_fingerprint(sources), encoder, columns)
+    key = json.dumps(identity, sort_keys=True)
     arrays, meta = cached_arrays(
-        "sft-images", json.dumps(identity, sort_keys=True), IMAGE_SCHEMA,
+        "sft-images", key, IMAGE_SCHEMA,
         _build(sources, columns, flag, encoder, identity),
         check=_check(encoder.template.tokenizer.vocab_size, encoder.merge, True),
         on_event=on_event)
-    return CachedImages(_tokenized(arrays, meta), arrays, meta, encoder, flag)
+    return CachedImages(_tokenized(arrays, meta), arrays, meta, encoder, flag,
+                        cache_folder("sft-images", key))
 
 
 def write_image_sft_dataset(folder: str, sources, columns, encoder) -> dict:

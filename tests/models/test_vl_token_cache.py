@@ -149,12 +149,13 @@ def test_a_changed_image_is_never_served_stale(cache, tmp_path, vl_folder, caplo
     assert os.path.getsize(image) == stat.st_size
     with pytest.raises(ArgumentError, match=r"--dataset .*rows.jsonl, row 0: images\[0\] "
                                             r".*a.bmp: changed since its tokens were stored "
-                                            r"\(its sha256 differs\); restart the run"):
+                                            r"\(its sha256 differs\); its cached tokens are "
+                                            r"discarded: start the run again"):
         train[0]
-    train, _, events = build(config)  # size and mtime alike: only the load can tell
-    assert events == ["reused"]
-    with pytest.raises(ArgumentError, match="changed since its tokens were stored"):
-        train[0]
+    train, _, events = build(config)  # the next start encodes it again
+    assert events == ["built"]
+    assert_rows_equal_in_memory(train, in_memory(vl_folder, [row]))
+    Image.fromarray(np.full((16, 16, 3), 90, np.uint8)).save(image)
     os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10 ** 9))
     caplog.clear()
     train, _, events = build(config)
@@ -166,6 +167,24 @@ def test_a_changed_image_is_never_served_stale(cache, tmp_path, vl_folder, caplo
     os.remove(image)  # gone: rebuilt, and the rebuild names the row
     with pytest.raises(ArgumentError, match=r"rows.jsonl, row 0: images\[0\] .*a.bmp"):
         build(config)
+
+
+def test_relative_image_paths_are_those_of_the_start_directory(cache, tmp_path, vl_folder,
+                                                              monkeypatch):
+    """The same rows naming img.png, started from two directories with another img.png
+    each: each start encodes its own directory's image."""
+    row = {"messages": [{"role": "user", "content": "<image>what?"},
+                        {"role": "assistant", "content": "def f(): 1"}], "images": ["img.png"]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    config = sft_config(vl_folder, dataset=[str(data)])
+    for name, size in (("a", 16), ("b", 32), ("a", 16)):
+        (tmp_path / name).mkdir(exist_ok=True)
+        write_image(tmp_path / name / "img.png", size, size)
+        monkeypatch.chdir(tmp_path / name)
+        train, _, events = build(config)
+        assert events == ["built"]
+        assert_rows_equal_in_memory(train, in_memory(vl_folder, [row]))
 
 
 def test_a_tampered_image_cache_runs_no_code(cache, tmp_path, vl_folder):
