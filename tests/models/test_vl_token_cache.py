@@ -263,3 +263,42 @@ def test_preprocess_sft_with_images_trains_as_the_raw_files(cache, tmp_path, vl_
                                             r".*img0_2.png changed since it was stored .*"
                                             r"the images must stay where they were"):
         build(prepared_config)
+
+
+SHARED = """
+import json, sys
+from swift_mcore.arguments import SftArguments
+from swift_mcore.data.image_sft import build_image_sft_datasets
+from swift_mcore.data.tokenizer import build_tokenizer
+from swift_mcore.run_config import resolve
+config = resolve(SftArguments.from_flags(model=sys.argv[1], dataset=[sys.argv[2]],
+                                         seq_length=64, template="tokenizer"),
+                 world_size=1, cuda=False)
+events = []
+train, _, _ = build_image_sft_datasets(config, build_tokenizer(config), log=lambda s: None,
+                                       on_cache=events.append)
+print(json.dumps({"events": events, "rows": [
+    {k: v.tolist() for k, v in train.collate([train[r]]).items()} for r in range(len(train))]}))
+"""
+
+
+@pytest.mark.benchmark  # two interpreters importing transformers: over a minute here
+def test_two_processes_share_one_build(cache, tmp_path, vl_folder):
+    """Ranks starting together: one encodes the rows while the other waits, then maps them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = image_dataset(tmp_path, rows=24)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED, str(vl_folder), str(data)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(e for r in results for e in r["events"]) == ["built", "reused"]
+    assert results[0]["rows"] == results[1]["rows"] and len(results[0]["rows"]) == 24
+    assert len([p for p in os.listdir(cache / "sft-images") if not p.startswith(".")]) == 1
