@@ -182,8 +182,8 @@ def changed_image(arrays) -> Optional[str]:
         path = _path(arrays, int(i))
         try:
             st = os.stat(path)
-        except OSError as err:
-            return f"its image {path} cannot be read ({err.strerror})"
+        except (OSError, ValueError) as err:  # ValueError: a NUL in a tampered path
+            return f"its image {path!r} cannot be read ({getattr(err, 'strerror', err)})"
         if (st.st_size, st.st_mtime_ns) == tuple(stamps[i]):
             continue
         if path not in seen:
@@ -299,6 +299,9 @@ class CachedImages:
                 else:
                     path = _path(a, i)
                     at = f"{self.where(k)}: images[{i - lo}] {path}"
+                    if "\0" in path:
+                        raise ArgumentError(f"{at}: a stored path holds a NUL byte (a "
+                                            f"damaged cache: remove it)")
                     data = read_image_bytes(path, at)[0]
                 if hashlib.sha256(data).digest() != a["digests"][i].tobytes():
                     raise ArgumentError(f"{at}: changed since its tokens were stored (its "

@@ -117,6 +117,9 @@ def test_image_rows_are_encoded_once_as_in_memory_and_reused(cache, tmp_path, vl
         packed, _, events = build(sft_config(vl_folder, dataset=[str(data)], packing=True,
                                              seq_length=160))
         assert events == ["reused", "packing built"]
+        _, valid, events = build(sft_config(vl_folder, dataset=[str(data)],
+                                            val_dataset=[str(data)]))
+        assert events == ["reused", "reused"] and rows_of(valid) == first
     # packing lays the same rows end to end, their images' patches in row order
     assert len(packed) < len(train)
     assert sum(len(r["tokens"][0]) for r in rows_of(packed)) == sum(
