@@ -1,4 +1,5 @@
-"""Image conversations tokenized once: token ids (image pads expanded), targets, and per image its file, sha256 and patch grid; the patches are made again from the files when a row is loaded.
+"""Image conversations tokenized once: ids with image pads expanded, targets, and each image's
+file, sha256 and patch grid (not its pixels, made again from the file when a row is loaded).
 
 The arrays live in the token cache (array_cache, kind ``sft-images``) keyed like text sft's
 samples (the conversation files' content, the tokenizer, the template, --loss_on,

@@ -1,4 +1,5 @@
-"""Finetuning datasets of image conversations: the rows' stored tokens (image_cache) laid into sft rows, each row's image patches made again when it is loaded."""
+"""sft datasets of image conversations: the stored rows (image_cache) split, packed and
+batched, each row's image patches made again when it is loaded."""
 
 from __future__ import annotations
 
