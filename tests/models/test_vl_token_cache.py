@@ -131,6 +131,25 @@ def test_image_rows_are_encoded_once_as_in_memory_and_reused(cache, tmp_path, vl
     assert rows_of(smaller) != first
 
 
+def test_the_key_holds_every_setting_of_the_image_processor(vl_folder):
+    """Means, stds, patch and merge sizes of the folder's preprocessor_config.json, and
+    --max_pixels / --min_pixels, each name another cache folder."""
+    from transformers import AutoImageProcessor
+
+    from swift_mcore.data.image_cache import processor_identity
+
+    def identity(**changed):
+        return processor_identity(AutoImageProcessor.from_pretrained(str(vl_folder),
+                                                                     **changed))
+
+    base = identity()
+    assert identity() == base
+    for changed in ({"image_mean": [0.5, 0.5, 0.5]}, {"image_std": [0.2, 0.2, 0.2]},
+                    {"patch_size": 2}, {"merge_size": 4}, {"max_pixels": 256},
+                    {"min_pixels": 16}):
+        assert identity(**changed) != base, changed
+
+
 def test_a_changed_image_is_never_served_stale(cache, tmp_path, vl_folder, caplog):
     """An image whose bytes change under the same size and mtime is refused when its row is
     loaded; one whose mtime moved is hashed at start and the cache rebuilt for it; one only
