@@ -231,7 +231,7 @@ def preprocess_sft(config) -> dict:
         from .data.image_cache import image_encoder, write_image_sft_dataset
 
         write_image_sft_dataset(folder, list(config.dataset_sources), column_map(s.columns),
-                                image_encoder(config, tokenizer))
+                                image_encoder(config, tokenizer), s.dataset_num_proc)
     else:
         write_sft_dataset(folder, list(config.dataset_sources), column_map(s.columns),
                           template, s.loss_on, s.dataset_num_proc)

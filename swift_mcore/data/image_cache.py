@@ -103,47 +103,89 @@ def picture(data: bytes, where: str):
 
 # ---- building ----------------------------------------------------------------------------
 
-def _build(sources, columns, flag: str, encoder, identity: dict, absolute_only: bool = False):
+# Conversations per task sent to a worker: the same chunks whatever the worker count.
+IMAGE_CHUNK = 32
+
+
+def _encode_row(item, encoder):
+    """(ids, targets, images) of one row; per image (its path or inline bytes, inline?,
+    grid, sha256, (size, mtime_ns), relative path?). Each file is read once: the bytes
+    hashed are the bytes encoded."""
+    from .multimodal import BASE64_IMAGE
+
+    read = [read_image_bytes(ref, f"{item.where}: images[{i}] {ref:.80}")
+            for i, ref in enumerate(item.images)]
+    sample = encoder.encode(item, [picture(data, f"{item.where}: images[{i}]")
+                                   for i, (data, _) in enumerate(read)])
+    grids = [] if sample.image_grid_thw is None else sample.image_grid_thw.tolist()
+    images = []
+    for ref, (data, stamp), grid in zip(item.images, read, grids):
+        inline = bool(BASE64_IMAGE.match(ref))
+        name = data if inline else os.path.abspath(ref).encode("utf-8", "surrogateescape")
+        images.append((name, inline, grid, hashlib.sha256(data).digest(), stamp,
+                       not inline and not os.path.isabs(ref)))
+    return sample.ids, sample.targets, images
+
+
+_image_worker: dict = {}
+
+
+def _init_image_worker(encoder) -> None:
+    _image_worker["encoder"] = encoder
+
+
+def _encode_image_chunk(items):
+    return [_encode_row(item, _image_worker["encoder"]) for item in items]
+
+
+def _encoded_rows(items, encoder, num_proc: int):
+    """Per row of ``items``, _encode_row's result, in order: in this process, or in
+    ``num_proc`` forked workers (the same results for any count)."""
+    from .worker_pool import forked_pool, in_order
+
+    chunks = (items[i:i + IMAGE_CHUNK] for i in range(0, len(items), IMAGE_CHUNK))
+    if num_proc <= 1:
+        for chunk in chunks:
+            yield from (_encode_row(item, encoder) for item in chunk)
+        return
+    with forked_pool(num_proc, _init_image_worker, (encoder,)) as pool:
+        for _, rows in in_order(pool, _encode_image_chunk, ((None, c) for c in chunks),
+                                num_proc):
+            yield from rows
+
+
+def _build(sources, columns, flag: str, encoder, identity: dict, num_proc: int = 1,
+           absolute_only: bool = False):
     def build(job) -> dict:
         from tqdm import tqdm
 
-        from .multimodal import BASE64_IMAGE, read_image_conversations
+        from .multimodal import read_image_conversations
 
         per_source = [read_image_conversations([s], columns, flag) for s in sources]
+        items = [item for rows in per_source for item in rows]
         w = {name: job.writer(name) for name in IMAGE_SCHEMA}
         for name in ("offsets", "image_offsets", "ref_offsets"):
             w[name].append(np.zeros(1, np.int64))
         ends = {"offsets": 0, "image_offsets": 0, "ref_offsets": 0}
         relative = False
-        bar = tqdm(total=sum(map(len, per_source)), desc="encoding image conversations",
-                   unit="conv", disable=None, leave=False)
+        bar = tqdm(total=len(items), desc="encoding image conversations", unit="conv",
+                   disable=None, leave=False)
         try:
-            for item in (item for rows in per_source for item in rows):
-                read = [read_image_bytes(ref, f"{item.where}: images[{i}] {ref:.80}")
-                        for i, ref in enumerate(item.images)]
-                sample = encoder.encode(item, [picture(data, f"{item.where}: images[{i}]")
-                                               for i, (data, _) in enumerate(read)])
-                w["ids"].append(sample.ids)
-                w["targets"].append(sample.targets)
-                w["answers"].append(np.asarray([int(sample.targets[1:].sum())], np.int64))
-                for name, size in (("offsets", len(sample.ids)),
-                                   ("image_offsets", len(item.images))):
+            for ids, targets, images in _encoded_rows(items, encoder, num_proc):
+                w["ids"].append(ids)
+                w["targets"].append(targets)
+                w["answers"].append(np.asarray([int(targets[1:].sum())], np.int64))
+                for name, size in (("offsets", len(ids)), ("image_offsets", len(images))):
                     ends[name] += size
                     w[name].append(np.asarray([ends[name]], np.int64))
-                for ref, (data, stamp), grid in zip(
-                        item.images, read, () if sample.image_grid_thw is None
-                        else sample.image_grid_thw.tolist()):
-                    inline = bool(BASE64_IMAGE.match(ref))
-                    relative |= not inline and not os.path.isabs(ref)
-                    name = data if inline else os.path.abspath(ref).encode(
-                        "utf-8", "surrogateescape")
+                for name, inline, grid, digest, stamp, is_relative in images:
+                    relative |= is_relative
                     w["refs"].append(np.frombuffer(name, np.uint8))
                     ends["ref_offsets"] += len(name)
                     w["ref_offsets"].append(np.asarray([ends["ref_offsets"]], np.int64))
                     w["inline"].append(np.asarray([inline]))
                     w["grids"].append(np.asarray([grid], np.int64))
-                    w["digests"].append(np.frombuffer(hashlib.sha256(data).digest(),
-                                                      np.uint8)[None])
+                    w["digests"].append(np.frombuffer(digest, np.uint8)[None])
                     w["stamps"].append(np.asarray([stamp], np.int64))
                 bar.update(1)
         finally:
@@ -151,8 +193,8 @@ def _build(sources, columns, flag: str, encoder, identity: dict, absolute_only: 
         for name, inner in (("grids", 3), ("digests", 32), ("stamps", 2)):
             if w[name].inner is None:  # no image at all: still a 2-D array of its width
                 w[name].append(np.zeros((0, inner), np.dtype(IMAGE_SCHEMA[name][0])))
-        return {"conversations": int(sum(map(len, per_source))), "split": 0,
-                "identity": identity, "sources": [s.path for s in sources],
+        return {"conversations": len(items), "split": 0, "identity": identity,
+                "sources": [s.path for s in sources],
                 "rows": [len(rows) for rows in per_source],
                 "cwd": os.getcwd() if relative and not absolute_only else None}
 
@@ -319,10 +361,11 @@ class CachedImages:
         return pixels, made
 
 
-def cached_image_tokens(sources, columns, flag: str, encoder,
+def cached_image_tokens(sources, columns, flag: str, encoder, num_proc: int = 1,
                         on_event: Callable[[str], None] = lambda event: None) -> CachedImages:
-    """The image samples of ``sources`` from the token cache, encoded into it first when
-    missing, or when an image changed since (``on_event`` hears "built" or "reused")."""
+    """The image samples of ``sources`` from the token cache, encoded into it first (in
+    ``num_proc`` worker processes) when missing, or when an image changed since
+    (``on_event`` hears "built" or "reused")."""
     from .array_cache import cache_folder, cached_arrays
     from .sources import content_fingerprint
     from .token_cache import _tokenized
@@ -331,14 +374,14 @@ def cached_image_tokens(sources, columns, flag: str, encoder,
     key = json.dumps(identity, sort_keys=True)
     arrays, meta = cached_arrays(
         "sft-images", key, IMAGE_SCHEMA,
-        _build(sources, columns, flag, encoder, identity),
+        _build(sources, columns, flag, encoder, identity, num_proc),
         check=_check(encoder.template.tokenizer.vocab_size, encoder.merge, True),
         on_event=on_event)
     return CachedImages(_tokenized(arrays, meta), arrays, meta, encoder, flag,
                         cache_folder("sft-images", key))
 
 
-def write_image_sft_dataset(folder: str, sources, columns, encoder) -> dict:
+def write_image_sft_dataset(folder: str, sources, columns, encoder, num_proc: int = 1) -> dict:
     """The image samples of ``sources`` written to ``folder`` (which must not exist): what
     `swift-mcore preprocess sft` writes for a vision-language --model. Images stay in their
     files, recorded by absolute path and sha256."""
@@ -347,7 +390,8 @@ def write_image_sft_dataset(folder: str, sources, columns, encoder) -> dict:
 
     identity = image_identity(content_fingerprint(sources), encoder, columns)
     build_folder(folder, json.dumps(identity, sort_keys=True), IMAGE_SCHEMA,
-                 _build(sources, columns, "--dataset", encoder, identity, absolute_only=True))
+                 _build(sources, columns, "--dataset", encoder, identity, num_proc,
+                        absolute_only=True))
     return identity
 
 

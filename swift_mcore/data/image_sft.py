@@ -61,9 +61,9 @@ def build_image_sft_datasets(config, tokenizer, log=print, on_cache=lambda event
         train = load_image_sft_dataset(s.cached_dataset, encoder, columns)[0]
     else:
         train = cached_image_tokens(config.dataset_sources, columns, "--dataset", encoder,
-                                    on_event=on_cache)
+                                    s.dataset_num_proc, on_event=on_cache)
     valid = (cached_image_tokens(config.val_dataset_sources, columns, "--val_dataset",
-                                 encoder, on_event=on_cache)
+                                 encoder, s.dataset_num_proc, on_event=on_cache)
              if config.val_dataset_sources else None)
     for images in (train, valid):
         if images is not None:

@@ -124,6 +124,15 @@ def test_image_rows_are_encoded_once_as_in_memory_and_reused(cache, tmp_path, vl
     assert len(packed) < len(train)
     assert sum(len(r["tokens"][0]) for r in rows_of(packed)) == sum(
         len(r["tokens"][0]) for r in first)
+    # Worker processes encode the same arrays (in chunks of IMAGE_CHUNK rows).
+    import shutil
+
+    from swift_mcore.data import image_cache
+
+    monkeypatch.setattr(image_cache, "IMAGE_CHUNK", 2)
+    shutil.rmtree(cache / "sft-images")
+    two, _, events = build(sft_config(vl_folder, dataset=[str(data)], dataset_num_proc=2))
+    assert events == ["built"] and rows_of(two) == first
     # Another --max_pixels is another image processor: encoded anew, with its grids.
     smaller, _, events = build(sft_config(vl_folder, dataset=[str(data)], max_pixels=256))
     assert events == ["built"]
