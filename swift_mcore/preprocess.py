@@ -241,7 +241,8 @@ def preprocess_sft(config) -> dict:
     images = shapes["grids"]["shape"][0] if "grids" in shapes else None
     flags = [f"--{name} {value}" for name, value in (
         ("tokenizer", config.data.tokenizer), ("model", config.model.model),
-        ("template", s.template if s.template != "auto" else None)) if value]
+        ("template", s.template if s.template != "auto" else None),
+        ("max_pixels", s.max_pixels), ("min_pixels", s.min_pixels)) if value]
     return {"folder": folder, "conversations": manifest["meta"]["conversations"],
             "samples": shapes["answers"]["shape"][0], "tokens": shapes["ids"]["shape"][0],
             "template": template.describe(), "flags": " ".join(flags), "packed": packed,
