@@ -189,13 +189,16 @@ class ImageEncoder:
                                 f"{IMAGE_PAD} / {VISION_START} token: not a Qwen2.5-VL or "
                                 f"Qwen3-VL tokenizer")
 
-    def patches(self, paths: Sequence[str]):
-        """(pixel_values, image_grid_thw) of images read from ``paths``."""
-        images = [load_image(p, p) for p in paths]
+    def patches(self, paths: Sequence[str], pictures=None):
+        """(pixel_values, image_grid_thw) of images read from ``paths``, or of the PIL
+        ``pictures`` given already read (the token cache reads each file's bytes once, to
+        hash what it encodes)."""
+        images = pictures if pictures is not None else [load_image(p, p) for p in paths]
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
-    def encode(self, item: ImageConversation) -> EncodedImages:
+    def encode(self, item: ImageConversation, pictures=None) -> EncodedImages:
+        """``pictures``: the item's images already read (PIL), else read from its paths."""
         from dataclasses import replace
 
         placeholder = VISION_START + IMAGE_PAD + VISION_END
@@ -214,7 +217,7 @@ class ImageEncoder:
                                 f"{len(item.images)} images (does the text itself hold "
                                 f"{IMAGE_PAD}?)")
         if item.images:
-            pixels, grids = self.patches(item.images)
+            pixels, grids = self.patches(item.images, pictures)
             counts = (grids.prod(-1) // self.merge ** 2).tolist()
         else:
             pixels, grids, counts = None, None, []
@@ -224,7 +227,7 @@ class ImageEncoder:
                              np.repeat(trained, repeat), pixels, grids)
 
 
-# ---- finetuning datasets ------------------------------------------------------------------
+# ---- rows of files ------------------------------------------------------------------------
 
 def read_image_conversations(sources, columns: Dict[str, str], flag: str
                              ) -> List[ImageConversation]:
@@ -244,108 +247,6 @@ def read_image_conversations(sources, columns: Dict[str, str], flag: str
         if len(out) == before:
             raise ArgumentError(f"{flag} {source.path}: is empty (no rows)")
     return out
-
-
-def _sft_dataset_class():
-    from .sft_datasets import SftDataset
-
-    class ImageSftDataset(SftDataset):
-        """SftDataset rows with their images: the patches are made again per item (by the
-        image processor, deterministically), so memory holds no pixels between steps."""
-
-        def __init__(self, encoded, rows, images: Dict[int, Tuple[str, ...]], encoder,
-                     *args, **kwargs):
-            super().__init__(encoded, rows, *args, **kwargs)
-            self.images = images        # sample start offset -> its image paths
-            self.encoder = encoder
-
-        def __getitem__(self, row: int) -> Dict[str, Any]:
-            item = super().__getitem__(row)
-            paths = [p for k in self.conversations(row)
-                     for p in self.images.get(int(self.encoded.starts[k]), ())]
-            item["pixels"] = self.encoder.patches(paths) if paths else None
-            return item
-
-        def collate(self, rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-            import torch
-
-            batch = super().collate(rows)
-            pixels = [r["pixels"] for r in rows if r["pixels"] is not None]
-            if pixels:
-                batch["pixel_values"] = torch.cat([p[0] for p in pixels])
-                batch["image_grid_thw"] = torch.cat([p[1] for p in pixels])
-            return batch
-
-    return ImageSftDataset
-
-
-def build_image_sft_datasets(config, tokenizer, log=print):
-    """(train, valid, None) datasets of image conversations for a vision-language --model:
-    every row read and every image checked first, then encoded (the folder's image
-    processor decides the patches). A sample longer than --seq_length with its images'
-    tokens is an error naming its row (images cannot be cut)."""
-    from transformers import AutoImageProcessor
-
-    from ..arguments.sft import column_map
-    from .sft_datasets import _flat, sft_fingerprint, split
-    from .templates import Template
-
-    s, seq = config.sft, config.model.seq_length
-    template = Template(s.template, tokenizer, system=s.system,
-                        train_separator=s.train_separator,
-                        ignore_empty_think=s.ignore_empty_think)
-    columns = column_map(s.columns)
-    train_rows = read_image_conversations(config.dataset_sources, columns, "--dataset")
-    val_rows = (read_image_conversations(config.val_dataset_sources, columns, "--val_dataset")
-                if config.val_dataset_sources else None)
-    sizes = {k: getattr(s, k) for k in ("min_pixels", "max_pixels") if getattr(s, k)}
-    processor = AutoImageProcessor.from_pretrained(config.model.model, local_files_only=True,
-                                                   **sizes)
-    encoder = ImageEncoder(template, processor, s.loss_on)
-
-    def encode(rows):
-        parts, images, at = [], {}, 0
-        for item in rows:
-            sample = encoder.encode(item)
-            if len(sample.ids) > seq:
-                image_tokens = 0 if sample.image_grid_thw is None else int(
-                    (sample.image_grid_thw.prod(-1) // encoder.merge ** 2).sum())
-                raise ArgumentError(
-                    f"{item.where}: {len(sample.ids)} tokens ({image_tokens} of them its "
-                    f"images'), more than --seq_length {seq} (images are not cut); raise "
-                    f"--seq_length or give smaller images")
-            if item.images:
-                images[at] = item.images
-            parts.append((sample.ids, sample.targets))
-            at += len(sample.ids)
-        return _flat(parts), images
-
-    train, images = encode(train_rows)
-    valid, val_images = encode(val_rows) if val_rows is not None else (None, {})
-    if s.split_dataset_ratio:
-        train, valid = split(train, s.split_dataset_ratio, config.training.seed)
-        val_images = images
-    log(f"sft data: {len(train)} image conversations (template: {template.describe()})")
-    fingerprint = sft_fingerprint(config, tokenizer, template)
-    pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
-
-    def dataset(encoded, paths, name):
-        if encoded is None:
-            return None
-        if s.packing:
-            from .token_cache import cached_pack_plan
-
-            rows = cached_pack_plan(encoded.positions(), seq)
-        else:
-            n = len(encoded)
-            rows = (np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
-        # --sequence_parallel splits each row over the TP ranks: widths pad to a multiple
-        pad_multiple = (config.parallel.tensor_model_parallel_size
-                        if config.parallel.sequence_parallel else 1)
-        return _sft_dataset_class()(encoded, rows, paths, encoder, seq, pad_id, s.packing,
-                                    False, f"{fingerprint}:{name}", pad_multiple)
-
-    return dataset(train, images, "train"), dataset(valid, val_images, "valid"), None
 
 
 def image_prompt(loaded, args):
