@@ -227,21 +227,30 @@ def preprocess_sft(config) -> dict:
                         ignore_empty_think=s.ignore_empty_think)
     parent = os.path.dirname(os.path.abspath(folder))
     os.makedirs(parent, exist_ok=True)
-    write_sft_dataset(folder, list(config.dataset_sources), column_map(s.columns), template,
-                      s.loss_on, s.dataset_num_proc)
-    packed = _store_pack_plan(config, folder, template) if s.packing else None
+    if config.model.vision_config:  # image rows: the images stay in their files
+        from .data.image_cache import image_encoder, write_image_sft_dataset
+
+        write_image_sft_dataset(folder, list(config.dataset_sources), column_map(s.columns),
+                                image_encoder(config, tokenizer), s.dataset_num_proc)
+    else:
+        write_sft_dataset(folder, list(config.dataset_sources), column_map(s.columns),
+                          template, s.loss_on, s.dataset_num_proc)
+    packed = _store_pack_plan(config, folder, template, tokenizer) if s.packing else None
     manifest = json.loads(open(os.path.join(folder, "manifest.json"), encoding="utf-8").read())
     shapes = manifest["arrays"]
+    images = shapes["grids"]["shape"][0] if "grids" in shapes else None
     flags = [f"--{name} {value}" for name, value in (
         ("tokenizer", config.data.tokenizer), ("model", config.model.model),
-        ("template", s.template if s.template != "auto" else None)) if value]
+        ("template", s.template if s.template != "auto" else None),
+        ("max_pixels", s.max_pixels), ("min_pixels", s.min_pixels)) if value]
     return {"folder": folder, "conversations": manifest["meta"]["conversations"],
             "samples": shapes["answers"]["shape"][0], "tokens": shapes["ids"]["shape"][0],
             "template": template.describe(), "flags": " ".join(flags), "packed": packed,
+            "images": images,
             "seconds": time.perf_counter() - start}
 
 
-def _store_pack_plan(config, folder: str, template) -> dict:
+def _store_pack_plan(config, folder: str, template, tokenizer) -> dict:
     """--packing: the packing plan for --seq_length and --truncation_strategy stored in the
     folder (an index over its samples; `sft --cached_dataset --packing` with these flags
     maps it, with others re-plans from the stored lengths). A plan that cannot be made
@@ -253,8 +262,17 @@ def _store_pack_plan(config, folder: str, template) -> dict:
 
     s, seq = config.sft, config.model.seq_length
     try:
-        tokenized, _ = load_sft_dataset(folder, template, s.loss_on, column_map(s.columns))
-        samples = tokenized.fit(seq, s.truncation_strategy)
+        if config.model.vision_config:  # image rows are never cut: each must fit
+            from .data.image_cache import check_lengths, image_encoder, load_image_sft_dataset
+
+            images, _ = load_image_sft_dataset(folder, image_encoder(config, tokenizer),
+                                               column_map(s.columns), "--output_dir")
+            check_lengths(images, seq)
+            samples = images.tokenized.encoded
+        else:
+            tokenized, _ = load_sft_dataset(folder, template, s.loss_on,
+                                            column_map(s.columns))
+            samples = tokenized.fit(seq, s.truncation_strategy)
         if len(samples) == 0:
             raise ArgumentError(f"--packing: no conversation fits --seq_length {seq}; raise "
                                 f"it or use --truncation_strategy left|right")
@@ -269,7 +287,9 @@ def _store_pack_plan(config, folder: str, template) -> dict:
 def format_sft_summary(s: dict) -> str:
     return "\n".join([
         f"wrote {s['folder']}: {s['conversations']:,} conversations as {s['samples']:,} "
-        f"samples, {s['tokens']:,} tokens (template: {s['template']}) in {s['seconds']:,.1f} s",
+        f"samples, {s['tokens']:,} tokens (template: {s['template']}) in {s['seconds']:,.1f} s"
+        + (f"; {s['images']:,} images, read from their files at training (keep them where "
+           f"they are: each is checked by its sha256)" if s.get("images") is not None else ""),
         f"  train on it: swift-mcore sft --cached_dataset {s['folder']}"
         + (f" {s['flags']}" if s["flags"] else "")
         + " (and the --system, --loss_on, --columns, --ignore_empty_think flags used here)",

@@ -365,9 +365,6 @@ class RunArguments:
                                 f"a text model (give a Qwen2.5-VL --model folder)")
         if not given:
             return
-        if s is not None and s.cached_dataset:
-            raise ArgumentError("--cached_dataset with a vision-language model: not supported "
-                                "yet (its images are read with --dataset)")
         if s is not None and self.data.streaming:
             raise ArgumentError("--streaming with a vision-language model: not supported yet "
                                 "(its image rows are read whole with --dataset)")

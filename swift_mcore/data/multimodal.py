@@ -269,9 +269,11 @@ class ImageEncoder:
                                 f"{IMAGE_PAD} / {VISION_START} token: not a Qwen2.5-VL or "
                                 f"Qwen3-VL tokenizer")
 
-    def patches(self, paths: Sequence[str]):
-        """(pixel_values, image_grid_thw) of images read from ``paths``."""
-        images = [load_image(p, p) for p in paths]
+    def patches(self, paths: Sequence[str], pictures=None):
+        """(pixel_values, image_grid_thw) of images read from ``paths``, or of the PIL
+        ``pictures`` given already read (the token cache reads each file's bytes once, to
+        hash what it encodes)."""
+        images = pictures if pictures is not None else [load_image(p, p) for p in paths]
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
@@ -301,9 +303,10 @@ class ImageEncoder:
         return (torch.cat(pixels), torch.tensor(grids),
                 torch.tensor(seconds, dtype=torch.float32))
 
-    def media(self, item: ImageConversation):
-        """(images' (pixel_values, grids) or None, videos' patches or None) of a row."""
-        images = self.patches(item.images) if item.images else None
+    def media(self, item: ImageConversation, pictures=None):
+        """(images' (pixel_values, grids) or None, videos' patches or None) of a row;
+        ``pictures``: its images already read (PIL), else read from their paths."""
+        images = self.patches(item.images, pictures) if item.images else None
         videos = self.video_patches(item.videos, [f"{item.where}: {f}"
                                                   for f in item.video_fields]) \
             if item.videos else None
@@ -319,10 +322,11 @@ class ImageEncoder:
         return ["".join(f"<{t:.1f} seconds>" + VISION_START + VIDEO_PAD + VISION_END
                         for t in times) for times in self.last_times[:count]]
 
-    def encode(self, item: ImageConversation) -> EncodedImages:
+    def encode(self, item: ImageConversation, pictures=None) -> EncodedImages:
+        """``pictures``: the item's images already read (PIL), else read from its paths."""
         from dataclasses import replace
 
-        images, videos = self.media(item)
+        images, videos = self.media(item, pictures)
         placeholders = iter(self.video_text(len(item.videos)))
         image = VISION_START + IMAGE_PAD + VISION_END
         messages = [{**m, "content": re.sub(re.escape(VIDEO_TAG), lambda _: next(placeholders),
@@ -353,7 +357,7 @@ class ImageEncoder:
                              *(videos or (None, None, None)))
 
 
-# ---- finetuning datasets ------------------------------------------------------------------
+# ---- rows of files ------------------------------------------------------------------------
 
 def read_image_conversations(sources, columns: Dict[str, str], flag: str
                              ) -> List[ImageConversation]:
@@ -373,131 +377,6 @@ def read_image_conversations(sources, columns: Dict[str, str], flag: str
         if len(out) == before:
             raise ArgumentError(f"{flag} {source.path}: is empty (no rows)")
     return out
-
-
-def _sft_dataset_class():
-    from .sft_datasets import SftDataset
-
-    class ImageSftDataset(SftDataset):
-        """SftDataset rows with their images and videos: the patches are made again per
-        item (deterministically), so memory holds no pixels between steps."""
-
-        def __init__(self, encoded, rows, media: Dict[int, ImageConversation], encoder,
-                     *args, **kwargs):
-            super().__init__(encoded, rows, *args, **kwargs)
-            self.media = media          # sample start offset -> its row (images, videos)
-            self.encoder = encoder
-
-        def __getitem__(self, row: int) -> Dict[str, Any]:
-            from dataclasses import replace
-
-            item = super().__getitem__(row)
-            rows = [self.media[k] for k in (int(self.encoded.starts[c])
-                                            for c in self.conversations(row))
-                    if k in self.media]
-            # one row's images then videos are in the model's order: every image of the
-            # packed row, then every video (their pads are told apart by token)
-            joined = replace(rows[0], images=sum((r.images for r in rows), ()),
-                             videos=sum((r.videos for r in rows), ()),
-                             video_fields=sum((tuple(f"{r.where}: {f}" for f in r.video_fields)
-                                               for r in rows), ())) if rows else None
-            if joined is None:
-                item["pixels"], item["videos"] = None, None
-            else:
-                item["pixels"] = self.encoder.patches(joined.images) if joined.images else None
-                item["videos"] = self.encoder.video_patches(
-                    joined.videos, joined.video_fields) if joined.videos else None
-            return item
-
-        def collate(self, rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-            import torch
-
-            batch = super().collate(rows)
-            pixels = [r["pixels"] for r in rows if r["pixels"] is not None]
-            if pixels:
-                batch["pixel_values"] = torch.cat([p[0] for p in pixels])
-                batch["image_grid_thw"] = torch.cat([p[1] for p in pixels])
-            videos = [r["videos"] for r in rows if r["videos"] is not None]
-            if videos:
-                for i, key in enumerate(VIDEO_INPUTS):
-                    batch[key] = torch.cat([v[i] for v in videos])
-            return batch
-
-    return ImageSftDataset
-
-
-def build_image_sft_datasets(config, tokenizer, log=print):
-    """(train, valid, None) datasets of image and video conversations for a
-    vision-language --model: every row read and every image and video checked first, then
-    encoded (the folder's image processor decides an image's patches, data/video.py a
-    video's). A sample longer than --seq_length with its images' and videos' tokens is an
-    error naming its row (they cannot be cut)."""
-    from transformers import AutoImageProcessor
-
-    from ..arguments.sft import column_map
-    from .sft_datasets import _flat, sft_fingerprint, split
-    from .templates import Template
-
-    s, seq = config.sft, config.model.seq_length
-    template = Template(s.template, tokenizer, system=s.system,
-                        train_separator=s.train_separator,
-                        ignore_empty_think=s.ignore_empty_think)
-    columns = column_map(s.columns)
-    train_rows = read_image_conversations(config.dataset_sources, columns, "--dataset")
-    val_rows = (read_image_conversations(config.val_dataset_sources, columns, "--val_dataset")
-                if config.val_dataset_sources else None)
-    sizes = {k: getattr(s, k) for k in ("min_pixels", "max_pixels") if getattr(s, k)}
-    processor = AutoImageProcessor.from_pretrained(config.model.model, local_files_only=True,
-                                                   **sizes)
-    from ..models.vision import TIMESTAMP_TYPES
-
-    encoder = ImageEncoder(template, processor, s.loss_on, VideoSampling.from_args(s),
-                           timestamps=config.model.model_type in TIMESTAMP_TYPES)
-
-    def encode(rows):
-        parts, media, at = [], {}, 0
-        for item in rows:
-            sample = encoder.encode(item)
-            if len(sample.ids) > seq:
-                raise ArgumentError(
-                    f"{item.where}: {len(sample.ids)} tokens ({sample.media_tokens(encoder.merge)}"
-                    f" of them its images' and videos'), more than --seq_length {seq} (images "
-                    f"and videos are not cut); raise --seq_length or give smaller images "
-                    f"(--max_pixels) or fewer, smaller video frames (--fps_max_frames, "
-                    f"--video_max_pixels)")
-            if item.images or item.videos:
-                media[at] = item
-            parts.append((sample.ids, sample.targets))
-            at += len(sample.ids)
-        return _flat(parts), media
-
-    train, media = encode(train_rows)
-    valid, val_media = encode(val_rows) if val_rows is not None else (None, {})
-    if s.split_dataset_ratio:
-        train, valid = split(train, s.split_dataset_ratio, config.training.seed)
-        val_media = media
-    log(f"sft data: {len(train)} image/video conversations (template: "
-        f"{template.describe()})")
-    fingerprint = sft_fingerprint(config, tokenizer, template)
-    pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
-
-    def dataset(encoded, rows_media, name):
-        if encoded is None:
-            return None
-        if s.packing:
-            from .token_cache import cached_pack_plan
-
-            rows = cached_pack_plan(encoded.positions(), seq)
-        else:
-            n = len(encoded)
-            rows = (np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
-        # --sequence_parallel splits each row over the TP ranks: widths pad to a multiple
-        pad_multiple = (config.parallel.tensor_model_parallel_size
-                        if config.parallel.sequence_parallel else 1)
-        return _sft_dataset_class()(encoded, rows, rows_media, encoder, seq, pad_id,
-                                    s.packing, False, f"{fingerprint}:{name}", pad_multiple)
-
-    return dataset(train, media, "train"), dataset(valid, val_media, "valid"), None
 
 
 def image_prompt(loaded, args):

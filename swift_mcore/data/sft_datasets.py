@@ -226,8 +226,14 @@ def sft_fingerprint(config, tokenizer, template: Optional[Template] = None) -> s
         from ..arguments.sft import column_map
         from .token_cache import load_sft_dataset
 
-        train = load_sft_dataset(s.cached_dataset, template, s.loss_on,
-                                 column_map(s.columns))[1]["sources"]
+        if config.model.vision_config:  # image rows (data/image_cache.py)
+            from .image_cache import image_encoder, load_image_sft_dataset
+
+            train = load_image_sft_dataset(s.cached_dataset, image_encoder(config, tokenizer),
+                                           column_map(s.columns), images=False)[1]["sources"]
+        else:
+            train = load_sft_dataset(s.cached_dataset, template, s.loss_on,
+                                     column_map(s.columns))[1]["sources"]
     elif config.data.streaming:
         # A stream's files are too large to hash whole at every start: their sizes and
         # ends here, the rows a resumed stream re-reads checked on top (streaming.py).

@@ -201,7 +201,7 @@ class Trainer:
         """(train, valid, test): megatron's GPT datasets for pt (a text stream with
         --streaming), conversation rows for sft."""
         if self.config.COMMAND == "sft" and self.config.model.vision_config:
-            from ..data.multimodal import build_image_sft_datasets
+            from ..data.image_sft import build_image_sft_datasets
 
             return build_image_sft_datasets(self.config, self.tokenizer,
                                             log=self.writer_print_early)

@@ -356,15 +356,25 @@ def video_dataset(tmp_path, rows=8, size=16):
     return data
 
 
-def test_sft_with_videos_trains(tmp_path, train_here, vl_folder):
-    """sft on video rows (files and frame lists, with images): finite losses that fall
-    over four steps; a row whose video patches pass --seq_length is named before work."""
+def test_sft_with_videos_trains(tmp_path, train_here, vl_folder, monkeypatch, capsys):
+    """sft on video rows (files and frame lists, with images; encoded at each start, the
+    token cache does not store videos yet): finite losses that fall over four steps; a row
+    whose video patches pass --seq_length is named before work; `preprocess sft` refuses
+    video rows by row and field."""
     from run_helpers import losses
     from test_hf_training import run_flags
 
+    from swift_mcore import preprocess
     from swift_mcore.errors import ArgumentError
 
+    monkeypatch.setenv("SWIFT_MCORE_CACHE", str(tmp_path / "cache"))
     data = video_dataset(tmp_path)
+    assert preprocess.main(["sft", "--model", str(vl_folder), "--dataset", str(data),
+                            "--template", "tokenizer", "--output_dir",
+                            str(tmp_path / "prepared")]) == 2
+    assert "videos.jsonl, row 0: videos[0]: a video; the token cache does not store video " \
+        "rows yet" in capsys.readouterr().err
+    assert not (tmp_path / "prepared").exists()
     flags = ["--model", vl_folder, "--dataset", data, "--lr", "1e-2", "--min_lr", "1e-2",
              "--template", "tokenizer", "--no_save", *SMALL_FLAGS]
     train_here(tmp_path / "out", *flags, "--seq_length", "64", "--train_iters", "4",

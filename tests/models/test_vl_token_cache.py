@@ -1,0 +1,335 @@
+"""Image rows in the token cache (data/image_cache.py): encoded once (the tokens and patches
+of encoding them in memory), reused without tokenizing again, never served stale for a
+changed image file or image processor, refused or rebuilt when tampered with; `preprocess
+sft` writes them for `sft --cached_dataset`, which trains as the raw-file run does."""
+
+import base64
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from swift_mcore.errors import ArgumentError
+from test_qwen2_5_vl import image_dataset, vl_folder, write_image  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "cache"
+    monkeypatch.setenv("SWIFT_MCORE_CACHE", str(path))
+    return path
+
+
+def sft_config(folder, **flags):
+    from swift_mcore.arguments import SftArguments
+    from swift_mcore.run_config import resolve
+
+    flags.setdefault("seq_length", 64)
+    return resolve(SftArguments.from_flags(model=str(folder), template="tokenizer", **flags),
+                   world_size=1, cuda=False)
+
+
+def build(config):
+    from swift_mcore.data.image_sft import build_image_sft_datasets
+    from swift_mcore.data.tokenizer import build_tokenizer
+
+    events, logs = [], []
+    train, valid, _ = build_image_sft_datasets(config, build_tokenizer(config),
+                                               log=logs.append, on_cache=events.append)
+    return train, valid, events
+
+
+def rows_of(dataset):
+    """Every row's tensors, as its collated batch of one gives them."""
+    out = []
+    for r in range(len(dataset)):
+        batch = dataset.collate([dataset[r]])
+        out.append({k: v.tolist() for k, v in batch.items()})
+    return out
+
+
+def mixed_rows(tmp_path):
+    """Image rows: two images in one row, a base64 image, a row of text alone."""
+    rows = [json.loads(line) for line in image_dataset(tmp_path, rows=3).read_text().split("\n")
+            if line]
+    wide = write_image(tmp_path / "wide.png", 30, 14, seed=7)
+    tall = write_image(tmp_path / "tall.png", 9, 26, seed=8)
+    rows.append({"messages": [{"role": "user", "content": "<image>add<image> them"},
+                              {"role": "assistant", "content": "def add(a, b)"}],
+                 "images": [wide, "data:image/png;base64," + base64.b64encode(
+                     open(tall, "rb").read()).decode()]})
+    rows.append({"messages": [{"role": "user", "content": "no image"},
+                              {"role": "assistant", "content": "def f(): 1"}]})
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data, rows
+
+
+def in_memory(folder, rows, **processor):
+    """Each row encoded as the pre-cache path did: read, checked and encoded in memory."""
+    from transformers import AutoImageProcessor
+
+    from swift_mcore.data.multimodal import ImageEncoder, read_image_row
+    from swift_mcore.data.templates import Template
+    from swift_mcore.data.tokenizer import load_tokenizer
+
+    encoder = ImageEncoder(Template("tokenizer", load_tokenizer(str(folder))),
+                           AutoImageProcessor.from_pretrained(str(folder), **processor))
+    return [encoder.encode(read_image_row(row, f"row {i}")) for i, row in enumerate(rows)]
+
+
+def assert_rows_equal_in_memory(dataset, expected):
+    assert len(dataset) == len(expected)
+    for r, want in enumerate(expected):
+        item = dataset[r]
+        ids, targets = want.ids.astype(np.int64), want.targets
+        assert item["tokens"].tolist() == ids[:-1].tolist()
+        assert item["labels"].tolist() == ids[1:].tolist()
+        assert item["loss_mask"].tolist() == targets[1:].tolist()
+        if want.pixel_values is None:
+            assert item["pixels"] is None
+        else:
+            assert torch.equal(item["pixels"][0], want.pixel_values)
+            assert torch.equal(item["pixels"][1], want.image_grid_thw)
+
+
+def test_image_rows_are_encoded_once_as_in_memory_and_reused(cache, tmp_path, vl_folder,
+                                                              monkeypatch):
+    from swift_mcore.data import multimodal, templates
+
+    data, rows = mixed_rows(tmp_path)
+    train, _, events = build(sft_config(vl_folder, dataset=[str(data)]))
+    assert events == ["built"]
+    assert_rows_equal_in_memory(train, in_memory(vl_folder, rows))
+    first = rows_of(train)
+
+    # A second start reads the stored tokens: nothing is tokenized or encoded again.
+    def refuse(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(templates.Template, "encode_many", refuse)
+        patched.setattr(multimodal.ImageEncoder, "encode", refuse)
+        again, _, events = build(sft_config(vl_folder, dataset=[str(data)]))
+        assert events == ["reused"] and rows_of(again) == first
+        packed, _, events = build(sft_config(vl_folder, dataset=[str(data)], packing=True,
+                                             seq_length=160))
+        assert events == ["reused", "packing built"]
+        _, valid, events = build(sft_config(vl_folder, dataset=[str(data)],
+                                            val_dataset=[str(data)]))
+        assert events == ["reused", "reused"] and rows_of(valid) == first
+    # packing lays the same rows end to end, their images' patches in row order
+    assert len(packed) < len(train)
+    assert sum(len(r["tokens"][0]) for r in rows_of(packed)) == sum(
+        len(r["tokens"][0]) for r in first)
+    # Worker processes encode the same arrays (in chunks of IMAGE_CHUNK rows).
+    import shutil
+
+    from swift_mcore.data import image_cache
+
+    monkeypatch.setattr(image_cache, "IMAGE_CHUNK", 2)
+    shutil.rmtree(cache / "sft-images")
+    two, _, events = build(sft_config(vl_folder, dataset=[str(data)], dataset_num_proc=2))
+    assert events == ["built"] and rows_of(two) == first
+    # Another --max_pixels is another image processor: encoded anew, with its grids.
+    smaller, _, events = build(sft_config(vl_folder, dataset=[str(data)], max_pixels=256))
+    assert events == ["built"]
+    assert_rows_equal_in_memory(smaller, in_memory(vl_folder, rows, max_pixels=256))
+    assert rows_of(smaller) != first
+
+
+def test_the_key_holds_every_setting_of_the_image_processor(vl_folder):
+    """Means, stds, patch and merge sizes of the folder's preprocessor_config.json, and
+    --max_pixels / --min_pixels, each name another cache folder."""
+    from transformers import AutoImageProcessor
+
+    from swift_mcore.data.image_cache import processor_identity
+
+    def identity(**changed):
+        return processor_identity(AutoImageProcessor.from_pretrained(str(vl_folder),
+                                                                     **changed))
+
+    base = identity()
+    assert identity() == base
+    for changed in ({"image_mean": [0.5, 0.5, 0.5]}, {"image_std": [0.2, 0.2, 0.2]},
+                    {"patch_size": 2}, {"merge_size": 4}, {"max_pixels": 256},
+                    {"min_pixels": 16}):
+        assert identity(**changed) != base, changed
+
+
+def test_a_changed_image_is_never_served_stale(cache, tmp_path, vl_folder, caplog):
+    """An image whose bytes change under the same size and mtime is refused when its row is
+    loaded; one whose mtime moved is hashed at start and the cache rebuilt for it; one only
+    touched keeps the cache."""
+    from PIL import Image
+
+    image = str(tmp_path / "a.bmp")  # BMP: other pixels, the same size in bytes
+    Image.fromarray(np.full((16, 16, 3), 10, np.uint8)).save(image)
+    row = {"messages": [{"role": "user", "content": "<image>what?"},
+                        {"role": "assistant", "content": "def f(): 1"}], "images": [image]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    config = sft_config(vl_folder, dataset=[str(data)])
+    train, _, events = build(config)
+    assert events == ["built"]
+    stat = os.stat(image)
+    Image.fromarray(np.full((16, 16, 3), 200, np.uint8)).save(image)
+    os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.path.getsize(image) == stat.st_size
+    with pytest.raises(ArgumentError, match=r"--dataset .*rows.jsonl, row 0: images\[0\] "
+                                            r".*a.bmp: changed since its tokens were stored "
+                                            r"\(its sha256 differs\); its cached tokens are "
+                                            r"discarded: start the run again"):
+        train[0]
+    train, _, events = build(config)  # the next start encodes it again
+    assert events == ["built"]
+    assert_rows_equal_in_memory(train, in_memory(vl_folder, [row]))
+    Image.fromarray(np.full((16, 16, 3), 90, np.uint8)).save(image)
+    os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10 ** 9))
+    caplog.clear()
+    train, _, events = build(config)
+    assert events == ["built"]
+    assert "a.bmp changed since it was stored (its sha256 differs); rebuilding it" in caplog.text
+    assert_rows_equal_in_memory(train, in_memory(vl_folder, [row]))
+    os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10 ** 9))  # touched only
+    assert build(config)[2] == ["reused"]
+    os.remove(image)  # gone: rebuilt, and the rebuild names the row
+    with pytest.raises(ArgumentError, match=r"rows.jsonl, row 0: images\[0\] .*a.bmp"):
+        build(config)
+
+
+def test_relative_image_paths_are_those_of_the_start_directory(cache, tmp_path, vl_folder,
+                                                              monkeypatch):
+    """The same rows naming img.png, started from two directories with another img.png
+    each: each start encodes its own directory's image."""
+    row = {"messages": [{"role": "user", "content": "<image>what?"},
+                        {"role": "assistant", "content": "def f(): 1"}], "images": ["img.png"]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    config = sft_config(vl_folder, dataset=[str(data)])
+    for name, size in (("a", 16), ("b", 32), ("a", 16)):
+        (tmp_path / name).mkdir(exist_ok=True)
+        write_image(tmp_path / name / "img.png", size, size)
+        monkeypatch.chdir(tmp_path / name)
+        train, _, events = build(config)
+        assert events == ["built"]
+        assert_rows_equal_in_memory(train, in_memory(vl_folder, [row]))
+
+
+def test_a_tampered_image_cache_runs_no_code(cache, tmp_path, vl_folder):
+    data = image_dataset(tmp_path, rows=3)
+    config = sft_config(vl_folder, dataset=[str(data)])
+    first = rows_of(build(config)[0])
+    [folder] = [p for p in (cache / "sft-images").iterdir() if not p.name.startswith(".")]
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    for name in ("grids", "ids"):
+        path = folder / f"{name}.npy"
+        os.chmod(path, 0o644)
+        np.save(path, np.array([Payload()], dtype=object), allow_pickle=True)
+        train, _, events = build(config)
+        assert events == ["built"] and not marker.exists()
+        assert rows_of(train) == first
+        [folder] = [p for p in (cache / "sft-images").iterdir() if not p.name.startswith(".")]
+    # A grid that is not the processor's (not whole merges): rebuilt.
+    grids = np.load(folder / "grids.npy")
+    grids[0, 1] += 1
+    os.chmod(folder / "grids.npy", 0o644)
+    np.save(folder / "grids.npy", grids)
+    assert build(config)[2] == ["built"]
+    # Another image's digest under the same stat: the row is refused at load, not trained.
+    [folder] = [p for p in (cache / "sft-images").iterdir() if not p.name.startswith(".")]
+    digests = np.load(folder / "digests.npy")
+    digests[[0, 1]] = digests[[1, 0]]
+    os.chmod(folder / "digests.npy", 0o644)
+    np.save(folder / "digests.npy", digests)
+    train, _, events = build(config)
+    assert events == ["reused"]
+    with pytest.raises(ArgumentError, match=r"row 0: images\[0\] .*img0_0.png: changed since"):
+        train[0]
+
+
+def test_preprocess_sft_with_images_trains_as_the_raw_files(cache, tmp_path, vl_folder,
+                                                            train_here, capsys):
+    from run_helpers import losses
+    from test_hf_training import run_flags
+
+    from swift_mcore import preprocess
+    from swift_mcore.data.sft_datasets import sft_fingerprint
+    from swift_mcore.data.tokenizer import build_tokenizer
+
+    data = image_dataset(tmp_path, rows=6)
+    folder = tmp_path / "prepared"
+    assert preprocess.main(["sft", "--model", str(vl_folder), "--dataset", str(data),
+                            "--template", "tokenizer", "--packing", "true", "--seq_length",
+                            "64", "--output_dir", str(folder)]) == 0
+    assert "6 images, read from their files at training" in capsys.readouterr().out
+    raw_config = sft_config(vl_folder, dataset=[str(data)], packing=True)
+    raw = rows_of(build(raw_config)[0])
+    prepared_config = sft_config(vl_folder, cached_dataset=str(folder), packing=True)
+    prepared, _, events = build(prepared_config)
+    assert events == ["packing stored"] and rows_of(prepared) == raw
+    tokenizer = build_tokenizer(raw_config)
+    assert sft_fingerprint(prepared_config, tokenizer) == sft_fingerprint(raw_config, tokenizer)
+    # training from it gives the raw-file run's losses
+    flags = ["--model", vl_folder, "--seq_length", "64", "--lr", "1e-2", "--min_lr", "1e-2",
+             "--train_iters", "2", "--template", "tokenizer", "--packing", "true",
+             "--global_batch_size", "2", "--no_save"]
+    train_here(tmp_path / "raw", *flags, "--dataset", data, base=run_flags())
+    train_here(tmp_path / "cached", *flags, "--cached_dataset", folder, base=run_flags())
+    assert losses(tmp_path / "cached") == losses(tmp_path / "raw")
+    assert len(losses(tmp_path / "raw")) == 2
+    # another processor setting is named; a changed image refuses the folder
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: was prepared with "
+                                            r"the image processor"):
+        build(sft_config(vl_folder, cached_dataset=str(folder), max_pixels=256))
+    write_image(tmp_path / "img0_2.png", 16, 16, seed=99)
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: its image "
+                                            r".*img0_2.png changed since it was stored .*"
+                                            r"the images must stay where they were"):
+        build(prepared_config)
+
+
+SHARED = """
+import json, sys
+from swift_mcore.arguments import SftArguments
+from swift_mcore.data.image_sft import build_image_sft_datasets
+from swift_mcore.data.tokenizer import build_tokenizer
+from swift_mcore.run_config import resolve
+config = resolve(SftArguments.from_flags(model=sys.argv[1], dataset=[sys.argv[2]],
+                                         seq_length=64, template="tokenizer"),
+                 world_size=1, cuda=False)
+events = []
+train, _, _ = build_image_sft_datasets(config, build_tokenizer(config), log=lambda s: None,
+                                       on_cache=events.append)
+print(json.dumps({"events": events, "rows": [
+    {k: v.tolist() for k, v in train.collate([train[r]]).items()} for r in range(len(train))]}))
+"""
+
+
+@pytest.mark.benchmark  # two interpreters importing transformers: over a minute here
+def test_two_processes_share_one_build(cache, tmp_path, vl_folder):
+    """Ranks starting together: one encodes the rows while the other waits, then maps them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = image_dataset(tmp_path, rows=24)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED, str(vl_folder), str(data)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(e for r in results for e in r["events"]) == ["built", "reused"]
+    assert results[0]["rows"] == results[1]["rows"] and len(results[0]["rows"]) == 24
+    assert len([p for p in os.listdir(cache / "sft-images") if not p.startswith(".")]) == 1
