@@ -327,11 +327,6 @@ class RunArguments:
                                 f"(--linear_attention_freq) needs --sequence_parallel (the "
                                 f"delta nets' output norm sums its gradients over the TP ranks "
                                 f"only then); add --sequence_parallel")
-        if tp > 1 and getattr(getattr(self, "sft", None), "packing", False):
-            raise ArgumentError(f"--packing with gated delta-net layers and "
-                                f"--tensor_model_parallel_size {tp} is not supported yet "
-                                f"(each rank holds a slice of the packed row); drop --packing "
-                                f"or use --tensor_model_parallel_size 1")
         if m.multi_latent_attention:
             raise ArgumentError("--linear_attention_freq with --multi_latent_attention is not "
                                 "supported; drop one")
