@@ -449,10 +449,16 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
 
 def _hf_parts(layout, layer: int, suffix: str) -> Tuple[str, ...]:
     """The HF modules (under model.layers.N) of megatron layer ``suffix``: a MoE layer's
-    experts and shared expert by the family's names (convert.Experts.hf_names)."""
+    experts and shared expert by the family's names (convert.Experts.hf_names); a delta
+    net's in_proj by the family's input projections (Qwen3-Next's two, Qwen3.5's four:
+    delta_net.DeltaNet.projections), its out_proj as transformers' out_proj."""
     if suffix.startswith("mlp.") and layout.is_moe(layer):
         hf = layout.experts.hf_names(layer)[suffix + ".weight"]
         return tuple(h[: -len(".weight")] for h in (hf if isinstance(hf, tuple) else (hf,)))
+    if suffix == "self_attention.in_proj" and layout.is_linear(layer):
+        return tuple(name[: -len(".weight")] for name in layout.delta_net.projections())
+    if suffix == "self_attention.out_proj" and layout.is_linear(layer):
+        return ("linear_attn.out_proj",)
     return _HF_PARTS[suffix]
 
 
@@ -503,7 +509,8 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     """(adapter_config.json contents, adapter_model.safetensors tensors) of a whole (TP=PP=1)
     LoRA model, with Hugging Face module names: peft.PeftModel.from_pretrained(base) gives
     the same function. A fused layer's A is shared by its parts; B's rows are split as the
-    weight's are (per query group for q/k/v, halves for gate/up)."""
+    weight's are (per query group for q/k/v, halves for gate/up, a delta net's in_proj into
+    its projections in transformers' row order)."""
     from .lora_layer import LoraParallelLinear
 
     tensors: Dict[str, torch.Tensor] = {}
@@ -527,10 +534,6 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
                 f"{which}'s fused expert tensors is not written yet: export the merged model "
                 f"with --to_hf --merge_lora, or adapt the attention only (--target_modules "
                 f"linear_qkv linear_proj)")
-        if suffix in ("self_attention.in_proj", "self_attention.out_proj"):
-            raise ArgumentError(
-                f"--to_peft: {name} (a gated delta net's projection) has an adapter; its PEFT "
-                f"form is not written yet: export the merged model with --to_hf --merge_lora")
         parts = _hf_parts(layout, layer, suffix)
         if expert:
             experts.setdefault((layer, expert.group(2)), set()).add(int(expert.group(1)))

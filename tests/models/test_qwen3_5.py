@@ -1,6 +1,7 @@
 """Qwen3.5 text models, dense and MoE: tiny random qwen3_5_text and qwen3_5_moe_text folders
 (three gated delta-net layers with Qwen3.5's four input projections, one gated attention
-layer) give transformers' logits; HF -> checkpoint -> HF is bit-identical; a
+layer) give transformers' logits; HF -> checkpoint -> HF is bit-identical; LoRA on the
+delta nets exports as a peft adapter peft loads; a
 vision-language folder whose files hold no language model is refused by name
 (test_multimodal_text.py trains the language model of one that does)."""
 
@@ -74,3 +75,41 @@ def test_a_vision_language_folder_without_its_language_model_is_refused_by_name(
             rf"embedding \(looked for model.language_model.embed_tokens.weight and "
             rf"language_model.model.embed_tokens.weight\)$")):
         resolve(RunArguments.from_flags(model=str(folder)), world_size=1)
+
+
+@pytest.mark.slow
+def test_lora_on_the_delta_nets_exports_as_peft(tmp_path, train_here):
+    """LoRA on the delta nets of a qwen3_5_text folder: the PEFT adapter carries in_proj's
+    adapter on Qwen3.5's four input projections (A shared, B split into [queries; keys;
+    values], z, b, a) and out_proj's; peft loads it onto transformers' model, which then
+    gives the checkpoint's logits within 1e-4."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+
+    folder = tmp_path / "hf"
+    make(folder, "qwen3_5_text")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(40)))
+    out = tmp_path / "lora"
+    train_here(out, "--model", folder, "--dataset", data, "--seq_length", "32", "--lr", "2e-2",
+               "--train_iters", "2", "--tuner_type", "lora", "--lora_rank", "4",
+               "--target_modules", "in_proj,out_proj", command="pt", base=run_flags())
+    H.convert(out / "checkpoint", tmp_path / "adapter", "to_peft")
+    written = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert sorted({name.split(".linear_attn.")[1] for name in written}) == [
+        f"{module}.lora_{ab}.weight" for module in ("in_proj_a", "in_proj_b", "in_proj_qkv",
+                                                    "in_proj_z", "out_proj") for ab in "AB"]
+    ids = H.tokens(length=40)
+    ours = forward_logits(load_model(str(out / "checkpoint"), log=lambda line: None).model,
+                          ids)
+    base = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager")
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        theirs = peft(ids).logits
+        assert (ours[..., : theirs.shape[-1]] - theirs).abs().max() <= 1e-4
+    assert (H.hf_logits(str(folder), ids) - theirs).abs().max() > 1e-3  # the adapters learned

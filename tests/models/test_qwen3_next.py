@@ -304,14 +304,18 @@ def test_a_gpu_without_the_delta_net_kernels_is_refused_by_name(next_folder, mon
                 transformer_engine=False)
 
 
-def test_lora_on_the_delta_nets_merges_into_transformers_logits(tmp_path, train_here,
-                                                                 next_folder):
+def test_lora_on_the_delta_nets_exports_merged_and_as_peft(tmp_path, train_here,
+                                                          next_folder):
     """LoRA on the delta nets' in_proj and out_proj alone (the attention layer's linear_qkv
-    and linear_proj too with all-linear): the adapters train, the merged export gives the
-    checkpoint's logits in transformers within 1e-4, and the PEFT form is refused by name."""
+    and linear_proj too with all-linear): the adapters train; the merged export, and the
+    PEFT adapter (in_proj's A on in_proj_qkvz and in_proj_ba, its B split into their rows in
+    transformers' per-key-head order) loaded by peft onto transformers' model, give the
+    checkpoint's logits within 1e-4."""
     import json
 
+    from peft import PeftModel
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from swift_mcore.loaded_model import forward_logits, load_model
     from test_hf_training import run_flags
@@ -342,9 +346,16 @@ def test_lora_on_the_delta_nets_merges_into_transformers_logits(tmp_path, train_
                            source["model.layers.0.linear_attn.in_proj_ba.weight"])
     assert torch.equal(merged["model.layers.3.self_attn.q_proj.weight"],
                        source["model.layers.3.self_attn.q_proj.weight"])
-    with pytest.raises(ArgumentError, match=r"a gated delta net's projection\) has an adapter; "
-                                            r".* --to_hf --merge_lora"):
-        H.convert(checkpoint, tmp_path / "adapter", "to_peft")
+
+    H.convert(checkpoint, tmp_path / "adapter", "to_peft")
+    written = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert sorted({name.split(".linear_attn.")[1] for name in written}) == [
+        f"{module}.lora_{ab}.weight" for module in ("in_proj_ba", "in_proj_qkvz", "out_proj")
+        for ab in "AB"]
+    base = AutoModelForCausalLM.from_pretrained(str(next_folder), attn_implementation="eager")
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert (peft(ids).logits - ours).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("flags, message", [
