@@ -116,6 +116,45 @@ def test_packed_rows_give_each_documents_logits(gloo_group, next_folder, monkeyp
     assert (packed()[:, 20:] - logits[:, 20:]).abs().max() > 1e-3
 
 
+def test_a_sequence_parallel_rank_cuts_documents_out_of_the_whole_row(gloo_group,
+                                                                       next_folder):
+    """One delta-net layer as a rank of TP=2 with --sequence_parallel sees it (on one
+    process): its input is its half of the packed row, in_proj gathers the whole row, and
+    out_proj keeps its half of the output. Documents straddling the halves (13..33 of 40,
+    0..30) come out as in the whole row's one-rank forward: the documents are cut out of the
+    gathered row, not out of the rank's half. (The benchmark test below runs two ranks.)"""
+    from swift_mcore.data.packing import block_causal_mask
+    from swift_mcore.loaded_model import load_model
+
+    layer = load_model(str(next_folder), log=lambda line: None).model.decoder.layers[0] \
+        .self_attention
+    _, _, segments, _ = packed_documents([[13, 20, 7], [30, 10]])
+    mask = block_causal_mask(segments)
+    row = torch.randn(40, 2, layer.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = layer(row, mask)[0]
+    in_proj, out_proj = layer.in_proj, layer.out_proj
+
+    class Gather(torch.nn.Module):  # the row's other half comes from the other rank
+        def forward(self, half):
+            assert torch.equal(half, row[mine])
+            return in_proj(row)
+
+    class Scatter(torch.nn.Module):  # each rank keeps its half of the summed output
+        def forward(self, x):
+            out, bias = out_proj(x)
+            return out[mine], bias
+
+    try:
+        layer.in_proj, layer.out_proj, layer.sp_size = Gather(), Scatter(), 2
+        for mine in (slice(0, 20), slice(20, 40)):
+            with torch.no_grad():
+                half = layer(row[mine], mask)[0]
+            assert (half - whole[mine]).abs().max() <= 1e-6
+    finally:
+        layer.in_proj, layer.out_proj, layer.sp_size = in_proj, out_proj, 1
+
+
 def test_packing_resolves_at_tensor_parallel_size_two(tmp_path):
     """sft --packing with delta-net layers at TP=2 with --sequence_parallel is a run (the
     delta nets cut documents out of the whole gathered row: the benchmark test below)."""
