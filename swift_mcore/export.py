@@ -120,6 +120,17 @@ def check_carried(model: str, text_only: bool) -> None:
             f"training, or add --text_only to write the language model alone")
 
 
+def _language_model_of_multimodal(model: str, source) -> bool:
+    """Whether checkpoint ``model`` is the language model of a multimodal folder (as its
+    run.json records, or as its source folder ``source`` is now)."""
+    from .checkpointing import files, find_checkpoint
+
+    folder = find_checkpoint(model, None, "--model", log=lambda line: None)
+    if folder and isinstance(files.read_json(folder, files.RUN).get("multimodal_source"), dict):
+        return True
+    return _is_multimodal_folder(source)
+
+
 def _is_multimodal_folder(path) -> bool:
     """Whether ``path`` is a multimodal folder now (a checkpoint saved before checkpoints
     recorded it)."""
@@ -174,8 +185,10 @@ def to_peft(args: ExportArguments, log) -> Dict[str, object]:
                             f"head trained whole beside the adapters; write it with --to_hf "
                             f"--merge_lora")
     layout = Layout.from_model_args(loaded.config.model, loaded.config.padded_vocab_size)
+    multimodal = bool(layout.vision) or layout.nested or _language_model_of_multimodal(
+        args.model, loaded.hf_folder)
     config, tensors = lora.peft_adapter(loaded.model, loaded.config.tuner, layout,
-                                        loaded.hf_folder)
+                                        loaded.hf_folder, multimodal=multimodal)
     if args.dtype:
         from .models.hf_save import DTYPES
 

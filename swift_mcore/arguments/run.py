@@ -285,8 +285,7 @@ class RunArguments:
 
     def check_window(self) -> None:
         """The sliding-window flags: a pattern needs a window; the local RoPE base is Gemma
-        3's (only its attention swaps RoPE tables); Gemma 3's extra norms are the local
-        spec's and sum no gradients over TP ranks (no sequence parallelism)."""
+        3's (only its attention swaps RoPE tables)."""
         from .model import window_layer_pattern
 
         m = self.model
@@ -296,9 +295,6 @@ class RunArguments:
         if m.rotary_base_local is not None and m.model_type != "gemma3":
             raise ArgumentError("--rotary_base_local is Gemma 3's local RoPE base: it needs "
                                 "--model_type gemma3")
-        if m.model_type == "gemma3" and self.parallel.sequence_parallel:
-            raise ArgumentError("--sequence_parallel with a gemma3 model: its post-attention "
-                                "and post-MLP norms do not support it yet; drop the flag")
         self.check_linear_attention()
 
     def check_linear_attention(self) -> None:
@@ -327,11 +323,6 @@ class RunArguments:
                                 f"(--linear_attention_freq) needs --sequence_parallel (the "
                                 f"delta nets' output norm sums its gradients over the TP ranks "
                                 f"only then); add --sequence_parallel")
-        if tp > 1 and getattr(getattr(self, "sft", None), "packing", False):
-            raise ArgumentError(f"--packing with gated delta-net layers and "
-                                f"--tensor_model_parallel_size {tp} is not supported yet "
-                                f"(each rank holds a slice of the packed row); drop --packing "
-                                f"or use --tensor_model_parallel_size 1")
         if m.multi_latent_attention:
             raise ArgumentError("--linear_attention_freq with --multi_latent_attention is not "
                                 "supported; drop one")

@@ -45,12 +45,17 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
 class PostNormBiasDropoutAdd(torch.nn.Module):
     """megatron's bias-dropout-add with a ZeroCenteredRMSNorm on the sublayer's output first:
     residual + dropout(norm(output)). In the bda slot, not in the projection, the norm sees
-    the projection's whole output, a LoRA adapter's delta included."""
+    the projection's whole output, a LoRA adapter's delta included. Under
+    ``sequence_parallel`` that output is this rank's slice of the sequence (the row-parallel
+    projection reduce-scatters it), so the norm's weight gradient is a partial sum: its
+    weight carries megatron's ``sequence_parallel`` mark, and megatron's finalize_model_grads
+    sums it over the TP ranks as it does the layer's other norms'."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.post_norm = ZeroCenteredRMSNorm(SimpleNamespace(params_dtype=dtype,
-                                                             sequence_parallel=False),
+                                                             sequence_parallel=sequence_parallel),
                                              hidden_size, eps=eps)
 
     def forward(self, training: bool, fused: bool):
@@ -100,7 +105,8 @@ def adapt_spec(spec, config):
     sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
     post_norm = ModuleSpec(module=PostNormBiasDropoutAdd,
                            params=dict(hidden_size=m.hidden_size, eps=m.norm_epsilon,
-                                       dtype=dtype))
+                                       dtype=dtype,
+                                       sequence_parallel=config.parallel.sequence_parallel))
     sub.self_attn_bda = post_norm
     sub.mlp_bda = post_norm
     attention = sub.self_attention

@@ -19,8 +19,12 @@ attention, before the MLP, on queries and keys, the final one) multiplies by ``1
 megatron's GatedDeltaNet ignores the attention mask, so in a packed row (sft --packing: the
 block-causal mask of data/packing.py) its conv and its recurrence would run from one
 document into the next. ``DocumentGatedDeltaNet`` reads the documents off that mask (a
-position that may not see the one before it starts a document) and passes each document
-through megatron's layer on its own: the same output as the document alone.
+position that may not see the one before it starts a document; the mask covers the whole
+row on every rank) and runs megatron's layer between its two projections on each document
+on its own: the same output as the document alone. The projections run once on the whole
+row, so under --sequence_parallel ``in_proj`` first gathers the row's pieces from the TP
+ranks and ``out_proj`` scatters the result back: the documents are cut out of the whole
+row, never out of one rank's piece of it.
 """
 
 from __future__ import annotations
@@ -71,15 +75,26 @@ class DocumentGatedDeltaNet(GatedDeltaNet):
         starts = document_starts(attention_mask, hidden_states.shape[1])
         if starts is None:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        projected, _ = self.in_proj(hidden_states)  # [whole row, batch, this rank's heads]
         pieces = []
         for row, row_starts in enumerate(starts):
-            bounds = row_starts + [hidden_states.shape[0]]
-            outputs = [super(DocumentGatedDeltaNet, self).forward(
-                hidden_states[start:stop, row:row + 1], None, *args, **kwargs)[0]
-                for start, stop in zip(bounds[:-1], bounds[1:])]
-            pieces.append(torch.cat(outputs, dim=0))
-        return torch.cat(pieces, dim=1), None
+            bounds = row_starts + [projected.shape[0]]
+            pieces.append(torch.cat([self._between_projections(
+                projected[start:stop, row:row + 1], *args, **kwargs)
+                for start, stop in zip(bounds[:-1], bounds[1:])], dim=0))
+        return self.out_proj(torch.cat(pieces, dim=1))
 
+    def _between_projections(self, projected, *args, **kwargs):
+        """megatron's forward from the in_proj output of one whole document to the input of
+        out_proj: its conv, delta rule and gated norm, on this rank's heads."""
+        modules = self._modules
+        in_proj, out_proj, sp_size = modules["in_proj"], modules["out_proj"], self.sp_size
+        modules["in_proj"] = modules["out_proj"] = _PassOn()
+        self.sp_size = 1  # the document is whole here, not this rank's piece of it
+        try:
+            return super().forward(projected, None, *args, **kwargs)[0]
+        finally:
+            modules["in_proj"], modules["out_proj"], self.sp_size = in_proj, out_proj, sp_size
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None, tp_group=None):
         """megatron's, also with a LoRA adapter on in_proj (models/lora_layer.py): megatron
@@ -110,6 +125,14 @@ class DocumentGatedDeltaNet(GatedDeltaNet):
             if ".lora_" in key:
                 out[key] = value
         return out
+
+
+class _PassOn(torch.nn.Module):
+    """A linear layer's (output, bias) that is its input: megatron's delta-net forward without
+    its projections."""
+
+    def forward(self, x):
+        return x, None
 
 
 def document_starts(mask, batch: int):

@@ -449,10 +449,16 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
 
 def _hf_parts(layout, layer: int, suffix: str) -> Tuple[str, ...]:
     """The HF modules (under model.layers.N) of megatron layer ``suffix``: a MoE layer's
-    experts and shared expert by the family's names (convert.Experts.hf_names)."""
+    experts and shared expert by the family's names (convert.Experts.hf_names); a delta
+    net's in_proj by the family's input projections (Qwen3-Next's two, Qwen3.5's four:
+    delta_net.DeltaNet.projections), its out_proj as transformers' out_proj."""
     if suffix.startswith("mlp.") and layout.is_moe(layer):
         hf = layout.experts.hf_names(layer)[suffix + ".weight"]
         return tuple(h[: -len(".weight")] for h in (hf if isinstance(hf, tuple) else (hf,)))
+    if suffix == "self_attention.in_proj" and layout.is_linear(layer):
+        return tuple(name[: -len(".weight")] for name in layout.delta_net.projections())
+    if suffix == "self_attention.out_proj" and layout.is_linear(layer):
+        return ("linear_attn.out_proj",)
     return _HF_PARTS[suffix]
 
 
@@ -499,12 +505,20 @@ _HF_PARTS = {"self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj
 _HF_SAVED = {"embedding.word_embeddings": "model.embed_tokens", "output_layer": "lm_head"}
 
 
-def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
+def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str],
+                 multimodal: bool = False):
     """(adapter_config.json contents, adapter_model.safetensors tensors) of a whole (TP=PP=1)
     LoRA model, with Hugging Face module names: peft.PeftModel.from_pretrained(base) gives
     the same function. A fused layer's A is shared by its parts; B's rows are split as the
-    weight's are (per query group for q/k/v, halves for gate/up)."""
+    weight's are (per query group for q/k/v, halves for gate/up, a delta net's in_proj into
+    its projections in transformers' row order). ``multimodal``: the model is the language
+    model of a multimodal folder, transformers' ``model.language_model`` there, and its
+    modules are named so."""
+    from .convert import nested_name
     from .lora_layer import LoraParallelLinear
+
+    def module_name(flat: str) -> str:
+        return nested_name(flat) if multimodal else flat
 
     tensors: Dict[str, torch.Tensor] = {}
     targets = set()
@@ -527,20 +541,17 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
                 f"{which}'s fused expert tensors is not written yet: export the merged model "
                 f"with --to_hf --merge_lora, or adapt the attention only (--target_modules "
                 f"linear_qkv linear_proj)")
-        if suffix in ("self_attention.in_proj", "self_attention.out_proj"):
-            raise ArgumentError(
-                f"--to_peft: {name} (a gated delta net's projection) has an adapter; its PEFT "
-                f"form is not written yet: export the merged model with --to_hf --merge_lora")
         parts = _hf_parts(layout, layer, suffix)
         if expert:
             experts.setdefault((layer, expert.group(2)), set()).add(int(expert.group(1)))
         a = module.lora_A[ADAPTER].weight.detach().float().cpu()
         b = module.lora_B[ADAPTER].weight.detach().float().cpu()
         for part in parts:
-            hf = f"model.layers.{layer}.{part}"
+            flat = f"model.layers.{layer}.{part}"
+            hf = module_name(flat)
             targets.add(part.rsplit(".", 1)[1])
             ranks[hf] = (module.r[ADAPTER], module.lora_alpha[ADAPTER])
-            b_part = layout.to_hf(hf + ".weight", lambda _name, b=b: b)
+            b_part = layout.to_hf(flat + ".weight", lambda _name, b=b: b)
             tensors[f"base_model.model.{hf}.lora_A.weight"] = a.clone()  # one file entry each
             tensors[f"base_model.model.{hf}.lora_B.weight"] = b_part.contiguous()
     if experts:
@@ -548,7 +559,7 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str]):
     saved = []
     for name in tuner.modules_to_save:
         mcore = SAVABLE_MODULES[name]
-        hf = _HF_SAVED[mcore]
+        hf = module_name(_HF_SAVED[mcore])
         weight = getattr(model.get_submodule(mcore), "weight", None)
         if weight is None:  # a checkpoint trained before resolve refused this
             raise ArgumentError(f"--to_peft: the checkpoint's --modules_to_save {name} is the "

@@ -7,19 +7,27 @@ import os
 import torch
 
 
-def forward_logits(model_chunks, ids):
+def forward_logits(model_chunks, ids, packed=None):
     """Logits [batch, seq, padded vocab] through megatron's pipeline schedule, gathered over
-    tensor-parallel ranks; None off the last pipeline stage."""
+    tensor-parallel ranks; None off the last pipeline stage. ``packed`` (the document of each
+    position and its position in it, [batch, seq] each) packs documents into the rows under
+    their block-causal mask, as sft --packing does."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     batch, length = ids.shape
     position_ids = torch.arange(length).unsqueeze(0).expand(batch, length)
+    mask = None
+    if packed is not None:
+        from swift_mcore.data.packing import block_causal_mask
+
+        segments, position_ids = packed
+        mask = block_causal_mask(segments)
 
     def step(data_iterator, model):
         output = model(input_ids=next(data_iterator), position_ids=position_ids,
-                       attention_mask=None)
+                       attention_mask=mask)
         return output, None  # no loss function: megatron keeps the output
 
     with torch.no_grad():
@@ -47,6 +55,7 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--tokens")
+    parser.add_argument("--packed")  # packed rows: saved (segment ids, position ids)
     parser.add_argument("--sequence_parallel", action="store_true")
     parser.add_argument("--etp", type=int, default=None)  # --expert_tensor_parallel_size
     parser.add_argument("--mtp_num_layers", type=int, default=None)
@@ -67,7 +76,7 @@ def main():
     config = config.complete(build_tokenizer(config).vocab_size, None)
     chunks = build_model(config)
     load_hf_weights(config, chunks, log=lambda line: None)
-    logits = forward_logits(chunks, ids)
+    logits = forward_logits(chunks, ids, torch.load(cli.packed) if cli.packed else None)
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     if logits is not None and last:
         torch.save(logits[..., : config.model.vocab_size].contiguous(),

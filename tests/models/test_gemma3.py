@@ -218,11 +218,61 @@ def test_sliding_windows_refuse_a_backend_without_them(gemma_folder):
     with pytest.raises(ArgumentError, match="--attention_backend local with --window_size 8"):
         resolve(RunArguments.from_flags(model=str(gemma_folder), attention_backend="local"),
                 world_size=1)
-    with pytest.raises(ArgumentError, match="--sequence_parallel with a gemma3 model"):
-        resolve(RunArguments.from_flags(model=str(gemma_folder), sequence_parallel=True,
-                                        tensor_model_parallel_size=2), world_size=2)
     with pytest.raises(ArgumentError, match="--window_attn_skip_freq needs --window_size"):
         resolve(RunArguments.from_flags(window_attn_skip_freq="2"), world_size=1)
+
+
+def test_the_post_norms_are_summed_over_tp_ranks_under_sequence_parallelism(gemma_folder):
+    """With --sequence_parallel each rank's post-attention and post-MLP norms see its slice
+    of the sequence: their weights carry megatron's sequence_parallel mark (what
+    finalize_model_grads sums over the TP ranks), as the layer's other norms do."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.models import gemma3_layers
+    from swift_mcore.run_config import resolve
+
+    def post_norms(**flags):
+        config = resolve(RunArguments.from_flags(model=str(gemma_folder), **flags),
+                         world_size=flags.get("tensor_model_parallel_size", 1))
+        spec = gemma3_layers.adapt_spec(_local_spec(), config)
+        built = [slot.module(**slot.params).post_norm.weight
+                 for slot in (spec.submodules.self_attn_bda, spec.submodules.mlp_bda)]
+        return [getattr(weight, "sequence_parallel", None) for weight in built]
+
+    assert post_norms(tensor_model_parallel_size=2, sequence_parallel=True) == [True, True]
+    assert post_norms() == [False, False]
+
+
+def _local_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+
+
+@pytest.mark.benchmark
+def test_tp2_sequence_parallel_gives_the_one_rank_losses(tmp_path, train_here, gemma_folder):
+    """pt for 4 steps at TP=2 with --sequence_parallel gives the one-rank losses within 1e-5
+    and their gradient norms within 1e-5 of each: the four norms of every layer (the
+    post-attention and post-MLP ones in the bias-dropout-add slots too) see a slice of the
+    sequence and their gradients are summed over the TP ranks. A high learning rate: Adam's step barely
+    depends on a gradient's scale, so unsummed norm gradients show where their sign
+    differs."""
+    from test_hf_training import continue_pretraining, run_flags
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(100)))
+    flags = ["--seq_length", "32", "--lr", "1e-2", "--min_lr", "1e-2", "--no_save"]
+    one, sp = tmp_path / "one", tmp_path / "sp"
+    train_here(one, "--model", gemma_folder, "--dataset", data, "--train_iters", "4", *flags,
+               command="pt", base=run_flags())
+    continue_pretraining(gemma_folder, data, sp, *flags, "--tensor_model_parallel_size", "2",
+                         "--sequence_parallel", nproc=2)
+    ref, got = losses(one), losses(sp)
+    assert sorted(got) == [1, 2, 3, 4] and ref[4] != ref[1]
+    for it in ref:
+        assert abs(got[it] - ref[it]) <= 1e-5, (it, got[it], ref[it])
+    norms = zip(train_records(one), train_records(sp))  # the first one is about 4e5 here
+    assert all(abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"] for a, b in norms)
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_worker.py"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_two_ranks(tmp_path, model, tp, pp, *extra):
-    ids = H.tokens(length=48)
+def run_two_ranks(tmp_path, model, tp, pp, *extra, ids=None):
+    ids = H.tokens(length=48) if ids is None else ids
     torch.save(ids, tmp_path / "tokens.pt")
     out = tmp_path / "run"
     out.mkdir()

@@ -563,3 +563,40 @@ def test_tp2_matches_transformers_and_exports_bit_identical(tmp_path, gloo_group
         str(tmp_path / "exported"))
     assert sorted(back) == sorted(original)
     assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+
+
+@pytest.mark.slow
+def test_language_model_adapters_export_as_peft_under_transformers_names(tmp_path, train_here,
+                                                                          vl_folder):
+    """LoRA on the language model of a vision-language folder: --to_peft names its modules
+    as transformers' Qwen2_5_VLForConditionalGeneration holds them (model.language_model.*),
+    so peft loads the adapter onto that model, which then gives the checkpoint's logits on
+    text within 1e-4 (under model.layers.* peft would load nothing)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(40)))
+    out = tmp_path / "lora"
+    train_here(out, "--model", vl_folder, "--dataset", data, "--seq_length", "32", "--lr",
+               "2e-2", "--train_iters", "2", "--tuner_type", "lora", "--lora_rank", "4",
+               command="pt", base=run_flags())
+    H.convert(out / "checkpoint", tmp_path / "adapter", "to_peft")
+    written = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert written and all(name.startswith("base_model.model.model.language_model.layers.")
+                           for name in written)
+    ids = H.tokens(length=20)
+    ours = forward_logits(load_model(str(out / "checkpoint"), log=lambda line: None).model,
+                          ids)
+    base = transformers_model(vl_folder)
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        theirs = peft(input_ids=ids).logits
+    assert (ours[..., : theirs.shape[-1]] - theirs).abs().max() <= 1e-4
+    assert (plain - theirs).abs().max() > 1e-3  # the adapters learned, and peft loaded them

@@ -1,6 +1,7 @@
 """Qwen3.5 text models, dense and MoE: tiny random qwen3_5_text and qwen3_5_moe_text folders
 (three gated delta-net layers with Qwen3.5's four input projections, one gated attention
-layer) give transformers' logits; HF -> checkpoint -> HF is bit-identical; a
+layer) give transformers' logits; HF -> checkpoint -> HF is bit-identical; LoRA on the
+delta nets exports as a peft adapter peft loads; a
 vision-language folder whose files hold no language model is refused by name
 (test_multimodal_text.py trains the language model of one that does)."""
 
@@ -74,3 +75,55 @@ def test_a_vision_language_folder_without_its_language_model_is_refused_by_name(
             rf"embedding \(looked for model.language_model.embed_tokens.weight and "
             rf"language_model.model.embed_tokens.weight\)$")):
         resolve(RunArguments.from_flags(model=str(folder)), world_size=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["text", "vision_language"])
+def test_lora_on_the_delta_nets_exports_as_peft(tmp_path, train_here, kind):
+    """LoRA on the delta nets (and the attention and MLP: all-linear) of a qwen3_5_text
+    folder, and of the language model of a qwen3_5 vision-language folder: the PEFT adapter
+    carries in_proj's adapter on Qwen3.5's four input projections (A shared, B split into
+    [queries; keys; values], z, b, a) and out_proj's, under the module names of the folder's
+    transformers model (model.language_model.* in the vision-language one); peft loads it
+    onto that model, which then gives the checkpoint's logits on text within 1e-4."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+    from test_hf_training import run_flags
+
+    folder = tmp_path / "hf"
+    if kind == "text":
+        make(folder, "qwen3_5_text")
+        auto, prefix = AutoModelForCausalLM, "model.layers."
+    else:
+        from test_multimodal_text import QWEN_VISION, make_multimodal
+
+        make_multimodal(folder, "qwen3_5", dict(H.BASE, **HYBRID), QWEN_VISION)
+        auto, prefix = AutoModelForImageTextToText, "model.language_model.layers."
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(40)))
+    out = tmp_path / "lora"
+    train_here(out, "--model", folder, "--dataset", data, "--seq_length", "32", "--lr", "2e-2",
+               "--train_iters", "2", "--tuner_type", "lora", "--lora_rank", "4",
+               command="pt", base=run_flags())
+    H.convert(out / "checkpoint", tmp_path / "adapter", "to_peft")
+    written = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert all(name.startswith("base_model.model." + prefix) for name in written)
+    assert sorted({name.split(".linear_attn.")[1] for name in written
+                   if ".linear_attn." in name}) == [
+        f"{module}.lora_{ab}.weight" for module in ("in_proj_a", "in_proj_b", "in_proj_qkv",
+                                                    "in_proj_z", "out_proj") for ab in "AB"]
+    ids = H.tokens(length=40)
+    ours = forward_logits(load_model(str(out / "checkpoint"), log=lambda line: None).model,
+                          ids)
+    base = auto.from_pretrained(str(folder), attn_implementation="eager")
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        theirs = peft(input_ids=ids).logits
+    assert (ours[..., : theirs.shape[-1]] - theirs).abs().max() <= 1e-4
+    assert (plain - theirs).abs().max() > 1e-3  # the adapters learned, and peft loaded them

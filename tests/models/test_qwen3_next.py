@@ -62,21 +62,47 @@ def test_infer_is_transformers_greedy(gloo_group, next_folder, capsys):
     H.check_infer_is_greedy(next_folder, capsys)
 
 
-def test_packed_rows_give_each_documents_logits(gloo_group, next_folder, monkeypatch):
-    """Documents packed into rows (different bounds per row), kept apart by the block-causal
-    mask the trainer builds: each gets the logits it has alone, through the delta nets'
-    conv and recurrence as through the attention."""
-    from swift_mcore.data.packing import block_causal_mask
-    from swift_mcore.loaded_model import forward_logits, load_model
-    from swift_mcore.models import hybrid_layers
-
-    loaded = load_model(str(next_folder), log=lambda line: None)
-    lengths = [[20, 13, 7], [30, 10]]
+def packed_documents(lengths):
+    """Random documents of ``lengths`` (one list per row) packed into rows: the documents,
+    the rows' tokens, and their segment and position ids as sft --packing makes them."""
     docs = [[H.tokens(batch=1, length=n, seed=10 * r + i) for i, n in enumerate(row)]
             for r, row in enumerate(lengths)]
     rows = torch.cat([torch.cat(row, dim=1) for row in docs], dim=0)
     segments = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths])
     positions = torch.tensor([sum((list(range(n)) for n in row), []) for row in lengths])
+    return docs, rows, segments, positions
+
+
+def assert_each_document_alone(logits, docs, model, within=1e-5):
+    """Each document's slice of the packed rows' logits is its logits alone (``within``), and
+    its next-token loss its loss alone within 1e-5."""
+    import torch.nn.functional as F
+
+    from swift_mcore.loaded_model import forward_logits
+
+    def loss(doc_logits, doc):
+        return F.cross_entropy(doc_logits[0, :-1].float(), doc[0, 1:])
+
+    for r, row in enumerate(docs):
+        start = 0
+        for doc in row:
+            alone = forward_logits(model, doc)[..., : logits.shape[-1]]
+            stop = start + doc.shape[1]
+            assert (logits[r:r + 1, start:stop] - alone).abs().max() <= within
+            assert abs(loss(logits[r:r + 1, start:stop], doc) - loss(alone, doc)) <= 1e-5
+            start = stop
+
+
+def test_packed_rows_give_each_documents_logits(gloo_group, next_folder, monkeypatch):
+    """Documents packed into rows (different bounds per row), kept apart by the block-causal
+    mask the trainer builds: each gets the logits it has alone, through the delta nets'
+    conv and recurrence as through the attention."""
+    from swift_mcore.data.packing import block_causal_mask
+    from swift_mcore.loaded_model import load_model
+    from swift_mcore.models import hybrid_layers
+
+    loaded = load_model(str(next_folder), log=lambda line: None)
+    docs, rows, segments, positions = packed_documents([[20, 13, 7], [30, 10]])
 
     def packed():
         with torch.no_grad():
@@ -84,16 +110,89 @@ def test_packed_rows_give_each_documents_logits(gloo_group, next_folder, monkeyp
                                 attention_mask=block_causal_mask(segments)).float()
 
     logits = packed()
-    for r, row in enumerate(docs):
-        start = 0
-        for doc in row:
-            alone = forward_logits(loaded.model, doc)
-            stop = start + doc.shape[1]
-            assert (logits[r:r + 1, start:stop] - alone).abs().max() <= 1e-5
-            start = stop
+    assert_each_document_alone(logits, docs, loaded.model)
     # megatron's layer alone (the mask ignored) lets the state run into the next document
     monkeypatch.setattr(hybrid_layers, "document_starts", lambda mask, batch: None)
     assert (packed()[:, 20:] - logits[:, 20:]).abs().max() > 1e-3
+
+
+def test_a_sequence_parallel_rank_cuts_documents_out_of_the_whole_row(gloo_group,
+                                                                       next_folder):
+    """One delta-net layer as a rank of TP=2 with --sequence_parallel sees it (on one
+    process): its input is its half of the packed row, in_proj gathers the whole row, and
+    out_proj keeps its half of the output. Documents straddling the halves (13..33 of 40,
+    0..30) come out as in the whole row's one-rank forward: the documents are cut out of the
+    gathered row, not out of the rank's half. (The benchmark test below runs two ranks.)"""
+    from swift_mcore.data.packing import block_causal_mask
+    from swift_mcore.loaded_model import load_model
+
+    layer = load_model(str(next_folder), log=lambda line: None).model.decoder.layers[0] \
+        .self_attention
+    _, _, segments, _ = packed_documents([[13, 20, 7], [30, 10]])
+    mask = block_causal_mask(segments)
+    row = torch.randn(40, 2, layer.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = layer(row, mask)[0]
+    in_proj, out_proj = layer.in_proj, layer.out_proj
+
+    class Gather(torch.nn.Module):  # the row's other half comes from the other rank
+        def forward(self, half):
+            assert torch.equal(half, row[mine])
+            return in_proj(row)
+
+    class Scatter(torch.nn.Module):  # each rank keeps its half of the summed output
+        def forward(self, x):
+            out, bias = out_proj(x)
+            return out[mine], bias
+
+    try:
+        layer.in_proj, layer.out_proj, layer.sp_size = Gather(), Scatter(), 2
+        for mine in (slice(0, 20), slice(20, 40)):
+            with torch.no_grad():
+                half = layer(row[mine], mask)[0]
+            assert (half - whole[mine]).abs().max() <= 1e-6
+    finally:
+        layer.in_proj, layer.out_proj, layer.sp_size = in_proj, out_proj, 1
+
+
+def test_packing_resolves_at_tensor_parallel_size_two(tmp_path):
+    """sft --packing with delta-net layers at TP=2 with --sequence_parallel is a run (the
+    delta nets cut documents out of the whole gathered row: the benchmark test below)."""
+    from swift_mcore.arguments import SftArguments
+    from swift_mcore.run_config import resolve
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a b"}\n')
+    config = resolve(SftArguments.from_flags(
+        model_type="qwen3_next", linear_attention_freq="[1,0]", num_layers=2, hidden_size=64,
+        num_attention_heads=4, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, dataset=[str(data)], packing=True,
+        tensor_model_parallel_size=2, sequence_parallel=True), world_size=2)
+    assert config.parallel.tensor_model_parallel_size == 2 and config.sft.packing
+
+
+@pytest.mark.benchmark
+def test_packed_rows_under_tensor_and_sequence_parallelism(tmp_path, gloo_group, next_folder):
+    """TP=2 with --sequence_parallel on packed rows whose documents straddle the ranks'
+    halves of the row (13..33 of 40, 0..30): each rank's delta nets cut the documents out of
+    the whole gathered row, so every document gets its loss alone within 1e-5, and the rows
+    the single-rank packed forward's logits (within 1e-4: the TP ranks sum in another
+    order; a leak across documents moves them by over 1e-3)."""
+    from swift_mcore.data.packing import block_causal_mask
+    from swift_mcore.loaded_model import load_model
+    from test_hf_parallel import run_two_ranks
+
+    docs, rows, segments, positions = packed_documents([[13, 20, 7], [30, 10]])
+    torch.save((segments, positions), tmp_path / "packed.pt")
+    _, out = run_two_ranks(tmp_path, next_folder, 2, 1, "--sequence_parallel", "--packed",
+                           str(tmp_path / "packed.pt"), ids=rows)
+    logits = torch.load(out / "logits.pt")
+    loaded = load_model(str(next_folder), log=lambda line: None)
+    with torch.no_grad():
+        one_rank = loaded.model(input_ids=rows, position_ids=positions,
+                                attention_mask=block_causal_mask(segments)).float()
+    assert (logits - one_rank[..., : logits.shape[-1]]).abs().max() <= 1e-4
+    assert_each_document_alone(logits, docs, loaded.model, within=1e-4)
 
 
 @pytest.mark.benchmark
@@ -244,14 +343,18 @@ def test_a_gpu_without_the_delta_net_kernels_is_refused_by_name(next_folder, mon
                 transformer_engine=False)
 
 
-def test_lora_on_the_delta_nets_merges_into_transformers_logits(tmp_path, train_here,
-                                                                 next_folder):
+def test_lora_on_the_delta_nets_exports_merged_and_as_peft(tmp_path, train_here,
+                                                          next_folder):
     """LoRA on the delta nets' in_proj and out_proj alone (the attention layer's linear_qkv
-    and linear_proj too with all-linear): the adapters train, the merged export gives the
-    checkpoint's logits in transformers within 1e-4, and the PEFT form is refused by name."""
+    and linear_proj too with all-linear): the adapters train; the merged export, and the
+    PEFT adapter (in_proj's A on in_proj_qkvz and in_proj_ba, its B split into their rows in
+    transformers' per-key-head order) loaded by peft onto transformers' model, give the
+    checkpoint's logits within 1e-4."""
     import json
 
+    from peft import PeftModel
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from swift_mcore.loaded_model import forward_logits, load_model
     from test_hf_training import run_flags
@@ -282,9 +385,16 @@ def test_lora_on_the_delta_nets_merges_into_transformers_logits(tmp_path, train_
                            source["model.layers.0.linear_attn.in_proj_ba.weight"])
     assert torch.equal(merged["model.layers.3.self_attn.q_proj.weight"],
                        source["model.layers.3.self_attn.q_proj.weight"])
-    with pytest.raises(ArgumentError, match=r"a gated delta net's projection\) has an adapter; "
-                                            r".* --to_hf --merge_lora"):
-        H.convert(checkpoint, tmp_path / "adapter", "to_peft")
+
+    H.convert(checkpoint, tmp_path / "adapter", "to_peft")
+    written = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert sorted({name.split(".linear_attn.")[1] for name in written}) == [
+        f"{module}.lora_{ab}.weight" for module in ("in_proj_ba", "in_proj_qkvz", "out_proj")
+        for ab in "AB"]
+    base = AutoModelForCausalLM.from_pretrained(str(next_folder), attn_implementation="eager")
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert (peft(ids).logits - ours).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("flags, message", [
