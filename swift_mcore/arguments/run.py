@@ -567,9 +567,7 @@ class RunArguments:
                 f"--seq_length ({m.seq_length}) must be a multiple of 2 x "
                 f"--context_parallel_size{what} ({unit}): each context-parallel rank holds "
                 f"two of {2 * cp} equal chunks of every sequence")
-        refused = [("--multi_latent_attention", m.multi_latent_attention),
-                   (f"--model_type {m.model_type}", m.model_type == "gemma3"),
-                   *self.rlhf_refused_with_cp()]
+        refused = [*self.rlhf_refused_with_cp()]
         for what, given in refused:
             if given:
                 raise ArgumentError(f"--context_parallel_size {cp} with {what} is not "
