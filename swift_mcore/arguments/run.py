@@ -574,15 +574,13 @@ class RunArguments:
                                     f"supported yet; use --context_parallel_size 1")
 
     def rlhf_refused_with_cp(self) -> list:
-        """(what, given) for the rlhf runs that do not take a cut sequence yet: dpo sums
-        each sequence's log-probabilities over the group, the other losses not yet."""
+        """(what, given) for the rlhf runs that do not take a cut sequence yet: every task
+        sums each sequence's parts over the group (rm reads its score where the last token
+        lives); the stages' exchanges of the policy's and reference's rows not yet."""
         r = getattr(self, "rlhf", None)
         if self.COMMAND != "rlhf" or r is None:
             return []
-        return [(f"rlhf --rlhf_type {r.rlhf_type}", r.rlhf_type != "dpo"),
-                # the one pass before training runs whole rows through the model
-                ("rlhf --precompute_ref_log_probs", r.precompute_ref_log_probs),
-                ("rlhf --pipeline_model_parallel_size > 1",
+        return [("rlhf --pipeline_model_parallel_size > 1",
                  self.parallel.pipeline_model_parallel_size > 1)]
 
     def check_virtual_pipeline(self, dp: int) -> None:
