@@ -1,6 +1,6 @@
 """rlhf dpo under context parallelism: each sequence's log-probabilities summed over the CP
-ranks' chunks give the one-rank losses, metrics and gradient norms; the rlhf runs that do
-not take a cut sequence yet are refused in one line."""
+ranks' chunks give the one-rank losses, metrics and gradient norms; rlhf under pipeline
+stages with CP is refused in one line (the other tasks: test_task_context_parallel.py)."""
 
 import json
 import subprocess
@@ -55,9 +55,8 @@ SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
 
 
 @pytest.mark.parametrize("flags,message", [
-    (dict(rlhf_type="kto"), "--context_parallel_size 2 with rlhf --rlhf_type kto is not"),
-    (dict(rlhf_type="dpo", precompute_ref_log_probs=True),
-     "with rlhf --precompute_ref_log_probs is not"),
+    (dict(rlhf_type="kto", pipeline_model_parallel_size=2),
+     "with rlhf --pipeline_model_parallel_size > 1 is not"),
     (dict(rlhf_type="dpo", pipeline_model_parallel_size=2),
      "with rlhf --pipeline_model_parallel_size > 1 is not"),
 ])
