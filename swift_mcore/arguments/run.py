@@ -249,8 +249,15 @@ class RunArguments:
         if pp == 1:
             raise ArgumentError(f"--{given[0]} needs --pipeline_model_parallel_size > 1")
         if self.virtual_stages() is not None:
-            raise ArgumentError(f"--{given[0]} with the interleaved pipeline is not supported "
-                                f"yet; drop one of them")
+            if p.num_layers_per_virtual_pipeline_stage is not None:
+                raise ArgumentError(f"--num_layers_per_virtual_pipeline_stage with "
+                                    f"--{given[0]}: the stages' chunks differ in size; give "
+                                    f"--num_virtual_stages_per_pipeline_rank instead")
+            if first is None and last is None:
+                raise ArgumentError(f"--{given[0]} with the interleaved pipeline is not "
+                                    f"supported yet; give --decoder_first_pipeline_num_layers"
+                                    f" / --decoder_last_pipeline_num_layers, or drop "
+                                    f"--num_virtual_stages_per_pipeline_rank")
         if first is not None or last is not None:
             if p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split:
                 named = given[-1]
@@ -267,8 +274,17 @@ class RunArguments:
                     f"--{given[0]}: the other {middle} pipeline stage(s) must split the "
                     f"remaining {rest} of --num_layers ({n}) evenly, at least one layer each")
             each = rest // middle if middle else 0
-            return ([first if first is not None else each] + [each] * (pp - 2)
-                    + [last if last is not None else each])
+            stages = ([first if first is not None else each] + [each] * (pp - 2)
+                      + [last if last is not None else each])
+            vp = self.virtual_stages()
+            if vp and vp > 0 and any(n % vp for n in stages):
+                # megatron's interleaved split: every stage in vp equal chunks
+                # (transformer_config.py, the uneven pipeline's checks)
+                raise ArgumentError(
+                    f"--{given[0]} with --num_virtual_stages_per_pipeline_rank {vp}: each "
+                    f"pipeline stage's layers ({', '.join(map(str, stages))}) must split "
+                    f"into {vp} equal virtual stages")
+            return stages
         extra_first = int(p.account_for_embedding_in_pipeline_split)
         extra_last = int(p.account_for_loss_in_pipeline_split)
         total = n + extra_first + extra_last
@@ -605,7 +621,9 @@ class RunArguments:
             raise ArgumentError(
                 f"--{given[0]} {getattr(p, given[0])} gives {max(vp, 0)} virtual stage(s) per "
                 f"pipeline rank; the interleaved schedule needs 2 or more")
-        if m.num_layers % (pp * vp):
+        uneven = (p.decoder_first_pipeline_num_layers is not None
+                  or p.decoder_last_pipeline_num_layers is not None)
+        if not uneven and m.num_layers % (pp * vp):  # uneven: pipeline_stage_layers
             raise ArgumentError(
                 f"--{given[0]} {getattr(p, given[0])}: --num_layers ({m.num_layers}) must split "
                 f"into --pipeline_model_parallel_size ({pp}) x virtual stages ({vp}) equal "
