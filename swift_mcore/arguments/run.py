@@ -590,14 +590,10 @@ class RunArguments:
                                     f"supported yet; use --context_parallel_size 1")
 
     def rlhf_refused_with_cp(self) -> list:
-        """(what, given) for the rlhf runs that do not take a cut sequence yet: every task
-        sums each sequence's parts over the group (rm reads its score where the last token
-        lives); the stages' exchanges of the policy's and reference's rows not yet."""
-        r = getattr(self, "rlhf", None)
-        if self.COMMAND != "rlhf" or r is None:
-            return []
-        return [("rlhf --pipeline_model_parallel_size > 1",
-                 self.parallel.pipeline_model_parallel_size > 1)]
+        """(what, given) for the rlhf runs that do not take a cut sequence yet: none (every
+        task sums each sequence's parts over the group; rm reads its score where the last
+        token lives)."""
+        return []
 
     def check_virtual_pipeline(self, dp: int) -> None:
         """The interleaved schedule: PP > 1, equal chunks, and micro-batches that megatron's

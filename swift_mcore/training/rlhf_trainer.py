@@ -150,9 +150,12 @@ class DpoTrainer(Trainer):
         device = self.device()
         micro = self.config.training.micro_batch_size
         frozen = self.reference is not None
+        cp = self.config.world.context_parallel
 
         def forward_step(data_iterator, chunk):
             batch = {k: v.to(device) for k, v in self.micro_batch(data_iterator, next).items()}
+            if cp > 1:  # every CP rank of a stage runs the same pairs: its chunks of each row
+                batch = on_this_cp_rank(batch, cp)
             with (contextlib.nullcontext(chunk) if frozen
                   else self.reference_of(chunk)) as reference:
                 losses = reference(input_ids=batch["tokens"],
@@ -160,7 +163,7 @@ class DpoTrainer(Trainer):
                                    labels=batch["labels"])
 
             def collect(output, non_loss_data=True):
-                return sequence_sums(-(output.float() * batch["loss_mask"]), batch)
+                return over_cp(sequence_sums(-(output.float() * batch["loss_mask"]), batch))
 
             return losses, collect
 

@@ -78,3 +78,50 @@ def test_dpo_s_precomputed_reference_at_cp2_gives_the_one_rank_run(tiny_hf, tmp_
     assert one.shape == (len(ROWS), 2) and (cp - one).abs().max() <= 1e-5
     assert_same_curves(curve(tmp_path / "one"), curve(tmp_path / "cp"),
                        ("loss", "grad_norm", "rewards/chosen", "rewards/margins"))
+
+
+WITH_STAGES = {
+    "dpo": ["--rlhf_type", "dpo", "--rpo_alpha", "0.5", "--micro_batch_size", "1",
+            "--global_batch_size", "2"],
+    "kto": ["--rlhf_type", "kto", "--micro_batch_size", "2", "--global_batch_size", "4"],
+    "rm": ["--rlhf_type", "rm", "--micro_batch_size", "1", "--global_batch_size", "2"],
+    # the pass before training through the stages, each CP rank with its chunks
+    "dpo_precompute": ["--precompute_ref_log_probs", "--micro_batch_size", "3",
+                       "--global_batch_size", "3"],
+}
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("task", sorted(WITH_STAGES))
+def test_cp2_with_pp2_on_four_ranks_gives_the_one_rank_run(task, tiny_hf, kto_file, tmp_path,
+                                                           gloo_group):
+    """CP=2 x PP=2: the stages pass each CP rank's part of the policy's, the reference's
+    (and KTO's KL) rows; the last stage sums each sequence over the group."""
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.cli import trainer_class
+    from swift_mcore.run_config import resolve
+    from test_rlhf_pipeline import task_metrics
+
+    folder, data = tiny_hf
+    flags = ["--model", str(folder), "--dataset", str(kto_file if task == "kto" else data),
+             *FLAGS, *run_flags(*WITH_STAGES[task])]
+    config = resolve(parse_args([*flags, "--output_dir", str(tmp_path / "one")],
+                                prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
+    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[],
+                     trainer=trainer_class(config))
+    env = child_env(NPROC_PER_NODE="4", MASTER_PORT=str(H.free_port()))
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags,
+                           "--context_parallel_size", "2", "--pipeline_model_parallel_size",
+                           "2", "--output_dir", str(tmp_path / "four")],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, four = curve(tmp_path / "one"), curve(tmp_path / "four")
+    assert sorted(one) == sorted(four) == [1, 2, 3]
+    names = ("loss", *task_metrics(config.rlhf.rlhf_type))
+    for it in one:
+        assert [n for n in names if n in four[it]] == [n for n in names if n in one[it]], it
+        for name in (n for n in names if n in one[it]):
+            assert four[it][name] == pytest.approx(one[it][name], abs=1e-5, rel=1e-6), \
+                (it, name)
+        # rows padded to --seq_length under stages: float32 sums in another order
+        assert four[it]["grad_norm"] == pytest.approx(one[it]["grad_norm"], rel=1e-5), it
