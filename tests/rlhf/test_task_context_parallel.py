@@ -125,3 +125,55 @@ def test_cp2_with_pp2_on_four_ranks_gives_the_one_rank_run(task, tiny_hf, kto_fi
                 (it, name)
         # rows padded to --seq_length under stages: float32 sums in another order
         assert four[it]["grad_norm"] == pytest.approx(one[it]["grad_norm"], rel=1e-5), it
+
+
+def test_a_reward_score_is_read_on_the_rank_that_holds_the_last_token(monkeypatch):
+    """Two simulated CP ranks: each rank's part (its chunks of the rows), summed, is the
+    score pooled at each whole row's last non-pad token; the position the ranks agree on is
+    the largest of their own candidates (a row of pads: position 0, on rank 0)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from swift_mcore.models.value_head import pooled
+    from swift_mcore.runtime import collectives
+    from swift_mcore.training import reward_trainer
+
+    pad = 0
+    tokens = torch.tensor([[5, 6, 7, 0, 0, 0, 0, 0],   # last token at 2: chunk 1, rank 1
+                           [5, 6, 7, 8, 9, 0, 0, 0],   # at 4: chunk 2, rank 1
+                           [5, 6, 7, 8, 9, 9, 9, 9],   # at 7: chunk 3, rank 0
+                           [0, 0, 0, 0, 0, 0, 0, 0]])  # none: position 0, rank 0
+    scores = torch.randn(4, 8, 1)
+    candidates = {}
+
+    class Pair:
+        def __init__(self, rank):
+            self.r = rank
+
+        def size(self):
+            return 2
+
+        def rank(self):
+            return self.r
+
+    def agree(tensor, op=None, group=None):  # MAX over the ranks' candidates seen so far
+        candidates[group.r] = tensor.clone()
+        return torch.stack(list(candidates.values())).amax(0)
+
+    monkeypatch.setattr(collectives, "all_reduce", agree)
+    monkeypatch.setattr(reward_trainer, "over_cp", lambda values: values)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    parts = {}
+    for _ in range(2):  # the second pass: both ranks' candidates known
+        for rank in range(2):
+            monkeypatch.setattr(parallel_state, "get_context_parallel_group",
+                                lambda r=rank: Pair(r))
+            monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda r=rank: r)
+            local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": scores[..., 0]})
+            parts[rank] = reward_trainer.scores_over_cp(local["labels"][..., None],
+                                                        local["tokens"], pad)
+    assert candidates[0].tolist() == [1, 1, 7, 0] and candidates[1].tolist() == [2, 4, 5, 0]
+    whole = pooled(scores.float(), tokens, pad)[:, 0]
+    assert torch.equal(parts[0] + parts[1], whole)
+    assert torch.equal(parts[0] == 0, torch.tensor([True, True, False, False]))
