@@ -689,6 +689,12 @@ class Trainer:
 SEQUENCE_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 
 
+# rlhf rows beside them: KTO's KL rows (the same fields, prefixed) and ORPO's mask of every
+# position of a row (cut like loss_mask)
+SEQUENCE_PREFIXES = ("", "kl_")
+ROW_MASKS = ("sequence_mask",)
+
+
 def on_this_cp_rank(batch: Dict[str, torch.Tensor], cp: int) -> Dict[str, torch.Tensor]:
     """This context-parallel rank's two of the 2 x CP sequence chunks, by megatron's own
     split (``get_batch_on_this_cp_rank``: chunks r and 2CP-1-r; the attention mask keeps
@@ -697,7 +703,15 @@ def on_this_cp_rank(batch: Dict[str, torch.Tensor], cp: int) -> Dict[str, torch.
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     full = batch.get("num_tokens", batch["tokens"].numel())
-    split = get_batch_on_this_cp_rank({k: batch[k] for k in SEQUENCE_FIELDS if k in batch})
+    split = {}
+    for prefix in SEQUENCE_PREFIXES:
+        # megatron's split reads the field's name for its sequence axis: unprefixed here
+        fields = {k: batch[prefix + k] for k in SEQUENCE_FIELDS if prefix + k in batch}
+        if fields:
+            split.update({prefix + k: v for k, v in get_batch_on_this_cp_rank(fields).items()})
+    for name in ROW_MASKS:
+        if name in batch:
+            split[name] = get_batch_on_this_cp_rank({"loss_mask": batch[name]})["loss_mask"]
     return {**batch, **split, "num_tokens": torch.as_tensor(full, dtype=torch.float) / cp}
 
 
