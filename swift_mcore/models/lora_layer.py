@@ -103,16 +103,33 @@ class LoraParallelLinear(nn.Module, LoraLayer):
         mc.use_cpu_initialization, mc.perform_initialization = True, True
         dtype = base.weight.dtype
         zeros = nn.init.zeros_
+        # A routed expert's linear is split over the expert-TP group and leaves its
+        # communication to the token dispatcher (megatron's explicit_expert_comm): its
+        # parallel factor is built as an expert linear of the same group, so that it is
+        # split as the base weight is and communicates as it does.
+        expert = bool(getattr(base, "is_expert", False))
+        group = dict(is_expert=True, tp_group=base.tp_group) if expert else {}
         if self.is_parallel_a:
             lora_a = tensor_parallel.RowParallelLinear(
                 self.in_features, r, config=mc, init_method=zeros, bias=False,
-                input_is_parallel=self.base_linear.input_is_parallel, skip_bias_add=True)
+                input_is_parallel=self.base_linear.input_is_parallel, skip_bias_add=True,
+                **group)
             lora_b = nn.Linear(r, self.out_features, bias=False, dtype=dtype)
+            parallel, replicated = lora_a, lora_b
         else:
             lora_a = nn.Linear(self.in_features, r, bias=False, dtype=dtype)
             lora_b = tensor_parallel.ColumnParallelLinear(
                 r, self.out_features, config=mc, init_method=zeros, bias=False,
-                gather_output=False, skip_bias_add=True)
+                gather_output=False, skip_bias_add=True, **group)
+            parallel, replicated = lora_b, lora_a
+        # The replicated factor's gradient is only this rank's part where its side of the
+        # layer is split over the TP ranks: under --sequence_parallel it sees (column) or
+        # produces (row) this rank's slice of the sequence, and an expert's factors
+        # exchange nothing (the dispatcher gathered the tokens, and sums the outputs,
+        # over the expert-TP ranks). megatron sums the gradients of parameters marked
+        # ``sequence_parallel`` over the TP ranks (finalize_model_grads), as the norms'.
+        if parallel.tp_group.size() > 1 and (mc.sequence_parallel or expert):
+            replicated.weight.sequence_parallel = True
         # A routed expert's weight is reduced over its expert-data-parallel group, not the
         # whole data-parallel one (megatron marks it allreduce=False under EP): its adapter
         # belongs to the same expert, so its factors are marked as the weight is.
@@ -131,17 +148,14 @@ class LoraParallelLinear(nn.Module, LoraLayer):
     def init_adapter(self, seed: int) -> None:
         """A as peft initialises it (Kaiming-uniform, a=sqrt(5)) from a generator of its
         own, B = 0 (the model's output is the base model's, exactly)."""
-        from megatron.core import parallel_state
-
         for name in self.lora_A:
             a, b = self.lora_A[name].weight, self.lora_B[name].weight
             full = torch.empty(a.shape[0], self.in_features, dtype=torch.float32)
             nn.init.kaiming_uniform_(full, a=math.sqrt(5),
                                      generator=torch.Generator().manual_seed(seed))
-            if self.is_parallel_a:
-                rank = parallel_state.get_tensor_model_parallel_rank()
-                full = full.chunk(parallel_state.get_tensor_model_parallel_world_size(),
-                                  dim=1)[rank]
+            if self.is_parallel_a:  # split as the base weight is (an expert's: expert TP)
+                group = self.lora_A[name].tp_group
+                full = full.chunk(group.size(), dim=1)[group.rank()]
             a.copy_(full)
             b.zero_()
 

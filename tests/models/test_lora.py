@@ -194,6 +194,42 @@ def test_tp2_and_pp2_give_the_one_rank_losses_and_resume_is_exact(trained):
         {4: tp2[4]}
 
 
+SP = ("--tensor_model_parallel_size", "2", "--sequence_parallel")
+
+
+@pytest.mark.benchmark
+def test_sequence_parallel_gives_the_one_rank_run_and_its_merged_export(trained, gloo_group,
+                                                                        tmp_path):
+    from run_helpers import train_records
+
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.export import run
+
+    root, data, _ = trained
+    continue_pretraining(root / "hf", data, root / "sp", *LORA, *SP, "--save_steps", "2",
+                         nproc=2)
+    # Each rank holds a slice of the sequence: the replicated factors' gradients are parts,
+    # summed over the TP ranks (without that the grad norm is 1.448 for 1.606 at step 1).
+    one = {r["iteration"]: r for r in train_records(root / "tp1")}
+    sp = {r["iteration"]: r for r in train_records(root / "sp")}
+    assert sorted(sp) == sorted(one) == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm"):
+        assert max(abs(sp[i][key] - one[i][key]) for i in one) < 1e-5, key
+    assert resume_copy(root, "sp_resumed", *SP, nproc=2, source="sp") == \
+        {3: sp[3]["loss"], 4: sp[4]["loss"]}
+    quiet = lambda line: None  # noqa: E731
+    tokens = H.tokens(vocab=300, length=32)
+    logits = {}
+    for name in ("tp1", "sp"):
+        out = tmp_path / name
+        run(ExportArguments(model=str(root / name / "checkpoint" / "iter_0000004"),
+                            output_dir=str(out), to_hf=True, merge_lora=True).validate(),
+            log=quiet)
+        logits[name] = H.hf_logits(str(out), tokens)
+    assert (logits["sp"] - logits["tp1"]).abs().max() < 1e-5
+    assert (logits["sp"] - H.hf_logits(str(root / "hf"), tokens)).abs().max() > 1e-2
+
+
 @pytest.mark.slow
 def test_resume_on_other_base_weights_is_refused_naming_the_field(trained):
     root, data, _ = trained
