@@ -130,6 +130,10 @@ class LoraParallelLinear(nn.Module, LoraLayer):
         # ``sequence_parallel`` over the TP ranks (finalize_model_grads), as the norms'.
         if parallel.tp_group.size() > 1 and (mc.sequence_parallel or expert):
             replicated.weight.sequence_parallel = True
+        # this rank's slice of the sequence enters A: its dropout mask is drawn as
+        # megatron draws the masks of sequence-split activations
+        self.sequence_split = (not self.is_parallel_a and not expert
+                               and parallel.tp_group.size() > 1 and mc.sequence_parallel)
         # A routed expert's weight is reduced over its expert-data-parallel group, not the
         # whole data-parallel one (megatron marks it allreduce=False under EP): its adapter
         # belongs to the same expert, so its factors are marked as the weight is.
@@ -168,12 +172,23 @@ class LoraParallelLinear(nn.Module, LoraLayer):
         for name in self.active_adapters:
             if name not in self.lora_A:
                 continue
-            h = self.lora_A[name](self.lora_dropout[name](x.to(self.lora_A[name].weight.dtype)))
+            h = self.lora_A[name](self._dropout(name, x.to(self.lora_A[name].weight.dtype)))
             h = h[0] if isinstance(h, tuple) else h
             delta = self.lora_B[name](h)
             delta = delta[0] if isinstance(delta, tuple) else delta
             result = result + (delta * self.scaling[name]).to(result.dtype)
         return result, bias
+
+    def _dropout(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        dropout = self.lora_dropout[name]
+        if not self.sequence_split or isinstance(dropout, nn.Identity):
+            return dropout(x)
+        from megatron.core import tensor_parallel
+
+        # each TP rank its own stream (megatron's tracker; CPU runs refuse this case,
+        # run_config.check_sequence_parallel)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return dropout(x)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         """This rank's shard of B·A·scaling, the shard layout of the base weight."""

@@ -52,6 +52,15 @@ def test_bad_lora_flags_are_refused_naming_the_flag(flags, message):
     assert message in str(err.value)
 
 
+def test_sequence_parallel_takes_lora_without_dropout_on_cpu():
+    sp = dict(SHAPE, tuner_type="lora", tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ArgumentError) as err:  # --lora_dropout's default, 0.05
+        resolve(RunArguments.from_flags(**sp), world_size=2, cuda=False)
+    assert str(err.value).startswith("--lora_dropout 0.05 with --sequence_parallel on CPU: ")
+    assert "set --lora_dropout 0 or drop --sequence_parallel" in str(err.value)
+    resolve(RunArguments.from_flags(**sp, lora_dropout=0.0), world_size=2, cuda=False)
+
+
 def test_lora_rank_bounds_and_its_override():
     resolve(RunArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=24),
             world_size=1)  # exactly half of the adapted layers' parameters: accepted
