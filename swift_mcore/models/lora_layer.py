@@ -6,8 +6,11 @@ peft 0.21's own megatron dispatcher fails before building a layer (it reads a
 megatron's linears give into the next matmul, so models/lora.py registers this one with
 peft instead; peft knows no TE wrapper of megatron's at all. For a column-parallel base,
 A (r x in) is replicated and B is column-parallel; for a row-parallel base, A is
-row-parallel and B (out x r) replicated. What differs between a megatron base and a TE one
-is read once into a ``BaseLinear`` (``describe``; TE's part is models/lora_te.py).
+row-parallel and B (out x r) replicated; under --sequence_parallel they take the base's
+layout (A on the sequence slice, B gathering; A reduce-scattering, B on the slice) and the
+replicated factor's gradient is summed over the TP ranks. What differs between a
+megatron base and a TE one is read once into a ``BaseLinear`` (``describe``; TE's part is
+models/lora_te.py).
 Its own module because it subclasses peft's LoraLayer: importing peft (and transformers
 with it) costs seconds, which a full-parameter run should not pay.
 """
