@@ -794,10 +794,6 @@ class RunArguments:
 
     def check_tuner(self) -> None:
         self.tuner.check(self.explicit)
-        if self.tuner.tuner_type == "lora" and self.parallel.sequence_parallel:
-            raise ArgumentError("--tuner_type lora does not support --sequence_parallel (the "
-                                "adapters' replicated weights would need its gradient "
-                                "reduction); leave --sequence_parallel off")
 
     def check_best_flags(self) -> None:
         """--metric_for_best, --greater_is_better, --early_stopping_patience: they judge
