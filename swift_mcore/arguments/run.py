@@ -399,9 +399,32 @@ class RunArguments:
         if not isinstance(vision, dict) or not isinstance(vision.get("vision_config"), dict):
             raise ArgumentError("--vision_config must be a JSON object with a vision_config "
                                 "object (a Qwen2.5-VL --model folder sets it)")
-        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
-            raise ArgumentError("a vision-language model runs without pipeline stages and "
-                                "--context_parallel_size for now (issue 42)")
+        if p.context_parallel_size > 1:
+            raise ArgumentError("a vision-language model runs without --context_parallel_size "
+                                "for now (issue 42)")
+        self.check_deepstack_stage(vision["vision_config"])
+
+    def check_deepstack_stage(self, vision: dict) -> None:
+        """Qwen3-VL adds its deepstack features after the first decoder layers: the tower
+        is on the first pipeline stage, so those layers must be there too (in its first
+        model chunk under the interleaved schedule)."""
+        p = self.parallel
+        deepstack = vision.get("deepstack_visual_indexes") or []
+        if p.pipeline_model_parallel_size == 1 or not deepstack:
+            return
+        vp = self.virtual_stages()
+        first = (self.model.num_layers // (p.pipeline_model_parallel_size * vp) if vp
+                 else self.pipeline_stage_layers()[0])
+        if first < len(deepstack):
+            where = "first model chunk" if vp else "first pipeline stage"
+            flag = ("--num_layers_per_virtual_pipeline_stage" if vp else
+                    "--decoder_first_pipeline_num_layers")
+            raise ArgumentError(
+                f"--pipeline_model_parallel_size {p.pipeline_model_parallel_size}: the "
+                f"{where} holds {first} decoder layer(s), but Qwen3-VL adds its "
+                f"{len(deepstack)} deepstack features (vision_config.deepstack_visual_indexes) "
+                f"after layers 0..{len(deepstack) - 1}, next to the tower; give it at least "
+                f"{len(deepstack)} with {flag} or use fewer stages")
 
     def check_attention(self) -> None:
         """Multi-latent attention's flags, YaRN's and gpt-oss's (attention sinks, the

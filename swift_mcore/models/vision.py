@@ -42,10 +42,11 @@ Not yet here (issue 42): context parallelism and pipeline stages for the vision 
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -354,19 +355,39 @@ def _model_class():
                     rotary_percent=kwargs.get("rotary_percent", 1.0),
                     rotary_base=kwargs.get("rotary_base", 10000))
             self._deepstack = None  # (image-pad mask, features per layer) of this forward
+            self._in_forward = self._record = False
+            # Under --recompute_granularity full a layer runs again in the backward, after
+            # the forward of later micro-batches (pipeline schedules): each layer keeps the
+            # features of the micro-batches whose backward is still to come, in order.
+            self._pending: Dict[int, Deque] = {}
             if self.pre_process:
                 self.visual = build_vision_tower(vl, self.config.params_dtype)
                 mergers = len(getattr(self.visual, "deepstack_merger_list", ()))
                 # a hook on the layer, not a copy of megatron's block loop: it runs inside
-                # activation recompute too, where the features are still this step's
+                # activation recompute too
                 for i, layer in enumerate(self.decoder.layers[:mergers]):
+                    self._pending[i] = collections.deque()
                     layer.register_forward_hook(self._deepstack_hook(i))
+
+        def _recomputed(self) -> bool:
+            """Whether this forward's layers run again in the backward (megatron recomputes
+            whole layers when training with --recompute_granularity full)."""
+            return (self.training and torch.is_grad_enabled()
+                    and self.config.recompute_granularity == "full")
 
         def _deepstack_hook(self, index):
             def add_features(module, args, output):
-                if self._deepstack is None:
+                if self._in_forward:
+                    deepstack = self._deepstack
+                    if self._record and not torch.is_grad_enabled():
+                        # inside megatron's checkpoint: this layer runs again in the backward
+                        self._pending[index].append(deepstack)
+                else:  # the recompute in the backward: the oldest micro-batch's features
+                    deepstack = self._pending[index].popleft() if self._pending[index] \
+                        else None
+                if deepstack is None:
                     return output
-                mask, features = self._deepstack
+                mask, features = deepstack
                 hidden, context = output
                 rows = hidden.new_zeros(*mask.shape, hidden.shape[-1]).masked_scatter(
                     mask.unsqueeze(-1), features[index].to(hidden.dtype)).transpose(0, 1)
@@ -392,6 +413,16 @@ def _model_class():
                 position_ids = rope_index(input_ids, image_grid_thw, self.vl, position_ids,
                                           video_grid_thw, second_per_grid_ts)
             self._deepstack = None
+            # (the hooks' first run is inside megatron's checkpoint, without grad: asked here)
+            self._in_forward, self._record = True, self._recomputed()
+            try:
+                return self._forward(input_ids, position_ids, attention_mask, decoder_input,
+                                     labels, pixel_values, image_grid_thw, **kwargs)
+            finally:
+                self._in_forward = False
+
+        def _forward(self, input_ids, position_ids, attention_mask, decoder_input, labels,
+                     pixel_values, image_grid_thw, **kwargs):
             if decoder_input is None and self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)
                 if pixel_values is not None or pixel_values_videos is not None:

@@ -1,0 +1,113 @@
+"""Vision-language models under pipeline parallelism (the tower and its mergers on the first
+stage; Qwen3-VL's deepstack layers there too): sft with images at PP=2 gives the one-rank
+losses and gradient norms, resumes exactly (at PP=2 and at one rank), and its checkpoints
+export transformers' tensors bit for bit."""
+
+import pytest
+import torch
+
+import hf_helpers as H
+from swift_mcore.errors import ArgumentError
+from test_qwen2_5_vl import image_dataset, write_processor_files
+from test_qwen3_vl import sft_two_ranks
+
+
+@pytest.fixture(scope="module")
+def vl3_three_layers(tmp_path_factory):
+    """A Qwen3-VL folder with three decoder layers: its two deepstack layers fit a first
+    stage of two, the third is the second stage's."""
+    import test_qwen3_vl as T
+
+    path = tmp_path_factory.mktemp("qwen3_vl_3") / "hf"
+    text = T.TEXT
+    T.TEXT = dict(text, num_hidden_layers=3)
+    try:
+        T.make_qwen3_vl(path)
+    finally:
+        T.TEXT = text
+    write_processor_files(path)
+    return path
+
+
+def test_deepstack_layers_must_sit_on_the_first_stage(vl3_three_layers):
+    """The tower is on the first stage: a split that puts a deepstack layer later is named
+    with the flag that fixes it; a first stage of two layers is accepted."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    folder = str(vl3_three_layers)
+    with pytest.raises(ArgumentError, match=r"the first pipeline stage holds 1 decoder "
+                                            r"layer\(s\), but Qwen3-VL adds its 2 deepstack "
+                                            r"features .* --decoder_first_pipeline_num_layers"):
+        resolve(RunArguments.from_flags(model=folder, pipeline_model_parallel_size=2,
+                                        decoder_last_pipeline_num_layers=2), world_size=2)
+    resolve(RunArguments.from_flags(model=folder, pipeline_model_parallel_size=2,
+                                    decoder_first_pipeline_num_layers=2), world_size=2)
+
+
+def _steps(run):
+    from run_helpers import train_records
+
+    return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in train_records(run)}
+
+
+def _close(one, other, tolerance=1e-5):
+    """Each step's loss and gradient norm within ``tolerance`` (relative to the value
+    when it is above 1: the norms sum differently padded rows)."""
+    return all(abs(a - b) <= tolerance * max(1.0, abs(a))
+               for i in other for a, b in zip(one[i], other[i]))
+
+
+@pytest.mark.benchmark
+def test_pp2_sft_with_images_equals_one_rank(tmp_path, train_here, vl3_three_layers):
+    """sft with images at PP=2 (the tower, mergers and deepstack layers on the first stage,
+    training; packed rows; every layer recomputed, the deepstack features added again to
+    each micro-batch's recomputed layers): the one-rank losses and gradient norms within
+    1e-5; resumed at PP=2 bit for bit, and at one rank from the PP=2 checkpoint; the PP=2
+    checkpoint exports the folder's tensor names, which transformers loads."""
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path, rows=16)
+    flags = ["--model", vl3_three_layers, "--dataset", data, "--seq_length", "64", "--lr",
+             "1e-2", "--min_lr", "1e-2", "--train_iters", "3", "--template", "tokenizer",
+             "--freeze_vit", "false", "--freeze_aligner", "false", "--packing", "true",
+             "--recompute_granularity", "full", "--recompute_method", "uniform",
+             "--recompute_num_layers", "1"]
+    pp2 = ["--pipeline_model_parallel_size", "2", "--decoder_first_pipeline_num_layers", "2"]
+    train_here(tmp_path / "one", *flags, "--no_save", base=run_flags())
+    sft_two_ranks(tmp_path / "pp2", *flags, *pp2, "--save_steps", "2")
+    checkpoint = tmp_path / "pp2" / "checkpoint" / "iter_0000002"
+    sft_two_ranks(tmp_path / "resumed", *flags, *pp2, "--no_save", "--resume", checkpoint)
+    train_here(tmp_path / "at_one", *flags, "--no_save", "--resume", checkpoint,
+               base=run_flags())
+    one, pp, resumed, at_one = (_steps(tmp_path / name)
+                                for name in ("one", "pp2", "resumed", "at_one"))
+    assert sorted(one) == sorted(pp) == [1, 2, 3] and sorted(resumed) == sorted(at_one) == [3]
+    assert one[3][0] < one[1][0]
+    assert _close(one, pp) and _close(one, at_one), (one, pp, at_one)
+    assert resumed[3] == pp[3]
+    H.convert(checkpoint, tmp_path / "exported", "to_hf")
+    original = H.safetensors_state(str(vl3_three_layers))
+    exported = H.safetensors_state(str(tmp_path / "exported"))
+    assert sorted(exported) == sorted(original)
+    assert any(not torch.equal(exported[n], t) for n, t in original.items()
+               if n.startswith("model.visual.blocks."))  # the tower trained
+
+
+@pytest.mark.benchmark
+def test_pp2_checkpoint_matches_transformers_and_exports_bit_identical(
+        tmp_path, gloo_group, vl3_three_layers):
+    """The folder loaded at PP=2 (the tower on the first stage): text logits are
+    transformers', and its checkpoint exports every tensor bit for bit, as one rank's."""
+    from test_hf_parallel import run_two_ranks
+    from test_qwen3_vl import transformers_model
+
+    ids, out = run_two_ranks(tmp_path, vl3_three_layers, 1, 2, "--first_stage_layers", "2")
+    with torch.no_grad():
+        theirs = transformers_model(vl3_three_layers)(input_ids=ids).logits
+    assert (torch.load(out / "logits.pt") - theirs).abs().max() <= 1e-4
+    H.convert(out, tmp_path / "exported", "to_hf")
+    original = H.safetensors_state(str(vl3_three_layers))
+    back = H.safetensors_state(str(tmp_path / "exported"))
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
