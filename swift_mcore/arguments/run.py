@@ -399,9 +399,6 @@ class RunArguments:
         if not isinstance(vision, dict) or not isinstance(vision.get("vision_config"), dict):
             raise ArgumentError("--vision_config must be a JSON object with a vision_config "
                                 "object (a Qwen2.5-VL --model folder sets it)")
-        if p.context_parallel_size > 1:
-            raise ArgumentError("a vision-language model runs without --context_parallel_size "
-                                "for now (issue 42)")
         self.check_deepstack_stage(vision["vision_config"])
 
     def check_deepstack_stage(self, vision: dict) -> None:

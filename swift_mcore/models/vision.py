@@ -314,7 +314,16 @@ def _interleaved_rope_class():
                 picked = slice(row, 3 * mrope_section[row], 3)
                 pairs[..., picked] = angles[row][..., picked]
             emb = torch.cat((pairs, pairs), dim=-1)
-            return emb[..., None, :].transpose(0, 1).contiguous()  # [sequence, batch, 1, dim]
+            emb = emb[..., None, :].transpose(0, 1).contiguous()  # [sequence, batch, 1, dim]
+            cp_group = cp_group if cp_group is not None else self.cp_group
+            if cp_group is not None and cp_group.size() > 1:
+                # the positions are the whole sequence's: this rank's chunks, as megatron's
+                from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+                    get_pos_emb_on_this_cp_rank,
+                )
+
+                emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+            return emb
 
     return InterleavedMultimodalRotaryEmbedding
 
@@ -337,6 +346,16 @@ class _JoinDeepstack(torch.autograd.Function):
                      for leaf in ctx.leaves)
         ctx.leaves = None
         return (grad, None, *sent)
+
+
+def on_this_cp_rank(rows: torch.Tensor, cp: int) -> torch.Tensor:
+    """This context-parallel rank's part of ``rows`` [batch, sequence, ...]: chunks r and
+    2CP-1-r of 2CP, megatron's causal balance (``get_batch_on_this_cp_rank``)."""
+    if cp == 1:
+        return rows
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank({"rows": rows})["rows"]
 
 
 def _model_class():
@@ -390,7 +409,8 @@ def _model_class():
                 mask, features = deepstack
                 hidden, context = output
                 rows = hidden.new_zeros(*mask.shape, hidden.shape[-1]).masked_scatter(
-                    mask.unsqueeze(-1), features[index].to(hidden.dtype)).transpose(0, 1)
+                    mask.unsqueeze(-1), features[index].to(hidden.dtype))
+                rows = on_this_cp_rank(rows, self.config.context_parallel_size).transpose(0, 1)
                 if self.config.sequence_parallel:
                     # this rank's part of the sequence; backward, the whole features'
                     # gradient on every rank (the tower is whole on each)
@@ -417,18 +437,25 @@ def _model_class():
             self._in_forward, self._record = True, self._recomputed()
             try:
                 return self._forward(input_ids, position_ids, attention_mask, decoder_input,
-                                     labels, pixel_values, image_grid_thw, **kwargs)
+                                     labels, pixel_values, image_grid_thw,
+                                     pixel_values_videos, video_grid_thw, **kwargs)
             finally:
                 self._in_forward = False
 
         def _forward(self, input_ids, position_ids, attention_mask, decoder_input, labels,
-                     pixel_values, image_grid_thw, **kwargs):
+                     pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                     **kwargs):
             if decoder_input is None and self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)
                 if pixel_values is not None or pixel_values_videos is not None:
                     decoder_input = self._with_media(input_ids, decoder_input, pixel_values,
                                                      image_grid_thw, pixel_values_videos,
                                                      video_grid_thw)
+                if self.config.context_parallel_size > 1:
+                    # the whole row embedded, the media at their pads: this rank's chunks
+                    decoder_input = on_this_cp_rank(
+                        decoder_input.transpose(0, 1), self.config.context_parallel_size
+                    ).transpose(0, 1).contiguous()
                 if self.config.sequence_parallel:
                     # the embedding leaves the sequence whole (build_vl_model) so that the
                     # image features land at their pads; split as megatron's embedding does

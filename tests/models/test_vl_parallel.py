@@ -111,3 +111,23 @@ def test_pp2_checkpoint_matches_transformers_and_exports_bit_identical(
     back = H.safetensors_state(str(tmp_path / "exported"))
     assert sorted(back) == sorted(original)
     assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+
+
+@pytest.mark.benchmark
+def test_cp2_sft_with_images_equals_one_rank(tmp_path, train_here, vl3_three_layers):
+    """sft with images at CP=2 (the tower whole on each rank over every image of the row;
+    the embeddings, deepstack features and 3-row positions split into megatron's 2 x CP
+    chunks; packed rows; the tower and mergers training): the one-rank losses and gradient
+    norms within 1e-5."""
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path, rows=16)
+    flags = ["--model", vl3_three_layers, "--dataset", data, "--seq_length", "64", "--lr",
+             "1e-2", "--min_lr", "1e-2", "--train_iters", "3", "--template", "tokenizer",
+             "--freeze_vit", "false", "--freeze_aligner", "false", "--packing", "true",
+             "--no_save"]
+    train_here(tmp_path / "one", *flags, base=run_flags())
+    sft_two_ranks(tmp_path / "cp2", *flags, "--context_parallel_size", "2")
+    one, cp = _steps(tmp_path / "one"), _steps(tmp_path / "cp2")
+    assert sorted(one) == sorted(cp) == [1, 2, 3] and one[3][0] < one[1][0]
+    assert _close(one, cp), (one, cp)
