@@ -9,7 +9,7 @@ import torch
 import hf_helpers as H
 from swift_mcore.errors import ArgumentError
 from test_qwen2_5_vl import image_dataset, write_processor_files
-from test_qwen3_vl import sft_two_ranks
+from test_qwen3_vl import moe_folder, sft_two_ranks  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +131,25 @@ def test_cp2_sft_with_images_equals_one_rank(tmp_path, train_here, vl3_three_lay
     one, cp = _steps(tmp_path / "one"), _steps(tmp_path / "cp2")
     assert sorted(one) == sorted(cp) == [1, 2, 3] and one[3][0] < one[1][0]
     assert _close(one, cp), (one, cp)
+
+
+@pytest.mark.benchmark
+def test_moe_tp2_sequence_parallel_equals_one_rank(tmp_path, train_here, moe_folder):
+    """Qwen3-VL-MoE at TP=2 with --sequence_parallel (megatron's MoE layer needs it at
+    TP > 1): the tower and mergers training, packed rows, each rank adding its part of the
+    deepstack features; the one-rank losses and gradient norms within 1e-5. The router's
+    load-balancing loss is off: it counts the padding tokens, and --sequence_parallel pads
+    each row to a multiple of TP where one rank pads to the longest row."""
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path, rows=16)
+    flags = ["--model", moe_folder[1], "--dataset", data, "--seq_length", "64", "--lr",
+             "1e-2", "--min_lr", "1e-2", "--train_iters", "3", "--template", "tokenizer",
+             "--freeze_vit", "false", "--freeze_aligner", "false", "--packing", "true",
+             "--moe_aux_loss_coeff", "0", "--no_save"]
+    train_here(tmp_path / "one", *flags, base=run_flags())
+    sft_two_ranks(tmp_path / "sp", *flags, "--tensor_model_parallel_size", "2",
+                  "--sequence_parallel")
+    one, sp = _steps(tmp_path / "one"), _steps(tmp_path / "sp")
+    assert sorted(one) == sorted(sp) == [1, 2, 3] and one[3][0] < one[1][0]
+    assert _close(one, sp), (one, sp)
