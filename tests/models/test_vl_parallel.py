@@ -153,3 +153,41 @@ def test_moe_tp2_sequence_parallel_equals_one_rank(tmp_path, train_here, moe_fol
     one, sp = _steps(tmp_path / "one"), _steps(tmp_path / "sp")
     assert sorted(one) == sorted(sp) == [1, 2, 3] and one[3][0] < one[1][0]
     assert _close(one, sp), (one, sp)
+
+
+def test_recomputed_layers_take_their_own_micro_batchs_deepstack(gloo_group, vl3_three_layers):
+    """Pipeline schedules run the forward of the next micro-batch before the backward of
+    this one; with every layer recomputed, each micro-batch's recomputed deepstack layers
+    still add its own features: the gradients of forward A, forward B, backward A,
+    backward B are those of A then B."""
+    from swift_mcore.loaded_model import load_model
+
+    model = load_model(str(vl3_three_layers), log=lambda line: None).model.train()
+    model.requires_grad_(True)
+    c = model.config
+    c.recompute_granularity, c.recompute_method, c.recompute_num_layers = "full", "uniform", 1
+    from test_qwen2_5_vl import image_prompt
+
+    batches = [image_prompt([(1, 4, 8)], seed=1), image_prompt([(1, 6, 2), (1, 2, 2)], seed=2)]
+
+    def loss(ids, pixels, grids):
+        logits = model(input_ids=ids, position_ids=None, attention_mask=None,
+                       pixel_values=pixels, image_grid_thw=grids)
+        weights = torch.randn(logits.shape[1:], generator=torch.Generator().manual_seed(0))
+        return (logits[0] * weights).sum()
+
+    def gradients(interleaved):
+        model.zero_grad(set_to_none=True)
+        if interleaved:
+            first, second = (loss(*b) for b in batches)
+            first.backward()
+            second.backward()
+        else:
+            for b in batches:
+                loss(*b).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    in_order, interleaved = gradients(False), gradients(True)
+    assert in_order["visual.deepstack_merger_list.1.linear_fc2.weight"].abs().max() > 0
+    assert all(torch.allclose(interleaved[n], g, rtol=0, atol=1e-6)
+               for n, g in in_order.items())
