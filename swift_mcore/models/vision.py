@@ -24,7 +24,14 @@ decoder layers (layer i gets the i-th), as transformers' Qwen3VLTextModel does.
 
 Under sequence parallelism the tower (whole on every rank) sees the whole sequence's
 images: their features enter the whole embeddings, which are then split along the sequence
-as megatron's embedding splits them; each deepstack layer adds its rank's part.
+as megatron's embedding splits them; each deepstack layer adds its rank's part. Under
+context parallelism likewise: the model gets whole rows (the trainer keeps them), computes
+the three position rows and the embeddings whole, and keeps this rank's two of megatron's
+2 x CP chunks of the embeddings and deepstack features (the RoPE takes its chunks of the
+whole positions, as megatron's does). With pipeline stages the tower and its mergers are
+the first stage's (its parameters are only there), as are the deepstack layers
+(RunArguments.check_deepstack_stage); every stage computes the position rows from the
+batch's tokens and grids.
 
 A Qwen2.5-VL video (``pixel_values_videos``, ``video_grid_thw``) goes through the same
 tower apart from the images; its features replace the video-pad embeddings, and its
@@ -36,8 +43,8 @@ Qwen3-VL's videos: timestamps (text) part a video's frame groups, so each group 
 ``video_grid_thw``), and the deepstack features of the images and videos are added at
 their pads together, in the sequence's order.
 
-Not yet here (issue 42): context parallelism and pipeline stages for the vision tower
-(RunArguments.check_vision refuses them).
+Not yet here (issue 42): the interleaved pipeline schedule (RunArguments.check_vision
+refuses it).
 """
 
 from __future__ import annotations
@@ -526,8 +533,8 @@ def _model_class():
 
 def build_vl_model(config, vl: VisionLanguage, tc, spec):
     """This rank's Qwen2.5-VL / Qwen3-VL model (one chunk) for a RunConfig, its
-    TransformerConfig and decoder block spec (models/gpt.py makes both). Without pipeline
-    stages for now (RunArguments.check_vision): the tower sits on the first stage. Under
+    TransformerConfig and decoder block spec (models/gpt.py makes both). The tower sits on
+    the first pipeline stage (the first model chunk of the interleaved schedule). Under
     --sequence_parallel the embedding keeps the whole sequence: the image features enter
     it, then the forward splits it along the sequence."""
     from megatron.core import parallel_state
