@@ -399,29 +399,31 @@ class RunArguments:
         if not isinstance(vision, dict) or not isinstance(vision.get("vision_config"), dict):
             raise ArgumentError("--vision_config must be a JSON object with a vision_config "
                                 "object (a Qwen2.5-VL --model folder sets it)")
+        given_vp = [f"--{name}" for name in ("num_virtual_stages_per_pipeline_rank",
+                                             "num_layers_per_virtual_pipeline_stage")
+                    if getattr(p, name) is not None]
+        if given_vp:
+            raise ArgumentError(f"{given_vp[0]} (the interleaved pipeline schedule) with a "
+                                f"vision-language model is not supported yet; drop it (plain "
+                                f"pipeline stages work)")
         self.check_deepstack_stage(vision["vision_config"])
 
     def check_deepstack_stage(self, vision: dict) -> None:
         """Qwen3-VL adds its deepstack features after the first decoder layers: the tower
-        is on the first pipeline stage, so those layers must be there too (in its first
-        model chunk under the interleaved schedule)."""
+        is on the first pipeline stage, so those layers must be there too."""
         p = self.parallel
         deepstack = vision.get("deepstack_visual_indexes") or []
         if p.pipeline_model_parallel_size == 1 or not deepstack:
             return
-        vp = self.virtual_stages()
-        first = (self.model.num_layers // (p.pipeline_model_parallel_size * vp) if vp
-                 else self.pipeline_stage_layers()[0])
+        first = self.pipeline_stage_layers()[0]
         if first < len(deepstack):
-            where = "first model chunk" if vp else "first pipeline stage"
-            flag = ("--num_layers_per_virtual_pipeline_stage" if vp else
-                    "--decoder_first_pipeline_num_layers")
             raise ArgumentError(
-                f"--pipeline_model_parallel_size {p.pipeline_model_parallel_size}: the "
-                f"{where} holds {first} decoder layer(s), but Qwen3-VL adds its "
+                f"--pipeline_model_parallel_size {p.pipeline_model_parallel_size}: the first "
+                f"pipeline stage holds {first} decoder layer(s), but Qwen3-VL adds its "
                 f"{len(deepstack)} deepstack features (vision_config.deepstack_visual_indexes) "
                 f"after layers 0..{len(deepstack) - 1}, next to the tower; give it at least "
-                f"{len(deepstack)} with {flag} or use fewer stages")
+                f"{len(deepstack)} with --decoder_first_pipeline_num_layers or use fewer "
+                f"stages")
 
     def check_attention(self) -> None:
         """Multi-latent attention's flags, YaRN's and gpt-oss's (attention sinks, the

@@ -31,7 +31,8 @@ def vl3_three_layers(tmp_path_factory):
 
 def test_deepstack_layers_must_sit_on_the_first_stage(vl3_three_layers):
     """The tower is on the first stage: a split that puts a deepstack layer later is named
-    with the flag that fixes it; a first stage of two layers is accepted."""
+    with the flag that fixes it; a first stage of two layers is accepted; the interleaved
+    schedule is refused in one line."""
     from swift_mcore.arguments import RunArguments
     from swift_mcore.run_config import resolve
 
@@ -43,6 +44,12 @@ def test_deepstack_layers_must_sit_on_the_first_stage(vl3_three_layers):
                                         decoder_last_pipeline_num_layers=2), world_size=2)
     resolve(RunArguments.from_flags(model=folder, pipeline_model_parallel_size=2,
                                     decoder_first_pipeline_num_layers=2), world_size=2)
+    # the model is built as one chunk: the interleaved schedule is refused, not half-run
+    with pytest.raises(ArgumentError, match=r"--num_virtual_stages_per_pipeline_rank \(the "
+                                            r"interleaved pipeline schedule\) with a "
+                                            r"vision-language model is not supported yet"):
+        resolve(RunArguments.from_flags(model=folder, pipeline_model_parallel_size=3,
+                                        num_virtual_stages_per_pipeline_rank=2), world_size=3)
 
 
 def _steps(run):
