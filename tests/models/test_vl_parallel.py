@@ -52,6 +52,22 @@ def test_deepstack_layers_must_sit_on_the_first_stage(vl3_three_layers):
                                         num_virtual_stages_per_pipeline_rank=2), world_size=3)
 
 
+def sft_ranks(out, ranks, *flags):
+    """swift-mcore sft on ``ranks`` ranks (gloo) in a subprocess; fails the test on an
+    error."""
+    import subprocess
+    import sys
+
+    from run_helpers import ROOT, child_env, free_port
+    from test_hf_training import run_flags
+
+    env = child_env(NPROC_PER_NODE=str(ranks), MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "sft", *run_flags(),
+                           "--output_dir", str(out), *map(str, flags)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def _steps(run):
     from run_helpers import train_records
 
@@ -138,6 +154,31 @@ def test_cp2_sft_with_images_equals_one_rank(tmp_path, train_here, vl3_three_lay
     one, cp = _steps(tmp_path / "one"), _steps(tmp_path / "cp2")
     assert sorted(one) == sorted(cp) == [1, 2, 3] and one[3][0] < one[1][0]
     assert _close(one, cp), (one, cp)
+
+
+@pytest.mark.benchmark
+def test_cp2_with_tp2_or_pp2_on_four_ranks_equals_one_rank(tmp_path, train_here,
+                                                            vl3_three_layers):
+    """CP=2 with TP=2 and --sequence_parallel (the embeddings split into CP chunks, then
+    over the TP ranks), and CP=2 with PP=2 (every layer recomputed): the one-rank losses
+    and gradient norms within 1e-5."""
+    from test_hf_training import run_flags
+
+    data = image_dataset(tmp_path, rows=16)
+    flags = ["--model", vl3_three_layers, "--dataset", data, "--seq_length", "64", "--lr",
+             "1e-2", "--min_lr", "1e-2", "--train_iters", "3", "--template", "tokenizer",
+             "--freeze_vit", "false", "--freeze_aligner", "false", "--packing", "true",
+             "--recompute_granularity", "full", "--recompute_method", "uniform",
+             "--recompute_num_layers", "1", "--no_save", "--context_parallel_size", "2"]
+    train_here(tmp_path / "one", *flags[:-2], base=run_flags())
+    sft_ranks(tmp_path / "cp_sp", 4, *flags, "--tensor_model_parallel_size", "2",
+              "--sequence_parallel")
+    sft_ranks(tmp_path / "cp_pp", 4, *flags, "--pipeline_model_parallel_size", "2",
+              "--decoder_first_pipeline_num_layers", "2")
+    one = _steps(tmp_path / "one")
+    for run in ("cp_sp", "cp_pp"):
+        other = _steps(tmp_path / run)
+        assert sorted(other) == [1, 2, 3] and _close(one, other), (run, one, other)
 
 
 @pytest.mark.benchmark
