@@ -68,6 +68,32 @@ def sft_ranks(out, ranks, *flags):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+def test_image_rows_pad_to_what_the_stages_and_chunks_exchange(tmp_path, vl3_three_layers):
+    """Pipeline stages exchange one shape: image rows are --seq_length wide at PP=2;
+    context parallelism cuts each row into 2 x CP chunks: widths are a multiple of 4 at
+    CP=2; one rank pads to the longest row."""
+    from swift_mcore.arguments.sft import SftArguments
+    from swift_mcore.data.multimodal import build_image_sft_datasets
+    from swift_mcore.data.tokenizer import load_tokenizer
+    from swift_mcore.run_config import resolve
+
+    data = image_dataset(tmp_path, rows=3)
+    tokenizer = load_tokenizer(str(vl3_three_layers))
+
+    def widths(world, **flags):
+        args = resolve(SftArguments.from_flags(
+            model=str(vl3_three_layers), dataset=[str(data)], seq_length=64,
+            template="tokenizer", train_iters=1, **flags), world_size=world)
+        train = build_image_sft_datasets(args, tokenizer, log=lambda line: None)[0]
+        return {train.collate([train[i]])["tokens"].shape[1] for i in range(len(train))}
+
+    one = widths(1)
+    assert max(one) < 64 and any(w % 4 for w in one)
+    assert widths(2, pipeline_model_parallel_size=2,
+                  decoder_first_pipeline_num_layers=2) == {64}
+    assert all(w % 4 == 0 and w - 4 < min(one) for w in widths(2, context_parallel_size=2))
+
+
 def _steps(run):
     from run_helpers import train_records
 
