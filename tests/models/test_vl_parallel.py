@@ -73,7 +73,7 @@ def test_image_rows_pad_to_what_the_stages_and_chunks_exchange(tmp_path, vl3_thr
     context parallelism cuts each row into 2 x CP chunks: widths are a multiple of 4 at
     CP=2; one rank pads to the longest row."""
     from swift_mcore.arguments.sft import SftArguments
-    from swift_mcore.data.multimodal import build_image_sft_datasets
+    from swift_mcore.data.image_sft import build_image_sft_datasets
     from swift_mcore.data.tokenizer import load_tokenizer
     from swift_mcore.run_config import resolve
 
