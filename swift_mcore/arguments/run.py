@@ -415,9 +415,31 @@ class RunArguments:
         if not isinstance(vision, dict) or not isinstance(vision.get("vision_config"), dict):
             raise ArgumentError("--vision_config must be a JSON object with a vision_config "
                                 "object (a Qwen2.5-VL --model folder sets it)")
-        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
-            raise ArgumentError("a vision-language model runs without pipeline stages and "
-                                "--context_parallel_size for now (issue 42)")
+        given_vp = [f"--{name}" for name in ("num_virtual_stages_per_pipeline_rank",
+                                             "num_layers_per_virtual_pipeline_stage")
+                    if getattr(p, name) is not None]
+        if given_vp:
+            raise ArgumentError(f"{given_vp[0]} (the interleaved pipeline schedule) with a "
+                                f"vision-language model is not supported yet; drop it (plain "
+                                f"pipeline stages work)")
+        self.check_deepstack_stage(vision["vision_config"])
+
+    def check_deepstack_stage(self, vision: dict) -> None:
+        """Qwen3-VL adds its deepstack features after the first decoder layers: the tower
+        is on the first pipeline stage, so those layers must be there too."""
+        p = self.parallel
+        deepstack = vision.get("deepstack_visual_indexes") or []
+        if p.pipeline_model_parallel_size == 1 or not deepstack:
+            return
+        first = self.pipeline_stage_layers()[0]
+        if first < len(deepstack):
+            raise ArgumentError(
+                f"--pipeline_model_parallel_size {p.pipeline_model_parallel_size}: the first "
+                f"pipeline stage holds {first} decoder layer(s), but Qwen3-VL adds its "
+                f"{len(deepstack)} deepstack features (vision_config.deepstack_visual_indexes) "
+                f"after layers 0..{len(deepstack) - 1}, next to the tower; give it at least "
+                f"{len(deepstack)} with --decoder_first_pipeline_num_layers or use fewer "
+                f"stages")
 
     def check_attention(self) -> None:
         """Multi-latent attention's flags, YaRN's and gpt-oss's (attention sinks, the

@@ -370,7 +370,10 @@ class Trainer:
         # a vision-language model's images and videos (data/multimodal.py)
         images = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
                                         "video_grid_thw", "second_per_grid_ts") if k in batch}
-        output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+        # under context parallelism its rows whole: the model splits them after the tower
+        tokens = batch.get("whole_tokens", batch["tokens"])
+        positions = batch.get("whole_position_ids", batch["position_ids"])
+        output = model(input_ids=tokens, position_ids=positions,
                        attention_mask=batch.get("attention_mask"), labels=batch["labels"],
                        packed_seq_params=batch.get("packed_seq_params"), **mtp, **images)
         return output, partial(self.compute_loss, batch)
@@ -398,7 +401,11 @@ class Trainer:
 
             batch["attention_mask"] = block_causal_mask(batch["segment_ids"])
         if self.config.world.context_parallel > 1:
-            batch = on_this_cp_rank(batch, self.config.world.context_parallel)
+            whole = {}
+            if self.config.model.vision_config:  # the tower sees every image of the row
+                whole = {"whole_tokens": batch["tokens"],
+                         "whole_position_ids": batch["position_ids"]}
+            batch = {**on_this_cp_rank(batch, self.config.world.context_parallel), **whole}
         return batch
 
     def device(self) -> torch.device:
