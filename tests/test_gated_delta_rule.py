@@ -130,3 +130,62 @@ def test_chunked_rule_equals_megatrons_torch_path():
         q, k, v, g, beta, initial_state=state, output_final_state=True)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(our_state, their_state, atol=1e-5, rtol=1e-5)
+
+
+def _with_grads(rule, tensors, weights, **kwargs):
+    """rule's output and final state, and the gradients of a weighted sum of both with
+    respect to every input."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out, state = rule(*leaves[:5], initial_state=leaves[5], output_final_state=True, **kwargs)
+    ((out * weights[0]).sum() + (state * weights[1]).sum()).backward()
+    return [out.detach(), state.detach()] + [t.grad for t in leaves]
+
+
+def _close_to_largest(ours, theirs, tolerance=1e-6):
+    for name, a, b in zip(["output", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate"],
+                          ours, theirs):
+        error = (a - b).abs().max().item() / b.abs().max().item()
+        assert error < tolerance, f"{name}: {error:.2e} of the largest value"
+
+
+@pytest.mark.parametrize("length", [150, 128])
+def test_gradients_equal_megatrons_torch_path(length):
+    """Output, final state and every input's gradient (q, k, v, g, beta and the initial
+    state) within 1e-6 of the largest value of megatron's own torch path."""
+    from megatron.core.ssm import gated_delta_net
+
+    q, k, v, g, beta, state = inputs(heads=4, value_heads=4, length=length, key_dim=16,
+                                     value_dim=8)
+    q, k = gated_delta_rule.l2norm(q), gated_delta_rule.l2norm(k)
+    gen = torch.Generator().manual_seed(1)
+    weights = (torch.randn(v.shape, generator=gen), torch.randn(state.shape, generator=gen))
+    _close_to_largest(
+        _with_grads(gated_delta_rule.chunk_gated_delta_rule, (q, k, v, g, beta, state),
+                    weights),
+        _with_grads(gated_delta_net.torch_chunk_gated_delta_rule, (q, k, v, g, beta, state),
+                    weights))
+
+
+def test_packed_gradients_equal_each_document_alone():
+    """Packed rows (cu_seqlens): the output, each document's final state and every gradient
+    within 1e-6 of the largest value of megatron's torch path on each document alone, so
+    neither the state nor its gradient crosses a document boundary."""
+    from megatron.core.ssm import gated_delta_net
+
+    q, k, v, g, beta, _ = inputs(batch=1, heads=4, value_heads=4, length=150, key_dim=16,
+                                 value_dim=8)
+    q, k = gated_delta_rule.l2norm(q), gated_delta_rule.l2norm(k)
+    bounds = [0, 50, 130, 150]
+    gen = torch.Generator().manual_seed(2)
+    states = torch.randn(len(bounds) - 1, 4, 16, 8, generator=gen)
+    weights = (torch.randn(v.shape, generator=gen), torch.randn(states.shape, generator=gen))
+    packed = _with_grads(gated_delta_rule.chunk_gated_delta_rule,
+                         (q, k, v, g, beta, states), weights, cu_seqlens=torch.tensor(bounds))
+    for n, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+        piece, doc = slice(start, stop), slice(n, n + 1)
+        alone = _with_grads(gated_delta_net.torch_chunk_gated_delta_rule,
+                            [t[:, piece] for t in (q, k, v, g, beta)] + [states[doc]],
+                            (weights[0][:, piece], weights[1][doc]))
+        ours = [packed[0][:, piece], packed[1][doc]] + [
+            t[:, piece] for t in packed[2:7]] + [packed[7][doc]]
+        _close_to_largest(ours, alone)

@@ -102,24 +102,32 @@ def _rule(q, k, v, g, beta, scale, initial_state, output_final_state, normalize,
     between = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
 
     k_beta = k * beta
+    decay_exp = decay.exp().unsqueeze(-1)
     # The writes inside a chunk: (I + strictly_lower(k_beta k^T * between))^-1 applied to
-    # beta v and to the decayed beta k (the part of each write the earlier state predicts).
+    # beta v and to the decayed beta k (the part of each write the earlier state predicts),
+    # both in one triangular solve.
     system = (k_beta @ k.transpose(-1, -2)) * between
-    u = torch.linalg.solve_triangular(system, v * beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1),
-                                      upper=False, unitriangular=True)
-    scores = (q @ k.transpose(-1, -2)) * between
-    q_decayed = q * decay.exp().unsqueeze(-1)
+    u, w = torch.linalg.solve_triangular(
+        system, torch.cat([v * beta, k_beta * decay_exp], dim=-1), upper=False,
+        unitriangular=True).split([value_dim, key_dim], dim=-1)
     k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
     chunk_decay = decay[..., -1].exp()[..., None, None]
 
     state = (torch.zeros(batch, value_heads, key_dim, value_dim) if initial_state is None
-             else initial_state.float().clone())
-    out = torch.empty_like(u)
-    for c in range(chunks):
-        fresh = u[:, :, c] - w[:, :, c] @ state
-        out[:, :, c] = q_decayed[:, :, c] @ state + scores[:, :, c] @ fresh
-        state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ fresh
+             else initial_state.float())
+    # Only the state is carried from chunk to chunk; each chunk's output is then one
+    # batched product over all chunks.
+    states, fresh = [], []
+    # unbind, not indexing: its backward stacks once instead of zero-filling per chunk
+    for u_c, w_c, k_c, decay_c in zip(u.unbind(2), w.unbind(2),
+                                      k_to_end.transpose(-1, -2).unbind(2),
+                                      chunk_decay.unbind(2)):
+        states.append(state)
+        fresh.append(u_c - w_c @ state)
+        state = state * decay_c + k_c @ fresh[-1]
+    starts, fresh = torch.stack(states, dim=2), torch.stack(fresh, dim=2)
+    scores = (q @ k.transpose(-1, -2)) * between
+    out = (q * decay_exp) @ starts + scores @ fresh
     out = out.reshape(batch, value_heads, chunks * chunk, value_dim)[:, :, :length]
     return out.transpose(1, 2).contiguous().to(dtype), state if output_final_state else None
 
