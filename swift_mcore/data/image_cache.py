@@ -1,29 +1,35 @@
-"""Image conversations tokenized once: ids with image pads expanded, targets, and each image's
-file, sha256 and patch grid (not its pixels, made again from the file when a row is loaded).
+"""Image and video conversations tokenized once: ids with image and video pads expanded,
+targets, each image's file, sha256 and patch grid, and each video's files, their sha256, its
+grid and seconds per temporal patch (not their pixels, made again from the files when a row
+is loaded).
 
 The arrays live in the token cache (array_cache, kind ``sft-images``) keyed like text sft's
 samples (the conversation files' content, the tokenizer, the template, --loss_on,
---columns) and the image processor's whole configuration (its class, --max_pixels and
---min_pixels, patch and merge sizes, means and stds): another processor setting finds
-another folder. `swift-mcore preprocess sft` writes the same arrays into a folder of its own
-(``write_image_sft_dataset``) that `sft --cached_dataset` reads (``load_image_sft_dataset``).
+--columns), the image processor's whole configuration (its class, --max_pixels and
+--min_pixels, patch and merge sizes, means and stds) and the video flags (--fps, ...,
+--video_total_pixels; whether frame groups' times are written): another processor setting
+or video flag finds another folder. `swift-mcore preprocess sft` writes the same arrays
+into a folder of its own (``write_image_sft_dataset``) that `sft --cached_dataset` reads
+(``load_image_sft_dataset``).
 
-Pixel patches are not stored (they are many times the size of the image files). The image
-files are not part of the key either (hashing every image at each start would read them
-all); each image's sha256, size and mtime are stored instead, and checked twice:
+Pixel patches are not stored (they are many times the size of the image and video files).
+The files are not part of the key either (hashing every file at each start would read them
+all); each file's sha256, size and mtime are stored instead, and checked twice:
 
-- at start, every image file is stat'ed; one whose size or mtime moved is hashed, and if its
-  bytes changed the cached folder is rebuilt (a --cached_dataset folder is refused: its
-  conversation files may be gone);
-- at load, the bytes read for the patches are hashed before they are decoded: an image
-  whose bytes changed while its size and mtime stayed is refused, naming the row and the
-  image, and the cache's folder is set aside so that the next start encodes the rows again
-  (a --cached_dataset folder is refused); its patch grid must be the stored one. A changed
-  image is never trained with the tokens of the old one.
+- at start, every image and video file is stat'ed; one whose size or mtime moved is
+  hashed, and if its bytes changed the cached folder is rebuilt (a --cached_dataset folder
+  is refused: its conversation files may be gone);
+- at load, an image's bytes read for the patches are hashed before they are decoded, and a
+  video's files are hashed (streamed) before they are decoded by path, their size and mtime
+  unmoved meanwhile: a file whose bytes changed while its size and mtime stayed is
+  refused, naming the row and the image or video, and the cache's folder is set aside so
+  that the next start encodes the rows again (a --cached_dataset folder is refused); the
+  grids made must be the stored ones. A changed image or video is never trained with the
+  tokens of the old one.
 
-Paths are stored absolute. A relative image path is resolved from the directory the run
-starts in, which the cache then records: started elsewhere, the folder is rebuilt. Images
-given inline (base64) are stored as their bytes.
+Paths are stored absolute. A relative path is resolved from the directory the run starts
+in, which the cache then records: started elsewhere, the folder is rebuilt. Images given
+inline (base64) are stored as their bytes.
 """
 
 from __future__ import annotations

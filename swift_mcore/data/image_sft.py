@@ -83,7 +83,7 @@ def build_image_sft_datasets(config, tokenizer, log=print, on_cache=lambda event
         train_encoded, valid_encoded = split(train_encoded, s.split_dataset_ratio,
                                              config.training.seed)
         val_images = train
-    log(f"sft data: {len(train_encoded)} image conversations (template: "
+    log(f"sft data: {len(train_encoded)} image/video conversations (template: "
         f"{template.describe()})")
     fingerprint = sft_fingerprint(config, tokenizer, template)
     pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
