@@ -624,9 +624,9 @@ def load_image_sft_dataset(folder: str, encoder, columns, flag: str = "--cached_
     if images:
         problem = changed_image(arrays)
         if problem:
-            raise ArgumentError(f"{flag} {folder}: {problem}; the images must stay where "
-                                f"they were when it was prepared: restore them, or prepare "
-                                f"the folder again")
+            raise ArgumentError(f"{flag} {folder}: {problem}; the images and videos must "
+                                f"stay where they were when it was prepared: restore them, "
+                                f"or prepare the folder again")
     return CachedImages(_tokenized(arrays, meta), arrays, meta, encoder, "--dataset"), theirs
 
 

@@ -391,6 +391,13 @@ def test_sft_with_videos_trains(tmp_path, train_here, vl_folder, monkeypatch, ca
         train_here(tmp_path / "other", *flags[:2], "--cached_dataset", tmp_path / "prepared",
                    *flags[4:], "--fps", "1", "--seq_length", "64", "--train_iters", "1",
                    base=run_flags())
+    # a video file changed since: the folder is refused at start, naming it
+    write_video(tmp_path / "v2.mkv", coloured(6, 16, 16))
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: its video .*v2.mkv "
+                                            r"changed since it was stored .*the images and "
+                                            r"videos must stay where they were"):
+        train_here(tmp_path / "stale", *flags[:2], "--cached_dataset", tmp_path / "prepared",
+                   *flags[4:], "--seq_length", "64", "--train_iters", "1", base=run_flags())
     # 16x16 frames: 2 temporal patches of 4 merged patches, 8 pads; 48x48 ones: 72 pads
     big = video_dataset(tmp_path / "big" if (tmp_path / "big").mkdir() is None else None,
                         rows=1, size=48)

@@ -295,7 +295,8 @@ def test_preprocess_sft_with_images_trains_as_the_raw_files(cache, tmp_path, vl_
     write_image(tmp_path / "img0_2.png", 16, 16, seed=99)
     with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: its image "
                                             r".*img0_2.png changed since it was stored .*"
-                                            r"the images must stay where they were"):
+                                            r"the images and videos must stay where they "
+                                            r"were"):
         build(prepared_config)
 
 
