@@ -436,7 +436,7 @@ def check_sequence_parallel(flags: RunArguments, cuda: bool, layer_spec: str,
     gradients megatron sums over the TP ranks. Not yet measured on a GPU, where the check
     stays as it was. CPU dropout draws from one generator shared by the TP ranks (megatron's
     inference RNG tracker, runtime/seed.py), so each rank's slice of the sequence would get
-    the same hidden-dropout mask: refused."""
+    the same hidden-dropout mask (and LoRA-input mask): refused."""
     if not flags.parallel.sequence_parallel:
         return
     if not cuda:
@@ -446,6 +446,12 @@ def check_sequence_parallel(flags: RunArguments, cuda: bool, layer_spec: str,
                 f"the tensor-parallel ranks draw dropout from one generator, so each slice of "
                 f"the sequence would get the same mask; set --hidden_dropout 0 or drop "
                 f"--sequence_parallel")
+        if flags.tuner.tuner_type == "lora" and flags.tuner.lora_dropout:
+            raise ArgumentError(
+                f"--lora_dropout {flags.tuner.lora_dropout:g} with --sequence_parallel on "
+                f"CPU: the tensor-parallel ranks draw dropout from one generator, so each "
+                f"slice of the sequence would get the same adapter-input mask; set "
+                f"--lora_dropout 0 or drop --sequence_parallel")
         return
     if layer_spec == "transformer_engine":
         return

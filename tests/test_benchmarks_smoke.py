@@ -250,3 +250,12 @@ def test_sft_stream_loader_smoke():
     assert measured(result["streaming_median"], result["cached_median"],
                     result["streaming_vs_cached"], result["streaming_vs_1b_h200_training"],
                     result["stream_cpu_batched_vs_one_row"])
+
+
+@pytest.mark.benchmark
+def test_vpp_step_time_smoke():
+    result = run_script("vpp_step_time.py", "--tiny", "--rounds", "2", timeout=900)[-1]
+    assert result["shape"]["layers"] == 4 and result["timed_steps_per_run"] == 2
+    assert {name: len(v) for name, v in result["step_s_per_round"].items()} == {
+        "pp2": 2, "pp2_vpp2": 2}
+    assert measured(*result["step_s_median"].values(), result["vpp_vs_pp_step_time"])

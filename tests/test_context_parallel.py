@@ -56,6 +56,64 @@ def test_the_trainer_splits_each_sequence_field_and_keeps_the_token_count(monkey
     assert out["sample_ids"].tolist() == [5] and float(out["num_tokens"]) * 2 == 8
 
 
+def test_kto_s_kl_rows_and_orpo_s_row_mask_are_cut_like_the_rows(monkeypatch):
+    """rlhf rows beside the model's inputs: KTO's KL rows (kl_*) and ORPO's mask over every
+    position (sequence_mask) are this rank's chunks too, the KL rows' mask by its query
+    rows (a field megatron's split would cut on the wrong axis by its name)."""
+    from megatron.core import parallel_state
+
+    from swift_mcore.training.trainer import on_this_cp_rank
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: 1)
+    seq = torch.arange(8)[None, :]
+    batch = {"tokens": seq, "kl_tokens": seq + 10, "kl_loss_mask": seq.float(),
+             "kl_position_ids": seq, "kl_attention_mask": torch.zeros(1, 1, 8, 8),
+             "sequence_mask": seq.float() + 0.5}
+    out = on_this_cp_rank(batch, 2)
+    assert out["kl_tokens"].tolist() == [[12, 13, 14, 15]]
+    assert out["kl_loss_mask"].tolist() == [[2.0, 3.0, 4.0, 5.0]]
+    assert out["kl_position_ids"].tolist() == [[2, 3, 4, 5]]
+    assert out["kl_attention_mask"].shape == (1, 1, 4, 8)
+    assert out["sequence_mask"].tolist() == [[2.5, 3.5, 4.5, 5.5]]
+
+
+def test_gemma3_s_local_rope_table_is_this_rank_s_chunks(gloo_group, monkeypatch):
+    """Gemma 3's window layers swap in their own RoPE table: under CP=2 it is the whole
+    sequence's local table cut to this rank's chunks, as GPTModel's global one (whose
+    length, two chunks, is all the layer sees)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.attention import SelfAttention
+
+    from swift_mcore.models.gemma3_layers import Gemma3SelfAttention
+
+    class Pair:
+        def __init__(self, rank):
+            self.r = rank
+
+        def size(self):
+            return 2
+
+        def rank(self):
+            return self.r
+
+    seq, seen = 16, {}
+    monkeypatch.setattr(SelfAttention, "forward",
+                        lambda self, hidden, mask, *a, **kw: seen.update(kw))
+    full_table = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=10,
+                                 use_cpu_initialization=True, cp_group=Pair(0)).get_emb(seq)
+    for rank in range(2):
+        layer = Gemma3SelfAttention.__new__(Gemma3SelfAttention)
+        torch.nn.Module.__init__(layer)
+        layer.local_rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0,
+                                           rotary_base=10, use_cpu_initialization=True,
+                                           cp_group=Pair(rank))
+        global_table = torch.zeros(seq // 2, 1, 1, 8)  # this rank's two chunks
+        layer.forward(None, None, rotary_pos_emb=global_table)
+        where = local_positions(2, rank, seq // 2)
+        assert torch.equal(seen["rotary_pos_emb"], full_table[where])
+
+
 # ---- the attention: in blocks of keys, against SDPA's dense mask and megatron's own path ----
 def within_1e6(got, ref):
     """float32's rounding apart: within 1e-6 of the largest value (at least 1)."""
@@ -217,8 +275,6 @@ SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
     (dict(context_parallel_size=2, attention_backend="local"), 2, False,
      "needs --attention_backend sdpa or auto"),
     (dict(context_parallel_size=2), 2, True, "needs Transformer Engine's attention"),
-    (dict(context_parallel_size=2, multi_latent_attention=True), 2, False,
-     "with --multi_latent_attention is not supported yet"),
 ])
 def test_bad_layouts_are_refused_in_one_line(flags, world, cuda, message):
     with pytest.raises(ArgumentError, match=message) as err:

@@ -56,6 +56,28 @@ def test_megatron_builds_the_split_the_flags_say(flags):
     assert built != [config.model.num_layers // len(built)] * len(built)
 
 
+def test_megatron_builds_the_uneven_interleaved_split():
+    """PP=2 x 2 virtual stages, 6 layers, 4 on the first stage: megatron's chunks hold
+    layers 0-1 and 3-4 on rank 0, 2 and 5 on rank 1 (each model chunk in pipeline order)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from swift_mcore.models.gpt import transformer_config
+
+    config = resolve(RunArguments.from_flags(**{**SMALL, "num_layers": 6},
+                                             pipeline_model_parallel_size=2,
+                                             num_virtual_stages_per_pipeline_rank=2,
+                                             decoder_first_pipeline_num_layers=4),
+                     world_size=2, cuda=False)
+    assert config.args.pipeline_stage_layers() == [4, 2]
+    tc = transformer_config(config.complete(256, None))
+    layers = {(rank, vp): list(range(get_transformer_layer_offset(tc, vp, rank),
+                                     get_transformer_layer_offset(tc, vp, rank)
+                                     + get_num_layers_to_build(tc, vp_stage=vp, pp_rank=rank)))
+              for rank in range(2) for vp in range(2)}
+    assert layers == {(0, 0): [0, 1], (1, 0): [2], (0, 1): [3, 4], (1, 1): [5]}
+
+
 @pytest.mark.parametrize("flags,message", [
     ({"decoder_first_pipeline_num_layers": 1}, "needs --pipeline_model_parallel_size > 1"),
     ({"pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 4},
@@ -69,7 +91,14 @@ def test_megatron_builds_the_split_the_flags_say(flags):
     ({"pipeline_model_parallel_size": 2, "account_for_loss_in_pipeline_split": True},
      "plus the counted embedding/loss \\(5\\) must split evenly"),
     ({"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
-      "decoder_first_pipeline_num_layers": 1}, "with the interleaved pipeline is not supported"),
+      "decoder_first_pipeline_num_layers": 1},
+     "each pipeline stage's layers \\(1, 3\\) must split into 2 equal virtual stages"),
+    ({"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1,
+      "decoder_first_pipeline_num_layers": 2}, "give --num_virtual_stages_per_pipeline_rank"),
+    ({"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
+      "num_layers": 6, "account_for_embedding_in_pipeline_split": True},
+     "--account_for_embedding_in_pipeline_split with the interleaved pipeline is not "
+     "supported yet"),
 ])
 def test_uneven_flags_are_checked(flags, message):
     world = flags.get("pipeline_model_parallel_size", 1)

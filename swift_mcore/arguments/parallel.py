@@ -21,7 +21,9 @@ class ParallelArguments:
         "(--num_virtual_stages_per_pipeline_rank = --num_layers / (PP x this)).")
     decoder_first_pipeline_num_layers: Optional[int] = flag(
         None, "Layers of the first pipeline stage, when it should hold fewer (it also holds "
-        "the embedding); the other stages split the rest evenly.")
+        "the embedding); the other stages split the rest evenly. With "
+        "--num_virtual_stages_per_pipeline_rank V every stage's layers split into V equal "
+        "model chunks.")
     decoder_last_pipeline_num_layers: Optional[int] = flag(
         None, "Layers of the last pipeline stage (it also holds the output layer and loss); "
         "the other stages split the rest evenly.")

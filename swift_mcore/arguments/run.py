@@ -249,8 +249,15 @@ class RunArguments:
         if pp == 1:
             raise ArgumentError(f"--{given[0]} needs --pipeline_model_parallel_size > 1")
         if self.virtual_stages() is not None:
-            raise ArgumentError(f"--{given[0]} with the interleaved pipeline is not supported "
-                                f"yet; drop one of them")
+            if p.num_layers_per_virtual_pipeline_stage is not None:
+                raise ArgumentError(f"--num_layers_per_virtual_pipeline_stage with "
+                                    f"--{given[0]}: the stages' chunks differ in size; give "
+                                    f"--num_virtual_stages_per_pipeline_rank instead")
+            if first is None and last is None:
+                raise ArgumentError(f"--{given[0]} with the interleaved pipeline is not "
+                                    f"supported yet; give --decoder_first_pipeline_num_layers"
+                                    f" / --decoder_last_pipeline_num_layers, or drop "
+                                    f"--num_virtual_stages_per_pipeline_rank")
         if first is not None or last is not None:
             if p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split:
                 named = given[-1]
@@ -267,8 +274,17 @@ class RunArguments:
                     f"--{given[0]}: the other {middle} pipeline stage(s) must split the "
                     f"remaining {rest} of --num_layers ({n}) evenly, at least one layer each")
             each = rest // middle if middle else 0
-            return ([first if first is not None else each] + [each] * (pp - 2)
-                    + [last if last is not None else each])
+            stages = ([first if first is not None else each] + [each] * (pp - 2)
+                      + [last if last is not None else each])
+            vp = self.virtual_stages()
+            if vp and vp > 0 and any(n % vp for n in stages):
+                # megatron's interleaved split: every stage in vp equal chunks
+                # (transformer_config.py, the uneven pipeline's checks)
+                raise ArgumentError(
+                    f"--{given[0]} with --num_virtual_stages_per_pipeline_rank {vp}: each "
+                    f"pipeline stage's layers ({', '.join(map(str, stages))}) must split "
+                    f"into {vp} equal virtual stages")
+            return stages
         extra_first = int(p.account_for_embedding_in_pipeline_split)
         extra_last = int(p.account_for_loss_in_pipeline_split)
         total = n + extra_first + extra_last
@@ -399,9 +415,31 @@ class RunArguments:
         if not isinstance(vision, dict) or not isinstance(vision.get("vision_config"), dict):
             raise ArgumentError("--vision_config must be a JSON object with a vision_config "
                                 "object (a Qwen2.5-VL --model folder sets it)")
-        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
-            raise ArgumentError("a vision-language model runs without pipeline stages and "
-                                "--context_parallel_size for now (issue 42)")
+        given_vp = [f"--{name}" for name in ("num_virtual_stages_per_pipeline_rank",
+                                             "num_layers_per_virtual_pipeline_stage")
+                    if getattr(p, name) is not None]
+        if given_vp:
+            raise ArgumentError(f"{given_vp[0]} (the interleaved pipeline schedule) with a "
+                                f"vision-language model is not supported yet; drop it (plain "
+                                f"pipeline stages work)")
+        self.check_deepstack_stage(vision["vision_config"])
+
+    def check_deepstack_stage(self, vision: dict) -> None:
+        """Qwen3-VL adds its deepstack features after the first decoder layers: the tower
+        is on the first pipeline stage, so those layers must be there too."""
+        p = self.parallel
+        deepstack = vision.get("deepstack_visual_indexes") or []
+        if p.pipeline_model_parallel_size == 1 or not deepstack:
+            return
+        first = self.pipeline_stage_layers()[0]
+        if first < len(deepstack):
+            raise ArgumentError(
+                f"--pipeline_model_parallel_size {p.pipeline_model_parallel_size}: the first "
+                f"pipeline stage holds {first} decoder layer(s), but Qwen3-VL adds its "
+                f"{len(deepstack)} deepstack features (vision_config.deepstack_visual_indexes) "
+                f"after layers 0..{len(deepstack) - 1}, next to the tower; give it at least "
+                f"{len(deepstack)} with --decoder_first_pipeline_num_layers or use fewer "
+                f"stages")
 
     def check_attention(self) -> None:
         """Multi-latent attention's flags, YaRN's and gpt-oss's (attention sinks, the
@@ -562,25 +600,17 @@ class RunArguments:
                 f"--seq_length ({m.seq_length}) must be a multiple of 2 x "
                 f"--context_parallel_size{what} ({unit}): each context-parallel rank holds "
                 f"two of {2 * cp} equal chunks of every sequence")
-        refused = [("--multi_latent_attention", m.multi_latent_attention),
-                   (f"--model_type {m.model_type}", m.model_type == "gemma3"),
-                   *self.rlhf_refused_with_cp()]
+        refused = [*self.rlhf_refused_with_cp()]
         for what, given in refused:
             if given:
                 raise ArgumentError(f"--context_parallel_size {cp} with {what} is not "
                                     f"supported yet; use --context_parallel_size 1")
 
     def rlhf_refused_with_cp(self) -> list:
-        """(what, given) for the rlhf runs that do not take a cut sequence yet: dpo sums
-        each sequence's log-probabilities over the group, the other losses not yet."""
-        r = getattr(self, "rlhf", None)
-        if self.COMMAND != "rlhf" or r is None:
-            return []
-        return [(f"rlhf --rlhf_type {r.rlhf_type}", r.rlhf_type != "dpo"),
-                # the one pass before training runs whole rows through the model
-                ("rlhf --precompute_ref_log_probs", r.precompute_ref_log_probs),
-                ("rlhf --pipeline_model_parallel_size > 1",
-                 self.parallel.pipeline_model_parallel_size > 1)]
+        """(what, given) for the rlhf runs that do not take a cut sequence yet: none (every
+        task sums each sequence's parts over the group; rm reads its score where the last
+        token lives)."""
+        return []
 
     def check_virtual_pipeline(self, dp: int) -> None:
         """The interleaved schedule: PP > 1, equal chunks, and micro-batches that megatron's
@@ -604,7 +634,9 @@ class RunArguments:
             raise ArgumentError(
                 f"--{given[0]} {getattr(p, given[0])} gives {max(vp, 0)} virtual stage(s) per "
                 f"pipeline rank; the interleaved schedule needs 2 or more")
-        if m.num_layers % (pp * vp):
+        uneven = (p.decoder_first_pipeline_num_layers is not None
+                  or p.decoder_last_pipeline_num_layers is not None)
+        if not uneven and m.num_layers % (pp * vp):  # uneven: pipeline_stage_layers
             raise ArgumentError(
                 f"--{given[0]} {getattr(p, given[0])}: --num_layers ({m.num_layers}) must split "
                 f"into --pipeline_model_parallel_size ({pp}) x virtual stages ({vp}) equal "
@@ -784,10 +816,6 @@ class RunArguments:
 
     def check_tuner(self) -> None:
         self.tuner.check(self.explicit)
-        if self.tuner.tuner_type == "lora" and self.parallel.sequence_parallel:
-            raise ArgumentError("--tuner_type lora does not support --sequence_parallel (the "
-                                "adapters' replicated weights would need its gradient "
-                                "reduction); leave --sequence_parallel off")
 
     def check_best_flags(self) -> None:
         """--metric_for_best, --greater_is_better, --early_stopping_patience: they judge

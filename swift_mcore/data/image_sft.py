@@ -8,6 +8,16 @@ from typing import Any, Dict, List
 import numpy as np
 
 
+def row_widths(config):
+    """(pad every row to --seq_length, pad each row's width to a multiple of): pipeline
+    stages exchange one fixed shape; --sequence_parallel splits each row over the TP ranks
+    and --context_parallel_size into 2 x CP chunks."""
+    p = config.parallel
+    cp = p.context_parallel_size
+    return p.pipeline_model_parallel_size > 1, (
+        (p.tensor_model_parallel_size if p.sequence_parallel else 1) * (2 * cp if cp > 1 else 1))
+
+
 def _sft_dataset_class():
     from .sft_datasets import SftDataset
 
@@ -99,11 +109,9 @@ def build_image_sft_datasets(config, tokenizer, log=print, on_cache=lambda event
         else:
             n = len(encoded)
             rows = (np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
-        # --sequence_parallel splits each row over the TP ranks: widths pad to a multiple
-        pad_multiple = (config.parallel.tensor_model_parallel_size
-                        if config.parallel.sequence_parallel else 1)
+        pad_fixed, pad_multiple = row_widths(config)
         return _sft_dataset_class()(encoded, rows, images, seq, pad_id, s.packing,
-                                    False, f"{fingerprint}:{name}", pad_multiple)
+                                    pad_fixed, f"{fingerprint}:{name}", pad_multiple)
 
     return (dataset(train_encoded, train, "train"),
             dataset(valid_encoded, val_images, "valid"), None)

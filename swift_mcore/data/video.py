@@ -224,8 +224,6 @@ def patches(frames: Frames, image_processor) -> Tuple[Any, Tuple[int, int, int],
     """(patches [t * h * w, channels * temporal * patch * patch], (t, h, w), seconds per
     temporal patch) of sampled frames: each frame normalized by the image processor (its
     resize off: the frames have their size), grouped by temporal_patch_size."""
-    import torch
-
     p = image_processor
     patch, merge, temporal = int(p.patch_size), int(p.merge_size), int(p.temporal_patch_size)
     out = p(images=frames.images, do_resize=False, return_tensors="pt")

@@ -230,7 +230,7 @@ def parts(flags, world_size: int, precision: str, weights_only: bool, cuda: bool
     # each routed expert over --expert_tensor_parallel_size ranks (TP's by default)
     etp = p.expert_tensor_parallel_size or tp
     shards = {"embedding": tp, "output layer": tp, "layers": tp * pp, "experts": ep * etp * pp,
-              "LoRA adapters": pp, "vision tower": 1}  # the tower: whole on each rank
+              "LoRA adapters": pp, "vision tower": 1}  # the tower: whole on each (first-stage) rank
     sizes = {
         "embedding": (("vocab_size", padded_vocab(m)), ("hidden_size", m.hidden_size),
                       ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)),

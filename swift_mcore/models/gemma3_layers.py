@@ -88,7 +88,12 @@ class Gemma3SelfAttention(SelfAttention):
         rope = kwargs.get("rotary_pos_emb")
         if self.local_rope is not None and rope is not None:
             table = rope[0] if isinstance(rope, tuple) else rope
-            local = self.local_rope(table.shape[0]).to(table.device, table.dtype)
+            # under --context_parallel_size the global table holds this rank's two of the
+            # 2 x CP chunks; the local one is built for the whole sequence and cut the same
+            # way inside RotaryEmbedding (its CP group is megatron's)
+            group = self.local_rope.cp_group
+            whole = table.shape[0] * (group.size() if group is not None else 1)
+            local = self.local_rope(whole).to(table.device, table.dtype)
             kwargs["rotary_pos_emb"] = local
         return super().forward(hidden_states, attention_mask, *args, **kwargs)
 

@@ -389,7 +389,7 @@ def build_model(config, initialize: bool = True) -> List[torch.nn.Module]:
     if m.mtp_num_layers:
         GPTModel = _logits_without_mtp(GPTModel)
     tc = transformer_config(config, initialize)
-    if m.vision_config:  # a vision-language model: one chunk (no pipeline stages yet)
+    if m.vision_config:  # a vision-language model: one chunk (no interleaved schedule yet)
         from .vision import VisionLanguage, build_vl_model
 
         return [build_vl_model(config, VisionLanguage.from_model_args(m), tc,

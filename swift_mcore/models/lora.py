@@ -166,6 +166,15 @@ def check(flags, layer_spec: str) -> None:
             f"no LoRA layer ({experts[0]} is chosen); drop --moe_grouped_gemm (each expert "
             f"then has its own linears and adapters), or leave the experts out of "
             f"--target_modules/--target_regex")
+    tp = flags.parallel.tensor_model_parallel_size
+    if experts and layer_spec == "transformer_engine" and tp > 1:
+        # megatron's TE linears do not say they are an expert's, which decides how the
+        # adapter's factors are split and communicate (models/lora_layer.py)
+        raise ArgumentError(
+            f"--tuner_type lora with adapters on routed experts ({experts[0]}) on Transformer "
+            f"Engine's layer spec at --tensor_model_parallel_size {tp}: not supported yet; "
+            f"leave the experts out of --target_modules/--target_regex, or use "
+            f"--expert_model_parallel_size instead of TP")
     tied = not m.untie_embeddings_and_output_weights
     for name in t.modules_to_save:
         if tied and SAVABLE_MODULES[name] == "output_layer":

@@ -6,8 +6,11 @@ peft 0.21's own megatron dispatcher fails before building a layer (it reads a
 megatron's linears give into the next matmul, so models/lora.py registers this one with
 peft instead; peft knows no TE wrapper of megatron's at all. For a column-parallel base,
 A (r x in) is replicated and B is column-parallel; for a row-parallel base, A is
-row-parallel and B (out x r) replicated. What differs between a megatron base and a TE one
-is read once into a ``BaseLinear`` (``describe``; TE's part is models/lora_te.py).
+row-parallel and B (out x r) replicated; under --sequence_parallel they take the base's
+layout (A on the sequence slice, B gathering; A reduce-scattering, B on the slice) and the
+replicated factor's gradient is summed over the TP ranks. What differs between a
+megatron base and a TE one is read once into a ``BaseLinear`` (``describe``; TE's part is
+models/lora_te.py).
 Its own module because it subclasses peft's LoraLayer: importing peft (and transformers
 with it) costs seconds, which a full-parameter run should not pay.
 """
@@ -103,16 +106,37 @@ class LoraParallelLinear(nn.Module, LoraLayer):
         mc.use_cpu_initialization, mc.perform_initialization = True, True
         dtype = base.weight.dtype
         zeros = nn.init.zeros_
+        # A routed expert's linear is split over the expert-TP group and leaves its
+        # communication to the token dispatcher (megatron's explicit_expert_comm): its
+        # parallel factor is built as an expert linear of the same group, so that it is
+        # split as the base weight is and communicates as it does.
+        expert = bool(getattr(base, "is_expert", False))
+        group = dict(is_expert=True, tp_group=base.tp_group) if expert else {}
         if self.is_parallel_a:
             lora_a = tensor_parallel.RowParallelLinear(
                 self.in_features, r, config=mc, init_method=zeros, bias=False,
-                input_is_parallel=self.base_linear.input_is_parallel, skip_bias_add=True)
+                input_is_parallel=self.base_linear.input_is_parallel, skip_bias_add=True,
+                **group)
             lora_b = nn.Linear(r, self.out_features, bias=False, dtype=dtype)
+            parallel, replicated = lora_a, lora_b
         else:
             lora_a = nn.Linear(self.in_features, r, bias=False, dtype=dtype)
             lora_b = tensor_parallel.ColumnParallelLinear(
                 r, self.out_features, config=mc, init_method=zeros, bias=False,
-                gather_output=False, skip_bias_add=True)
+                gather_output=False, skip_bias_add=True, **group)
+            parallel, replicated = lora_b, lora_a
+        # The replicated factor's gradient is only this rank's part where its side of the
+        # layer is split over the TP ranks: under --sequence_parallel it sees (column) or
+        # produces (row) this rank's slice of the sequence, and an expert's factors
+        # exchange nothing (the dispatcher gathered the tokens, and sums the outputs,
+        # over the expert-TP ranks). megatron sums the gradients of parameters marked
+        # ``sequence_parallel`` over the TP ranks (finalize_model_grads), as the norms'.
+        if parallel.tp_group.size() > 1 and (mc.sequence_parallel or expert):
+            replicated.weight.sequence_parallel = True
+        # this rank's slice of the sequence enters A: its dropout mask is drawn as
+        # megatron draws the masks of sequence-split activations
+        self.sequence_split = (not self.is_parallel_a and not expert
+                               and parallel.tp_group.size() > 1 and mc.sequence_parallel)
         # A routed expert's weight is reduced over its expert-data-parallel group, not the
         # whole data-parallel one (megatron marks it allreduce=False under EP): its adapter
         # belongs to the same expert, so its factors are marked as the weight is.
@@ -131,17 +155,14 @@ class LoraParallelLinear(nn.Module, LoraLayer):
     def init_adapter(self, seed: int) -> None:
         """A as peft initialises it (Kaiming-uniform, a=sqrt(5)) from a generator of its
         own, B = 0 (the model's output is the base model's, exactly)."""
-        from megatron.core import parallel_state
-
         for name in self.lora_A:
             a, b = self.lora_A[name].weight, self.lora_B[name].weight
             full = torch.empty(a.shape[0], self.in_features, dtype=torch.float32)
             nn.init.kaiming_uniform_(full, a=math.sqrt(5),
                                      generator=torch.Generator().manual_seed(seed))
-            if self.is_parallel_a:
-                rank = parallel_state.get_tensor_model_parallel_rank()
-                full = full.chunk(parallel_state.get_tensor_model_parallel_world_size(),
-                                  dim=1)[rank]
+            if self.is_parallel_a:  # split as the base weight is (an expert's: expert TP)
+                group = self.lora_A[name].tp_group
+                full = full.chunk(group.size(), dim=1)[group.rank()]
             a.copy_(full)
             b.zero_()
 
@@ -154,12 +175,23 @@ class LoraParallelLinear(nn.Module, LoraLayer):
         for name in self.active_adapters:
             if name not in self.lora_A:
                 continue
-            h = self.lora_A[name](self.lora_dropout[name](x.to(self.lora_A[name].weight.dtype)))
+            h = self.lora_A[name](self._dropout(name, x.to(self.lora_A[name].weight.dtype)))
             h = h[0] if isinstance(h, tuple) else h
             delta = self.lora_B[name](h)
             delta = delta[0] if isinstance(delta, tuple) else delta
             result = result + (delta * self.scaling[name]).to(result.dtype)
         return result, bias
+
+    def _dropout(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        dropout = self.lora_dropout[name]
+        if not self.sequence_split or isinstance(dropout, nn.Identity):
+            return dropout(x)
+        from megatron.core import tensor_parallel
+
+        # each TP rank its own stream (megatron's tracker; CPU runs refuse this case,
+        # run_config.check_sequence_parallel)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return dropout(x)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         """This rank's shard of B·A·scaling, the shard layout of the base weight."""

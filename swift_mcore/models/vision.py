@@ -24,7 +24,14 @@ decoder layers (layer i gets the i-th), as transformers' Qwen3VLTextModel does.
 
 Under sequence parallelism the tower (whole on every rank) sees the whole sequence's
 images: their features enter the whole embeddings, which are then split along the sequence
-as megatron's embedding splits them; each deepstack layer adds its rank's part.
+as megatron's embedding splits them; each deepstack layer adds its rank's part. Under
+context parallelism likewise: the model gets whole rows (the trainer keeps them), computes
+the three position rows and the embeddings whole, and keeps this rank's two of megatron's
+2 x CP chunks of the embeddings and deepstack features (the RoPE takes its chunks of the
+whole positions, as megatron's does). With pipeline stages the tower and its mergers are
+the first stage's (its parameters are only there), as are the deepstack layers
+(RunArguments.check_deepstack_stage); every stage computes the position rows from the
+batch's tokens and grids.
 
 A Qwen2.5-VL video (``pixel_values_videos``, ``video_grid_thw``) goes through the same
 tower apart from the images; its features replace the video-pad embeddings, and its
@@ -36,16 +43,17 @@ Qwen3-VL's videos: timestamps (text) part a video's frame groups, so each group 
 ``video_grid_thw``), and the deepstack features of the images and videos are added at
 their pads together, in the sequence's order.
 
-Not yet here (issue 42): context parallelism and pipeline stages for the vision tower
-(RunArguments.check_vision refuses them).
+Not yet here (issue 42): the interleaved pipeline schedule (RunArguments.check_vision
+refuses it).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -313,7 +321,16 @@ def _interleaved_rope_class():
                 picked = slice(row, 3 * mrope_section[row], 3)
                 pairs[..., picked] = angles[row][..., picked]
             emb = torch.cat((pairs, pairs), dim=-1)
-            return emb[..., None, :].transpose(0, 1).contiguous()  # [sequence, batch, 1, dim]
+            emb = emb[..., None, :].transpose(0, 1).contiguous()  # [sequence, batch, 1, dim]
+            cp_group = cp_group if cp_group is not None else self.cp_group
+            if cp_group is not None and cp_group.size() > 1:
+                # the positions are the whole sequence's: this rank's chunks, as megatron's
+                from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+                    get_pos_emb_on_this_cp_rank,
+                )
+
+                emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+            return emb
 
     return InterleavedMultimodalRotaryEmbedding
 
@@ -338,6 +355,16 @@ class _JoinDeepstack(torch.autograd.Function):
         return (grad, None, *sent)
 
 
+def on_this_cp_rank(rows: torch.Tensor, cp: int) -> torch.Tensor:
+    """This context-parallel rank's part of ``rows`` [batch, sequence, ...]: chunks r and
+    2CP-1-r of 2CP, megatron's causal balance (``get_batch_on_this_cp_rank``)."""
+    if cp == 1:
+        return rows
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank({"rows": rows})["rows"]
+
+
 def _model_class():
     from megatron.core.models.gpt import GPTModel
 
@@ -354,22 +381,43 @@ def _model_class():
                     rotary_percent=kwargs.get("rotary_percent", 1.0),
                     rotary_base=kwargs.get("rotary_base", 10000))
             self._deepstack = None  # (image-pad mask, features per layer) of this forward
+            self._in_forward = self._record = False
+            # Under --recompute_granularity full a layer runs again in the backward, after
+            # the forward of later micro-batches (pipeline schedules): each layer keeps the
+            # features of the micro-batches whose backward is still to come, in order.
+            self._pending: Dict[int, Deque] = {}
             if self.pre_process:
                 self.visual = build_vision_tower(vl, self.config.params_dtype)
                 mergers = len(getattr(self.visual, "deepstack_merger_list", ()))
                 # a hook on the layer, not a copy of megatron's block loop: it runs inside
-                # activation recompute too, where the features are still this step's
+                # activation recompute too
                 for i, layer in enumerate(self.decoder.layers[:mergers]):
+                    self._pending[i] = collections.deque()
                     layer.register_forward_hook(self._deepstack_hook(i))
+
+        def _recomputed(self) -> bool:
+            """Whether this forward's layers run again in the backward (megatron recomputes
+            whole layers when training with --recompute_granularity full)."""
+            return (self.training and torch.is_grad_enabled()
+                    and self.config.recompute_granularity == "full")
 
         def _deepstack_hook(self, index):
             def add_features(module, args, output):
-                if self._deepstack is None:
+                if self._in_forward:
+                    deepstack = self._deepstack
+                    if self._record and not torch.is_grad_enabled():
+                        # inside megatron's checkpoint: this layer runs again in the backward
+                        self._pending[index].append(deepstack)
+                else:  # the recompute in the backward: the oldest micro-batch's features
+                    deepstack = self._pending[index].popleft() if self._pending[index] \
+                        else None
+                if deepstack is None:
                     return output
-                mask, features = self._deepstack
+                mask, features = deepstack
                 hidden, context = output
                 rows = hidden.new_zeros(*mask.shape, hidden.shape[-1]).masked_scatter(
-                    mask.unsqueeze(-1), features[index].to(hidden.dtype)).transpose(0, 1)
+                    mask.unsqueeze(-1), features[index].to(hidden.dtype))
+                rows = on_this_cp_rank(rows, self.config.context_parallel_size).transpose(0, 1)
                 if self.config.sequence_parallel:
                     # this rank's part of the sequence; backward, the whole features'
                     # gradient on every rank (the tower is whole on each)
@@ -392,12 +440,29 @@ def _model_class():
                 position_ids = rope_index(input_ids, image_grid_thw, self.vl, position_ids,
                                           video_grid_thw, second_per_grid_ts)
             self._deepstack = None
+            # (the hooks' first run is inside megatron's checkpoint, without grad: asked here)
+            self._in_forward, self._record = True, self._recomputed()
+            try:
+                return self._forward(input_ids, position_ids, attention_mask, decoder_input,
+                                     labels, pixel_values, image_grid_thw,
+                                     pixel_values_videos, video_grid_thw, **kwargs)
+            finally:
+                self._in_forward = False
+
+        def _forward(self, input_ids, position_ids, attention_mask, decoder_input, labels,
+                     pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                     **kwargs):
             if decoder_input is None and self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)
                 if pixel_values is not None or pixel_values_videos is not None:
                     decoder_input = self._with_media(input_ids, decoder_input, pixel_values,
                                                      image_grid_thw, pixel_values_videos,
                                                      video_grid_thw)
+                if self.config.context_parallel_size > 1:
+                    # the whole row embedded, the media at their pads: this rank's chunks
+                    decoder_input = on_this_cp_rank(
+                        decoder_input.transpose(0, 1), self.config.context_parallel_size
+                    ).transpose(0, 1).contiguous()
                 if self.config.sequence_parallel:
                     # the embedding leaves the sequence whole (build_vl_model) so that the
                     # image features land at their pads; split as megatron's embedding does
@@ -468,8 +533,8 @@ def _model_class():
 
 def build_vl_model(config, vl: VisionLanguage, tc, spec):
     """This rank's Qwen2.5-VL / Qwen3-VL model (one chunk) for a RunConfig, its
-    TransformerConfig and decoder block spec (models/gpt.py makes both). Without pipeline
-    stages for now (RunArguments.check_vision): the tower sits on the first stage. Under
+    TransformerConfig and decoder block spec (models/gpt.py makes both). The tower sits on
+    the first pipeline stage (the first model chunk of the interleaved schedule). Under
     --sequence_parallel the embedding keeps the whole sequence: the image features enter
     it, then the forward splits it along the sequence."""
     from megatron.core import parallel_state

@@ -15,15 +15,16 @@ import torch
 
 from ..runtime import collectives
 from .kto_loss import METRICS, KtoLoss, kl_estimate, metric_sums, metrics_from_sums
-from .rlhf_trainer import (DpoTrainer, is_last_stage, reference_identity, sequence_sums,
-                           set_stage_input, stage_input)
+from .rlhf_trainer import (DpoTrainer, first_cp_rank, is_last_stage, over_cp,
+                           reference_identity, sequence_sums, set_stage_input, stage_input)
 
 
 def _sequence_logps(per_token_losses, batch, prefix: str = "") -> torch.Tensor:
-    """Each row's log-probability of its completion (a packed row's sequences apart)."""
+    """Each row's log-probability of its completion (a packed row's sequences apart), summed
+    over the context-parallel ranks' parts of the row."""
     mask = batch[prefix + "loss_mask"].float()
-    return sequence_sums(-(per_token_losses.float() * mask), batch,
-                         count=batch["desirable"].numel(), prefix=prefix)
+    return over_cp(sequence_sums(-(per_token_losses.float() * mask), batch,
+                                 count=batch["desirable"].numel(), prefix=prefix))
 
 
 class KtoTrainer(DpoTrainer):
@@ -137,7 +138,10 @@ class KtoTrainer(DpoTrainer):
                                           torch.tensor(float(rows), device=logps.device),
                                           tokens]),
                   "rlhf": metric_sums(logps, out["rewards"], desirable, kl)}
-        return loss_sum, torch.tensor(rows, dtype=torch.int, device=logps.device), report
+        # every CP rank holds the whole loss (over_cp), each differentiating through its own
+        # tokens; megatron sums the counts over DP x CP: one rank of the group counts the rows
+        counted = rows if first_cp_rank() else 0
+        return loss_sum, torch.tensor(counted, dtype=torch.int, device=logps.device), report
 
     # ---- metrics ----------------------------------------------------------------------
     def preference_metrics(self, losses) -> Dict[str, float]:

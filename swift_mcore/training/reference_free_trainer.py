@@ -15,7 +15,7 @@ import torch
 from ..runtime import collectives
 from .dpo_loss import reward_metrics
 from .reference_free_loss import ORPO_METRICS, SIMPO_METRICS, OrpoLoss, SimpoLoss
-from .rlhf_trainer import DpoTrainer, sequence_sums
+from .rlhf_trainer import DpoTrainer, first_cp_rank, over_cp, sequence_sums
 from .trainer import Trainer
 
 
@@ -65,14 +65,15 @@ class ReferenceFreeTrainer(DpoTrainer):
             mask, losses = mask[:pairs], losses[:pairs]
         else:  # --packing: chosen i is sequence i
             mask = mask * ((segments >= 0) & (segments < pairs))
-        return (losses.float() * mask).sum() / mask.sum().clamp(min=1.0)
+        return over_cp((losses.float() * mask).sum()) / over_cp(mask.sum()).clamp(min=1.0)
 
     def compute_loss(self, batch, output_tensor):
         """(sum of the pairs' losses, pair count, report): megatron divides the gradients by
         the global batch's pairs, so the loss is the mean over pairs, as TRL's."""
         mask = batch["loss_mask"].float()
-        logps = (sequence_sums(-(output_tensor.float() * mask), batch)
-                 / sequence_sums(mask, batch).clamp(min=1.0))
+        # sums over the context-parallel ranks' parts of each row (over_cp), then the mean
+        logps = (over_cp(sequence_sums(-(output_tensor.float() * mask), batch))
+                 / over_cp(sequence_sums(mask, batch)).clamp(min=1.0))
         pairs = logps.shape[0] // 2
         nll = self.chosen_nll(output_tensor, batch, pairs)
         out = self.loss(logps[:pairs], logps[pairs:], nll)
@@ -87,7 +88,9 @@ class ReferenceFreeTrainer(DpoTrainer):
             sums.append(torch.stack([out["log_odds_ratio"].sum(), out["log_odds"].sum()]))
         report = {"lm loss": torch.stack([loss_sum.detach(), count, tokens]),
                   "rlhf": torch.cat(sums)}
-        return loss_sum, torch.tensor(pairs, dtype=torch.int, device=logps.device), report
+        # every CP rank holds the whole loss; one rank of the group counts the pairs
+        counted = pairs if first_cp_rank() else 0
+        return loss_sum, torch.tensor(counted, dtype=torch.int, device=logps.device), report
 
     # ---- metrics ----------------------------------------------------------------------
     def preference_metrics(self, losses) -> Dict[str, float]:

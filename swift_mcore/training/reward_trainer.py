@@ -17,7 +17,7 @@ import torch
 
 from ..runtime import collectives
 from .reward_loss import EXTREMES, METRICS, RewardLoss, reward_extremes, reward_sums
-from .rlhf_trainer import DpoTrainer
+from .rlhf_trainer import DpoTrainer, first_cp_rank, over_cp
 from .trainer import Trainer
 
 
@@ -79,6 +79,8 @@ class RewardTrainer(DpoTrainer):
             where = batch["score_index"].to(output_tensor.device)
             return output_tensor[where[:, 0], where[:, 1], 0].float()
         pad = self.pad_id if self.pad_id is not None else self.train_ds.pad_id
+        if self.config.world.context_parallel > 1:
+            return scores_over_cp(output_tensor.float(), batch["tokens"], pad)
         return pooled(output_tensor.float(), batch["tokens"], pad)[:, 0]
 
     def compute_loss(self, batch, output_tensor):
@@ -95,7 +97,9 @@ class RewardTrainer(DpoTrainer):
         report = {"lm loss": torch.stack([loss_sum.detach(), count, tokens]),
                   "rlhf": reward_sums(chosen, rejected),
                   "extremes": reward_extremes(chosen, rejected)}
-        return loss_sum, torch.tensor(pairs, dtype=torch.int, device=rewards.device), report
+        # every CP rank holds the whole loss (over_cp); one rank of the group counts the pairs
+        counted = pairs if first_cp_rank() else 0
+        return loss_sum, torch.tensor(counted, dtype=torch.int, device=rewards.device), report
 
     # ---- metrics ----------------------------------------------------------------------
     def preference_metrics(self, losses) -> Dict[str, float]:
@@ -114,3 +118,24 @@ class RewardTrainer(DpoTrainer):
         metrics = {name: v / pairs for name, v in zip(METRICS, sums)}
         metrics.update(min_reward=-extremes[0], max_reward=extremes[1])
         return metrics
+
+
+def scores_over_cp(scores: torch.Tensor, tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Each row's score [B] at its last non-pad token when the context-parallel ranks hold
+    two of the 2 x CP chunks of every row (``scores`` [B, s/CP, 1], ``tokens`` [B, s/CP]):
+    that token's position is the largest of the ranks' (a MAX over the group), the rank that
+    holds it gives its score and the others 0, summed over the group (over_cp: its
+    gradient reaches that rank's token only)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    group = parallel_state.get_context_parallel_group()
+    # the whole row's positions, cut as megatron cut the row: where this rank's tokens are
+    whole = torch.arange(tokens.shape[1] * group.size(), device=tokens.device)[None]
+    where = get_batch_on_this_cp_rank({"tokens": whole})["tokens"][0]
+    # as value_head.last_token_index over the whole row: the last non-pad position (0 if none)
+    last = (where * (tokens != pad_id)).amax(-1)
+    last = collectives.all_reduce(last.clone(), op=torch.distributed.ReduceOp.MAX,
+                                  group=group).to(tokens.device)
+    here = (where[None, :] == last[:, None]).to(scores.dtype)
+    return over_cp((scores[..., 0] * here).sum(-1))

@@ -16,7 +16,7 @@ import torch
 
 from ..runtime import collectives, cpu
 from .dpo_loss import METRICS, DpoLoss, reward_metrics
-from .trainer import Trainer
+from .trainer import Trainer, on_this_cp_rank
 from .writers import format_log_line
 
 
@@ -108,6 +108,10 @@ class DpoTrainer(Trainer):
                     from ..data.packing import block_causal_mask
 
                     mask = block_causal_mask(batch["segment_ids"])
+                cp = self.config.world.context_parallel
+                if cp > 1:  # every CP rank runs the same pairs: its two chunks of each row
+                    batch = on_this_cp_rank({**batch, "attention_mask": mask}, cp)
+                    mask = batch["attention_mask"]
                 # the frozen copy, or the LoRA policy with its adapters off
                 frozen = self.reference[0] if self.reference is not None else None
                 with torch.no_grad(), (contextlib.nullcontext(frozen) if frozen is not None
@@ -115,7 +119,7 @@ class DpoTrainer(Trainer):
                     losses = reference(input_ids=batch["tokens"],
                                        position_ids=batch["position_ids"],
                                        attention_mask=mask, labels=batch["labels"])
-                return sequence_sums(-(losses.float() * batch["loss_mask"]), batch)
+                return over_cp(sequence_sums(-(losses.float() * batch["loss_mask"]), batch))
 
             table = ref_log_probs.compute(self.train_ds, self.config.training.micro_batch_size,
                                           forward)
@@ -146,9 +150,12 @@ class DpoTrainer(Trainer):
         device = self.device()
         micro = self.config.training.micro_batch_size
         frozen = self.reference is not None
+        cp = self.config.world.context_parallel
 
         def forward_step(data_iterator, chunk):
             batch = {k: v.to(device) for k, v in self.micro_batch(data_iterator, next).items()}
+            if cp > 1:  # every CP rank of a stage runs the same pairs: its chunks of each row
+                batch = on_this_cp_rank(batch, cp)
             with (contextlib.nullcontext(chunk) if frozen
                   else self.reference_of(chunk)) as reference:
                 losses = reference(input_ids=batch["tokens"],
@@ -156,7 +163,7 @@ class DpoTrainer(Trainer):
                                    labels=batch["labels"])
 
             def collect(output, non_loss_data=True):
-                return sequence_sums(-(output.float() * batch["loss_mask"]), batch)
+                return over_cp(sequence_sums(-(output.float() * batch["loss_mask"]), batch))
 
             return losses, collect
 

@@ -370,7 +370,10 @@ class Trainer:
         # a vision-language model's images and videos (data/multimodal.py)
         images = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
                                         "video_grid_thw", "second_per_grid_ts") if k in batch}
-        output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+        # under context parallelism its rows whole: the model splits them after the tower
+        tokens = batch.get("whole_tokens", batch["tokens"])
+        positions = batch.get("whole_position_ids", batch["position_ids"])
+        output = model(input_ids=tokens, position_ids=positions,
                        attention_mask=batch.get("attention_mask"), labels=batch["labels"],
                        packed_seq_params=batch.get("packed_seq_params"), **mtp, **images)
         return output, partial(self.compute_loss, batch)
@@ -398,7 +401,11 @@ class Trainer:
 
             batch["attention_mask"] = block_causal_mask(batch["segment_ids"])
         if self.config.world.context_parallel > 1:
-            batch = on_this_cp_rank(batch, self.config.world.context_parallel)
+            whole = {}
+            if self.config.model.vision_config:  # the tower sees every image of the row
+                whole = {"whole_tokens": batch["tokens"],
+                         "whole_position_ids": batch["position_ids"]}
+            batch = {**on_this_cp_rank(batch, self.config.world.context_parallel), **whole}
         return batch
 
     def device(self) -> torch.device:
@@ -689,6 +696,12 @@ class Trainer:
 SEQUENCE_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 
 
+# rlhf rows beside them: KTO's KL rows (the same fields, prefixed) and ORPO's mask of every
+# position of a row (cut like loss_mask)
+SEQUENCE_PREFIXES = ("", "kl_")
+ROW_MASKS = ("sequence_mask",)
+
+
 def on_this_cp_rank(batch: Dict[str, torch.Tensor], cp: int) -> Dict[str, torch.Tensor]:
     """This context-parallel rank's two of the 2 x CP sequence chunks, by megatron's own
     split (``get_batch_on_this_cp_rank``: chunks r and 2CP-1-r; the attention mask keeps
@@ -697,7 +710,15 @@ def on_this_cp_rank(batch: Dict[str, torch.Tensor], cp: int) -> Dict[str, torch.
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     full = batch.get("num_tokens", batch["tokens"].numel())
-    split = get_batch_on_this_cp_rank({k: batch[k] for k in SEQUENCE_FIELDS if k in batch})
+    split = {}
+    for prefix in SEQUENCE_PREFIXES:
+        # megatron's split reads the field's name for its sequence axis: unprefixed here
+        fields = {k: batch[prefix + k] for k in SEQUENCE_FIELDS if prefix + k in batch}
+        if fields:
+            split.update({prefix + k: v for k, v in get_batch_on_this_cp_rank(fields).items()})
+    for name in ROW_MASKS:
+        if name in batch:
+            split[name] = get_batch_on_this_cp_rank({"loss_mask": batch[name]})["loss_mask"]
     return {**batch, **split, "num_tokens": torch.as_tensor(full, dtype=torch.float) / cp}
 
 

@@ -427,3 +427,68 @@ def test_a_model_no_family_expresses_is_not_exported_as_another(tmp_path, gloo_g
             for_model_args(m)
     m = resolve(RunArguments.from_flags(**shape, **mla, **sigmoid), world_size=1).model
     assert for_model_args(m).name == "deepseek_v3"
+
+
+@pytest.mark.benchmark
+def test_cp2_gives_the_one_rank_losses_and_gradient_norms(tmp_path):
+    """--context_parallel_size 2 on the DeepSeek-V3 folder (MLA with YaRN: the shared RoPE
+    key and the queries' rope part rotated by each rank's chunks of YaRN's table, the CPU
+    attention over the gathered keys with MLA's head sizes; routed experts with the
+    expert-bias update): the one-rank losses and gradient norms within 1e-5."""
+    from run_helpers import train_records
+    from test_hf_training import continue_pretraining
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b):\n    return a + b  # {i}\n"})
+                            + "\n" for i in range(200)))
+    flags = ("--moe_router_bias_update_rate", "0.05", "--hidden_dropout", "0",
+             "--attention_dropout", "0", "--no_save", "--train_iters", "3")
+    continue_pretraining(source, data, tmp_path / "one", *flags)
+    stdout = continue_pretraining(source, data, tmp_path / "cp2", *flags,
+                                  "--context_parallel_size", "2", nproc=2)
+    assert "CP 2" in stdout
+    ref, got = train_records(tmp_path / "one"), train_records(tmp_path / "cp2")
+    assert [r["iteration"] for r in got] == [1, 2, 3] and ref[2]["loss"] < ref[0]["loss"]
+    for r, g in zip(ref, got):
+        for key in ("loss", "grad_norm"):
+            assert abs(g[key] - r[key]) <= 1e-5, (r["iteration"], key, g[key], r[key])
+
+
+@pytest.mark.benchmark
+def test_packed_sft_at_cp2_gives_the_one_rank_losses_and_gradient_norms(tmp_path):
+    """Packed sft rows at CP=2 on the DeepSeek-V3 folder: the block-causal mask's query
+    rows cut like the tokens, MLA's keys gathered. The expert-bias update is off: it counts
+    the rows' padding too (as megatron does), and CP pads each row to a multiple of 2 x CP
+    positions, so its loads would differ by the extra padding."""
+    import subprocess
+    import sys
+
+    from run_helpers import ROOT, child_env, train_records
+    from test_hf_training import run_flags
+
+    source = tmp_path / "hf"
+    make_deepseek(source)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"add {i} " * (i % 7)},
+        {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
+        for i in range(32)))
+    cmd = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
+           "plain", "--seq_length", "64", "--packing", "--train_iters", "3", "--no_save",
+           "--hidden_dropout", "0", "--attention_dropout", "0",
+           "--moe_router_bias_update_rate", "0"]
+    for name, extra, nproc in (("one", [], 1), ("cp2", ["--context_parallel_size", "2"], 2)):
+        env = child_env()
+        if nproc > 1:
+            env.update(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
+        proc = subprocess.run([sys.executable, "-m", "swift_mcore", "sft", *cmd, *extra,
+                               "--output_dir", str(tmp_path / name)], capture_output=True,
+                              text=True, timeout=600, cwd=ROOT, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    ref, got = train_records(tmp_path / "one"), train_records(tmp_path / "cp2")
+    assert [r["iteration"] for r in got] == [1, 2, 3]
+    for r, g in zip(ref, got):
+        for key in ("loss", "grad_norm"):
+            assert abs(g[key] - r[key]) <= 1e-5, (r["iteration"], key, g[key], r[key])

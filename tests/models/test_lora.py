@@ -52,6 +52,15 @@ def test_bad_lora_flags_are_refused_naming_the_flag(flags, message):
     assert message in str(err.value)
 
 
+def test_sequence_parallel_takes_lora_without_dropout_on_cpu():
+    sp = dict(SHAPE, tuner_type="lora", tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ArgumentError) as err:  # --lora_dropout's default, 0.05
+        resolve(RunArguments.from_flags(**sp), world_size=2, cuda=False)
+    assert str(err.value).startswith("--lora_dropout 0.05 with --sequence_parallel on CPU: ")
+    assert "set --lora_dropout 0 or drop --sequence_parallel" in str(err.value)
+    resolve(RunArguments.from_flags(**sp, lora_dropout=0.0), world_size=2, cuda=False)
+
+
 def test_lora_rank_bounds_and_its_override():
     resolve(RunArguments.from_flags(**SHAPE, tuner_type="lora", lora_rank=24),
             world_size=1)  # exactly half of the adapted layers' parameters: accepted
@@ -192,6 +201,42 @@ def test_tp2_and_pp2_give_the_one_rank_losses_and_resume_is_exact(trained):
     # ... and that TP=2 run resumed from its own iteration-3 checkpoint: bit-exact at TP=2.
     assert resume_copy(root, "tp2_resumed", *TP2, nproc=2, source="tp2_from_tp1", at=3) == \
         {4: tp2[4]}
+
+
+SP = ("--tensor_model_parallel_size", "2", "--sequence_parallel")
+
+
+@pytest.mark.benchmark
+def test_sequence_parallel_gives_the_one_rank_run_and_its_merged_export(trained, gloo_group,
+                                                                        tmp_path):
+    from run_helpers import train_records
+
+    from swift_mcore.arguments.export import ExportArguments
+    from swift_mcore.export import run
+
+    root, data, _ = trained
+    continue_pretraining(root / "hf", data, root / "sp", *LORA, *SP, "--save_steps", "2",
+                         nproc=2)
+    # Each rank holds a slice of the sequence: the replicated factors' gradients are parts,
+    # summed over the TP ranks (without that the grad norm is 1.448 for 1.606 at step 1).
+    one = {r["iteration"]: r for r in train_records(root / "tp1")}
+    sp = {r["iteration"]: r for r in train_records(root / "sp")}
+    assert sorted(sp) == sorted(one) == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm"):
+        assert max(abs(sp[i][key] - one[i][key]) for i in one) < 1e-5, key
+    assert resume_copy(root, "sp_resumed", *SP, nproc=2, source="sp") == \
+        {3: sp[3]["loss"], 4: sp[4]["loss"]}
+    quiet = lambda line: None  # noqa: E731
+    tokens = H.tokens(vocab=300, length=32)
+    logits = {}
+    for name in ("tp1", "sp"):
+        out = tmp_path / name
+        run(ExportArguments(model=str(root / name / "checkpoint" / "iter_0000004"),
+                            output_dir=str(out), to_hf=True, merge_lora=True).validate(),
+            log=quiet)
+        logits[name] = H.hf_logits(str(out), tokens)
+    assert (logits["sp"] - logits["tp1"]).abs().max() < 1e-5
+    assert (logits["sp"] - H.hf_logits(str(root / "hf"), tokens)).abs().max() > 1e-2
 
 
 @pytest.mark.slow

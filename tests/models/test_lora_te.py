@@ -285,6 +285,32 @@ def test_lora_is_accepted_on_the_te_spec_and_refused_without_te():
     assert lora_te.linear_kinds() == {}  # without TE: megatron's classes are mocks
 
 
+def test_expert_adapters_on_the_te_spec_under_tp_are_refused_by_name():
+    """megatron's TE expert linears do not say they are an expert's, which decides how the
+    adapter's factors split and communicate: refused at TP > 1 (not at EP, not without
+    expert targets)."""
+    moe = dict(SHAPE, attention_backend="auto", num_experts=4, moe_ffn_hidden_size=32,
+               moe_grouped_gemm=False, moe_layer_freq="[0,1]", tuner_type="lora",
+               lora_dropout=0.0)
+
+    def build(**flags):
+        world = flags.get("tensor_model_parallel_size", 1) * flags.get(
+            "expert_model_parallel_size", 1)
+        return resolve(RunArguments.from_flags(**moe, **flags), world_size=world, cuda=True,
+                       transformer_engine=True)
+
+    tp2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ArgumentError) as err:
+        build(**tp2)
+    assert str(err.value).startswith(
+        "--tuner_type lora with adapters on routed experts (decoder.layers.1.mlp.experts."
+        "local_experts.0.linear_fc1) on Transformer Engine's layer spec at "
+        "--tensor_model_parallel_size 2: not supported yet")
+    assert build(**tp2, target_modules="linear_qkv,linear_proj").layer_spec == \
+        "transformer_engine"
+    build(expert_model_parallel_size=2)
+
+
 def test_a_target_of_a_class_without_lora_layer_is_refused(gloo_group, monkeypatch):
     """TE's spec where TE's classes are not recognised: refused, not left without adapters."""
     from swift_mcore.models import lora

@@ -1,6 +1,7 @@
 """rlhf dpo under context parallelism: each sequence's log-probabilities summed over the CP
-ranks' chunks give the one-rank losses, metrics and gradient norms; the rlhf runs that do
-not take a cut sequence yet are refused in one line."""
+ranks' chunks give the one-rank losses, metrics and gradient norms (the other tasks, and
+CP with pipeline stages: test_task_context_parallel.py); packed rlhf rows with CP are
+refused in one line."""
 
 import json
 import subprocess
@@ -54,17 +55,12 @@ SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
              micro_batch_size=1, global_batch_size=2, context_parallel_size=2)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (dict(rlhf_type="kto"), "--context_parallel_size 2 with rlhf --rlhf_type kto is not"),
-    (dict(rlhf_type="dpo", precompute_ref_log_probs=True),
-     "with rlhf --precompute_ref_log_probs is not"),
-    (dict(rlhf_type="dpo", pipeline_model_parallel_size=2),
-     "with rlhf --pipeline_model_parallel_size > 1 is not"),
-])
-def test_rlhf_runs_that_do_not_take_cp_yet_are_refused(flags, message, tmp_path):
+def test_rlhf_packing_with_cp_is_refused(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("")
-    args = RlhfArguments.from_flags(**SMALL, **flags, dataset=[str(data)])
-    with pytest.raises(ArgumentError, match=message) as err:
-        resolve(args, world_size=4, cuda=False)
+    args = RlhfArguments.from_flags(**SMALL, rlhf_type="orpo", packing=True,
+                                    dataset=[str(data)])
+    with pytest.raises(ArgumentError, match="rlhf --packing does not run with "
+                                            "--context_parallel_size > 1") as err:
+        resolve(args, world_size=2, cuda=False)
     assert "\n" not in str(err.value)

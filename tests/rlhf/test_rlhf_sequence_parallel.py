@@ -28,6 +28,12 @@ TASKS = {
     # four ranks: the policy's and the reference's activations pass between the stages split
     # along the sequence
     "dpo PP=2": (LOGPS, "rlhf_trainer.DpoTrainer", ()),
+    # LoRA: the reference is the policy with its adapters off; the reward model's new score
+    # head trains whole beside the adapters
+    "dpo LoRA": (LOGPS, "rlhf_trainer.DpoTrainer", ("--tuner_type", "lora", "--lora_dropout",
+                                                    "0")),
+    "rm LoRA": (("min_reward", "max_reward"), "reward_trainer.RewardTrainer",
+                ("--tuner_type", "lora", "--lora_dropout", "0")),
 }
 
 
@@ -76,7 +82,8 @@ def test_sequence_parallel_gives_the_one_rank_run(task, tiny_hf, kto_file, tmp_p
 
 
 @pytest.mark.benchmark
-@pytest.mark.parametrize("task", ["kto", "orpo", "simpo", "dpo --packing", "dpo PP=2"])
+@pytest.mark.parametrize("task", ["kto", "orpo", "simpo", "dpo --packing", "dpo PP=2",
+                                  "dpo LoRA", "rm LoRA"])
 def test_sequence_parallel_gives_the_one_rank_run_for_the_other_tasks(task, tiny_hf,
                                                                       kto_file, tmp_path,
                                                                       gloo_group):

@@ -55,7 +55,10 @@ class GatheredKVAttention(DotProductAttention):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None):
+        # k_channels/v_channels: multi-latent attention's head sizes (the shared RoPE key's
+        # channels included in k), read off the tensors here as in SdpaAttention.
         # megatron's constructor asserts CP == 1 (only TE's attention takes CP); everything
         # else it sets up (scale, window, dropout, head counts) is what this class uses.
         single = copy.copy(config)

@@ -334,8 +334,13 @@ def _patch_cp_rope_index():
     """Under --context_parallel_size RoPE keeps this rank's two chunks of its table with
     ``rope_utils.get_pos_emb_on_this_cp_rank``, whose chunk index is moved to the GPU with
     ``.cuda()`` (rope_utils.py:62-64; the module's torch is the proxy, which makes its pinned
-    tensor a plain one): that call leaves it on the CPU, where the table is."""
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+    tensor a plain one): that call leaves it on the CPU, where the table is. YaRN's module
+    (multi-latent attention) holds its own reference to the function."""
+    from megatron.core.models.common.embeddings import (
+        rope_utils,
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
 
     from .distributed_optimizer import _within, cuda_moves_stay_on_cpu
 
@@ -345,6 +350,7 @@ def _patch_cp_rope_index():
     wrapped = _within(cuda_moves_stay_on_cpu, original)
     rope_utils.get_pos_emb_on_this_cp_rank = wrapped
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = wrapped
+    yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank = wrapped
 
 
 def _install_eager_cross_entropy():
