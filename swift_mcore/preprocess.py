@@ -239,14 +239,18 @@ def preprocess_sft(config) -> dict:
     manifest = json.loads(open(os.path.join(folder, "manifest.json"), encoding="utf-8").read())
     shapes = manifest["arrays"]
     images = shapes["grids"]["shape"][0] if "grids" in shapes else None
+    videos = shapes["video_grids"]["shape"][0] if "video_grids" in shapes else None
     flags = [f"--{name} {value}" for name, value in (
         ("tokenizer", config.data.tokenizer), ("model", config.model.model),
         ("template", s.template if s.template != "auto" else None),
-        ("max_pixels", s.max_pixels), ("min_pixels", s.min_pixels)) if value]
+        ("max_pixels", s.max_pixels), ("min_pixels", s.min_pixels),
+        *((name, getattr(s, name, None)) for name in (
+            "fps", "fps_min_frames", "fps_max_frames", "video_min_pixels",
+            "video_max_pixels", "video_total_pixels") if videos)) if value]
     return {"folder": folder, "conversations": manifest["meta"]["conversations"],
             "samples": shapes["answers"]["shape"][0], "tokens": shapes["ids"]["shape"][0],
             "template": template.describe(), "flags": " ".join(flags), "packed": packed,
-            "images": images,
+            "images": images, "videos": videos,
             "seconds": time.perf_counter() - start}
 
 
@@ -288,8 +292,10 @@ def format_sft_summary(s: dict) -> str:
     return "\n".join([
         f"wrote {s['folder']}: {s['conversations']:,} conversations as {s['samples']:,} "
         f"samples, {s['tokens']:,} tokens (template: {s['template']}) in {s['seconds']:,.1f} s"
-        + (f"; {s['images']:,} images, read from their files at training (keep them where "
-           f"they are: each is checked by its sha256)" if s.get("images") is not None else ""),
+        + (f"; {s['images']:,} images" + (f" and {s['videos']:,} videos" if s.get("videos")
+                                         else "")
+           + ", read from their files at training (keep them where they are: each is checked "
+           f"by its sha256)" if s.get("images") is not None else ""),
         f"  train on it: swift-mcore sft --cached_dataset {s['folder']}"
         + (f" {s['flags']}" if s["flags"] else "")
         + " (and the --system, --loss_on, --columns, --ignore_empty_think flags used here)",

@@ -1,29 +1,35 @@
-"""Image conversations tokenized once: ids with image pads expanded, targets, and each image's
-file, sha256 and patch grid (not its pixels, made again from the file when a row is loaded).
+"""Image and video conversations tokenized once: ids with image and video pads expanded,
+targets, each image's file, sha256 and patch grid, and each video's files, their sha256, its
+grid and seconds per temporal patch (not their pixels, made again from the files when a row
+is loaded).
 
 The arrays live in the token cache (array_cache, kind ``sft-images``) keyed like text sft's
 samples (the conversation files' content, the tokenizer, the template, --loss_on,
---columns) and the image processor's whole configuration (its class, --max_pixels and
---min_pixels, patch and merge sizes, means and stds): another processor setting finds
-another folder. `swift-mcore preprocess sft` writes the same arrays into a folder of its own
-(``write_image_sft_dataset``) that `sft --cached_dataset` reads (``load_image_sft_dataset``).
+--columns), the image processor's whole configuration (its class, --max_pixels and
+--min_pixels, patch and merge sizes, means and stds) and the video flags (--fps, ...,
+--video_total_pixels; whether frame groups' times are written): another processor setting
+or video flag finds another folder. `swift-mcore preprocess sft` writes the same arrays
+into a folder of its own (``write_image_sft_dataset``) that `sft --cached_dataset` reads
+(``load_image_sft_dataset``).
 
-Pixel patches are not stored (they are many times the size of the image files). The image
-files are not part of the key either (hashing every image at each start would read them
-all); each image's sha256, size and mtime are stored instead, and checked twice:
+Pixel patches are not stored (they are many times the size of the image and video files).
+The files are not part of the key either (hashing every file at each start would read them
+all); each file's sha256, size and mtime are stored instead, and checked twice:
 
-- at start, every image file is stat'ed; one whose size or mtime moved is hashed, and if its
-  bytes changed the cached folder is rebuilt (a --cached_dataset folder is refused: its
-  conversation files may be gone);
-- at load, the bytes read for the patches are hashed before they are decoded: an image
-  whose bytes changed while its size and mtime stayed is refused, naming the row and the
-  image, and the cache's folder is set aside so that the next start encodes the rows again
-  (a --cached_dataset folder is refused); its patch grid must be the stored one. A changed
-  image is never trained with the tokens of the old one.
+- at start, every image and video file is stat'ed; one whose size or mtime moved is
+  hashed, and if its bytes changed the cached folder is rebuilt (a --cached_dataset folder
+  is refused: its conversation files may be gone);
+- at load, an image's bytes read for the patches are hashed before they are decoded, and a
+  video's files are hashed (streamed) before they are decoded by path, their size and mtime
+  unmoved meanwhile: a file whose bytes changed while its size and mtime stayed is
+  refused, naming the row and the image or video, and the cache's folder is set aside so
+  that the next start encodes the rows again (a --cached_dataset folder is refused); the
+  grids made must be the stored ones. A changed image or video is never trained with the
+  tokens of the old one.
 
-Paths are stored absolute. A relative image path is resolved from the directory the run
-starts in, which the cache then records: started elsewhere, the folder is rebuilt. Images
-given inline (base64) are stored as their bytes.
+Paths are stored absolute. A relative path is resolved from the directory the run starts
+in, which the cache then records: started elsewhere, the folder is rebuilt. Images given
+inline (base64) are stored as their bytes.
 """
 
 from __future__ import annotations
@@ -48,12 +54,24 @@ logger = logging.getLogger("swift_mcore")
 # refs[ref_offsets[i]:ref_offsets[i + 1]]
 IMAGE_SCHEMA = {**SFT_SCHEMA, "image_offsets": ("int64", 1), "grids": ("int64", 2),
                 "digests": ("uint8", 2), "stamps": ("int64", 2), "refs": ("uint8", 1),
-                "ref_offsets": ("int64", 1), "inline": ("bool", 1)}
+                "ref_offsets": ("int64", 1), "inline": ("bool", 1),
+                # per sample k: its videos are video_offsets[k]:video_offsets[k + 1]; per
+                # video v: its (t, h, w) grid, seconds per temporal patch, whether it is a
+                # list of frames, and its files file_offsets[v]:file_offsets[v + 1] (one
+                # video file, or its frames' images); per file f: its sha256, (size,
+                # mtime_ns) and path in file_refs[file_ref_offsets[f]:...[f + 1]]
+                "video_offsets": ("int64", 1), "video_grids": ("int64", 2),
+                "video_seconds": ("float32", 1), "video_lists": ("bool", 1),
+                "file_offsets": ("int64", 1), "file_digests": ("uint8", 2),
+                "file_stamps": ("int64", 2), "file_refs": ("uint8", 1),
+                "file_ref_offsets": ("int64", 1)}
 # Part of the identity: change it whenever what an image row becomes changes.
-IMAGE_FORMAT = 1
+IMAGE_FORMAT = 2
 FLAGS = {**IDENTITY_FLAGS, "images": "swift-mcore's image cache format",
          "image_processor": "the image processor (--max_pixels, --min_pixels, or the "
-         "folder's preprocessor_config.json)"}
+         "folder's preprocessor_config.json)",
+         "videos": "the video flags (--fps, --fps_min_frames, --fps_max_frames, "
+         "--video_min_pixels, --video_max_pixels, --video_total_pixels)"}
 
 
 def processor_identity(processor) -> dict:
@@ -68,7 +86,16 @@ def image_identity(sources_fingerprint: str, encoder, columns) -> dict:
     return {**sft_token_identity(sources_fingerprint, encoder.template.tokenizer,
                                  encoder.template, encoder.loss_on, columns),
             "what": "sft image samples", "images": IMAGE_FORMAT,
-            "image_processor": processor_identity(encoder.image_processor)}
+            "image_processor": processor_identity(encoder.image_processor),
+            "videos": video_identity(encoder)}
+
+
+def video_identity(encoder) -> dict:
+    """What decides a video's frames and tokens besides its files: the sampling flags and
+    whether each frame group's time is written (Qwen3-VL)."""
+    from dataclasses import asdict
+
+    return {**asdict(encoder.sampling), "timestamps": bool(encoder.timestamps)}
 
 
 def read_image_bytes(ref: str, where: str) -> Tuple[bytes, Tuple[int, int]]:
@@ -86,6 +113,54 @@ def read_image_bytes(ref: str, where: str) -> Tuple[bytes, Tuple[int, int]]:
         raise ArgumentError(f"{where}: more than an image may have ({MAX_IMAGE_BYTES >> 20} "
                             f"MiB)")
     return data, (st.st_size, st.st_mtime_ns)
+
+
+def hashed_file(path: str, where: str, limit: int) -> Tuple[bytes, Tuple[int, int]]:
+    """(sha256, (size, mtime_ns)) of the regular file at ``path`` of at most ``limit``
+    bytes, read once in chunks (a video is not held in memory to be hashed)."""
+    digest = hashlib.sha256()
+    with open_regular(path, "rb", where) as fh:
+        st = os.fstat(fh.fileno())
+        read = 0
+        while True:
+            chunk = fh.read(1 << 20)
+            if not chunk:
+                break
+            read += len(chunk)
+            if read > limit:
+                raise ArgumentError(f"{where}: more than {limit >> 20} MiB")
+            digest.update(chunk)
+    return digest.digest(), (st.st_size, st.st_mtime_ns)
+
+
+def _video_files(video) -> Tuple[str, ...]:
+    """A video's files: its one file, or its frames' images."""
+    return tuple(video) if isinstance(video, tuple) else (video,)
+
+
+def _file_limit(video) -> int:
+    from ..input_files import MAX_VIDEO_BYTES
+
+    return MAX_IMAGE_BYTES if isinstance(video, tuple) else MAX_VIDEO_BYTES
+
+
+def _hashed_videos(videos, wheres) -> list:
+    """Per video, per file: (path, sha256, (size, mtime_ns)), hashed before it is decoded."""
+    return [[(path, *hashed_file(path, f"{at} {path}", _file_limit(video)))
+             for path in _video_files(video)] for video, at in zip(videos, wheres)]
+
+
+def _unmoved(hashed, wheres) -> None:
+    """ArgumentError for a video file whose size or mtime moved while it was decoded (the
+    frames decoded might not be the bytes hashed)."""
+    for files, at in zip(hashed, wheres):
+        for path, _, stamp in files:
+            try:
+                st = os.stat(path)
+            except OSError as err:
+                raise ArgumentError(f"{at} {path}: cannot be read ({err.strerror})") from None
+            if (st.st_size, st.st_mtime_ns) != tuple(stamp):
+                raise ArgumentError(f"{at} {path}: changed while it was decoded")
 
 
 def picture(data: bytes, where: str):
@@ -108,15 +183,28 @@ IMAGE_CHUNK = 32
 
 
 def _encode_row(item, encoder):
-    """(ids, targets, images) of one row; per image (its path or inline bytes, inline?,
-    grid, sha256, (size, mtime_ns), relative path?). Each file is read once: the bytes
-    hashed are the bytes encoded."""
+    """(ids, targets, images, videos) of one row; per image (its path or inline bytes,
+    inline?, grid, sha256, (size, mtime_ns), relative path?); per video (a frame list?,
+    grid, seconds per temporal patch, per file (absolute path, sha256, (size, mtime_ns),
+    relative path?)). Each image file is read once: the bytes hashed are the bytes encoded;
+    a video's files are hashed before they are decoded, and must not move meanwhile."""
     from .multimodal import BASE64_IMAGE
 
     read = [read_image_bytes(ref, f"{item.where}: images[{i}] {ref:.80}")
             for i, ref in enumerate(item.images)]
+    wheres = [f"{item.where}: {f}" for f in item.video_fields]
+    hashed = _hashed_videos(item.videos, wheres)
     sample = encoder.encode(item, [picture(data, f"{item.where}: images[{i}]")
                                    for i, (data, _) in enumerate(read)])
+    _unmoved(hashed, wheres)
+    videos = []
+    if item.videos:
+        for video, files, grid, second in zip(item.videos, hashed,
+                                              sample.video_grid_thw.tolist(),
+                                              sample.second_per_grid_ts.tolist()):
+            videos.append((isinstance(video, tuple), grid, second,
+                           [(os.path.abspath(p).encode("utf-8", "surrogateescape"), d, st,
+                             not os.path.isabs(p)) for p, d, st in files]))
     grids = [] if sample.image_grid_thw is None else sample.image_grid_thw.tolist()
     images = []
     for ref, (data, stamp), grid in zip(item.images, read, grids):
@@ -124,7 +212,7 @@ def _encode_row(item, encoder):
         name = data if inline else os.path.abspath(ref).encode("utf-8", "surrogateescape")
         images.append((name, inline, grid, hashlib.sha256(data).digest(), stamp,
                        not inline and not os.path.isabs(ref)))
-    return sample.ids, sample.targets, images
+    return sample.ids, sample.targets, images, videos
 
 
 _image_worker: dict = {}
@@ -154,11 +242,6 @@ def _encoded_rows(items, encoder, num_proc: int):
             yield from rows
 
 
-class VideoRows(ArgumentError):
-    """Rows with videos, which the cache does not store yet (image_sft encodes them at
-    each start instead; `preprocess sft` refuses them with this message)."""
-
-
 def _build(sources, columns, flag: str, encoder, identity: dict, num_proc: int = 1,
            absolute_only: bool = False):
     def build(job) -> dict:
@@ -168,26 +251,38 @@ def _build(sources, columns, flag: str, encoder, identity: dict, num_proc: int =
 
         per_source = [read_image_conversations([s], columns, flag) for s in sources]
         items = [item for rows in per_source for item in rows]
-        for item in items:
-            if item.videos:
-                raise VideoRows(f"{item.where}: {item.video_fields[0]}: a video; the token "
-                                f"cache does not store video rows yet (train them with "
-                                f"--dataset, encoded at each start)")
         w = {name: job.writer(name) for name in IMAGE_SCHEMA}
-        for name in ("offsets", "image_offsets", "ref_offsets"):
+        offsets = ("offsets", "image_offsets", "ref_offsets", "video_offsets",
+                   "file_offsets", "file_ref_offsets")
+        for name in offsets:
             w[name].append(np.zeros(1, np.int64))
-        ends = {"offsets": 0, "image_offsets": 0, "ref_offsets": 0}
+        ends = dict.fromkeys(offsets, 0)
         relative = False
         bar = tqdm(total=len(items), desc="encoding image conversations", unit="conv",
                    disable=None, leave=False)
         try:
-            for ids, targets, images in _encoded_rows(items, encoder, num_proc):
+            for ids, targets, images, videos in _encoded_rows(items, encoder, num_proc):
                 w["ids"].append(ids)
                 w["targets"].append(targets)
                 w["answers"].append(np.asarray([int(targets[1:].sum())], np.int64))
-                for name, size in (("offsets", len(ids)), ("image_offsets", len(images))):
+                for name, size in (("offsets", len(ids)), ("image_offsets", len(images)),
+                                   ("video_offsets", len(videos))):
                     ends[name] += size
                     w[name].append(np.asarray([ends[name]], np.int64))
+                for is_list, grid, second, files in videos:
+                    w["video_lists"].append(np.asarray([is_list]))
+                    w["video_grids"].append(np.asarray([grid], np.int64))
+                    w["video_seconds"].append(np.asarray([second], np.float32))
+                    ends["file_offsets"] += len(files)
+                    w["file_offsets"].append(np.asarray([ends["file_offsets"]], np.int64))
+                    for name, digest, stamp, is_relative in files:
+                        relative |= is_relative
+                        w["file_refs"].append(np.frombuffer(name, np.uint8))
+                        ends["file_ref_offsets"] += len(name)
+                        w["file_ref_offsets"].append(
+                            np.asarray([ends["file_ref_offsets"]], np.int64))
+                        w["file_digests"].append(np.frombuffer(digest, np.uint8)[None])
+                        w["file_stamps"].append(np.asarray([stamp], np.int64))
                 for name, inline, grid, digest, stamp, is_relative in images:
                     relative |= is_relative
                     w["refs"].append(np.frombuffer(name, np.uint8))
@@ -200,7 +295,8 @@ def _build(sources, columns, flag: str, encoder, identity: dict, num_proc: int =
                 bar.update(1)
         finally:
             bar.close()
-        for name, inner in (("grids", 3), ("digests", 32), ("stamps", 2)):
+        for name, inner in (("grids", 3), ("digests", 32), ("stamps", 2),
+                            ("video_grids", 3), ("file_digests", 32), ("file_stamps", 2)):
             if w[name].inner is None:  # no image at all: still a 2-D array of its width
                 w[name].append(np.zeros((0, inner), np.dtype(IMAGE_SCHEMA[name][0])))
         return {"conversations": len(items), "split": 0, "identity": identity,
@@ -222,31 +318,70 @@ def _path(arrays, i: int) -> str:
     return _ref(arrays, i).decode("utf-8", "surrogateescape")
 
 
+def _file_path(arrays, f: int) -> str:
+    offsets = arrays["file_ref_offsets"]
+    return arrays["file_refs"][offsets[f]:offsets[f + 1]].tobytes().decode(
+        "utf-8", "surrogateescape")
+
+
 def file_sha256(path: str, where: str) -> bytes:
     return hashlib.sha256(read_image_bytes(path, where)[0]).digest()
 
 
 def changed_image(arrays) -> Optional[str]:
-    """What is wrong with the first stored image file that is gone or whose bytes changed
-    (hashed only where its size or mtime moved), or None."""
+    """What is wrong with the first stored image or video file that is gone or whose bytes
+    changed (hashed only where its size or mtime moved), or None."""
+    from ..input_files import MAX_VIDEO_BYTES
+
     seen: Dict[str, bool] = {}
-    stamps, digests = arrays["stamps"], arrays["digests"]
-    for i in np.flatnonzero(~np.asarray(arrays["inline"])):
-        path = _path(arrays, int(i))
-        try:
-            st = os.stat(path)
-        except (OSError, ValueError) as err:  # ValueError: a NUL in a tampered path
-            return f"its image {path!r} cannot be read ({getattr(err, 'strerror', err)})"
-        if (st.st_size, st.st_mtime_ns) == tuple(stamps[i]):
-            continue
-        if path not in seen:
+    images = ((_path(arrays, int(i)), arrays["stamps"][i], arrays["digests"][i], "image",
+               MAX_IMAGE_BYTES) for i in np.flatnonzero(~np.asarray(arrays["inline"])))
+    lists = np.repeat(np.asarray(arrays["video_lists"]), np.diff(arrays["file_offsets"]))
+    videos = ((_file_path(arrays, f), arrays["file_stamps"][f], arrays["file_digests"][f],
+               "video frame" if lists[f] else "video",
+               MAX_IMAGE_BYTES if lists[f] else MAX_VIDEO_BYTES)
+              for f in range(len(arrays["file_digests"])))
+    for entries in (images, videos):
+        for path, stamp, digest, kind, limit in entries:
             try:
-                seen[path] = file_sha256(path, path) == digests[i].tobytes()
-            except ArgumentError as err:
-                return f"its image {err}"
-        if not seen[path]:
-            return f"its image {path} changed since it was stored (its sha256 differs)"
+                st = os.stat(path)
+            except (OSError, ValueError) as err:  # ValueError: a NUL in a tampered path
+                return f"its {kind} {path!r} cannot be read ({getattr(err, 'strerror', err)})"
+            if (st.st_size, st.st_mtime_ns) == tuple(stamp):
+                continue
+            if path not in seen:
+                try:
+                    seen[path] = hashed_file(path, path, limit)[0] == digest.tobytes()
+                except ArgumentError as err:
+                    return f"its {kind} {err}"
+            if not seen[path]:
+                return f"its {kind} {path} changed since it was stored (its sha256 differs)"
     return None
+
+
+def _check_videos(arrays, samples: int, merge: int) -> None:
+    """ValueError unless the video arrays are consistent with each other and the samples."""
+    offsets, grids = arrays["video_offsets"], arrays["video_grids"]
+    v = len(grids)
+    if len(offsets) != samples + 1 or offsets[0] != 0 or offsets[-1] != v or \
+            (np.diff(offsets) < 0).any():
+        raise ValueError("its video offsets are out of order")
+    files = arrays["file_offsets"]
+    f = len(arrays["file_digests"])
+    if grids.shape[1:] != (3,) or len(arrays["video_seconds"]) != v or \
+            len(arrays["video_lists"]) != v or arrays["file_digests"].shape != (f, 32) or \
+            arrays["file_stamps"].shape != (f, 2):
+        raise ValueError("its video arrays disagree in shape")
+    if len(files) != v + 1 or files[0] != 0 or files[-1] != f or (np.diff(files) <= 0).any():
+        raise ValueError("its video files are out of order")
+    if v and ((grids <= 0).any() or (grids[:, 1:] % merge).any() or
+              not np.isfinite(arrays["video_seconds"]).all() or
+              (arrays["video_seconds"] <= 0).any()):
+        raise ValueError(f"its video grids are not whole {merge}x{merge} merges")
+    refs = arrays["file_ref_offsets"]
+    if len(refs) != f + 1 or refs[0] != 0 or refs[-1] != len(arrays["file_refs"]) or \
+            (np.diff(refs) <= 0).any():
+        raise ValueError("its video file references are out of order")
 
 
 def _check(vocab_size: int, merge: int, cwd_matters: bool, images: bool = True):
@@ -269,6 +404,7 @@ def _check(vocab_size: int, merge: int, cwd_matters: bool, images: bool = True):
         if len(ref_offsets) != n + 1 or ref_offsets[0] != 0 or \
                 ref_offsets[-1] != len(arrays["refs"]) or (np.diff(ref_offsets) <= 0).any():
             raise ValueError("its image references are out of order")
+        _check_videos(arrays, samples, merge)
         rows, sources = meta.get("rows"), meta.get("sources")
         if not isinstance(rows, list) or not isinstance(sources, list) or \
                 len(rows) != len(sources) or \
@@ -328,10 +464,64 @@ class CachedImages:
             pass
         return "its cached tokens are discarded: start the run again to encode it anew"
 
-    def image_tokens(self, k: int) -> int:
+    def image_tokens(self, k: int, grids: str = "grids", offsets: str = "image_offsets") -> int:
         a = self.arrays
-        grids = np.asarray(a["grids"][a["image_offsets"][k]:a["image_offsets"][k + 1]])
+        grids = np.asarray(a[grids][a[offsets][k]:a[offsets][k + 1]])
         return int((grids.prod(-1) // self.encoder.merge ** 2).sum())
+
+    def video_tokens(self, k: int) -> int:
+        return self.image_tokens(k, "video_grids", "video_offsets")
+
+    def has_videos(self) -> bool:
+        return len(self.arrays["video_grids"]) > 0
+
+    def videos(self, samples: Sequence[int]):
+        """(pixel_values_videos, video_grid_thw, second_per_grid_ts) of the videos of
+        ``samples``, or None if they have none: each video's files hashed (and checked
+        against the stored sha256) before it is decoded again, its grid and seconds per
+        temporal patch then checked against the stored ones. ArgumentError naming the row
+        and video whose file changed since it was stored."""
+        import torch
+
+        a, videos, wheres, stored = self.arrays, [], [], []
+        for k in samples:
+            ids, _ = self.tokenized.encoded.sample(k)
+            if int((ids == self.encoder.video_pad_id).sum()) != self.video_tokens(k):
+                raise ArgumentError(f"{self.where(k)}: the stored tokens do not hold its "
+                                    f"videos' pads (a damaged cache: remove it)")
+            lo, hi = int(a["video_offsets"][k]), int(a["video_offsets"][k + 1])
+            for v in range(lo, hi):
+                at = f"{self.where(k)}: videos[{v - lo}]"
+                files = []
+                for f in range(int(a["file_offsets"][v]), int(a["file_offsets"][v + 1])):
+                    path = _file_path(a, f)
+                    if "\0" in path:
+                        raise ArgumentError(f"{at}: a stored path holds a NUL byte (a "
+                                            f"damaged cache: remove it)")
+                    files.append((path, f))
+                video = tuple(p for p, _ in files) if a["video_lists"][v] else files[0][0]
+                hashed = _hashed_videos([video], [at])[0]
+                for (path, digest, _), (_, f) in zip(hashed, files):
+                    if digest != a["file_digests"][f].tobytes():
+                        raise ArgumentError(f"{at} {path}: changed since its tokens were "
+                                            f"stored (its sha256 differs); {self.discard()}")
+                videos.append(video)
+                wheres.append(at)
+                stored.append((hashed, v))
+        if not videos:
+            return None
+        pixels, grids, seconds = self.encoder.video_patches(videos, wheres)
+        _unmoved([h for h, _ in stored], wheres)
+        index = [v for _, v in stored]
+        want_grids = torch.as_tensor(np.asarray(a["video_grids"][index]), dtype=grids.dtype)
+        want_seconds = torch.as_tensor(np.asarray(a["video_seconds"][index]))
+        if not torch.equal(grids, want_grids) or not torch.equal(seconds, want_seconds):
+            raise ArgumentError(f"{self.where(samples[0])}: its videos' grids "
+                                f"{grids.tolist()} (seconds per temporal patch "
+                                f"{seconds.tolist()}) are not the stored "
+                                f"{want_grids.tolist()} ({want_seconds.tolist()}): the "
+                                f"video processing changed; restart the run")
+        return pixels, grids, seconds
 
     def patches(self, samples: Sequence[int]):
         """(pixel_values, image_grid_thw) of the images of ``samples``, or None if they have
@@ -434,9 +624,9 @@ def load_image_sft_dataset(folder: str, encoder, columns, flag: str = "--cached_
     if images:
         problem = changed_image(arrays)
         if problem:
-            raise ArgumentError(f"{flag} {folder}: {problem}; the images must stay where "
-                                f"they were when it was prepared: restore them, or prepare "
-                                f"the folder again")
+            raise ArgumentError(f"{flag} {folder}: {problem}; the images and videos must "
+                                f"stay where they were when it was prepared: restore them, "
+                                f"or prepare the folder again")
     return CachedImages(_tokenized(arrays, meta), arrays, meta, encoder, "--dataset"), theirs
 
 
@@ -466,12 +656,19 @@ def image_encoder(config, tokenizer):
 
 
 def check_lengths(images: CachedImages, seq_length: int) -> None:
-    """ArgumentError naming the first sample longer than ``seq_length`` (images are never
-    cut)."""
+    """ArgumentError naming the first sample longer than ``seq_length`` (images and videos
+    are never cut)."""
     lengths = images.tokenized.encoded.ends - images.tokenized.encoded.starts
     long = np.flatnonzero(lengths > seq_length)
     if len(long):
         k = int(long[0])
+        if images.has_videos():
+            raise ArgumentError(
+                f"{images.where(k)}: {int(lengths[k])} tokens "
+                f"({images.image_tokens(k) + images.video_tokens(k)} of them its images' and "
+                f"videos'), more than --seq_length {seq_length} (images and videos are not "
+                f"cut); raise --seq_length or give smaller images (--max_pixels) or fewer, "
+                f"smaller video frames (--fps_max_frames, --video_max_pixels)")
         raise ArgumentError(
             f"{images.where(k)}: {int(lengths[k])} tokens ({images.image_tokens(k)} of them "
             f"its images'), more than --seq_length {seq_length} (images are not cut); raise "

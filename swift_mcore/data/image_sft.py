@@ -1,7 +1,5 @@
 """sft datasets of image and video conversations: the stored rows (image_cache) split,
-packed and batched, each row's image patches made again when it is loaded; rows with
-videos (which the cache does not store yet) encoded at each start, their videos decoded
-again when a row is loaded."""
+packed and batched, each row's image and video patches made again when it is loaded."""
 
 from __future__ import annotations
 
@@ -35,48 +33,11 @@ def _sft_dataset_class():
 
         def __getitem__(self, row: int) -> Dict[str, Any]:
             item = super().__getitem__(row)
-            item["pixels"] = self.images.patches(
-                [self.images.index(int(self.encoded.starts[k]))
-                 for k in self.conversations(row)])
-            return item
-
-        def collate(self, rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-            import torch
-
-            batch = super().collate(rows)
-            pixels = [r["pixels"] for r in rows if r["pixels"] is not None]
-            if pixels:
-                batch["pixel_values"] = torch.cat([p[0] for p in pixels])
-                batch["image_grid_thw"] = torch.cat([p[1] for p in pixels])
-            return batch
-
-    return ImageSftDataset
-
-
-def _video_dataset_class():
-    from .sft_datasets import SftDataset
-
-    class VideoSftDataset(SftDataset):
-        """SftDataset rows with their images and videos, encoded at this start: the patches
-        are made again per item (deterministically), so memory holds no pixels between
-        steps."""
-
-        def __init__(self, encoded, rows, media, encoder, *args, **kwargs):
-            super().__init__(encoded, rows, *args, **kwargs)
-            self.media = media          # sample start offset -> its ImageConversation
-            self.encoder = encoder
-
-        def __getitem__(self, row: int) -> Dict[str, Any]:
-            item = super().__getitem__(row)
-            rows = [self.media[k] for k in (int(self.encoded.starts[c])
-                                            for c in self.conversations(row))
-                    if k in self.media]
+            samples = [self.images.index(int(self.encoded.starts[k]))
+                       for k in self.conversations(row)]
             # a packed row's images, then its videos: the model fills the pads by kind
-            images = [p for r in rows for p in r.images]
-            videos = [v for r in rows for v in r.videos]
-            fields = [f"{r.where}: {f}" for r in rows for f in r.video_fields]
-            item["pixels"] = self.encoder.patches(images) if images else None
-            item["videos"] = self.encoder.video_patches(videos, fields) if videos else None
+            item["pixels"] = self.images.patches(samples)
+            item["videos"] = self.images.videos(samples)
             return item
 
         def collate(self, rows: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -95,85 +56,16 @@ def _video_dataset_class():
                     batch[key] = torch.cat([v[i] for v in videos])
             return batch
 
-    return VideoSftDataset
-
-
-def _video_datasets(config, tokenizer, encoder, log):
-    """(train, valid, None) of rows with videos: every row read and every image and video
-    checked first, then encoded (data/video.py samples the videos); a sample longer than
-    --seq_length with its images' and videos' tokens is an error naming its row."""
-    from ..arguments.sft import column_map
-    from ..errors import ArgumentError
-    from .multimodal import read_image_conversations
-    from .sft_datasets import _flat, sft_fingerprint, split
-    from .token_cache import cached_pack_plan
-
-    s, seq = config.sft, config.model.seq_length
-    columns = column_map(s.columns)
-
-    def encode(sources, flag):
-        parts, media, at = [], {}, 0
-        for item in read_image_conversations(sources, columns, flag):
-            sample = encoder.encode(item)
-            if len(sample.ids) > seq:
-                raise ArgumentError(
-                    f"{item.where}: {len(sample.ids)} tokens ({sample.media_tokens(encoder.merge)}"
-                    f" of them its images' and videos'), more than --seq_length {seq} (images "
-                    f"and videos are not cut); raise --seq_length or give smaller images "
-                    f"(--max_pixels) or fewer, smaller video frames (--fps_max_frames, "
-                    f"--video_max_pixels)")
-            if item.images or item.videos:
-                media[at] = item
-            parts.append((sample.ids, sample.targets))
-            at += len(sample.ids)
-        return _flat(parts), media
-
-    train, media = encode(config.dataset_sources, "--dataset")
-    valid, val_media = (encode(config.val_dataset_sources, "--val_dataset")
-                        if config.val_dataset_sources else (None, {}))
-    if s.split_dataset_ratio:
-        train, valid = split(train, s.split_dataset_ratio, config.training.seed)
-        val_media = media
-    log(f"sft data: {len(train)} image/video conversations, encoded at this start (the "
-        f"token cache does not hold videos yet; template: {encoder.template.describe()})")
-    fingerprint = sft_fingerprint(config, tokenizer, encoder.template)
-    pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod
-
-    def dataset(encoded, rows_media, name):
-        if encoded is None:
-            return None
-        if s.packing:
-            rows = cached_pack_plan(encoded.positions(), seq)
-        else:
-            n = len(encoded)
-            rows = (np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
-        pad_fixed, pad_multiple = row_widths(config)
-        return _video_dataset_class()(encoded, rows, rows_media, encoder, seq, pad_id,
-                                      s.packing, pad_fixed, f"{fingerprint}:{name}",
-                                      pad_multiple)
-
-    return dataset(train, media, "train"), dataset(valid, val_media, "valid"), None
+    return ImageSftDataset
 
 
 def build_image_sft_datasets(config, tokenizer, log=print, on_cache=lambda event: None):
-    """build_image_datasets, or for data with videos (which image_cache refuses to store)
-    _video_datasets."""
-    from .image_cache import VideoRows, image_encoder
-
-    try:
-        return build_image_datasets(config, tokenizer, log, on_cache)
-    except VideoRows:
-        if config.sft.cached_dataset:
-            raise
-        return _video_datasets(config, tokenizer, image_encoder(config, tokenizer), log)
-
-
-def build_image_datasets(config, tokenizer, log=print, on_cache=lambda event: None):
-    """(train, valid, None) datasets of image conversations for a vision-language --model:
-    the rows tokenized once into the token cache (image_cache; every row read and every
-    image checked first when it is built; ``on_cache`` hears "built" or "reused"), or read
-    from a --cached_dataset folder. A sample longer than --seq_length with its images'
-    tokens is an error naming its row (images cannot be cut)."""
+    """(train, valid, None) datasets of image and video conversations for a
+    vision-language --model: the rows tokenized once into the token cache (image_cache;
+    every row read and every image and video checked first when it is built; ``on_cache``
+    hears "built" or "reused"), or read from a --cached_dataset folder. A sample longer
+    than --seq_length with its images' and videos' tokens is an error naming its row
+    (images and videos cannot be cut)."""
     from ..arguments.sft import column_map
     from .image_cache import (cached_image_tokens, check_lengths, image_encoder,
                               load_image_sft_dataset)
@@ -201,7 +93,7 @@ def build_image_datasets(config, tokenizer, log=print, on_cache=lambda event: No
         train_encoded, valid_encoded = split(train_encoded, s.split_dataset_ratio,
                                              config.training.seed)
         val_images = train
-    log(f"sft data: {len(train_encoded)} image conversations (template: "
+    log(f"sft data: {len(train_encoded)} image/video conversations (template: "
         f"{template.describe()})")
     fingerprint = sft_fingerprint(config, tokenizer, template)
     pad_id = tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod

@@ -357,10 +357,10 @@ def video_dataset(tmp_path, rows=8, size=16):
 
 
 def test_sft_with_videos_trains(tmp_path, train_here, vl_folder, monkeypatch, capsys):
-    """sft on video rows (files and frame lists, with images; encoded at each start, the
-    token cache does not store videos yet): finite losses that fall over four steps; a row
-    whose video patches pass --seq_length is named before work; `preprocess sft` refuses
-    video rows by row and field."""
+    """sft on video rows (files and frame lists, with images; stored in the token cache):
+    finite losses that fall over four steps; `preprocess sft` writes the rows and `sft
+    --cached_dataset` trains loss for loss as the raw files; a row whose video patches
+    pass --seq_length is named before work."""
     from run_helpers import losses
     from test_hf_training import run_flags
 
@@ -371,10 +371,10 @@ def test_sft_with_videos_trains(tmp_path, train_here, vl_folder, monkeypatch, ca
     data = video_dataset(tmp_path)
     assert preprocess.main(["sft", "--model", str(vl_folder), "--dataset", str(data),
                             "--template", "tokenizer", "--output_dir",
-                            str(tmp_path / "prepared")]) == 2
-    assert "videos.jsonl, row 0: videos[0]: a video; the token cache does not store video " \
-        "rows yet" in capsys.readouterr().err
-    assert not (tmp_path / "prepared").exists()
+                            str(tmp_path / "prepared"), *SMALL_FLAGS]) == 0
+    out = capsys.readouterr().out
+    assert "4 images and 8 videos, read from their files at training" in out
+    assert "--video_min_pixels 64 --video_max_pixels 256" in out
     flags = ["--model", vl_folder, "--dataset", data, "--lr", "1e-2", "--min_lr", "1e-2",
              "--template", "tokenizer", "--no_save", *SMALL_FLAGS]
     train_here(tmp_path / "out", *flags, "--seq_length", "64", "--train_iters", "4",
@@ -382,6 +382,22 @@ def test_sft_with_videos_trains(tmp_path, train_here, vl_folder, monkeypatch, ca
     first = losses(tmp_path / "out")
     assert sorted(first) == [1, 2, 3, 4] and all(np.isfinite(list(first.values())))
     assert first[4] < first[1]
+    train_here(tmp_path / "cached", *flags[:2], "--cached_dataset", tmp_path / "prepared",
+               *flags[4:], "--seq_length", "64", "--train_iters", "4", base=run_flags())
+    assert losses(tmp_path / "cached") == first
+    # another video flag than the folder's is named
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: was prepared with "
+                                            r"the video flags \(--fps"):
+        train_here(tmp_path / "other", *flags[:2], "--cached_dataset", tmp_path / "prepared",
+                   *flags[4:], "--fps", "1", "--seq_length", "64", "--train_iters", "1",
+                   base=run_flags())
+    # a video file changed since: the folder is refused at start, naming it
+    write_video(tmp_path / "v2.mkv", coloured(6, 16, 16))
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: its video .*v2.mkv "
+                                            r"changed since it was stored .*the images and "
+                                            r"videos must stay where they were"):
+        train_here(tmp_path / "stale", *flags[:2], "--cached_dataset", tmp_path / "prepared",
+                   *flags[4:], "--seq_length", "64", "--train_iters", "1", base=run_flags())
     # 16x16 frames: 2 temporal patches of 4 merged patches, 8 pads; 48x48 ones: 72 pads
     big = video_dataset(tmp_path / "big" if (tmp_path / "big").mkdir() is None else None,
                         rows=1, size=48)

@@ -1,7 +1,9 @@
-"""Image rows in the token cache (data/image_cache.py): encoded once (the tokens and patches
-of encoding them in memory), reused without tokenizing again, never served stale for a
-changed image file or image processor, refused or rebuilt when tampered with; `preprocess
-sft` writes them for `sft --cached_dataset`, which trains as the raw-file run does."""
+"""Image and video rows in the token cache (data/image_cache.py): encoded once (the tokens,
+patches, grids and seconds per temporal patch of encoding them in memory), reused without
+tokenizing or decoding again, never served stale for a changed image or video file, image
+processor or video flag, refused or rebuilt when tampered with; `preprocess sft` writes
+them for `sft --cached_dataset`, which trains as the raw-file run does (videos':
+test_qwen2_5_vl_video.py::test_sft_with_videos_trains)."""
 
 import base64
 import json
@@ -13,6 +15,7 @@ import torch
 
 from swift_mcore.errors import ArgumentError
 from test_qwen2_5_vl import image_dataset, vl_folder, write_image  # noqa: F401  (fixture)
+from test_qwen2_5_vl_video import SMALL, coloured, video_dataset, video_encoder, write_video
 
 
 @pytest.fixture
@@ -292,9 +295,170 @@ def test_preprocess_sft_with_images_trains_as_the_raw_files(cache, tmp_path, vl_
     write_image(tmp_path / "img0_2.png", 16, 16, seed=99)
     with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: its image "
                                             r".*img0_2.png changed since it was stored .*"
-                                            r"the images must stay where they were"):
+                                            r"the images and videos must stay where they "
+                                            r"were"):
         build(prepared_config)
 
+
+# ---- video rows ----------------------------------------------------------------------------
+
+VIDEO_FLAGS = {k: SMALL[k] for k in ("video_min_pixels", "video_total_pixels")}
+VIDEO_FLAGS["video_max_pixels"] = 256
+
+
+def config_for(folder, data, **flags):
+    return sft_config(folder, dataset=[str(data)], **{**VIDEO_FLAGS, **flags})
+
+
+def video_in_memory(folder, data, **sampling):
+    from swift_mcore.data.multimodal import read_image_row
+
+    encoder = video_encoder(folder, **{**VIDEO_FLAGS, **sampling})
+    return [encoder.encode(read_image_row(json.loads(line), f"row {i}"))
+            for i, line in enumerate(data.read_text().splitlines())]
+
+
+def assert_video_rows_equal(dataset, expected):
+    assert len(dataset) == len(expected)
+    for r, want in enumerate(expected):
+        item = dataset[r]
+        ids = want.ids.astype(np.int64)
+        assert item["tokens"].tolist() == ids[:-1].tolist()
+        assert item["loss_mask"].tolist() == want.targets[1:].tolist()
+        for got, tensors in ((item["pixels"], (want.pixel_values, want.image_grid_thw)),
+                             (item["videos"], (want.pixel_values_videos, want.video_grid_thw,
+                                               want.second_per_grid_ts))):
+            if tensors[0] is None:
+                assert got is None
+            else:
+                assert len(got) == len(tensors)
+                assert all(torch.equal(g, w) for g, w in zip(got, tensors)), r
+
+
+def test_video_rows_are_encoded_once_as_in_memory_and_reused(cache, tmp_path, vl_folder,
+                                                              monkeypatch):
+    """Video files and frame lists (with an image) stored as in-memory encoding gives them;
+    a second start decodes nothing; another --fps (a frame list's rate: other seconds per
+    temporal patch) or --video_max_pixels (smaller frames) is encoded anew;
+    a video file whose bytes changed (its mtime moved) is hashed at start and rebuilt."""
+    from swift_mcore.data import multimodal, templates
+
+    data = video_dataset(tmp_path, rows=4)
+    train, _, events = build(config_for(vl_folder, data))
+    assert events == ["built"]
+    assert_video_rows_equal(train, video_in_memory(vl_folder, data))
+    first = rows_of(train)
+    assert "pixel_values_videos" in train.collate([train[0]])
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("encoded again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(templates.Template, "encode_many", refuse)
+        patched.setattr(multimodal.ImageEncoder, "encode", refuse)
+        again, _, events = build(config_for(vl_folder, data))
+        assert events == ["reused"] and rows_of(again) == first
+    for flags in ({"fps": 1.0}, {"video_max_pixels": 64}):
+        other, _, events = build(config_for(vl_folder, data, **flags))
+        assert events == ["built"], flags
+        assert_video_rows_equal(other, video_in_memory(vl_folder, data, **flags))
+        assert rows_of(other) != first
+    # row 0's video file rewritten with other frames (and another mtime): rebuilt for it
+    frames = [np.roll(f, 3, axis=0) for f in coloured(6, 16, 16)]
+    write_video(tmp_path / "v0.mkv", frames)
+    train, _, events = build(config_for(vl_folder, data))
+    assert events == ["built"]
+    assert_video_rows_equal(train, video_in_memory(vl_folder, data))
+    assert rows_of(train) != first
+
+
+def frame_list_rows(tmp_path):
+    """One row whose video is a list of two BMP frames (a changed BMP keeps its size)."""
+    from PIL import Image
+
+    paths = []
+    for j in range(2):
+        paths.append(str(tmp_path / f"f{j}.bmp"))
+        Image.fromarray(np.full((16, 16, 3), 10 + j, np.uint8)).save(paths[-1])
+    row = {"messages": [{"role": "user", "content": "<video>what?"},
+                        {"role": "assistant", "content": "def f(): 1"}], "videos": [paths]}
+    data = tmp_path / "frames.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    return data, paths
+
+
+def test_a_changed_video_is_never_served_stale(cache, tmp_path, vl_folder):
+    """A frame whose bytes change under the same size and mtime is refused when its row is
+    loaded (hashed before it is decoded), and the next start encodes it again."""
+    from PIL import Image
+
+    data, paths = frame_list_rows(tmp_path)
+    config = config_for(vl_folder, data)
+    train, _, events = build(config)
+    assert events == ["built"]
+    stat = os.stat(paths[1])
+    Image.fromarray(np.full((16, 16, 3), 200, np.uint8)).save(paths[1])
+    os.utime(paths[1], ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.path.getsize(paths[1]) == stat.st_size
+    with pytest.raises(ArgumentError, match=r"--dataset .*frames.jsonl, row 0: videos\[0\] "
+                                            r".*f1.bmp: changed since its tokens were stored "
+                                            r"\(its sha256 differs\); its cached tokens are "
+                                            r"discarded"):
+        train[0]
+    train, _, events = build(config)
+    assert events == ["built"]
+    assert_video_rows_equal(train, video_in_memory(vl_folder, data))
+    os.remove(paths[0])  # gone: rebuilt, and the rebuild names the row and frame
+    with pytest.raises(ArgumentError, match=r"frames.jsonl, row 0: videos\[0\]\[0\] .*f0.bmp"):
+        build(config)
+
+
+def test_a_tampered_video_cache_runs_no_code(cache, tmp_path, vl_folder):
+    data = video_dataset(tmp_path, rows=4)
+    config = config_for(vl_folder, data)
+    first = rows_of(build(config)[0])
+
+    def folder():
+        [path] = [p for p in (cache / "sft-images").iterdir() if not p.name.startswith(".")]
+        return path
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = folder() / "video_grids.npy"
+    os.chmod(path, 0o644)
+    np.save(path, np.array([Payload()], dtype=object), allow_pickle=True)
+    train, _, events = build(config)
+    assert events == ["built"] and not marker.exists() and rows_of(train) == first
+    # a stored grid that is not whole merges: rebuilt
+    grids = np.load(folder() / "video_grids.npy")
+    grids[0, 1] += 1
+    os.chmod(folder() / "video_grids.npy", 0o644)
+    np.save(folder() / "video_grids.npy", grids)
+    assert build(config)[2] == ["built"]
+    # another video's digest under the same stat: refused at load, before decoding
+    digests = np.load(folder() / "file_digests.npy")
+    digests[[0, 1]] = digests[[1, 0]]
+    os.chmod(folder() / "file_digests.npy", 0o644)
+    np.save(folder() / "file_digests.npy", digests)
+    train, _, events = build(config)
+    assert events == ["reused"]
+    with pytest.raises(ArgumentError, match=r"row 0: videos\[0\] .*v0.mkv: changed since"):
+        train[0]
+    # a stored grid of whole merges that is not the video's: refused at load
+    build(config)
+    grids = np.load(folder() / "video_grids.npy")
+    grids[0, 0] += 1
+    os.chmod(folder() / "video_grids.npy", 0o644)
+    np.save(folder() / "video_grids.npy", grids)
+    train, _, events = build(config)
+    assert events == ["reused"]
+    with pytest.raises(ArgumentError, match=r"row 0: the stored tokens do not hold its "
+                                            r"videos' pads"):
+        train[0]
 
 SHARED = """
 import json, sys
