@@ -250,3 +250,15 @@ def test_sft_stream_loader_smoke():
     assert measured(result["streaming_median"], result["cached_median"],
                     result["streaming_vs_cached"], result["streaming_vs_1b_h200_training"],
                     result["stream_cpu_batched_vs_one_row"])
+
+
+@pytest.mark.benchmark
+def test_sft_token_cache_smoke():
+    """One row chunk is enough for every path: tokenizing in memory, cold builds in this
+    process and in two workers, the warm start (the script asserts it reuses the cache) and
+    the start from a `preprocess sft` folder."""
+    result = run_script("sft_token_cache.py", "--rows", "8", "--num_proc", "1", "2")[-1]
+    assert result["rows"] == 8 and result["tokens"] > 8
+    assert measured(result["uncached_s"], result["cold_s[1]"], result["cold_s[2]"],
+                    result["warm_s"], result["warm_folder_s"],
+                    result["uncached_conversations_per_s"])
