@@ -31,6 +31,12 @@ from .streaming import DATA_CHANGED, ENCODE_ROWS, STREAM_VERSION, Locator, RowSt
 WHAT = "pt text"
 
 
+def no_text_column(where: str, text_key: str, row: dict) -> ArgumentError:
+    shown = ", ".join(repr(c) for c in row) or "none"
+    return ArgumentError(f"{where}: no '{text_key}' column (it has {shown}); choose the text "
+                         f"column with --text_key")
+
+
 class TextStream(RowStream):
     """The global sequence of pt training rows (arrays of --seq_length + 1 token ids), with
     a position that ``state()`` captures and ``TextStream(..., state)`` continues from."""
@@ -50,9 +56,7 @@ class TextStream(RowStream):
 
     def _text(self, loc: Locator, row: dict) -> Optional[str]:
         if self.text_key not in row:
-            shown = ", ".join(repr(c) for c in row) or "none"
-            raise ArgumentError(f"{self.reader.where(loc)}: no '{self.text_key}' column (it "
-                                f"has {shown}); choose the text column with --text_key")
+            raise no_text_column(self.reader.where(loc), self.text_key, row)
         text = row[self.text_key]
         if text is None or text == "":
             return None
@@ -188,9 +192,7 @@ def check_first_rows(reader, text_key: str) -> None:
             if loc[0] != index:
                 break
             if text_key not in row:
-                shown = ", ".join(repr(c) for c in row) or "none"
-                raise ArgumentError(f"{reader.where(loc)}: no '{text_key}' column (it has "
-                                    f"{shown}); choose the text column with --text_key")
+                raise no_text_column(reader.where(loc), text_key, row)
             break
 
 
