@@ -27,35 +27,18 @@ import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
-from bench_common import ROOT, SHAPES, child_env  # puts the checkout on sys.path
+from bench_common import (SHAPES, random_llama_folder,  # puts the checkout on sys.path
+                          rotate_rounds, run_swift_mcore, train_timed)
 
 CONTENDERS = ("swift-mcore", "trl", "lora-implicit", "lora-copy")
 
 
 def make_inputs(folder: str, size: str, pairs: int, words: int) -> str:
     """A random Llama folder of SHAPES[size] with swift-mcore's tokenizer, and prefs.jsonl."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from swift_mcore.data import default_tokenizer
-
-    s = SHAPES[size]
-    tokenizer = default_tokenizer()
-    config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=s["hidden_size"],
-        intermediate_size=-(-int(8 * s["hidden_size"] / 3) // 64) * 64,
-        num_hidden_layers=s["num_layers"], num_attention_heads=s["num_attention_heads"],
-        num_key_value_heads=s["num_query_groups"], max_position_embeddings=4096,
-        tie_word_embeddings=False, eos_token_id=tokenizer.eod, pad_token_id=tokenizer.eod)
-    torch.manual_seed(0)
-    model_dir = os.path.join(folder, "model")
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = random_llama_folder(folder, size)
     rng = random.Random(0)
     vocab = ["the", "model", "answer", "data", "token", "layer", "value", "train", "prefer",
              "reward", "policy", "batch", "sample", "output", "input", "weight"]
@@ -82,22 +65,15 @@ def run_ours(kind: str, model: str, data: str, args, out: str) -> dict:
         cmd += ["--tuner_type", "lora", "--lora_rank", "8"]
     if kind == "lora-copy":
         cmd += ["--ref_model", model]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env=child_env(OMP_NUM_THREADS=str(args.threads)))
-    if proc.returncode != 0:
-        sys.exit(f"{kind} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    steps = [r for r in rows if r.get("split") == "train"][args.warmup:]
-    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steps if r["tokens_per_s"])
-    return {"tokens_per_s": sum(r["tokens"] for r in steps) / max(seconds, 1e-9),
-            "loss_first": rows[1]["loss"]}
+    rows, _steps, tokens_per_s = run_swift_mcore(kind, cmd, out, args.threads, args.warmup)
+    return {"tokens_per_s": tokens_per_s, "loss_first": rows[1]["loss"]}
 
 
 def run_trl(model: str, data: str, args, out: str) -> dict:
     """In this (child) process: TRL's DPOTrainer for --iters steps, timed per step."""
     import torch
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     torch.set_num_threads(args.threads)
@@ -112,20 +88,9 @@ def run_trl(model: str, data: str, args, out: str) -> dict:
                          args=config, train_dataset=load_dataset("json", data_files=data,
                                                                  split="train"),
                          processing_class=AutoTokenizer.from_pretrained(model))
-    times, tokens = [], []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.start, self.tokens = time.perf_counter(), trainer._total_train_tokens
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.start)
-            tokens.append(trainer._total_train_tokens - self.tokens)
-
-    trainer.add_callback(Timer())
-    trainer.train()
-    timed = slice(args.warmup, None)
-    return {"tokens_per_s": sum(tokens[timed]) / max(sum(times[timed]), 1e-9)}
+    tokens_per_s, _steps = train_timed(trainer, lambda: trainer._total_train_tokens,
+                                       args.warmup)
+    return {"tokens_per_s": tokens_per_s}
 
 
 def child(kind: str, model: str, data: str, args) -> None:
@@ -161,7 +126,6 @@ def main() -> None:
         child(args.child, args.model, args.data, args)
         return
     chosen = tuple(args.contenders)
-    results = {k: [] for k in chosen}
     with tempfile.TemporaryDirectory() as folder:
         model = make_inputs(folder, args.size, args.pairs, args.words)
         data = os.path.join(folder, "prefs.jsonl")
@@ -169,18 +133,8 @@ def main() -> None:
         if "--contenders" in passed:  # the children take one --child each
             at = passed.index("--contenders")
             passed = passed[:at] + passed[at + 1 + len(chosen):]
-        for r in range(args.rounds):
-            order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
-            for kind in order:
-                proc = subprocess.run([sys.executable, __file__, *passed, "--child", kind,
-                                       "--model", model, "--data", data],
-                                      capture_output=True, text=True, cwd=ROOT,
-                                      env=child_env(PYTHONWARNINGS="ignore"))
-                if proc.returncode != 0:
-                    sys.exit(f"{kind} failed:\n{proc.stderr[-3000:]}")
-                line = json.loads(proc.stdout.strip().splitlines()[-1])
-                print(json.dumps({"round": r, **line}), flush=True)
-                results[kind].append(line)
+        results = rotate_rounds(__file__, passed, chosen, args.rounds,
+                                ["--model", model, "--data", data])
 
     def median(kind, key):
         return statistics.median(x[key] for x in results[kind])

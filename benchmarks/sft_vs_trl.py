@@ -28,12 +28,11 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
-from bench_common import ROOT, SHAPES, child_env  # puts the checkout on sys.path
+from bench_common import (SHAPES, random_llama_folder,  # puts the checkout on sys.path
+                          rotate_rounds, run_swift_mcore, train_timed)
 
 CONTENDERS = ("swift-mcore", "trl", "swift-mcore-lora", "peft-lora")
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
@@ -46,29 +45,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def make_inputs(folder: str, size: str, rows: int, words: int) -> str:
     """A random Llama folder of SHAPES[size] with swift-mcore's tokenizer (and a ChatML
     chat template), and chats.jsonl."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from swift_mcore.data import default_tokenizer
-
-    s = SHAPES[size]
-    tokenizer = default_tokenizer()
-    config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=s["hidden_size"],
-        intermediate_size=-(-int(8 * s["hidden_size"] / 3) // 64) * 64,
-        num_hidden_layers=s["num_layers"], num_attention_heads=s["num_attention_heads"],
-        num_key_value_heads=s["num_query_groups"], max_position_embeddings=4096,
-        tie_word_embeddings=False, eos_token_id=tokenizer.eod, pad_token_id=tokenizer.eod)
-    torch.manual_seed(0)
-    model_dir = os.path.join(folder, "model")
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    path = os.path.join(model_dir, "tokenizer_config.json")
-    with open(path, encoding="utf-8") as fh:
-        settings = json.load(fh)
-    settings["chat_template"] = CHATML
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(settings, fh, indent=1)
+    model_dir = random_llama_folder(folder, size, CHATML)
     rng = random.Random(0)
     vocab = ["the", "model", "answer", "data", "token", "layer", "value", "train", "question",
              "reason", "policy", "batch", "sample", "output", "input", "weight"]
@@ -96,22 +73,15 @@ def run_ours(kind: str, model: str, data: str, args, out: str) -> dict:
     if kind == "swift-mcore-lora":
         cmd += ["--tuner_type", "lora", "--lora_rank", str(LORA_RANK), "--lora_alpha",
                 str(LORA_ALPHA)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env=child_env(OMP_NUM_THREADS=str(args.threads)))
-    if proc.returncode != 0:
-        sys.exit(f"{kind} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    steps = [r for r in rows if r.get("split") == "train"][args.warmup:]
-    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steps if r["tokens_per_s"])
-    return {"tokens_per_s": sum(r["tokens"] for r in steps) / max(seconds, 1e-9),
-            "steps_timed": len(steps)}
+    _rows, steps, tokens_per_s = run_swift_mcore(kind, cmd, out, args.threads, args.warmup)
+    return {"tokens_per_s": tokens_per_s, "steps_timed": len(steps)}
 
 
 def run_trl(kind: str, model: str, data: str, args, out: str) -> dict:
     """In this (child) process: TRL's SFTTrainer for --iters steps, timed per step."""
     import torch
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(args.threads)
@@ -132,21 +102,9 @@ def run_trl(kind: str, model: str, data: str, args, out: str) -> dict:
                                                    attn_implementation="sdpa"),
         args=config, train_dataset=load_dataset("json", data_files=data, split="train"),
         processing_class=AutoTokenizer.from_pretrained(model), peft_config=peft_config)
-    times, tokens = [], []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.start, self.tokens = time.perf_counter(), trainer.state.num_input_tokens_seen
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.start)
-            tokens.append(trainer.state.num_input_tokens_seen - self.tokens)
-
-    trainer.add_callback(Timer())
-    trainer.train()
-    timed = slice(args.warmup, None)
-    return {"tokens_per_s": sum(tokens[timed]) / max(sum(times[timed]), 1e-9),
-            "steps_timed": len(times[timed])}
+    tokens_per_s, steps = train_timed(trainer, lambda: trainer.state.num_input_tokens_seen,
+                                      args.warmup)
+    return {"tokens_per_s": tokens_per_s, "steps_timed": steps}
 
 
 def child(kind: str, model: str, data: str, args) -> None:
@@ -176,22 +134,11 @@ def main() -> None:
     if args.child:
         child(args.child, args.model, args.data, args)
         return
-    results = {k: [] for k in CONTENDERS}
     with tempfile.TemporaryDirectory() as folder:
         model = make_inputs(folder, args.size, args.rows, args.words)
         data = os.path.join(folder, "chats.jsonl")
-        for r in range(args.rounds):
-            order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]
-            for kind in order:
-                proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child",
-                                       kind, "--model", model, "--data", data],
-                                      capture_output=True, text=True, cwd=ROOT,
-                                      env=child_env(PYTHONWARNINGS="ignore"))
-                if proc.returncode != 0:
-                    sys.exit(f"{kind} failed:\n{proc.stderr[-3000:]}")
-                line = json.loads(proc.stdout.strip().splitlines()[-1])
-                print(json.dumps({"round": r, **line}), flush=True)
-                results[kind].append(line)
+        results = rotate_rounds(__file__, sys.argv[1:], CONTENDERS, args.rounds,
+                                ["--model", model, "--data", data])
 
     def median(kind):
         return statistics.median(x["tokens_per_s"] for x in results[kind])

@@ -259,3 +259,14 @@ def test_vpp_step_time_smoke():
     assert {name: len(v) for name, v in result["step_s_per_round"].items()} == {
         "pp2": 2, "pp2_vpp2": 2}
     assert measured(*result["step_s_median"].values(), result["vpp_vs_pp_step_time"])
+
+
+def test_sft_token_cache_smoke():
+    """One row chunk is enough for every path: tokenizing in memory, cold builds in this
+    process and in two workers, the warm start (the script asserts it reuses the cache) and
+    the start from a `preprocess sft` folder."""
+    result = run_script("sft_token_cache.py", "--rows", "8", "--num_proc", "1", "2")[-1]
+    assert result["rows"] == 8 and result["tokens"] > 8
+    assert measured(result["uncached_s"], result["cold_s[1]"], result["cold_s[2]"],
+                    result["warm_s"], result["warm_folder_s"],
+                    result["uncached_conversations_per_s"])

@@ -1,7 +1,8 @@
 """Streaming sft data (--streaming): files read lazily, shuffled in a seeded buffer, encoded, packed, with an exact position.
 
-The reading, the shuffle buffer and the per-rank iterator (ShuffledRows, _RankBatches,
-build_stream_iterator) serve pt's text stream too (text_stream.py).
+The reading, the shuffle buffer, the position's frame and the per-rank iterator
+(ShuffledRows, RowStream, _RankBatches, build_stream_iterator) serve pt's text stream too
+(text_stream.py).
 
 The stream is one global sequence of training rows, the same on every rank and for any
 number of ranks: the files are read in order (epoch after epoch), each row read goes
@@ -294,13 +295,17 @@ class ShuffledRows:
             self.rng.bit_generator.state = state["rng"]
             buffer = [tuple(int(v) for v in loc) for loc in state["buffer"]]
         except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"the stream position in the checkpoint is malformed "
-                                  f"({type(err).__name__}: {err})") from None
+            raise malformed(err) from None
         self.epoch, self.next_pos = epoch, next_pos
         rows = self.reader.fetch(buffer + list(held))
         found = {loc: (row, _digest(row)) for loc, row in rows.items()}
         self.buffer = [(loc, *found[loc]) for loc in buffer]
         return found
+
+
+def malformed(err: Exception) -> CheckpointError:
+    return CheckpointError(f"the stream position in the checkpoint is malformed "
+                           f"({type(err).__name__}: {err})")
 
 
 def check_version(state: dict) -> None:
@@ -318,20 +323,23 @@ DATA_CHANGED = ("the rows the stream held at the checkpoint (its shuffle buffer 
                 "checkpoint; resume on the same files")
 
 
-class Stream:
-    """The global sequence of sft training rows (lists of Samples), with a position that
-    ``state()`` captures and ``Stream(..., state)`` continues from exactly."""
+class RowStream:
+    """What sft's Stream and pt's TextStream share: the shuffled rows, the global position,
+    the stop for files with nothing to train, and the frame of the position's state (the
+    version, the position, the rows' state and the digest of every row held).
 
-    def __init__(self, sources, columns: Dict[str, str], template, loss_on: str,
-                 seq_length: int, truncation: str, packing: bool, buffer_size: int,
-                 seed: int, state: Optional[dict] = None, flag: str = "--dataset"):
+    A subclass sets its own fields, then calls ``__init__``; it gives ``_held`` (its part
+    of the state and the digests of the rows it holds), ``_parse`` (its part read back from
+    a state, raising KeyError/TypeError/ValueError when malformed), ``_held_locators`` and
+    ``_rebuild`` (its rows re-read by ``ShuffledRows.restore``)."""
+
+    KIND: dict = {}  # state keys naming the kind of stream, before the position
+
+    def __init__(self, sources, buffer_size: int, seed: int, state: Optional[dict],
+                 flag: str):
         self.rows = ShuffledRows(sources, buffer_size, seed, flag)
         self.reader = self.rows.reader
-        self.columns, self.template, self.loss_on = columns, template, loss_on
-        self.seq_length, self.truncation, self.packing = seq_length, truncation, packing
         self.buffer_size = buffer_size
-        self.queue: collections.deque = collections.deque()  # training rows ready
-        self.open_rows: List[List[Sample]] = []
         self.position = 0
         self._empty_rows = 0
         if state:
@@ -340,6 +348,61 @@ class Stream:
     @property
     def epoch(self) -> int:
         return self.rows.epoch
+
+    def _count_row(self, trainable: bool, nothing: str) -> None:
+        """Stop with ``nothing`` (after the flag) once more rows in a row than two passes
+        over the files and the buffer gave nothing to train: no row of the files does."""
+        self._empty_rows = 0 if trainable else self._empty_rows + 1
+        passes = self.rows.pass_rows
+        if passes and self._empty_rows > 2 * (passes + self.buffer_size):
+            raise ArgumentError(f"{self.reader.flag}: {nothing}")
+
+    def state(self) -> dict:
+        """The exact position, as JSON-ready values: what follows it is the same in a stream
+        built from it as in this one."""
+        own, digests = self._held()
+        return {"version": STREAM_VERSION, **self.KIND, "position": self.position,
+                **self.rows.state(), **own,
+                "rows_digest": held_digest(self.rows.digests() + digests)}
+
+    def _restore(self, state: dict) -> None:
+        check_version(state)
+        try:
+            parsed = self._parse(state)
+            self.position = int(state["position"])
+            expected = str(state["rows_digest"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise malformed(err) from None
+        rows = self.rows.restore(state, self._held_locators(parsed))
+        self._rebuild(parsed, rows)
+        if self.state()["rows_digest"] != expected:
+            raise CheckpointError(DATA_CHANGED)
+
+    def _held(self) -> Tuple[dict, List[str]]:
+        raise NotImplementedError
+
+    def _parse(self, state: dict):
+        raise NotImplementedError
+
+    def _held_locators(self, parsed) -> List[Locator]:
+        raise NotImplementedError
+
+    def _rebuild(self, parsed, rows: Dict[Locator, Tuple[dict, str]]) -> None:
+        raise NotImplementedError
+
+
+class Stream(RowStream):
+    """The global sequence of sft training rows (lists of Samples), with a position that
+    ``state()`` captures and ``Stream(..., state)`` continues from exactly."""
+
+    def __init__(self, sources, columns: Dict[str, str], template, loss_on: str,
+                 seq_length: int, truncation: str, packing: bool, buffer_size: int,
+                 seed: int, state: Optional[dict] = None, flag: str = "--dataset"):
+        self.columns, self.template, self.loss_on = columns, template, loss_on
+        self.seq_length, self.truncation, self.packing = seq_length, truncation, packing
+        self.queue: collections.deque = collections.deque()  # training rows ready
+        self.open_rows: List[List[Sample]] = []
+        super().__init__(sources, buffer_size, seed, state, flag)
 
     # -- encoding
     def _encode(self, drawn: Sequence[Tuple[Locator, dict, str]]) -> List[List[Sample]]:
@@ -386,44 +449,32 @@ class Stream:
             # at a time, and the samples not trained yet are held in the position.
             drawn = [self.rows.next_row() for _ in range(ENCODE_ROWS)]
             for samples in self._encode(drawn):
-                self._empty_rows = 0 if samples else self._empty_rows + 1
-                passes = self.rows.pass_rows
-                if passes and self._empty_rows > 2 * (passes + self.buffer_size):
-                    raise ArgumentError(f"{self.reader.flag}: no conversation is left to "
-                                        f"train on; raise --seq_length or use "
-                                        f"--truncation_strategy left|right")
+                self._count_row(bool(samples), "no conversation is left to train on; raise "
+                                "--seq_length or use --truncation_strategy left|right")
                 for sample in samples:
                     self._add(sample)
         self.position += 1
         return self.queue.popleft()
 
     # -- the position
-    def state(self) -> dict:
-        """The exact position, as JSON-ready values: what follows it is the same in a stream
-        built from it as in this one."""
-        held = self.rows.digests()
-        held += [s.digest for item in self.queue for s in item]
-        held += [s.digest for item in self.open_rows for s in item]
-        return {
-            "version": STREAM_VERSION, "position": self.position, **self.rows.state(),
-            "queue": [[s.ref() for s in item] for item in self.queue],
-            "open_rows": [[s.ref() for s in item] for item in self.open_rows],
-            "rows_digest": held_digest(held),
-        }
+    def _held(self) -> Tuple[dict, List[str]]:
+        items = list(self.queue) + self.open_rows
+        return ({"queue": [[s.ref() for s in item] for item in self.queue],
+                 "open_rows": [[s.ref() for s in item] for item in self.open_rows]},
+                [s.digest for item in items for s in item])
 
-    def _restore(self, state: dict) -> None:
-        check_version(state)
-        try:
-            self.position = int(state["position"])
-            queue = [[tuple(int(v) for v in ref) for ref in item] for item in state["queue"]]
-            open_rows = [[tuple(int(v) for v in ref) for ref in item]
-                         for item in state["open_rows"]]
-            expected = str(state["rows_digest"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"the stream position in the checkpoint is malformed "
-                                  f"({type(err).__name__}: {err})") from None
-        refs = [ref for item in queue + open_rows for ref in item]
-        rows = self.rows.restore(state, [ref[:3] for ref in refs])
+    def _parse(self, state: dict):
+        queue = [[tuple(int(v) for v in ref) for ref in item] for item in state["queue"]]
+        open_rows = [[tuple(int(v) for v in ref) for ref in item]
+                     for item in state["open_rows"]]
+        return queue, open_rows
+
+    def _held_locators(self, parsed) -> List[Locator]:
+        queue, open_rows = parsed
+        return [ref[:3] for item in queue + open_rows for ref in item]
+
+    def _rebuild(self, parsed, rows) -> None:
+        queue, open_rows = parsed
         encoded: Dict[Locator, List[Sample]] = {}
 
         def sample(ref) -> Sample:
@@ -438,8 +489,6 @@ class Stream:
 
         self.queue = collections.deque([sample(r) for r in item] for item in queue)
         self.open_rows = [[sample(r) for r in item] for item in open_rows]
-        if self.state()["rows_digest"] != expected:
-            raise CheckpointError(DATA_CHANGED)
 
 
 # ---- training rows and the per-rank iterator ----------------------------------------------

@@ -26,42 +26,37 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, CheckpointError
-from .streaming import (DATA_CHANGED, ENCODE_ROWS, STREAM_VERSION, Locator, ShuffledRows,
-                        check_version, held_digest)
+from .streaming import DATA_CHANGED, ENCODE_ROWS, STREAM_VERSION, Locator, RowStream
 
 WHAT = "pt text"
 
 
-class TextStream:
+def no_text_column(where: str, text_key: str, row: dict) -> ArgumentError:
+    shown = ", ".join(repr(c) for c in row) or "none"
+    return ArgumentError(f"{where}: no '{text_key}' column (it has {shown}); choose the text "
+                         f"column with --text_key")
+
+
+class TextStream(RowStream):
     """The global sequence of pt training rows (arrays of --seq_length + 1 token ids), with
     a position that ``state()`` captures and ``TextStream(..., state)`` continues from."""
+
+    KIND = {"what": WHAT}
 
     def __init__(self, sources, text_key: str, tokenizer, seq_length: int, buffer_size: int,
                  seed: int, state: Optional[dict] = None, flag: str = "--dataset"):
         if tokenizer.eod is None:
             raise ArgumentError("the tokenizer has no end-of-document token to append")
-        self.rows = ShuffledRows(sources, buffer_size, seed, flag)
-        self.reader = self.rows.reader
         self.text_key, self.tokenizer, self.seq_length = text_key, tokenizer, seq_length
-        self.buffer_size = buffer_size
         # documents whose tokens are not all trained yet: (locator, digest, token ids)
         self.carry: collections.deque = collections.deque()
         self.start = 0  # tokens of carry[0] trained past
         self.available = 0  # tokens in the carry from ``start`` on
-        self.position = 0
-        self._empty_rows = 0
-        if state:
-            self._restore(state)
-
-    @property
-    def epoch(self) -> int:
-        return self.rows.epoch
+        super().__init__(sources, buffer_size, seed, state, flag)
 
     def _text(self, loc: Locator, row: dict) -> Optional[str]:
         if self.text_key not in row:
-            shown = ", ".join(repr(c) for c in row) or "none"
-            raise ArgumentError(f"{self.reader.where(loc)}: no '{self.text_key}' column (it "
-                                f"has {shown}); choose the text column with --text_key")
+            raise no_text_column(self.reader.where(loc), self.text_key, row)
         text = row[self.text_key]
         if text is None or text == "":
             return None
@@ -92,14 +87,10 @@ class TextStream:
             # the position holds it), in draw order: the rows are those of drawing one by one
             drawn = [self.rows.next_row() for _ in range(ENCODE_ROWS)]
             for (loc, _row, digest), ids in zip(drawn, self.documents(drawn)):
+                self._count_row(ids is not None, f"holds no text (every '{self.text_key}' "
+                                f"value is empty)")
                 if ids is None:
-                    self._empty_rows += 1
-                    passes = self.rows.pass_rows
-                    if passes and self._empty_rows > 2 * (passes + self.buffer_size):
-                        raise ArgumentError(f"{self.reader.flag}: holds no text (every "
-                                            f"'{self.text_key}' value is empty)")
                     continue
-                self._empty_rows = 0
                 self.carry.append((tuple(loc), digest, ids))
                 self.available += len(ids)
         parts, left, offset = [], need, self.start
@@ -123,25 +114,20 @@ class TextStream:
         return np.concatenate(parts)
 
     # -- the position
-    def state(self) -> dict:
-        """The exact position, as JSON-ready values."""
-        held = self.rows.digests() + [entry[1] for entry in self.carry]
-        return {"version": STREAM_VERSION, "what": WHAT, "position": self.position,
-                **self.rows.state(), "carry": [list(entry[0]) for entry in self.carry],
-                "start": self.start, "rows_digest": held_digest(held)}
+    def _held(self):
+        return ({"carry": [list(entry[0]) for entry in self.carry], "start": self.start},
+                [entry[1] for entry in self.carry])
 
-    def _restore(self, state: dict) -> None:
-        check_version(state)
-        try:
-            if state.get("what") != WHAT:
-                raise ValueError(f"it is a {state.get('what') or 'sft'} stream's")
-            self.position, self.start = int(state["position"]), int(state["start"])
-            carry = [tuple(int(v) for v in loc) for loc in state["carry"]]
-            expected = str(state["rows_digest"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"the stream position in the checkpoint is malformed "
-                                  f"({type(err).__name__}: {err})") from None
-        rows = self.rows.restore(state, carry)
+    def _parse(self, state: dict):
+        if state.get("what") != WHAT:
+            raise ValueError(f"it is a {state.get('what') or 'sft'} stream's")
+        return int(state["start"]), [tuple(int(v) for v in loc) for loc in state["carry"]]
+
+    def _held_locators(self, parsed) -> List[Locator]:
+        return parsed[1]
+
+    def _rebuild(self, parsed, rows) -> None:
+        self.start, carry = parsed
         self.carry = collections.deque()
         documents = self.documents([(loc, rows[loc][0]) for loc in carry])
         for loc, ids in zip(carry, documents):
@@ -149,8 +135,7 @@ class TextStream:
                 raise CheckpointError(DATA_CHANGED)
             self.carry.append((loc, rows[loc][1], ids))
         self.available = sum(len(entry[2]) for entry in self.carry) - self.start
-        if self.state()["rows_digest"] != expected or not (
-                not self.carry or 0 <= self.start < len(self.carry[0][2])):
+        if self.carry and not 0 <= self.start < len(self.carry[0][2]):
             raise CheckpointError(DATA_CHANGED)
 
 
@@ -207,9 +192,7 @@ def check_first_rows(reader, text_key: str) -> None:
             if loc[0] != index:
                 break
             if text_key not in row:
-                shown = ", ".join(repr(c) for c in row) or "none"
-                raise ArgumentError(f"{reader.where(loc)}: no '{text_key}' column (it has "
-                                    f"{shown}); choose the text column with --text_key")
+                raise no_text_column(reader.where(loc), text_key, row)
             break
 
 

@@ -86,6 +86,13 @@ def safetensors_state(path: str) -> Dict[str, torch.Tensor]:
     return out
 
 
+def assert_same_weights(original, other) -> None:
+    """The HF folder ``other`` holds every tensor of ``original``, bit for bit, and no other."""
+    want, got = safetensors_state(str(original)), safetensors_state(str(other))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
+
+
 def edit_config(path: str, **changes) -> None:
     config_path = os.path.join(path, "config.json")
     with open(config_path) as fh:

@@ -512,35 +512,42 @@ def test_an_image_longer_than_seq_length_is_named(tmp_path, train_here, vl_folde
                "--no_save", base=run_flags())
 
 
+def transformers_greedy_answer(hf, folder, image, prompt: str, steps: int) -> str:
+    """The answer transformers' model ``hf`` gives greedily in ``steps`` tokens to ``prompt``
+    after ``image`` (the whole sequence each step, as infer runs it), up to its <|im_end|>."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    patches = AutoImageProcessor.from_pretrained(str(folder))(
+        images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    pads = int(patches["image_grid_thw"].prod()) // 4
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<|vision_start|>" + "<|image_pad|>" * pads
+          + "<|vision_end|>" + prompt}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    new = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = hf(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(),
+                        **patches).logits[0, -1, :306]
+            new.append(int(logits.argmax()))
+            ids = torch.cat([ids, torch.tensor([[new[-1]]])], dim=1)
+    return tokenizer.decode([t for t in new if t != tokenizer.eos_token_id]).split(
+        "<|im_end|>")[0]
+
+
 def test_infer_with_an_image_gives_transformers_greedy_tokens(gloo_group, capsys, vl_folder,
                                                                tmp_path):
-    from transformers import AutoImageProcessor, AutoTokenizer
-    from PIL import Image
-
     from swift_mcore.arguments.infer import InferArguments
     from swift_mcore.infer import run
 
     image = write_image(tmp_path / "cat.png", 20, 12)
     answer = run(InferArguments(model=str(vl_folder), prompt="what is it?", image=image,
                                 template="tokenizer", max_new_tokens=5).validate())
-    tokenizer = AutoTokenizer.from_pretrained(str(vl_folder))
-    patches = AutoImageProcessor.from_pretrained(str(vl_folder))(
-        images=[Image.open(image).convert("RGB")], return_tensors="pt")
-    pads = int(patches["image_grid_thw"].prod()) // 4
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "<|vision_start|>" + "<|image_pad|>" * pads
-          + "<|vision_end|>what is it?"}], tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
-    hf = transformers_model(vl_folder)
-    new = []
-    with torch.no_grad():
-        for _ in range(5):  # greedy, the whole sequence each step (as infer does)
-            logits = hf(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(),
-                        **patches).logits[0, -1, :306]
-            new.append(int(logits.argmax()))
-            ids = torch.cat([ids, torch.tensor([[new[-1]]])], dim=1)
-    expected = tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
-    assert answer and answer == expected.split("<|im_end|>")[0], (answer, expected)
+    expected = transformers_greedy_answer(transformers_model(vl_folder), vl_folder, image,
+                                          "what is it?", 5)
+    assert answer and answer == expected, (answer, expected)
     with pytest.raises(ArgumentError, match="--image needs --template"):
         InferArguments(model=str(vl_folder), prompt="hi", image=image).validate()
     with pytest.raises(ArgumentError, match=r"--image .*gone.png: cannot be read"):
@@ -559,10 +566,7 @@ def test_tp2_matches_transformers_and_exports_bit_identical(tmp_path, gloo_group
         theirs = transformers_model(vl_folder)(input_ids=ids).logits
     assert (torch.load(out / "logits.pt") - theirs).abs().max() <= 1e-4
     H.convert(out, tmp_path / "exported", "to_hf")
-    original, back = H.safetensors_state(str(vl_folder)), H.safetensors_state(
-        str(tmp_path / "exported"))
-    assert sorted(back) == sorted(original)
-    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+    H.assert_same_weights(vl_folder, tmp_path / "exported")
 
 
 @pytest.mark.slow

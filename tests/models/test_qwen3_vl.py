@@ -371,38 +371,17 @@ def test_tp2_matches_transformers_and_exports_bit_identical(tmp_path, gloo_group
         theirs = transformers_model(vl3_folder)(input_ids=ids).logits
     assert (torch.load(out / "logits.pt") - theirs).abs().max() <= 1e-4
     H.convert(out, tmp_path / "exported", "to_hf")
-    original, back = H.safetensors_state(str(vl3_folder)), H.safetensors_state(
-        str(tmp_path / "exported"))
-    assert sorted(back) == sorted(original)
-    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+    H.assert_same_weights(vl3_folder, tmp_path / "exported")
 
 
 def test_infer_with_an_image_gives_transformers_greedy_tokens(gloo_group, vl3_folder, tmp_path):
-    from PIL import Image
-    from transformers import AutoImageProcessor, AutoTokenizer
-
     from swift_mcore.arguments.infer import InferArguments
     from swift_mcore.infer import run
-    from test_qwen2_5_vl import write_image
+    from test_qwen2_5_vl import transformers_greedy_answer, write_image
 
     image = write_image(tmp_path / "cat.png", 20, 12)
     answer = run(InferArguments(model=str(vl3_folder), prompt="what is it?", image=image,
                                 template="tokenizer", max_new_tokens=5).validate())
-    tokenizer = AutoTokenizer.from_pretrained(str(vl3_folder))
-    patches = AutoImageProcessor.from_pretrained(str(vl3_folder))(
-        images=[Image.open(image).convert("RGB")], return_tensors="pt")
-    pads = int(patches["image_grid_thw"].prod()) // 4
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "<|vision_start|>" + "<|image_pad|>" * pads
-          + "<|vision_end|>what is it?"}], tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
-    hf = transformers_model(vl3_folder)
-    new = []
-    with torch.no_grad():
-        for _ in range(5):  # greedy, the whole sequence each step (as infer does)
-            logits = hf(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(),
-                        **patches).logits[0, -1, :306]
-            new.append(int(logits.argmax()))
-            ids = torch.cat([ids, torch.tensor([[new[-1]]])], dim=1)
-    expected = tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
-    assert answer and answer == expected.split("<|im_end|>")[0], (answer, expected)
+    expected = transformers_greedy_answer(transformers_model(vl3_folder), vl3_folder, image,
+                                          "what is it?", 5)
+    assert answer and answer == expected, (answer, expected)
