@@ -156,9 +156,12 @@ class LoraParallelLinear(nn.Module, LoraLayer):
                 continue
             h = self.lora_A[name](self.lora_dropout[name](x.to(self.lora_A[name].weight.dtype)))
             h = h[0] if isinstance(h, tuple) else h
-            delta = self.lora_B[name](h)
+            # scaled on the rank-r side: peft's B(A(x))*s costs a pass over [tokens, out]
+            # forward and backward; B(A(x)*s) is the same product, bit for bit when s is a
+            # power of two (alpha/r = 32/8), else within float rounding
+            delta = self.lora_B[name](h * self.scaling[name])
             delta = delta[0] if isinstance(delta, tuple) else delta
-            result = result + (delta * self.scaling[name]).to(result.dtype)
+            result = result + delta.to(result.dtype)
         return result, bias
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
