@@ -46,18 +46,27 @@ def peft_arithmetic(layer, x, dropout):
     return out, a, b
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("onednn", [False, True])
 @pytest.mark.parametrize("row_parallel", [False, True])
 @pytest.mark.parametrize("r, alpha, rslora, exact", [
     (8, 32, False, True),    # alpha/r = 4: scaling by a power of two commutes exactly
     (3, 7, True, False),     # 7/sqrt(3): within float rounding
 ])
-def test_forward_and_gradients_equal_peft(gloo_group, onednn, row_parallel, r, alpha,
-                                          rslora, exact):
+def test_forward_and_gradients_equal_peft(gloo_group, monkeypatch, fused, onednn, row_parallel,
+                                          r, alpha, rslora, exact):
+    """fused: B's product added into the base output (low_rank_add.py), else B's module."""
+    from swift_mcore.models import low_rank_add
     from swift_mcore.runtime.cpu import onednn_linear
 
     if onednn and not onednn_linear.available():
         pytest.skip("no oneDNN linear in this torch")
+    calls = []
+    add = low_rank_add.add_low_rank
+    monkeypatch.setattr(low_rank_add, "add_low_rank",
+                        lambda *a: calls.append(1) or add(*a))
+    if not fused:
+        monkeypatch.setattr(low_rank_add, "plain_weight", lambda *a: None)
     dropout = 0.25
     layer = lora_linear(row_parallel, r, alpha, dropout, rslora)
     assert layer.scaling["default"] == (alpha / math.sqrt(r) if rslora else alpha / r)
@@ -76,6 +85,7 @@ def test_forward_and_gradients_equal_peft(gloo_group, onednn, row_parallel, r, a
     finally:
         onednn_linear.enable(False)
     assert bias is None
+    assert len(calls) == fused
     pairs = [(out, expected), (mine.grad, theirs.grad),
              (layer.lora_A["default"].weight.grad, a.grad),
              (layer.lora_B["default"].weight.grad, b.grad)]
