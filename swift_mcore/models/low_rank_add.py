@@ -42,16 +42,16 @@ class _AddLowRank(torch.autograd.Function):
 
 def plain_weight(module, sequence_parallel: bool):
     """B's weight when its module is a plain matmul (see the module docstring), else None."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
+    from megatron.core.utils import get_pg_size
 
     if sequence_parallel:
         return None
     if type(module) is nn.Linear and module.bias is None:
         return module.weight
-    if (isinstance(module, tensor_parallel.ColumnParallelLinear) and module.bias is None
-            and not module.sequence_parallel
-            and parallel_state.get_tensor_model_parallel_world_size() == 1):
-        return module.weight
+    if (type(module) is tensor_parallel.ColumnParallelLinear and module.bias is None
+            and not module.sequence_parallel and get_pg_size(module.tp_group) == 1):
+        return module.weight  # its own group: one rank, so its forward is a plain matmul
     return None
 
 
