@@ -32,17 +32,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import ROOT, SIZES as SHAPE_FLAGS, child_env  # puts the checkout on sys.path
+from bench_common import LLAMA, ROOT, SIZES as SHAPE_FLAGS, child_env  # puts the checkout on sys.path
 
-SIZES = {"10m": [*SHAPE_FLAGS["10m"], "--seq_length", "256"],
-         "tiny": [*SHAPE_FLAGS["tiny"], "--seq_length", "32"]}
+# Each size's model flags and micro/global batch: 10m and tiny at seq 256/32 with 2 rows a
+# micro-batch, 8 a step; 100m as benchmarks/sft_vs_trl.py's rows (a Llama, seq 512, one
+# micro-batch of 4 rows a step: 2,048 tokens).
+SMALL_BATCH = ["--micro_batch_size", "2", "--global_batch_size", "8"]
+SIZES = {"10m": [*SHAPE_FLAGS["10m"], "--seq_length", "256", *SMALL_BATCH],
+         "tiny": [*SHAPE_FLAGS["tiny"], "--seq_length", "32", *SMALL_BATCH],
+         "100m": [*SHAPE_FLAGS["100m"], *LLAMA, "--seq_length", "512",
+                  "--micro_batch_size", "4", "--global_batch_size", "4"]}
 LORA = ["--tuner_type", "lora", "--lora_rank", "8", "--lora_alpha", "32"]
 
 
 def child(kind: str, shape, iters: int, out: str) -> None:
     """Runs one training in a subprocess; prints its peak RSS (this process's children)."""
-    cmd = [sys.executable, "-m", "swift_mcore", "pt", *shape, "--micro_batch_size", "2",
-           "--global_batch_size", "8", "--train_iters", str(iters), "--lr", "1e-4",
+    cmd = [sys.executable, "-m", "swift_mcore", "pt", *shape, "--train_iters", str(iters), "--lr", "1e-4",
            "--lr_warmup_iters", "0", "--lr_decay_style", "constant", "--min_lr", "1e-4",
            "--log_interval", "1", "--eval_steps", "0", "--progress_bar", "false",
            "--report_to", "none", "--plot", "false", "--num_workers", "0",
@@ -55,8 +60,8 @@ def child(kind: str, shape, iters: int, out: str) -> None:
     print(json.dumps({"rss_MB": rss_kb / 1024, "stdout": proc.stdout[-2000:]}))
 
 
-MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
-          "aten::linear"}
+MATMUL = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
+          "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise"}
 
 
 def profile_child(kind: str, shape, iters: int, warmup: int) -> None:
@@ -74,8 +79,7 @@ def profile_child(kind: str, shape, iters: int, warmup: int) -> None:
     from swift_mcore.run_config import resolve
     from swift_mcore.training.trainer import Trainer
 
-    flags = [*shape, "--micro_batch_size", "2", "--global_batch_size", "8", "--train_iters",
-             str(warmup + 2 * iters), "--lr", "1e-4", "--lr_warmup_iters", "0",
+    flags = [*shape, "--train_iters", str(warmup + 2 * iters), "--lr", "1e-4", "--lr_warmup_iters", "0",
              "--lr_decay_style", "constant", "--min_lr", "1e-4", "--eval_steps", "0",
              "--progress_bar", "false", "--report_to", "none", "--plot", "false",
              "--num_workers", "0", "--attention_backend", "sdpa", "--no_save",
@@ -127,7 +131,9 @@ def profile_child(kind: str, shape, iters: int, warmup: int) -> None:
         "split_s": split, "trainable": trainable, "parameters": total,
         "profiled_self_s": {k: round(v, 4) for k, (v, _) in sorted(kinds.items())},
         "calls_per_step": {k: c for k, (_, c) in sorted(kinds.items())},
-        "top_ops": [{"op": n, "self_s": round(s, 4), "calls": c} for s, n, c in ops[:10]],
+        "optimized": sum(p.numel() for group in trainer.optimizer.param_groups
+                         for p in group["params"]),
+        "top_ops": [{"op": n, "self_s": round(s, 4), "calls": c} for s, n, c in ops[:14]],
     }), flush=True)
 
 
@@ -168,7 +174,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="--size tiny")
+    parser.add_argument("--size", choices=sorted(SIZES), default="10m")
     parser.add_argument("--child")
     parser.add_argument("--shape")
     parser.add_argument("--out")
@@ -178,7 +185,8 @@ def main() -> None:
         return profile_child(opts.child, json.loads(opts.shape), opts.iters, opts.warmup)
     if opts.child:
         return child(opts.child, json.loads(opts.shape), opts.iters, opts.out)
-    shape = SIZES["tiny" if opts.tiny else "10m"]
+    size = "tiny" if opts.tiny else opts.size
+    shape = SIZES[size]
     if opts.profile:
         for r in range(opts.rounds):
             for kind in (("full", "lora") if r % 2 == 0 else ("lora", "full")):
@@ -196,7 +204,7 @@ def main() -> None:
     summary["lora"]["trainable"] = runs["lora"][0]["log"]
     ratios = {key: summary["lora"][key] / summary["full"][key]
               for key in ("tokens_per_s", "rss_MB", "checkpoint_MB")}
-    print(json.dumps({"size": "tiny" if opts.tiny else "10m", "rounds": opts.rounds,
+    print(json.dumps({"size": size, "rounds": opts.rounds,
                       "iters": opts.iters, "full": summary["full"], "lora": summary["lora"],
                       "lora_over_full": ratios}))
 

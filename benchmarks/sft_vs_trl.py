@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help="which of them, comma-separated (the ratios need their pairs)")
     parser.add_argument("--child", choices=CONTENDERS)
     parser.add_argument("--model")
     parser.add_argument("--data")
@@ -134,20 +136,26 @@ def main() -> None:
     if args.child:
         child(args.child, args.model, args.data, args)
         return
+    chosen = tuple(k for k in CONTENDERS if k in args.contenders.split(","))
+    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+    if unknown or not chosen:
+        parser.error(f"--contenders: unknown {sorted(unknown)}; choose from {CONTENDERS}")
     with tempfile.TemporaryDirectory() as folder:
         model = make_inputs(folder, args.size, args.rows, args.words)
         data = os.path.join(folder, "chats.jsonl")
-        results = rotate_rounds(__file__, sys.argv[1:], CONTENDERS, args.rounds,
+        results = rotate_rounds(__file__, sys.argv[1:], chosen, args.rounds,
                                 ["--model", model, "--data", data])
 
     def median(kind):
         return statistics.median(x["tokens_per_s"] for x in results[kind])
 
+    ratios = {name: round(median(a) / median(b), 3) for name, a, b in (
+        ("speed_ratio_vs_trl", "swift-mcore", "trl"),
+        ("lora_speed_ratio_vs_peft", "swift-mcore-lora", "peft-lora"),
+        ("lora_over_full", "swift-mcore-lora", "swift-mcore")) if a in results and b in results}
     print(json.dumps({
-        "size": args.size, "seq": args.seq, "batch": args.batch,
-        "speed_ratio_vs_trl": round(median("swift-mcore") / median("trl"), 3),
-        "lora_speed_ratio_vs_peft": round(median("swift-mcore-lora") / median("peft-lora"), 3),
-        **{f"{k}_tokens_per_s": round(median(k), 1) for k in CONTENDERS},
+        "size": args.size, "seq": args.seq, "batch": args.batch, **ratios,
+        **{f"{k}_tokens_per_s": round(median(k), 1) for k in chosen},
     }), flush=True)
 
 

@@ -160,6 +160,14 @@ def test_lora_vs_full_smoke():
 
 
 @pytest.mark.benchmark
+def test_lora_layer_cost_smoke():
+    (result,) = run_script("lora_layer_cost.py", "--reps", "1", "--tokens", "64",
+                           "--variants", "full,frozen,lora_0.05")
+    assert set(result["layer_ms"]) == {"full", "frozen", "lora_0.05"}
+    assert measured(*result["layer_ms"].values())
+
+
+@pytest.mark.benchmark
 def test_activation_memory_smoke():
     ours, hf = run_script("activation_memory.py", "--tiny", "--contenders", "megatron", "hf")
     assert ours["parameters"] == hf["parameters"]

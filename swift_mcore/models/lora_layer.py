@@ -26,7 +26,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from . import lora_te
+from . import lora_te, low_rank_add
 
 
 @dataclass(frozen=True)
@@ -177,9 +177,17 @@ class LoraParallelLinear(nn.Module, LoraLayer):
                 continue
             h = self.lora_A[name](self._dropout(name, x.to(self.lora_A[name].weight.dtype)))
             h = h[0] if isinstance(h, tuple) else h
+            # scaled on the rank-r side: peft's B(A(x))*s costs a pass over [tokens, out]
+            # forward and backward; B(A(x)*s) is the same product, bit for bit when s is a
+            # power of two (alpha/r = 32/8), else within float rounding
+            h = h * self.scaling[name]
+            weight = low_rank_add.plain_weight(self.lora_B[name], self._sequence_parallel())
+            if weight is not None and result.dtype == h.dtype == weight.dtype:
+                result = low_rank_add.add_low_rank(result, h, weight)
+                continue
             delta = self.lora_B[name](h)
             delta = delta[0] if isinstance(delta, tuple) else delta
-            result = result + (delta * self.scaling[name]).to(result.dtype)
+            result = result + delta.to(result.dtype)
         return result, bias
 
     def _dropout(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -192,6 +200,10 @@ class LoraParallelLinear(nn.Module, LoraLayer):
         # run_config.check_sequence_parallel)
         with tensor_parallel.get_cuda_rng_tracker().fork():
             return dropout(x)
+
+    def _sequence_parallel(self) -> bool:
+        return bool(getattr(getattr(self.get_base_layer(), "config", None),
+                            "sequence_parallel", False))
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         """This rank's shard of B·A·scaling, the shard layout of the base weight."""
