@@ -72,7 +72,7 @@ def run_ours(kind: str, model: str, data: str, args, out: str) -> dict:
            "--attention_backend", "sdpa", "--no_save", "--output_dir", out]
     if kind == "swift-mcore-lora":
         cmd += ["--tuner_type", "lora", "--lora_rank", str(LORA_RANK), "--lora_alpha",
-                str(LORA_ALPHA)]
+                str(LORA_ALPHA), "--lora_dropout", str(args.lora_dropout)]
     _rows, steps, tokens_per_s = run_swift_mcore(kind, cmd, out, args.threads, args.warmup)
     return {"tokens_per_s": tokens_per_s, "steps_timed": len(steps)}
 
@@ -95,7 +95,8 @@ def run_trl(kind: str, model: str, data: str, args, out: str) -> dict:
     if kind == "peft-lora":
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+        peft_config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
+                                 lora_dropout=args.lora_dropout,
                                  target_modules=TARGETS, task_type="CAUSAL_LM")
     trainer = SFTTrainer(
         model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32,
@@ -127,6 +128,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lora_dropout", type=float, default=0.05,
+                        help="both LoRA contenders' adapter dropout (0.05: ms-swift's and "
+                             "swift-mcore's default)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help="which of them, comma-separated (the ratios need their pairs)")
     parser.add_argument("--child", choices=CONTENDERS)
