@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from fake_group import GroupRank
 from run_helpers import losses, run_pt, run_sft, train_records
 from swift_mcore.arguments import RunArguments, SftArguments
 from swift_mcore.errors import ArgumentError
@@ -87,27 +88,17 @@ def test_gemma3_s_local_rope_table_is_this_rank_s_chunks(gloo_group, monkeypatch
 
     from swift_mcore.models.gemma3_layers import Gemma3SelfAttention
 
-    class Pair:
-        def __init__(self, rank):
-            self.r = rank
-
-        def size(self):
-            return 2
-
-        def rank(self):
-            return self.r
-
     seq, seen = 16, {}
     monkeypatch.setattr(SelfAttention, "forward",
                         lambda self, hidden, mask, *a, **kw: seen.update(kw))
     full_table = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=10,
-                                 use_cpu_initialization=True, cp_group=Pair(0)).get_emb(seq)
+                                 use_cpu_initialization=True, cp_group=GroupRank(0)).get_emb(seq)
     for rank in range(2):
         layer = Gemma3SelfAttention.__new__(Gemma3SelfAttention)
         torch.nn.Module.__init__(layer)
         layer.local_rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0,
                                            rotary_base=10, use_cpu_initialization=True,
-                                           cp_group=Pair(rank))
+                                           cp_group=GroupRank(rank))
         global_table = torch.zeros(seq // 2, 1, 1, 8)  # this rank's two chunks
         layer.forward(None, None, rotary_pos_emb=global_table)
         where = local_positions(2, rank, seq // 2)
@@ -230,21 +221,12 @@ def test_cp_attention_equals_megatron_s_own_attention(case, gloo_group, monkeypa
     where = [local_positions(2, rank, seq // 2) for rank in range(2)]
     pieces = {}
 
-    class Rank:
-        def __init__(self, rank):
-            self.r = rank
-
-        def size(self):
-            return 2
-
-        def rank(self):
-            return self.r
-
     monkeypatch.setattr(tensor_parallel, "gather_from_sequence_parallel_region",
                         lambda local, **_: torch.cat(pieces[id(local)]))
     out = torch.zeros(seq, b, 64)
     for rank in range(2):
-        monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda r=rank: Rank(r))
+        monkeypatch.setattr(parallel_state, "get_context_parallel_group",
+                            lambda r=rank: GroupRank(r))
         local = [t.index_select(0, where[rank]) for t in (q, k, v)]
         for whole, piece in zip((k, v), local[1:]):
             pieces[id(piece)] = [piece if r == rank else whole.index_select(0, where[r])
@@ -330,14 +312,8 @@ def test_the_estimate_counts_what_the_cp_attention_keeps(gloo_group, monkeypatch
     attention = GatheredKVAttention(transformer_config(config), 1, AttnMaskType.causal,
                                     "self")
 
-    class Pair:  # rank 0 of two; the other rank's half of the sequence is this one's again
-        def size(self):
-            return 2
-
-        def rank(self):
-            return 0
-
-    monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda: Pair())
+    # rank 0 of two; the other rank's half of the sequence is this one's again
+    monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda: GroupRank(0))
     monkeypatch.setattr(tensor_parallel, "gather_from_sequence_parallel_region",
                         lambda local, **_: torch.cat([local, local.detach() + 1]))
     seq, local = SMALL["seq_length"], SMALL["seq_length"] // 2

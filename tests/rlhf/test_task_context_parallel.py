@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import hf_helpers as H
+from fake_group import GroupRank
 from in_process import train_in_process
 from rlhf_helpers import ROWS, run_flags
 from run_helpers import ROOT, child_env
@@ -147,16 +148,6 @@ def test_a_reward_score_is_read_on_the_rank_that_holds_the_last_token(monkeypatc
     scores = torch.randn(4, 8, 1)
     candidates = {}
 
-    class Pair:
-        def __init__(self, rank):
-            self.r = rank
-
-        def size(self):
-            return 2
-
-        def rank(self):
-            return self.r
-
     def agree(tensor, op=None, group=None):  # MAX over the ranks' candidates seen so far
         candidates[group.r] = tensor.clone()
         return torch.stack(list(candidates.values())).amax(0)
@@ -168,7 +159,7 @@ def test_a_reward_score_is_read_on_the_rank_that_holds_the_last_token(monkeypatc
     for _ in range(2):  # the second pass: both ranks' candidates known
         for rank in range(2):
             monkeypatch.setattr(parallel_state, "get_context_parallel_group",
-                                lambda r=rank: Pair(r))
+                                lambda r=rank: GroupRank(r))
             monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda r=rank: r)
             local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": scores[..., 0]})
             parts[rank] = reward_trainer.scores_over_cp(local["labels"][..., None],
