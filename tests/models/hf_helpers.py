@@ -93,6 +93,23 @@ def assert_same_weights(original, other) -> None:
     assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
 
 
+def check_peft_loads_the_checkpoint(checkpoint, base, adapter, ids) -> None:
+    """peft's PeftModel.from_pretrained(base, adapter) gives the checkpoint's logits within
+    1e-4, and they are not the base model's (the adapters learned, and peft loaded them)."""
+    from peft import PeftModel
+
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    ours = forward_logits(load_model(str(checkpoint), log=lambda line: None).model, ids)
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+    peft = PeftModel.from_pretrained(base, str(adapter)).eval()
+    with torch.no_grad():
+        theirs = peft(input_ids=ids).logits
+    assert (ours[..., : theirs.shape[-1]] - theirs).abs().max() <= 1e-4
+    assert (plain - theirs).abs().max() > 1e-3
+
+
 def edit_config(path: str, **changes) -> None:
     config_path = os.path.join(path, "config.json")
     with open(config_path) as fh:

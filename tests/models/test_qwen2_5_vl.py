@@ -576,10 +576,8 @@ def test_language_model_adapters_export_as_peft_under_transformers_names(tmp_pat
     as transformers' Qwen2_5_VLForConditionalGeneration holds them (model.language_model.*),
     so peft loads the adapter onto that model, which then gives the checkpoint's logits on
     text within 1e-4 (under model.layers.* peft would load nothing)."""
-    from peft import PeftModel
     from safetensors.torch import load_file
 
-    from swift_mcore.loaded_model import forward_logits, load_model
     from test_hf_training import run_flags
 
     data = tmp_path / "data.jsonl"
@@ -594,13 +592,5 @@ def test_language_model_adapters_export_as_peft_under_transformers_names(tmp_pat
     assert written and all(name.startswith("base_model.model.model.language_model.layers.")
                            for name in written)
     ids = H.tokens(length=20)
-    ours = forward_logits(load_model(str(out / "checkpoint"), log=lambda line: None).model,
-                          ids)
-    base = transformers_model(vl_folder)
-    with torch.no_grad():
-        plain = base(input_ids=ids).logits
-    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
-    with torch.no_grad():
-        theirs = peft(input_ids=ids).logits
-    assert (ours[..., : theirs.shape[-1]] - theirs).abs().max() <= 1e-4
-    assert (plain - theirs).abs().max() > 1e-3  # the adapters learned, and peft loaded them
+    H.check_peft_loads_the_checkpoint(out / "checkpoint", transformers_model(vl_folder),
+                                      tmp_path / "adapter", ids)
