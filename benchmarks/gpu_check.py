@@ -138,6 +138,21 @@ def paths(work: str, gpus: int) -> List[Path]:
         Path("MoE, grouped GEMM, EP 2", "pt", SMALL + MOE + [
             "--train_iters", "4", "--no_save", "--expert_model_parallel_size", "2"], [te],
              gpus=2, output="moe_ep2"),
+        # DeepSeek-V3's layers: multi-latent attention on TE's spec, sigmoid routing with
+        # the expert bias, a shared expert, one dense first layer and one MTP layer.
+        Path("DeepSeek-V3 layers: MLA + MTP, grouped GEMM", "pt", SMALL + MOE + [
+            "--train_iters", "4", "--no_save", "--multi_latent_attention",
+            "--q_lora_rank", "64", "--kv_lora_rank", "32", "--qk_head_dim", "32",
+            "--qk_pos_emb_head_dim", "16", "--v_head_dim", "32",
+            "--moe_router_score_function", "sigmoid", "--moe_router_enable_expert_bias",
+            "--moe_shared_expert_intermediate_size", "256", "--moe_layer_freq",
+            "[0]*1+[1]*3", "--mtp_num_layers", "1"], [te, "bf16"], output="mla_mtp",
+             decisions={"layer_spec": "transformer_engine"}),
+        # Context parallelism through TE's ring attention (p2p), the causal 2N-chunk split.
+        Path("CP 2 through Transformer Engine (p2p)", "pt", SMALL + [
+            "--train_iters", "4", "--no_save", "--context_parallel_size", "2",
+            "--cp_comm_type", "p2p"], [te, "CP 2 x"], gpus=2, output="cp2",
+             decisions={"layer_spec": "transformer_engine"}),
         Path("throughput: ~1B Llama, seq 4096, bf16", "pt", LLAMA_1B, [te, "bf16"],
              output="llama_1b"),
     ]
