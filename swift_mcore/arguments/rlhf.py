@@ -168,9 +168,6 @@ class RlhfArguments(RunArguments):
             raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} + 1 "
                                 f"(a sequence of n tokens trains n - 1 positions); raise "
                                 f"--seq_length or lower --max_length")
-        if r.packing and p.context_parallel_size > 1:
-            raise ArgumentError("rlhf --packing does not run with --context_parallel_size > 1 "
-                                "yet; drop --packing or use --context_parallel_size 1")
         if p.pipeline_model_parallel_size > 1:
             self.check_pipeline()
 
@@ -183,8 +180,10 @@ class RlhfArguments(RunArguments):
             raise ArgumentError(f"--packing with --pipeline_model_parallel_size {pp} packs "
                                 f"DPO's pairs only yet; --rlhf_type {r.rlhf_type}: drop "
                                 f"--packing")
+        cp = self.parallel.context_parallel_size
         packed_with = [name for name, given in (
             ("--precompute_ref_log_probs", r.precompute_ref_log_probs),
+            (f"--context_parallel_size {cp}", cp > 1),
             ("--num_virtual_stages_per_pipeline_rank", self.virtual_stages() is not None))
             if given]
         if r.packing and packed_with:
