@@ -180,10 +180,8 @@ class RlhfArguments(RunArguments):
             raise ArgumentError(f"--packing with --pipeline_model_parallel_size {pp} packs "
                                 f"DPO's pairs only yet; --rlhf_type {r.rlhf_type}: drop "
                                 f"--packing")
-        cp = self.parallel.context_parallel_size
         packed_with = [name for name, given in (
             ("--precompute_ref_log_probs", r.precompute_ref_log_probs),
-            (f"--context_parallel_size {cp}", cp > 1),
             ("--num_virtual_stages_per_pipeline_rank", self.virtual_stages() is not None))
             if given]
         if r.packing and packed_with:

@@ -1,8 +1,8 @@
 """rlhf dpo under context parallelism: each sequence's log-probabilities summed over the CP
 ranks' chunks give the one-rank losses, metrics and gradient norms (the other tasks, and
 CP with pipeline stages: test_task_context_parallel.py; packed rows:
-test_packing_context_parallel.py); packed rlhf rows with CP under pipeline stages are refused
-in one line."""
+test_packing_context_parallel.py): packed rows pass the argument checks with CP, under
+pipeline stages for dpo."""
 
 import json
 import subprocess
@@ -56,7 +56,7 @@ SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
              micro_batch_size=1, global_batch_size=2, context_parallel_size=2)
 
 
-def test_rlhf_packing_with_cp_runs_and_with_stages_too_is_refused(tmp_path):
+def test_rlhf_packing_with_cp_is_accepted_and_under_stages_for_dpo_only(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
     args = RlhfArguments.from_flags(**SMALL, rlhf_type="orpo", packing=True,
@@ -64,8 +64,10 @@ def test_rlhf_packing_with_cp_runs_and_with_stages_too_is_refused(tmp_path):
     assert resolve(args, world_size=2, cuda=False).world.context_parallel == 2
     args = RlhfArguments.from_flags(**SMALL, rlhf_type="dpo", packing=True,
                                     pipeline_model_parallel_size=2, dataset=[str(data)])
-    with pytest.raises(ArgumentError, match="--packing with --context_parallel_size 2 and "
-                                            "--pipeline_model_parallel_size 2 is not "
-                                            "supported yet") as err:
+    assert resolve(args, world_size=4, cuda=False).world.pipeline_parallel == 2
+    args = RlhfArguments.from_flags(**SMALL, rlhf_type="orpo", packing=True,
+                                    pipeline_model_parallel_size=2, dataset=[str(data)])
+    with pytest.raises(ArgumentError, match="--packing with --pipeline_model_parallel_size 2 "
+                                            "packs DPO's pairs only yet") as err:
         resolve(args, world_size=4, cuda=False)
     assert "\n" not in str(err.value)

@@ -152,6 +152,7 @@ def run_cp2_resumable(out, folder, data, *flags):
                                            "--hidden_dropout", "0", *flags)],
                           capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CP 2" in proc.stdout
     return proc
 
 
@@ -169,3 +170,29 @@ def test_a_packed_dpo_run_at_cp2_resumes_bit_exactly(tiny_hf, tmp_path):
     whole = trained(tmp_path / "whole")
     assert sorted(whole) == [1, 2, 3, 4]
     assert trained(split) == whole  # bit-equal, the metrics included
+
+
+@pytest.mark.benchmark
+def test_packed_dpo_at_cp2_with_pp2_on_four_ranks_gives_the_one_rank_packed_run(
+        tiny_hf, tmp_path, gloo_group):
+    """CP=2 x PP=2: the stages send each other the shape of each CP rank's part of the
+    packed rows (the policy's and the reference's side by side); the last stage sums each
+    sequence over the group."""
+    from swift_mcore.training.rlhf_trainer import DpoTrainer
+
+    folder, data = tiny_hf
+    flags = ["--model", str(folder), "--dataset", str(data), *FLAGS, *PACKED_TASKS["dpo"],
+             "--packing", *run_flags("--micro_batch_size", "1", "--global_batch_size", "2",
+                                     "--seq_length", "32")]
+    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[], trainer=DpoTrainer)
+    env = child_env(NPROC_PER_NODE="4", MASTER_PORT=str(H.free_port()))
+    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags,
+                           "--context_parallel_size", "2", "--pipeline_model_parallel_size",
+                           "2", "--output_dir", str(tmp_path / "four")],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--packing: each micro-batch's sequences end to end" in proc.stdout
+    one, four = curve(tmp_path / "one"), curve(tmp_path / "four")
+    assert_same_curves(one, four, [n for n in DPO_METRICS if n != "grad_norm"])
+    for it in one:  # the stages' float32 gradient sums in another order (as unpacked)
+        assert four[it]["grad_norm"] == pytest.approx(one[it]["grad_norm"], rel=1e-5), it
