@@ -168,9 +168,6 @@ class RlhfArguments(RunArguments):
             raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} + 1 "
                                 f"(a sequence of n tokens trains n - 1 positions); raise "
                                 f"--seq_length or lower --max_length")
-        if r.packing and p.context_parallel_size > 1:
-            raise ArgumentError("rlhf --packing does not run with --context_parallel_size > 1 "
-                                "yet; drop --packing or use --context_parallel_size 1")
         if p.pipeline_model_parallel_size > 1:
             self.check_pipeline()
 

@@ -65,10 +65,6 @@ class KtoTrainer(DpoTrainer):
     # holds without autograd.
     def forward_step(self, data_iterator, model):
         batch = self.micro_batch(data_iterator)
-        if "kl_segment_ids" in batch:  # --packing: get_batch masked the rows, not the KL rows
-            from ..data.packing import block_causal_mask
-
-            batch["kl_attention_mask"] = block_causal_mask(batch["kl_segment_ids"])
         received = stage_input(model)
         rows = batch["tokens"].shape[0]
 

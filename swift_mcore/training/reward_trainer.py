@@ -77,6 +77,8 @@ class RewardTrainer(DpoTrainer):
 
         if "score_index" in batch:
             where = batch["score_index"].to(output_tensor.device)
+            if self.config.world.context_parallel > 1:
+                return packed_scores_over_cp(output_tensor.float(), where)
             return output_tensor[where[:, 0], where[:, 1], 0].float()
         pad = self.pad_id if self.pad_id is not None else self.train_ds.pad_id
         if self.config.world.context_parallel > 1:
@@ -120,6 +122,29 @@ class RewardTrainer(DpoTrainer):
         return metrics
 
 
+def _cp_positions(local_width: int, group, device) -> torch.Tensor:
+    """The whole row's positions this context-parallel rank holds ([local_width]), cut as
+    megatron cut the row (its rank in the group: parallel_state's)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    whole = torch.arange(local_width * group.size(), device=device)[None]
+    return get_batch_on_this_cp_rank({"tokens": whole})["tokens"][0]
+
+
+def packed_scores_over_cp(scores: torch.Tensor, score_index: torch.Tensor) -> torch.Tensor:
+    """Each packed sequence's score [2B] when the context-parallel ranks hold two of the
+    2 x CP chunks of every row (``scores`` [rows, s/CP, 1]; ``score_index`` [2B, 2]: each
+    sequence's row and position in the whole row): the rank that holds that position gives
+    its score, the others 0, summed over the group (over_cp: its gradient reaches that
+    rank's token only)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_context_parallel_group()
+    where = _cp_positions(scores.shape[1], group, scores.device)
+    here = (where[None, :] == score_index[:, 1:2]).to(scores.dtype)  # [2B, s/CP]
+    return over_cp((scores[score_index[:, 0], :, 0] * here).sum(-1))
+
+
 def scores_over_cp(scores: torch.Tensor, tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     """Each row's score [B] at its last non-pad token when the context-parallel ranks hold
     two of the 2 x CP chunks of every row (``scores`` [B, s/CP, 1], ``tokens`` [B, s/CP]):
@@ -127,12 +152,9 @@ def scores_over_cp(scores: torch.Tensor, tokens: torch.Tensor, pad_id: int) -> t
     holds it gives its score and the others 0, summed over the group (over_cp: its
     gradient reaches that rank's token only)."""
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     group = parallel_state.get_context_parallel_group()
-    # the whole row's positions, cut as megatron cut the row: where this rank's tokens are
-    whole = torch.arange(tokens.shape[1] * group.size(), device=tokens.device)[None]
-    where = get_batch_on_this_cp_rank({"tokens": whole})["tokens"][0]
+    where = _cp_positions(tokens.shape[1], group, tokens.device)  # where this rank's tokens are
     # as value_head.last_token_index over the whole row: the last non-pad position (0 if none)
     last = (where * (tokens != pad_id)).amax(-1)
     last = collectives.all_reduce(last.clone(), op=torch.distributed.ReduceOp.MAX,

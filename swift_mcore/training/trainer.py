@@ -399,7 +399,12 @@ class Trainer:
         elif "segment_ids" in batch:
             from ..data.packing import block_causal_mask
 
-            batch["attention_mask"] = block_causal_mask(batch["segment_ids"])
+            # KTO's KL rows are packed apart from its rows: each set of rows gets its mask
+            # here, whole, before the context-parallel split cuts its query rows
+            for prefix in SEQUENCE_PREFIXES:
+                if prefix + "segment_ids" in batch:
+                    batch[prefix + "attention_mask"] = block_causal_mask(
+                        batch[prefix + "segment_ids"])
         if self.config.world.context_parallel > 1:
             whole = {}
             if self.config.model.vision_config:  # the tower sees every image of the row
@@ -692,8 +697,10 @@ class Trainer:
 
 
 # What a micro-batch holds along the sequence (dim 1; the attention mask's query rows,
-# dim 2): what megatron's context-parallel split cuts.
-SEQUENCE_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+# dim 2): what megatron's context-parallel split cuts. Packed rows' segment ids are cut with
+# them: rlhf sums each sequence's values by segment, on each rank over its own positions.
+SEQUENCE_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask",
+                   "segment_ids")
 
 
 # rlhf rows beside them: KTO's KL rows (the same fields, prefixed) and ORPO's mask of every

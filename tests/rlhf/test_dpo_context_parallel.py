@@ -1,7 +1,8 @@
 """rlhf dpo under context parallelism: each sequence's log-probabilities summed over the CP
 ranks' chunks give the one-rank losses, metrics and gradient norms (the other tasks, and
-CP with pipeline stages: test_task_context_parallel.py); packed rlhf rows with CP are
-refused in one line."""
+CP with pipeline stages: test_task_context_parallel.py; packed rows:
+test_packing_context_parallel.py): packed rows pass the argument checks with CP, under
+pipeline stages for dpo."""
 
 import json
 import subprocess
@@ -55,12 +56,18 @@ SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
              micro_batch_size=1, global_batch_size=2, context_parallel_size=2)
 
 
-def test_rlhf_packing_with_cp_is_refused(tmp_path):
+def test_rlhf_packing_with_cp_is_accepted_and_under_stages_for_dpo_only(tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text("")
+    data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
     args = RlhfArguments.from_flags(**SMALL, rlhf_type="orpo", packing=True,
                                     dataset=[str(data)])
-    with pytest.raises(ArgumentError, match="rlhf --packing does not run with "
-                                            "--context_parallel_size > 1") as err:
-        resolve(args, world_size=2, cuda=False)
+    assert resolve(args, world_size=2, cuda=False).world.context_parallel == 2
+    args = RlhfArguments.from_flags(**SMALL, rlhf_type="dpo", packing=True,
+                                    pipeline_model_parallel_size=2, dataset=[str(data)])
+    assert resolve(args, world_size=4, cuda=False).world.pipeline_parallel == 2
+    args = RlhfArguments.from_flags(**SMALL, rlhf_type="orpo", packing=True,
+                                    pipeline_model_parallel_size=2, dataset=[str(data)])
+    with pytest.raises(ArgumentError, match="--packing with --pipeline_model_parallel_size 2 "
+                                            "packs DPO's pairs only yet") as err:
+        resolve(args, world_size=4, cuda=False)
     assert "\n" not in str(err.value)
