@@ -295,7 +295,7 @@ def format_sft_summary(s: dict) -> str:
         + (f"; {s['images']:,} images" + (f" and {s['videos']:,} videos" if s.get("videos")
                                          else "")
            + ", read from their files at training (keep them where they are: each is checked "
-           f"by its sha256)" if s.get("images") is not None else ""),
+           "by its sha256)" if s.get("images") is not None else ""),
         f"  train on it: swift-mcore sft --cached_dataset {s['folder']}"
         + (f" {s['flags']}" if s["flags"] else "")
         + " (and the --system, --loss_on, --columns, --ignore_empty_think flags used here)",
