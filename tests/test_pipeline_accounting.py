@@ -1,8 +1,8 @@
 """The embedding and the loss counted as pipeline layers (--account_for_embedding/loss_in_
 pipeline_split), with and without the interleaved pipeline: our split of the layers into
 stages and model chunks is megatron-core's own, layer for layer, accepted exactly where
-megatron accepts it; PP=2 x 2 virtual stages with both counted gives the one-rank losses,
-resumes bit for bit and reshards to PP=1."""
+megatron accepts it (chunks of no layer included); PP=2 x 2 virtual stages with both
+counted gives the one-rank losses, resumes bit for bit and reshards to PP=1."""
 
 import itertools
 
@@ -127,31 +127,40 @@ def test_counted_layouts_megatron_refuses_are_refused(layers, flags, message):
         resolved(layers, 2, **flags)
 
 
-SHAPE = ["--num_layers", "6", "--train_iters", "4"]
-COUNTED = ["--pipeline_model_parallel_size", "2", "--num_virtual_stages_per_pipeline_rank", "2",
-           "--account_for_embedding_in_pipeline_split", "--account_for_loss_in_pipeline_split"]
+PP2 = ["--pipeline_model_parallel_size", "2"]
+VPP = [*PP2, "--num_virtual_stages_per_pipeline_rank", "2"]
+BOTH = ["--account_for_embedding_in_pipeline_split", "--account_for_loss_in_pipeline_split"]
 
 
 @pytest.mark.benchmark
-def test_counted_interleaved_stages_give_the_one_rank_losses_resume_and_reshard(tmp_path):
-    """PP=2 x 2 virtual stages of 6 layers with the embedding and loss counted (megatron's
-    chunks: rank 0 layer 0 and 3-4, rank 1 layers 1-2 and 5): from a one-rank checkpoint
-    it gives the one-rank losses, its own checkpoint resumes bit for bit, and that
-    checkpoint continues at PP=1 with the straight run's losses."""
-    one, vpp = tmp_path / "one", tmp_path / "vpp"
-    run_pt(one, *SHAPE, "--save_steps", "1")
-    run_pt(vpp, *SHAPE, *COUNTED, "--save_steps", "2",
+@pytest.mark.parametrize("layers,flags", [
+    # megatron's chunks: rank 0 layer 0 and layers 3-4, rank 1 layers 1-2 and layer 5
+    (6, [*VPP, *BOTH]),
+    # rank 0: the embedding alone, then layer 1; rank 1: layer 0, then the loss alone
+    (2, [*VPP, *BOTH]),
+    # no interleaving: the first stage holds the embedding alone
+    (1, [*PP2, "--account_for_embedding_in_pipeline_split"]),
+])
+def test_counted_stages_give_the_one_rank_losses_resume_and_reshard(tmp_path, layers, flags):
+    """PP=2 with the embedding (and loss) counted, interleaved or not, empty chunks
+    included: from a one-rank checkpoint it gives the one-rank losses, its own checkpoint
+    resumes bit for bit, and that checkpoint continues at PP=1 with the straight run's
+    losses."""
+    shape = ["--num_layers", str(layers), "--train_iters", "4"]
+    one, counted = tmp_path / "one", tmp_path / "counted"
+    run_pt(one, *shape, "--save_steps", "1")
+    run_pt(counted, *shape, *flags, "--save_steps", "2",
            "--resume", one / "checkpoint" / "iter_0000001", nproc=2, timeout=900)
-    ref, got = losses(one), losses(vpp)
+    ref, got = losses(one), losses(counted)
     assert sorted(got) == [2, 3, 4]
     for it in got:
         assert abs(got[it] - ref[it]) <= 1e-5, (it, got[it], ref[it])
-    saved = vpp / "checkpoint" / "iter_0000002"
-    run_pt(tmp_path / "again", *SHAPE, *COUNTED, "--no_save", "--resume", saved, nproc=2,
+    saved = counted / "checkpoint" / "iter_0000002"
+    run_pt(tmp_path / "again", *shape, *flags, "--no_save", "--resume", saved, nproc=2,
            timeout=900)
     again = losses(tmp_path / "again")
     assert sorted(again) == [3, 4] and all(again[it] == got[it] for it in again), again
-    run_pt(tmp_path / "pp1", *SHAPE, "--no_save", "--resume", saved)
+    run_pt(tmp_path / "pp1", *shape, "--no_save", "--resume", saved)
     flat = losses(tmp_path / "pp1")
     assert sorted(flat) == [3, 4]
     for it in flat:
