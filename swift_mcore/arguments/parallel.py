@@ -18,7 +18,9 @@ class ParallelArguments:
         "the pipeline bubble by as much; needs --pipeline_model_parallel_size > 1.")
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None, "The interleaved pipeline schedule given by the layers per model chunk instead "
-        "(--num_virtual_stages_per_pipeline_rank = --num_layers / (PP x this)).")
+        "(--num_virtual_stages_per_pipeline_rank = --num_layers / (PP x this), a counted "
+        "embedding and loss included as in Megatron-LM); not with "
+        "--decoder_first/last_pipeline_num_layers, whose chunks differ in size.")
     decoder_first_pipeline_num_layers: Optional[int] = flag(
         None, "Layers of the first pipeline stage, when it should hold fewer (it also holds "
         "the embedding); the other stages split the rest evenly. With "
@@ -29,10 +31,12 @@ class ParallelArguments:
         "the other stages split the rest evenly.")
     account_for_embedding_in_pipeline_split: bool = flag(
         False, "Count the embedding as one layer when splitting the layers over the pipeline "
-        "stages (the first stage gets one layer fewer).")
+        "stages (the first stage gets one layer fewer; with virtual stages its first model "
+        "chunk does, and may hold only the embedding).")
     account_for_loss_in_pipeline_split: bool = flag(
         False, "Count the output layer and loss as one layer when splitting the layers over "
-        "the pipeline stages (the last stage gets one layer fewer).")
+        "the pipeline stages (the last stage gets one layer fewer; with virtual stages its "
+        "last model chunk does, and may hold only the output layer).")
     context_parallel_size: int = flag(
         1, "Context-parallel ranks per model replica: each sequence is cut into 2 x this many "
         "chunks, and each rank holds two of them (megatron's causal load balance); the "

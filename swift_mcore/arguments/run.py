@@ -231,15 +231,80 @@ class RunArguments:
                     "account_for_loss_in_pipeline_split")
 
     def pipeline_stage_layers(self, source: str = "") -> List[int]:
-        """The transformer layers of each pipeline stage, as megatron splits them (evenly,
-        or with --decoder_first/last_pipeline_num_layers or the embedding and loss counted
-        as layers). Raises ArgumentError naming the flag where megatron would refuse the
-        split or leave a stage without layers."""
+        """The transformer layers of each pipeline stage (all its model chunks together), as
+        megatron splits them (see pipeline_chunk_layers). Raises ArgumentError naming the
+        flag where megatron would refuse the split; the even split's chunks are checked
+        with the interleaved schedule's other flags (check_virtual_pipeline)."""
+        p = self.parallel
+        stages = self._stage_places(source, self._virtual_stages_checked() or 1)
+        stages[0] -= int(p.account_for_embedding_in_pipeline_split)
+        stages[-1] -= int(p.account_for_loss_in_pipeline_split)
+        return stages
+
+    def pipeline_chunk_layers(self, source: str = "") -> List[List[range]]:
+        """The global numbers of the transformer layers megatron builds in each model chunk,
+        [pipeline stage][virtual stage] (one chunk per stage without the interleaved
+        schedule), split evenly, with --decoder_first/last_pipeline_num_layers, or with the
+        embedding and loss counted as layers (megatron-core's get_num_layers_to_build and
+        get_transformer_layer_offset). The chunks hold consecutive layers in pipeline order:
+        virtual stage 0 of every pipeline stage, then virtual stage 1, and so on; a counted
+        embedding takes the first place of the first chunk and a counted loss the last place
+        of the last one, so those chunks hold one layer fewer (none, where a chunk is one
+        place). Raises ArgumentError naming the flag where megatron would refuse the split."""
+        m, p = self.model, self.parallel
+        pp, n = p.pipeline_model_parallel_size, m.num_layers
+        vp = self._virtual_stages_checked()
+        places = self._stage_places(source, vp or 1)
+        self._check_even_chunks(vp)
+        embedding = int(p.account_for_embedding_in_pipeline_split)
+        chunks: List[List[range]] = [[] for _ in range(pp)]
+        place = 0
+        for _ in range(vp or 1):
+            for stage in range(pp):
+                size = places[stage] // (vp or 1)
+                # places [place, place + size); the counted embedding is place 0 and the
+                # counted loss place n + embedding: neither is a layer
+                chunks[stage].append(range(max(place - embedding, 0),
+                                           min(place + size - embedding, n)))
+                place += size
+        return chunks
+
+    def _virtual_stages_checked(self) -> Optional[int]:
+        """virtual_stages(), its flag checked positive first (pipeline_chunk_layers runs
+        before check_virtual_pipeline); None without the interleaved schedule or with one
+        stage (check_virtual_pipeline refuses that)."""
+        p = self.parallel
+        for name in ("num_virtual_stages_per_pipeline_rank",
+                     "num_layers_per_virtual_pipeline_stage"):
+            if getattr(p, name) is not None:
+                _positive(p, name)
+        vp = self.virtual_stages()
+        return vp if vp and p.pipeline_model_parallel_size > 1 else None
+
+    def _check_even_chunks(self, vp: Optional[int]) -> None:
+        """The even split with the interleaved schedule: PP x vp equal chunks."""
+        m, p = self.model, self.parallel
+        pp, n = p.pipeline_model_parallel_size, m.num_layers
+        uneven = any(getattr(p, name) is not None and getattr(p, name) is not False
+                     for name in self.UNEVEN_FLAGS)
+        if uneven or not vp or vp < 2 or n % (pp * vp) == 0:  # uneven: _stage_places
+            return
+        flag = ("num_virtual_stages_per_pipeline_rank"
+                if p.num_virtual_stages_per_pipeline_rank is not None
+                else "num_layers_per_virtual_pipeline_stage")
+        raise ArgumentError(
+            f"--{flag} {getattr(p, flag)}: --num_layers ({n}) must split into "
+            f"--pipeline_model_parallel_size ({pp}) x virtual stages ({vp}) equal chunks")
+
+    def _stage_places(self, source: str, vp: int) -> List[int]:
+        """Each pipeline stage's places: its layers, and the embedding (loss) on the first
+        (last) stage when counted as a layer; every stage's in ``vp`` equal chunks."""
         m, p = self.model, self.parallel
         pp, n = p.pipeline_model_parallel_size, m.num_layers
         first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
         given = [name for name in self.UNEVEN_FLAGS
                  if getattr(p, name) is not None and getattr(p, name) is not False]
+        per_chunk = p.num_layers_per_virtual_pipeline_stage
         if not given:
             if n % pp:
                 raise ArgumentError(
@@ -248,17 +313,15 @@ class RunArguments:
             return [n // pp] * pp
         if pp == 1:
             raise ArgumentError(f"--{given[0]} needs --pipeline_model_parallel_size > 1")
-        if self.virtual_stages() is not None:
-            if p.num_layers_per_virtual_pipeline_stage is not None:
-                raise ArgumentError(f"--num_layers_per_virtual_pipeline_stage with "
-                                    f"--{given[0]}: the stages' chunks differ in size; give "
-                                    f"--num_virtual_stages_per_pipeline_rank instead")
-            if first is None and last is None:
-                raise ArgumentError(f"--{given[0]} with the interleaved pipeline is not "
-                                    f"supported yet; give --decoder_first_pipeline_num_layers"
-                                    f" / --decoder_last_pipeline_num_layers, or drop "
-                                    f"--num_virtual_stages_per_pipeline_rank")
         if first is not None or last is not None:
+            if per_chunk is not None:
+                # Megatron-LM's arguments.py refuses it too ("please use
+                # --num-virtual-stages-per-pipeline-rank ... uneven pipeline parallelism")
+                raise ArgumentError(
+                    f"--num_layers_per_virtual_pipeline_stage with --{given[0]}: the uneven "
+                    f"stages' chunks differ in size, so no one chunk size describes them "
+                    f"(Megatron-LM refuses it too); give --num_virtual_stages_per_pipeline_rank "
+                    f"instead")
             if p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split:
                 named = given[-1]
                 raise ArgumentError(f"--{given[0]} and --{named} both decide the split; give "
@@ -276,8 +339,7 @@ class RunArguments:
             each = rest // middle if middle else 0
             stages = ([first if first is not None else each] + [each] * (pp - 2)
                       + [last if last is not None else each])
-            vp = self.virtual_stages()
-            if vp and vp > 0 and any(n % vp for n in stages):
+            if vp > 1 and any(s % vp for s in stages):
                 # megatron's interleaved split: every stage in vp equal chunks
                 # (transformer_config.py, the uneven pipeline's checks)
                 raise ArgumentError(
@@ -285,19 +347,28 @@ class RunArguments:
                     f"pipeline stage's layers ({', '.join(map(str, stages))}) must split "
                     f"into {vp} equal virtual stages")
             return stages
-        extra_first = int(p.account_for_embedding_in_pipeline_split)
-        extra_last = int(p.account_for_loss_in_pipeline_split)
-        total = n + extra_first + extra_last
-        if total % pp or total // pp - max(extra_first, extra_last) < 1:
+        counted = [name for name in given if name.startswith("account_for_")]
+        total = n + len(counted)
+        what = (f"--num_layers ({n}) plus the counted "
+                f"{' and '.join(name.split('_')[2] for name in counted)}")
+        if total % pp:
             raise ArgumentError(
-                f"--{given[0]}: --num_layers ({n}) plus the counted embedding/loss ({total}) "
-                f"must split evenly over --pipeline_model_parallel_size ({pp}), at least one "
-                f"layer per stage")
-        each = total // pp
-        stages = [each] * pp
-        stages[0] -= extra_first
-        stages[-1] -= extra_last
-        return stages
+                f"--{given[0]}: {what} ({total}) must split evenly over "
+                f"--pipeline_model_parallel_size ({pp})")
+        share = total // pp
+        if per_chunk is not None and share % per_chunk:
+            raise ArgumentError(
+                f"--num_layers_per_virtual_pipeline_stage {per_chunk} with --{given[0]}: each "
+                f"pipeline stage's {share} places ({what}, {total}, over "
+                f"--pipeline_model_parallel_size {pp}) must split into chunks of "
+                f"{per_chunk}")
+        if share % vp:
+            raise ArgumentError(
+                f"--{given[0]} with --num_virtual_stages_per_pipeline_rank {vp}: each "
+                f"pipeline stage's {share} places ({what}, {total}, over "
+                f"--pipeline_model_parallel_size {pp}) must split into {vp} equal virtual "
+                f"stages")
+        return [share] * pp
 
     def check_window(self) -> None:
         """The sliding-window flags: a pattern needs a window; the local RoPE base is Gemma
@@ -578,8 +649,11 @@ class RunArguments:
         if p.num_virtual_stages_per_pipeline_rank is not None:
             return p.num_virtual_stages_per_pipeline_rank
         if p.num_layers_per_virtual_pipeline_stage is not None:
-            return m.num_layers // (p.pipeline_model_parallel_size
-                                    * p.num_layers_per_virtual_pipeline_stage)
+            # Megatron-LM's arguments.py: the counted embedding and loss are places too
+            places = (m.num_layers + int(p.account_for_embedding_in_pipeline_split)
+                      + int(p.account_for_loss_in_pipeline_split))
+            return places // (p.pipeline_model_parallel_size
+                              * p.num_layers_per_virtual_pipeline_stage)
         return None
 
     def check_context_parallel(self) -> None:
@@ -634,13 +708,7 @@ class RunArguments:
             raise ArgumentError(
                 f"--{given[0]} {getattr(p, given[0])} gives {max(vp, 0)} virtual stage(s) per "
                 f"pipeline rank; the interleaved schedule needs 2 or more")
-        uneven = (p.decoder_first_pipeline_num_layers is not None
-                  or p.decoder_last_pipeline_num_layers is not None)
-        if not uneven and m.num_layers % (pp * vp):  # uneven: pipeline_stage_layers
-            raise ArgumentError(
-                f"--{given[0]} {getattr(p, given[0])}: --num_layers ({m.num_layers}) must split "
-                f"into --pipeline_model_parallel_size ({pp}) x virtual stages ({vp}) equal "
-                f"chunks")
+        self._check_even_chunks(vp)
         micro = t.global_batch_size // (t.micro_batch_size * dp)
         if micro % pp:
             raise ArgumentError(
