@@ -78,7 +78,8 @@ def train(model, optimizer, steps=3):
 def test_clipping_runs_inside_the_fused_step(gloo_group, monkeypatch):
     """--clip_grad small enough to clip every step: the fused kernel divides the gradients by
     norm / clip_grad (no separate pass scales them first), and the parameters equal those of
-    clipping in a pass of its own (megatron's order) to float rounding."""
+    clipping in a pass of its own (megatron's order) to float rounding. adam_eps 1e-5: Adam's
+    update is otherwise blind to a constant gradient scale, so a wrong factor would pass."""
     from swift_mcore.runtime.cpu import cpu_compat
 
     model, optimizer = build(True, clip_grad=1e-3, adam_eps=1e-5)
