@@ -3,7 +3,7 @@
 import torch
 
 
-def build(fused: bool):
+def build(fused: bool, **flags):
     from swift_mcore.arguments import RunArguments
     from swift_mcore.models.gpt import build_model
     from swift_mcore.run_config import resolve
@@ -13,7 +13,7 @@ def build(fused: bool):
 
     args = resolve(RunArguments.from_flags(num_layers=2, hidden_size=64,
                                                 num_attention_heads=4, num_query_groups=2,
-                                                seq_length=32), world_size=1
+                                                seq_length=32, **flags), world_size=1
                    ).complete(256, None, padded_vocab_size=256)
     seed.set_seed(0)
     model = wrap_model(args, build_model(args))
@@ -58,6 +58,49 @@ def test_fused_steps_match_megatrons_loop(gloo_group):
         runs[fused] = {n: p.detach().clone() for n, p in model[0].named_parameters()}
     for name, value in runs[False].items():
         assert float((runs[True][name] - value).abs().max()) <= 1e-5, name
+
+
+def train(model, optimizer, steps=3):
+    """``steps`` optimizer steps on one fixed batch at lr 1e-2; the parameters after them."""
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    for group in groups(optimizer):
+        group["lr"] = 1e-2
+    for _ in range(steps):
+        model[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        out = model[0](tokens, torch.arange(32).expand(2, -1), None, labels=tokens)
+        out.mean().backward()
+        model[0].finish_grad_sync()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model[0].named_parameters()}
+
+
+def test_clipping_runs_inside_the_fused_step(gloo_group, monkeypatch):
+    """--clip_grad small enough to clip every step: the fused kernel divides the gradients by
+    norm / clip_grad (no separate pass scales them first), and the parameters equal those of
+    clipping in a pass of its own (megatron's order) to float rounding. adam_eps 1e-5: Adam's
+    update is otherwise blind to a constant gradient scale, so a wrong factor would pass."""
+    from swift_mcore.runtime.cpu import cpu_compat
+
+    model, optimizer = build(True, clip_grad=1e-3, adam_eps=1e-5)
+    seen = []
+    for part in optimizer.chained_optimizers:
+        part.optimizer.register_step_pre_hook(
+            lambda inner, args, kwargs: seen.append(getattr(inner, "grad_scale", None)))
+    start = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+    folded = train(model, optimizer)
+    assert sum(not torch.equal(start[n], folded[n]) for n in start) == len(start)  # all moved
+    assert len(seen) == 3 * len(optimizer.chained_optimizers)
+    assert all(s is not None and float(s) > 1.0 for s in seen), seen  # norm / 1e-3
+    assert all(getattr(p.optimizer, "grad_scale", None) is None
+               for p in optimizer.chained_optimizers)  # dropped after the step
+
+    # clipping in a pass of its own
+    monkeypatch.setattr(cpu_compat, "clip_in_step", lambda parameters, coeff: list(parameters))
+    model, optimizer = build(True, clip_grad=1e-3, adam_eps=1e-5)
+    separate = train(model, optimizer)
+    for name, value in separate.items():
+        assert float((folded[name] - value).abs().max()) <= 1e-6, name
 
 
 def test_a_cuda_config_leaves_megatrons_optimizer_as_it_built_it(gloo_group):
