@@ -1,8 +1,9 @@
 """What swift-mcore's adaptations of megatron-core share: the versions they were tested with
 (one check refuses any other unless SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1), the module
 look-alike a patched megatron module gets in place of torch or numpy, and the fixes every
-machine needs, CPU or GPU: the MoE router's GEMM without Transformer Engine, and the
-distributed optimizer's reshardable checkpoint with more than one gradient bucket."""
+machine needs, CPU or GPU: the MoE router's GEMM without Transformer Engine, its expert-bias
+token counts with a padding mask, and the distributed optimizer's reshardable checkpoint with
+more than one gradient bucket."""
 
 from __future__ import annotations
 
@@ -49,6 +50,33 @@ def patch_router_gemm_without_te() -> None:
         require_tested_version("MoE router without Transformer Engine",
                                "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
         moe_utils.te_general_gemm = None
+
+
+def count_expert_tokens_without_padding() -> None:
+    """megatron-core 0.16.1's router counts the tokens each expert got, for the expert-bias
+    update, with ``routing_map & ~padding_mask`` (router.py:542): a [tokens, experts] map and
+    a [tokens] mask, which broadcast along the experts axis, so any padding mask raises (or,
+    with as many tokens as experts, masks the wrong entries). The mask is meant per token:
+    the padding rows of the map are cleared before counting (without a mask, megatron's
+    own count)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    original = TopKRouter._apply_expert_bias
+    if hasattr(original, "_swift_mcore_original"):
+        return
+    require_tested_version("MoE expert-bias count with a padding mask",
+                           "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+    import torch
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if padding_mask is None:
+            return original(self, routing_map)
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert += (routing_map & ~padding_mask.reshape(-1, 1)).sum(0)
+
+    _apply_expert_bias._swift_mcore_original = original
+    TopKRouter._apply_expert_bias = _apply_expert_bias
 
 
 def patch_mla_without_te() -> None:
