@@ -157,6 +157,28 @@ def test_forward_steps_hand_the_policy_the_mask(gloo_group, trainer, moe):
     assert all("padding_mask" not in c for c in reference.calls)
 
 
+@pytest.mark.parametrize("first_stage, vision, split", [
+    (True, False, False), (False, False, True), (True, True, True)])
+def test_sequence_parallel_splits_the_mask_where_megatron_does_not(monkeypatch, first_stage,
+                                                                   vision, split):
+    """megatron's GPTModel splits the mask over the sequence-parallel ranks only where it
+    embeds the tokens itself: a later pipeline stage, or a vision-language model that hands
+    in its own embedding, gets it split here (as megatron splits it: sequence first)."""
+    from megatron.core import tensor_parallel
+
+    def first_half(tensor):  # this rank's part of the sequence
+        return tensor[:tensor.shape[0] // 2]
+
+    monkeypatch.setattr(tensor_parallel, "scatter_to_sequence_parallel_region", first_half)
+    config = SimpleNamespace(model=SimpleNamespace(num_experts=4,
+                                                   vision_config={"depth": 1} if vision else None))
+    inner = Recorder()
+    inner.pre_process, inner.config.sequence_parallel = first_stage, True
+    mask = torch.tensor([[False, False, False, True], [False, True, True, True]])
+    got = routing_padding(config, SimpleNamespace(module=inner), {"padding_mask": mask})
+    assert torch.equal(got["padding_mask"], mask[:, :2] if split else mask)
+
+
 def test_the_data_marks_padding():
     """sft rows, rlhf rows (padded and packed) and reward rows mark their padding; a
     context-parallel rank gets its chunks of the mask with its tokens."""
@@ -189,3 +211,36 @@ def test_the_data_marks_padding():
         split = on_this_cp_rank(padded, 2)
     # chunks 1 and 2 of 4 (megatron's split for rank 1 of 2): positions 2-5 of each row
     assert torch.equal(split["padding_mask"], padded["padding_mask"][:, 2:6])
+
+
+@pytest.mark.benchmark
+def test_padded_sft_at_cp2_routes_as_one_rank(tmp_path):
+    """sft rows padded to the longest of their micro-batch, and at CP=2 further to a multiple
+    of 2 x CP positions: with the padding left out of routing, CP=2 gives one rank's LM
+    loss, load-balancing loss and gradient norms (the z-loss's gradient with them), with the
+    expert-bias update on, which moves the routing from step 2 by the counts. The logged
+    z-loss is not compared: at CP it averages the ranks' means over their real tokens,
+    which differ in number (docs/models.md)."""
+    import json
+    import random
+
+    from run_helpers import run_sft, train_records
+
+    rng = random.Random(3)
+    words = "alpha beta gamma delta river stone cloud paper orange silver seven north".split()
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": role, "content": " ".join(rng.choice(words)
+                                           for _ in range(rng.randint(1, 9)))}
+        for role in ("user", "assistant")]}) + "\n" for _ in range(24)))
+    flags = [*MOE, "--moe_ffn_hidden_size", "32", "--moe_router_bias_update_rate", "0.05",
+             "--moe_aux_loss_coeff", "0.1", "--moe_z_loss_coeff", "0.01", "--dataset", data,
+             "--template", "plain", "--seq_length", "64", "--train_iters", "3", "--no_save",
+             "--global_batch_size", "4", "--hidden_dropout", "0", "--attention_dropout", "0"]
+    run_sft(tmp_path / "one", *flags)
+    run_sft(tmp_path / "cp2", *flags, "--context_parallel_size", "2", nproc=2)
+    ref, got = train_records(tmp_path / "one"), train_records(tmp_path / "cp2")
+    assert [r["iteration"] for r in got] == [1, 2, 3]
+    for r, g in zip(ref, got):
+        for key in ("loss", "load_balancing_loss", "grad_norm"):
+            assert abs(g[key] - r[key]) <= 1e-5, (g["iteration"], key, g[key], r[key])

@@ -23,7 +23,7 @@ import torch
 from . import distributed_optimizer, gated_delta_rule
 from ..mcore_adaptation import (
     ModuleProxy,
-    count_expert_tokens_without_padding,
+    fix_router_padding_mask,
     patch_mla_without_te,
     patch_router_gemm_without_te,
     require_tested_version,
@@ -288,7 +288,7 @@ def activate() -> bool:
     global _ACTIVE
     patch_router_gemm_without_te()  # a GPU without Transformer Engine needs it too
     patch_mla_without_te()
-    count_expert_tokens_without_padding()
+    fix_router_padding_mask()
     if not needed():
         return False
     if _ACTIVE:
