@@ -7,7 +7,7 @@ convention, whatever its docstrings say; data/sequence_rows.py). megatron's GPTM
 the mask down its decoder to each MoE layer and, under sequence parallelism, splits it over
 the tensor-parallel ranks as it splits the embedding, but only where it embeds the tokens
 itself: a later pipeline stage, or a vision-language model that hands its own embedding
-in, gets it split here. Context parallelism split it with the tokens
+in, gets it split here. Context parallelism splits it with the tokens
 (trainer.on_this_cp_rank). megatron's MTP block does not take the mask: the routers of MoE
 multi-token-prediction layers still count padding. A dense model gets nothing (its layers
 would ignore the mask).
@@ -20,11 +20,11 @@ from typing import Dict
 import torch
 
 
-def routing_padding(config, model, batch, prefix: str = "") -> Dict[str, torch.Tensor]:
+def routing_padding(config, model, batch) -> Dict[str, torch.Tensor]:
     """``{"padding_mask": mask}`` for ``model`` (a model chunk, wrapped or not) to take as
-    keyword arguments: the batch's ``prefix + "padding_mask"`` when the model has MoE layers,
-    split over the sequence-parallel ranks where megatron would not; ``{}`` otherwise."""
-    mask = batch.get(prefix + "padding_mask")
+    keyword arguments: the batch's ``padding_mask`` when the model has MoE layers, split over
+    the sequence-parallel ranks where megatron would not; ``{}`` otherwise."""
+    mask = batch.get("padding_mask")
     if mask is None or config.model.num_experts is None:
         return {}
     gpt = model

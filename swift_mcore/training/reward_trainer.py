@@ -16,8 +16,8 @@ from typing import Dict
 import torch
 
 from ..runtime import collectives
-from .reward_loss import EXTREMES, METRICS, RewardLoss, reward_extremes, reward_sums
 from .moe_padding import routing_padding
+from .reward_loss import EXTREMES, METRICS, RewardLoss, reward_extremes, reward_sums
 from .rlhf_trainer import DpoTrainer, first_cp_rank, over_cp
 from .trainer import Trainer
 
