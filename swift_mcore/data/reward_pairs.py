@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ArgumentError
 from .preference import Pair, preference_fingerprint, read_pairs, sequence_pad_multiple
-from .sequence_rows import lay_out, packing_note
+from .sequence_rows import lay_out, packing_note, padding_mask
 
 # Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
 ENCODING_VERSION = 1
@@ -79,7 +79,8 @@ class RewardPairs(torch.utils.data.Dataset):
             for i, ids in enumerate(seqs):
                 tokens[i, :len(ids)] = torch.from_numpy(ids.astype(np.int64))
             batch = {"tokens": tokens, "position_ids": torch.arange(width).unsqueeze(0)
-                     .expand(len(seqs), width).clone()}
+                     .expand(len(seqs), width).clone(),
+                     "padding_mask": padding_mask([len(s) for s in seqs], width)}
         else:
             batch, places = lay_out(seqs, self.pad_id, shift=False, pack_to=self.pack_to,
                                     pad_multiple=self.pad_multiple)

@@ -6,6 +6,8 @@ are sums per sequence, so where a sequence sits changes no number, only the padd
 computed. Packed rows carry ``segment_ids`` (each position's sequence index, -1 padding),
 which keeps the sequences apart in attention (packing.block_causal_mask) and sums each
 one's values (training.rlhf_trainer.sequence_sums); position ids restart per sequence.
+Every row carries ``padding_mask`` (True past its last real position), which the MoE router
+reads to leave padding out of its statistics (training/moe_padding.py).
 """
 
 from __future__ import annotations
@@ -70,7 +72,14 @@ def lay_out(seqs: Sequence[np.ndarray], pad_id: int, masks: Optional[Sequence[np
                 batch["segment_ids"][where] = k
             places[k] = (r, start)
             start += n
+    batch["padding_mask"] = padding_mask([sum(lengths[k] for k in row) for row in rows], width)
     return batch, places
+
+
+def padding_mask(lengths: Sequence[int], width: int) -> torch.Tensor:
+    """[rows, width] bool, True at the padding of rows right-padded from ``lengths`` (the
+    convention of megatron's ``padding_mask``: True is left out of MoE routing statistics)."""
+    return torch.arange(width).unsqueeze(0) >= torch.as_tensor(lengths).unsqueeze(1)
 
 
 def packing_note(pack_to: Optional[int]) -> str:

@@ -21,6 +21,7 @@ from ..errors import ArgumentError
 # Encoding lives in sft_samples; its names are this module's API too.
 from .sft_samples import (ENCODING_VERSION, Encoded, EncodingReport, Tokenized,  # noqa: F401
                           _flat, encode_chunk, encode_conversations, tokenize_conversations)
+from .sequence_rows import padding_mask
 from .templates import Template
 
 
@@ -71,7 +72,7 @@ class SftDataset(torch.utils.data.Dataset):
     def collate(self, rows: List[Dict[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
         """Right-pads to the longest row (to --seq_length under pipeline parallelism).
         Padding is masked from the loss, and forms its own segment when packed, so no real
-        token attends to it."""
+        token attends to it; ``padding_mask`` marks it (True), for the MoE router."""
         lengths = [len(r["tokens"]) for r in rows]
         width = self.seq_length if self.pad_to_seq_length else max(lengths)
         width = -(-width // self.pad_multiple) * self.pad_multiple
@@ -88,6 +89,7 @@ class SftDataset(torch.utils.data.Dataset):
                 batch[name][i, :n] = torch.from_numpy(row[name].astype(np.int64)
                                                       if name != "loss_mask"
                                                       else row[name].astype(np.float32))
+        batch["padding_mask"] = padding_mask(lengths, width)
         batch["num_tokens"] = torch.tensor(sum(lengths), dtype=torch.long)
         return batch
 

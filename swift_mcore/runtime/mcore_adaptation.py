@@ -1,8 +1,9 @@
 """What swift-mcore's adaptations of megatron-core share: the versions they were tested with
 (one check refuses any other unless SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1), the module
 look-alike a patched megatron module gets in place of torch or numpy, and the fixes every
-machine needs, CPU or GPU: the MoE router's GEMM without Transformer Engine, and the
-distributed optimizer's reshardable checkpoint with more than one gradient bucket."""
+machine needs, CPU or GPU: the MoE router's GEMM without Transformer Engine and its padding
+mask, and the distributed optimizer's reshardable checkpoint with more than one gradient
+bucket."""
 
 from __future__ import annotations
 
@@ -49,6 +50,57 @@ def patch_router_gemm_without_te() -> None:
         require_tested_version("MoE router without Transformer Engine",
                                "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
         moe_utils.te_general_gemm = None
+
+
+def fix_router_padding_mask() -> None:
+    """Two places where megatron-core 0.16.1's router mishandles a padding mask
+    (``padding_mask``: True at padding, training/moe_padding.py):
+
+    - It counts the tokens each expert got, for the expert-bias update, with
+      ``routing_map & ~padding_mask`` (router.py:542): a [tokens, experts] map and a [tokens]
+      mask broadcast along the experts axis, so any mask raises (or, with as many tokens as
+      experts, clears the wrong entries). The padding rows of the map are cleared instead.
+    - With per-token losses it weighs each rank's load-balancing loss by the real tokens
+      that rank routes (router.py:466, ``valid_token_count``). Over the TP x CP group, whose
+      ranks each hold a slice of the same sequences, the slices' losses add up to one rank's
+      only if each is weighed by the group's real tokens over its size, as megatron does
+      without a mask (each rank's equal share); sequence and context parallelism leave the
+      padding at a row's end unevenly spread. Here it is weighed so. The global
+      load-balancing loss (its group spans data-parallel ranks, each with its own
+      micro-batch) keeps megatron's weight."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import router
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    original = TopKRouter._apply_expert_bias
+    if hasattr(original, "_swift_mcore_original"):
+        return
+    require_tested_version("MoE router with a padding mask",
+                           "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+    import torch
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if padding_mask is None:
+            return original(self, routing_map)
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert += (routing_map & ~padding_mask.reshape(-1, 1)).sum(0)
+
+    _apply_expert_bias._swift_mcore_original = original
+    TopKRouter._apply_expert_bias = _apply_expert_bias
+
+    counts = router.get_tokens_per_expert_and_token_count
+
+    def get_tokens_per_expert_and_token_count(routing_map, reduce_group, topk=None,
+                                              with_padding_mask=False):
+        per_expert, local, total = counts(routing_map, reduce_group, topk=topk,
+                                          with_padding_mask=with_padding_mask)
+        if with_padding_mask and reduce_group is \
+                parallel_state.get_tensor_and_context_parallel_group(check_initialized=False):
+            local = total / reduce_group.size()
+        return per_expert, local, total
+
+    router.get_tokens_per_expert_and_token_count = get_tokens_per_expert_and_token_count
 
 
 def patch_mla_without_te() -> None:

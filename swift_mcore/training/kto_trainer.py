@@ -15,6 +15,7 @@ import torch
 
 from ..runtime import collectives
 from .kto_loss import METRICS, KtoLoss, kl_estimate, metric_sums, metrics_from_sums
+from .moe_padding import routing_padding
 from .rlhf_trainer import (DpoTrainer, first_cp_rank, is_last_stage, over_cp,
                            reference_identity, sequence_sums, set_stage_input, stage_input)
 
@@ -87,7 +88,8 @@ class KtoTrainer(DpoTrainer):
                     ref_kl = stream(reference, 2)(**inputs("kl_"))
             if self.kto.uses_kl:
                 kl = stream(model, 3)(**inputs("kl_"))
-        output = stream(model, 0)(**inputs(""))
+        # (the KL rows and the reference run without autograd, which the routers skip)
+        output = stream(model, 0)(**inputs(""), **routing_padding(self.config, model, batch))
         if not is_last_stage(model):
             sent = [output, ref, ref_kl, kl] if self.kto.uses_kl else [output, ref]
             return torch.cat(sent, dim=1), partial(self.compute_loss, batch)

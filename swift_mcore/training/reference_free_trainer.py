@@ -14,6 +14,7 @@ import torch
 
 from ..runtime import collectives
 from .dpo_loss import reward_metrics
+from .moe_padding import routing_padding
 from .reference_free_loss import ORPO_METRICS, SIMPO_METRICS, OrpoLoss, SimpoLoss
 from .rlhf_trainer import DpoTrainer, first_cp_rank, over_cp, sequence_sums
 from .trainer import Trainer
@@ -47,7 +48,8 @@ class ReferenceFreeTrainer(DpoTrainer):
     def forward_step(self, data_iterator, model):
         batch = self.micro_batch(data_iterator)
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=batch.get("attention_mask"), labels=batch["labels"])
+                       attention_mask=batch.get("attention_mask"), labels=batch["labels"],
+                       **routing_padding(self.config, model, batch))
         return output, partial(self.compute_loss, batch)
 
     def chosen_nll(self, losses, batch, pairs) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Dict
 import torch
 
 from ..runtime import collectives
+from .moe_padding import routing_padding
 from .reward_loss import EXTREMES, METRICS, RewardLoss, reward_extremes, reward_sums
 from .rlhf_trainer import DpoTrainer, first_cp_rank, over_cp
 from .trainer import Trainer
@@ -67,7 +68,8 @@ class RewardTrainer(DpoTrainer):
     def forward_step(self, data_iterator, model):
         batch = self.micro_batch(data_iterator)
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=batch.get("attention_mask"))
+                       attention_mask=batch.get("attention_mask"),
+                       **routing_padding(self.config, model, batch))
         return output, partial(self.compute_loss, batch)
 
     def rewards(self, batch, output_tensor) -> torch.Tensor:

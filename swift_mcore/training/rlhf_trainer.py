@@ -16,6 +16,7 @@ import torch
 
 from ..runtime import collectives, cpu
 from .dpo_loss import METRICS, DpoLoss, reward_metrics
+from .moe_padding import routing_padding
 from .trainer import Trainer, on_this_cp_rank
 from .writers import format_log_line
 
@@ -247,6 +248,8 @@ class DpoTrainer(Trainer):
         batch = self.micro_batch(data_iterator)
         inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                       attention_mask=batch.get("attention_mask"), labels=batch["labels"])
+        # the policy's routers only: the reference runs without autograd, which they skip
+        padding = routing_padding(self.config, model, batch)
         if self.ref_table is not None:
             ref = self.ref_table[batch["pair_index"].cpu()]
             batch["ref_logps"] = torch.cat([ref[:, 0], ref[:, 1]]).to(batch["tokens"].device)
@@ -265,9 +268,9 @@ class DpoTrainer(Trainer):
                 batch["ref_logps"] = over_cp(sequence_sums(
                     -(ref_out.float() * batch["loss_mask"]), batch))
             else:
-                return torch.cat([model(**inputs), ref_out], dim=1), \
+                return torch.cat([model(**inputs, **padding), ref_out], dim=1), \
                     partial(self.compute_loss, batch)
-        output = model(**inputs)
+        output = model(**inputs, **padding)
         return output, partial(self.compute_loss, batch)
 
     def rows_per_micro_batch(self) -> int:

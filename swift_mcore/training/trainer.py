@@ -17,6 +17,7 @@ from ..run_config import RunConfig, check_vocab, resolve
 from ..runtime import collectives, cpu, distributed, run_lock, seed
 from . import best, moe_metrics, mtp_metrics, run_log
 from .metrics import LogWindow, executed_flops_per_token, flops_per_token
+from .moe_padding import routing_padding
 from .nonfinite import NonFiniteGuard
 from .peak import device_peak, peak_memory_gb
 from .writers import MetricWriter, format_log_line, rng_untouched
@@ -375,7 +376,8 @@ class Trainer:
         positions = batch.get("whole_position_ids", batch["position_ids"])
         output = model(input_ids=tokens, position_ids=positions,
                        attention_mask=batch.get("attention_mask"), labels=batch["labels"],
-                       packed_seq_params=batch.get("packed_seq_params"), **mtp, **images)
+                       packed_seq_params=batch.get("packed_seq_params"), **mtp, **images,
+                       **routing_padding(self.config, model, batch))
         return output, partial(self.compute_loss, batch)
 
     def get_batch(self, data_iterator) -> Dict[str, torch.Tensor]:
@@ -700,7 +702,7 @@ class Trainer:
 # dim 2): what megatron's context-parallel split cuts. Packed rows' segment ids are cut with
 # them: rlhf sums each sequence's values by segment, on each rank over its own positions.
 SEQUENCE_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask",
-                   "segment_ids")
+                   "segment_ids", "padding_mask")
 
 
 # rlhf rows beside them: KTO's KL rows (the same fields, prefixed) and ORPO's mask of every

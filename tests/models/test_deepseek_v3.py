@@ -459,9 +459,9 @@ def test_cp2_gives_the_one_rank_losses_and_gradient_norms(tmp_path):
 @pytest.mark.benchmark
 def test_packed_sft_at_cp2_gives_the_one_rank_losses_and_gradient_norms(tmp_path):
     """Packed sft rows at CP=2 on the DeepSeek-V3 folder: the block-causal mask's query
-    rows cut like the tokens, MLA's keys gathered. The expert-bias update is off: it counts
-    the rows' padding too (as megatron does), and CP pads each row to a multiple of 2 x CP
-    positions, so its loads would differ by the extra padding."""
+    rows cut like the tokens, MLA's keys gathered, and the expert-bias update on: CP pads
+    each row to a multiple of 2 x CP positions, which the routers leave out of their counts
+    (training/moe_padding.py)."""
     import subprocess
     import sys
 
@@ -478,7 +478,7 @@ def test_packed_sft_at_cp2_gives_the_one_rank_losses_and_gradient_norms(tmp_path
     cmd = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
            "plain", "--seq_length", "64", "--packing", "--train_iters", "3", "--no_save",
            "--hidden_dropout", "0", "--attention_dropout", "0",
-           "--moe_router_bias_update_rate", "0"]
+           "--moe_router_bias_update_rate", "0.05"]
     for name, extra, nproc in (("one", [], 1), ("cp2", ["--context_parallel_size", "2"], 2)):
         env = child_env()
         if nproc > 1:

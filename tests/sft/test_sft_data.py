@@ -265,7 +265,8 @@ def test_collate_pads_to_the_longest_and_masks_padding(encoded):
     na, nb = len(a["tokens"]), len(b["tokens"])
     assert na < nb
     batch = ds.collate([a, b])
-    assert sorted(batch) == ["labels", "loss_mask", "num_tokens", "position_ids", "tokens"]
+    assert sorted(batch) == ["labels", "loss_mask", "num_tokens", "padding_mask", "position_ids",
+                             "tokens"]
     assert batch["tokens"].shape == (2, nb) and batch["tokens"].dtype == torch.long
     assert batch["loss_mask"].dtype == torch.float
     assert batch["tokens"][0].tolist() == a["tokens"].tolist() + [7] * (nb - na)
@@ -276,6 +277,7 @@ def test_collate_pads_to_the_longest_and_masks_padding(encoded):
     assert batch["tokens"][1].tolist() == b["tokens"].tolist()
     assert batch["loss_mask"][1].tolist() == b["loss_mask"].astype(float).tolist()
     assert batch["num_tokens"].item() == na + nb
+    assert batch["padding_mask"].tolist() == [[False] * na + [True] * (nb - na), [False] * nb]
     assert batch["loss_mask"].sum().item() == a["loss_mask"].sum() + b["loss_mask"].sum()
 
 

@@ -24,6 +24,7 @@ from . import distributed_optimizer, gated_delta_rule
 from .fused_adamw import clip_in_step
 from ..mcore_adaptation import (
     ModuleProxy,
+    fix_router_padding_mask,
     patch_mla_without_te,
     patch_router_gemm_without_te,
     require_tested_version,
@@ -288,6 +289,7 @@ def activate() -> bool:
     global _ACTIVE
     patch_router_gemm_without_te()  # a GPU without Transformer Engine needs it too
     patch_mla_without_te()
+    fix_router_padding_mask()
     if not needed():
         return False
     if _ACTIVE:
