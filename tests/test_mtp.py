@@ -50,8 +50,6 @@ def test_mtp_loss_is_logged_apart_and_trains_the_model(tmp_path, gloo_group, dat
           num_layers_per_virtual_pipeline_stage=1),
      r"^--mtp_num_layers 1 with virtual pipeline stages \(the interleaved schedule\): not "
      r"supported yet"),
-    (dict(mtp_num_layers=1, tuner_type="lora"),
-     r"^--mtp_num_layers 1 with --tuner_type lora: not supported yet"),
     (dict(mtp_num_layers=1, recompute_granularity="full", recompute_method="uniform",
           recompute_num_layers=2),
      r"^--mtp_num_layers 1 with --recompute_method uniform needs --recompute_num_layers 1"),

@@ -508,8 +508,6 @@ class RunArguments:
             (self.COMMAND == "rlhf",
              f"{n} with rlhf: the preference loss has no multi-token prediction term; drop "
              f"the flag (or give 0 to leave a folder's MTP layers out)"),
-            (self.tuner.tuner_type == "lora",
-             f"{n} with --tuner_type lora: not supported yet; use --tuner_type full"),
             (p.context_parallel_size > 1,
              f"{n} with --context_parallel_size {p.context_parallel_size}: not supported yet "
              f"(the next-token shift crosses the ranks' sequence chunks)"),
