@@ -53,8 +53,6 @@ def test_mtp_loss_is_logged_apart_and_trains_the_model(tmp_path, gloo_group, dat
     (dict(mtp_num_layers=1, recompute_granularity="full", recompute_method="uniform",
           recompute_num_layers=2),
      r"^--mtp_num_layers 1 with --recompute_method uniform needs --recompute_num_layers 1"),
-    (dict(mtp_num_layers=1, context_parallel_size=2, world_size=2),
-     r"^--mtp_num_layers 1 with --context_parallel_size 2: not supported yet"),
     (dict(mtp_num_layers=-1), r"^--mtp_num_layers"),
 ])
 def test_what_mtp_does_not_run_with_is_refused(flags, message):
@@ -135,3 +133,22 @@ def test_a_checkpoint_with_mtp_layers_resumes_or_loads_only_with_them(tmp_path, 
                            match=r"--mtp_num_layers: checkpoint 1, now unset"):
             train_in_process(tmp_path / "again", "--dataset", data, "--train_iters", "1",
                              "--no_save", *flags, command="pt")
+
+
+@pytest.mark.benchmark  # outside the suite's time budget: run with -m benchmark
+def test_cp2_gives_the_one_rank_losses_and_gradients(tmp_path, data):
+    """Context parallelism: megatron rolls each MTP layer's inputs, labels and loss mask
+    across the CP ranks' sequence chunks (roll_tensor, over gloo here); the LM and MTP
+    losses (each layer's) and the gradient norms are the one-rank run's."""
+    from run_helpers import run_pt
+
+    flags = ["--dataset", data, "--train_iters", "3", "--no_save", "--mtp_num_layers", "2",
+             "--hidden_dropout", "0", "--attention_dropout", "0"]
+    runs = {}
+    for cp in (1, 2):
+        run_pt(tmp_path / f"cp{cp}", *flags, "--context_parallel_size", str(cp), nproc=cp)
+        runs[cp] = train_records(tmp_path / f"cp{cp}")
+    assert [r["iteration"] for r in runs[2]] == [1, 2, 3]
+    for a, b in zip(runs[1], runs[2]):
+        for key in ("loss", "mtp_loss", "mtp_1_loss", "mtp_2_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a, b)

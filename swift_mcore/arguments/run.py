@@ -508,9 +508,6 @@ class RunArguments:
             (self.COMMAND == "rlhf",
              f"{n} with rlhf: the preference loss has no multi-token prediction term; drop "
              f"the flag (or give 0 to leave a folder's MTP layers out)"),
-            (p.context_parallel_size > 1,
-             f"{n} with --context_parallel_size {p.context_parallel_size}: not supported yet "
-             f"(the next-token shift crosses the ranks' sequence chunks)"),
             (bool(getattr(getattr(self, "sft", None), "packing", False)),
              f"{n} with --packing: the next-token shift would cross from one packed "
              f"conversation into the next; drop --packing"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import List
 
 import torch
@@ -477,6 +478,10 @@ def _logits_without_mtp(gpt_model):
         class GPTModelWithMTP(gpt_model):
             def _postprocess(self, **kwargs):
                 if kwargs.get("labels") is not None:
+                    if self.training and self.cp_group.size() > 1:
+                        with _mtp_loss_per_token_over_cp(self, kwargs["labels"],
+                                                         kwargs.get("loss_mask")):
+                            return super()._postprocess(**kwargs)
                     return super()._postprocess(**kwargs)
                 kwargs["mtp_in_postprocess"] = False
                 layers, self.config.mtp_num_layers = self.config.mtp_num_layers, None
@@ -487,6 +492,41 @@ def _logits_without_mtp(gpt_model):
 
         _MTP_CLASSES[gpt_model] = GPTModelWithMTP
     return _MTP_CLASSES[gpt_model]
+
+
+@contextlib.contextmanager
+def _mtp_loss_per_token_over_cp(model, labels, loss_mask):
+    """megatron logs each context-parallel rank's MTP loss per token of that rank's chunks
+    and averages the ranks (gpt_model.py:645), so a rank with fewer counted tokens weighs
+    as much as the other: not the loss per token of the micro-batch one rank logs. Each
+    rank's value is scaled here by CP x its share of the micro-batch's counted tokens
+    (the loss mask rolled as megatron rolls it for each MTP layer), which makes the
+    average that loss. The gradients are per token already (calculate_per_token_loss)."""
+    from megatron.core.transformer import multi_token_prediction as mtp_module
+
+    helper = mtp_module.MTPLossLoggingHelper
+    group = model.cp_group
+    mask = torch.ones_like(labels) if loss_mask is None else loss_mask
+    weights = []
+    for _ in range(model.config.mtp_num_layers):
+        mask, local = mtp_module.roll_tensor(mask, shifts=-1, dims=-1, cp_group=group)
+        local = local.detach().float().reshape(1)
+        total = local.clone()
+        torch.distributed.all_reduce(total, group=group)
+        weights.append(group.size() * local / total.clamp(min=1))
+    saved = helper.__dict__["save_loss_to_tracker"]
+    save = saved.__func__
+
+    def weighted(loss, layer_number, *args, **kwargs):
+        if layer_number is not None:
+            loss = loss * weights[layer_number].to(loss.device)[0]
+        return save(loss, layer_number, *args, **kwargs)
+
+    helper.save_loss_to_tracker = staticmethod(weighted)
+    try:
+        yield
+    finally:
+        helper.save_loss_to_tracker = saved
 
 
 def count_parameters(chunks) -> int:
