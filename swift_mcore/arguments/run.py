@@ -489,8 +489,8 @@ class RunArguments:
     def check_mtp(self) -> None:
         """Multi-token prediction (--mtp_num_layers): what swift-mcore runs it with so far.
         megatron places every MTP layer on the last pipeline stage, with a copy of the
-        embedding there (tested at PP=2, and TP=2 with sequence parallelism); the
-        interleaved schedule is not yet."""
+        embedding there (tested at PP=2, and TP=2 with sequence parallelism); it runs with
+        LoRA and context parallelism too; the interleaved schedule and packed rows not yet."""
         m, p, t = self.model, self.parallel, self.training
         if not m.mtp_num_layers:
             # (a saved run's flags, all explicit, hold the default)
