@@ -478,11 +478,17 @@ def _logits_without_mtp(gpt_model):
         class GPTModelWithMTP(gpt_model):
             def _postprocess(self, **kwargs):
                 if kwargs.get("labels") is not None:
-                    if self.training and self.cp_group.size() > 1:
-                        with _mtp_loss_per_token_over_cp(self, kwargs["labels"],
-                                                         kwargs.get("loss_mask")):
-                            return super()._postprocess(**kwargs)
-                    return super()._postprocess(**kwargs)
+                    with contextlib.ExitStack() as stack:
+                        positions = kwargs.get("position_ids")
+                        if kwargs.get("attention_mask") is not None and positions is not None \
+                                and positions.dim() == 2 \
+                                and kwargs.get("packed_seq_params") is None:
+                            stack.enter_context(_rolls_within_conversations(positions,
+                                                                            self.cp_group))
+                        if self.training and self.cp_group.size() > 1:
+                            stack.enter_context(_mtp_loss_per_token_over_cp(
+                                self, kwargs["labels"], kwargs.get("loss_mask")))
+                        return super()._postprocess(**kwargs)
                 kwargs["mtp_in_postprocess"] = False
                 layers, self.config.mtp_num_layers = self.config.mtp_num_layers, None
                 try:
@@ -492,6 +498,39 @@ def _logits_without_mtp(gpt_model):
 
         _MTP_CLASSES[gpt_model] = GPTModelWithMTP
     return _MTP_CLASSES[gpt_model]
+
+
+@contextlib.contextmanager
+def _rolls_within_conversations(position_ids, cp_group):
+    """Packed rows behind the block-causal mask (sft --packing without Transformer Engine's
+    PackedSeqParams): megatron's MTP roll (roll_tensor: the next token's input, the labels
+    and loss mask of each depth) would carry a conversation's first tokens into the
+    previous one's last position. While it runs, each roll is megatron's, after which the
+    positions whose next one starts a conversation (position id 0: data/sft_datasets.py
+    restarts them per conversation, and padding is all zeros) are zero-filled, as megatron
+    fills each sequence's last position when it rolls PackedSeqParams' sequences. Rows that
+    are not packed have no start but the first, so nothing changes for them. The starts are
+    rolled over the CP ranks as the tensors are."""
+    from megatron.core.models.gpt import gpt_model as gpt_module
+    from megatron.core.transformer import multi_token_prediction as mtp_module
+
+    roll = mtp_module.roll_tensor
+    ends, _ = roll((position_ids == 0).to(torch.int32), shifts=-1, dims=-1, cp_group=cp_group)
+    ends = ends.bool()
+
+    def within(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+        if packed_seq_params is not None or shifts != -1 or tensor.shape != ends.shape:
+            return roll(tensor, shifts=shifts, dims=dims, cp_group=cp_group,
+                        packed_seq_params=packed_seq_params)
+        rolled, _ = roll(tensor, shifts=shifts, dims=dims, cp_group=cp_group)
+        rolled = rolled.masked_fill(ends, 0)
+        return rolled, rolled.sum()
+
+    mtp_module.roll_tensor = gpt_module.roll_tensor = within
+    try:
+        yield
+    finally:
+        mtp_module.roll_tensor = gpt_module.roll_tensor = roll
 
 
 @contextlib.contextmanager
