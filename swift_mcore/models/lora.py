@@ -453,11 +453,13 @@ def checkpoint_state(chunk, sharded: Dict) -> Dict:
 
 
 def frozen_keys(chunk) -> set:
-    """State-dict keys a LoRA checkpoint leaves out (restore accepts them as missing)."""
+    """State-dict keys a LoRA checkpoint may leave out (restore accepts them as missing):
+    the frozen base, and the expert bias, which checkpoints written before it was kept
+    lack (checkpointing/io.py loads it where it is there)."""
     if not is_lora(chunk):
         return set()
-    kept = _kept(chunk)
-    return {k for k in chunk.state_dict(keep_vars=True) if k not in kept}
+    trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
+    return {k for k in chunk.state_dict(keep_vars=True) if k not in trainable}
 
 
 # ---- merging and peft's format -----------------------------------------------------------
