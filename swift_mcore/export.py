@@ -184,6 +184,13 @@ def to_peft(args: ExportArguments, log) -> Dict[str, object]:
         raise ArgumentError(f"--to_peft: --model {args.model} is a reward model, whose score "
                             f"head trained whole beside the adapters; write it with --to_hf "
                             f"--merge_lora")
+    m = loaded.config.model
+    if m.moe_router_enable_expert_bias and m.moe_router_bias_update_rate:
+        raise ArgumentError(f"--to_peft: --model {args.model} moved its routers' expert bias "
+                            f"in training (--moe_router_bias_update_rate "
+                            f"{m.moe_router_bias_update_rate:g}), which a peft adapter cannot "
+                            f"hold; write the model with --to_hf --merge_lora, or train with "
+                            f"--moe_router_bias_update_rate 0")
     layout = Layout.from_model_args(loaded.config.model, loaded.config.padded_vocab_size)
     multimodal = bool(layout.vision) or layout.nested or _language_model_of_multimodal(
         args.model, loaded.hf_folder)

@@ -131,10 +131,11 @@ def _from_lora_checkpoint(folder: str, saved, base: str, tokenizer_path: Optiona
     flags.update(**saved.get("tuner", {}), seed=saved.get("training", {}).get("seed", 42))
     if flags.model.attention_backend in ("auto", "transformer_engine"):
         # the local spec: TE-spec adapters have the same checkpoint keys (models/lora_te.py);
-        # sliding windows and Gemma 3's layers run in its SDPA core attention only
+        # sliding windows, Gemma 3's layers and multi-latent attention's head sizes run in
+        # its SDPA core attention only
         m = flags.model
         flags.update(attention_backend="sdpa" if m.window_size or m.model_type == "gemma3"
-                     else "local")
+                     or m.multi_latent_attention else "local")
     hf_folder = saved.get("model", {}).get("model")
     if hf_folder:
         if not is_hf_folder(hf_folder):

@@ -211,6 +211,13 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
         raise ArgumentError(
             "--packing with Transformer Engine passes each packed row as one variable-length "
             "batch (THD); set --micro_batch_size 1 and raise --seq_length instead")
+    if flags.COMMAND == "sft" and flags.sft.packing and packed_rows == "thd" \
+            and flags.model.mtp_num_layers:
+        # megatron rolls PackedSeqParams' sequences apart itself; not run here yet
+        raise ArgumentError(
+            f"--mtp_num_layers {flags.model.mtp_num_layers} with --packing on Transformer "
+            f"Engine's variable-length batches (THD): not tested yet; use --attention_backend "
+            f"sdpa (packed rows behind a block-causal mask) or drop --packing")
     if flags.COMMAND == "rlhf" and flags.rlhf.packing and packed_rows == "thd":
         raise ArgumentError(
             "rlhf --packing packs rows behind a block-causal mask, not Transformer Engine's "

@@ -50,13 +50,9 @@ def test_mtp_loss_is_logged_apart_and_trains_the_model(tmp_path, gloo_group, dat
           num_layers_per_virtual_pipeline_stage=1),
      r"^--mtp_num_layers 1 with virtual pipeline stages \(the interleaved schedule\): not "
      r"supported yet"),
-    (dict(mtp_num_layers=1, tuner_type="lora"),
-     r"^--mtp_num_layers 1 with --tuner_type lora: not supported yet"),
     (dict(mtp_num_layers=1, recompute_granularity="full", recompute_method="uniform",
           recompute_num_layers=2),
      r"^--mtp_num_layers 1 with --recompute_method uniform needs --recompute_num_layers 1"),
-    (dict(mtp_num_layers=1, context_parallel_size=2, world_size=2),
-     r"^--mtp_num_layers 1 with --context_parallel_size 2: not supported yet"),
     (dict(mtp_num_layers=-1), r"^--mtp_num_layers"),
 ])
 def test_what_mtp_does_not_run_with_is_refused(flags, message):
@@ -69,15 +65,19 @@ def test_what_mtp_does_not_run_with_is_refused(flags, message):
                 world_size=world_size)
 
 
-def test_mtp_with_packing_or_rlhf_is_refused(tmp_path):
+def test_mtp_with_rlhf_or_packed_mrope_rows_is_refused(tmp_path):
     from swift_mcore.arguments import RlhfArguments, SftArguments, parse_args
     from swift_mcore.run_config import resolve
 
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
-    with pytest.raises(ArgumentError, match=r"^--mtp_num_layers 1 with --packing: the "):
-        resolve(parse_args(["--dataset", str(data), "--packing", "true", "--mtp_num_layers",
-                            "1"], cls=SftArguments), world_size=1)
+    packed = parse_args(["--dataset", str(data), "--packing", "true", "--mtp_num_layers",
+                         "1"], cls=SftArguments)
+    packed.check_mtp()  # text rows: the shift stays inside each conversation
+    packed.model.position_embedding_type = "mrope"  # a vision-language model's positions
+    with pytest.raises(ArgumentError, match=r"^--mtp_num_layers 1 with --packing and "
+                                            r"multimodal positions \(mrope\): not supported"):
+        packed.check_mtp()
     with pytest.raises(ArgumentError, match=r"^--mtp_num_layers 2 with rlhf: the preference"):
         resolve(parse_args(["--dataset", str(data), "--mtp_num_layers", "2"],
                            cls=RlhfArguments), world_size=1)
@@ -137,3 +137,133 @@ def test_a_checkpoint_with_mtp_layers_resumes_or_loads_only_with_them(tmp_path, 
                            match=r"--mtp_num_layers: checkpoint 1, now unset"):
             train_in_process(tmp_path / "again", "--dataset", data, "--train_iters", "1",
                              "--no_save", *flags, command="pt")
+
+
+@pytest.mark.benchmark  # outside the suite's time budget: run with -m benchmark
+def test_cp2_gives_the_one_rank_losses_and_gradients(tmp_path, data):
+    """Context parallelism: megatron rolls each MTP layer's inputs, labels and loss mask
+    across the CP ranks' sequence chunks (roll_tensor, over gloo here); the LM and MTP
+    losses (each layer's) and the gradient norms are the one-rank run's."""
+    from run_helpers import run_pt
+
+    flags = ["--dataset", data, "--train_iters", "3", "--no_save", "--mtp_num_layers", "2",
+             "--hidden_dropout", "0", "--attention_dropout", "0"]
+    runs = {}
+    for cp in (1, 2):
+        run_pt(tmp_path / f"cp{cp}", *flags, "--context_parallel_size", str(cp), nproc=cp)
+        runs[cp] = train_records(tmp_path / f"cp{cp}")
+    assert [r["iteration"] for r in runs[2]] == [1, 2, 3]
+    for a, b in zip(runs[1], runs[2]):
+        for key in ("loss", "mtp_loss", "mtp_1_loss", "mtp_2_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a, b)
+
+
+def test_lora_targets_of_the_mtp_layers():
+    """all-linear adapts each MTP layer's transformer layer as the decoder's, not its
+    eh_proj, which --target_modules names; a model without MTP layers has no eh_proj."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.models import lora
+
+    def targets(**flags):
+        args = RunArguments.from_flags(num_layers=2, tuner_type="lora", **flags)
+        return lora.select_targets(args.tuner, args.model)
+
+    mtp = [n for n in targets(mtp_num_layers=1) if n.startswith("mtp.")]
+    assert mtp == [f"mtp.layers.0.transformer_layer.{m}" for m in (
+        "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+        "mlp.linear_fc2")]
+    assert targets(mtp_num_layers=2, target_modules=["eh_proj"]) == [
+        "mtp.layers.0.eh_proj", "mtp.layers.1.eh_proj"]
+    assert targets(mtp_num_layers=1, target_regex=r"mtp\..*(eh_proj|linear_proj)") == [
+        "mtp.layers.0.eh_proj", "mtp.layers.0.transformer_layer.self_attention.linear_proj"]
+    with pytest.raises(ArgumentError, match=r"^--target_modules: this model has no eh_proj "
+                                            r"layer; its linear layers are linear_qkv, "):
+        targets(target_modules=["eh_proj"])
+
+
+def test_a_packed_row_gives_each_conversation_s_own_mtp_loss(gloo_group):
+    """Packed rows behind the block-causal mask: the MTP layer's shifted inputs, labels and
+    loss mask stay inside each conversation, so the MTP loss summed over a packed row's
+    targets is the sum of its conversations' own, each alone in a row."""
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.data.packing import block_causal_mask
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.run_config import resolve
+    from swift_mcore.runtime import seed
+
+    config = resolve(RunArguments.from_flags(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        seq_length=32, vocab_size=256, mtp_num_layers=2, hidden_dropout=0.0,
+        attention_dropout=0.0, global_batch_size=8), world_size=1).complete(256, None)
+    seed.set_seed(1)
+    model = build_model(config)[0].train()
+    generator = torch.Generator().manual_seed(0)
+    conversations = [torch.randint(1, 256, (n + 1,), generator=generator) for n in (9, 13)]
+
+    def mtp_sums(rows, masks=None):
+        """(sum over each layer's counted targets) of one batch of rows."""
+        tokens = torch.stack([r["tokens"] for r in rows])
+        mask = torch.stack([r["loss_mask"] for r in rows])
+        MTPLossLoggingHelper.tracker.clear()
+        with torch.no_grad():
+            model(input_ids=tokens, position_ids=torch.stack([r["position_ids"] for r in rows]),
+                  attention_mask=masks, labels=torch.stack([r["labels"] for r in rows]),
+                  loss_mask=mask)
+        means = MTPLossLoggingHelper.tracker["values"].clone()
+        MTPLossLoggingHelper.tracker.clear()
+        # each depth k counts the targets whose position is k + 1 inside its conversation
+        counts = [sum(max(0, int(r["lengths"][i]) - k - 1) for r in rows
+                      for i in range(len(r["lengths"]))) for k in range(2)]
+        return [float(m) * c for m, c in zip(means, counts)]
+
+    def row(ids):
+        n = len(ids) - 1
+        return {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": torch.ones(n),
+                "position_ids": torch.arange(n), "lengths": [n]}
+
+    alone = [mtp_sums([row(ids)]) for ids in conversations]
+    pad = 3
+    packed = {"tokens": torch.cat([c[:-1] for c in conversations] + [torch.zeros(pad).long()]),
+              "labels": torch.cat([c[1:] for c in conversations] + [torch.zeros(pad).long()]),
+              "loss_mask": torch.cat([torch.ones(9), torch.ones(13), torch.zeros(pad)]),
+              "position_ids": torch.cat([torch.arange(9), torch.arange(13),
+                                         torch.zeros(pad).long()]),
+              "lengths": [9, 13]}
+    segments = torch.cat([torch.zeros(9), torch.ones(13), torch.full((pad,), -1)]).long()
+    together = mtp_sums([packed], block_causal_mask(segments[None]))
+    for k in range(2):
+        assert together[k] == pytest.approx(alone[0][k] + alone[1][k], rel=1e-5), k
+
+
+@pytest.mark.benchmark  # outside the suite's time budget: run with -m benchmark
+def test_packed_sft_at_cp2_gives_the_one_rank_losses(tmp_path):
+    """sft --packing with an MTP layer, at CP=2 (the shift kept inside each conversation
+    and rolled over the ranks' chunks) against one rank: LM and MTP losses and gradient
+    norms within 1e-5."""
+    import random
+
+    from run_helpers import run_sft
+
+    rng, words = random.Random(5), "alpha beta gamma delta river stone cloud paper".split()
+    data = tmp_path / "train.jsonl"
+    with open(data, "w") as fh:
+        for _ in range(24):
+            messages = []
+            for _ in range(rng.randint(1, 2)):
+                messages += [{"role": role, "content": " ".join(
+                    rng.choice(words) for _ in range(rng.randint(1, 7)))}
+                    for role in ("user", "assistant")]
+            fh.write(json.dumps({"messages": messages}) + "\n")
+    flags = ["--dataset", data, "--template", "plain", "--seq_length", "64", "--packing",
+             "--train_iters", "2", "--no_save", "--global_batch_size", "4",
+             "--mtp_num_layers", "1", "--hidden_dropout", "0", "--attention_dropout", "0"]
+    run_sft(tmp_path / "one", *flags)
+    run_sft(tmp_path / "cp2", *flags, "--context_parallel_size", "2", nproc=2)
+    ref, got = train_records(tmp_path / "one"), train_records(tmp_path / "cp2")
+    assert [r["iteration"] for r in got] == [1, 2]
+    for a, b in zip(ref, got):
+        for key in ("loss", "mtp_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a, b)

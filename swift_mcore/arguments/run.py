@@ -560,8 +560,8 @@ class RunArguments:
     def check_mtp(self) -> None:
         """Multi-token prediction (--mtp_num_layers): what swift-mcore runs it with so far.
         megatron places every MTP layer on the last pipeline stage, with a copy of the
-        embedding there (tested at PP=2, and TP=2 with sequence parallelism); the
-        interleaved schedule is not yet."""
+        embedding there (tested at PP=2, and TP=2 with sequence parallelism); it runs with
+        LoRA, context parallelism and packed rows too; the interleaved schedule not yet."""
         m, p, t = self.model, self.parallel, self.training
         if not m.mtp_num_layers:
             # (a saved run's flags, all explicit, hold the default)
@@ -579,14 +579,11 @@ class RunArguments:
             (self.COMMAND == "rlhf",
              f"{n} with rlhf: the preference loss has no multi-token prediction term; drop "
              f"the flag (or give 0 to leave a folder's MTP layers out)"),
-            (self.tuner.tuner_type == "lora",
-             f"{n} with --tuner_type lora: not supported yet; use --tuner_type full"),
-            (p.context_parallel_size > 1,
-             f"{n} with --context_parallel_size {p.context_parallel_size}: not supported yet "
-             f"(the next-token shift crosses the ranks' sequence chunks)"),
-            (bool(getattr(getattr(self, "sft", None), "packing", False)),
-             f"{n} with --packing: the next-token shift would cross from one packed "
-             f"conversation into the next; drop --packing"),
+            (bool(getattr(getattr(self, "sft", None), "packing", False))
+             and m.position_embedding_type == "mrope",
+             f"{n} with --packing and multimodal positions (mrope): not supported yet (the "
+             f"next-token shift is kept inside each conversation by its text position ids); "
+             f"drop --packing"),
             (t.recompute_granularity == "full" and t.recompute_method == "uniform"
              and t.recompute_num_layers != 1,
              f"{n} with --recompute_method uniform needs --recompute_num_layers 1 (megatron "

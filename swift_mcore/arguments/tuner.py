@@ -19,6 +19,10 @@ MCORE_LINEARS = ("linear_qkv", *MLA_LINEARS, "linear_proj", "linear_fc1", "linea
 # megatron's gated delta net (Qwen3-Next's and Qwen3.5's linear_attn): its input projection
 # (transformers' in_proj_qkvz + in_proj_ba, or in_proj_qkv/z/b/a) and output projection
 DELTA_NET_LINEARS = ("in_proj", "out_proj")
+# a multi-token prediction layer's [embedding; hidden] -> hidden projection (mtp.layers.K,
+# outside its transformer layer): adapted only when named, not by all-linear, as its norms
+# stay frozen (docs/lora.md)
+MTP_LINEARS = ("eh_proj",)
 # The Hugging Face (Llama-style) names of the same layers. megatron fuses q/k/v into one
 # layer and gate/up into another: an adapter on a fused layer covers all of its parts.
 # DeepSeek-V3's MLA projections are one layer each.
@@ -52,7 +56,9 @@ class TunerArguments:
         "or names: megatron's "
         + ", ".join(MCORE_LINEARS) + " or Hugging Face's " + ", ".join(HF_LINEARS)
         + " (q/k/v and gate/up are fused in megatron: give all of a fused layer's parts); "
-        "in gated delta-net layers " + ", ".join(DELTA_NET_LINEARS) + ".",
+        "in gated delta-net layers " + ", ".join(DELTA_NET_LINEARS) + "; a multi-token "
+        "prediction layer's transformer layer is adapted as the decoder's, its "
+        + ", ".join(MTP_LINEARS) + " only when named.",
         comma_separated=True)
     target_regex: Optional[str] = flag(
         None, "Instead of --target_modules: a regular expression matched against the whole "
@@ -127,7 +133,7 @@ def mcore_targets(names) -> List[str]:
         return list(MCORE_LINEARS + DELTA_NET_LINEARS)
     chosen = set()
     for name in names:
-        if name in MCORE_LINEARS + DELTA_NET_LINEARS:
+        if name in MCORE_LINEARS + DELTA_NET_LINEARS + MTP_LINEARS:
             chosen.add(name)
         elif name in HF_LINEARS:
             fused = HF_LINEARS[name]
@@ -142,5 +148,7 @@ def mcore_targets(names) -> List[str]:
         else:
             raise ArgumentError(
                 f"--target_modules: unknown module {name!r}; accepted: {ALL_LINEAR}, "
-                f"{', '.join(MCORE_LINEARS + DELTA_NET_LINEARS)}, {', '.join(HF_LINEARS)}")
-    return [name for name in MCORE_LINEARS + DELTA_NET_LINEARS if name in chosen]
+                f"{', '.join(MCORE_LINEARS + DELTA_NET_LINEARS + MTP_LINEARS)}, "
+                f"{', '.join(HF_LINEARS)}")
+    return [name for name in MCORE_LINEARS + DELTA_NET_LINEARS + MTP_LINEARS
+            if name in chosen]

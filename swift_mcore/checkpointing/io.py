@@ -230,6 +230,8 @@ def shape_mismatches(folder: str, state: Dict[str, Any], limit: int = 8) -> List
     wanted = expected_shapes(state)
     lines = []
     for key, shape in sorted(wanted.items()):
+        if key not in saved and key.endswith(EXPERT_BIAS):
+            continue  # an older LoRA checkpoint's (without_absent_extra_state, restore_model)
         if key not in saved:
             lines.append(f"{key}: not in the checkpoint (model expects shape {list(shape)})")
         elif saved[key] != shape:
@@ -326,6 +328,7 @@ def _backend(folder: str) -> Optional[str]:
 
 
 EXTRA_STATE = "_extra_state"
+EXPERT_BIAS = ".router.expert_bias"  # a MoE router's buffer (aux-loss-free balancing)
 
 
 def saved_extra_states(folder: str) -> set:
@@ -343,13 +346,19 @@ def without_absent_extra_state(state: Dict[str, Any], folder: str) -> Dict[str, 
     refuses a key it cannot find) loads the rest. Transformer Engine's modules carry such an
     entry (FP8 metadata; empty without FP8) that megatron's local modules lack: a checkpoint
     saved on CPU, or with the local spec, has none for TE's norms. Those modules keep their
-    fresh state; ``restore_model`` accepts exactly these keys as missing."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    fresh state; ``restore_model`` accepts exactly these keys as missing. Likewise a LoRA
+    checkpoint's routers' expert bias (models/lora.py), which LoRA checkpoints written before
+    they kept it lack: the bias stays the base model's, as it was for them."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    saved = None
+    saved = held = None
 
     def keep(value) -> bool:
-        nonlocal saved
+        nonlocal saved, held
+        if isinstance(value, ShardedTensor) and value.key.endswith(EXPERT_BIAS):
+            if held is None:
+                held = set(read_dcp_metadata(folder).state_dict_metadata)
+            return value.key in held
         if not (isinstance(value, ShardedObject) and value.key.endswith(EXTRA_STATE)):
             return True
         if saved is None:

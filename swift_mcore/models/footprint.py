@@ -112,12 +112,13 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
         if last_moe:
             counts["experts"] += m.mtp_num_layers * per_layer
     if tuner is not None and tuner.tuner_type == "lora":
-        from ..arguments.tuner import DELTA_NET_LINEARS, MCORE_LINEARS, mcore_targets
+        from ..arguments.tuner import (DELTA_NET_LINEARS, MCORE_LINEARS, MTP_LINEARS,
+                                       mcore_targets)
 
-        kinds = (MCORE_LINEARS + DELTA_NET_LINEARS if tuner.target_regex is not None
-                 else mcore_targets(tuner.target_modules))
+        kinds = (MCORE_LINEARS + DELTA_NET_LINEARS + MTP_LINEARS
+                 if tuner.target_regex is not None else mcore_targets(tuner.target_modules))
         sizes = {"linear_qkv": h + qkv_out, "linear_proj": heads * kv + h,
-                 "linear_fc1": h + ffn * gated, "linear_fc2": ffn + h}
+                 "linear_fc1": h + ffn * gated, "linear_fc2": ffn + h, "eh_proj": 3 * h}
         if m.multi_latent_attention:  # in + out of each projection (models/mla.py)
             rope, q_lora = m.qk_pos_emb_head_dim, m.q_lora_rank
             q_out = heads * (m.qk_head_dim + rope)
@@ -129,15 +130,18 @@ def parameter_counts(m, tuner=None) -> Dict[str, int]:
                          linear_kv_up_proj=m.kv_lora_rank + heads * (m.qk_head_dim
                                                                      + m.v_head_dim))
         # each kind in the layers that have it: attention's or a delta net's projections
-        count = {"linear_qkv": layers - linear, "linear_proj": layers - linear,
-                 "in_proj": linear, "out_proj": linear}
+        # (an MTP layer is an attention layer, models/gpt.py mtp_block_spec)
+        mtp_layers = m.mtp_num_layers or 0
+        count = {"linear_qkv": layers - linear + mtp_layers,
+                 "linear_proj": layers - linear + mtp_layers,
+                 "in_proj": linear, "out_proj": linear, "eh_proj": mtp_layers}
         if linear:  # a delta net's in_proj: hidden -> [q; k; v; z; b; a], out_proj: v -> hidden
             qk = m.linear_num_key_heads * m.linear_key_head_dim
             v = m.linear_num_value_heads * m.linear_value_head_dim
             sizes.update(in_proj=h + 2 * qk + 2 * v + 2 * m.linear_num_value_heads,
                          out_proj=v + h)
-        counts["LoRA adapters"] = tuner.lora_rank * sum(sizes.get(k, 0) * count.get(k, layers)
-                                                        for k in kinds)
+        counts["LoRA adapters"] = tuner.lora_rank * sum(
+            sizes.get(k, 0) * count.get(k, layers + mtp_layers) for k in kinds)
         if getattr(m, "vision_config", None):
             from .vision import VisionLanguage, lora_parameters
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import List
 
 import torch
@@ -477,7 +478,17 @@ def _logits_without_mtp(gpt_model):
         class GPTModelWithMTP(gpt_model):
             def _postprocess(self, **kwargs):
                 if kwargs.get("labels") is not None:
-                    return super()._postprocess(**kwargs)
+                    with contextlib.ExitStack() as stack:
+                        positions = kwargs.get("position_ids")
+                        if kwargs.get("attention_mask") is not None and positions is not None \
+                                and positions.dim() == 2 \
+                                and kwargs.get("packed_seq_params") is None:
+                            stack.enter_context(_rolls_within_conversations(positions,
+                                                                            self.cp_group))
+                        if self.training and self.cp_group.size() > 1:
+                            stack.enter_context(_mtp_loss_per_token_over_cp(
+                                self, kwargs["labels"], kwargs.get("loss_mask")))
+                        return super()._postprocess(**kwargs)
                 kwargs["mtp_in_postprocess"] = False
                 layers, self.config.mtp_num_layers = self.config.mtp_num_layers, None
                 try:
@@ -487,6 +498,74 @@ def _logits_without_mtp(gpt_model):
 
         _MTP_CLASSES[gpt_model] = GPTModelWithMTP
     return _MTP_CLASSES[gpt_model]
+
+
+@contextlib.contextmanager
+def _rolls_within_conversations(position_ids, cp_group):
+    """Packed rows behind the block-causal mask (sft --packing without Transformer Engine's
+    PackedSeqParams): megatron's MTP roll (roll_tensor: the next token's input, the labels
+    and loss mask of each depth) would carry a conversation's first tokens into the
+    previous one's last position. While it runs, each roll is megatron's, after which the
+    positions whose next one starts a conversation (position id 0: data/sft_datasets.py
+    restarts them per conversation, and padding is all zeros) are zero-filled, as megatron
+    fills each sequence's last position when it rolls PackedSeqParams' sequences. Rows that
+    are not packed have no start but the first, so nothing changes for them. The starts are
+    rolled over the CP ranks as the tensors are."""
+    from megatron.core.models.gpt import gpt_model as gpt_module
+    from megatron.core.transformer import multi_token_prediction as mtp_module
+
+    roll = mtp_module.roll_tensor
+    ends, _ = roll((position_ids == 0).to(torch.int32), shifts=-1, dims=-1, cp_group=cp_group)
+    ends = ends.bool()
+
+    def within(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+        if packed_seq_params is not None or shifts != -1 or tensor.shape != ends.shape:
+            return roll(tensor, shifts=shifts, dims=dims, cp_group=cp_group,
+                        packed_seq_params=packed_seq_params)
+        rolled, _ = roll(tensor, shifts=shifts, dims=dims, cp_group=cp_group)
+        rolled = rolled.masked_fill(ends, 0)
+        return rolled, rolled.sum()
+
+    mtp_module.roll_tensor = gpt_module.roll_tensor = within
+    try:
+        yield
+    finally:
+        mtp_module.roll_tensor = gpt_module.roll_tensor = roll
+
+
+@contextlib.contextmanager
+def _mtp_loss_per_token_over_cp(model, labels, loss_mask):
+    """megatron logs each context-parallel rank's MTP loss per token of that rank's chunks
+    and averages the ranks (gpt_model.py:645), so a rank with fewer counted tokens weighs
+    as much as the other: not the loss per token of the micro-batch one rank logs. Each
+    rank's value is scaled here by CP x its share of the micro-batch's counted tokens
+    (the loss mask rolled as megatron rolls it for each MTP layer), which makes the
+    average that loss. The gradients are per token already (calculate_per_token_loss)."""
+    from megatron.core.transformer import multi_token_prediction as mtp_module
+
+    helper = mtp_module.MTPLossLoggingHelper
+    group = model.cp_group
+    mask = torch.ones_like(labels) if loss_mask is None else loss_mask
+    weights = []
+    for _ in range(model.config.mtp_num_layers):
+        mask, local = mtp_module.roll_tensor(mask, shifts=-1, dims=-1, cp_group=group)
+        local = local.detach().float().reshape(1)
+        total = local.clone()
+        torch.distributed.all_reduce(total, group=group)
+        weights.append(group.size() * local / total.clamp(min=1))
+    saved = helper.__dict__["save_loss_to_tracker"]
+    save = saved.__func__
+
+    def weighted(loss, layer_number, *args, **kwargs):
+        if layer_number is not None:
+            loss = loss * weights[layer_number].to(loss.device)[0]
+        return save(loss, layer_number, *args, **kwargs)
+
+    helper.save_loss_to_tracker = staticmethod(weighted)
+    try:
+        yield
+    finally:
+        helper.save_loss_to_tracker = saved
 
 
 def count_parameters(chunks) -> int:

@@ -23,9 +23,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..arguments.tuner import ALL_LINEAR, MCORE_LINEARS, SAVABLE_MODULES, mcore_targets
+from ..arguments.tuner import (ALL_LINEAR, MCORE_LINEARS, MTP_LINEARS, SAVABLE_MODULES,
+                               mcore_targets)
 from ..errors import ArgumentError, CheckpointError
 from ..input_files import open_regular
+from . import mtp
 
 ADAPTER = "default"  # peft's adapter name: one adapter per model
 _PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
@@ -48,29 +50,39 @@ def _moe_pattern(m) -> List[int]:
 def linear_names(m) -> List[str]:
     """The global names of the transformer blocks' linear layers, in model order: in a MoE
     layer (SequentialMLP) each routed expert's linear_fc1/linear_fc2 (global expert index)
-    and the shared expert's; the router is not a linear layer here (megatron's TopKRouter)."""
+    and the shared expert's; the router is not a linear layer here (megatron's TopKRouter).
+    After the decoder's, each multi-token prediction layer's eh_proj and its transformer
+    layer's (built like the decoder's last layer, always with attention: models/gpt.py
+    mtp_block_spec)."""
     from ..arguments.model import linear_attention_pattern
 
-    names = []
     attention = ["linear_qkv"]
     if m.multi_latent_attention:
         attention = (["linear_q_proj"] if m.q_lora_rank is None else
                      ["linear_q_down_proj", "linear_q_up_proj"])
         attention += ["linear_kv_down_proj", "linear_kv_up_proj"]
-    delta = linear_attention_pattern(m) or [0] * m.num_layers
-    for i, moe in enumerate(_moe_pattern(m)):
-        layer = f"decoder.layers.{i}."
-        mixer = ("in_proj", "out_proj") if delta[i] else (*attention, "linear_proj")
-        names += [layer + "self_attention." + name for name in mixer]
+
+    def layer_linears(layer: str, delta: bool, moe: bool) -> List[str]:
+        mixer = ("in_proj", "out_proj") if delta else (*attention, "linear_proj")
+        names = [layer + "self_attention." + name for name in mixer]
         if not moe:
-            names += [layer + "mlp.linear_fc1", layer + "mlp.linear_fc2"]
-            continue
+            return names + [layer + "mlp.linear_fc1", layer + "mlp.linear_fc2"]
         for e in range(m.num_experts):
             names += [f"{layer}mlp.experts.local_experts.{e}.{fc}"
                       for fc in ("linear_fc1", "linear_fc2")]
         if m.moe_shared_expert_intermediate_size:
             names += [layer + "mlp.shared_experts.linear_fc1",
                       layer + "mlp.shared_experts.linear_fc2"]
+        return names
+
+    names = []
+    delta = linear_attention_pattern(m) or [0] * m.num_layers
+    moe = _moe_pattern(m)
+    for i in range(m.num_layers):
+        names += layer_linears(f"decoder.layers.{i}.", bool(delta[i]), bool(moe[i]))
+    for k in range(m.mtp_num_layers or 0):
+        names.append(f"mtp.layers.{k}.eh_proj")
+        names += layer_linears(f"mtp.layers.{k}.transformer_layer.", False, bool(moe[-1]))
     return names
 
 
@@ -86,7 +98,9 @@ def select_targets(tuner, m) -> List[str]:
                 f"model; it is matched against whole names such as {names[0]} (the layers: "
                 f"{', '.join(MCORE_LINEARS)} of decoder.layers.0..{m.num_layers - 1}"
                 + (", the experts' mlp.experts.local_experts.E.linear_fc1/2"
-                   if getattr(m, "num_experts", None) else "") + ")")
+                   if getattr(m, "num_experts", None) else "")
+                + (", the multi-token prediction layers' mtp.layers.K.eh_proj and "
+                   "mtp.layers.K.transformer_layer.*" if m.mtp_num_layers else "") + ")")
         return chosen
     kinds = mcore_targets(tuner.target_modules)
     present = {n.rsplit(".", 1)[1] for n in names}
@@ -94,7 +108,7 @@ def select_targets(tuner, m) -> List[str]:
     if absent and ALL_LINEAR not in tuner.target_modules:
         raise ArgumentError(
             f"--target_modules: this model has no {absent[0]} layer; its linear layers are "
-            f"{', '.join(k for k in MCORE_LINEARS if k in present)}")
+            f"{', '.join(k for k in MCORE_LINEARS + MTP_LINEARS if k in present)}")
     return [n for n in names if n.rsplit(".", 1)[1] in kinds]
 
 
@@ -108,6 +122,8 @@ def layer_shape(m, name: str) -> Tuple[int, int]:
     head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
     groups = m.num_query_groups or m.num_attention_heads
     kind = name.rsplit(".", 1)[1]
+    if kind == "eh_proj":  # a multi-token prediction layer's [embedding; hidden] -> hidden
+        return 2 * m.hidden_size, m.hidden_size
     if kind in ("in_proj", "out_proj"):  # a gated delta net's (footprint.delta_net_parameters)
         qk = m.linear_num_key_heads * m.linear_key_head_dim
         v = m.linear_num_value_heads * m.linear_value_head_dim
@@ -356,10 +372,12 @@ def _check_all_found(chunk, offset: int, wanted, present, config) -> None:
         per_rank = num_experts // parallel_state.get_expert_model_parallel_world_size()
         first = parallel_state.get_expert_model_parallel_rank() * per_rank
     for name in sorted(wanted - present):
-        layer = int(name.split(".")[2])
+        if name.startswith("mtp."):  # the MTP block is the last pipeline stage's alone
+            mine = getattr(chunk, "mtp", None) is not None
+        else:
+            mine = int(name.split(".")[2]) in held
         expert = _LOCAL_EXPERT.match(name)
-        if layer not in held or (expert and not first <= int(expert.group(2)) < first
-                                 + per_rank):
+        if not mine or (expert and not first <= int(expert.group(2)) < first + per_rank):
             continue  # another pipeline stage's or expert-parallel rank's
         raise ArgumentError(f"--tuner_type lora: the model built has no layer {name} to "
                             f"adapt (its layer spec differs from the flags')")
@@ -416,17 +434,28 @@ def parameter_counts(chunks) -> Tuple[int, int]:
 
 
 # ---- what a checkpoint holds -------------------------------------------------------------
+def _kept(chunk) -> set:
+    """The state-dict keys a LoRA checkpoint holds: the trainable parameters and the
+    routers' expert bias, which training moves outside the optimizer (aux-loss-free
+    balancing updates it after each step, frozen base or not)."""
+    kept = {n for n, p in chunk.named_parameters() if p.requires_grad}
+    return kept | {n for n, _ in chunk.named_buffers() if n.endswith(".router.expert_bias")}
+
+
 def checkpoint_state(chunk, sharded: Dict) -> Dict:
     """The part of a chunk's sharded state dict a LoRA checkpoint holds: the trainable
-    parameters (adapters, --modules_to_save), not the frozen base. Others: all of it."""
+    parameters (adapters, --modules_to_save) and the expert bias, not the frozen base.
+    Others: all of it."""
     if not is_lora(chunk):
         return sharded
-    trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
-    return {k: v for k, v in sharded.items() if k in trainable}
+    kept = _kept(chunk)
+    return {k: v for k, v in sharded.items() if k in kept}
 
 
 def frozen_keys(chunk) -> set:
-    """State-dict keys a LoRA checkpoint leaves out (restore accepts them as missing)."""
+    """State-dict keys a LoRA checkpoint may leave out (restore accepts them as missing):
+    the frozen base, and the expert bias, which checkpoints written before it was kept
+    lack (checkpointing/io.py loads it where it is there)."""
     if not is_lora(chunk):
         return set()
     trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
@@ -453,6 +482,32 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
 
 
 _LINEAR = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LINEAR = re.compile(r"^mtp\.layers\.(\d+)\.(?:transformer_layer\.)?(.+)$")
+
+
+def _hf_layer(layout, name: str) -> Tuple[int, str, str]:
+    """(HF layer index, megatron suffix, HF module prefix) of LoRA layer ``name``: a decoder
+    layer's is model.layers.N.; a multi-token prediction layer's is the folder's layer
+    num_layers + K (models/mtp.py), or mtp.layers.K. where the family names it apart
+    (Qwen3-Next's; its eh_proj is mtp.fc, outside the prefix)."""
+    match = _LINEAR.match(name)
+    if match:
+        layer = int(match.group(1))
+        return layer, match.group(2), f"model.layers.{layer}."
+    match = _MTP_LINEAR.match(name)
+    k, suffix = int(match.group(1)), match.group(2)
+    layer = layout.num_layers + k
+    if suffix == "eh_proj":
+        return layer, suffix, ""
+    prefix = f"{mtp.PREFIXED_LAYER}{k}." if layout.mtp_prefixed else f"model.layers.{layer}."
+    return layer, suffix, prefix
+
+
+def _mtp_projection(layout, layer: int) -> str:
+    """The HF module of MTP layer ``layer``'s eh_proj (its whole name)."""
+    if layout.mtp_prefixed:
+        return mtp.PREFIXED_NAMES["eh_proj.weight"][: -len(".weight")]
+    return f"model.layers.{layer}.{mtp.hf_name('eh_proj.weight')[: -len('.weight')]}"
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
 
 
@@ -540,8 +595,7 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str],
                                 f"export the merged model with --to_hf --merge_lora")
         if not isinstance(module, LoraParallelLinear):
             continue
-        match = _LINEAR.match(name)
-        layer, suffix = int(match.group(1)), match.group(2)
+        layer, suffix, prefix = _hf_layer(layout, name)
         expert = _EXPERT.match(suffix)
         if expert and layout.experts.names in ("gpt_oss", "stacked"):
             which = "gpt-oss" if layout.experts.names == "gpt_oss" else "Qwen3-VL-MoE"
@@ -550,15 +604,17 @@ def peft_adapter(model: nn.Module, tuner, layout, base_path: Optional[str],
                 f"{which}'s fused expert tensors is not written yet: export the merged model "
                 f"with --to_hf --merge_lora, or adapt the attention only (--target_modules "
                 f"linear_qkv linear_proj)")
-        parts = _hf_parts(layout, layer, suffix)
+        parts = (_mtp_projection(layout, layer),) if suffix == "eh_proj" else \
+            _hf_parts(layout, layer, suffix)
         if expert:
             experts.setdefault((layer, expert.group(2)), set()).add(int(expert.group(1)))
         a = module.lora_A[ADAPTER].weight.detach().float().cpu()
         b = module.lora_B[ADAPTER].weight.detach().float().cpu()
         for part in parts:
-            flat = f"model.layers.{layer}.{part}"
+            flat = prefix + part
             hf = module_name(flat)
-            targets.add(part.rsplit(".", 1)[1])
+            if suffix != "eh_proj":  # transformers has no module of the name to target
+                targets.add(part.rsplit(".", 1)[1])
             ranks[hf] = (module.r[ADAPTER], module.lora_alpha[ADAPTER])
             b_part = layout.to_hf(flat + ".weight", lambda _name, b=b: b)
             tensors[f"base_model.model.{hf}.lora_A.weight"] = a.clone()  # one file entry each

@@ -208,3 +208,26 @@ def test_ep2_trains_the_expert_adapters_as_one_rank_does(tmp_path, train_here):
     assert not torch.equal(merged["ep2"][name], base[name])
     for key, value in merged["ep1"].items():
         assert torch.allclose(merged["ep2"][key], value, rtol=0, atol=1e-5), key
+
+
+def test_a_lora_checkpoint_without_the_expert_bias_still_loads(tmp_path, train_here,
+                                                               monkeypatch):
+    """LoRA checkpoints keep the routers' expert bias (test_mtp_hf's resume test); one
+    written before they did (its adapters alone) still loads, with the base model's bias."""
+    from run_helpers import TINY
+    from swift_mcore.loaded_model import load_model
+    from swift_mcore.models import lora
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b): return a + b  # {i}"})
+                            + "\n" for i in range(16)))
+    trainable = lambda chunk: {n for n, p in chunk.named_parameters()  # noqa: E731
+                               if p.requires_grad}
+    monkeypatch.setattr(lora, "_kept", trainable)  # what a LoRA checkpoint held before
+    train_here(tmp_path / "run", "--dataset", data, "--train_iters", "1", "--save_steps", "1",
+               "--num_experts", "4", "--moe_ffn_hidden_size", "32",
+               "--moe_router_score_function", "sigmoid", "--moe_router_enable_expert_bias",
+               "--moe_router_bias_update_rate", "0.05", *LORA, command="pt", base=TINY)
+    monkeypatch.undo()
+    model = load_model(str(tmp_path / "run" / "checkpoint"), log=lambda line: None).model
+    assert torch.equal(model.decoder.layers[1].mlp.router.expert_bias, torch.zeros(4))

@@ -203,6 +203,11 @@ def test_parameter_count_equals_the_built_models(gloo_group):
         # ... and dense, with LayerNorm (two parameters per norm) and tied embeddings
         dict(mtp_num_layers=1, normalization="LayerNorm",
              untie_embeddings_and_output_weights=False),
+        # ... with LoRA: the MTP layer's transformer layer adapted as the decoder's, its
+        # eh_proj when named
+        dict(mtp_num_layers=2, tuner_type="lora", lora_rank=4),
+        dict(mtp_num_layers=1, tuner_type="lora", lora_rank=4,
+             target_modules=["linear_qkv", "eh_proj"]),
         dict(model_type="gemma3", window_size=8, window_attn_skip_freq="2", kv_channels=8,
              rotary_base_local=10000, softmax_scale=0.25),
         # Qwen3-Next: a delta-net layer and a gated-attention layer, a gated shared expert

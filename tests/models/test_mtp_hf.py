@@ -322,3 +322,166 @@ def test_two_ranks_with_the_mtp_layer_give_the_one_rank_run(folder, tmp_path, tr
     assert sorted(first) == sorted(second) and "model.layers.3.eh_proj.weight" in second
     for name, tensor in first.items():  # Adam's steps amplify the layouts' rounding a bit
         assert torch.allclose(second[name], tensor, atol=1e-4), name
+
+
+# LoRA on MLA's projections (peft loads those into transformers' DeepSeek-V3; the dense
+# MLP's would clash with the experts', test_deepseek_v3) and on the MTP layer's eh_proj
+MTP_LORA = ["--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "16", "--lora_dropout",
+            "0", "--target_modules", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+            "o_proj", "eh_proj"]
+MTP_ADAPTED = ["mtp.layers.0.eh_proj"] + [
+    f"mtp.layers.0.transformer_layer.self_attention.{kind}" for kind in (
+        "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+        "linear_proj")]
+
+
+@pytest.mark.slow
+def test_lora_trains_the_mtp_layer_merges_it_and_resumes_exactly(folder, tmp_path,
+                                                                 gloo_group):
+    """--tuner_type lora with the folder's MTP layer: its transformer layer gets adapters as
+    the decoder's do and its eh_proj when named, the MTP loss trains them (nothing else
+    reaches them), its norms stay frozen; the merged export writes the MTP layer back with
+    the adapters merged (swift-mcore's MTP loss of it is the checkpoint's); the routers'
+    expert bias (the MTP layer's too) moves and is kept, so --to_peft refuses by name; a
+    resumed run repeats both losses and the adapters and bias bit for bit, in a process of
+    its own."""
+    from swift_mcore.arguments import SftArguments, parse_args
+    from swift_mcore.loaded_model import load_model
+    from swift_mcore.run_config import resolve
+    from test_deepseek_v3 import _train
+    from test_hf_training import run_flags
+    from test_moe_training import write_chat
+    from run_helpers import ROOT, child_env, train_records
+
+    family, source, _ = folder
+    if family != "deepseek_v3":
+        pytest.skip("one family is enough for the run (both share the mapping)")
+    data = tmp_path / "chat.jsonl"
+    write_chat(data, 32)
+    out, again = tmp_path / "sft", tmp_path / "again"
+    flags = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
+             "plain", "--seq_length", "48", "--train_iters", "3", "--lr", "2e-2",
+             "--min_lr", "2e-2", "--mtp_num_layers", "1", "--moe_router_bias_update_rate",
+             "0.01", *MTP_LORA]
+    config = resolve(parse_args([*flags, "--save_steps", "2", "--output_dir", str(out)],
+                                cls=SftArguments), world_size=1)
+    assert _train(config).iteration == 3
+    ref = {r["iteration"]: r for r in train_records(out)}
+    assert all(r["mtp_loss"] > 0 for r in ref.values())
+
+    checkpoint = out / "checkpoint" / "iter_0000003"
+    loaded = load_model(str(checkpoint), log=lambda line: None)
+    state = loaded.model.state_dict()
+    adapted = {n.split(".lora_", 1)[0] for n in state if n.startswith("mtp.") and ".lora_" in n}
+    assert adapted == set(MTP_ADAPTED)
+    for name in adapted:  # B starts at zero: only the MTP loss's gradients moved these
+        assert state[f"{name}.lora_B.default.weight"].abs().max() > 0, name
+
+    merged = tmp_path / "merged"
+    H.convert(checkpoint, merged, "to_hf", merge_lora=True)
+    trained, initial = H.safetensors_state(str(merged)), H.safetensors_state(str(source))
+    assert sorted(trained) == sorted(initial)  # the MTP layer is written back
+    for name in ("model.layers.3.eh_proj.weight", "model.layers.3.self_attn.kv_b_proj.weight",
+                 "model.layers.3.mlp.gate.e_score_correction_bias"):
+        assert not torch.equal(trained[name], initial[name]), name  # merged / balanced
+    for name in ("model.layers.3.enorm.weight", "model.layers.3.hnorm.weight",
+                 "model.layers.3.mlp.shared_experts.up_proj.weight"):
+        assert torch.equal(trained[name], initial[name]), name  # frozen, not targeted
+    tokens = H.tokens(length=33)
+    assert abs(_mtp_loss(load_model(str(merged), log=lambda line: None).model, tokens)
+               - _mtp_loss(loaded.model, tokens)) < 1e-5
+    with pytest.raises(ArgumentError, match=r"^--to_peft: --model .* moved its routers' "
+                                            r"expert bias in training"):
+        H.convert(checkpoint, tmp_path / "peft", "to_peft")
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "swift_mcore", "sft", *flags, "--save_steps", "3",
+         "--output_dir", str(again), "--resume", str(out / "checkpoint" / "iter_0000002")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = {r["iteration"]: r for r in train_records(again)}
+    assert sorted(got) == [3]
+    assert (got[3]["loss"], got[3]["mtp_loss"]) == (ref[3]["loss"], ref[3]["mtp_loss"])
+    resumed = load_model(str(again / "checkpoint" / "iter_0000003"),
+                         log=lambda line: None).model.state_dict()
+    kept = [k for k, v in state.items() if isinstance(v, torch.Tensor)
+            and (".lora_" in k or k.endswith("router.expert_bias"))]
+    assert "mtp.layers.0.transformer_layer.mlp.router.expert_bias" in kept
+    for key in kept:
+        assert torch.equal(resumed[key], state[key]), key
+
+
+def test_peft_adapter_names_the_mtp_layers_adapters_as_the_folder_names_the_layer(
+        folder, tmp_path, gloo_group):
+    """--to_peft of a LoRA model with the folder's MTP layer: its adapters are written under
+    the folder's names of the MTP layer (model.layers.<num_hidden_layers>.*; transformers
+    builds no such module, so target_modules does not list eh_proj), and peft loads the
+    adapter into transformers' model, leaving those out, to our logits."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.loaded_model import forward_logits
+    from swift_mcore.models import lora
+    from swift_mcore.models.convert import Layout
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.models.hf_load import load_hf_weights
+    from swift_mcore.run_config import resolve
+
+    family, source, _ = folder
+    targets = MTP_LORA[MTP_LORA.index("--target_modules") + 1:]
+    if family != "deepseek_v3":  # GLM-4.5: q/k/v attention
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "eh_proj"]
+    config = resolve(RunArguments.from_flags(
+        model=str(source), seq_length=32, mtp_num_layers=1, attention_backend="sdpa",
+        tuner_type="lora", lora_rank=4, lora_alpha=16.0, lora_dropout=0.0,
+        target_modules=targets), world_size=1).complete(300, None)
+    model = build_model(config)
+    load_hf_weights(config, model, log=lambda line: None)
+    model = lora.apply(config, model)[0]
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # adapters as if trained
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    layout = Layout.from_model_args(config.model, config.padded_vocab_size)
+    adapter_config, tensors = lora.peft_adapter(model, config.tuner, layout, str(source))
+    layer = "model.layers.3."
+    attention = (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+                 if family == "deepseek_v3" else ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert adapter_config["target_modules"] == sorted(attention)
+    for module in [f"{layer}eh_proj"] + [f"{layer}self_attn.{p}" for p in attention]:
+        for factor in "AB":
+            assert f"base_model.model.{module}.lora_{factor}.weight" in tensors, module
+    assert not any(".experts." in k or ".mlp." in k for k in tensors)
+    adapter = tmp_path / "peft"
+    adapter.mkdir()
+    save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (adapter / "adapter_config.json").write_text(json.dumps(adapter_config))
+
+    from peft import PeftModel
+
+    ids = H.tokens()
+    ours = forward_logits(model.eval(), ids)
+    base = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32,
+                                                attn_implementation="eager")
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        theirs = PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=ids).logits
+    assert (ours[..., : theirs.shape[-1]] - theirs).abs().max() <= 1e-4
+    assert (plain - theirs).abs().max() > 1e-3
+
+
+def _mtp_loss(model, tokens) -> float:
+    """megatron's MTP loss of ``model`` on ``tokens`` (its tracker, in training mode)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    model.train()
+    MTPLossLoggingHelper.tracker.clear()
+    with torch.no_grad():
+        model(input_ids=inputs, position_ids=torch.arange(inputs.shape[1])[None].expand(
+            inputs.shape[0], -1), attention_mask=None, labels=labels)
+    loss = float(MTPLossLoggingHelper.tracker["values"][0])
+    MTPLossLoggingHelper.tracker.clear()
+    return loss
