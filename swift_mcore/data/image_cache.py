@@ -19,9 +19,10 @@ all); each file's sha256, size and mtime are stored instead, and checked twice:
 - at start, every image and video file is stat'ed; one whose size or mtime moved is
   hashed, and if its bytes changed the cached folder is rebuilt (a --cached_dataset folder
   is refused: its conversation files may be gone);
-- at load, an image's bytes read for the patches are hashed before they are decoded, and a
-  video's files are hashed (streamed) before they are decoded by path, their size and mtime
-  unmoved meanwhile: a file whose bytes changed while its size and mtime stayed is
+- at load, an image's or video frame's bytes read for the patches are hashed before they
+  are decoded (from those bytes), and a video file is hashed (streamed) through the one
+  handle it is then probed and decoded from, each block the decoder reads hashed again
+  (data/video.py HeldVideo): a file whose bytes changed while its size and mtime stayed is
   refused, naming the row and the image or video, and the cache's folder is set aside so
   that the next start encodes the rows again (a --cached_dataset folder is refused); the
   grids made must be the stored ones. A changed image or video is never trained with the

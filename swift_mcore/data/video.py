@@ -30,11 +30,12 @@ Patches: ``t = n / temporal_patch_size`` groups of consecutive frames, each patc
 its group's frames side by side (the layout of transformers' Qwen2-VL video processor);
 ``video_grid_thw`` is ``(t, h / patch, w / patch)``.
 
-Decoding is bounded before it starts: the file is a regular file of at most
-input_files.MAX_VIDEO_BYTES, its header's frames are at most MAX_IMAGE_PIXELS each and
-its frame count (packets counted, nothing decoded) at most MAX_VIDEO_FRAMES; frames are
-decoded up to the last sampled one and each is resized as it comes, so memory holds the
-sampled frames at their model size only.
+A video file is opened once per use: probed and decoded from that one handle (the token
+cache hashes it through the same handle first: HeldVideo). Decoding is bounded before it
+starts: the file is a regular file of at most input_files.MAX_VIDEO_BYTES, its header's
+frames are at most MAX_IMAGE_PIXELS each and its frame count (packets counted, nothing
+decoded) at most MAX_VIDEO_FRAMES; frames are decoded up to the last sampled one and each
+is resized as it comes, so memory holds the sampled frames at their model size only.
 """
 
 from __future__ import annotations
