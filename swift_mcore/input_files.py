@@ -178,15 +178,21 @@ def check_video(path: str, where: str) -> VideoInfo:
     """ArgumentError unless ``path`` is a regular file of at most MAX_VIDEO_BYTES that PyAV
     opens, with a video stream of frames of at most MAX_IMAGE_PIXELS, a frame rate and
     1..MAX_VIDEO_FRAMES frames (packets counted: nothing is decoded)."""
-    check_regular(path, where)
-    size = os.path.getsize(path)
+    with open_regular(path, "rb", where) as fh:
+        return probe_video(fh, os.fstat(fh.fileno()).st_size, where)
+
+
+def probe_video(fh, size: int, where: str) -> VideoInfo:
+    """check_video for a video already open: ``fh`` a seekable binary file object of
+    ``size`` bytes, read from where it stands (the caller seeks back to decode from the
+    same handle, so the bytes probed are the bytes decoded)."""
     if size > MAX_VIDEO_BYTES:
         raise ArgumentError(f"{where}: {size} bytes, more than a video may have "
                             f"({MAX_VIDEO_BYTES >> 30} GiB)")
     import av
 
     try:
-        with open_regular(path, "rb", where) as fh, av.open(fh) as container:
+        with av.open(fh) as container:
             if not container.streams.video:
                 raise ArgumentError(f"{where}: holds no video stream")
             stream = container.streams.video[0]

@@ -19,9 +19,10 @@ all); each file's sha256, size and mtime are stored instead, and checked twice:
 - at start, every image and video file is stat'ed; one whose size or mtime moved is
   hashed, and if its bytes changed the cached folder is rebuilt (a --cached_dataset folder
   is refused: its conversation files may be gone);
-- at load, an image's bytes read for the patches are hashed before they are decoded, and a
-  video's files are hashed (streamed) before they are decoded by path, their size and mtime
-  unmoved meanwhile: a file whose bytes changed while its size and mtime stayed is
+- at load, an image's or video frame's bytes read for the patches are hashed before they
+  are decoded (from those bytes), and a video file is hashed (streamed) through the one
+  handle it is then probed and decoded from, each block the decoder reads hashed again
+  (data/video.py HeldVideo): a file whose bytes changed while its size and mtime stayed is
   refused, naming the row and the image or video, and the cache's folder is set aside so
   that the next start encodes the rows again (a --cached_dataset folder is refused); the
   grids made must be the stored ones. A changed image or video is never trained with the
@@ -34,6 +35,7 @@ inline (base64) are stored as their bytes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -106,7 +108,12 @@ def read_image_bytes(ref: str, where: str) -> Tuple[bytes, Tuple[int, int]]:
     if BASE64_IMAGE.match(ref):
         data = _decoded(ref, where)
         return data, (len(data), 0)
-    with open_regular(ref, "rb", where) as fh:
+    return read_file_bytes(ref, where)
+
+
+def read_file_bytes(path: str, where: str) -> Tuple[bytes, Tuple[int, int]]:
+    """(bytes, (size, mtime_ns)) of the image file at ``path``, read once, bounded."""
+    with open_regular(path, "rb", where) as fh:
         st = os.fstat(fh.fileno())
         data = fh.read(MAX_IMAGE_BYTES + 1)
     if len(data) > MAX_IMAGE_BYTES:
@@ -133,34 +140,41 @@ def hashed_file(path: str, where: str, limit: int) -> Tuple[bytes, Tuple[int, in
     return digest.digest(), (st.st_size, st.st_mtime_ns)
 
 
-def _video_files(video) -> Tuple[str, ...]:
-    """A video's files: its one file, or its frames' images."""
-    return tuple(video) if isinstance(video, tuple) else (video,)
-
-
 def _file_limit(video) -> int:
     from ..input_files import MAX_VIDEO_BYTES
 
     return MAX_IMAGE_BYTES if isinstance(video, tuple) else MAX_VIDEO_BYTES
 
 
-def _hashed_videos(videos, wheres) -> list:
-    """Per video, per file: (path, sha256, (size, mtime_ns)), hashed before it is decoded."""
-    return [[(path, *hashed_file(path, f"{at} {path}", _file_limit(video)))
-             for path in _video_files(video)] for video, at in zip(videos, wheres)]
+def _held_videos(videos, wheres, stack) -> Tuple[list, list]:
+    """(held, hashed): per video, it read once (a video.HeldVideo, closed with ``stack``, or
+    a tuple of video.HeldFrame: each frame's bytes), and per file (path, sha256, (size,
+    mtime_ns)) of the very bytes that are decoded."""
+    from .video import HeldFrame, HeldVideo
+
+    held, hashed = [], []
+    for video, at in zip(videos, wheres):
+        if isinstance(video, tuple):
+            frames = [(path, *read_file_bytes(path, f"{at} {path}")) for path in video]
+            held.append(tuple(HeldFrame(path, data) for path, data, _ in frames))
+            hashed.append([(path, hashlib.sha256(data).digest(), stamp)
+                           for path, data, stamp in frames])
+        else:
+            one = HeldVideo(video, f"{at} {video}", _file_limit(video))
+            stack.callback(one.close)
+            held.append(one)
+            hashed.append([(video, one.digest, one.stamp)])
+    return held, hashed
 
 
-def _unmoved(hashed, wheres) -> None:
-    """ArgumentError for a video file whose size or mtime moved while it was decoded (the
-    frames decoded might not be the bytes hashed)."""
-    for files, at in zip(hashed, wheres):
-        for path, _, stamp in files:
-            try:
-                st = os.stat(path)
-            except OSError as err:
-                raise ArgumentError(f"{at} {path}: cannot be read ({err.strerror})") from None
-            if (st.st_size, st.st_mtime_ns) != tuple(stamp):
-                raise ArgumentError(f"{at} {path}: changed while it was decoded")
+def _unmoved(held) -> None:
+    """ArgumentError for a video file whose bytes, size or mtime moved while it was decoded
+    from its one open handle (a frame list's frames were decoded from the bytes hashed)."""
+    from .video import HeldVideo
+
+    for video in held:
+        if isinstance(video, HeldVideo):
+            video.unmoved()
 
 
 def picture(data: bytes, where: str):
@@ -186,17 +200,19 @@ def _encode_row(item, encoder):
     """(ids, targets, images, videos) of one row; per image (its path or inline bytes,
     inline?, grid, sha256, (size, mtime_ns), relative path?); per video (a frame list?,
     grid, seconds per temporal patch, per file (absolute path, sha256, (size, mtime_ns),
-    relative path?)). Each image file is read once: the bytes hashed are the bytes encoded;
-    a video's files are hashed before they are decoded, and must not move meanwhile."""
+    relative path?)). Each image and video file is opened once: an image's or frame's bytes
+    hashed are the bytes decoded; a video file is hashed through the handle it is decoded
+    from, each block read back checked against its hash (video.HeldVideo)."""
     from .multimodal import BASE64_IMAGE
 
     read = [read_image_bytes(ref, f"{item.where}: images[{i}] {ref:.80}")
             for i, ref in enumerate(item.images)]
     wheres = [f"{item.where}: {f}" for f in item.video_fields]
-    hashed = _hashed_videos(item.videos, wheres)
-    sample = encoder.encode(item, [picture(data, f"{item.where}: images[{i}]")
-                                   for i, (data, _) in enumerate(read)])
-    _unmoved(hashed, wheres)
+    with contextlib.ExitStack() as stack:
+        held, hashed = _held_videos(item.videos, wheres, stack)
+        sample = encoder.encode(item, [picture(data, f"{item.where}: images[{i}]")
+                                       for i, (data, _) in enumerate(read)], held)
+        _unmoved(held)
     videos = []
     if item.videos:
         for video, files, grid, second in zip(item.videos, hashed,
@@ -481,6 +497,10 @@ class CachedImages:
         against the stored sha256) before it is decoded again, its grid and seconds per
         temporal patch then checked against the stored ones. ArgumentError naming the row
         and video whose file changed since it was stored."""
+        with contextlib.ExitStack() as stack:  # the held videos' handles
+            return self._videos(samples, stack)
+
+    def _videos(self, samples: Sequence[int], stack):
         import torch
 
         a, videos, wheres, stored = self.arrays, [], [], []
@@ -500,21 +520,20 @@ class CachedImages:
                                             f"damaged cache: remove it)")
                     files.append((path, f))
                 video = tuple(p for p, _ in files) if a["video_lists"][v] else files[0][0]
-                hashed = _hashed_videos([video], [at])[0]
-                for (path, digest, _), (_, f) in zip(hashed, files):
+                one, hashed = _held_videos([video], [at], stack)
+                for (path, digest, _), (_, f) in zip(hashed[0], files):
                     if digest != a["file_digests"][f].tobytes():
                         raise ArgumentError(f"{at} {path}: changed since its tokens were "
                                             f"stored (its sha256 differs); {self.discard()}")
-                videos.append(video)
+                videos += one
                 wheres.append(at)
-                stored.append((hashed, v))
+                stored.append(v)
         if not videos:
             return None
         pixels, grids, seconds = self.encoder.video_patches(videos, wheres)
-        _unmoved([h for h, _ in stored], wheres)
-        index = [v for _, v in stored]
-        want_grids = torch.as_tensor(np.asarray(a["video_grids"][index]), dtype=grids.dtype)
-        want_seconds = torch.as_tensor(np.asarray(a["video_seconds"][index]))
+        _unmoved(videos)
+        want_grids = torch.as_tensor(np.asarray(a["video_grids"][stored]), dtype=grids.dtype)
+        want_seconds = torch.as_tensor(np.asarray(a["video_seconds"][stored]))
         if not torch.equal(grids, want_grids) or not torch.equal(seconds, want_seconds):
             raise ArgumentError(f"{self.where(samples[0])}: its videos' grids "
                                 f"{grids.tolist()} (seconds per temporal patch "

@@ -279,11 +279,12 @@ class ImageEncoder:
 
     def video_patches(self, videos: Sequence[Any], where: Sequence[str]):
         """(pixel_values_videos, video_grid_thw, second_per_grid_ts) of videos (a file's
-        path or a tuple of frame paths each), sampled and resized by data/video.py;
-        ``where`` names each (row and field) in errors."""
+        path or a tuple of frame paths each; or already read: a video.HeldVideo, a tuple of
+        video.HeldFrame), sampled and resized by data/video.py; ``where`` names each (row
+        and field) in errors."""
         import torch
 
-        from .video import patches, read_frame_list, read_video_file
+        from .video import patches, read_frame_list, read_video_file, video_name
 
         p = self.image_processor
         factor, temporal = int(p.patch_size) * self.merge, int(p.temporal_patch_size)
@@ -293,8 +294,8 @@ class ImageEncoder:
                 frames = read_frame_list(video, at, self.sampling, factor, temporal,
                                          p.resample, load_image)
             else:
-                frames = read_video_file(video, f"{at} {video}", self.sampling, factor,
-                                         temporal, p.resample)
+                frames = read_video_file(video, f"{at} {video_name(video)}", self.sampling,
+                                         factor, temporal, p.resample)
             one, grid, second = patches(frames, p)
             self.last_times.append(frames.timestamps(temporal))
             pixels.append(one)
@@ -303,11 +304,12 @@ class ImageEncoder:
         return (torch.cat(pixels), torch.tensor(grids),
                 torch.tensor(seconds, dtype=torch.float32))
 
-    def media(self, item: ImageConversation, pictures=None):
+    def media(self, item: ImageConversation, pictures=None, videos=None):
         """(images' (pixel_values, grids) or None, videos' patches or None) of a row;
-        ``pictures``: its images already read (PIL), else read from their paths."""
+        ``pictures``: its images already read (PIL), else read from their paths;
+        ``videos``: its videos already read (see video_patches), else from their paths."""
         images = self.patches(item.images, pictures) if item.images else None
-        videos = self.video_patches(item.videos, [f"{item.where}: {f}"
+        videos = self.video_patches(videos or item.videos, [f"{item.where}: {f}"
                                                   for f in item.video_fields]) \
             if item.videos else None
         return images, videos
@@ -322,11 +324,12 @@ class ImageEncoder:
         return ["".join(f"<{t:.1f} seconds>" + VISION_START + VIDEO_PAD + VISION_END
                         for t in times) for times in self.last_times[:count]]
 
-    def encode(self, item: ImageConversation, pictures=None) -> EncodedImages:
-        """``pictures``: the item's images already read (PIL), else read from its paths."""
+    def encode(self, item: ImageConversation, pictures=None, videos=None) -> EncodedImages:
+        """``pictures``: the item's images already read (PIL), else read from its paths;
+        ``videos``: its videos already read (see video_patches), else from their paths."""
         from dataclasses import replace
 
-        images, videos = self.media(item, pictures)
+        images, videos = self.media(item, pictures, videos)
         placeholders = iter(self.video_text(len(item.videos)))
         image = VISION_START + IMAGE_PAD + VISION_END
         messages = [{**m, "content": re.sub(re.escape(VIDEO_TAG), lambda _: next(placeholders),

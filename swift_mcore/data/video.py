@@ -30,11 +30,12 @@ Patches: ``t = n / temporal_patch_size`` groups of consecutive frames, each patc
 its group's frames side by side (the layout of transformers' Qwen2-VL video processor);
 ``video_grid_thw`` is ``(t, h / patch, w / patch)``.
 
-Decoding is bounded before it starts: the file is a regular file of at most
-input_files.MAX_VIDEO_BYTES, its header's frames are at most MAX_IMAGE_PIXELS each and
-its frame count (packets counted, nothing decoded) at most MAX_VIDEO_FRAMES; frames are
-decoded up to the last sampled one and each is resized as it comes, so memory holds the
-sampled frames at their model size only.
+A video file is opened once per use: probed and decoded from that one handle (the token
+cache hashes it through the same handle first: HeldVideo). Decoding is bounded before it
+starts: the file is a regular file of at most input_files.MAX_VIDEO_BYTES, its header's
+frames are at most MAX_IMAGE_PIXELS each and its frame count (packets counted, nothing
+decoded) at most MAX_VIDEO_FRAMES; frames are decoded up to the last sampled one and each
+is resized as it comes, so memory holds the sampled frames at their model size only.
 """
 
 from __future__ import annotations
@@ -163,22 +164,147 @@ def _resized(image, size: Tuple[int, int], resample):
     return image if image.size == (w, h) else image.resize((w, h), resample=resample)
 
 
-def read_video_file(path: str, where: str, sampling: VideoSampling, factor: int,
+# A held video's blocks: each is hashed when the file is, and checked again when the decoder
+# reads it (a list of 2,048 digests for the largest video).
+BLOCK = 1 << 20
+
+
+class HeldVideo:
+    """A video file opened once and hashed through that handle (its sha256, and each BLOCK's),
+    then probed and decoded from the same handle (``reader``): a path renamed over meanwhile
+    is never read, and each block the decoder reads is hashed again before it is used, so
+    the frames decoded are those of the bytes hashed or the decoding stops (``unmoved``
+    says so). Only the hashes are held, never the file."""
+
+    def __init__(self, path: str, where: str, limit: int):
+        import hashlib
+        import os
+
+        from ..input_files import open_regular
+
+        self.path, self.where, self.changed = path, where, False
+        self.file = open_regular(path, "rb", where)
+        try:
+            st = os.fstat(self.file.fileno())
+            self.stamp = (st.st_size, st.st_mtime_ns)
+            whole, self.blocks, self.size = hashlib.sha256(), [], 0
+            while True:
+                chunk = self.file.read(BLOCK)  # whole blocks but the last (a buffered read)
+                if not chunk:
+                    break
+                self.size += len(chunk)
+                if self.size > limit:
+                    raise ArgumentError(f"{where}: more than {limit >> 20} MiB")
+                whole.update(chunk)
+                self.blocks.append(hashlib.sha256(chunk).digest())
+            self.digest = whole.digest()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def reader(self) -> "_CheckedReader":
+        """A file object at offset 0 over the bytes hashed, for PyAV."""
+        return _CheckedReader(self)
+
+    def unmoved(self) -> None:
+        """ArgumentError if a block read back differed from the one hashed, or the open
+        file's size or mtime moved, while it was decoded."""
+        import os
+
+        st = os.fstat(self.file.fileno())
+        if self.changed or (st.st_size, st.st_mtime_ns) != self.stamp:
+            raise ArgumentError(f"{self.where}: changed while it was decoded")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _CheckedReader:
+    """Reads a HeldVideo's hashed bytes block by block, each block's sha256 checked before
+    any of it is handed out (PyAV calls read, seek and tell)."""
+
+    def __init__(self, held: HeldVideo):
+        self.held, self.pos, self.index, self.block = held, 0, -1, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, self.held.size)[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        import hashlib
+
+        held = self.held
+        if self.pos >= held.size or n == 0:
+            return b""
+        index = self.pos // BLOCK
+        if index != self.index:
+            held.file.seek(index * BLOCK)
+            block = held.file.read(BLOCK)
+            if hashlib.sha256(block).digest() != held.blocks[index]:
+                held.changed = True
+                raise ArgumentError(f"{held.where}: changed while it was decoded")
+            self.index, self.block = index, block
+        start = self.pos - index * BLOCK
+        out = self.block[start:] if n < 0 else self.block[start:start + n]
+        self.pos += len(out)
+        return out
+
+
+def video_name(video) -> str:
+    """The path of a video given as its path or held (HeldVideo)."""
+    return video.path if isinstance(video, HeldVideo) else video
+
+
+def read_video_file(video, where: str, sampling: VideoSampling, factor: int,
                     temporal: int, resample) -> Frames:
-    """The sampled frames of the video file at ``path`` (checked first: regular, bounded),
-    decoded up to the last one taken, each resized as it comes. ArgumentError naming
-    ``where`` for a file that does not decode to the frames its header promises."""
+    """The sampled frames of a video file, its path or held (HeldVideo): opened once,
+    probed (regular, bounded) and decoded up to the last frame taken from that one handle,
+    each frame resized as it comes. ArgumentError naming ``where`` for a file that does not
+    decode to the frames its header promises, or a held one whose bytes changed."""
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        if isinstance(video, HeldVideo):
+            fh, size = video.reader(), video.size
+        else:
+            import os
+
+            from ..input_files import open_regular
+
+            fh = stack.enter_context(open_regular(video, "rb", where))
+            size = os.fstat(fh.fileno()).st_size
+        try:
+            return _decoded(fh, size, where, sampling, factor, temporal, resample)
+        except ArgumentError:
+            if isinstance(video, HeldVideo) and video.changed:
+                video.unmoved()  # the changed bytes, not what the decoder made of them
+            raise
+
+
+def _decoded(fh, size: int, where: str, sampling: VideoSampling, factor: int,
+             temporal: int, resample) -> Frames:
     import av
 
-    from ..input_files import check_video, open_regular
+    from ..input_files import probe_video
 
-    info = check_video(path, where)
+    info = probe_video(fh, size, where)
     n = frame_count(info.frames, info.fps, sampling, temporal, where)
     wanted = frame_indices(info.frames, n)
     size = frame_size(info.height, info.width, n, sampling, factor, temporal, where)
     last, images, index = wanted[-1], [], -1
+    fh.seek(0)
     try:
-        with open_regular(path, "rb", where) as fh, av.open(fh) as container:
+        with av.open(fh) as container:
             stream = container.streams.video[0]
             at = 0
             for frame in container.decode(stream):
@@ -202,15 +328,39 @@ def read_video_file(path: str, where: str, sampling: VideoSampling, factor: int,
     return Frames(images, n / info.frames * info.fps, wanted, info.fps)
 
 
-def read_frame_list(paths: Sequence[str], where: str, sampling: VideoSampling, factor: int,
+@dataclass(frozen=True)
+class HeldFrame:
+    """A frame image read once (its bytes hashed by the caller): decoded from these bytes,
+    never read again by path."""
+
+    path: str
+    data: bytes
+
+    def image(self, where: str):
+        import io
+
+        from PIL import Image
+
+        from ..input_files import check_image_bytes
+
+        check_image_bytes(self.data, where)
+        with Image.open(io.BytesIO(self.data)) as image:
+            return image.convert("RGB")
+
+
+def read_frame_list(paths: Sequence[Any], where: str, sampling: VideoSampling, factor: int,
                     temporal: int, resample, load_image) -> Frames:
-    """A video given as its frames' image paths: all of them, the last repeated up to a
-    multiple of ``temporal``, at --fps; every frame must have the first one's size."""
-    frames = [load_image(p, f"{where}[{i}] {p}") for i, p in enumerate(paths)]
+    """A video given as its frames' image paths (or frames already read: HeldFrame): all of
+    them, the last repeated up to a multiple of ``temporal``, at --fps; every frame must
+    have the first one's size."""
+    names = [p.path if isinstance(p, HeldFrame) else p for p in paths]
+    frames = [p.image(f"{where}[{i}] {name}") if isinstance(p, HeldFrame)
+              else load_image(p, f"{where}[{i}] {name}")
+              for i, (p, name) in enumerate(zip(paths, names))]
     width, height = frames[0].size
     for i, frame in enumerate(frames):
         if frame.size != (width, height):
-            raise ArgumentError(f"{where}[{i}] {paths[i]}: {frame.size[0]}x{frame.size[1]} "
+            raise ArgumentError(f"{where}[{i}] {names[i]}: {frame.size[0]}x{frame.size[1]} "
                                 f"pixels, the video's first frame is {width}x{height} (a "
                                 f"video's frames are one size)")
     n = _ceil(len(frames), temporal)

@@ -497,3 +497,113 @@ def test_two_processes_share_one_build(cache, tmp_path, vl_folder):
     assert sorted(e for r in results for e in r["events"]) == ["built", "reused"]
     assert results[0]["rows"] == results[1]["rows"] and len(results[0]["rows"]) == 24
     assert len([p for p in os.listdir(cache / "sft-images") if not p.startswith(".")]) == 1
+
+
+# ---- a video file swapped between its hash and its decoding ---------------------------------
+
+def same_size_as(path, data: bytes) -> bytes:
+    """``data`` (a video or PNG) padded with zeros to ``path``'s size: both formats' readers
+    stop at their end and ignore what follows."""
+    size = os.path.getsize(path)
+    assert len(data) <= size
+    return data + b"\0" * (size - len(data))
+
+
+def impostors(tmp_path):
+    """Row 0's video v0.mkv and row 1's first frame v1_0.png, and for each other valid bytes
+    of the same size (other pixels, the same frame size and count)."""
+    from PIL import Image
+
+    video = str(tmp_path / "v0.mkv")
+    other = write_video(tmp_path / "other.mkv", [255 - f for f in coloured(4, 16, 16)])
+    frame = str(tmp_path / "v1_0.png")
+    Image.fromarray(np.full((16, 16, 3), 77, np.uint8)).save(tmp_path / "other.png")
+    return {video: same_size_as(video, open(other, "rb").read()),
+            frame: same_size_as(frame, open(tmp_path / "other.png", "rb").read())}
+
+
+def swap_before_decoding(monkeypatch, path, data, in_place):
+    """The first time the encoder decodes videos (their files hashed already), ``path``
+    gets ``data``: renamed over it, or rewritten in place; its size is the same and its
+    mtime put back, so that only the bytes differ."""
+    from swift_mcore.data.multimodal import ImageEncoder
+
+    decode, done = ImageEncoder.video_patches, []
+
+    def swapped_first(self, videos, where):
+        if not done:
+            done.append(path)
+            st = os.stat(path)
+            if in_place:
+                with open(path, "r+b") as fh:
+                    fh.write(data)
+            else:
+                with open(f"{path}.new", "wb") as fh:
+                    fh.write(data)
+                os.replace(f"{path}.new", path)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            assert (os.path.getsize(path), os.stat(path).st_mtime_ns) == (st.st_size,
+                                                                            st.st_mtime_ns)
+        return decode(self, videos, where)
+
+    monkeypatch.setattr(ImageEncoder, "video_patches", swapped_first)
+    return done
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["renamed-over", "rewritten"])
+def test_a_video_swapped_after_its_hash_is_never_decoded(cache, tmp_path, vl_folder,
+                                                         monkeypatch, in_place):
+    """A row's video file or frame whose bytes change between the load's sha256 check and
+    the decoding (same size, mtime put back) never gives the row its pixels: the file is
+    decoded from the one handle it was hashed through (a rename over the path is not seen:
+    the row gets the hashed video's pixels), each block the decoder reads hashed again (a
+    rewrite in place is refused); a frame is decoded from the bytes hashed."""
+    data = video_dataset(tmp_path, rows=2)  # row 0: v0.mkv; row 1: an image, 3 frames
+    train, _, events = build(config_for(vl_folder, data))
+    assert events == ["built"]
+    want = video_in_memory(vl_folder, data)
+    for row, (path, other) in enumerate(impostors(tmp_path).items()):
+        done = swap_before_decoding(monkeypatch, path, other, in_place)
+        if in_place and row == 0:
+            with pytest.raises(ArgumentError, match=r"videos\.jsonl, row 0: videos\[0\] "
+                                                    r".*v0\.mkv: changed while it was decoded"):
+                train[0]
+        else:
+            got = train[row]["videos"]
+            assert all(torch.equal(g, w) for g, w in zip(
+                got, (want[row].pixel_values_videos, want[row].video_grid_thw,
+                      want[row].second_per_grid_ts)))
+        assert done == [path] and open(path, "rb").read() == other
+    # the files are other bytes now: the next load refuses them, by their sha256
+    with pytest.raises(ArgumentError, match=r"row 0: videos\[0\] .*v0\.mkv: changed since its "
+                                            r"tokens were stored"):
+        train[0]
+
+
+def test_a_held_video_decodes_across_blocks_as_its_path_does(tmp_path, monkeypatch):
+    """A video read through its held handle in 64-byte blocks (each block checked, the
+    decoder seeking among them) decodes to the frames reading it by path gives; one
+    rewritten in place after its hash stops the decoding with the row's error."""
+    from swift_mcore.data import video as V
+    from test_qwen2_5_vl_video import sampling
+
+    path = write_video(tmp_path / "clip.mkv", coloured(6, 16, 16))
+    monkeypatch.setattr(V, "BLOCK", 64)
+    want = V.read_video_file(path, "v", sampling(), 8, 2, 3)
+    held = V.HeldVideo(path, "row 3: videos[0] clip.mkv", 1 << 20)
+    try:
+        assert len(held.blocks) > 10
+        got = V.read_video_file(held, "v", sampling(), 8, 2, 3)
+        held.unmoved()
+        assert got.indices == want.indices and len(got.images) == len(want.images)
+        assert all(np.array_equal(np.asarray(g), np.asarray(w))
+                   for g, w in zip(got.images, want.images))
+        with open(path, "r+b") as fh:  # a byte in the last block: decoded last
+            fh.seek(os.path.getsize(path) - 8)
+            fh.write(b"\xff")
+        with pytest.raises(ArgumentError, match=r"^row 3: videos\[0\] clip\.mkv: changed "
+                                                r"while it was decoded$"):
+            V.read_video_file(held, "v", sampling(), 8, 2, 3)
+            held.unmoved()
+    finally:
+        held.close()
