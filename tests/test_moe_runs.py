@@ -79,11 +79,19 @@ def test_pp2_resumes_ep1_checkpoint_with_its_losses(ep1_run, tmp_path):
             assert abs(g[key] - ref[g["iteration"]][key]) < 1e-5, (g["iteration"], key)
 
 
-def test_ep2_checkpoint_resumes_at_ep1_exactly(tmp_path, gloo_group):
-    """EP 2 -> 1 (alltoall dispatcher): the EP=1 continuation equals EP=2's own."""
-    ep2, ep1 = tmp_path / "ep2", tmp_path / "ep1"
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory):
+    """EP=2 (alltoall dispatcher, the plain optimizer), four iterations, a checkpoint at
+    iteration 2: resumed at EP=1, and the reference of the distributed optimizer's run."""
+    ep2 = tmp_path_factory.mktemp("moe_ep2")
     run_pt(ep2, *MOE, "--train_iters", "4", "--save_steps", "2",
            "--expert_model_parallel_size", "2", nproc=2)
+    return ep2
+
+
+def test_ep2_checkpoint_resumes_at_ep1_exactly(ep2_run, tmp_path, gloo_group):
+    """EP 2 -> 1 (alltoall dispatcher): the EP=1 continuation equals EP=2's own."""
+    ep2, ep1 = ep2_run, tmp_path / "ep1"
     train_in_process(ep1, *MOE, "--train_iters", "4", "--no_save",
                      "--resume", ep2 / "checkpoint" / "iter_0000002", command="pt")
     ref, got = losses(ep2), losses(ep1)
@@ -135,14 +143,13 @@ def test_tp2_ep2_on_four_ranks_gives_the_one_rank_losses():
 
 @pytest.mark.slow
 def test_ep2_with_the_distributed_optimizer_gives_the_plain_losses_and_resumes_exactly(
-        tmp_path):
+        ep2_run, tmp_path):
     """EP=2 on 2 ranks with --use_distributed_optimizer (the dense state sharded over DP=2,
     the chained expert optimizer's over its expert-DP of 1): the plain optimizer's losses,
     a bit-exact resume from its own checkpoint, its continuation at EP=1 (one distributed
     optimizer over all parameters) and back at EP=2 with the same losses."""
-    plain, dist, resumed = tmp_path / "plain", tmp_path / "dist", tmp_path / "resumed"
+    plain, dist, resumed = ep2_run, tmp_path / "dist", tmp_path / "resumed"
     ep2 = [*MOE, "--expert_model_parallel_size", "2", "--train_iters", "4"]
-    run_pt(plain, *ep2, "--no_save", nproc=2)
     run_pt(dist, *ep2, "--save_steps", "2", "--use_distributed_optimizer", nproc=2)
     ref, got = losses(plain), losses(dist)
     assert sorted(got) == [1, 2, 3, 4]

@@ -1,13 +1,12 @@
-"""Asks a finetuned Hugging Face folder every question of the example and counts the answers
-it reproduces exactly (greedy decoding, the same template as training).
+"""Asks the exported Hugging Face folder every question of the example in transformers, as a
+user of the folder would, and counts the answers it reproduces exactly (greedy decoding; the
+prompt is rendered by the chat template the export wrote, the training template).
 
-  python examples/sft/check_answers.py HF_FOLDER QUESTIONS_JSON [--template plain]
+  python examples/sft/check_answers.py HF_FOLDER QUESTIONS_JSON
 Exits 1 unless every answer is reproduced.
 """
 
 import argparse
-import contextlib
-import io
 import json
 import sys
 
@@ -16,25 +15,29 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("questions")
-    parser.add_argument("--template", default="plain")
     opts = parser.parse_args()
 
-    from swift_mcore._quiet import quiet_third_party
-    from swift_mcore.arguments.infer import InferArguments
-    from swift_mcore.infer import run
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
 
-    quiet_third_party()
+    logging.set_verbosity_error()
     with open(opts.questions, encoding="utf-8") as fh:
         questions = json.load(fh)
+    tokenizer = AutoTokenizer.from_pretrained(opts.model)
+    model = AutoModelForCausalLM.from_pretrained(opts.model).eval()  # loaded once for all
     right = 0
     for item in questions:
-        args = InferArguments(model=opts.model, prompt=item["question"],
-                              template=opts.template, max_new_tokens=24).validate()
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            answer = run(args)
-        ok = answer.strip() == item["answer"]
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": item["question"]}],
+                                            add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=24, do_sample=False,
+                                 pad_token_id=tokenizer.eos_token_id)
+        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        ok = answer == item["answer"]
         right += ok
-        print(f"{'ok ' if ok else 'BAD'} {item['question']} -> {answer.strip()!r}"
+        print(f"{'ok ' if ok else 'BAD'} {item['question']} -> {answer!r}"
               + ("" if ok else f" (expected {item['answer']!r})"))
     print(f"{right}/{len(questions)} answers reproduced")
     return 0 if right == len(questions) else 1

@@ -27,5 +27,6 @@ HF=$(ls -d "$OUT"/run/checkpoint/iter_*-hf | tail -n 1)
 "$PY" -m swift_mcore infer --model "$HF" --template plain \
     --prompt "Which planet does Ada live on?"
 
-# 4. Every question, checked against its answer (exit 1 unless all are right).
-"$PY" examples/sft/check_answers.py "$HF" "$OUT/questions.json" --template plain
+# 4. Every question, asked of the exported folder in transformers (its chat template is the
+#    training template) and checked against its answer (exit 1 unless all are right).
+"$PY" examples/sft/check_answers.py "$HF" "$OUT/questions.json"

@@ -1,61 +1,34 @@
 """Checkpoint folders built as an attacker would (issue 35): a FIFO or a device in place of
 any file a load reads, a manifest or a .metadata naming files outside the folder, a manifest
 whose table is malformed, JSON nested 100,000 levels deep. Each is refused in one line naming
-the file, exit code 2, and nothing blocks: every command that could block runs in a
-subprocess in its own process group with a timeout, and the group is killed when it expires,
-so a regression fails the test instead of hanging pytest."""
+the file, exit code 2, and nothing blocks: every call that could block runs under a
+deadline (tests/bounded.py), so a regression fails the test instead of hanging pytest."""
 
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from run_helpers import ROOT, child_env, run_pt
+from bounded import cli, deadline
+from run_helpers import run_pt
 from swift_mcore.checkpointing import commit, locate, safe_load
 from swift_mcore.errors import CheckpointError
 
 FIFO = "is a FIFO (named pipe), not a regular file"
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "fixtures", "megatron_lm")
+# The commands run in this process (cli.main): their one-rank group is this module's.
+pytestmark = pytest.mark.usefixtures("gloo_group")
 
 
-def run_bounded(argv, timeout):
-    """``argv`` in its own process group; on timeout the whole group is killed and the test
-    fails (a FIFO that blocks ``open`` must not hang pytest)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env(), cwd=ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{' '.join(map(str, argv[:4]))} ... still ran after {timeout} s "
-                    f"(blocked on a FIFO?)")
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
-def cli_error(command, *argv, timeout=120):
+def cli_error(command, *argv):
     """The one line the CLI printed for a refused command: exit code 2, no traceback."""
-    proc = run_bounded([sys.executable, "-m", "swift_mcore", command, *map(str, argv)],
-                       timeout)
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr[-3000:]
+    code, lines = cli(command, *argv)
+    assert code == 2, (code, lines)
+    assert len(lines) == 1, lines  # no traceback either
     assert lines[0].startswith(f"swift-mcore {command}: error: "), lines[0]
     return lines[0]
-
-
-def in_child(code, timeout=90):
-    """Run python ``code`` (with this test's imports) in a bounded subprocess; its stdout."""
-    proc = run_bounded([sys.executable, "-c", textwrap.dedent(code)], timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
 
 
 def make_fifo(path):
@@ -117,14 +90,11 @@ def test_a_fifo_as_the_tracker_falls_back_with_a_warning_naming_it(run):
     root = os.path.join(run, "checkpoint")
     tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
     make_fifo(tracker)
-    out = in_child(f"""
-        from swift_mcore.checkpointing import locate
-        folder, warnings = locate.resolve("auto", {root!r})
-        print(folder); print(warnings)
-    """)
-    assert out.splitlines()[0] == folder_of(run)
+    with deadline(90, "locate.resolve"):
+        folder, warnings = locate.resolve("auto", root)
+    assert folder == folder_of(run)
     assert (f"{tracker}: {FIFO}; swift-mcore reads input only from regular files; falling "
-            f"back to the newest complete checkpoint") in out
+            f"back to the newest complete checkpoint") in str(warnings)
 
 
 def test_every_reader_refuses_a_fifo_without_blocking(run):
@@ -134,21 +104,19 @@ def test_every_reader_refuses_a_fifo_without_blocking(run):
     for name in ("manifest.json", "train_state.json", ".metadata", "common.pt",
                  first_distcp(folder)):
         make_fifo(os.path.join(folder, name))
-    out = in_child(f"""
-        from swift_mcore.checkpointing import commit, files, io, safe_load
-        from swift_mcore.errors import CheckpointError
-        folder = {folder!r}
-        print("manifest |", commit.read_manifest(folder)[1])
+    from swift_mcore.checkpointing import files, io
+
+    lines = []
+    with deadline(90, "the checkpoint readers"):
+        lines.append(f"manifest | {commit.read_manifest(folder)[1]}")
         for reader in (lambda: files.read_json(folder, "train_state.json"),
                        lambda: safe_load.read_dcp_metadata(folder),
                        lambda: io.read_common(folder),
-                       lambda: commit.checksum(folder + "/" + {first_distcp(folder)!r})):
+                       lambda: commit.checksum(folder + "/" + first_distcp(folder))):
             try:
                 reader()
             except Exception as err:
-                print(type(err).__name__, "|", err)
-    """)
-    lines = out.splitlines()
+                lines.append(f"{type(err).__name__} | {err}")
     assert lines[0] == f"manifest | its manifest.json: {FIFO}; swift-mcore reads input only " \
                        f"from regular files"
     assert lines[1].startswith(f"CheckpointError | checkpoint {folder}: train_state.json is "
@@ -164,17 +132,12 @@ def test_the_dcp_reader_refuses_a_fifo_named_like_a_distcp_file(run):
     folder = folder_of(run)
     name = first_distcp(folder)
     make_fifo(os.path.join(folder, name))
-    out = in_child(f"""
-        from swift_mcore.checkpointing import safe_load
-        fs = safe_load._regular_file_system({folder!r})
-        try:
-            with fs.create_stream({folder!r} + "/" + {name!r}, "rb"):
-                pass
-        except Exception as err:
-            print(type(err).__name__, "|", err)
-    """)
-    assert out.strip() == (f"CheckpointError | checkpoint {folder}: {name}: {FIFO}; "
-                           f"swift-mcore reads input only from regular files")
+    fs = safe_load._regular_file_system(folder)
+    with deadline(90, "the DCP reader"), pytest.raises(CheckpointError) as caught:
+        with fs.create_stream(folder + "/" + name, "rb"):
+            pass
+    assert str(caught.value) == (f"checkpoint {folder}: {name}: {FIFO}; "
+                                 f"swift-mcore reads input only from regular files")
 
 
 def test_trackers_json_and_best_json_fifos_never_block(tmp_path):
@@ -183,16 +146,17 @@ def test_trackers_json_and_best_json_fifos_never_block(tmp_path):
     os.makedirs(tmp_path / "checkpoint")
     os.mkfifo(tmp_path / "trackers.json")
     os.mkfifo(tmp_path / "checkpoint" / "best.json")
-    out = in_child(f"""
-        from swift_mcore.checkpointing import best
-        from swift_mcore.training import trackers
-        print(best.read({str(tmp_path / "checkpoint")!r}))
+    from swift_mcore.checkpointing import best
+    from swift_mcore.training import trackers
+
+    out = []
+    with deadline(90, "best.read and trackers.read_run_ids"):
+        out.append(str(best.read(str(tmp_path / "checkpoint"))))
         try:
-            trackers.read_run_ids({str(tmp_path)!r})
+            trackers.read_run_ids(str(tmp_path))
         except Exception as err:
-            print(type(err).__name__, "|", err)
-    """)
-    assert out.splitlines() == [
+            out.append(f"{type(err).__name__} | {err}")
+    assert out == [
         "None", f"ArgumentError | --report_to wandb,swanlab: {tmp_path / 'trackers.json'} "
                 f"cannot be read ({FIFO}; swift-mcore reads input only from regular files); it "
                 f"holds the tracked runs this resumed run continues. Restore it, or delete it "

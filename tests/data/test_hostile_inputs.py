@@ -1,7 +1,8 @@
 """Input files built as an attacker would: a FIFO named like a data file, a JSON row nested
 100,000 levels deep. Each is refused in one line naming the file (and line), exit code 2,
-before any output is written; the command runs in a subprocess with a timeout, so a hang or
-a crash of the parser fails the test instead of stalling or killing pytest."""
+before any output is written. A command reading nested JSON runs in a subprocess with a
+timeout, so a hang or a crash of the parser fails the test instead of stalling or killing
+pytest; one reading a FIFO runs in this process under a deadline (tests/bounded.py)."""
 
 import os
 import sys
@@ -12,6 +13,7 @@ import pytest
 from swift_mcore import input_files
 from swift_mcore.errors import ArgumentError
 
+from bounded import cli
 from run_helpers import run_or_kill
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +37,14 @@ def error_line(proc):
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    return lines[-1]
+
+
+def refused(*argv):
+    """The line the CLI (in this process, under a deadline) ended on: exit code 2."""
+    code, lines = cli(*argv)
+    assert code == 2, (code, lines)
+    assert not any("Traceback" in line for line in lines), lines
     return lines[-1]
 
 
@@ -70,12 +80,11 @@ def test_sft_refuses_a_conversation_row_nested_100000_deep(tmp_path):
     assert not (out / "checkpoint").exists()
 
 
-def test_a_fifo_named_like_a_data_file_is_refused_without_blocking(tmp_path):
+def test_a_fifo_named_like_a_data_file_is_refused_without_blocking(tmp_path, gloo_group):
     fifo = tmp_path / "data.jsonl"
     os.mkfifo(fifo)
     out = tmp_path / "out" / "x"
-    line = error_line(swift("preprocess", "--input", fifo, "--output_prefix", out,
-                            "--workers", "1", timeout=60))
+    line = refused("preprocess", "--input", fifo, "--output_prefix", out, "--workers", "1")
     assert line == (f"swift-mcore preprocess: error: --input {fifo}: is a FIFO (named pipe), "
                     f"not a regular file; swift-mcore reads input only from regular files")
 
@@ -124,7 +133,7 @@ def test_inside_refuses_names_that_leave_the_folder(tmp_path):
             input_files.inside(str(folder), name, "idx")
 
 
-def test_a_fifo_among_the_tokenizer_files_is_refused_without_blocking(tmp_path):
+def test_a_fifo_among_the_tokenizer_files_is_refused_without_blocking(tmp_path, gloo_group):
     sys.path.insert(0, str(ROOT / "tests" / "models"))
     import hf_helpers
 
@@ -135,26 +144,25 @@ def test_a_fifo_among_the_tokenizer_files_is_refused_without_blocking(tmp_path):
     os.mkfifo(config)
     data = tmp_path / "a.jsonl"
     data.write_text('{"text": "hello"}\n')
-    line = error_line(swift("preprocess", "--input", data, "--output_prefix", tmp_path / "x",
-                            "--tokenizer", folder, "--workers", "1", timeout=60))
+    line = refused("preprocess", "--input", data, "--output_prefix", tmp_path / "x",
+                   "--tokenizer", folder, "--workers", "1")
     assert line == (f"swift-mcore preprocess: error: --tokenizer {config}: is a FIFO (named "
                     f"pipe), not a regular file; swift-mcore reads input only from regular "
                     f"files")
     assert not (tmp_path / "x.bin").exists()
 
 
-def test_a_fifo_named_like_megatron_data_or_a_yaml_config_is_refused(tmp_path):
+def test_a_fifo_named_like_megatron_data_or_a_yaml_config_is_refused(tmp_path, gloo_group):
     prefix = tmp_path / "tokens"
     os.mkfifo(f"{prefix}.idx")
     (tmp_path / "tokens.bin").write_bytes(b"")
     config = tmp_path / "run.yaml"
     os.mkfifo(config)
-    line = error_line(swift("pt", "--data_path", prefix, "--output_dir", tmp_path / "a",
-                            timeout=60))
+    line = refused("pt", "--data_path", prefix, "--output_dir", tmp_path / "a")
     assert line == (f"swift-mcore pt: error: --data_path: {prefix}.idx: is a FIFO (named "
                     f"pipe), not a regular file; swift-mcore reads input only from regular "
                     f"files")
-    line = error_line(swift("pt", config, "--output_dir", tmp_path / "b", timeout=60))
+    line = refused("pt", config, "--output_dir", tmp_path / "b")
     assert line == (f"swift-mcore pt: error: config file {config} is not a regular file; "
                     f"give a YAML file of flags")
 
@@ -179,12 +187,12 @@ def saved_dataset(folder):
 
 @pytest.mark.parametrize("name", ["state.json", "dataset_info.json",
                                   "data-00000-of-00001.arrow"])
-def test_a_fifo_in_a_saved_datasets_folder_is_refused(tmp_path, name):
+def test_a_fifo_in_a_saved_datasets_folder_is_refused(tmp_path, name, gloo_group):
     folder = saved_dataset(tmp_path / "saved")
     os.remove(folder / name)
     os.mkfifo(folder / name)
-    line = error_line(swift("preprocess", "--input", folder, "--output_prefix",
-                            tmp_path / "out" / "x", "--workers", "1", timeout=90))
+    line = refused("preprocess", "--input", folder, "--output_prefix", tmp_path / "out" / "x",
+                   "--workers", "1")
     assert line == (f"swift-mcore preprocess: error: --input {folder}: {name} is a FIFO "
                     f"(named pipe), not a regular file; swift-mcore reads input only from "
                     f"regular files")
@@ -211,16 +219,14 @@ def test_a_saved_datasets_state_json_is_bounded_and_kept_inside(tmp_path, change
 
 # ---- export --to_hf: the source folder's generation_config.json --------------------------
 
-def test_a_fifo_as_generation_config_is_refused_before_export_writes(tmp_path):
+def test_a_fifo_as_generation_config_is_refused_before_export_writes(tmp_path, gloo_group):
     sys.path.insert(0, str(ROOT / "tests" / "models"))
     import hf_helpers
 
     folder = tmp_path / "hf"
     hf_helpers.make_family(str(folder), "llama")
     converted = tmp_path / "mcore"
-    proc = swift("export", "--to_mcore", "--model", folder, "--output_dir", converted,
-                 timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    hf_helpers.convert(folder, converted, "to_mcore")
     generation = folder / "generation_config.json"
     if generation.exists():
         os.remove(generation)
@@ -228,8 +234,8 @@ def test_a_fifo_as_generation_config_is_refused_before_export_writes(tmp_path):
     out = tmp_path / "exported"
     tokenizer = tmp_path / "tok"  # a folder of its own: the model folder is read as the base
     hf_helpers.write_tokenizer(str(tokenizer))
-    line = error_line(swift("export", "--to_hf", "--model", converted, "--tokenizer",
-                            tokenizer, "--output_dir", out, timeout=180))
+    line = refused("export", "--to_hf", "--model", converted, "--tokenizer", tokenizer,
+                   "--output_dir", out)
     assert line == (f"swift-mcore export: error: {generation}: is a FIFO (named pipe), not a "
                     f"regular file; swift-mcore reads input only from regular files")
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
