@@ -58,6 +58,23 @@ def run_sft(output_dir, *flags, **kwargs) -> subprocess.CompletedProcess:
     return run_pt(output_dir, *flags, command="sft", **kwargs)
 
 
+def short_conversations(path, words: List[str], rows: int = 24, seed: int = 5) -> Path:
+    """A jsonl of ``rows`` conversations of one or two short user/assistant turns: packed
+    rows of 64 tokens hold several, so their boundaries fall inside a row."""
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for _ in range(rows):
+            messages = []
+            for _ in range(rng.randint(1, 2)):
+                messages += [{"role": role, "content": " ".join(
+                    rng.choice(words) for _ in range(rng.randint(1, 7)))}
+                    for role in ("user", "assistant")]
+            fh.write(json.dumps({"messages": messages}) + "\n")
+    return Path(path)
+
+
 def train_records(output_dir) -> List[dict]:
     path = Path(output_dir) / "metrics.jsonl"
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["split"] == "train"]

@@ -5,13 +5,12 @@ exactly at CP=2 and continues at CP=1; bad layouts are refused before any work."
 
 import copy
 import json
-import random
 
 import pytest
 import torch
 
 from fake_group import GroupRank
-from run_helpers import losses, run_pt, run_sft, train_records
+from run_helpers import losses, run_pt, run_sft, short_conversations, train_records
 from swift_mcore.arguments import RunArguments, SftArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
@@ -433,16 +432,7 @@ WORDS = "alpha beta gamma delta river stone cloud paper orange silver seven nort
 def test_packed_sft_rows_with_cp2_give_the_one_rank_losses(tmp_path):
     """Packed rows keep their conversations apart under CP: the block-causal mask's query
     rows are cut like the tokens, and its key columns stay in sequence order."""
-    rng = random.Random(5)
-    data = tmp_path / "train.jsonl"
-    with open(data, "w") as fh:
-        for _ in range(24):
-            messages = []
-            for _ in range(rng.randint(1, 2)):
-                messages += [{"role": role, "content": " ".join(
-                    rng.choice(WORDS) for _ in range(rng.randint(1, 7)))}
-                    for role in ("user", "assistant")]
-            fh.write(json.dumps({"messages": messages}) + "\n")
+    data = short_conversations(tmp_path / "train.jsonl", WORDS)
     flags = ["--dataset", data, "--template", "plain", "--seq_length", "64", "--packing",
              "--train_iters", "2", "--no_save", "--global_batch_size", "4",
              "--hidden_dropout", "0", "--attention_dropout", "0"]

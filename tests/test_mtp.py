@@ -243,20 +243,10 @@ def test_packed_sft_at_cp2_gives_the_one_rank_losses(tmp_path):
     """sft --packing with an MTP layer, at CP=2 (the shift kept inside each conversation
     and rolled over the ranks' chunks) against one rank: LM and MTP losses and gradient
     norms within 1e-5."""
-    import random
+    from run_helpers import run_sft, short_conversations
 
-    from run_helpers import run_sft
-
-    rng, words = random.Random(5), "alpha beta gamma delta river stone cloud paper".split()
-    data = tmp_path / "train.jsonl"
-    with open(data, "w") as fh:
-        for _ in range(24):
-            messages = []
-            for _ in range(rng.randint(1, 2)):
-                messages += [{"role": role, "content": " ".join(
-                    rng.choice(words) for _ in range(rng.randint(1, 7)))}
-                    for role in ("user", "assistant")]
-            fh.write(json.dumps({"messages": messages}) + "\n")
+    data = short_conversations(tmp_path / "train.jsonl",
+                               "alpha beta gamma delta river stone cloud paper".split())
     flags = ["--dataset", data, "--template", "plain", "--seq_length", "64", "--packing",
              "--train_iters", "2", "--no_save", "--global_batch_size", "4",
              "--mtp_num_layers", "1", "--hidden_dropout", "0", "--attention_dropout", "0"]
