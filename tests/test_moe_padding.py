@@ -90,6 +90,57 @@ def test_padded_rows_route_as_the_unpadded_rows(moe):
         torch.testing.assert_close(g_p, g, rtol=0, atol=1e-6)
 
 
+def test_padded_rows_route_as_the_unpadded_rows_in_the_mtp_layer(gloo_group):
+    """A DeepSeek-V3-style model (sigmoid routing with the expert bias) with one MoE MTP
+    layer: the same two rows alone and padded (with a pad id other than the zero megatron
+    fills rolled places with) give equal router losses, tokens per expert and router
+    gradients in every layer, the MTP layer's included, which routes each row's positions
+    but its last (whose next token lies past the row)."""
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.runtime.seed import set_seed
+
+    config = resolve(parse_args([
+        "--num_layers", "1", "--hidden_size", "32", "--num_attention_heads", "4",
+        "--seq_length", str(PADDED), "--micro_batch_size", "2", "--global_batch_size", "2",
+        "--mtp_num_layers", "1", *MOE]), world_size=1, cuda=False).complete(VOCAB, None)
+    set_seed(1)
+    model = build_model(config)[0]
+    model.train()
+    routers = [model.decoder.layers[0].mlp.router,
+               model.mtp.layers[0].transformer_layer.mlp.router]
+    masks = [np.ones(LENGTH + 1)] * 2
+
+    def routed(batch):
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.clear_aux_losses_tracker()
+        for router in routers:
+            router.local_tokens_per_expert.zero_()
+        model.zero_grad()
+        losses = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                       attention_mask=None, labels=batch["labels"],
+                       loss_mask=batch["loss_mask"], **routing_padding(config, model, batch))
+        (losses * batch["loss_mask"]).sum().backward()
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        stats = {name: entry["values"].clone() for name, entry in tracker.items()}
+        moe_utils.clear_aux_losses_tracker()
+        return (stats, [r.local_tokens_per_expert.clone() for r in routers],
+                [r.weight.grad.clone() for r in routers])
+
+    plain, _ = lay_out(sequences(), pad_id=7, masks=masks)
+    padded, _ = lay_out(sequences(), pad_id=7, masks=masks, pad_to=PADDED)
+    stats, counts, grads = routed(plain)
+    stats_p, counts_p, grads_p = routed(padded)
+    assert counts[0].sum() == 2 * LENGTH * 2 and counts[1].sum() == 2 * (LENGTH - 1) * 2
+    assert [c.tolist() for c in counts_p] == [c.tolist() for c in counts]
+    assert set(stats) == set(stats_p) == {"load_balancing_loss", "z_loss"}
+    for name in stats:
+        assert stats[name][1] > 0  # the MTP layer's
+        torch.testing.assert_close(stats_p[name], stats[name], rtol=0, atol=1e-6)
+    for g, g_p in zip(grads, grads_p):
+        torch.testing.assert_close(g_p, g, rtol=0, atol=1e-6)
+
+
 def test_a_dense_model_gets_no_mask():
     batch = {"padding_mask": torch.ones(2, 4, dtype=torch.bool)}
     assert routing_padding(moe_config(moe=False), object(), batch) == {}
