@@ -265,20 +265,22 @@ def test_the_data_marks_padding():
 
 
 @pytest.mark.benchmark
+@pytest.mark.parametrize("mtp", [[], ["--mtp_num_layers", "1"]], ids=["", "mtp"])
 @pytest.mark.parametrize("layout, compared", [
     (["--context_parallel_size", "2"], ("loss", "load_balancing_loss", "grad_norm")),
     # sft at TP=2 with sequence parallelism is 6e-5 off one rank's gradient norm at step 1
     # with or without the padding mask: not a routing matter, so not compared here
     (["--tensor_model_parallel_size", "2", "--sequence_parallel"],
      ("loss", "load_balancing_loss"))], ids=["cp2", "tp2_sp"])
-def test_padded_sft_on_two_ranks_routes_as_one_rank(tmp_path, layout, compared):
+def test_padded_sft_on_two_ranks_routes_as_one_rank(tmp_path, layout, compared, mtp):
     """sft rows padded to the longest of their micro-batch, at CP=2 further to a multiple of
     2 x CP positions (TP=2 with sequence parallelism: of TP), and each rank holding a
     different share of the padding: with the padding left out of routing, two ranks give one
     rank's LM loss, load-balancing loss and (CP) gradient norms (the z-loss's gradient with
     them), with the expert-bias update on, which moves the routing from step 2 by the
     counts. The logged z-loss is not compared: there it averages the ranks' means over their
-    real tokens, which differ in number (docs/models.md)."""
+    real tokens, which differ in number (docs/models.md). With an MoE MTP layer (its mask
+    rolled over the CP ranks, or split over the TP ranks) its loss is compared too."""
     import json
     import random
 
@@ -294,7 +296,9 @@ def test_padded_sft_on_two_ranks_routes_as_one_rank(tmp_path, layout, compared):
     flags = [*MOE, "--moe_ffn_hidden_size", "32", "--moe_router_bias_update_rate", "0.05",
              "--moe_aux_loss_coeff", "0.1", "--moe_z_loss_coeff", "0.01", "--dataset", data,
              "--template", "plain", "--seq_length", "64", "--train_iters", "3", "--no_save",
-             "--global_batch_size", "4", "--hidden_dropout", "0", "--attention_dropout", "0"]
+             "--global_batch_size", "4", "--hidden_dropout", "0", "--attention_dropout", "0",
+             *mtp]
+    compared = compared + (("mtp_loss",) if mtp else ())
     run_sft(tmp_path / "one", *flags)
     run_sft(tmp_path / "two", *flags, *layout, nproc=2)
     ref, got = train_records(tmp_path / "one"), train_records(tmp_path / "two")
