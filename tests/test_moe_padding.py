@@ -90,6 +90,57 @@ def test_padded_rows_route_as_the_unpadded_rows(moe):
         torch.testing.assert_close(g_p, g, rtol=0, atol=1e-6)
 
 
+def test_padded_rows_route_as_the_unpadded_rows_in_the_mtp_layer(gloo_group):
+    """A DeepSeek-V3-style model (sigmoid routing with the expert bias) with one MoE MTP
+    layer: the same two rows alone and padded (with a pad id other than the zero megatron
+    fills rolled places with) give equal router losses, tokens per expert and router
+    gradients in every layer, the MTP layer's included, which routes each row's positions
+    but its last (whose next token lies past the row)."""
+    from swift_mcore.models.gpt import build_model
+    from swift_mcore.runtime.seed import set_seed
+
+    config = resolve(parse_args([
+        "--num_layers", "1", "--hidden_size", "32", "--num_attention_heads", "4",
+        "--seq_length", str(PADDED), "--micro_batch_size", "2", "--global_batch_size", "2",
+        "--mtp_num_layers", "1", *MOE]), world_size=1, cuda=False).complete(VOCAB, None)
+    set_seed(1)
+    model = build_model(config)[0]
+    model.train()
+    routers = [model.decoder.layers[0].mlp.router,
+               model.mtp.layers[0].transformer_layer.mlp.router]
+    masks = [np.ones(LENGTH + 1)] * 2
+
+    def routed(batch):
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.clear_aux_losses_tracker()
+        for router in routers:
+            router.local_tokens_per_expert.zero_()
+        model.zero_grad()
+        losses = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                       attention_mask=None, labels=batch["labels"],
+                       loss_mask=batch["loss_mask"], **routing_padding(config, model, batch))
+        (losses * batch["loss_mask"]).sum().backward()
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        stats = {name: entry["values"].clone() for name, entry in tracker.items()}
+        moe_utils.clear_aux_losses_tracker()
+        return (stats, [r.local_tokens_per_expert.clone() for r in routers],
+                [r.weight.grad.clone() for r in routers])
+
+    plain, _ = lay_out(sequences(), pad_id=7, masks=masks)
+    padded, _ = lay_out(sequences(), pad_id=7, masks=masks, pad_to=PADDED)
+    stats, counts, grads = routed(plain)
+    stats_p, counts_p, grads_p = routed(padded)
+    assert counts[0].sum() == 2 * LENGTH * 2 and counts[1].sum() == 2 * (LENGTH - 1) * 2
+    assert [c.tolist() for c in counts_p] == [c.tolist() for c in counts]
+    assert set(stats) == set(stats_p) == {"load_balancing_loss", "z_loss"}
+    for name in stats:
+        assert stats[name][1] > 0  # the MTP layer's
+        torch.testing.assert_close(stats_p[name], stats[name], rtol=0, atol=1e-6)
+    for g, g_p in zip(grads, grads_p):
+        torch.testing.assert_close(g_p, g, rtol=0, atol=1e-6)
+
+
 def test_a_dense_model_gets_no_mask():
     batch = {"padding_mask": torch.ones(2, 4, dtype=torch.bool)}
     assert routing_padding(moe_config(moe=False), object(), batch) == {}
@@ -214,20 +265,22 @@ def test_the_data_marks_padding():
 
 
 @pytest.mark.benchmark
+@pytest.mark.parametrize("mtp", [[], ["--mtp_num_layers", "1"]], ids=["", "mtp"])
 @pytest.mark.parametrize("layout, compared", [
     (["--context_parallel_size", "2"], ("loss", "load_balancing_loss", "grad_norm")),
     # sft at TP=2 with sequence parallelism is 6e-5 off one rank's gradient norm at step 1
     # with or without the padding mask: not a routing matter, so not compared here
     (["--tensor_model_parallel_size", "2", "--sequence_parallel"],
      ("loss", "load_balancing_loss"))], ids=["cp2", "tp2_sp"])
-def test_padded_sft_on_two_ranks_routes_as_one_rank(tmp_path, layout, compared):
+def test_padded_sft_on_two_ranks_routes_as_one_rank(tmp_path, layout, compared, mtp):
     """sft rows padded to the longest of their micro-batch, at CP=2 further to a multiple of
     2 x CP positions (TP=2 with sequence parallelism: of TP), and each rank holding a
     different share of the padding: with the padding left out of routing, two ranks give one
     rank's LM loss, load-balancing loss and (CP) gradient norms (the z-loss's gradient with
     them), with the expert-bias update on, which moves the routing from step 2 by the
     counts. The logged z-loss is not compared: there it averages the ranks' means over their
-    real tokens, which differ in number (docs/models.md)."""
+    real tokens, which differ in number (docs/models.md). With an MoE MTP layer (its mask
+    rolled over the CP ranks, or split over the TP ranks) its loss is compared too."""
     import json
     import random
 
@@ -243,11 +296,49 @@ def test_padded_sft_on_two_ranks_routes_as_one_rank(tmp_path, layout, compared):
     flags = [*MOE, "--moe_ffn_hidden_size", "32", "--moe_router_bias_update_rate", "0.05",
              "--moe_aux_loss_coeff", "0.1", "--moe_z_loss_coeff", "0.01", "--dataset", data,
              "--template", "plain", "--seq_length", "64", "--train_iters", "3", "--no_save",
-             "--global_batch_size", "4", "--hidden_dropout", "0", "--attention_dropout", "0"]
+             "--global_batch_size", "4", "--hidden_dropout", "0", "--attention_dropout", "0",
+             *mtp]
+    compared = compared + (("mtp_loss",) if mtp else ())
     run_sft(tmp_path / "one", *flags)
     run_sft(tmp_path / "two", *flags, *layout, nproc=2)
     ref, got = train_records(tmp_path / "one"), train_records(tmp_path / "two")
     assert [r["iteration"] for r in got] == [1, 2, 3]
     for r, g in zip(ref, got):
         for key in compared:
+            assert abs(g[key] - r[key]) <= 1e-5, (g["iteration"], key, g[key], r[key])
+
+
+@pytest.mark.benchmark
+def test_padded_sft_with_an_mtp_layer_on_a_later_stage_routes_as_one_rank(tmp_path):
+    """PP=2 x TP=2 with sequence parallelism: the MTP stage gets the padding mask already
+    split over its TP ranks (training/moe_padding.py) and gathers it back to roll it for
+    its MTP layer; from a one-rank checkpoint its LM, MTP and load-balancing losses are the
+    one-rank run's (without the MTP layer's mask the load-balancing loss is 1.5e-3 off).
+    The gradient norm is not compared (TP=2 with sequence parallelism, above)."""
+    import json
+    import random
+
+    from run_helpers import run_sft, train_records
+
+    rng = random.Random(3)
+    words = "alpha beta gamma delta river stone cloud paper orange silver seven north".split()
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": role, "content": " ".join(rng.choice(words)
+                                           for _ in range(rng.randint(1, 9)))}
+        for role in ("user", "assistant")]}) + "\n" for _ in range(24)))
+    flags = [*MOE, "--moe_ffn_hidden_size", "32", "--moe_router_bias_update_rate", "0.05",
+             "--moe_aux_loss_coeff", "0.1", "--moe_z_loss_coeff", "0.01", "--dataset", data,
+             "--template", "plain", "--seq_length", "64", "--train_iters", "3",
+             "--global_batch_size", "4", "--hidden_dropout", "0", "--attention_dropout", "0",
+             "--num_layers", "4", "--mtp_num_layers", "1"]
+    run_sft(tmp_path / "one", *flags, "--save_steps", "1")
+    run_sft(tmp_path / "four", *flags, "--pipeline_model_parallel_size", "2",
+            "--tensor_model_parallel_size", "2", "--sequence_parallel", "--no_save",
+            "--resume", tmp_path / "one" / "checkpoint" / "iter_0000001", nproc=4,
+            timeout=600)
+    ref, got = train_records(tmp_path / "one")[1:], train_records(tmp_path / "four")
+    assert [r["iteration"] for r in got] == [2, 3]
+    for r, g in zip(ref, got):
+        for key in ("loss", "mtp_loss", "load_balancing_loss"):
             assert abs(g[key] - r[key]) <= 1e-5, (g["iteration"], key, g[key], r[key])

@@ -46,10 +46,6 @@ def test_mtp_loss_is_logged_apart_and_trains_the_model(tmp_path, gloo_group, dat
     (dict(mtp_loss_scaling_factor=0.3),
      r"^--mtp_loss_scaling_factor weighs the multi-token prediction loss: it needs "
      r"--mtp_num_layers N > 0$"),
-    (dict(mtp_num_layers=1, pipeline_model_parallel_size=2, world_size=2, num_layers=4,
-          num_layers_per_virtual_pipeline_stage=1),
-     r"^--mtp_num_layers 1 with virtual pipeline stages \(the interleaved schedule\): not "
-     r"supported yet"),
     (dict(mtp_num_layers=1, recompute_granularity="full", recompute_method="uniform",
           recompute_num_layers=2),
      r"^--mtp_num_layers 1 with --recompute_method uniform needs --recompute_num_layers 1"),
@@ -63,6 +59,61 @@ def test_what_mtp_does_not_run_with_is_refused(flags, message):
     with pytest.raises(ArgumentError, match=message):
         resolve(RunArguments.from_flags(**{"num_layers": 2, "global_batch_size": 8, **flags}),
                 world_size=world_size)
+
+
+def test_mtp_with_the_interleaved_pipeline_is_accepted():
+    """megatron builds the MTP block (and its embedding copy) on the last rank's last virtual
+    chunk (get_mtp_num_layers_to_build asks is_pipeline_last_stage with the chunk's vp_stage)
+    and reduces that copy's gradient with the first stage's (finalize_model_grads takes
+    model[-1] there); test_interleaved_pipeline_gives_the_one_rank_losses runs it."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    config = resolve(RunArguments.from_flags(
+        num_layers=4, global_batch_size=8, mtp_num_layers=1, pipeline_model_parallel_size=2,
+        num_layers_per_virtual_pipeline_stage=1), world_size=2)
+    assert config.model.mtp_num_layers == 1
+
+
+@pytest.mark.benchmark  # outside the suite's time budget: run with -m benchmark
+def test_interleaved_pipeline_gives_the_one_rank_losses_resumes_and_reshards(tmp_path, data):
+    """PP=2 x 2 virtual stages with one MTP layer (on rank 1's second chunk, beside a copy of
+    the embedding): from a one-rank checkpoint (resharded into the four chunks) its LM and
+    MTP losses and gradient norms are the one-rank run's, its own checkpoint resumes bit for
+    bit, and continues at PP=1 with the same losses."""
+    from run_helpers import run_pt
+
+    shape = ["--dataset", data, "--num_layers", "4", "--train_iters", "4",
+             "--mtp_num_layers", "1", "--hidden_dropout", "0", "--attention_dropout", "0"]
+    vpp = ["--pipeline_model_parallel_size", "2", "--num_virtual_stages_per_pipeline_rank",
+           "2"]
+    keys = ("loss", "mtp_loss", "grad_norm")
+
+    def records(out):
+        return {r["iteration"]: r for r in train_records(out)}
+
+    def close(got, ref):
+        for it, record in got.items():
+            for key in keys:
+                assert abs(record[key] - ref[it][key]) <= 1e-5, (it, key, record, ref[it])
+
+    run_pt(tmp_path / "one", *shape, "--save_steps", "1")
+    run_pt(tmp_path / "vpp", *shape, *vpp, "--save_steps", "2", "--resume",
+           tmp_path / "one" / "checkpoint" / "iter_0000001", nproc=2, timeout=600)
+    ref, got = records(tmp_path / "one"), records(tmp_path / "vpp")
+    assert sorted(got) == [2, 3, 4]
+    close(got, ref)
+    saved = tmp_path / "vpp" / "checkpoint" / "iter_0000002"
+    run_pt(tmp_path / "again", *shape, *vpp, "--no_save", "--resume", saved, nproc=2,
+           timeout=600)
+    again = records(tmp_path / "again")
+    assert sorted(again) == [3, 4]
+    for it, record in again.items():
+        assert all(record[key] == got[it][key] for key in keys), (record, got[it])
+    run_pt(tmp_path / "pp1", *shape, "--no_save", "--resume", saved)
+    flat = records(tmp_path / "pp1")
+    assert sorted(flat) == [3, 4]
+    close(flat, got)
 
 
 def test_mtp_with_rlhf_or_packed_mrope_rows_is_refused(tmp_path):

@@ -559,9 +559,10 @@ class RunArguments:
 
     def check_mtp(self) -> None:
         """Multi-token prediction (--mtp_num_layers): what swift-mcore runs it with so far.
-        megatron places every MTP layer on the last pipeline stage, with a copy of the
-        embedding there (tested at PP=2, and TP=2 with sequence parallelism); it runs with
-        LoRA, context parallelism and packed rows too; the interleaved schedule not yet."""
+        megatron places every MTP layer on the last pipeline stage (the last rank's last
+        virtual chunk under the interleaved schedule), with a copy of the embedding there
+        (tested at PP=2, PP=2 x 2 virtual stages, and TP=2 with sequence parallelism); it
+        runs with LoRA, context parallelism and packed rows too."""
         m, p, t = self.model, self.parallel, self.training
         if not m.mtp_num_layers:
             # (a saved run's flags, all explicit, hold the default)
@@ -572,10 +573,6 @@ class RunArguments:
             return
         n = f"--mtp_num_layers {m.mtp_num_layers}"
         refusals = [
-            (p.pipeline_model_parallel_size > 1 and bool(self.virtual_stages()),
-             f"{n} with virtual pipeline stages (the interleaved schedule): not supported "
-             f"yet; drop --num_layers_per_virtual_pipeline_stage / "
-             f"--num_virtual_stages_per_pipeline_rank"),
             (self.COMMAND == "rlhf",
              f"{n} with rlhf: the preference loss has no multi-token prediction term; drop "
              f"the flag (or give 0 to leave a folder's MTP layers out)"),

@@ -2,8 +2,8 @@
 (one check refuses any other unless SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1), the module
 look-alike a patched megatron module gets in place of torch or numpy, and the fixes every
 machine needs, CPU or GPU: the MoE router's GEMM without Transformer Engine and its padding
-mask, and the distributed optimizer's reshardable checkpoint with more than one gradient
-bucket."""
+mask (the multi-token-prediction layers' too), and the distributed optimizer's reshardable
+checkpoint with more than one gradient bucket."""
 
 from __future__ import annotations
 
@@ -101,6 +101,106 @@ def fix_router_padding_mask() -> None:
         return per_expert, local, total
 
     router.get_tokens_per_expert_and_token_count = get_tokens_per_expert_and_token_count
+
+
+def pass_padding_mask_to_mtp_layers() -> None:
+    """megatron-core 0.16.1's GPTModel hands the padding mask (``padding_mask``, True at
+    padding) to its decoder alone: the MTP block's forward (multi_token_prediction.py:1077)
+    and each MTP layer's (861) take none, so the routers of MoE multi-token-prediction layers
+    counted padding in their load-balancing loss, z-loss and expert-bias token counts. Here
+    each MTP layer's transformer layer gets a mask too.
+
+    MTP layer k (megatron's layer_number, from 1) reads at position i the decoder's hidden
+    state of position i and the embedding of token i + k: megatron rolls the input ids, the
+    labels and the loss mask one place left per layer, zero-filling the last place
+    (roll_tensor). A position is real there only when both are: the mask of layer k is the
+    real positions rolled as megatron rolls them (its roll_tensor, so over the CP ranks, and
+    within conversations for packed rows, models/gpt.py), ANDed at each step, so position i
+    counts iff positions i..i + k are real. An unpadded row's last k positions, whose inputs
+    megatron zero-fills and whose targets lie past the row, count no more than a padded
+    row's pads: the same rows padded or not route alike. Under sequence parallelism the mask
+    is split over the TP ranks as the layer's hidden states are (after eh_proj); the mask
+    is bound into the layer's forward function, so a recomputed layer reuses it."""
+    import contextvars
+    import functools
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer import multi_token_prediction as mtp_module
+
+    original_forward = GPTModel.forward
+    if hasattr(original_forward, "_swift_mcore_original"):
+        return
+    require_tested_version("multi-token prediction with a padding mask",
+                           "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+    import torch
+
+    padding = contextvars.ContextVar("swift_mcore_mtp_padding_mask", default=None)
+
+    @functools.wraps(original_forward)
+    def forward(self, *args, **kwargs):
+        mask = kwargs.get("padding_mask")
+        if mask is None or not getattr(self, "mtp_process", False):
+            return original_forward(self, *args, **kwargs)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.config.sequence_parallel and input_ids is not None \
+                and mask.shape[-1] != input_ids.shape[-1]:
+            # split over the TP ranks already (a later pipeline stage: training/moe_padding)
+            from megatron.core import tensor_parallel
+
+            mask = tensor_parallel.gather_from_sequence_parallel_region(
+                mask.transpose(0, 1).contiguous().to(torch.uint8),
+                tensor_parallel_output_grad=False).transpose(0, 1).bool()
+        token = padding.set(mask)
+        try:
+            return original_forward(self, *args, **kwargs)
+        finally:
+            padding.reset(token)
+
+    forward._swift_mcore_original = original_forward
+    GPTModel.forward = forward
+
+    layer_class = mtp_module.MultiTokenPredictionLayer
+    original_layer_forward = layer_class.forward
+    original_inner = layer_class._proj_and_transformer_layer
+
+    def mtp_layer_mask(layer, mask):
+        real = (~mask).to(torch.int32)
+        for _ in range(layer.layer_number):
+            rolled, _ = mtp_module.roll_tensor(real, shifts=-1, dims=-1,
+                                               cp_group=layer.cp_group)
+            real = real * rolled
+        out = real == 0
+        if layer.config.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            out = tensor_parallel.scatter_to_sequence_parallel_region(
+                out.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+        return out
+
+    def proj_and_transformer_layer(self, *args, padding_mask=None, **kwargs):
+        handle = self.transformer_layer.register_forward_pre_hook(
+            lambda module, a, kw: (a, {**kw, "padding_mask": padding_mask}), with_kwargs=True)
+        try:
+            return original_inner(self, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    @functools.wraps(original_layer_forward)
+    def layer_forward(self, *args, **kwargs):
+        mask = padding.get()
+        if mask is None or kwargs.get("packed_seq_params") is not None:
+            return original_layer_forward(self, *args, **kwargs)
+        # megatron's forward calls (or checkpoints) self._proj_and_transformer_layer: this
+        # call's is bound to this layer's mask
+        self._proj_and_transformer_layer = functools.partial(
+            proj_and_transformer_layer, self, padding_mask=mtp_layer_mask(self, mask))
+        try:
+            return original_layer_forward(self, *args, **kwargs)
+        finally:
+            del self._proj_and_transformer_layer
+
+    layer_forward._swift_mcore_original = original_layer_forward
+    layer_class.forward = layer_forward
 
 
 def patch_mla_without_te() -> None:

@@ -8,9 +8,10 @@ the mask down its decoder to each MoE layer and, under sequence parallelism, spl
 the tensor-parallel ranks as it splits the embedding, but only where it embeds the tokens
 itself: a later pipeline stage, or a vision-language model that hands its own embedding
 in, gets it split here. Context parallelism splits it with the tokens
-(trainer.on_this_cp_rank). megatron's MTP block does not take the mask: the routers of MoE
-multi-token-prediction layers still count padding. A dense model gets nothing (its layers
-would ignore the mask).
+(trainer.on_this_cp_rank). megatron's MTP block does not take the mask: each MTP layer
+gets its own, rolled as its inputs are (runtime/mcore_adaptation.py
+pass_padding_mask_to_mtp_layers). A dense model gets nothing (its layers would ignore the
+mask).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from .fused_adamw import clip_in_step
 from ..mcore_adaptation import (
     ModuleProxy,
     fix_router_padding_mask,
+    pass_padding_mask_to_mtp_layers,
     patch_mla_without_te,
     patch_router_gemm_without_te,
     require_tested_version,
@@ -290,6 +291,7 @@ def activate() -> bool:
     patch_router_gemm_without_te()  # a GPU without Transformer Engine needs it too
     patch_mla_without_te()
     fix_router_padding_mask()
+    pass_padding_mask_to_mtp_layers()
     if not needed():
         return False
     if _ACTIVE:
