@@ -1,0 +1,117 @@
+"""The interleaved pipeline with mixture-of-experts models (PP=2 x 2 virtual stages on 2
+gloo ranks): a Qwen3-MoE-style model (softmax top-k, load-balancing and z-loss) and a
+DeepSeek-V3-style one (sigmoid routing with the expert bias, a dense first layer, a shared
+expert, a MoE MTP layer) give the one-rank LM loss, router losses as logged and gradient
+norms, keep the expert bias of every chunk as one rank does, resume bit for bit, and
+continue at PP=1."""
+
+import os
+
+import pytest
+
+from run_helpers import run_pt, train_records
+from swift_mcore.arguments import RunArguments
+from swift_mcore.run_config import resolve
+
+# 4 layers: one per chunk (rank 0: layers 0 and 2, rank 1: layers 1 and 3, and the MTP
+# layer on rank 1's last chunk); 4 micro-batches per iteration, two groups of PP
+SHAPE = ["--num_layers", "4", "--train_iters", "4"]
+VPP = ["--pipeline_model_parallel_size", "2", "--num_virtual_stages_per_pipeline_rank", "2"]
+EXPERTS = ["--num_experts", "4", "--moe_router_topk", "2", "--moe_ffn_hidden_size", "32"]
+FAMILIES = {
+    "qwen3_moe": [*EXPERTS, "--moe_aux_loss_coeff", "0.1", "--moe_z_loss_coeff", "0.01"],
+    # the bias moves 0.01 a step so that it changes the routing within these few steps
+    "deepseek_v3": [*EXPERTS, "--moe_router_score_function", "sigmoid",
+                    "--moe_router_enable_expert_bias", "--moe_router_bias_update_rate", "0.01",
+                    "--moe_layer_freq", "[0,1,1,1]", "--moe_shared_expert_intermediate_size",
+                    "32", "--moe_router_load_balancing_type", "seq_aux_loss",
+                    "--moe_aux_loss_coeff", "0.01", "--moe_router_topk_scaling_factor", "2.5",
+                    "--mtp_num_layers", "1"],
+}
+LOGGED = {"qwen3_moe": ("loss", "grad_norm", "load_balancing_loss", "z_loss"),
+          "deepseek_v3": ("loss", "grad_norm", "seq_load_balancing_loss", "mtp_loss")}
+
+
+def records(out):
+    return {r["iteration"]: r for r in train_records(out)}
+
+
+def expert_biases(folder, scratch):
+    """Every router's expert bias in a checkpoint, by name."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from swift_mcore.checkpointing import safe_load
+
+    flat = str(scratch / f"{os.path.basename(os.path.dirname(os.path.dirname(folder)))}.pt")
+    dcp_to_torch_save(folder, flat)
+    found = {}
+
+    def walk(d, prefix=""):
+        for key, value in d.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif torch.is_tensor(value) and str(key).endswith("expert_bias"):
+                found[prefix + str(key)] = value
+
+    walk(safe_load.torch_load(flat, flat, extra=safe_load.common_pt_extra()
+                              + safe_load.rng_state_extra()))
+    return found
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_interleaved_moe_gives_the_one_rank_run_and_resumes_exactly(family, tmp_path):
+    moe = FAMILIES[family]
+    one, vpp, again, pp1 = (tmp_path / name for name in ("one", "vpp", "again", "pp1"))
+    run_pt(one, *SHAPE, *moe, "--save_steps", "1")
+    run_pt(vpp, *SHAPE, *moe, *VPP, "--save_steps", "2",
+           "--resume", one / "checkpoint" / "iter_0000001", nproc=2, timeout=600)
+    ref, got = records(one), records(vpp)
+    assert sorted(got) == [2, 3, 4]
+    for it in got:
+        for key in LOGGED[family]:
+            assert abs(got[it][key] - ref[it][key]) <= 1e-5, (it, key, got[it][key],
+                                                              ref[it][key])
+    saved = vpp / "checkpoint" / "iter_0000002"
+    run_pt(again, *SHAPE, *moe, *VPP, "--save_steps", "2", "--resume", saved, nproc=2,
+           timeout=600)
+    resumed = records(again)
+    assert sorted(resumed) == [3, 4]
+    for it in resumed:
+        for key in LOGGED[family]:
+            assert resumed[it][key] == got[it][key], (it, key)
+    run_pt(pp1, *SHAPE, *moe, "--no_save", "--resume", saved)
+    flat = records(pp1)
+    assert sorted(flat) == [3, 4]
+    for it in flat:
+        for key in LOGGED[family]:
+            assert abs(flat[it][key] - got[it][key]) <= 1e-5, (it, key)
+    if family != "deepseek_v3":
+        return
+    # every MoE layer's bias, the MTP layer's included, updated in each of the chunks as on
+    # one rank (megatron's finalize_model_grads over all chunks), saved and resumed exactly
+    last = os.path.join("checkpoint", "iter_0000004")
+    biases = {name: expert_biases(str(out / last), tmp_path)
+              for name, out in (("one", one), ("vpp", vpp), ("again", again))}
+    assert sorted(biases["one"]) == sorted(biases["vpp"]) == sorted(biases["again"]) == [
+        "decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.mlp.router.expert_bias",
+        "decoder.layers.3.mlp.router.expert_bias",
+        "mtp.layers.0.transformer_layer.mlp.router.expert_bias"]
+    for name, bias in biases["one"].items():
+        assert bias.abs().sum() > 0, (name, bias)
+        assert bias.tolist() == biases["vpp"][name].tolist() == biases["again"][name].tolist(
+        ), (name, bias, biases["vpp"][name], biases["again"][name])
+
+
+SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, micro_batch_size=1,
+             global_batch_size=4, pipeline_model_parallel_size=2,
+             num_virtual_stages_per_pipeline_rank=2, num_experts=4, moe_ffn_hidden_size=32)
+
+
+@pytest.mark.parametrize("flags", [{}, {"moe_layer_freq": "[0,1,1,1]", "mtp_num_layers": 1,
+                                        "moe_router_score_function": "sigmoid",
+                                        "moe_router_enable_expert_bias": True}])
+def test_moe_models_take_the_interleaved_schedule(flags):
+    config = resolve(RunArguments.from_flags(**SMALL, **flags), world_size=2, cuda=False)
+    assert config.args.virtual_stages() == 2
