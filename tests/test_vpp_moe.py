@@ -115,3 +115,34 @@ SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, micro_batch_si
 def test_moe_models_take_the_interleaved_schedule(flags):
     config = resolve(RunArguments.from_flags(**SMALL, **flags), world_size=2, cuda=False)
     assert config.args.virtual_stages() == 2
+
+
+@pytest.mark.benchmark
+def test_interleaved_moe_with_expert_parallelism_on_four_ranks(tmp_path):
+    """PP=2 x 2 virtual stages x EP=2 (DP=2, the experts of each layer split over the two
+    data-parallel ranks of a stage) with the DeepSeek-V3-style model: the one-rank losses
+    from the same weights, and its checkpoint resumes bit for bit, expert biases included."""
+    moe = FAMILIES["deepseek_v3"]
+    layout = [*VPP, "--expert_model_parallel_size", "2"]
+    one, ep, again = tmp_path / "one", tmp_path / "ep", tmp_path / "again"
+    run_pt(one, *SHAPE, *moe, "--save_steps", "1")
+    proc = run_pt(ep, *SHAPE, *moe, *layout, "--save_steps", "2",
+                  "--resume", one / "checkpoint" / "iter_0000001", nproc=4, timeout=900)
+    assert "PP 2 x DP 2 (EP 2)" in proc.stdout
+    ref, got = records(one), records(ep)
+    assert sorted(got) == [2, 3, 4]
+    for it in got:
+        for key in LOGGED["deepseek_v3"]:
+            assert abs(got[it][key] - ref[it][key]) <= 1e-5, (it, key, got[it][key],
+                                                              ref[it][key])
+    run_pt(again, *SHAPE, *moe, *layout, "--save_steps", "2",
+           "--resume", ep / "checkpoint" / "iter_0000002", nproc=4, timeout=900)
+    resumed = records(again)
+    assert sorted(resumed) == [3, 4]
+    assert all(resumed[it][key] == got[it][key] for it in resumed
+               for key in LOGGED["deepseek_v3"]), (resumed, got)
+    last = os.path.join("checkpoint", "iter_0000004")
+    biases = [expert_biases(str(out / last), tmp_path) for out in (one, ep, again)]
+    assert len(biases[0]) == 4 and all(b.abs().sum() > 0 for b in biases[0].values())
+    for name, bias in biases[0].items():
+        assert bias.tolist() == biases[1][name].tolist() == biases[2][name].tolist(), name
