@@ -712,7 +712,8 @@ class RunArguments:
         refused = (
             # rlhf's --model loads into the chunks (tests/rlhf/test_rlhf_pipeline.py)
             ("model", bool(m.model) and self.COMMAND != "rlhf"),
-            ("tuner_type lora", self.tuner.tuner_type == "lora"))
+            ("tuner_type lora", self.tuner.tuner_type == "lora"),
+        )
         for name, active in refused:
             if active:
                 raise ArgumentError(f"--{given[0]} with --{name} is not supported yet; drop "
