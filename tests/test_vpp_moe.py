@@ -183,3 +183,24 @@ def test_padded_sft_routes_as_one_rank_in_every_chunk(tmp_path):
         for key in ("loss", "mtp_loss", "load_balancing_loss", "z_loss", "grad_norm"):
             assert abs(got[it][key] - ref[it][key]) <= 1e-5, (it, key, got[it][key],
                                                               ref[it][key])
+
+
+@pytest.mark.benchmark
+def test_uneven_interleaved_moe_stages_give_the_one_rank_losses(tmp_path):
+    """A 4-layer first stage of 6 layers in 2 virtual stages (rank 0: layers 0-1 and 3-4,
+    rank 1: layers 2 and 5), the first layer dense: each chunk builds its own slice of
+    --moe_layer_freq, and from a one-rank checkpoint the run gives the one-rank losses."""
+    moe = [*EXPERTS, "--moe_router_score_function", "sigmoid",
+           "--moe_router_enable_expert_bias", "--moe_router_bias_update_rate", "0.01",
+           "--moe_layer_freq", "[0,1,1,1,1,1]", "--moe_aux_loss_coeff", "0.01",
+           "--moe_z_loss_coeff", "0.01"]
+    shape = ["--num_layers", "6", "--train_iters", "3"]
+    one, vpp = tmp_path / "one", tmp_path / "vpp"
+    run_pt(one, *shape, *moe, "--save_steps", "1")
+    run_pt(vpp, *shape, *moe, *VPP, "--decoder_first_pipeline_num_layers", "4", "--no_save",
+           "--resume", one / "checkpoint" / "iter_0000001", nproc=2, timeout=600)
+    ref, got = records(one), records(vpp)
+    assert sorted(got) == [2, 3]
+    for it in got:
+        for key in ("loss", "grad_norm", "load_balancing_loss", "z_loss"):
+            assert abs(got[it][key] - ref[it][key]) <= 1e-5, (it, key)
