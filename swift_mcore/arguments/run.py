@@ -713,7 +713,7 @@ class RunArguments:
             # rlhf's --model loads into the chunks (tests/rlhf/test_rlhf_pipeline.py)
             ("model", bool(m.model) and self.COMMAND != "rlhf"),
             ("tuner_type lora", self.tuner.tuner_type == "lora"),
-            ("num_experts", m.num_experts is not None))
+        )
         for name, active in refused:
             if active:
                 raise ArgumentError(f"--{given[0]} with --{name} is not supported yet; drop "
