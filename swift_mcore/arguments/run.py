@@ -709,12 +709,10 @@ class RunArguments:
                 f"--{given[0]}: the interleaved schedule runs the micro-batches in groups of "
                 f"--pipeline_model_parallel_size ({pp}); this run has {micro} per iteration "
                 f"(--global_batch_size / (--micro_batch_size x DP)): make it a multiple")
-        # --model loads into the chunks and pt/sft's LoRA adapts each
-        # (tests/models/test_vpp_model.py, tests/rlhf/test_rlhf_pipeline.py)
+        # --model loads into the chunks and LoRA adapts each (tests/models/test_vpp_model.py,
+        # tests/rlhf/test_rlhf_pipeline.py)
         refused = (
-            # rlhf's reference through the chunks' disabled adapters is not tested yet
-            ("tuner_type lora", self.tuner.tuner_type == "lora" and self.COMMAND == "rlhf"),
-            ("num_experts", m.num_experts is not None))
+            ("num_experts", m.num_experts is not None),)
         for name, active in refused:
             if active:
                 raise ArgumentError(f"--{given[0]} with --{name} is not supported yet; drop "

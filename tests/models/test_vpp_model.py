@@ -111,8 +111,8 @@ def test_hf_weights_and_adapters_land_in_every_chunk_as_megatron_numbers_its_lay
 
     def built(world, **flags):
         config = resolve(SftArguments.from_flags(
-            model=str(folder), dataset=str(deep_hf[1]), seq_length=32, micro_batch_size=1, global_batch_size=4,
-            train_iters=1, **LORA, **flags), world_size=world, cuda=False).complete(320, None)
+            model=str(folder), dataset=str(deep_hf[1]), seq_length=32, micro_batch_size=1,
+            global_batch_size=4, train_iters=1, **LORA, **flags), world_size=world, cuda=False).complete(320, None)
         seed.set_seed(1)
         chunks = build_model(config)
         load_hf_weights(config, chunks, log=quiet)
