@@ -35,6 +35,15 @@ def deep_hf(tmp_path_factory):
 WORDS = ["add", "one", "two", "def", "return", "b"]
 
 
+@pytest.fixture(scope="module")
+def tied_hf(deep_hf):
+    """A 4-layer tiny Qwen2 of tied embeddings: its output layer is the embedding, which at
+    PP=2 x 2 lives on rank 0's first chunk and rank 1's last."""
+    folder = deep_hf[0].parent / "tied"
+    H.make_family(str(folder), "qwen2", initializer_range=0.02, num_hidden_layers=4)
+    return folder
+
+
 @pytest.mark.parametrize("cls, extra", [(SftArguments, {}), (RunArguments, {}),
                                         (SftArguments, LORA), (RunArguments, LORA)],
                          ids=["sft", "pt", "sft_lora", "pt_lora"])
@@ -175,7 +184,7 @@ def lora_line(stdout):
     return next(line for line in stdout.splitlines() if line.startswith("--tuner_type lora:"))
 
 
-TUNERS = {"full": [],
+TUNERS = {"full": [],  # on tied embeddings
           # the adapters start at zero: a larger step moves them
           "lora": ["--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "16",
                    "--lora_dropout", "0", "--lr", "1e-2", "--min_lr", "1e-2"]}
@@ -184,8 +193,9 @@ TUNERS = {"full": [],
 @pytest.mark.benchmark
 @pytest.mark.parametrize("tuner", sorted(TUNERS))
 def test_sft_from_a_hf_folder_gives_the_one_rank_run_resumes_and_exports(
-        tuner, deep_hf, tmp_path, train_here):
-    """sft --model at PP=2 x 2 virtual stages (full, and LoRA with adapters in every chunk):
+        tuner, deep_hf, tied_hf, tmp_path, train_here):
+    """sft --model at PP=2 x 2 virtual stages (full on tied embeddings, and LoRA with
+    adapters in every chunk):
     the one-rank losses within 1e-5 (and, with LoRA, its trainable-parameter count); its
     iteration-2 checkpoint resumed in new processes gives its own losses bit for bit; its
     final checkpoint exports (--to_hf, with LoRA --merge_lora and --to_peft) a folder whose
@@ -195,7 +205,7 @@ def test_sft_from_a_hf_folder_gives_the_one_rank_run_resumes_and_exports(
     from swift_mcore.export import run
     from swift_mcore.loaded_model import forward_logits, load_model
 
-    folder, data = deep_hf
+    folder, data = (tied_hf if tuner == "full" else deep_hf[0]), deep_hf[1]
     flags = sft_flags(folder, data, *TUNERS[tuner], "--save_steps", "2")
     one = train_here(tmp_path / "one", *flags, base=[]).stdout
     vpp = two_ranks(tmp_path / "vpp", *flags, *VPP)
