@@ -197,7 +197,8 @@ def test_sft_from_a_hf_folder_gives_the_one_rank_run_resumes_and_exports(
     """sft --model at PP=2 x 2 virtual stages (full on tied embeddings, and LoRA with
     adapters in every chunk):
     the one-rank losses within 1e-5 (and, with LoRA, its trainable-parameter count); its
-    iteration-2 checkpoint resumed in new processes gives its own losses bit for bit; its
+    iteration-2 checkpoint resumed in new processes gives its own losses bit for bit, the
+    one-rank run's resumed there the one-rank losses within 1e-5; its
     final checkpoint exports (--to_hf, with LoRA --merge_lora and --to_peft) a folder whose
     transformers logits are the checkpoint's and the one-rank run's export's within 1e-4
     (peft loads the adapter onto the base folder)."""
@@ -218,6 +219,12 @@ def test_sft_from_a_hf_folder_gives_the_one_rank_run_resumes_and_exports(
               "--resume", tmp_path / "vpp" / "checkpoint" / "iter_0000002")
     again = losses(tmp_path / "resumed")
     assert again == {3: got[3], 4: got[4]}
+    # the one-rank checkpoint (with LoRA its adapters and their Adam state) into the chunks
+    two_ranks(tmp_path / "resharded", *flags, *VPP, "--no_save",
+              "--resume", tmp_path / "one" / "checkpoint" / "iter_0000002")
+    resharded = losses(tmp_path / "resharded")
+    assert sorted(resharded) == [3, 4]
+    assert max(abs(resharded[i] - ref[i]) for i in resharded) < 1e-5, (resharded, ref)
 
     quiet = lambda line: None  # noqa: E731
     ids = H.tokens(vocab=300, length=32)
