@@ -563,7 +563,7 @@ class RunArguments:
         virtual chunk under the interleaved schedule), with a copy of the embedding there
         (tested at PP=2, PP=2 x 2 virtual stages, and TP=2 with sequence parallelism); it
         runs with LoRA, context parallelism and packed rows too."""
-        m, p, t = self.model, self.parallel, self.training
+        m, t = self.model, self.training
         if not m.mtp_num_layers:
             # (a saved run's flags, all explicit, hold the default)
             if "mtp_loss_scaling_factor" in self.explicit and m.mtp_loss_scaling_factor != \
@@ -683,7 +683,7 @@ class RunArguments:
     def check_virtual_pipeline(self, dp: int) -> None:
         """The interleaved schedule: PP > 1, equal chunks, and micro-batches that megatron's
         schedule can group by PP (its microbatch_group_size_per_vp_stage)."""
-        p, m, t = self.parallel, self.model, self.training
+        p, t = self.parallel, self.training
         given = [name for name in ("num_virtual_stages_per_pipeline_rank",
                                    "num_layers_per_virtual_pipeline_stage")
                  if getattr(p, name) is not None]
@@ -709,15 +709,6 @@ class RunArguments:
                 f"--{given[0]}: the interleaved schedule runs the micro-batches in groups of "
                 f"--pipeline_model_parallel_size ({pp}); this run has {micro} per iteration "
                 f"(--global_batch_size / (--micro_batch_size x DP)): make it a multiple")
-        refused = (
-            # rlhf's --model loads into the chunks (tests/rlhf/test_rlhf_pipeline.py)
-            ("model", bool(m.model) and self.COMMAND != "rlhf"),
-            ("tuner_type lora", self.tuner.tuner_type == "lora"),
-        )
-        for name, active in refused:
-            if active:
-                raise ArgumentError(f"--{given[0]} with --{name} is not supported yet; drop "
-                                    f"one of them")
 
     def check_moe(self, world_size: int) -> None:
         """The mixture-of-experts flags: experts, top-k, the layer pattern, and expert

@@ -210,6 +210,9 @@ def base_reference(flags, cuda: bool) -> str:
         return "sha256:" + folder_fingerprint(flags.model.model)
     p = flags.parallel
     layout = f"PP {p.pipeline_model_parallel_size}"
+    virtual = getattr(flags, "args", flags).virtual_stages()  # flags, or a RunConfig
+    if virtual:  # each rank draws its layers chunk by chunk: another initialization
+        layout += f" x {virtual} virtual stages"
     if cuda:  # on the GPU each TP rank initialises its own shard
         layout += f", TP {p.tensor_model_parallel_size}"
     return f"random initialization (--seed {flags.training.seed}, {layout})"

@@ -92,9 +92,6 @@ def test_packed_pipeline_parallel_gives_the_one_rank_losses(tiny_hf, tmp_path, g
     (["--packing", "--precompute_ref_log_probs"],
      r"^--packing with --precompute_ref_log_probs and --pipeline_model_parallel_size 2 is not "
      r"supported yet for rlhf; drop one of them$"),
-    (["--num_layers", "4", "--num_virtual_stages_per_pipeline_rank", "2", "--micro_batch_size",
-      "2", "--tuner_type", "lora"], r"^--num_virtual_stages_per_pipeline_rank with "
-                                    r"--tuner_type lora is not supported yet; drop one of them$"),
 ])
 def test_what_does_not_run_under_stages_is_refused(flags, message, tmp_path):
     from swift_mcore.arguments import RlhfArguments, parse_args

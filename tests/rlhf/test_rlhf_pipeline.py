@@ -106,6 +106,10 @@ INTERLEAVED = {
     "dpo_precompute": ["--precompute_ref_log_probs", "--micro_batch_size", "3",
                        "--global_batch_size", "6"],
 }
+# LoRA: adapters in every chunk, the reference the chunks with their adapters off (the
+# adapters start at zero: a larger step moves them)
+LORA = ["--tuner_type", "lora", "--lora_dropout", "0", "--lr", "1e-2", "--min_lr", "1e-2"]
+INTERLEAVED.update(dpo_lora=[*INTERLEAVED["dpo"], *LORA], kto_lora=[*INTERLEAVED["kto"], *LORA])
 
 
 @pytest.mark.benchmark
@@ -116,7 +120,7 @@ def test_the_interleaved_schedule_gives_the_one_rank_losses(task, deep_hf, tiny_
     from swift_mcore.cli import trainer_class
     from swift_mcore.run_config import resolve
 
-    data = kto_file if task == "kto" else tiny_hf[1]
+    data = kto_file if task.startswith("kto") else tiny_hf[1]
     flags = ["--model", deep_hf, "--dataset", data, "--train_iters", "3", "--no_save",
              *run_flags(*INTERLEAVED[task])]
     config = resolve(parse_args([*map(str, flags), "--output_dir", str(tmp_path / "one")],
