@@ -44,6 +44,17 @@ def tied_hf(deep_hf):
     return folder
 
 
+@pytest.fixture(scope="module")
+def moe_hf(deep_hf):
+    """A 4-layer tiny Qwen3-MoE (its norms and biases moved off their init values): LoRA on
+    attention and on every expert, in every chunk."""
+    from test_moe_families import make_moe
+
+    folder = deep_hf[0].parent / "moe"
+    make_moe(folder, "qwen3_moe", num_hidden_layers=4)
+    return folder
+
+
 @pytest.mark.parametrize("cls, extra", [(SftArguments, {}), (RunArguments, {}),
                                         (SftArguments, LORA), (RunArguments, LORA)],
                          ids=["sft", "pt", "sft_lora", "pt_lora"])
@@ -188,12 +199,13 @@ TUNERS = {"full": [],  # on tied embeddings
           # the adapters start at zero: a larger step moves them
           "lora": ["--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "16",
                    "--lora_dropout", "0", "--lr", "1e-2", "--min_lr", "1e-2"]}
+TUNERS["lora_moe"] = TUNERS["lora"]  # on the Qwen3-MoE folder, experts adapted too
 
 
 @pytest.mark.benchmark
 @pytest.mark.parametrize("tuner", sorted(TUNERS))
 def test_sft_from_a_hf_folder_gives_the_one_rank_run_resumes_and_exports(
-        tuner, deep_hf, tied_hf, tmp_path, train_here):
+        tuner, deep_hf, tied_hf, moe_hf, tmp_path, train_here):
     """sft --model at PP=2 x 2 virtual stages (full on tied embeddings, and LoRA with
     adapters in every chunk):
     the one-rank losses within 1e-5 (and, with LoRA, its trainable-parameter count); its
@@ -206,14 +218,15 @@ def test_sft_from_a_hf_folder_gives_the_one_rank_run_resumes_and_exports(
     from swift_mcore.export import run
     from swift_mcore.loaded_model import forward_logits, load_model
 
-    folder, data = (tied_hf if tuner == "full" else deep_hf[0]), deep_hf[1]
+    folder = {"full": tied_hf, "lora": deep_hf[0], "lora_moe": moe_hf}[tuner]
+    data = deep_hf[1]
     flags = sft_flags(folder, data, *TUNERS[tuner], "--save_steps", "2")
     one = train_here(tmp_path / "one", *flags, base=[]).stdout
     vpp = two_ranks(tmp_path / "vpp", *flags, *VPP)
     ref, got = losses(tmp_path / "one"), losses(tmp_path / "vpp")
     assert sorted(ref) == sorted(got) == [1, 2, 3, 4] and ref[4] < ref[1]
     assert max(abs(got[i] - ref[i]) for i in ref) < 1e-5, (got, ref)
-    if tuner == "lora":
+    if tuner != "full":
         assert lora_line(vpp) == lora_line(one)
     two_ranks(tmp_path / "resumed", *flags, *VPP, "--no_save",
               "--resume", tmp_path / "vpp" / "checkpoint" / "iter_0000002")
@@ -233,13 +246,13 @@ def test_sft_from_a_hf_folder_gives_the_one_rank_run_resumes_and_exports(
         checkpoint = tmp_path / name / "checkpoint" / "iter_0000004"
         out = tmp_path / f"{name}_hf"
         run(ExportArguments(model=str(checkpoint), output_dir=str(out), to_hf=True,
-                            merge_lora=tuner == "lora").validate(), log=quiet)
+                            merge_lora=tuner != "full").validate(), log=quiet)
         exported[name] = H.hf_logits(str(out), ids)
         ours = forward_logits(load_model(str(checkpoint), log=quiet).model, ids)
         assert (ours[..., :320] - exported[name]).abs().max() <= 1e-4, name
     assert (exported["vpp"] - exported["one"]).abs().max() <= 1e-4
     assert (exported["vpp"] - H.hf_logits(str(folder), ids)).abs().max() > 1e-3  # it trained
-    if tuner == "lora":
+    if tuner != "full":
         from transformers import AutoModelForCausalLM
 
         adapters = {}
