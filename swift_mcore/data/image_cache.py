@@ -146,25 +146,32 @@ def _file_limit(video) -> int:
     return MAX_IMAGE_BYTES if isinstance(video, tuple) else MAX_VIDEO_BYTES
 
 
-def _held_videos(videos, wheres, stack) -> Tuple[list, list]:
-    """(held, hashed): per video, it read once (a video.HeldVideo, closed with ``stack``, or
-    a tuple of video.HeldFrame: each frame's bytes), and per file (path, sha256, (size,
-    mtime_ns)) of the very bytes that are decoded."""
+def _held_videos(videos, wheres, stack, check=None) -> list:
+    """Per video, it opened once: a video.HeldVideo (hashed now; closed with ``stack``), or
+    a tuple of video.HeldFrame (each frame's bytes read, hashed and decoded one at a time
+    when the video is decoded, ``check(index, digest)`` run on each frame's hash first)."""
     from .video import HeldFrame, HeldVideo
 
-    held, hashed = [], []
+    held = []
     for video, at in zip(videos, wheres):
         if isinstance(video, tuple):
-            frames = [(path, *read_file_bytes(path, f"{at} {path}")) for path in video]
-            held.append(tuple(HeldFrame(path, data) for path, data, _ in frames))
-            hashed.append([(path, hashlib.sha256(data).digest(), stamp)
-                           for path, data, stamp in frames])
+            held.append(tuple(HeldFrame(path, None if check is None else
+                                        (lambda digest, i=i: check(i, digest)))
+                              for i, path in enumerate(video)))
         else:
             one = HeldVideo(video, f"{at} {video}", _file_limit(video))
             stack.callback(one.close)
             held.append(one)
-            hashed.append([(video, one.digest, one.stamp)])
-    return held, hashed
+    return held
+
+
+def _hashed(held) -> list:
+    """Per held video (decoded already), per file: (path, sha256, (size, mtime_ns)) of the
+    very bytes that were decoded."""
+    from .video import HeldVideo
+
+    return [[(video.path, video.digest, video.stamp)] if isinstance(video, HeldVideo)
+            else [(f.path, f.digest, f.stamp) for f in video] for video in held]
 
 
 def _unmoved(held) -> None:
@@ -209,10 +216,11 @@ def _encode_row(item, encoder):
             for i, ref in enumerate(item.images)]
     wheres = [f"{item.where}: {f}" for f in item.video_fields]
     with contextlib.ExitStack() as stack:
-        held, hashed = _held_videos(item.videos, wheres, stack)
+        held = _held_videos(item.videos, wheres, stack)
         sample = encoder.encode(item, [picture(data, f"{item.where}: images[{i}]")
                                        for i, (data, _) in enumerate(read)], held)
         _unmoved(held)
+        hashed = _hashed(held)
     videos = []
     if item.videos:
         for video, files, grid, second in zip(item.videos, hashed,
@@ -520,11 +528,16 @@ class CachedImages:
                                             f"damaged cache: remove it)")
                     files.append((path, f))
                 video = tuple(p for p, _ in files) if a["video_lists"][v] else files[0][0]
-                one, hashed = _held_videos([video], [at], stack)
-                for (path, digest, _), (_, f) in zip(hashed[0], files):
+
+                def check(i, digest, at=at, files=files):
+                    path, f = files[i]
                     if digest != a["file_digests"][f].tobytes():
                         raise ArgumentError(f"{at} {path}: changed since its tokens were "
                                             f"stored (its sha256 differs); {self.discard()}")
+
+                one = _held_videos([video], [at], stack, check)
+                if not isinstance(video, tuple):  # a video file is hashed already
+                    check(0, one[0].digest)
                 videos += one
                 wheres.append(at)
                 stored.append(v)

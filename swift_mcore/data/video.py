@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError
 
@@ -328,46 +328,60 @@ def _decoded(fh, size: int, where: str, sampling: VideoSampling, factor: int,
     return Frames(images, n / info.frames * info.fps, wanted, info.fps)
 
 
-@dataclass(frozen=True)
 class HeldFrame:
-    """A frame image read once (its bytes hashed by the caller): decoded from these bytes,
-    never read again by path."""
+    """A frame image of a frame list, read when it is decoded: its bytes read once (bounded),
+    hashed (``digest``, ``stamp``: (size, mtime_ns)) and decoded from those bytes, then let
+    go, so that a list's frames are never all held at once. ``check(digest)``, if given,
+    runs on the hash before the bytes are decoded (a cache refusing a changed frame)."""
 
-    path: str
-    data: bytes
+    def __init__(self, path: str, check: Optional[Callable[[bytes], None]] = None):
+        self.path, self.check = path, check
+        self.digest: Optional[bytes] = None
+        self.stamp: Optional[Tuple[int, int]] = None
 
     def image(self, where: str):
+        import hashlib
         import io
+        import os
 
         from PIL import Image
 
-        from ..input_files import check_image_bytes
+        from ..input_files import MAX_IMAGE_BYTES, check_image_bytes, open_regular
 
-        check_image_bytes(self.data, where)
-        with Image.open(io.BytesIO(self.data)) as image:
+        with open_regular(self.path, "rb", where) as fh:
+            st = os.fstat(fh.fileno())
+            data = fh.read(MAX_IMAGE_BYTES + 1)
+        check_image_bytes(data, where)
+        self.digest, self.stamp = hashlib.sha256(data).digest(), (st.st_size, st.st_mtime_ns)
+        if self.check is not None:
+            self.check(self.digest)
+        with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
 
 
 def read_frame_list(paths: Sequence[Any], where: str, sampling: VideoSampling, factor: int,
                     temporal: int, resample, load_image) -> Frames:
-    """A video given as its frames' image paths (or frames already read: HeldFrame): all of
-    them, the last repeated up to a multiple of ``temporal``, at --fps; every frame must
-    have the first one's size."""
+    """A video given as its frames' image paths (or HeldFrame): all of them, the last
+    repeated up to a multiple of ``temporal``, at --fps; every frame must have the first
+    one's size. Each frame is resized as it is decoded (the size follows from the first
+    frame's and the count), so one frame at full size is held at a time."""
     names = [p.path if isinstance(p, HeldFrame) else p for p in paths]
-    frames = [p.image(f"{where}[{i}] {name}") if isinstance(p, HeldFrame)
-              else load_image(p, f"{where}[{i}] {name}")
-              for i, (p, name) in enumerate(zip(paths, names))]
-    width, height = frames[0].size
-    for i, frame in enumerate(frames):
-        if frame.size != (width, height):
-            raise ArgumentError(f"{where}[{i}] {names[i]}: {frame.size[0]}x{frame.size[1]} "
-                                f"pixels, the video's first frame is {width}x{height} (a "
-                                f"video's frames are one size)")
-    n = _ceil(len(frames), temporal)
-    frames += [frames[-1]] * (n - len(frames))
-    size = frame_size(height, width, n, sampling, factor, temporal, where)
-    return Frames([_resized(f, size, resample) for f in frames], sampling.fps, list(range(n)),
-                  sampling.fps)
+    n = _ceil(len(paths), temporal)
+    images, size, first = [], None, None
+    for i, (p, name) in enumerate(zip(paths, names)):
+        frame = p.image(f"{where}[{i}] {name}") if isinstance(p, HeldFrame) \
+            else load_image(p, f"{where}[{i}] {name}")
+        if first is None:
+            first = frame.size
+            size = frame_size(first[1], first[0], n, sampling, factor, temporal, where)
+        elif frame.size != first:
+            raise ArgumentError(f"{where}[{i}] {name}: {frame.size[0]}x{frame.size[1]} "
+                                f"pixels, the video's first frame is {first[0]}x{first[1]} "
+                                f"(a video's frames are one size)")
+        images.append(_resized(frame, size, resample))
+        del frame
+    images += [images[-1]] * (n - len(images))
+    return Frames(images, sampling.fps, list(range(n)), sampling.fps)
 
 
 def patches(frames: Frames, image_processor) -> Tuple[Any, Tuple[int, int, int], float]:

@@ -557,7 +557,8 @@ def test_a_video_swapped_after_its_hash_is_never_decoded(cache, tmp_path, vl_fol
     the decoding (same size, mtime put back) never gives the row its pixels: the file is
     decoded from the one handle it was hashed through (a rename over the path is not seen:
     the row gets the hashed video's pixels), each block the decoder reads hashed again (a
-    rewrite in place is refused); a frame is decoded from the bytes hashed."""
+    rewrite in place is refused); a frame is read, hashed and decoded from those bytes one at
+    a time as the list is decoded: the swapped frame is refused by its sha256."""
     data = video_dataset(tmp_path, rows=2)  # row 0: v0.mkv; row 1: an image, 3 frames
     train, _, events = build(config_for(vl_folder, data))
     assert events == ["built"]
@@ -568,6 +569,11 @@ def test_a_video_swapped_after_its_hash_is_never_decoded(cache, tmp_path, vl_fol
             with pytest.raises(ArgumentError, match=r"videos\.jsonl, row 0: videos\[0\] "
                                                     r".*v0\.mkv: changed while it was decoded"):
                 train[0]
+        elif row == 1:
+            with pytest.raises(ArgumentError, match=r"videos\.jsonl, row 1: videos\[0\] "
+                                                    r".*v1_0\.png: changed since its tokens "
+                                                    r"were stored"):
+                train[1]
         else:
             got = train[row]["videos"]
             assert all(torch.equal(g, w) for g, w in zip(
