@@ -479,7 +479,7 @@ class CachedImages:
         folder is the user's to prepare again."""
         if self.cache_folder is None:
             return ("prepare the --cached_dataset folder again with `swift-mcore preprocess "
-                    "sft`, or restore the image")
+                    "sft`, or put back the file it was prepared with")
         from .array_cache import _set_aside
 
         try:
