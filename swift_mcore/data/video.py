@@ -219,12 +219,22 @@ class HeldVideo:
         self.file.close()
 
 
+# Blocks a reader keeps once checked: a container whose tracks are stored apart (an MP4
+# with its audio after its video) has the demuxer go back and forth between regions of the
+# file, each region's block kept rather than read and hashed again per packet.
+KEPT_BLOCKS = 4
+
+
 class _CheckedReader:
     """Reads a HeldVideo's hashed bytes block by block, each block's sha256 checked before
-    any of it is handed out (PyAV calls read, seek and tell)."""
+    any of it is handed out, the last KEPT_BLOCKS blocks kept (PyAV calls read, seek and
+    tell)."""
 
     def __init__(self, held: HeldVideo):
+        from collections import OrderedDict
+
         self.held, self.pos, self.index, self.block = held, 0, -1, b""
+        self.kept: "OrderedDict[int, bytes]" = OrderedDict()
 
     def readable(self) -> bool:
         return True
@@ -248,11 +258,16 @@ class _CheckedReader:
             return b""
         index = self.pos // BLOCK
         if index != self.index:
-            held.file.seek(index * BLOCK)
-            block = held.file.read(BLOCK)
-            if hashlib.sha256(block).digest() != held.blocks[index]:
-                held.changed = True
-                raise ArgumentError(f"{held.where}: changed while it was decoded")
+            block = self.kept.pop(index, None)
+            if block is None:
+                held.file.seek(index * BLOCK)
+                block = held.file.read(BLOCK)
+                if hashlib.sha256(block).digest() != held.blocks[index]:
+                    held.changed = True
+                    raise ArgumentError(f"{held.where}: changed while it was decoded")
+            self.kept[index] = block
+            if len(self.kept) > KEPT_BLOCKS:
+                self.kept.popitem(last=False)
             self.index, self.block = index, block
         start = self.pos - index * BLOCK
         out = self.block[start:] if n < 0 else self.block[start:start + n]
