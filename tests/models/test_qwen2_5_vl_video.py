@@ -356,6 +356,13 @@ def test_bad_video_rows_are_named_before_any_work(vl_folder, tmp_path, monkeypat
             with pytest.raises(ArgumentError, match=r"row 7: videos\[0\] .*" + message):
                 read_image_row(row, "row 7")
     read_image_row(row, "row 7")
+    frames = {**row, "videos": [[write_image(tmp_path / f"f{i}.png", 8, 8) for i in range(4)]]}
+    with monkeypatch.context() as patch:  # a frame list: counted before any frame is read
+        patch.setattr(input_files, "MAX_VIDEO_FRAMES", 3)
+        with pytest.raises(ArgumentError, match=r"row 7: videos\[0\]: a list of 4 frames, "
+                                                r"more than 3 \(cut it shorter\)"):
+            read_image_row(frames, "row 7")
+    read_image_row(frames, "row 7")
     video = write_video(tmp_path / "two.mkv", coloured(2))
     row = {"messages": [{"role": "user", "content": "<video>hi"},
                         {"role": "assistant", "content": "ok"}], "videos": [video]}
