@@ -147,9 +147,11 @@ def _file_limit(video) -> int:
 
 
 def _held_videos(videos, wheres, stack, check=None) -> list:
-    """Per video, it opened once: a video.HeldVideo (hashed now; closed with ``stack``), or
-    a tuple of video.HeldFrame (each frame's bytes read, hashed and decoded one at a time
-    when the video is decoded, ``check(index, digest)`` run on each frame's hash first)."""
+    """Per video, its files to be opened once each as it is decoded (one video's at a time,
+    whatever the number of videos): a video.HeldVideo (hashed through the handle it is
+    decoded from; closed with ``stack`` at the latest), or a tuple of video.HeldFrame (each
+    frame's bytes read, hashed and decoded one at a time); ``check(index, digest)`` runs on
+    each file's sha256 before it is decoded."""
     from .video import HeldFrame, HeldVideo
 
     held = []
@@ -159,7 +161,8 @@ def _held_videos(videos, wheres, stack, check=None) -> list:
                                         (lambda digest, i=i: check(i, digest)))
                               for i, path in enumerate(video)))
         else:
-            one = HeldVideo(video, f"{at} {video}", _file_limit(video))
+            one = HeldVideo(video, f"{at} {video}", _file_limit(video),
+                            None if check is None else (lambda digest: check(0, digest)))
             stack.callback(one.close)
             held.append(one)
     return held
@@ -172,16 +175,6 @@ def _hashed(held) -> list:
 
     return [[(video.path, video.digest, video.stamp)] if isinstance(video, HeldVideo)
             else [(f.path, f.digest, f.stamp) for f in video] for video in held]
-
-
-def _unmoved(held) -> None:
-    """ArgumentError for a video file whose bytes, size or mtime moved while it was decoded
-    from its one open handle (a frame list's frames were decoded from the bytes hashed)."""
-    from .video import HeldVideo
-
-    for video in held:
-        if isinstance(video, HeldVideo):
-            video.unmoved()
 
 
 def picture(data: bytes, where: str):
@@ -219,7 +212,6 @@ def _encode_row(item, encoder):
         held = _held_videos(item.videos, wheres, stack)
         sample = encoder.encode(item, [picture(data, f"{item.where}: images[{i}]")
                                        for i, (data, _) in enumerate(read)], held)
-        _unmoved(held)
         hashed = _hashed(held)
     videos = []
     if item.videos:
@@ -535,16 +527,12 @@ class CachedImages:
                         raise ArgumentError(f"{at} {path}: changed since its tokens were "
                                             f"stored (its sha256 differs); {self.discard()}")
 
-                one = _held_videos([video], [at], stack, check)
-                if not isinstance(video, tuple):  # a video file is hashed already
-                    check(0, one[0].digest)
-                videos += one
+                videos += _held_videos([video], [at], stack, check)
                 wheres.append(at)
                 stored.append(v)
         if not videos:
             return None
         pixels, grids, seconds = self.encoder.video_patches(videos, wheres)
-        _unmoved(videos)
         want_grids = torch.as_tensor(np.asarray(a["video_grids"][stored]), dtype=grids.dtype)
         want_seconds = torch.as_tensor(np.asarray(a["video_seconds"][stored]))
         if not torch.equal(grids, want_grids) or not torch.equal(seconds, want_seconds):

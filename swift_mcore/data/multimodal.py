@@ -284,9 +284,9 @@ class ImageEncoder:
 
     def video_patches(self, videos: Sequence[Any], where: Sequence[str]):
         """(pixel_values_videos, video_grid_thw, second_per_grid_ts) of videos (a file's
-        path or a tuple of frame paths each; or already read: a video.HeldVideo, a tuple of
-        video.HeldFrame), sampled and resized by data/video.py; ``where`` names each (row
-        and field) in errors."""
+        path or a tuple of frame paths each; or held: a video.HeldVideo, a tuple of
+        video.HeldFrame, each opened as it is decoded), sampled and resized by
+        data/video.py; ``where`` names each (row and field) in errors."""
         import torch
 
         from .video import patches, read_frame_list, read_video_file, video_name

@@ -170,20 +170,29 @@ BLOCK = 1 << 20
 
 
 class HeldVideo:
-    """A video file opened once and hashed through that handle (its sha256, and each BLOCK's),
-    then probed and decoded from the same handle (``reader``): a path renamed over meanwhile
-    is never read, and each block the decoder reads is hashed again before it is used, so
-    the frames decoded are those of the bytes hashed or the decoding stops (``unmoved``
-    says so). Only the hashes are held, never the file."""
+    """A video file opened once (``open``: by read_video_file when it decodes it, so that a
+    row's or a batch's videos are not all open at once) and hashed through that handle (its
+    sha256, and each BLOCK's; ``check(digest)``, if given, runs on the sha256 before any
+    decoding), then probed and decoded from the same handle (``reader``): a path renamed
+    over meanwhile is never read, and each block the decoder reads is hashed again before it
+    is used, so the frames decoded are those of the bytes hashed or the decoding stops
+    (``unmoved`` says so). Only the hashes are held, never the file."""
 
-    def __init__(self, path: str, where: str, limit: int):
+    def __init__(self, path: str, where: str, limit: int,
+                 check: Optional[Callable[[bytes], None]] = None):
+        self.path, self.where, self.limit, self.check = path, where, limit, check
+        self.changed, self.file = False, None
+        self.digest: Optional[bytes] = None
+        self.stamp: Optional[Tuple[int, int]] = None
+
+    def open(self) -> None:
         import hashlib
         import os
 
         from ..input_files import open_regular
 
-        self.path, self.where, self.changed = path, where, False
-        self.file = open_regular(path, "rb", where)
+        self.changed = False
+        self.file = open_regular(self.path, "rb", self.where)
         try:
             st = os.fstat(self.file.fileno())
             self.stamp = (st.st_size, st.st_mtime_ns)
@@ -193,13 +202,15 @@ class HeldVideo:
                 if not chunk:
                     break
                 self.size += len(chunk)
-                if self.size > limit:
-                    raise ArgumentError(f"{where}: more than {limit >> 20} MiB")
+                if self.size > self.limit:
+                    raise ArgumentError(f"{self.where}: more than {self.limit >> 20} MiB")
                 whole.update(chunk)
                 self.blocks.append(hashlib.sha256(chunk).digest())
             self.digest = whole.digest()
+            if self.check is not None:
+                self.check(self.digest)
         except BaseException:
-            self.file.close()
+            self.close()
             raise
 
     def reader(self) -> "_CheckedReader":
@@ -216,7 +227,9 @@ class HeldVideo:
             raise ArgumentError(f"{self.where}: changed while it was decoded")
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 # Blocks a reader keeps once checked: a container whose tracks are stored apart (an MP4
@@ -288,8 +301,12 @@ def read_video_file(video, where: str, sampling: VideoSampling, factor: int,
     decode to the frames its header promises, or a held one whose bytes changed."""
     from contextlib import ExitStack
 
+    held = isinstance(video, HeldVideo)
     with ExitStack() as stack:
-        if isinstance(video, HeldVideo):
+        if held:
+            if video.file is None:  # opened here, closed here
+                video.open()
+                stack.callback(video.close)
             fh, size = video.reader(), video.size
         else:
             import os
@@ -299,11 +316,14 @@ def read_video_file(video, where: str, sampling: VideoSampling, factor: int,
             fh = stack.enter_context(open_regular(video, "rb", where))
             size = os.fstat(fh.fileno()).st_size
         try:
-            return _decoded(fh, size, where, sampling, factor, temporal, resample)
+            frames = _decoded(fh, size, where, sampling, factor, temporal, resample)
         except ArgumentError:
-            if isinstance(video, HeldVideo) and video.changed:
+            if held and video.changed:
                 video.unmoved()  # the changed bytes, not what the decoder made of them
             raise
+        if held:
+            video.unmoved()
+        return frames
 
 
 def _decoded(fh, size: int, where: str, sampling: VideoSampling, factor: int,
