@@ -551,8 +551,8 @@ def swap_before_decoding(monkeypatch, path, data, in_place):
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["renamed-over", "rewritten"])
-def test_a_video_swapped_during_a_load_is_never_decoded(cache, tmp_path, vl_folder,
-                                                       monkeypatch, in_place):
+def test_a_video_swapped_after_its_hash_is_never_decoded(cache, tmp_path, vl_folder,
+                                                         monkeypatch, in_place):
     """A row's video file or frame whose bytes change once the load has begun (same size,
     mtime put back) never gives the row its pixels: each file is opened as it is decoded,
     hashed through that handle and refused by its sha256 before any decoding (a rewrite
