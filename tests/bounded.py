@@ -5,6 +5,7 @@ import contextlib
 import faulthandler
 import io
 import signal
+import time
 from typing import Iterator, List, Tuple
 
 import pytest
@@ -23,6 +24,9 @@ def deadline(seconds: int, what: str) -> Iterator[None]:
 
     previous = signal.signal(signal.SIGALRM, expired)
     faulthandler.dump_traceback_later(seconds + HARD_STOP_AFTER, exit=True)
+    # an outer alarm (pytest-timeout's --timeout, the signal method) is put back after: the
+    # rest of the test stays under it
+    outer, start = signal.getitimer(signal.ITIMER_REAL)[0], time.monotonic()
     signal.alarm(seconds)
     try:
         yield
@@ -30,6 +34,8 @@ def deadline(seconds: int, what: str) -> Iterator[None]:
         signal.alarm(0)
         faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))
 
 
 def cli(*argv, seconds: int = 120) -> Tuple[int, List[str]]:

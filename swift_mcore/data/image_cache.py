@@ -146,35 +146,35 @@ def _file_limit(video) -> int:
     return MAX_IMAGE_BYTES if isinstance(video, tuple) else MAX_VIDEO_BYTES
 
 
-def _held_videos(videos, wheres, stack) -> Tuple[list, list]:
-    """(held, hashed): per video, it read once (a video.HeldVideo, closed with ``stack``, or
-    a tuple of video.HeldFrame: each frame's bytes), and per file (path, sha256, (size,
-    mtime_ns)) of the very bytes that are decoded."""
+def _held_videos(videos, wheres, stack, check=None) -> list:
+    """Per video, its files to be opened once each as it is decoded (one video's at a time,
+    whatever the number of videos): a video.HeldVideo (hashed through the handle it is
+    decoded from; closed with ``stack`` at the latest), or a tuple of video.HeldFrame (each
+    frame's bytes read, hashed and decoded one at a time); ``check(index, digest)`` runs on
+    each file's sha256 before it is decoded."""
     from .video import HeldFrame, HeldVideo
 
-    held, hashed = [], []
+    held = []
     for video, at in zip(videos, wheres):
         if isinstance(video, tuple):
-            frames = [(path, *read_file_bytes(path, f"{at} {path}")) for path in video]
-            held.append(tuple(HeldFrame(path, data) for path, data, _ in frames))
-            hashed.append([(path, hashlib.sha256(data).digest(), stamp)
-                           for path, data, stamp in frames])
+            held.append(tuple(HeldFrame(path, None if check is None else
+                                        (lambda digest, i=i: check(i, digest)))
+                              for i, path in enumerate(video)))
         else:
-            one = HeldVideo(video, f"{at} {video}", _file_limit(video))
+            one = HeldVideo(video, f"{at} {video}", _file_limit(video),
+                            None if check is None else (lambda digest: check(0, digest)))
             stack.callback(one.close)
             held.append(one)
-            hashed.append([(video, one.digest, one.stamp)])
-    return held, hashed
+    return held
 
 
-def _unmoved(held) -> None:
-    """ArgumentError for a video file whose bytes, size or mtime moved while it was decoded
-    from its one open handle (a frame list's frames were decoded from the bytes hashed)."""
+def _hashed(held) -> list:
+    """Per held video (decoded already), per file: (path, sha256, (size, mtime_ns)) of the
+    very bytes that were decoded."""
     from .video import HeldVideo
 
-    for video in held:
-        if isinstance(video, HeldVideo):
-            video.unmoved()
+    return [[(video.path, video.digest, video.stamp)] if isinstance(video, HeldVideo)
+            else [(f.path, f.digest, f.stamp) for f in video] for video in held]
 
 
 def picture(data: bytes, where: str):
@@ -209,10 +209,10 @@ def _encode_row(item, encoder):
             for i, ref in enumerate(item.images)]
     wheres = [f"{item.where}: {f}" for f in item.video_fields]
     with contextlib.ExitStack() as stack:
-        held, hashed = _held_videos(item.videos, wheres, stack)
+        held = _held_videos(item.videos, wheres, stack)
         sample = encoder.encode(item, [picture(data, f"{item.where}: images[{i}]")
                                        for i, (data, _) in enumerate(read)], held)
-        _unmoved(held)
+        hashed = _hashed(held)
     videos = []
     if item.videos:
         for video, files, grid, second in zip(item.videos, hashed,
@@ -471,7 +471,7 @@ class CachedImages:
         folder is the user's to prepare again."""
         if self.cache_folder is None:
             return ("prepare the --cached_dataset folder again with `swift-mcore preprocess "
-                    "sft`, or restore the image")
+                    "sft`, or put back the file it was prepared with")
         from .array_cache import _set_aside
 
         try:
@@ -520,18 +520,19 @@ class CachedImages:
                                             f"damaged cache: remove it)")
                     files.append((path, f))
                 video = tuple(p for p, _ in files) if a["video_lists"][v] else files[0][0]
-                one, hashed = _held_videos([video], [at], stack)
-                for (path, digest, _), (_, f) in zip(hashed[0], files):
+
+                def check(i, digest, at=at, files=files):
+                    path, f = files[i]
                     if digest != a["file_digests"][f].tobytes():
                         raise ArgumentError(f"{at} {path}: changed since its tokens were "
                                             f"stored (its sha256 differs); {self.discard()}")
-                videos += one
+
+                videos += _held_videos([video], [at], stack, check)
                 wheres.append(at)
                 stored.append(v)
         if not videos:
             return None
         pixels, grids, seconds = self.encoder.video_patches(videos, wheres)
-        _unmoved(videos)
         want_grids = torch.as_tensor(np.asarray(a["video_grids"][stored]), dtype=grids.dtype)
         want_seconds = torch.as_tensor(np.asarray(a["video_seconds"][stored]))
         if not torch.equal(grids, want_grids) or not torch.equal(seconds, want_seconds):

@@ -13,8 +13,8 @@ Conversation (the tags in the text) and its images and videos.
 Everything a row names is checked when the row is read, before anything is encoded: an
 image is a regular file of bounded size that PIL opens as an image of bounded pixels
 (input_files.check_image); a video file is a regular file of bounded size whose header
-PyAV reads, with 1..MAX_VIDEO_FRAMES frames of bounded pixels (input_files.check_video).
-URLs are refused (nothing is fetched at run time).
+PyAV reads, with 1..MAX_VIDEO_FRAMES frames of bounded pixels (input_files.check_video);
+a frame list holds 1..MAX_VIDEO_FRAMES frames, each checked as an image. URLs are refused (nothing is fetched at run time).
 
 Encoding renders the conversation with the text sft's Template (the same answer-only
 targets), each tag written as Qwen2.5-VL's chat template writes it
@@ -138,6 +138,11 @@ def _video(value: Any, where: str):
     if isinstance(value, (list, tuple)):
         if not value:
             raise ArgumentError(f"{where}: an empty list of frames")
+        from .. import input_files  # (the bound read when called)
+
+        if len(value) > input_files.MAX_VIDEO_FRAMES:
+            raise ArgumentError(f"{where}: a list of {len(value)} frames, more than "
+                                f"{input_files.MAX_VIDEO_FRAMES} (cut it shorter)")
         frames = tuple(_path(v, f"{where}[{j}]") for j, v in enumerate(value))
         if any(BASE64_IMAGE.match(f) for f in frames):
             raise ArgumentError(f"{where}: a video's frames are read from image files "
@@ -279,9 +284,9 @@ class ImageEncoder:
 
     def video_patches(self, videos: Sequence[Any], where: Sequence[str]):
         """(pixel_values_videos, video_grid_thw, second_per_grid_ts) of videos (a file's
-        path or a tuple of frame paths each; or already read: a video.HeldVideo, a tuple of
-        video.HeldFrame), sampled and resized by data/video.py; ``where`` names each (row
-        and field) in errors."""
+        path or a tuple of frame paths each; or held: a video.HeldVideo, a tuple of
+        video.HeldFrame, each opened as it is decoded), sampled and resized by
+        data/video.py; ``where`` names each (row and field) in errors."""
         import torch
 
         from .video import patches, read_frame_list, read_video_file, video_name

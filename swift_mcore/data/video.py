@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError
 
@@ -170,20 +170,29 @@ BLOCK = 1 << 20
 
 
 class HeldVideo:
-    """A video file opened once and hashed through that handle (its sha256, and each BLOCK's),
-    then probed and decoded from the same handle (``reader``): a path renamed over meanwhile
-    is never read, and each block the decoder reads is hashed again before it is used, so
-    the frames decoded are those of the bytes hashed or the decoding stops (``unmoved``
-    says so). Only the hashes are held, never the file."""
+    """A video file opened once (``open``: by read_video_file when it decodes it, so that a
+    row's or a batch's videos are not all open at once) and hashed through that handle (its
+    sha256, and each BLOCK's; ``check(digest)``, if given, runs on the sha256 before any
+    decoding), then probed and decoded from the same handle (``reader``): a path renamed
+    over meanwhile is never read, and each block the decoder reads is hashed again before it
+    is used, so the frames decoded are those of the bytes hashed or the decoding stops
+    (``unmoved`` says so). Only the hashes are held, never the file."""
 
-    def __init__(self, path: str, where: str, limit: int):
+    def __init__(self, path: str, where: str, limit: int,
+                 check: Optional[Callable[[bytes], None]] = None):
+        self.path, self.where, self.limit, self.check = path, where, limit, check
+        self.changed, self.file = False, None
+        self.digest: Optional[bytes] = None
+        self.stamp: Optional[Tuple[int, int]] = None
+
+    def open(self) -> None:
         import hashlib
         import os
 
         from ..input_files import open_regular
 
-        self.path, self.where, self.changed = path, where, False
-        self.file = open_regular(path, "rb", where)
+        self.changed = False
+        self.file = open_regular(self.path, "rb", self.where)
         try:
             st = os.fstat(self.file.fileno())
             self.stamp = (st.st_size, st.st_mtime_ns)
@@ -193,13 +202,15 @@ class HeldVideo:
                 if not chunk:
                     break
                 self.size += len(chunk)
-                if self.size > limit:
-                    raise ArgumentError(f"{where}: more than {limit >> 20} MiB")
+                if self.size > self.limit:
+                    raise ArgumentError(f"{self.where}: more than {self.limit >> 20} MiB")
                 whole.update(chunk)
                 self.blocks.append(hashlib.sha256(chunk).digest())
             self.digest = whole.digest()
+            if self.check is not None:
+                self.check(self.digest)
         except BaseException:
-            self.file.close()
+            self.close()
             raise
 
     def reader(self) -> "_CheckedReader":
@@ -216,15 +227,27 @@ class HeldVideo:
             raise ArgumentError(f"{self.where}: changed while it was decoded")
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+# Blocks a reader keeps once checked: a container whose tracks are stored apart (an MP4
+# with its audio after its video) has the demuxer go back and forth between regions of the
+# file, each region's block kept rather than read and hashed again per packet.
+KEPT_BLOCKS = 4
 
 
 class _CheckedReader:
     """Reads a HeldVideo's hashed bytes block by block, each block's sha256 checked before
-    any of it is handed out (PyAV calls read, seek and tell)."""
+    any of it is handed out, the last KEPT_BLOCKS blocks kept (PyAV calls read, seek and
+    tell)."""
 
     def __init__(self, held: HeldVideo):
+        from collections import OrderedDict
+
         self.held, self.pos, self.index, self.block = held, 0, -1, b""
+        self.kept: "OrderedDict[int, bytes]" = OrderedDict()
 
     def readable(self) -> bool:
         return True
@@ -248,11 +271,16 @@ class _CheckedReader:
             return b""
         index = self.pos // BLOCK
         if index != self.index:
-            held.file.seek(index * BLOCK)
-            block = held.file.read(BLOCK)
-            if hashlib.sha256(block).digest() != held.blocks[index]:
-                held.changed = True
-                raise ArgumentError(f"{held.where}: changed while it was decoded")
+            block = self.kept.pop(index, None)
+            if block is None:
+                held.file.seek(index * BLOCK)
+                block = held.file.read(BLOCK)
+                if hashlib.sha256(block).digest() != held.blocks[index]:
+                    held.changed = True
+                    raise ArgumentError(f"{held.where}: changed while it was decoded")
+            self.kept[index] = block
+            if len(self.kept) > KEPT_BLOCKS:
+                self.kept.popitem(last=False)
             self.index, self.block = index, block
         start = self.pos - index * BLOCK
         out = self.block[start:] if n < 0 else self.block[start:start + n]
@@ -273,8 +301,12 @@ def read_video_file(video, where: str, sampling: VideoSampling, factor: int,
     decode to the frames its header promises, or a held one whose bytes changed."""
     from contextlib import ExitStack
 
+    held = isinstance(video, HeldVideo)
     with ExitStack() as stack:
-        if isinstance(video, HeldVideo):
+        if held:
+            if video.file is None:  # opened here, closed here
+                video.open()
+                stack.callback(video.close)
             fh, size = video.reader(), video.size
         else:
             import os
@@ -284,11 +316,14 @@ def read_video_file(video, where: str, sampling: VideoSampling, factor: int,
             fh = stack.enter_context(open_regular(video, "rb", where))
             size = os.fstat(fh.fileno()).st_size
         try:
-            return _decoded(fh, size, where, sampling, factor, temporal, resample)
+            frames = _decoded(fh, size, where, sampling, factor, temporal, resample)
         except ArgumentError:
-            if isinstance(video, HeldVideo) and video.changed:
+            if held and video.changed:
                 video.unmoved()  # the changed bytes, not what the decoder made of them
             raise
+        if held:
+            video.unmoved()
+        return frames
 
 
 def _decoded(fh, size: int, where: str, sampling: VideoSampling, factor: int,
@@ -328,46 +363,60 @@ def _decoded(fh, size: int, where: str, sampling: VideoSampling, factor: int,
     return Frames(images, n / info.frames * info.fps, wanted, info.fps)
 
 
-@dataclass(frozen=True)
 class HeldFrame:
-    """A frame image read once (its bytes hashed by the caller): decoded from these bytes,
-    never read again by path."""
+    """A frame image of a frame list, read when it is decoded: its bytes read once (bounded),
+    hashed (``digest``, ``stamp``: (size, mtime_ns)) and decoded from those bytes, then let
+    go, so that a list's frames are never all held at once. ``check(digest)``, if given,
+    runs on the hash before the bytes are decoded (a cache refusing a changed frame)."""
 
-    path: str
-    data: bytes
+    def __init__(self, path: str, check: Optional[Callable[[bytes], None]] = None):
+        self.path, self.check = path, check
+        self.digest: Optional[bytes] = None
+        self.stamp: Optional[Tuple[int, int]] = None
 
     def image(self, where: str):
+        import hashlib
         import io
+        import os
 
         from PIL import Image
 
-        from ..input_files import check_image_bytes
+        from ..input_files import MAX_IMAGE_BYTES, check_image_bytes, open_regular
 
-        check_image_bytes(self.data, where)
-        with Image.open(io.BytesIO(self.data)) as image:
+        with open_regular(self.path, "rb", where) as fh:
+            st = os.fstat(fh.fileno())
+            data = fh.read(MAX_IMAGE_BYTES + 1)
+        check_image_bytes(data, where)
+        self.digest, self.stamp = hashlib.sha256(data).digest(), (st.st_size, st.st_mtime_ns)
+        if self.check is not None:
+            self.check(self.digest)
+        with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
 
 
 def read_frame_list(paths: Sequence[Any], where: str, sampling: VideoSampling, factor: int,
                     temporal: int, resample, load_image) -> Frames:
-    """A video given as its frames' image paths (or frames already read: HeldFrame): all of
-    them, the last repeated up to a multiple of ``temporal``, at --fps; every frame must
-    have the first one's size."""
+    """A video given as its frames' image paths (or HeldFrame): all of them, the last
+    repeated up to a multiple of ``temporal``, at --fps; every frame must have the first
+    one's size. Each frame is resized as it is decoded (the size follows from the first
+    frame's and the count), so one frame at full size is held at a time."""
     names = [p.path if isinstance(p, HeldFrame) else p for p in paths]
-    frames = [p.image(f"{where}[{i}] {name}") if isinstance(p, HeldFrame)
-              else load_image(p, f"{where}[{i}] {name}")
-              for i, (p, name) in enumerate(zip(paths, names))]
-    width, height = frames[0].size
-    for i, frame in enumerate(frames):
-        if frame.size != (width, height):
-            raise ArgumentError(f"{where}[{i}] {names[i]}: {frame.size[0]}x{frame.size[1]} "
-                                f"pixels, the video's first frame is {width}x{height} (a "
-                                f"video's frames are one size)")
-    n = _ceil(len(frames), temporal)
-    frames += [frames[-1]] * (n - len(frames))
-    size = frame_size(height, width, n, sampling, factor, temporal, where)
-    return Frames([_resized(f, size, resample) for f in frames], sampling.fps, list(range(n)),
-                  sampling.fps)
+    n = _ceil(len(paths), temporal)
+    images, size, first = [], None, None
+    for i, (p, name) in enumerate(zip(paths, names)):
+        frame = p.image(f"{where}[{i}] {name}") if isinstance(p, HeldFrame) \
+            else load_image(p, f"{where}[{i}] {name}")
+        if first is None:
+            first = frame.size
+            size = frame_size(first[1], first[0], n, sampling, factor, temporal, where)
+        elif frame.size != first:
+            raise ArgumentError(f"{where}[{i}] {name}: {frame.size[0]}x{frame.size[1]} "
+                                f"pixels, the video's first frame is {first[0]}x{first[1]} "
+                                f"(a video's frames are one size)")
+        images.append(_resized(frame, size, resample))
+        del frame
+    images += [images[-1]] * (n - len(images))
+    return Frames(images, sampling.fps, list(range(n)), sampling.fps)
 
 
 def patches(frames: Frames, image_processor) -> Tuple[Any, Tuple[int, int, int], float]:

@@ -91,6 +91,29 @@ def test_a_fifo_named_like_a_data_file_is_refused_without_blocking(tmp_path, glo
 
 # ---- the module itself -------------------------------------------------------------------
 
+def test_a_deadline_keeps_the_tests_outer_alarm():
+    """tests/bounded.deadline inside a test run under pytest-timeout's signal method (an
+    ITIMER_REAL alarm of its own) leaves that alarm pending and its handler in place after
+    the block, so the rest of the test stays under it."""
+    import signal
+
+    from bounded import deadline
+
+    def outer(signum, frame):
+        pytest.fail("the outer alarm fired")
+
+    previous = signal.signal(signal.SIGALRM, outer)
+    signal.setitimer(signal.ITIMER_REAL, 600)
+    try:
+        with deadline(300, "nothing"):
+            pass
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0
+        assert signal.getsignal(signal.SIGALRM) is outer
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_json_depth_ignores_brackets_inside_strings():
     assert input_files.json_depth('{"a": "[[[[[[", "b": [[1]]}') == 3
     assert input_files.json_depth(r'["\"[[[", {"x": []}]') == 3

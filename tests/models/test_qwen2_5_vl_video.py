@@ -88,6 +88,47 @@ def test_sampled_frames_decode_as_written_at_qwen_vl_utils_indices(tmp_path):
                                                              for i in (0, 2, 4, 5, 7, 9)]
 
 
+FRAMES_PEAK = """
+import resource, sys
+from PIL import Image
+from swift_mcore.data.multimodal import load_image
+from swift_mcore.data.video import HeldFrame, VideoSampling, read_frame_list
+path, count, held = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "held"
+sampling = VideoSampling(video_min_pixels=64, video_max_pixels=256, video_total_pixels=1 << 20)
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+def frame():
+    return HeldFrame(path) if held else path
+read_frame_list([frame()], "v", sampling, 8, 2, Image.BICUBIC, load_image)  # imports, a frame
+before = peak()
+frames = read_frame_list([frame() for _ in range(count)], "v", sampling, 8, 2, Image.BICUBIC,
+                         load_image)
+assert len(frames.images) == count and frames.images[0].size == (16, 16), frames.images[0].size
+print(peak() - before)
+"""
+
+
+@pytest.mark.parametrize("held", ["paths", "held"])
+def test_a_frame_list_of_large_frames_holds_one_at_a_time(tmp_path, held):
+    """A frame list of 24 frames of 3072x3072 pixels (a 20 KB PNG each, 27 MiB decoded),
+    given as paths or read by the cache (HeldFrame: hashed and decoded from its bytes): each
+    frame is resized as it is decoded and its bytes let go, so the peak memory grows by
+    about one frame, not by the list's 650 MiB."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+    from run_helpers import child_env
+
+    path = tmp_path / "large.png"
+    Image.new("RGB", (3072, 3072), (10, 20, 30)).save(path)
+    out = subprocess.run([sys.executable, "-c", FRAMES_PEAK, str(path), "24", held],
+                         env=child_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) < 200 << 20
+
+
 def test_a_still_video_has_the_image_processors_patches(vl_folder, tmp_path):
     """A video of two identical frames (a file and a frame list) gives exactly the patches
     transformers' (slow, PIL) Qwen2-VL image processor gives the still image: at its size
@@ -315,6 +356,13 @@ def test_bad_video_rows_are_named_before_any_work(vl_folder, tmp_path, monkeypat
             with pytest.raises(ArgumentError, match=r"row 7: videos\[0\] .*" + message):
                 read_image_row(row, "row 7")
     read_image_row(row, "row 7")
+    frames = {**row, "videos": [[write_image(tmp_path / f"f{i}.png", 8, 8) for i in range(4)]]}
+    with monkeypatch.context() as patch:  # a frame list: counted before any frame is read
+        patch.setattr(input_files, "MAX_VIDEO_FRAMES", 3)
+        with pytest.raises(ArgumentError, match=r"row 7: videos\[0\]: a list of 4 frames, "
+                                                r"more than 3 \(cut it shorter\)"):
+            read_image_row(frames, "row 7")
+    read_image_row(frames, "row 7")
     video = write_video(tmp_path / "two.mkv", coloured(2))
     row = {"messages": [{"role": "user", "content": "<video>hi"},
                         {"role": "assistant", "content": "ok"}], "videos": [video]}
