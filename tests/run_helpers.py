@@ -75,6 +75,71 @@ def short_conversations(path, words: List[str], rows: int = 24, seed: int = 5) -
     return Path(path)
 
 
+def one_turn_conversations(path, words: List[str], rows: int = 24, seed: int = 3) -> Path:
+    """A jsonl of ``rows`` one-turn conversations of 1 to 9 words a message: rows of very
+    different lengths, padded to a common width in a micro-batch."""
+    import random
+
+    rng = random.Random(seed)
+    Path(path).write_text("".join(json.dumps({"messages": [
+        {"role": role, "content": " ".join(rng.choice(words)
+                                           for _ in range(rng.randint(1, 9)))}
+        for role in ("user", "assistant")]}) + "\n" for _ in range(rows)))
+    return Path(path)
+
+
+def checkpoint_tensors(folder, scratch, keep) -> dict:
+    """The tensors of a distributed checkpoint folder (model, optimizer, RNG state) for which
+    ``keep(name, tensor)`` holds, by dotted name; read through the safe loader."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from swift_mcore.checkpointing import safe_load
+
+    folder = Path(folder)
+    flat = str(Path(scratch) / f"{folder.parent.parent.name}_{folder.name}.pt")
+    dcp_to_torch_save(str(folder), flat)
+    found = {}
+
+    def walk(d, prefix=""):
+        for key, value in d.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif torch.is_tensor(value) and keep(prefix + str(key), value):
+                found[prefix + str(key)] = value
+
+    walk(safe_load.torch_load(flat, flat, extra=safe_load.common_pt_extra()
+                              + safe_load.rng_state_extra()))
+    return found
+
+
+def check_layout_resumes_and_reshards(tmp_path, shape, layout, timeout: int = 900) -> str:
+    """`pt` with ``shape`` on one rank (a checkpoint every iteration) against the same run
+    on two ranks in ``layout`` started from its iteration-1 checkpoint: the one-rank losses
+    within 1e-5; the layout's iteration-2 checkpoint resumed in the layout gives its own
+    losses bit for bit, and continued at one rank its losses within 1e-5. Returns the
+    layout run's stdout."""
+    one, laid = Path(tmp_path) / "one", Path(tmp_path) / "layout"
+    run_pt(one, *shape, "--save_steps", "1")
+    proc = run_pt(laid, *shape, *layout, "--save_steps", "2",
+                  "--resume", one / "checkpoint" / "iter_0000001", nproc=2, timeout=timeout)
+    ref, got = losses(one), losses(laid)
+    assert sorted(got) == [2, 3, 4]
+    for it in got:
+        assert abs(got[it] - ref[it]) <= 1e-5, (it, got[it], ref[it])
+    saved = laid / "checkpoint" / "iter_0000002"
+    run_pt(Path(tmp_path) / "again", *shape, *layout, "--no_save", "--resume", saved,
+           nproc=2, timeout=timeout)
+    again = losses(Path(tmp_path) / "again")
+    assert sorted(again) == [3, 4] and all(again[it] == got[it] for it in again), again
+    run_pt(Path(tmp_path) / "flat", *shape, "--no_save", "--resume", saved)
+    flat = losses(Path(tmp_path) / "flat")
+    assert sorted(flat) == [3, 4]
+    for it in flat:
+        assert abs(flat[it] - got[it]) <= 1e-5, (it, flat[it], got[it])
+    return proc.stdout
+
+
 def train_records(output_dir) -> List[dict]:
     path = Path(output_dir) / "metrics.jsonl"
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["split"] == "train"]

@@ -20,6 +20,9 @@ MOE = ["--num_experts", "4", "--moe_router_topk", "2", "--moe_router_score_funct
        "sigmoid", "--moe_router_enable_expert_bias", "--moe_aux_loss_coeff", "0.01",
        "--moe_z_loss_coeff", "0.001"]
 
+# padded sft rows: one turn of 1 to 9 of these words a message
+WORDS = "alpha beta gamma delta river stone cloud paper orange silver seven north".split()
+
 
 def moe_config(moe=True):
     return resolve(parse_args([
@@ -281,18 +284,9 @@ def test_padded_sft_on_two_ranks_routes_as_one_rank(tmp_path, layout, compared, 
     counts. The logged z-loss is not compared: there it averages the ranks' means over their
     real tokens, which differ in number (docs/models.md). With an MoE MTP layer (its mask
     rolled over the CP ranks, or split over the TP ranks) its loss is compared too."""
-    import json
-    import random
+    from run_helpers import one_turn_conversations, run_sft, train_records
 
-    from run_helpers import run_sft, train_records
-
-    rng = random.Random(3)
-    words = "alpha beta gamma delta river stone cloud paper orange silver seven north".split()
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": role, "content": " ".join(rng.choice(words)
-                                           for _ in range(rng.randint(1, 9)))}
-        for role in ("user", "assistant")]}) + "\n" for _ in range(24)))
+    data = one_turn_conversations(tmp_path / "train.jsonl", WORDS)
     flags = [*MOE, "--moe_ffn_hidden_size", "32", "--moe_router_bias_update_rate", "0.05",
              "--moe_aux_loss_coeff", "0.1", "--moe_z_loss_coeff", "0.01", "--dataset", data,
              "--template", "plain", "--seq_length", "64", "--train_iters", "3", "--no_save",
@@ -315,18 +309,9 @@ def test_padded_sft_with_an_mtp_layer_on_a_later_stage_routes_as_one_rank(tmp_pa
     its MTP layer; from a one-rank checkpoint its LM, MTP and load-balancing losses are the
     one-rank run's (without the MTP layer's mask the load-balancing loss is 1.5e-3 off).
     The gradient norm is not compared (TP=2 with sequence parallelism, above)."""
-    import json
-    import random
+    from run_helpers import one_turn_conversations, run_sft, train_records
 
-    from run_helpers import run_sft, train_records
-
-    rng = random.Random(3)
-    words = "alpha beta gamma delta river stone cloud paper orange silver seven north".split()
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": role, "content": " ".join(rng.choice(words)
-                                           for _ in range(rng.randint(1, 9)))}
-        for role in ("user", "assistant")]}) + "\n" for _ in range(24)))
+    data = one_turn_conversations(tmp_path / "train.jsonl", WORDS)
     flags = [*MOE, "--moe_ffn_hidden_size", "32", "--moe_router_bias_update_rate", "0.05",
              "--moe_aux_loss_coeff", "0.1", "--moe_z_loss_coeff", "0.01", "--dataset", data,
              "--template", "plain", "--seq_length", "64", "--train_iters", "3",

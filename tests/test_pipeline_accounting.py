@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from run_helpers import losses, run_pt
+from run_helpers import check_layout_resumes_and_reshards
 from swift_mcore.arguments import RunArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
@@ -146,22 +146,5 @@ def test_counted_stages_give_the_one_rank_losses_resume_and_reshard(tmp_path, la
     included: from a one-rank checkpoint it gives the one-rank losses, its own checkpoint
     resumes bit for bit, and that checkpoint continues at PP=1 with the straight run's
     losses."""
-    shape = ["--num_layers", str(layers), "--train_iters", "4"]
-    one, counted = tmp_path / "one", tmp_path / "counted"
-    run_pt(one, *shape, "--save_steps", "1")
-    run_pt(counted, *shape, *flags, "--save_steps", "2",
-           "--resume", one / "checkpoint" / "iter_0000001", nproc=2, timeout=900)
-    ref, got = losses(one), losses(counted)
-    assert sorted(got) == [2, 3, 4]
-    for it in got:
-        assert abs(got[it] - ref[it]) <= 1e-5, (it, got[it], ref[it])
-    saved = counted / "checkpoint" / "iter_0000002"
-    run_pt(tmp_path / "again", *shape, *flags, "--no_save", "--resume", saved, nproc=2,
-           timeout=900)
-    again = losses(tmp_path / "again")
-    assert sorted(again) == [3, 4] and all(again[it] == got[it] for it in again), again
-    run_pt(tmp_path / "pp1", *shape, "--no_save", "--resume", saved)
-    flat = losses(tmp_path / "pp1")
-    assert sorted(flat) == [3, 4]
-    for it in flat:
-        assert abs(flat[it] - got[it]) <= 1e-5, (it, flat[it], got[it])
+    check_layout_resumes_and_reshards(tmp_path, ["--num_layers", str(layers), "--train_iters",
+                                                 "4"], flags)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from run_helpers import run_pt, train_records
+from run_helpers import checkpoint_tensors, run_pt, train_records
 from swift_mcore.arguments import RunArguments
 from swift_mcore.run_config import resolve
 
@@ -31,6 +31,9 @@ FAMILIES = {
 LOGGED = {"qwen3_moe": ("loss", "grad_norm", "load_balancing_loss", "z_loss"),
           "deepseek_v3": ("loss", "grad_norm", "seq_load_balancing_loss", "mtp_loss")}
 
+# padded sft rows: one turn of 1 to 9 of these words a message
+WORDS = "alpha beta gamma delta river stone cloud paper orange silver seven north".split()
+
 
 def records(out):
     return {r["iteration"]: r for r in train_records(out)}
@@ -38,25 +41,7 @@ def records(out):
 
 def expert_biases(folder, scratch):
     """Every router's expert bias in a checkpoint, by name."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from swift_mcore.checkpointing import safe_load
-
-    flat = str(scratch / f"{os.path.basename(os.path.dirname(os.path.dirname(folder)))}.pt")
-    dcp_to_torch_save(folder, flat)
-    found = {}
-
-    def walk(d, prefix=""):
-        for key, value in d.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            elif torch.is_tensor(value) and str(key).endswith("expert_bias"):
-                found[prefix + str(key)] = value
-
-    walk(safe_load.torch_load(flat, flat, extra=safe_load.common_pt_extra()
-                              + safe_load.rng_state_extra()))
-    return found
+    return checkpoint_tensors(folder, scratch, lambda name, t: name.endswith("expert_bias"))
 
 
 @pytest.mark.benchmark
@@ -155,18 +140,9 @@ def test_padded_sft_routes_as_one_rank_in_every_chunk(tmp_path):
     last chunk rolls its own) and the expert-bias update moving the routing by the counts:
     PP=2 x 2 virtual stages gives, from a one-rank checkpoint, the one-rank LM, MTP,
     load-balancing and z-losses and gradient norms."""
-    import json
-    import random
+    from run_helpers import one_turn_conversations, run_sft
 
-    from run_helpers import run_sft
-
-    rng = random.Random(3)
-    words = "alpha beta gamma delta river stone cloud paper orange silver seven north".split()
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": role, "content": " ".join(rng.choice(words)
-                                           for _ in range(rng.randint(1, 9)))}
-        for role in ("user", "assistant")]}) + "\n" for _ in range(24)))
+    data = one_turn_conversations(tmp_path / "train.jsonl", WORDS)
     flags = [*EXPERTS, "--moe_router_score_function", "sigmoid",
              "--moe_router_enable_expert_bias", "--moe_router_bias_update_rate", "0.05",
              "--moe_aux_loss_coeff", "0.1", "--moe_z_loss_coeff", "0.01", "--dataset", data,

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ckpt_harness as H
+from run_helpers import checkpoint_tensors
 from swift_mcore.checkpointing import commit, folders
 
 GBS = H.TINY["global_batch_size"]
@@ -28,23 +29,7 @@ def ckpt(out, iteration):
 
 def tensors(folder, tmp_path):
     """Every floating tensor of a checkpoint (model and optimizer state), by name."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    flat = str(tmp_path / f"{os.path.basename(folder)}.pt")
-    dcp_to_torch_save(folder, flat)
-    found = {}
-
-    def walk(d, prefix=""):
-        for key, value in d.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            elif torch.is_tensor(value) and value.is_floating_point():
-                found[prefix + str(key)] = value
-
-    from swift_mcore.checkpointing import safe_load
-
-    walk(safe_load.torch_load(flat, str(flat), extra=safe_load.common_pt_extra()
-                                 + safe_load.rng_state_extra()))
+    found = checkpoint_tensors(folder, tmp_path, lambda name, t: t.is_floating_point())
     assert any(k.startswith("embedding") for k in found), sorted(found)[:5]
     return found
 
