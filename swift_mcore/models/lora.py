@@ -219,6 +219,12 @@ def base_reference(flags, cuda: bool) -> str:
                           f"{flags.training.seed}, {layout}, "
                           f"{flags.pipeline_stage_layers()[-1]} decoder layer(s) before them)")
         return reference
+    if any(getattr(p, name) not in (None, False) for name in flags.UNEVEN_FLAGS):
+        # each stage draws its layers from its own seed in build order: another split of
+        # the same layers is another base (the even split's reference stays as it was)
+        layout += ", layers per stage " + "/".join(
+            "+".join(str(len(chunk)) for chunk in stage)
+            for stage in flags.pipeline_chunk_layers())
     return f"random initialization (--seed {flags.training.seed}, {layout})"
 
 
