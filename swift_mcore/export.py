@@ -191,6 +191,16 @@ def to_peft(args: ExportArguments, log) -> Dict[str, object]:
                             f"{m.moe_router_bias_update_rate:g}), which a peft adapter cannot "
                             f"hold; write the model with --to_hf --merge_lora, or train with "
                             f"--moe_router_bias_update_rate 0")
+    moved = moved_expert_bias(loaded)
+    if moved:
+        # the saved flags say the last run's rate: an earlier run (resumed at rate 0) may
+        # have moved it
+        raise ArgumentError(f"--to_peft: --model {args.model} holds routers' expert bias "
+                            f"moved from the base model's ({moved[0]}"
+                            f"{f' and {len(moved) - 1} more' if len(moved) > 1 else ''}; "
+                            f"trained at a --moe_router_bias_update_rate above 0 before a "
+                            f"resume), which a peft adapter cannot hold; write the model with "
+                            f"--to_hf --merge_lora")
     layout = Layout.from_model_args(loaded.config.model, loaded.config.padded_vocab_size)
     multimodal = bool(layout.vision) or layout.nested or _language_model_of_multimodal(
         args.model, loaded.hf_folder)
@@ -223,6 +233,15 @@ def to_peft(args: ExportArguments, log) -> Dict[str, object]:
         f"{len(tensors)} tensors on {', '.join(config['target_modules'])}) for the base "
         f"{loaded.hf_folder or 'model (randomly initialised: no folder to name)'}")
     return {"path": out, "tensors": len(tensors)}
+
+
+def moved_expert_bias(loaded) -> list:
+    """The routers' expert-bias buffers of a LoRA checkpoint that differ from its base's."""
+    import torch
+
+    base = loaded.base_expert_bias or {}
+    return [name for name, buffer in loaded.model.named_buffers()
+            if name in base and not torch.equal(buffer, base[name])]
 
 
 def to_mcore(args: ExportArguments, log) -> Dict[str, object]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -26,6 +26,8 @@ class LoadedModel:
     kind: str                   # "hf" or "checkpoint"
     path: str                   # the HF folder or the checkpoint folder
     hf_folder: Optional[str]    # the HF folder the config/tokenizer came from, if known
+    # a LoRA checkpoint's routers' expert bias as its base model holds it, by buffer name
+    base_expert_bias: Optional[Dict[str, torch.Tensor]] = None
 
     @property
     def vocab(self) -> int:
@@ -154,10 +156,12 @@ def _from_lora_checkpoint(folder: str, saved, base: str, tokenizer_path: Optiona
     if hf_folder:
         load_hf_weights(config, [model], log=log)
     lora.apply(config, [model])
+    base_bias = {name: buffer.detach().clone() for name, buffer in model.named_buffers()
+                 if name.endswith(".router.expert_bias")}
     load_weights(folder, [model])
     log(f"loaded LoRA checkpoint {folder} (adapters on the base {hf_folder or base})")
     return LoadedModel(flags, config, model.eval(), tokenizer, "checkpoint", folder,
-                       hf_folder)
+                       hf_folder, base_bias)
 
 
 def one_process_flags(saved) -> RunArguments:

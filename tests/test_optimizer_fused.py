@@ -121,3 +121,35 @@ def test_a_cuda_config_leaves_megatrons_optimizer_as_it_built_it(gloo_group):
     model = wrap_model(args, build_model(args))
     optimizer = opt.build_optimizer(dataclasses.replace(args, cuda=True), model)
     assert groups(optimizer) and not any(g["fused"] for g in groups(optimizer))
+
+
+def test_a_checkpoint_that_clipped_apart_resumes_bit_for_bit(tmp_path, gloo_group, monkeypatch):
+    """A checkpoint written before the clipping moved into the fused step (its param groups
+    without the clip_in_step key) resumes clipping in a pass of its own, as the run that
+    wrote it went on: the same losses and gradient norms bit for bit (clipping in the step
+    differs in the last bits). A checkpoint with the key keeps clipping in the step."""
+    from in_process import train_in_process
+    from run_helpers import train_records
+    from swift_mcore.runtime.cpu import cpu_compat, fused_adamw
+
+    flags = ["--train_iters", "4", "--clip_grad", "0.5", "--lr", "1e-2", "--min_lr", "1e-2"]
+    fuse = fused_adamw.use_fused_adamw
+
+    def as_before(optimizer):  # the fused kernel, clipping apart, no key in the groups
+        switched = fuse(optimizer)
+        for part in optimizer.chained_optimizers:
+            for group in part.optimizer.param_groups:
+                group.pop("clip_in_step", None)
+        return switched
+
+    before, resumed = tmp_path / "before", tmp_path / "resumed"
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_compat, "clip_in_step", lambda parameters, coeff: list(parameters))
+        patch.setattr(fused_adamw, "use_fused_adamw", as_before)
+        train_in_process(before, *flags, "--save_steps", "2", command="pt")
+    train_in_process(resumed, *flags, "--no_save", "--resume",
+                     before / "checkpoint" / "iter_0000002", command="pt")
+    ref = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in train_records(before)}
+    got = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in train_records(resumed)}
+    assert sorted(got) == [3, 4] and all(got[i] == ref[i] for i in got), (got, ref)
+    assert ref[3][1] > 0.5  # it clipped

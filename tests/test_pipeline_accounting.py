@@ -148,3 +148,24 @@ def test_counted_stages_give_the_one_rank_losses_resume_and_reshard(tmp_path, la
     losses."""
     check_layout_resumes_and_reshards(tmp_path, ["--num_layers", str(layers), "--train_iters",
                                                  "4"], flags)
+
+
+def test_a_random_base_records_its_pipeline_split():
+    """LoRA on a randomly initialised base: each stage draws its layers from its own seed in
+    build order, so another split of the same layers (uneven stages, the embedding or loss
+    counted) draws another frozen base. The base reference names the split, so resuming a
+    LoRA checkpoint under another one is refused by base_model instead of training other
+    weights; one split reached by other flags is the same draw, and the even split keeps
+    the reference checkpoints already hold."""
+    def reference(layers, **flags):
+        return resolved(layers, 2, tuner_type="lora", **flags).base_model
+
+    even = reference(4)
+    assert even == "random initialization (--seed 42, PP 2)"
+    first, last = (reference(4, decoder_first_pipeline_num_layers=1),
+                   reference(4, decoder_last_pipeline_num_layers=1))
+    assert len({even, first, last}) == 3
+    assert first == "random initialization (--seed 42, PP 2, layers per stage 1/3)"
+    assert (reference(3, account_for_embedding_in_pipeline_split=True)
+            == reference(3, decoder_first_pipeline_num_layers=1)
+            != reference(3, account_for_loss_in_pipeline_split=True))

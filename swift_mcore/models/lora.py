@@ -206,16 +206,40 @@ def base_reference(flags, cuda: bool) -> str:
     """What the frozen base weights are, as a LoRA checkpoint records it (a resume on other
     base weights is refused): a fingerprint of --model's safetensors files, or the random
     initialization (its seed, and the layout it depends on)."""
-    if flags.model.model:
-        return "sha256:" + folder_fingerprint(flags.model.model)
-    p = flags.parallel
+    args = getattr(flags, "args", flags)  # the arguments, or a RunConfig's
+    p = args.parallel
     layout = f"PP {p.pipeline_model_parallel_size}"
-    virtual = getattr(flags, "args", flags).virtual_stages()  # flags, or a RunConfig
+    virtual = args.virtual_stages()
     if virtual:  # each rank draws its layers chunk by chunk: another initialization
         layout += f" x {virtual} virtual stages"
     if cuda:  # on the GPU each TP rank initialises its own shard
         layout += f", TP {p.tensor_model_parallel_size}"
-    return f"random initialization (--seed {flags.training.seed}, {layout})"
+    if args.model.model:
+        reference = "sha256:" + folder_fingerprint(args.model.model)
+        if args.model.mtp_num_layers and not _folder_mtp_layers(args.model.model):
+            # the new MTP layers' frozen weights come from the last stage's seed, drawn
+            # after that stage's decoder layers: another layout draws others
+            reference += (f"; new MTP layers: random initialization (--seed "
+                          f"{args.training.seed}, {layout}, "
+                          f"{args.pipeline_stage_layers()[-1]} decoder layer(s) before them)")
+        return reference
+    if any(getattr(p, name) not in (None, False) for name in args.UNEVEN_FLAGS):
+        # each stage draws its layers from its own seed in build order: another split of
+        # the same layers is another base (the even split's reference stays as it was)
+        layout += ", layers per stage " + "/".join(
+            "+".join(str(len(chunk)) for chunk in stage)
+            for stage in args.pipeline_chunk_layers())
+    return f"random initialization (--seed {args.training.seed}, {layout})"
+
+
+def _folder_mtp_layers(path: str) -> int:
+    """The MTP layers the --model folder holds (its text part's)."""
+    from . import mtp
+    from .families import for_config
+    from .text_part import open_folder
+
+    folder = open_folder(path, flag="--model")
+    return mtp.folder_layers(for_config(folder.config, folder.config_path), folder)
 
 
 # Whole files up to this size; above it the header and 64 KiB of every 16 MiB, which tells a

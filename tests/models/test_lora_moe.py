@@ -231,3 +231,34 @@ def test_a_lora_checkpoint_without_the_expert_bias_still_loads(tmp_path, train_h
     monkeypatch.undo()
     model = load_model(str(tmp_path / "run" / "checkpoint"), log=lambda line: None).model
     assert torch.equal(model.decoder.layers[1].mlp.router.expert_bias, torch.zeros(4))
+
+
+def test_to_peft_refuses_a_bias_moved_before_a_resume_at_rate_0(tmp_path, train_here):
+    """An expert bias moved in training and then resumed with --moe_router_bias_update_rate 0
+    (which the checkpoint's flags then say) is still not the base model's: --to_peft compares
+    the bias itself with the base's and refuses by name, instead of writing an adapter that
+    drops the trained routing; a run at rate 0 throughout still exports."""
+    from hf_helpers import convert
+    from run_helpers import TINY
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def add(a, b): return a + b  # {i}"})
+                            + "\n" for i in range(16)))
+    flags = ["--dataset", data, "--lr_decay_iters", "4", "--num_experts", "4",
+             "--moe_ffn_hidden_size", "32", "--moe_router_score_function", "sigmoid",
+             "--moe_router_enable_expert_bias", *LORA, "--target_modules", "linear_qkv"]
+    moved, still = tmp_path / "moved", tmp_path / "still"
+    train_here(moved, *flags, "--train_iters", "1", "--save_steps", "1",
+               "--moe_router_bias_update_rate", "0.05", command="pt", base=TINY)
+    train_here(still, *flags, "--train_iters", "2", "--save_steps", "2",
+               "--moe_router_bias_update_rate", "0", "--resume",
+               moved / "checkpoint" / "iter_0000001", command="pt", base=TINY)
+    with pytest.raises(ArgumentError, match=r"^--to_peft: --model .*iter_0000002 holds "
+                                            r"routers' expert bias .*moved from the base"):
+        convert(still / "checkpoint" / "iter_0000002", tmp_path / "peft", "to_peft")
+    assert not (tmp_path / "peft" / "adapter_config.json").exists()
+
+    plain = tmp_path / "plain"
+    train_here(plain, *flags, "--train_iters", "1", "--save_steps", "1",
+               "--moe_router_bias_update_rate", "0", command="pt", base=TINY)
+    assert convert(plain / "checkpoint" / "iter_0000001", tmp_path / "ok", "to_peft")["tensors"]

@@ -258,6 +258,32 @@ def test_new_mtp_layers_on_a_folder_without_them_train_and_export_is_refused(tmp
         families.for_model_args(config.model)
 
 
+def test_a_lora_run_with_new_mtp_layers_records_their_initialization(tmp_path):
+    """LoRA on a folder without MTP layers, with --mtp_num_layers: the new layers' frozen base
+    weights are drawn from the seed on the last pipeline stage (its seed, after its decoder
+    layers), which a LoRA checkpoint does not hold. The base reference names that draw, so a
+    resume at another pipeline layout (other frozen MTP weights: another MTP loss) is refused
+    by base_model instead of training on; the folder's own layers alone do not depend on it."""
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
+
+    source = tmp_path / "llama"
+    H.make_family(str(source), "llama")
+
+    def reference(mtp, pp, **flags):
+        return resolve(RunArguments.from_flags(
+            model=str(source), seq_length=32, mtp_num_layers=mtp, tuner_type="lora",
+            pipeline_model_parallel_size=pp, micro_batch_size=1, global_batch_size=2 * pp,
+            **flags),
+            world_size=pp).base_model
+
+    one = reference(1, 1)
+    assert one.startswith("sha256:") and "MTP" in one and "--seed 42" in one
+    assert reference(1, 2) != one and "PP 2, 1 decoder layer(s) before" in reference(1, 2)
+    assert reference(1, 1, seed=7) != one
+    assert reference(0, 1) == reference(0, 2)  # the folder's weights alone
+
+
 @pytest.mark.benchmark  # outside the suite's time budget: run with -m benchmark
 def test_ep2_with_the_mtp_layer_gives_the_ep1_losses(folder, tmp_path, train_here):
     """Continued pretraining of a DeepSeek-V3 folder with its MTP layer at EP=2 (each rank

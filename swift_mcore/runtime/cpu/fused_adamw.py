@@ -17,7 +17,10 @@ run the fused kernel, ``clip_in_step`` hands that factor to the kernel instead, 
 fused optimizers): one pass less over every gradient. Dividing by 1 / factor can differ
 from multiplying by the factor in the last bit of a gradient, so the update equals
 megatron's to float rounding (tests/test_optimizer_fused.py). The scale holds for the one
-step that follows (a post-step hook drops it) and is set anew at every clip.
+step that follows (a post-step hook drops it) and is set anew at every clip. Each group
+says so in its ``clip_in_step`` key, which a checkpoint keeps with its param groups: a run
+resumed from a checkpoint written before (its groups without the key) clips in a pass of
+its own, as the run that wrote it did, and so continues bit for bit.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import List
 import torch
 
 _FUSED = weakref.WeakSet()  # the inner optimizers whose groups all run the fused kernel
+CLIP_IN_STEP = "clip_in_step"  # a param group's key: its kernel applies the clipping factor
 
 
 def use_fused_adamw(optimizer) -> int:
@@ -42,6 +46,7 @@ def use_fused_adamw(optimizer) -> int:
             if all(p.dtype == torch.float32 and p.device.type == "cpu"
                    for p in group["params"]):
                 group["fused"], group["foreach"] = True, False
+                group[CLIP_IN_STEP] = True
                 switched += 1
         if inner.param_groups and all(g["fused"] for g in inner.param_groups) \
                 and inner not in _FUSED:
@@ -64,8 +69,8 @@ def clip_in_step(parameters, coeff: float) -> List[torch.Tensor]:
     ids = {id(p) for p in given}
     taken = set()
     for inner in list(_FUSED):
-        if not all(g["fused"] for g in inner.param_groups):
-            continue  # a loaded checkpoint's param groups turned the kernel off
+        if not all(g["fused"] and g.get(CLIP_IN_STEP) for g in inner.param_groups):
+            continue  # a loaded checkpoint's param groups: the kernel off, or clipped apart
         mine = {id(p) for g in inner.param_groups for p in g["params"]}
         if not mine or not mine <= ids:
             continue
