@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from . import distributed_optimizer, gated_delta_rule
-from .fused_adamw import clip_in_step
 from ..mcore_adaptation import (
     ModuleProxy,
     fix_router_padding_mask,
@@ -415,12 +414,9 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
     """Scales gradients in place by max_norm / total_norm when that is below 1.
 
     megatron's version asserts ``grad.type() == 'torch.cuda.FloatTensor'``; the arithmetic
-    is the same. The gradients of an optimizer on torch's fused kernel are scaled inside its
-    step instead (fused_adamw.clip_in_step).
+    is the same.
     """
     coeff = max_norm / (total_norm + 1.0e-6)
-    if not use_decoupled_grad:
-        parameters = clip_in_step(parameters, min(coeff, 1.0))
     if coeff >= 1.0:
         return
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
