@@ -100,12 +100,14 @@ def test_padded_rows_route_as_the_unpadded_rows_in_the_mtp_layer(gloo_group):
     gradients in every layer, the MTP layer's included, which routes each row's positions
     but its last (whose next token lies past the row)."""
     from swift_mcore.models.gpt import build_model
+    from swift_mcore.runtime import mcore_adaptation
     from swift_mcore.runtime.seed import set_seed
 
     config = resolve(parse_args([
         "--num_layers", "1", "--hidden_size", "32", "--num_attention_heads", "4",
         "--seq_length", str(PADDED), "--micro_batch_size", "2", "--global_batch_size", "2",
         "--mtp_num_layers", "1", *MOE]), world_size=1, cuda=False).complete(VOCAB, None)
+    mcore_adaptation.pass_padding_mask_to_mtp_layers()  # as runtime/distributed does for it
     set_seed(1)
     model = build_model(config)[0]
     model.train()

@@ -29,7 +29,10 @@ def initialize(config) -> None:
     mcore_adaptation.patch_router_gemm_without_te()
     mcore_adaptation.patch_mla_without_te()
     mcore_adaptation.fix_router_padding_mask()
-    mcore_adaptation.pass_padding_mask_to_mtp_layers()
+    if config.model.mtp_num_layers and config.model.num_experts:
+        # only where an MTP layer routes: with the wrapper installed, an MoE model without
+        # MTP ran 10-15% slower on 2 CPU threads (benchmarks/README.md, MoE section)
+        mcore_adaptation.pass_padding_mask_to_mtp_layers()
     mcore_adaptation.place_reshardable_optimizer_state_by_bucket()
     cpu.install(config)  # before any process group
     from megatron.core import parallel_state

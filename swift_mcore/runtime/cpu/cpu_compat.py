@@ -24,7 +24,6 @@ from . import distributed_optimizer, gated_delta_rule
 from ..mcore_adaptation import (
     ModuleProxy,
     fix_router_padding_mask,
-    pass_padding_mask_to_mtp_layers,
     patch_mla_without_te,
     patch_router_gemm_without_te,
     require_tested_version,
@@ -290,7 +289,6 @@ def activate() -> bool:
     patch_router_gemm_without_te()  # a GPU without Transformer Engine needs it too
     patch_mla_without_te()
     fix_router_padding_mask()
-    pass_padding_mask_to_mtp_layers()
     if not needed():
         return False
     if _ACTIVE:
