@@ -7,7 +7,6 @@ exports (--to_hf, --merge_lora, --to_peft) what the one-rank run exports."""
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 
