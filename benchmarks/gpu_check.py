@@ -192,9 +192,10 @@ def dry_run(selected: List[Path], work: str) -> None:
                              world_size=path.gpus, cuda=True, transformer_engine=True,
                              apex=False)
             line = config.describe()
-            # lines the run prints later than the start-up line (resume, LoRA's count)
+            # what describe() leaves to other lines: resume, LoRA's count, the layout (TP, CP)
             wanted = [text for text in path.expect if "starting at" not in text
-                      and "TP " not in text and "--tuner_type" not in text]
+                      and "TP " not in text and "CP " not in text
+                      and "--tuner_type" not in text]
             missing = [text for text in wanted if text not in line]
             missing += [f"{name}={value!r} (got {getattr(config, name)!r})"
                         for name, value in path.decisions.items()
