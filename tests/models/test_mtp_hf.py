@@ -165,6 +165,28 @@ def test_the_flag_decides_what_happens_to_a_folders_mtp_layers(folder, tmp_path,
         load_hf_weights(with_mtp, build_model(with_mtp), log=lambda line: None)
 
 
+def deepseek_chat(folder, tmp_path):
+    """(the DeepSeek-V3 folder, 32 chat rows) for the runs one family is enough for (the
+    GLM-4.5 case skips: both share the MTP mapping)."""
+    from test_moe_training import write_chat
+
+    family, source, _ = folder
+    if family != "deepseek_v3":
+        pytest.skip("one family is enough for the run (both share the mapping)")
+    data = tmp_path / "chat.jsonl"
+    write_chat(data, 32)
+    return source, data
+
+
+def mtp_sft_flags(source, data, lr: str):
+    """sft of ``source`` with its MTP layer, three iterations at a constant ``lr``."""
+    from test_hf_training import run_flags
+
+    return [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
+            "plain", "--seq_length", "48", "--train_iters", "3", "--lr", lr, "--min_lr", lr,
+            "--mtp_num_layers", "1"]
+
+
 @pytest.mark.slow
 def test_sft_trains_the_mtp_layer_exports_it_and_resumes_exactly(folder, tmp_path, gloo_group):
     """`sft --model FOLDER --mtp_num_layers 1`: both losses are logged, the MTP layer's
@@ -174,19 +196,11 @@ def test_sft_trains_the_mtp_layer_exports_it_and_resumes_exactly(folder, tmp_pat
     from swift_mcore.loaded_model import forward_logits, load_model
     from swift_mcore.run_config import resolve
     from test_deepseek_v3 import _train
-    from test_hf_training import run_flags
-    from test_moe_training import write_chat
     from run_helpers import ROOT, child_env, train_records
 
-    family, source, _ = folder
-    if family != "deepseek_v3":
-        pytest.skip("one family is enough for the run (both share the mapping)")
-    data = tmp_path / "chat.jsonl"
-    write_chat(data, 32)
+    source, data = deepseek_chat(folder, tmp_path)
     out, again = tmp_path / "sft", tmp_path / "again"
-    flags = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
-             "plain", "--seq_length", "48", "--train_iters", "3", "--lr", "1e-2",
-             "--min_lr", "1e-2", "--mtp_num_layers", "1", "--mtp_loss_scaling_factor", "0.3"]
+    flags = [*mtp_sft_flags(source, data, "1e-2"), "--mtp_loss_scaling_factor", "0.3"]
     config = resolve(parse_args([*flags, "--save_steps", "2", "--output_dir", str(out)],
                                 cls=SftArguments), world_size=1)
     assert _train(config).iteration == 3
@@ -375,20 +389,12 @@ def test_lora_trains_the_mtp_layer_merges_it_and_resumes_exactly(folder, tmp_pat
     from swift_mcore.loaded_model import load_model
     from swift_mcore.run_config import resolve
     from test_deepseek_v3 import _train
-    from test_hf_training import run_flags
-    from test_moe_training import write_chat
     from run_helpers import ROOT, child_env, train_records
 
-    family, source, _ = folder
-    if family != "deepseek_v3":
-        pytest.skip("one family is enough for the run (both share the mapping)")
-    data = tmp_path / "chat.jsonl"
-    write_chat(data, 32)
+    source, data = deepseek_chat(folder, tmp_path)
     out, again = tmp_path / "sft", tmp_path / "again"
-    flags = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
-             "plain", "--seq_length", "48", "--train_iters", "3", "--lr", "2e-2",
-             "--min_lr", "2e-2", "--mtp_num_layers", "1", "--moe_router_bias_update_rate",
-             "0.01", *MTP_LORA]
+    flags = [*mtp_sft_flags(source, data, "2e-2"), "--moe_router_bias_update_rate", "0.01",
+             *MTP_LORA]
     config = resolve(parse_args([*flags, "--save_steps", "2", "--output_dir", str(out)],
                                 cls=SftArguments), world_size=1)
     assert _train(config).iteration == 3
