@@ -463,31 +463,20 @@ def test_packed_sft_at_cp2_gives_the_one_rank_losses_and_gradient_norms(tmp_path
     rows cut like the tokens, MLA's keys gathered, and the expert-bias update on: CP pads
     each row to a multiple of 2 x CP positions, which the routers leave out of their counts
     (training/moe_padding.py)."""
-    import subprocess
-    import sys
-
-    from run_helpers import ROOT, child_env, train_records
-    from test_hf_training import run_flags
+    from run_helpers import train_records
+    from test_hf_training import train_from_hf
+    from test_moe_training import write_chat
 
     source = tmp_path / "hf"
     make_deepseek(source)
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"add {i} " * (i % 7)},
-        {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
-        for i in range(32)))
-    cmd = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
-           "plain", "--seq_length", "64", "--packing", "--train_iters", "3", "--no_save",
-           "--hidden_dropout", "0", "--attention_dropout", "0",
-           "--moe_router_bias_update_rate", "0.05"]
-    for name, extra, nproc in (("one", [], 1), ("cp2", ["--context_parallel_size", "2"], 2)):
-        env = child_env()
-        if nproc > 1:
-            env.update(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
-        proc = subprocess.run([sys.executable, "-m", "swift_mcore", "sft", *cmd, *extra,
-                               "--output_dir", str(tmp_path / name)], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT, env=env)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+    write_chat(data, 32, varied=True)
+    flags = ["--template", "plain", "--seq_length", "64", "--packing", "--train_iters", "3",
+             "--no_save", "--hidden_dropout", "0", "--attention_dropout", "0",
+             "--moe_router_bias_update_rate", "0.05"]
+    train_from_hf("sft", source, data, tmp_path / "one", *flags, timeout=600)
+    train_from_hf("sft", source, data, tmp_path / "cp2", *flags, "--context_parallel_size", "2",
+                  nproc=2, timeout=600)
     ref, got = train_records(tmp_path / "one"), train_records(tmp_path / "cp2")
     assert [r["iteration"] for r in got] == [1, 2, 3]
     for r, g in zip(ref, got):

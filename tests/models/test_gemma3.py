@@ -400,27 +400,19 @@ def test_cp2_gives_the_one_rank_losses_and_gradient_norms(tmp_path, gemma_folder
     """--context_parallel_size 2: the window layers (their own RoPE base, cut to each rank's
     chunks like the global layers') and the global layers over the gathered keys give the
     one-rank sft run, padded and with packed rows."""
-    from run_helpers import run_sft
-    from test_hf_training import run_flags
+    from run_helpers import train_records
+    from test_hf_training import train_from_hf
+    from test_moe_training import write_chat
 
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"add {i} " * (i % 7)},
-        {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
-        for i in range(32)))
-    cmd = [*run_flags(), "--model", str(gemma_folder), "--dataset", str(data), "--template",
-           "plain", "--seq_length", "64", "--train_iters", "3", "--lr", "1e-2", "--min_lr",
-           "1e-2", "--no_save", "--hidden_dropout", "0", "--attention_dropout", "0",
-           *(["--packing"] if packing else [])]
+    write_chat(data, 32, varied=True)
+    flags = ["--template", "plain", "--seq_length", "64", "--train_iters", "3", "--lr", "1e-2",
+             "--min_lr", "1e-2", "--no_save", "--hidden_dropout", "0", "--attention_dropout",
+             "0", *(["--packing"] if packing else [])]
     outs = {}
     for name, extra, nproc in (("one", [], 1), ("cp2", ["--context_parallel_size", "2"], 2)):
-        env = child_env()
-        if nproc > 1:
-            env.update(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
-        proc = subprocess.run([sys.executable, "-m", "swift_mcore", "sft", *cmd, *extra,
-                               "--output_dir", str(tmp_path / name)], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT, env=env)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        train_from_hf("sft", gemma_folder, data, tmp_path / name, *flags, *extra, nproc=nproc,
+                      timeout=600)
         outs[name] = train_records(tmp_path / name)
     assert [r["iteration"] for r in outs["cp2"]] == [1, 2, 3]
     for ref, got in zip(outs["one"], outs["cp2"]):

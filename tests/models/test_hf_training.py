@@ -21,15 +21,22 @@ def run_flags():
     return out
 
 
-def continue_pretraining(source, data, out, *flags, nproc=1):
-    cmd = [sys.executable, "-m", "swift_mcore", "pt", *run_flags(), "--model", str(source),
+def train_from_hf(command, source, data, out, *flags, nproc=1, timeout=240):
+    """`swift-mcore COMMAND --model SOURCE --dataset DATA` (4 iterations unless ``flags``
+    say otherwise) in a child process, on ``nproc`` ranks; its stdout."""
+    cmd = [sys.executable, "-m", "swift_mcore", command, *run_flags(), "--model", str(source),
            "--dataset", str(data), "--train_iters", "4", "--output_dir", str(out), *flags]
     env = child_env()
     if nproc > 1:
         env.update(NPROC_PER_NODE=str(nproc), MASTER_PORT=str(H.free_port()))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
+
+
+def continue_pretraining(source, data, out, *flags, nproc=1):
+    return train_from_hf("pt", source, data, out, *flags, nproc=nproc)
 
 
 @pytest.fixture(scope="module")

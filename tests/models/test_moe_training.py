@@ -18,10 +18,11 @@ from test_moe_families import convert, make_moe
 
 
 
-def write_chat(path, rows: int) -> None:
-    """``rows`` one-turn chats that a few sft steps learn (the answer is always the same)."""
+def write_chat(path, rows: int, varied: bool = False) -> None:
+    """``rows`` one-turn chats that a few sft steps learn (the answer is always the same);
+    ``varied``: questions of 0 to 6 repeats, rows of different lengths to pad or pack."""
     path.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"add {i}"},
+        {"role": "user", "content": f"add {i} " * (i % 7) if varied else f"add {i}"},
         {"role": "assistant", "content": "def add(a, b): return a + b"}]}) + "\n"
         for i in range(rows)))
 

@@ -178,6 +178,19 @@ def deepseek_chat(folder, tmp_path):
     return source, data
 
 
+def resumed_in_a_process(flags, out, again):
+    """sft ``flags`` resumed from ``out``'s iteration-2 checkpoint into ``again`` in a
+    process of its own (saving at 3): its train records by iteration."""
+    from run_helpers import ROOT, child_env, train_records
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "swift_mcore", "sft", *flags, "--save_steps", "3",
+         "--output_dir", str(again), "--resume", str(out / "checkpoint" / "iter_0000002")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r["iteration"]: r for r in train_records(again)}
+
+
 def mtp_sft_flags(source, data, lr: str):
     """sft of ``source`` with its MTP layer, three iterations at a constant ``lr``."""
     from test_hf_training import run_flags
@@ -196,7 +209,7 @@ def test_sft_trains_the_mtp_layer_exports_it_and_resumes_exactly(folder, tmp_pat
     from swift_mcore.loaded_model import forward_logits, load_model
     from swift_mcore.run_config import resolve
     from test_deepseek_v3 import _train
-    from run_helpers import ROOT, child_env, train_records
+    from run_helpers import train_records
 
     source, data = deepseek_chat(folder, tmp_path)
     out, again = tmp_path / "sft", tmp_path / "again"
@@ -221,12 +234,7 @@ def test_sft_trains_the_mtp_layer_exports_it_and_resumes_exactly(folder, tmp_pat
     assert (ours - H.hf_logits(str(back), ids)).abs().max() <= 1e-4
 
     # resumed in a process of its own: nothing of the first run's process state helps it
-    proc = subprocess.run(
-        [sys.executable, "-m", "swift_mcore", "sft", *flags, "--save_steps", "3",
-         "--output_dir", str(again), "--resume", str(out / "checkpoint" / "iter_0000002")],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = {r["iteration"]: r for r in train_records(again)}
+    got = resumed_in_a_process(flags, out, again)
     assert sorted(got) == [3]
     for i in got:
         assert (got[i]["loss"], got[i]["mtp_loss"]) == (ref[i]["loss"], ref[i]["mtp_loss"]), i
@@ -389,7 +397,7 @@ def test_lora_trains_the_mtp_layer_merges_it_and_resumes_exactly(folder, tmp_pat
     from swift_mcore.loaded_model import load_model
     from swift_mcore.run_config import resolve
     from test_deepseek_v3 import _train
-    from run_helpers import ROOT, child_env, train_records
+    from run_helpers import train_records
 
     source, data = deepseek_chat(folder, tmp_path)
     out, again = tmp_path / "sft", tmp_path / "again"
@@ -426,12 +434,7 @@ def test_lora_trains_the_mtp_layer_merges_it_and_resumes_exactly(folder, tmp_pat
                                             r"expert bias in training"):
         H.convert(checkpoint, tmp_path / "peft", "to_peft")
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "swift_mcore", "sft", *flags, "--save_steps", "3",
-         "--output_dir", str(again), "--resume", str(out / "checkpoint" / "iter_0000002")],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = {r["iteration"]: r for r in train_records(again)}
+    got = resumed_in_a_process(flags, out, again)
     assert sorted(got) == [3]
     assert (got[3]["loss"], got[3]["mtp_loss"]) == (ref[3]["loss"], ref[3]["mtp_loss"])
     resumed = load_model(str(again / "checkpoint" / "iter_0000003"),
