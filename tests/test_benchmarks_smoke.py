@@ -126,8 +126,13 @@ def test_loader_throughput_smoke():
 
 @pytest.mark.benchmark
 def test_moe_throughput_smoke():
-    result = run_script("moe_throughput.py", "--tiny", "--rounds", "1")[-1]
+    result = run_script("moe_throughput.py", "--tiny", "--rounds", "1", "--phases")[-1]
     assert measured(result["moe_tokens_per_s_median"], result["moe_vs_dense_median"])
+    for phases in result["phases_ms"].values():
+        assert set(phases) == {"step", "forward_backward", "optimizer", "rest"}
+        # rest: each iteration's step less its phases, so >= 0 unless the timers are wrong
+        assert measured(phases["step"], phases["forward_backward"], phases["optimizer"],
+                        phases["rest"])
 
 
 @pytest.mark.benchmark  # three training processes
