@@ -1,11 +1,7 @@
 """Gradients of one tiny GPT step with and without activation recompute (dropout on), in this
-process or, run as a script, on each rank of a world of 2 (TP=2 on gloo)."""
+process or on each rank of a world of 2 (TP=2 on gloo, through two_ranks.py)."""
 
 from __future__ import annotations
-
-import json
-import os
-import sys
 
 import torch
 
@@ -69,23 +65,5 @@ def differences(tp: int) -> dict:
     return result
 
 
-def main(out_dir: str) -> None:  # one rank of a world of 2: TP=2
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from swift_mcore.runtime.cpu import cpu_compat
-
-    cpu_compat.activate()
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    parallel_state.initialize_model_parallel(2, 1)
-    result = differences(tp=2)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
-        json.dump(result, fh)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # results written; skip gloo's interpreter teardown (docs/cpu.md)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+def on_each_rank() -> dict:  # one rank of a world of 2: TP=2 (two_ranks.py)
+    return differences(tp=2)

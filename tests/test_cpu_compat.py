@@ -105,6 +105,15 @@ def test_untested_megatron_version_is_refused(monkeypatch):
     monkeypatch.delenv("SWIFT_MCORE_ALLOW_UNTESTED_MCORE", raising=False)
     with pytest.raises(RuntimeError, match="tested with megatron-core 0.16.1, but 0.99.0"):
         cpu_compat.check_version()
+    # the fixes every machine needs name themselves and the way to try anyway
+    from swift_mcore.runtime.mcore_adaptation import require_tested_version
+
+    with pytest.raises(RuntimeError, match=r"^swift-mcore's distributed-optimizer checkpoint "
+                                           r"fix was tested with megatron-core 0.16.1, but "
+                                           r"0.99.0 is installed. .*\(requirements/base.txt\), "
+                                           r"or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try "
+                                           r"anyway.$"):
+        require_tested_version("distributed-optimizer checkpoint fix")
     monkeypatch.setenv("SWIFT_MCORE_ALLOW_UNTESTED_MCORE", "1")
     assert cpu_compat.check_version() == "0.99.0"
 

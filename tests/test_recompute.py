@@ -1,7 +1,6 @@
 """Activation recompute (megatron-core's): the flags and their combinations, and gradients
 equal to those without recompute, dropout on, at TP=1 and TP=2."""
 
-import json
 import re
 import subprocess
 import sys
@@ -104,15 +103,8 @@ def test_gradients_equal_without_recompute_tp1(gloo_group):
 
 @pytest.mark.timeout(300)
 def test_gradients_equal_without_recompute_tp2(tmp_path):
-    from run_helpers import child_env, free_port
+    from two_ranks import run_two_ranks
 
-    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
-                    PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, R.__file__, str(tmp_path)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=280)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
-    for rank in range(2):
-        check(json.loads((tmp_path / f"rank{rank}.json").read_text()))
+    for result in run_two_ranks(R.__file__, tmp_path, 280, PYTHONWARNINGS="ignore",
+                                OMP_NUM_THREADS="1"):
+        check(result)

@@ -46,8 +46,7 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ..input_files import MAX_IMAGE_BYTES, open_regular
-from .token_cache import (IDENTITY_FLAGS, SFT_SCHEMA, _check_sft_arrays, _short,
-                          sft_token_identity)
+from .token_cache import IDENTITY_FLAGS, SFT_SCHEMA, _check_sft_arrays, sft_token_identity
 
 logger = logging.getLogger("swift_mcore")
 
@@ -621,26 +620,12 @@ def load_image_sft_dataset(folder: str, encoder, columns, flag: str = "--cached_
     rows. ArgumentError for a folder that is not one, was made with another tokenizer,
     template, image processor or flag than this run's, or one of whose image files is
     gone or changed (``images``: checked)."""
-    from .array_cache import CacheInvalid, load_arrays
-    from .token_cache import _tokenized
+    from .token_cache import _tokenized, load_prepared
 
-    try:
-        arrays, meta = load_arrays(folder, None, IMAGE_SCHEMA, check=_check(
-            encoder.template.tokenizer.vocab_size, encoder.merge, False, images=False))
-    except CacheInvalid as err:
-        raise ArgumentError(f"{flag} {folder}: not a dataset of image rows written by "
-                            f"`swift-mcore preprocess sft` ({err})") from None
-    theirs = meta.get("identity")
-    if not isinstance(theirs, dict) or not isinstance(theirs.get("sources"), str):
-        raise ArgumentError(f"{flag} {folder}: its manifest does not say how it was made")
-    ours = image_identity(theirs["sources"], encoder, columns)
-    for field in ours:
-        if ours[field] != theirs.get(field):
-            raise ArgumentError(
-                f"{flag} {folder}: was prepared with {FLAGS.get(field, field)} "
-                f"{_short(theirs.get(field))}, this run has {_short(ours[field])}; give the "
-                f"flags `swift-mcore preprocess sft` had, or train from the files with "
-                f"--dataset")
+    arrays, meta, theirs = load_prepared(
+        folder, flag, "a dataset of image rows", IMAGE_SCHEMA,
+        _check(encoder.template.tokenizer.vocab_size, encoder.merge, False, images=False),
+        lambda sources: image_identity(sources, encoder, columns), FLAGS)
     if images:
         problem = changed_image(arrays)
         if problem:

@@ -159,28 +159,39 @@ def load_sft_dataset(folder: str, template, loss_on: str, columns,
     """(Tokenized, identity) of a folder written by `swift-mcore preprocess sft`. Raises
     ArgumentError for a folder that is not one, or was made with another tokenizer,
     template or flag than this run's (naming it)."""
+    vocab = template.tokenizer.vocab_size
+    arrays, meta, theirs = load_prepared(
+        folder, flag, "a dataset", SFT_SCHEMA, lambda a, m: _check_sft_arrays(a, m, vocab),
+        lambda sources: sft_token_identity(sources, template.tokenizer, template, loss_on,
+                                           columns), IDENTITY_FLAGS)
+    return _tokenized(arrays, meta), theirs
+
+
+def load_prepared(folder: str, flag: str, what: str, schema: dict, check,
+                  identity: Callable[[str], dict], flags: dict):
+    """(arrays, meta, identity) of a folder `swift-mcore preprocess sft` wrote (``what``:
+    the kind of dataset it must be). ArgumentError naming ``flag`` and the folder for one
+    that is not one, or whose identity differs from this run's ``identity(sources)`` (the
+    field named as ``flags`` says)."""
     from .array_cache import CacheInvalid, load_arrays
 
-    vocab = template.tokenizer.vocab_size
     try:
-        arrays, meta = load_arrays(folder, None, SFT_SCHEMA,
-                                   check=lambda a, m: _check_sft_arrays(a, m, vocab))
+        arrays, meta = load_arrays(folder, None, schema, check=check)
     except CacheInvalid as err:
-        raise ArgumentError(f"{flag} {folder}: not a dataset written by `swift-mcore "
+        raise ArgumentError(f"{flag} {folder}: not {what} written by `swift-mcore "
                             f"preprocess sft` ({err})") from None
     theirs = meta.get("identity")
     if not isinstance(theirs, dict) or not isinstance(theirs.get("sources"), str):
         raise ArgumentError(f"{flag} {folder}: its manifest does not say how it was made")
-    ours = sft_token_identity(theirs["sources"], template.tokenizer, template, loss_on,
-                              columns)
+    ours = identity(theirs["sources"])
     for field in ours:
         if ours[field] != theirs.get(field):
-            what = IDENTITY_FLAGS.get(field, field)
             raise ArgumentError(
-                f"{flag} {folder}: was prepared with {what} {_short(theirs.get(field))}, this "
-                f"run has {_short(ours[field])}; give the flags `swift-mcore preprocess sft` "
-                f"had, or train from the files with --dataset")
-    return _tokenized(arrays, meta), theirs
+                f"{flag} {folder}: was prepared with {flags.get(field, field)} "
+                f"{_short(theirs.get(field))}, this run has {_short(ours[field])}; give the "
+                f"flags `swift-mcore preprocess sft` had, or train from the files with "
+                f"--dataset")
+    return arrays, meta, theirs
 
 
 def _short(value) -> str:

@@ -12,7 +12,10 @@ import os
 TESTED_MCORE_VERSIONS = ("0.16.1",)
 
 
-def require_tested_version(adaptation: str, advice: str) -> str:
+ALLOW_UNTESTED = "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway."
+
+
+def require_tested_version(adaptation: str, advice: str = ALLOW_UNTESTED) -> str:
     """The installed megatron-core version; raises RuntimeError naming ``adaptation`` (what
     was tested) and ``advice`` (what else to do) when it is not one of the tested ones."""
     from megatron.core import package_info
@@ -47,8 +50,7 @@ def patch_router_gemm_without_te() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
-        require_tested_version("MoE router without Transformer Engine",
-                               "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+        require_tested_version("MoE router without Transformer Engine")
         moe_utils.te_general_gemm = None
 
 
@@ -75,8 +77,7 @@ def fix_router_padding_mask() -> None:
     original = TopKRouter._apply_expert_bias
     if hasattr(original, "_swift_mcore_original"):
         return
-    require_tested_version("MoE router with a padding mask",
-                           "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+    require_tested_version("MoE router with a padding mask")
     import torch
 
     def _apply_expert_bias(self, routing_map, padding_mask=None):
@@ -130,8 +131,7 @@ def pass_padding_mask_to_mtp_layers() -> None:
     original_forward = GPTModel.forward
     if hasattr(original_forward, "_swift_mcore_original"):
         return
-    require_tested_version("multi-token prediction with a padding mask",
-                           "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+    require_tested_version("multi-token prediction with a padding mask")
     import torch
 
     padding = contextvars.ContextVar("swift_mcore_mtp_padding_mask", default=None)
@@ -212,8 +212,7 @@ def patch_mla_without_te() -> None:
     from megatron.core.transformer import multi_latent_attention as mla
 
     if mla.HAVE_TE and not isinstance(mla.TELinear, type):
-        require_tested_version("multi-latent attention without Transformer Engine",
-                               "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+        require_tested_version("multi-latent attention without Transformer Engine")
         mla.HAVE_TE = False
 
 
@@ -231,8 +230,7 @@ def place_reshardable_optimizer_state_by_bucket() -> None:
     original = cls.sharded_param_state_fully_reshardable
     if hasattr(original, "_swift_mcore_original"):
         return
-    require_tested_version("distributed-optimizer checkpoint fix",
-                           "or set SWIFT_MCORE_ALLOW_UNTESTED_MCORE=1 to try anyway.")
+    require_tested_version("distributed-optimizer checkpoint fix")
 
     def sharded_param_state_fully_reshardable(self, *args, **kwargs):
         gather = self.get_parameter_state_dp_zero

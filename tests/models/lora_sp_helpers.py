@@ -2,14 +2,11 @@
 row-parallel linear with LoRA adapters, on a slice of the sequence, against the same
 computation on whole tensors; once as a decoder layer's linears, once as a routed expert's
 (the tokens gathered over the TP ranks before it, its partial outputs reduce-scattered
-after it, as megatron's token dispatcher does). Run as a script by
-tests/models/test_lora_sp.py; writes {case: {what: largest difference}}."""
+after it, as megatron's token dispatcher does). Run on each rank by
+tests/models/test_lora_sp.py (through two_ranks.py): {case: {what: largest difference}}."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from types import SimpleNamespace
 
 import torch
@@ -110,26 +107,10 @@ def run_case(expert: bool, t: dict, ref: dict) -> dict:
     return {k: (a - b).abs().max().item() for k, (a, b) in ours.items()}
 
 
-def main(out_dir: str) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+def on_each_rank() -> dict:  # one rank of a world of 2: TP=2 (two_ranks.py)
+    from swift_mcore.runtime.cpu import onednn_linear
 
-    from swift_mcore.runtime.cpu import cpu_compat, onednn_linear
-
-    cpu_compat.activate()
     onednn_linear.enable(False)
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    parallel_state.initialize_model_parallel(2, 1)
     t = full_tensors()
     ref = reference(t)
-    result = {case: run_case(case == "expert", t, ref) for case in ("decoder", "expert")}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
-        json.dump(result, fh)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # results written; skip gloo's interpreter teardown (docs/cpu.md)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return {case: run_case(case == "expert", t, ref) for case in ("decoder", "expert")}

@@ -298,6 +298,11 @@ def test_preprocess_sft_with_images_trains_as_the_raw_files(cache, tmp_path, vl_
                                             r"the images and videos must stay where they "
                                             r"were"):
         build(prepared_config)
+    os.remove(folder / "grids.npy")
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: not a dataset of "
+                                            r"image rows written by `swift-mcore preprocess "
+                                            r"sft` \(grids.npy: .*cannot be read"):
+        build(prepared_config)
 
 
 # ---- video rows ----------------------------------------------------------------------------

@@ -5,27 +5,15 @@ test_packing_context_parallel.py): packed rows pass the argument checks with CP,
 pipeline stages for dpo."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-import hf_helpers as H
-from in_process import train_in_process
+from cp_helpers import DPO_METRICS, assert_same_curves, one_rank_and_cp2
 from rlhf_helpers import run_flags
-from run_helpers import ROOT, child_env
 from swift_mcore.arguments import RlhfArguments
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
 from swift_mcore.training.rlhf_trainer import DpoTrainer
-
-METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins",
-           "rewards/accuracies", "logps/chosen", "logps/rejected")
-
-
-def curve(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r for r in rows if r.get("split") == "train"}
 
 
 @pytest.mark.slow
@@ -36,20 +24,11 @@ def test_dpo_at_cp2_gives_the_one_rank_run(tiny_hf, tmp_path, gloo_group):
     flags = ["--rlhf_type", "dpo", "--model", str(folder), "--dataset", str(data),
              "--train_iters", "3", "--no_save", "--loss_type", "sigmoid", "sft",
              *run_flags("--micro_batch_size", "2")]
-    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[], trainer=DpoTrainer)
-    env = child_env(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
-    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags,
-                           "--context_parallel_size", "2", "--output_dir", str(tmp_path / "cp")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "CP 2" in proc.stdout
-    one, cp = curve(tmp_path / "one"), curve(tmp_path / "cp")
-    assert sorted(one) == sorted(cp) == [1, 2, 3]
+    one, cp, _ = one_rank_and_cp2(tmp_path, flags, DpoTrainer)
     for it in one:
-        for name in (*METRICS, "nll_loss"):
+        for name in DPO_METRICS:
             assert name in one[it], (it, name)
-            assert cp[it][name] == pytest.approx(one[it][name], abs=1e-5), (it, name)
-    assert one[3]["loss"] != one[1]["loss"]  # it trained
+    assert_same_curves(one, cp, DPO_METRICS)
 
 
 SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,

@@ -3,34 +3,18 @@ sft's packed rows are, each sequence's sums (and a reward model's score, on the 
 holds its last token) summed over the group, give the one-rank packed run's losses; a
 packed CP=2 run resumes bit-exactly."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-import hf_helpers as H
-from fake_group import GroupRank
-from in_process import train_in_process
+from cp_helpers import (DPO_METRICS, FLAGS, as_rank, assert_same_curves, one_rank_and_cp2,
+                        run_cp2)
 from rlhf_helpers import run_flags
-from run_helpers import ROOT, child_env
-from test_dpo_context_parallel import curve
-from test_task_context_parallel import FLAGS, assert_same_curves, run_cp2
 from test_task_packing import TASK_FLAGS, margin_file, metric_names, trainer_of  # noqa: F401
 
 
 def ids(n, start):
     return np.arange(start, start + n, dtype=np.int32)
-
-
-def as_rank(monkeypatch, rank):
-    """megatron's context-parallel state as rank ``rank`` of two sees it."""
-    from megatron.core import parallel_state
-
-    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
-    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
-    monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda: GroupRank(rank))
 
 
 def test_a_packed_batch_cut_over_two_ranks_sums_to_the_whole(monkeypatch):
@@ -107,8 +91,6 @@ def test_a_packed_batch_cut_over_two_ranks_sums_to_the_whole(monkeypatch):
     assert bool(holders[0].any()) and bool(holders[1].any())
 
 
-DPO_METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins",
-               "rewards/accuracies", "logps/chosen", "logps/rejected", "nll_loss")
 # each task's flags, every part of its loss on (dpo: the sft term's sum over chosen tokens
 # and ipo's division by the answers' lengths; its precomputed reference: the pass before
 # training over the packed rows, cut over the group too)
@@ -134,26 +116,17 @@ def test_each_packed_task_at_cp2_gives_the_one_rank_packed_run(task, tiny_hf, kt
     from swift_mcore.training.rlhf_trainer import DpoTrainer
 
     trainer = DpoTrainer if kind == "dpo" else trainer_of(kind)
-    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[], trainer=trainer)
-    proc = run_cp2(tmp_path / "cp", *flags)
+    one, cp, proc = one_rank_and_cp2(tmp_path, flags, trainer)
     assert "--packing: each micro-batch's sequences end to end" in proc.stdout
-    names = DPO_METRICS if kind == "dpo" else metric_names(kind)
-    assert_same_curves(curve(tmp_path / "one"), curve(tmp_path / "cp"), names)
+    assert_same_curves(one, cp, DPO_METRICS if kind == "dpo" else metric_names(kind))
 
 
 def run_cp2_resumable(out, folder, data, *flags):
     """A real two-rank CP run of test_rlhf_resume's DPO (its checkpoints saved)."""
     from test_rlhf_resume import argv
 
-    env = child_env(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
-    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", "--output_dir",
-                           str(out), *argv(folder, data, "--packing", "--context_parallel_size",
-                                           "2", "--attention_dropout", "0",
-                                           "--hidden_dropout", "0", *flags)],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "CP 2" in proc.stdout
-    return proc
+    return run_cp2(out, *argv(folder, data, "--packing", "--attention_dropout", "0",
+                              "--hidden_dropout", "0", *flags))
 
 
 @pytest.mark.benchmark
@@ -184,15 +157,8 @@ def test_packed_dpo_at_cp2_with_pp2_on_four_ranks_gives_the_one_rank_packed_run(
     flags = ["--model", str(folder), "--dataset", str(data), *FLAGS, *PACKED_TASKS["dpo"],
              "--packing", *run_flags("--micro_batch_size", "1", "--global_batch_size", "2",
                                      "--seq_length", "32")]
-    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[], trainer=DpoTrainer)
-    env = child_env(NPROC_PER_NODE="4", MASTER_PORT=str(H.free_port()))
-    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags,
-                           "--context_parallel_size", "2", "--pipeline_model_parallel_size",
-                           "2", "--output_dir", str(tmp_path / "four")],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, four, proc = one_rank_and_cp2(tmp_path, flags, DpoTrainer, stages=2)
     assert "--packing: each micro-batch's sequences end to end" in proc.stdout
-    one, four = curve(tmp_path / "one"), curve(tmp_path / "four")
     assert_same_curves(one, four, [n for n in DPO_METRICS if n != "grad_norm"])
     for it in one:  # the stages' float32 gradient sums in another order (as unpacked)
         assert four[it]["grad_norm"] == pytest.approx(one[it]["grad_norm"], rel=1e-5), it

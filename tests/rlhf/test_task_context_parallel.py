@@ -3,43 +3,11 @@ parallelism: each sequence's parts summed over the CP ranks (KTO's KL rows cut l
 rows, ORPO's whole-row mask like the loss mask, a reward model's score read on the rank that
 holds the sequence's last token) give the one-rank losses, metrics and gradient norms."""
 
-import subprocess
-import sys
-
 import pytest
 
-import hf_helpers as H
-from fake_group import GroupRank
-from in_process import train_in_process
+from cp_helpers import FLAGS, as_rank, assert_same_curves, one_rank_and_cp2
 from rlhf_helpers import ROWS, run_flags
-from run_helpers import ROOT, child_env
-from test_dpo_context_parallel import curve
 from test_task_packing import TASK_FLAGS, margin_file, metric_names, trainer_of  # noqa: F401
-
-# rows of 32 positions, every pair or row of the data in one micro-batch of two
-FLAGS = ("--train_iters", "3", "--no_save", "--attention_dropout", "0", "--hidden_dropout",
-         "0")
-
-
-def run_cp2(out, *flags):
-    env = child_env(NPROC_PER_NODE="2", MASTER_PORT=str(H.free_port()))
-    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags,
-                           "--context_parallel_size", "2", "--output_dir", str(out)],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "CP 2" in proc.stdout
-    return proc
-
-
-def assert_same_curves(one, cp, names):
-    assert sorted(one) == sorted(cp) == [1, 2, 3]
-    for it in one:
-        for name in names:
-            if one[it].get(name) is None:  # kto: a batch without one class has no metric
-                assert cp[it].get(name) is None, (it, name)
-                continue
-            assert cp[it][name] == pytest.approx(one[it][name], abs=1e-5), (it, name)
-    assert one[3]["loss"] != one[1]["loss"]  # it trained
 
 
 @pytest.mark.benchmark
@@ -51,10 +19,8 @@ def test_each_task_at_cp2_gives_the_one_rank_run(task, tiny_hf, kto_file, margin
     flags = ["--rlhf_type", task, "--model", str(folder), "--dataset", str(data), *FLAGS,
              *TASK_FLAGS[task], *run_flags("--micro_batch_size", "2", "--global_batch_size",
                                            "2", "--seq_length", "32")]
-    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[],
-                     trainer=trainer_of(task))
-    run_cp2(tmp_path / "cp", *flags)
-    assert_same_curves(curve(tmp_path / "one"), curve(tmp_path / "cp"), metric_names(task))
+    one, cp, _ = one_rank_and_cp2(tmp_path, flags, trainer_of(task))
+    assert_same_curves(one, cp, metric_names(task))
 
 
 @pytest.mark.benchmark
@@ -72,13 +38,11 @@ def test_dpo_s_precomputed_reference_at_cp2_gives_the_one_rank_run(tiny_hf, tmp_
              "--precompute_ref_log_probs", *run_flags("--micro_batch_size", "2",
                                                       "--global_batch_size", "2",
                                                       "--seq_length", "32")]
-    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[], trainer=DpoTrainer)
-    run_cp2(tmp_path / "cp", *flags)
-    one, cp = (load_file(ref_log_probs.path_in(str(tmp_path / run)))["ref_logps"]
-               for run in ("one", "cp"))
-    assert one.shape == (len(ROWS), 2) and (cp - one).abs().max() <= 1e-5
-    assert_same_curves(curve(tmp_path / "one"), curve(tmp_path / "cp"),
-                       ("loss", "grad_norm", "rewards/chosen", "rewards/margins"))
+    one, cp, _ = one_rank_and_cp2(tmp_path, flags, DpoTrainer)
+    one_table, cp_table = (load_file(ref_log_probs.path_in(str(tmp_path / run)))["ref_logps"]
+                           for run in ("one", "cp"))
+    assert one_table.shape == (len(ROWS), 2) and (cp_table - one_table).abs().max() <= 1e-5
+    assert_same_curves(one, cp, ("loss", "grad_norm", "rewards/chosen", "rewards/margins"))
 
 
 WITH_STAGES = {
@@ -108,15 +72,7 @@ def test_cp2_with_pp2_on_four_ranks_gives_the_one_rank_run(task, tiny_hf, kto_fi
              *FLAGS, *run_flags(*WITH_STAGES[task])]
     config = resolve(parse_args([*flags, "--output_dir", str(tmp_path / "one")],
                                 prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
-    train_in_process(tmp_path / "one", *flags, command="rlhf", base=[],
-                     trainer=trainer_class(config))
-    env = child_env(NPROC_PER_NODE="4", MASTER_PORT=str(H.free_port()))
-    proc = subprocess.run([sys.executable, "-m", "swift_mcore", "rlhf", *flags,
-                           "--context_parallel_size", "2", "--pipeline_model_parallel_size",
-                           "2", "--output_dir", str(tmp_path / "four")],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one, four = curve(tmp_path / "one"), curve(tmp_path / "four")
+    one, four, _ = one_rank_and_cp2(tmp_path, flags, trainer_class(config), stages=2)
     assert sorted(one) == sorted(four) == [1, 2, 3]
     names = ("loss", *task_metrics(config.rlhf.rlhf_type))
     for it in one:
@@ -133,7 +89,6 @@ def test_a_reward_score_is_read_on_the_rank_that_holds_the_last_token(monkeypatc
     score pooled at each whole row's last non-pad token; the position the ranks agree on is
     the largest of their own candidates (a row of pads: position 0, on rank 0)."""
     import torch
-    from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from swift_mcore.models.value_head import pooled
@@ -154,13 +109,10 @@ def test_a_reward_score_is_read_on_the_rank_that_holds_the_last_token(monkeypatc
 
     monkeypatch.setattr(collectives, "all_reduce", agree)
     monkeypatch.setattr(reward_trainer, "over_cp", lambda values: values)
-    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
     parts = {}
     for _ in range(2):  # the second pass: both ranks' candidates known
         for rank in range(2):
-            monkeypatch.setattr(parallel_state, "get_context_parallel_group",
-                                lambda r=rank: GroupRank(r))
-            monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda r=rank: r)
+            as_rank(monkeypatch, rank)
             local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": scores[..., 0]})
             parts[rank] = reward_trainer.scores_over_cp(local["labels"][..., None],
                                                         local["tokens"], pad)
