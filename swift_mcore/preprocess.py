@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from .errors import ArgumentError
-from .arguments.data import text_key_flag, tokenizer_flag
+from .arguments.data import text_key_flag, tokenizer_flag, trust_remote_code_flag
 from .arguments.fields import check_flags, flag
 from .arguments.paths import check_output_files
 
@@ -37,11 +37,7 @@ class PreprocessArguments:
         True, "Append the tokenizer's end-of-document token to each document (GPT pretraining "
         "separates documents with it); `--append_eod false` writes the bare tokens.")
     progress_bar: bool = flag(True, "Show a progress bar (documents/s, tokens/s) on stderr.")
-    trust_remote_code: bool = flag(
-        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
-        "tokenizer_config.json or config.json); without it a folder that needs its code is "
-        "refused. Read that code first: it runs with your permissions. Model code is never "
-        "run (the model is built from config.json).")
+    trust_remote_code: bool = trust_remote_code_flag()
 
     def validate(self) -> "PreprocessArguments":
         """Check every flag; raises ArgumentError naming it. Fills the defaults."""

@@ -13,6 +13,15 @@ def text_key_flag():
     return flag("text", "Column (JSON field) holding the text of raw inputs.")
 
 
+def trust_remote_code_flag():
+    """--trust_remote_code, as the commands that read a tokenizer folder declare it."""
+    return flag(
+        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
+        "tokenizer_config.json or config.json); without it a folder that needs its code is "
+        "refused. Read that code first: it runs with your permissions. Model code is never "
+        "run (the model is built from config.json).")
+
+
 def tokenizer_flag(default_source: str = "--model's, else "):
     """--tokenizer, as pt, sft (``default_source``: --model's tokenizer comes first) and
     preprocess (no --model: '') declare it."""
@@ -50,8 +59,4 @@ class DataArguments:
     shuffle_buffer_size: int = flag(
         1000, "--streaming: rows held in the shuffle buffer (each row trained is drawn from "
         "it with --seed's generator; 1 keeps the files' order).", range=POSITIVE)
-    trust_remote_code: bool = flag(
-        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
-        "tokenizer_config.json or config.json); without it a folder that needs its code is "
-        "refused. Read that code first: it runs with your permissions. Model code is never "
-        "run (the model is built from config.json).")
+    trust_remote_code: bool = trust_remote_code_flag()

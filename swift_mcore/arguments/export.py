@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ArgumentError
+from .data import trust_remote_code_flag
 from .fields import check_flags, flag
 from .paths import check_output_dir
 
@@ -48,11 +49,7 @@ class ExportArguments:
         None, "Weight dtype of the Hugging Face files; default: the source config.json's, else "
         "the checkpoint's.", choices=("float32", "bfloat16", "float16"))
     max_shard_size: str = flag("5GB", "Largest safetensors file (KB, MB, GB, KiB, MiB, GiB).")
-    trust_remote_code: bool = flag(
-        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
-        "tokenizer_config.json or config.json); without it a folder that needs its code is "
-        "refused. Read that code first: it runs with your permissions. Model code is never "
-        "run (the model is built from config.json).")
+    trust_remote_code: bool = trust_remote_code_flag()
 
     def validate(self) -> "ExportArguments":
         """Check every flag before any model is built; raises ArgumentError naming it. (What

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ArgumentError
+from .data import trust_remote_code_flag
 from .fields import NON_NEGATIVE, NONZERO_FRACTION, check_flags, flag
 from .sft import TEMPLATES, VideoArguments
 
@@ -41,11 +42,7 @@ class _Infer:
     seed: int = flag(42, "Seed of the sampling.")
     tokenizer: Optional[str] = flag(
         None, "Tokenizer folder or tokenizer.json; default: the model's.")
-    trust_remote_code: bool = flag(
-        False, "Run the Python code a Hugging Face tokenizer folder ships (auto_map in "
-        "tokenizer_config.json or config.json); without it a folder that needs its code is "
-        "refused. Read that code first: it runs with your permissions. Model code is never "
-        "run (the model is built from config.json).")
+    trust_remote_code: bool = trust_remote_code_flag()
 
 
 @dataclass

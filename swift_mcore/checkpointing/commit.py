@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..errors import ArgumentError
 from ..input_files import first_not_regular, inside, load_json, open_regular
 from ..runtime import collectives as comm
+from ..runtime.run_lock import pid_alive
 from .folders import fsync_dir, iter_dir_name, parse_iter_dir
 
 MANIFEST_FILENAME = "manifest.json"
@@ -76,17 +77,7 @@ def _staging_is_leftover(name: str, locked: bool) -> bool:
         return True
     owner = staging_owner(name)
     return owner is not None and owner[1] == _host() and (
-        owner[0] == os.getpid() or not _pid_alive(owner[0]))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists
-        return True
-    return True
+        owner[0] == os.getpid() or not pid_alive(owner[0]))
 
 
 def _host() -> str:

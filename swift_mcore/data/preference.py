@@ -6,7 +6,8 @@ conversational one (message lists, with an optional ``tools`` column), its impli
 one (``chosen``/``rejected`` only: the prompt is their common start), and ms-swift's
 (``messages`` whose last assistant turn is the chosen answer, plus ``rejected_response``).
 Text answers get the EOS appended; the completion starts where the tokenized prompt and
-the tokenized prompt + answer diverge (TRL's rule).
+the tokenized prompt + answer diverge (TRL's rule). KTO's unpaired rows (data/unpaired.py)
+are read, tokenized, laid out and fingerprinted with the same functions.
 """
 
 from __future__ import annotations
@@ -96,13 +97,19 @@ def _margin(value, where: str) -> Optional[float]:
     return float(value)
 
 
-def _row_pair(row: Dict[str, Any], where: str) -> Pair:
+def row_tools(row: Dict[str, Any], where: str) -> Any:
+    """A row's 'tools' column: the value, or the value of its JSON text."""
     tools = row.get("tools")
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError:
             raise ArgumentError(f"{where}: 'tools' is not valid JSON") from None
+    return tools
+
+
+def _row_pair(row: Dict[str, Any], where: str) -> Pair:
+    tools = row_tools(row, where)
     if row.get("messages") is not None:  # ms-swift: the last assistant turn is chosen
         messages = _messages(row["messages"], where, "messages")
         rejected = row.get("rejected_response")
@@ -123,11 +130,8 @@ def _row_pair(row: Dict[str, Any], where: str) -> Pair:
         raise ArgumentError(
             f"{where}: no '{missing}' answer (the row has {present}); a preference row has "
             f"prompt/chosen/rejected, or messages + rejected_response")
-    conversational = _is_messages(chosen) or (
-        isinstance(chosen, list) or (isinstance(chosen, str) and chosen.lstrip()[:1] == "["
-                                     and _is_messages(_try_json(chosen))))
     prompt = row.get("prompt")
-    if conversational:
+    if is_conversational(chosen):
         chosen = _messages(chosen, where, "chosen")
         rejected = _messages(rejected, where, "rejected")
         if prompt is None:
@@ -144,6 +148,12 @@ def _row_pair(row: Dict[str, Any], where: str) -> Pair:
     return Pair(prompt, chosen, rejected, None, where)
 
 
+def is_conversational(answer) -> bool:
+    """Whether an answer is a list (of messages), or the JSON text of a list of messages."""
+    return isinstance(answer, list) or (isinstance(answer, str) and answer.lstrip()[:1] == "["
+                                        and _is_messages(_try_json(answer)))
+
+
 def _try_json(text: str):
     try:
         return json.loads(text)
@@ -151,19 +161,25 @@ def _try_json(text: str):
         return None
 
 
-def read_pairs(sources, flag: str = "--dataset") -> List[Pair]:
+def read_rows(sources, flag: str, to_items: Callable[[Dict[str, Any], str], list]) -> list:
+    """What ``to_items(row, where)`` makes of every row of ``sources``, in order (``where``
+    names the file and row); a file without rows is refused."""
     from .sources import read_batches
 
-    pairs: List[Pair] = []
+    items: list = []
     for source in sources:
-        before = len(pairs)
+        before = len(items)
         rows = (dict(zip(batch, values)) for batch in read_batches(source, flag, batch_size=256)
                 for values in zip(*batch.values()))
         for index, row in enumerate(rows):
-            pairs.append(to_pair(row, f"{flag} {source.path}, row {index}"))
-        if len(pairs) == before:
+            items.extend(to_items(row, f"{flag} {source.path}, row {index}"))
+        if len(items) == before:
             raise ArgumentError(f"{flag} {source.path}: is empty (no rows)")
-    return pairs
+    return items
+
+
+def read_pairs(sources, flag: str = "--dataset") -> List[Pair]:
+    return read_rows(sources, flag, lambda row, where: [to_pair(row, where)])
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -175,24 +191,29 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def tokenize_with_prompt(row, answers: Sequence[Any], hf) -> Tuple[List[int], List[List[int]]]:
+    """(prompt ids, [prompt + answer ids for each answer]) as TRL 1.16's DPOTrainer and
+    KTOTrainer tokenize them: a conversation through the chat template (the prompt with the
+    generation prompt), a text answer with the EOS appended; ``row`` is a Pair or an
+    Unpaired (its prompt, tools, conversational), ``hf`` the Hugging Face tokenizer."""
+    if row.conversational:
+        def ids(messages, **kwargs):
+            return list(hf.apply_chat_template(messages, tools=row.tools, tokenize=True,
+                                               return_dict=True, **kwargs)["input_ids"])
+
+        return (ids(row.prompt, add_generation_prompt=True),
+                [ids(row.prompt + answer) for answer in answers])
+    eos = hf.eos_token
+    return (list(hf(text=row.prompt)["input_ids"]),
+            [list(hf(text=row.prompt + (answer if answer.endswith(eos) else answer + eos))
+                  ["input_ids"]) for answer in answers])
+
+
 def tokenize_pair(pair: Pair, hf) -> Tuple[List[int], List[int], List[int]]:
     """(prompt ids, chosen ids, rejected ids) as TRL 1.16's DPOTrainer makes them; ``hf`` is
     the Hugging Face tokenizer."""
-    if pair.conversational:
-        def ids(messages, **kwargs):
-            return list(hf.apply_chat_template(messages, tools=pair.tools, tokenize=True,
-                                               return_dict=True, **kwargs)["input_ids"])
-
-        prompt = ids(pair.prompt, add_generation_prompt=True)
-        with_chosen = ids(pair.prompt + pair.chosen)
-        with_rejected = ids(pair.prompt + pair.rejected)
-    else:
-        eos = hf.eos_token
-        chosen = pair.chosen if pair.chosen.endswith(eos) else pair.chosen + eos
-        rejected = pair.rejected if pair.rejected.endswith(eos) else pair.rejected + eos
-        prompt = list(hf(text=pair.prompt)["input_ids"])
-        with_chosen = list(hf(text=pair.prompt + chosen)["input_ids"])
-        with_rejected = list(hf(text=pair.prompt + rejected)["input_ids"])
+    prompt, (with_chosen, with_rejected) = tokenize_with_prompt(
+        pair, (pair.chosen, pair.rejected), hf)
     start = min(_common_prefix(prompt, with_chosen), _common_prefix(prompt, with_rejected))
     return prompt[:start], with_chosen[start:], with_rejected[start:]
 
@@ -239,22 +260,15 @@ def tokenize_pair_per_answer(pair: Pair, hf) -> Tuple[List[int], List[int], List
             len(rejected_head) - shared)
 
 
-class PreferenceDataset(torch.utils.data.Dataset):
-    """Tokenized pairs; ``collate`` makes a micro-batch of B pairs into 2B rows, the chosen
-    sequences first, each cut to ``max_length`` tokens as TRL's collator cuts them.
+class TokenizedRows(torch.utils.data.Dataset):
+    """Tokenized rows (``encoded``) and how ``collate`` lays them out: each sequence cut to
+    ``max_length`` tokens as TRL's collators cut it, padded with ``pad_id`` to a multiple of
+    ``pad_multiple``, or to ``pad_to`` (every row's width: pipeline stages exchange one fixed
+    shape), or packed in rows of at most ``pack_to`` positions (--packing)."""
 
-    With ``pack_to`` (--packing) the 2B sequences are laid end to end in rows of at most
-    ``pack_to`` positions (data/sequence_rows.py) instead of one padded row each:
-    ``segment_ids`` then gives each position's sequence (chosen i is i, rejected i is B + i;
-    padding -1), which keeps the sequences apart in attention and sums each one's
-    log-probabilities. An item is still one pair, so the data order and resume are the
-    unpacked run's."""
-
-    def __init__(self, encoded: Sequence[Tuple[np.ndarray, ...]], max_length: int,
-                 truncation_mode: str, pad_id: int, fingerprint: str,
-                 pad_multiple: int = 1, pack_to: Optional[int] = None,
-                 pad_to: Optional[int] = None):
-        """``pad_to``: every row's width (pipeline stages exchange one fixed shape)."""
+    def __init__(self, encoded: Sequence[tuple], max_length: int, truncation_mode: str,
+                 pad_id: int, fingerprint: str, pad_multiple: int = 1,
+                 pack_to: Optional[int] = None, pad_to: Optional[int] = None):
         self.encoded = encoded
         self.max_length = max_length
         self.truncation_mode = truncation_mode
@@ -267,18 +281,30 @@ class PreferenceDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.encoded)
 
+    def _cut(self, ids: np.ndarray) -> np.ndarray:
+        if len(ids) <= self.max_length:
+            return ids
+        return ids[:self.max_length] if self.truncation_mode == "keep_start" \
+            else ids[-self.max_length:]
+
+
+class PreferenceDataset(TokenizedRows):
+    """Tokenized pairs; ``collate`` makes a micro-batch of B pairs into 2B rows, the chosen
+    sequences first, each cut to ``max_length`` tokens as TRL's collator cuts them.
+
+    With ``pack_to`` (--packing) the 2B sequences are laid end to end in rows of at most
+    ``pack_to`` positions (data/sequence_rows.py) instead of one padded row each:
+    ``segment_ids`` then gives each position's sequence (chosen i is i, rejected i is B + i;
+    padding -1), which keeps the sequences apart in attention and sums each one's
+    log-probabilities. An item is still one pair, so the data order and resume are the
+    unpacked run's."""
+
     def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
         prompt, chosen, rejected, *heads = self.encoded[index]
         # heads: how many first ids of each answer are still its prompt (ORPO's, SimPO's)
         heads = heads[0] if heads else np.zeros(2, np.int32)
         return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "heads": heads,
                 "index": index}
-
-    def _cut(self, ids: np.ndarray) -> np.ndarray:
-        if len(ids) <= self.max_length:
-            return ids
-        return ids[:self.max_length] if self.truncation_mode == "keep_start" \
-            else ids[-self.max_length:]
 
     def collate(self, items: List[Dict[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
         seqs, masks = [], []
@@ -337,13 +363,19 @@ def encode_pairs(pairs: List[Pair], hf, max_length: int, truncation_mode: str,
         encoded.append((np.asarray(prompt, np.int32), np.asarray(chosen, np.int32),
                         np.asarray(rejected, np.int32), *heads))
     report.pairs = len(encoded)
+    refuse_filled_prompts(fills, len(pairs), max_length)
+    return encoded
+
+
+def refuse_filled_prompts(fills: List[str], rows: int, max_length: int) -> None:
+    """The refusal of the rows ``fills`` names (of ``rows``), whose prompt fills
+    --max_length under keep_start; none, nothing."""
     if fills:
         raise ArgumentError(
-            f"{len(fills)} of {len(pairs)} rows have a prompt of --max_length {max_length} "
+            f"{len(fills)} of {rows} rows have a prompt of --max_length {max_length} "
             f"tokens or more, which would leave no answer token to train (first: "
             f"{fills[0]}); raise --max_length (and --seq_length), shorten those prompts, or "
             f"use --truncation_mode keep_end")
-    return encoded
 
 
 def sequence_pad_multiple(config) -> int:
@@ -400,22 +432,28 @@ def build_preference_datasets(config, tokenizer, log: Callable[[str], None] = pr
 
 
 def preference_fingerprint(config, tokenizer) -> str:
-    """Identity of a run's preference data, from the files alone: their content, the
-    tokenizer and its chat template, and the flags that change the rows."""
+    """Identity of a run's preference data (rows_fingerprint)."""
+    extra = {"tokenized_as": "ORPOTrainer/CPOTrainer"} if _per_answer(config) else {}
+    return rows_fingerprint(config, tokenizer, ENCODING_VERSION, **extra)
+
+
+def rows_fingerprint(config, tokenizer, version: int, **extra) -> str:
+    """Identity of a run's rlhf rows, from the files alone: their content, the tokenizer
+    and its chat template, the flags that change the rows, the encoding ``version`` and
+    ``extra``."""
     from .sources import content_fingerprint
 
     r = config.rlhf
     identity = {
-        "version": ENCODING_VERSION,
+        "version": version,
         "train": content_fingerprint(config.dataset_sources),
         "tokenizer": tokenizer.fingerprint,
         "chat_template": tokenizer.chat_template,
         "max_length": max_length_of(config),
         "truncation_mode": r.truncation_mode,
+        **extra,
     }
-    if _per_answer(config):
-        identity["tokenized_as"] = "ORPOTrainer/CPOTrainer"
-    if _packing(config):  # other rows (a resume across the change is refused)
+    if r.packing:  # other rows (a resume across the change is refused)
         identity["packing"] = True
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 

@@ -11,8 +11,6 @@ appended; the completion starts where the tokenized prompt and prompt + completi
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -21,8 +19,10 @@ import torch
 
 from ..errors import ArgumentError
 from .sequence_rows import lay_out, packing_note
-from .preference import (PairReport, _common_prefix, _is_messages, _messages, _try_json,
-                         max_length_of, sequence_pad_multiple, to_pair)
+from .preference import (PairReport, TokenizedRows, _common_prefix, _messages,
+                         is_conversational, max_length_of, read_rows, refuse_filled_prompts,
+                         row_tools, rows_fingerprint, sequence_pad_multiple, to_pair,
+                         tokenize_with_prompt)
 
 # Part of the fingerprint: change it whenever tokenizing changes what a row becomes.
 ENCODING_VERSION = 1
@@ -65,12 +65,7 @@ def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
                             f"prompt/completion/label, or messages + label (label true for "
                             f"a desirable answer, false for an undesirable one)")
     desirable = _label(row["label"], where)
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError:
-            raise ArgumentError(f"{where}: 'tools' is not valid JSON") from None
+    tools = row_tools(row, where)
     if row.get("messages") is not None:  # ms-swift: the last assistant turn is the answer
         messages = _messages(row["messages"], where, "messages")
         if messages[-1].get("role") != "assistant":
@@ -82,10 +77,7 @@ def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
         missing = "completion" if completion is None else "prompt"
         raise ArgumentError(f"{where}: no '{missing}'; a KTO row has prompt/completion/label, "
                             f"or messages + label")
-    conversational = _is_messages(completion) or isinstance(completion, list) or (
-        isinstance(completion, str) and completion.lstrip()[:1] == "["
-        and _is_messages(_try_json(completion)))
-    if conversational:
+    if is_conversational(completion):
         return [Unpaired(_messages(prompt, where, "prompt"),
                          _messages(completion, where, "completion"), desirable, tools, where)]
     for name, value in (("completion", completion), ("prompt", prompt)):
@@ -98,18 +90,7 @@ def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
 def read_unpaired(sources, flag: str = "--dataset") -> List[Unpaired]:
     """Every row of ``sources``; KTO data with one class only is refused (its loss would
     have nothing to weigh the answers against)."""
-    from .sources import read_batches
-
-    rows: List[Unpaired] = []
-    for source in sources:
-        before = len(rows)
-        batches = (dict(zip(batch, values))
-                   for batch in read_batches(source, flag, batch_size=256)
-                   for values in zip(*batch.values()))
-        for index, row in enumerate(batches):
-            rows.extend(to_unpaired(row, f"{flag} {source.path}, row {index}"))
-        if len(rows) == before:
-            raise ArgumentError(f"{flag} {source.path}: is empty (no rows)")
+    rows: List[Unpaired] = read_rows(sources, flag, to_unpaired)
     desirable = sum(r.desirable for r in rows)
     if desirable in (0, len(rows)):
         kind = "desirable (label true)" if desirable else "undesirable (label false)"
@@ -122,18 +103,7 @@ def read_unpaired(sources, flag: str = "--dataset") -> List[Unpaired]:
 def tokenize_unpaired(row: Unpaired, hf) -> Tuple[List[int], List[int]]:
     """(prompt ids, completion ids) as TRL 1.16's KTOTrainer makes them; ``hf`` is the
     Hugging Face tokenizer."""
-    if row.conversational:
-        def ids(messages, **kwargs):
-            return list(hf.apply_chat_template(messages, tools=row.tools, tokenize=True,
-                                               return_dict=True, **kwargs)["input_ids"])
-
-        prompt = ids(row.prompt, add_generation_prompt=True)
-        whole = ids(row.prompt + row.completion)
-    else:
-        eos = hf.eos_token
-        completion = row.completion if row.completion.endswith(eos) else row.completion + eos
-        prompt = list(hf(text=row.prompt)["input_ids"])
-        whole = list(hf(text=row.prompt + completion)["input_ids"])
+    prompt, (whole,) = tokenize_with_prompt(row, (row.completion,), hf)
     start = _common_prefix(prompt, whole)
     return prompt[:start], whole[start:]
 
@@ -166,16 +136,11 @@ def encode_unpaired(rows: List[Unpaired], hf, max_length: int, truncation_mode: 
                         bool(row.desirable)))
     report.pairs = len(encoded)
     report.desirable = sum(e[2] for e in encoded)
-    if fills:
-        raise ArgumentError(
-            f"{len(fills)} of {len(rows)} rows have a prompt of --max_length {max_length} "
-            f"tokens or more, which would leave no answer token to train (first: "
-            f"{fills[0]}); raise --max_length (and --seq_length), shorten those prompts, or "
-            f"use --truncation_mode keep_end")
+    refuse_filled_prompts(fills, len(rows), max_length)
     return encoded
 
 
-class UnpairedDataset(torch.utils.data.Dataset):
+class UnpairedDataset(TokenizedRows):
     """Tokenized unpaired rows; ``collate`` makes a micro-batch of B rows plus B KL rows:
     row i's prompt with row i-1's completion (cyclically), TRL's mismatched pairs for the
     KL estimate, each cut to ``max_length`` tokens as the training rows are.
@@ -189,30 +154,14 @@ class UnpairedDataset(torch.utils.data.Dataset):
                  truncation_mode: str, pad_id: int, fingerprint: str, pad_multiple: int = 1,
                  kl_rows: bool = True, pack_to: Optional[int] = None,
                  pad_to: Optional[int] = None):
-        """``kl_rows``: False for a loss without a KL term (no KL rows are made); ``pad_to``:
-        every row's width (pipeline stages exchange one fixed shape)."""
-        self.encoded = encoded
+        """``kl_rows``: False for a loss without a KL term (no KL rows are made)."""
+        super().__init__(encoded, max_length, truncation_mode, pad_id, fingerprint,
+                         pad_multiple, pack_to, pad_to)
         self.kl_rows = kl_rows
-        self.pack_to = pack_to
-        self.pad_to = pad_to
-        self.max_length = max_length
-        self.truncation_mode = truncation_mode
-        self.pad_id = pad_id
-        self.fingerprint = fingerprint
-        self.pad_multiple = pad_multiple
-
-    def __len__(self) -> int:
-        return len(self.encoded)
 
     def __getitem__(self, index: int) -> Dict[str, Any]:
         prompt, completion, desirable = self.encoded[index]
         return {"prompt": prompt, "completion": completion, "desirable": desirable}
-
-    def _cut(self, ids: np.ndarray) -> np.ndarray:
-        if len(ids) <= self.max_length:
-            return ids
-        return ids[:self.max_length] if self.truncation_mode == "keep_start" \
-            else ids[-self.max_length:]
 
     def _rows(self, prompts, completions, prefix: str) -> Dict[str, torch.Tensor]:
         seqs = [self._cut(np.concatenate([p, c])) for p, c in zip(prompts, completions)]
@@ -293,20 +242,5 @@ def build_unpaired_datasets(config, tokenizer, log: Callable[[str], None] = prin
 
 
 def unpaired_fingerprint(config, tokenizer) -> str:
-    """Identity of a run's KTO data, from the files alone: their content, the tokenizer
-    and its chat template, and the flags that change the rows."""
-    from .sources import content_fingerprint
-
-    r = config.rlhf
-    identity = {
-        "task": "kto",
-        "version": ENCODING_VERSION,
-        "train": content_fingerprint(config.dataset_sources),
-        "tokenizer": tokenizer.fingerprint,
-        "chat_template": tokenizer.chat_template,
-        "max_length": max_length_of(config),
-        "truncation_mode": r.truncation_mode,
-    }
-    if r.packing:  # other rows (a resume across the change is refused)
-        identity["packing"] = True
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    """Identity of a run's KTO data (preference.rows_fingerprint)."""
+    return rows_fingerprint(config, tokenizer, ENCODING_VERSION, task="kto")

@@ -298,6 +298,7 @@ def _handed_over(path: str, info: Optional[dict]) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one we may not signal does: EPERM)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from .base import UNSET_FLAGS, Family, UnsupportedConfig, require
+from .base import UNSET_FLAGS, UnsupportedConfig, require
+from .text_model import TextModelFamily
 
 WINDOW, GLOBAL = "sliding_attention", "full_attention"
 # keys read here and hidden from the common reader (it knows Llama's spelling)
@@ -84,14 +85,12 @@ def rope_bases(config: Dict[str, Any]) -> Tuple[Dict[str, float], List[str]]:
 
 
 @dataclass(frozen=True)
-class Gemma3Family(Family):
+class Gemma3Family(TextModelFamily):
     """Family with Gemma 3's own reading and writing of config.json."""
 
-    def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
-        from .. import text_part
+    own_keys = OWN_KEYS
 
-        if text_part.is_multimodal(config):  # the language model, trained on text alone
-            return text_part.language_model_values(config, model_args, self.model_values)
+    def text_model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
         if config.get("model_type") == "gemma3" or "text_config" in config:
             raise UnsupportedConfig(
                 f"model_type {config.get('model_type')!r} (Gemma 3's vision-language model, "
@@ -118,13 +117,7 @@ class Gemma3Family(Family):
         # the common keys through the common reader (it checks every value's type first)
         core = {k: v for k, v in config.items() if k not in OWN_KEYS}
         core["rope_theta"] = bases.get(GLOBAL, DEFAULTS["rope_theta"])
-        try:
-            values = super().model_values(core, model_args)
-        except UnsupportedConfig as err:
-            problems.insert(0, str(err))
-            values = {}
-        if problems:
-            raise UnsupportedConfig("; ".join(problems))
+        values = self.common_values(core, model_args, problems)
         scalar = config.get("query_pre_attn_scalar") or DEFAULTS["query_pre_attn_scalar"]
         windowed = WINDOW in kinds
         values.update(
@@ -136,16 +129,6 @@ class Gemma3Family(Family):
             rotary_seq_len_interpolation_factor=bases.get("factor"),
         )
         return values
-
-    def read_keys(self) -> frozenset:
-        return super().read_keys() | frozenset(OWN_KEYS)
-
-    def unknown_keys(self, config: Dict[str, Any]) -> List[str]:
-        from .. import text_part
-
-        if text_part.is_multimodal(config):
-            return text_part.unknown_keys(self, config)
-        return super().unknown_keys(config)
 
     def representation_problems(self, m: Any) -> List[str]:
         # the window, its pattern, the local RoPE base and the score scale are Gemma 3's

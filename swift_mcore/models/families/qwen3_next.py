@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .base import Family, InvalidConfig, MoeKeys, UnsupportedConfig, require, value_problems
+from .base import InvalidConfig, MoeKeys, UnsupportedConfig, require, value_problems
+from .text_model import TextModelFamily
 
 LINEAR, FULL = "linear_attention", "full_attention"
 # config.json key -> ModelArguments flag of the delta-net shapes
@@ -56,14 +57,12 @@ def rotary_fraction(config: Dict[str, Any]) -> Any:
 
 
 @dataclass(frozen=True)
-class Qwen3NextFamily(Family):
+class Qwen3NextFamily(TextModelFamily):
     """Family with Qwen3-Next's own reading and writing of config.json."""
 
-    def model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
-        from .. import text_part
+    own_keys = OWN_KEYS
 
-        if text_part.is_multimodal(config):  # the language model, trained on text alone
-            return text_part.language_model_values(config, model_args, self.model_values)
+    def text_model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
         if "text_config" in config:
             raise UnsupportedConfig(
                 f"model_type {config.get('model_type')!r} (the vision-language model, its text "
@@ -106,13 +105,7 @@ class Qwen3NextFamily(Family):
         if isinstance(core.get("rope_parameters"), dict):
             core["rope_parameters"] = {k: v for k, v in core["rope_parameters"].items()
                                        if k != "partial_rotary_factor"}
-        try:
-            values = super().model_values(core, model_args)
-        except UnsupportedConfig as err:
-            problems.insert(0, str(err))
-            values = {}
-        if problems:
-            raise UnsupportedConfig("; ".join(problems))
+        values = self.common_values(core, model_args, problems)
         head_dim = values["kv_channels"]
         if (head_dim * float(fraction)) % 2:
             raise UnsupportedConfig(f"partial_rotary_factor {fraction} (head_dim {head_dim} "
@@ -124,16 +117,6 @@ class Qwen3NextFamily(Family):
                                    + "]") if LINEAR in kinds else None,
         )
         return values
-
-    def read_keys(self) -> frozenset:
-        return super().read_keys() | frozenset(OWN_KEYS)
-
-    def unknown_keys(self, config: Dict[str, Any]) -> List[str]:
-        from .. import text_part
-
-        if text_part.is_multimodal(config):
-            return text_part.unknown_keys(self, config)
-        return super().unknown_keys(config)
 
     def representation_problems(self, m: Any) -> List[str]:
         own = ("--rotary_percent ", "--linear_attention_freq ")

@@ -62,6 +62,15 @@ class Visibility:
             keep = keep[None]
         return keep[:, :, None]  # [b|1, 1, 1, sq, block]
 
+    def blocks(self, sk: int):
+        """(n, start, stop, keep) of each block of KEY_BLOCK keys of ``sk`` that some query
+        sees (keep: ``block``'s), the n-th: the forward and backward passes walk the same."""
+        for n, start in enumerate(range(0, sk, KEY_BLOCK)):
+            stop = min(start + KEY_BLOCK, sk)
+            keep = self.block(start, stop)
+            if keep is not False:
+                yield n, start, stop, keep
+
 
 def _dropout_keep(seed: int, block: int, shape, p: float, device) -> torch.Tensor:
     gen = torch.Generator(device=device)
@@ -79,12 +88,7 @@ class _BlockedAttention(torch.autograd.Function):
         top = torch.full(shape, float("-inf"), dtype=work, device=q.device)
         total = torch.zeros(shape, dtype=work, device=q.device)
         acc = torch.zeros(*shape, v.shape[-1], dtype=work, device=q.device)
-        sk = k.shape[-2]
-        for n, start in enumerate(range(0, sk, KEY_BLOCK)):
-            stop = min(start + KEY_BLOCK, sk)
-            keep = visibility.block(start, stop)
-            if keep is False:
-                continue
+        for n, start, stop, keep in visibility.blocks(k.shape[-2]):
             scores = qs @ k[..., start:stop, :].to(work).transpose(-1, -2)
             if keep is not None:
                 scores = scores.masked_fill(~keep, float("-inf"))
@@ -117,12 +121,7 @@ class _BlockedAttention(torch.autograd.Function):
         dq = torch.zeros_like(qs)
         dk = torch.zeros(k.shape, dtype=work, device=k.device)
         dv = torch.zeros(v.shape, dtype=work, device=v.device)
-        sk = k.shape[-2]
-        for n, start in enumerate(range(0, sk, KEY_BLOCK)):
-            stop = min(start + KEY_BLOCK, sk)
-            keep = visibility.block(start, stop)
-            if keep is False:
-                continue
+        for n, start, stop, keep in visibility.blocks(k.shape[-2]):
             kb, vb = k[..., start:stop, :].to(work), v[..., start:stop, :].to(work)
             probs = torch.exp(qs @ kb.transpose(-1, -2) - lse[..., None])
             if keep is not None:
