@@ -30,34 +30,18 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     (built on the meta device: no memory)."""
     import warnings
 
-    from accelerate import init_empty_weights
-    from transformers import (AutoConfig, AutoModelForCausalLM,
-                              AutoModelForSequenceClassification)
-
     from .families import for_config
-    from .text_part import is_multimodal
 
     raw = HFFolder(folder).config
     family = for_config(raw, os.path.join(folder, "config.json"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if raw.get("model_type") in family.model_types[1:] and not is_multimodal(raw):
-            # another name for the family's architecture (kimi_k2: DeepSeek-V3), which
-            # transformers knows only by the first
-            hf_config = AutoConfig.for_model(family.model_types[0], **{
-                k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
-        else:
-            hf_config = AutoConfig.from_pretrained(folder, local_files_only=True,
-                                                   trust_remote_code=False)
-        head = AutoModelForSequenceClassification if is_score_config(raw) \
-            else AutoModelForCausalLM
-        with init_empty_weights():
-            if getattr(hf_config, "vision_config", None) is not None:
-                from transformers import AutoModelForImageTextToText
-
-                model = AutoModelForImageTextToText.from_config(hf_config)
-            else:
-                model = head.from_config(hf_config)
+        try:
+            hf_config, model = _meta_model(folder, raw, family)
+        except Exception as err:  # a config.json value transformers' own model cannot take
+            raise ArgumentError(f"--model {folder}: transformers cannot build the model "
+                                f"{os.path.join(folder, 'config.json')} describes "
+                                f"({type(err).__name__}: {err})") from None
     from .vision import NESTED_NAMES
 
     nested = raw.get("model_type") in NESTED_NAMES  # the files use the names in memory
@@ -66,6 +50,32 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def _meta_model(folder: str, raw: dict, family):
+    """(transformers' config, its model on the meta device) for ``folder``."""
+    from accelerate import init_empty_weights
+    from transformers import (AutoConfig, AutoModelForCausalLM,
+                              AutoModelForSequenceClassification)
+
+    from .text_part import is_multimodal
+
+    if raw.get("model_type") in family.model_types[1:] and not is_multimodal(raw):
+        # another name for the family's architecture (kimi_k2: DeepSeek-V3), which
+        # transformers knows only by the first
+        hf_config = AutoConfig.for_model(family.model_types[0], **{
+            k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
+    else:
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True,
+                                               trust_remote_code=False)
+    head = AutoModelForSequenceClassification if is_score_config(raw) \
+        else AutoModelForCausalLM
+    with init_empty_weights():
+        if getattr(hf_config, "vision_config", None) is not None:
+            from transformers import AutoModelForImageTextToText
+
+            return hf_config, AutoModelForImageTextToText.from_config(hf_config)
+        return hf_config, head.from_config(hf_config)
 
 
 def _is_language(name: str) -> bool:

@@ -165,6 +165,8 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
          "rope_type 'dynamic'"),
         (dict(n_group=3), "n_group 3 does not divide n_routed_experts 8"),
         (dict(attention_bias=True), "attention_bias True"),
+        (dict(head_dim=24), r"head_dim 24 \(the rotary part of a head: only "
+                            r"qk_rope_head_dim 8"),
     ]
     original = json.loads((folder / "config.json").read_text())
     for change, match in cases:

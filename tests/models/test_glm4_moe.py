@@ -112,6 +112,17 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
         with pytest.raises(ArgumentError, match=match):
             resolve(RunArguments.from_flags(model=str(tmp_path / "glm")), world_size=1)
         make_glm(tmp_path / "glm")
+    # head_dim null: transformers' attention cannot be built (its RoPE would take the
+    # default); refused by name, and the weights' check names the folder, not a traceback
+    config = json.loads((tmp_path / "glm" / "config.json").read_text())
+    (tmp_path / "glm" / "config.json").write_text(json.dumps({**config, "head_dim": None}))
+    with pytest.raises(ArgumentError, match=r"head_dim null \(a number, or no head_dim key"):
+        resolve(RunArguments.from_flags(model=str(tmp_path / "glm")), world_size=1)
+    from swift_mcore.models.hf_load import expected_hf_shapes
+
+    with pytest.raises(ArgumentError, match=r"glm: transformers cannot build the model .*"
+                                            r"config\.json describes \(TypeError: "):
+        expected_hf_shapes(str(tmp_path / "glm"))
 
 
 @pytest.mark.slow

@@ -161,7 +161,7 @@ def test_infer_gives_transformers_greedy_tokens(folder, gloo_group, capsys):
     assert count > GPT_OSS["sliding_window"]
 
 
-def test_what_megatron_cannot_express_is_named(folder, tmp_path):
+def test_what_megatron_cannot_express_is_named(folder, tmp_path, gloo_group):
     """Each config.json value swift-mcore cannot compute as transformers does is refused by
     its key, in one line naming what is accepted, before anything is built."""
     import shutil
@@ -194,6 +194,14 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path):
     for change, match in cases:
         (path / "config.json").write_text(json.dumps({**original, **change}))
         refused(match)
+    # export and infer read config.json's values before the tokenizer (transformers' reads
+    # config.json too, and would blame the tokenizer)
+    (path / "config.json").write_text(json.dumps({**original, "swiglu_limit": None}))
+    from swift_mcore.loaded_model import load_model
+
+    with pytest.raises(ArgumentError, match=r"config\.json describes a gpt_oss model .*: "
+                                            r"swiglu_limit None \(a positive number\)"):
+        load_model(str(path), log=lambda line: None)
     (path / "config.json").write_text(json.dumps(original))
     refused("--softmax_type learnable with --attention_backend transformer_engine: not "
             "tested here; use sdpa, local or auto", attention_backend="transformer_engine")
@@ -420,11 +428,18 @@ def test_an_mxfp4_folder_is_dequantized_as_transformers_does(folder, tmp_path, g
     assert sorted(exported) == sorted(reference)
     for name, tensor in exported.items():
         assert torch.equal(tensor, reference[name]), name
-    state = H.safetensors_state(str(source))  # scales that are no MXFP4 exponents
-    state["model.layers.0.mlp.experts.down_proj_scales"] = state[
-        "model.layers.0.mlp.experts.down_proj_scales"].float()
     from safetensors.torch import save_file
 
+    state = H.safetensors_state(str(source))  # the blocks beside an unquantized tensor
+    name = "model.layers.0.mlp.experts.down_proj"
+    save_file({**state, name: exported[name]}, str(source / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ArgumentError, match=r"model\.safetensors: model\.layers\.0\.mlp\."
+                                            r"experts\.down_proj_blocks is not part of this"):
+        load_model(str(source), log=lambda line: None)
+    # scales that are no MXFP4 exponents
+    state["model.layers.0.mlp.experts.down_proj_scales"] = state[
+        "model.layers.0.mlp.experts.down_proj_scales"].float()
     save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ArgumentError, match=r"model\.safetensors: model\.layers\.0\.mlp\."
                                             r"experts\.down_proj: MXFP4 blocks .* scales .* "

@@ -41,6 +41,11 @@ class DeepseekFamily(SigmoidMoeFamily):
     def attention_values(self, config: Dict[str, Any], get) -> tuple:
         values, problems = _mla_values(config, _rope(config), get)
         heads = int(config["num_attention_heads"])
+        rope_dim = int(get("qk_rope_head_dim"))
+        if config.get("head_dim") is not None and config["head_dim"] != rope_dim:
+            # transformers rotates head_dim channels of each head's qk_rope_head_dim
+            problems.append(f"head_dim {config['head_dim']} (the rotary part of a head: only "
+                            f"qk_rope_head_dim {rope_dim}, or no head_dim)")
         if int(get("num_key_value_heads") or heads) != heads:
             problems.append(f"num_key_value_heads {config['num_key_value_heads']} (multi-latent "
                             f"attention has one key/value per head: {heads})")
