@@ -153,3 +153,23 @@ def test_lora_on_attention_and_experts_trains_and_merges(tmp_path, train_here):
     adapted = H.safetensors_state(str(merged))["model.layers.1.mlp.experts.3.up_proj.weight"]
     assert not torch.equal(adapted, H.safetensors_state(str(source))[
         "model.layers.1.mlp.experts.3.up_proj.weight"])
+
+
+def test_a_folder_without_shared_experts_loads_and_exports(tmp_path, gloo_group):
+    """n_shared_experts 0: transformers saves the shared expert as tensors of no numbers;
+    they are nothing to load, and the export (without them) gives transformers' logits."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    source, back = tmp_path / "hf", tmp_path / "back"
+    make_glm(source, n_shared_experts=0, num_hidden_layers=2)
+    assert 0 in H.safetensors_state(str(source))[
+        "model.layers.1.mlp.shared_experts.down_proj.weight"].shape
+    ids = H.tokens(length=32)
+    theirs = H.hf_logits(str(source), ids)
+    loaded = load_model(str(source), log=lambda line: None)
+    assert loaded.config.model.moe_shared_expert_intermediate_size is None
+    assert (forward_logits(loaded.model, ids)[..., : loaded.vocab] - theirs).abs().max() <= 1e-4
+    convert(source, tmp_path / "mcore", "to_mcore")
+    convert(tmp_path / "mcore", back, "to_hf")
+    assert json.loads((back / "config.json").read_text())["n_shared_experts"] == 0
+    assert (H.hf_logits(str(back), ids) - theirs).abs().max() == 0
