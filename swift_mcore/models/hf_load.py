@@ -190,6 +190,20 @@ def copy_vocab_rows(param, source, read) -> None:
     rows[stop - start:].zero_()
 
 
+def check_tied_head(layout: Layout, read, folder: HFFolder, rows_per_read: int = 4096) -> None:
+    """ArgumentError unless a tied model's folder that holds lm_head.weight holds the
+    embedding there (read in row blocks): transformers unties a head that differs."""
+    for start in range(0, layout.vocab, rows_per_read):
+        rows = slice(start, min(start + rows_per_read, layout.vocab))
+        if not torch.equal(read("lm_head.weight", rows=rows),
+                           read("model.embed_tokens.weight", rows=rows)):
+            raise ArgumentError(
+                f"--model {folder.weight_map['lm_head.weight']}: lm_head.weight differs from "
+                f"model.embed_tokens.weight, but {folder.config_path} says "
+                f"tie_word_embeddings true (transformers then unties them; swift-mcore would "
+                f"use the embedding): set tie_word_embeddings false to keep the head")
+
+
 def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) -> int:
     """Copy --model's weights into this rank's chunks (DDP-wrapped or not). Every parameter
     must be filled. Returns the number of parameters this rank loaded."""
@@ -225,6 +239,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
         from . import mxfp4
 
         quantized = mxfp4.is_mxfp4(folder.config)
+        if layout.tied and "lm_head.weight" in folder.weight_map:
+            check_tied_head(layout, reader.read, folder)
 
         def read(name, rows=None, cols=None):
             if quantized and name not in folder.weight_map and cols is None \
