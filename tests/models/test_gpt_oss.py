@@ -206,6 +206,8 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path, gloo_group):
     refused("--softmax_type learnable with --attention_backend transformer_engine: not "
             "tested here; use sdpa, local or auto", attention_backend="transformer_engine")
     refused("--attention_backend local with --window_size 8", attention_backend="local")
+    refused(r"--mtp_num_layers 1 with a per-layer --window_attn_skip_freq \[1,0\] \(gpt-oss's "
+            r"layer_types\): megatron-core 0.16.1 looks an MTP layer up", mtp_num_layers=1)
     refused("--tensor_model_parallel_size 2 with biased experts \\(--add_bias_linear: "
             "gpt-oss\\) needs --expert_tensor_parallel_size 1", world_size=2,
             tensor_model_parallel_size=2, sequence_parallel=True, global_batch_size=8)
