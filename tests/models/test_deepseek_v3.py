@@ -190,6 +190,26 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
         resolve(RunArguments.from_flags(num_experts=4, moe_router_num_groups=2), world_size=1)
 
 
+def test_a_bfloat16_folder_keeps_its_float32_expert_bias(tmp_path, gloo_group):
+    """The Hub's DeepSeek-V3 and GLM-4.5 files hold e_score_correction_bias in float32
+    beside bfloat16 weights (transformers keeps it so): HF -> mcore -> HF gives every tensor
+    back bit for bit, in its own dtype."""
+    from safetensors.torch import save_file
+
+    source = tmp_path / "hf"
+    make_deepseek(source, num_hidden_layers=2)
+    state = {name: tensor if name.endswith("e_score_correction_bias") else tensor.bfloat16()
+             for name, tensor in H.safetensors_state(str(source)).items()}
+    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
+    H.edit_config(str(source), torch_dtype="bfloat16", dtype="bfloat16")
+    convert(source, tmp_path / "mcore", "to_mcore")
+    convert(tmp_path / "mcore", tmp_path / "back", "to_hf")
+    exported = H.safetensors_state(str(tmp_path / "back"))
+    assert sorted(exported) == sorted(state)
+    for name, tensor in state.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
 def test_a_kimi_k2_folder_is_deepseek_v3(tmp_path, gloo_group):
     """model_type kimi_k2 (Kimi-K2's folders; transformers knows the architecture only as
     deepseek_v3) loads as DeepSeek-V3: the same logits, and exports as deepseek_v3 with the
