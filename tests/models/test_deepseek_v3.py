@@ -172,6 +172,9 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
     for change, match in cases:
         (folder / "config.json").write_text(json.dumps({**original, **change}))
         refused(match)
+    (folder / "config.json").write_text(json.dumps({**original, "first_k_dense_replace": 3}))
+    refused(r"first_k_dense_replace 3 \(every layer dense\) with --mtp_num_layers 1: a "
+            r"deepseek_v3 MTP layer is a mixture of experts", mtp_num_layers=1)
     (folder / "config.json").write_text(json.dumps({**original, "kv_lora_rank": 34}))
     refused(r"--tensor_model_parallel_size 4 must divide --kv_lora_rank \+ "
             r"--qk_pos_emb_head_dim \(42\)", world_size=4, tensor_model_parallel_size=4,

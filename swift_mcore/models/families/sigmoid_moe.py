@@ -78,6 +78,13 @@ class SigmoidMoeFamily(Family):
         if dense > layers:
             problems.append(f"first_k_dense_replace {dense} (at most num_hidden_layers "
                             f"{layers})")
+        mtp_layers = getattr(model_args, "mtp_num_layers", None)
+        if mtp_layers and dense >= layers:
+            # megatron builds an MTP layer as its last decoder layer (dense here); the
+            # folder's, past first_k_dense_replace, are mixtures of experts
+            problems.append(f"first_k_dense_replace {dense} (every layer dense) with "
+                            f"--mtp_num_layers {mtp_layers}: a {self.name} MTP layer is a "
+                            f"mixture of experts, megatron's would be dense")
         attention, attention_problems = self.attention_values(config, get)
         problems += attention_problems
         if problems:
