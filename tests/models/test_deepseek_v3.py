@@ -102,7 +102,9 @@ def test_sft_trains_exports_and_resumes_the_expert_bias_exactly(tmp_path, gloo_g
     out, again = tmp_path / "sft", tmp_path / "again"
     flags = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
              "plain", "--seq_length", "64", "--train_iters", "4", "--lr", "1e-2",
-             "--min_lr", "1e-2", "--moe_router_bias_update_rate", "0.01"]
+             "--min_lr", "1e-2", "--moe_router_bias_update_rate", "0.01",
+             # DeepSeek-V3's own balancing beside the bias: the sequence-wise aux loss
+             "--moe_router_load_balancing_type", "seq_aux_loss", "--moe_aux_loss_coeff", "1e-3"]
     config = resolve(parse_args([*flags, "--save_steps", "2", "--output_dir", str(out)],
                                 cls=SftArguments), world_size=1)
     assert config.model.moe_router_enable_expert_bias and config.model.multi_latent_attention
@@ -114,6 +116,8 @@ def test_sft_trains_exports_and_resumes_the_expert_bias_exactly(tmp_path, gloo_g
     convert(out / "checkpoint", back, "to_hf")
     hf = AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
     assert hf.config.model_type == "deepseek_v3"
+    written = json.loads((back / "config.json").read_text())
+    assert (written["seq_aux"], written["aux_loss_alpha"]) == (True, 1e-3)
     ids = H.tokens()
     loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
     with torch.no_grad():
