@@ -112,6 +112,18 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
         with pytest.raises(ArgumentError, match=match):
             resolve(RunArguments.from_flags(model=str(tmp_path / "glm")), world_size=1)
         make_glm(tmp_path / "glm")
+    # transformers' other name of a key (its attribute_map): read as that key; two values
+    # for one key refused by both names
+    config = json.loads((tmp_path / "glm" / "config.json").read_text())
+    alias = {k: v for k, v in config.items() if k != "n_routed_experts"}
+    (tmp_path / "glm" / "config.json").write_text(json.dumps({**alias, "num_local_experts": 8}))
+    assert resolve(RunArguments.from_flags(model=str(tmp_path / "glm")),
+                   world_size=1).model.num_experts == 8
+    (tmp_path / "glm" / "config.json").write_text(json.dumps({**config, "num_local_experts": 4}))
+    with pytest.raises(ArgumentError, match=r"num_local_experts 4 and n_routed_experts 8 \(two "
+                                            r"names of one value in transformers' glm4_moe"):
+        resolve(RunArguments.from_flags(model=str(tmp_path / "glm")), world_size=1)
+    (tmp_path / "glm" / "config.json").write_text(json.dumps(config))
     # head_dim null: transformers' attention cannot be built (its RoPE would take the
     # default); refused by name, and the weights' check names the folder, not a traceback
     config = json.loads((tmp_path / "glm" / "config.json").read_text())
