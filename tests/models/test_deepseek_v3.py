@@ -168,6 +168,12 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
         (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
          "rope_type 'dynamic'"),
         (dict(n_group=3), "n_group 3 does not divide n_routed_experts 8"),
+        (dict(rope_parameters={**YARN, "factor": "abc"}),
+         r"rope_parameters\.factor 'abc' \(a number, above 0\)"),
+        (dict(rope_parameters={**YARN, "factor": 0}), r"rope_parameters\.factor 0 \(a number, "
+                                                      r"above 0\)"),
+        (dict(rope_parameters={**YARN, "mscale": True}), r"rope_parameters\.mscale True"),
+        (dict(rope_parameters=[1, 2]), r"rope_parameters \[1, 2\] \(an object\)"),
         (dict(attention_bias=True), "attention_bias True"),
         (dict(head_dim=24), r"head_dim 24 \(the rotary part of a head: only "
                             r"qk_rope_head_dim 8"),
