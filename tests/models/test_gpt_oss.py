@@ -186,6 +186,8 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path, gloo_group):
         (dict(swiglu_limit="7"), "swiglu_limit '7' is a string"),
         (dict(attention_bias=False), "attention_bias false"),
         (dict(rope_parameters={**YARN, "attention_factor": 1.2}), "attention_factor"),
+        (dict(rope_parameters={**YARN, "factor": 0}), r"rope_parameters\.factor 0 \(a number, "
+                                                      r"above 0\)"),
         (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
          "rope_type 'dynamic' \\(supported: 'default', 'yarn'\\)"),
         (dict(layer_types=["sliding_attention"]), "layer_types \\['sliding_attention'\\]"),
