@@ -67,10 +67,12 @@ def _from_hf(path: str, tokenizer_path: Optional[str], log: Log, trust: bool,
     flags = RunArguments.from_flags(model=path, tokenizer=tokenizer_path,
                                          seq_length=min(256, int(positions)), precision="fp32",
                                          trust_remote_code=trust, mtp_num_layers=held or None)
+    # config.json's values first: transformers' tokenizer reads config.json too, and would
+    # report a bad value as a tokenizer that cannot be loaded
+    resolved = resolve(flags, world_size=1, weights_only=True)
     tokenizer = None
     if tokenizer_path or not tokenizer_optional or has_tokenizer_files(path):
         tokenizer = build_tokenizer(flags)
-    resolved = resolve(flags, world_size=1, weights_only=True)
     config = resolved.complete(tokenizer.vocab_size if tokenizer is not None
                                else resolved.model.vocab_size, None)
     model = _build(config)

@@ -581,6 +581,10 @@ class RunArguments:
              f"{n} with --packing and multimodal positions (mrope): not supported yet (the "
              f"next-token shift is kept inside each conversation by its text position ids); "
              f"drop --packing"),
+            (bool(m.window_size) and str(m.window_attn_skip_freq or "").lstrip().startswith("["),
+             f"{n} with a per-layer --window_attn_skip_freq {m.window_attn_skip_freq} (gpt-oss's "
+             f"layer_types): megatron-core 0.16.1 looks an MTP layer up in that list by its "
+             f"layer number, past --num_layers; not supported"),
             (t.recompute_granularity == "full" and t.recompute_method == "uniform"
              and t.recompute_num_layers != 1,
              f"{n} with --recompute_method uniform needs --recompute_num_layers 1 (megatron "

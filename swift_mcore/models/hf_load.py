@@ -30,34 +30,18 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     (built on the meta device: no memory)."""
     import warnings
 
-    from accelerate import init_empty_weights
-    from transformers import (AutoConfig, AutoModelForCausalLM,
-                              AutoModelForSequenceClassification)
-
     from .families import for_config
-    from .text_part import is_multimodal
 
     raw = HFFolder(folder).config
     family = for_config(raw, os.path.join(folder, "config.json"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if raw.get("model_type") in family.model_types[1:] and not is_multimodal(raw):
-            # another name for the family's architecture (kimi_k2: DeepSeek-V3), which
-            # transformers knows only by the first
-            hf_config = AutoConfig.for_model(family.model_types[0], **{
-                k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
-        else:
-            hf_config = AutoConfig.from_pretrained(folder, local_files_only=True,
-                                                   trust_remote_code=False)
-        head = AutoModelForSequenceClassification if is_score_config(raw) \
-            else AutoModelForCausalLM
-        with init_empty_weights():
-            if getattr(hf_config, "vision_config", None) is not None:
-                from transformers import AutoModelForImageTextToText
-
-                model = AutoModelForImageTextToText.from_config(hf_config)
-            else:
-                model = head.from_config(hf_config)
+        try:
+            hf_config, model = _meta_model(folder, raw, family)
+        except Exception as err:  # a config.json value transformers' own model cannot take
+            raise ArgumentError(f"--model {folder}: transformers cannot build the model "
+                                f"{os.path.join(folder, 'config.json')} describes "
+                                f"({type(err).__name__}: {err})") from None
     from .vision import NESTED_NAMES
 
     nested = raw.get("model_type") in NESTED_NAMES  # the files use the names in memory
@@ -66,6 +50,32 @@ def expected_hf_shapes(folder: str) -> Dict[str, Tuple[int, ...]]:
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def _meta_model(folder: str, raw: dict, family):
+    """(transformers' config, its model on the meta device) for ``folder``."""
+    from accelerate import init_empty_weights
+    from transformers import (AutoConfig, AutoModelForCausalLM,
+                              AutoModelForSequenceClassification)
+
+    from .text_part import is_multimodal
+
+    if raw.get("model_type") in family.model_types[1:] and not is_multimodal(raw):
+        # another name for the family's architecture (kimi_k2: DeepSeek-V3), which
+        # transformers knows only by the first
+        hf_config = AutoConfig.for_model(family.model_types[0], **{
+            k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
+    else:
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True,
+                                               trust_remote_code=False)
+    head = AutoModelForSequenceClassification if is_score_config(raw) \
+        else AutoModelForCausalLM
+    with init_empty_weights():
+        if getattr(hf_config, "vision_config", None) is not None:
+            from transformers import AutoModelForImageTextToText
+
+            return hf_config, AutoModelForImageTextToText.from_config(hf_config)
+        return hf_config, head.from_config(hf_config)
 
 
 def _is_language(name: str) -> bool:
@@ -144,6 +154,8 @@ def check_shapes(folder: HFFolder, layout: Layout, limit: int = 8) -> None:
     for name in sorted(set(found) - set(expected)):
         if name.endswith(IGNORABLE_SUFFIXES) or name == tied_head:
             continue
+        if 0 in found[name][0]:  # no numbers (transformers' n_shared_experts 0 expert)
+            continue
         problems.append(f"{os.path.basename(found[name][1])}: {name} is not part of this "
                         f"model (config.json describes no such tensor)")
     if problems:
@@ -176,6 +188,20 @@ def copy_vocab_rows(param, source, read) -> None:
                                  f"model rows of width {rows.shape[1]}")
         rows[first - start:last - start].copy_(piece)
     rows[stop - start:].zero_()
+
+
+def check_tied_head(layout: Layout, read, folder: HFFolder, rows_per_read: int = 4096) -> None:
+    """ArgumentError unless a tied model's folder that holds lm_head.weight holds the
+    embedding there (read in row blocks): transformers unties a head that differs."""
+    for start in range(0, layout.vocab, rows_per_read):
+        rows = slice(start, min(start + rows_per_read, layout.vocab))
+        if not torch.equal(read("lm_head.weight", rows=rows),
+                           read("model.embed_tokens.weight", rows=rows)):
+            raise ArgumentError(
+                f"--model {folder.weight_map['lm_head.weight']}: lm_head.weight differs from "
+                f"model.embed_tokens.weight, but {folder.config_path} says "
+                f"tie_word_embeddings true (transformers then unties them; swift-mcore would "
+                f"use the embedding): set tie_word_embeddings false to keep the head")
 
 
 def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) -> int:
@@ -213,6 +239,8 @@ def load_hf_weights(config, model_chunks, log: Callable[[str], None] = print) ->
         from . import mxfp4
 
         quantized = mxfp4.is_mxfp4(folder.config)
+        if layout.tied and "lm_head.weight" in folder.weight_map:
+            check_tied_head(layout, reader.read, folder)
 
         def read(name, rows=None, cols=None):
             if quantized and name not in folder.weight_map and cols is None \

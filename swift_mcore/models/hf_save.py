@@ -43,6 +43,16 @@ def plan_shards(tensors: List[Tuple[str, Tuple[int, ...]]], itemsize: int, max_b
     return shards
 
 
+# tensors transformers keeps in float32 whatever the model's dtype (its
+# _keep_in_fp32_modules_strict), as the Hub's DeepSeek-V3 and GLM-4.5 files hold them;
+# megatron's router keeps the expert bias in float32 too
+FLOAT32_SUFFIXES = (".e_score_correction_bias",)
+
+
+def _dtype_of(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype
+
+
 def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str], torch.Tensor],
                    tokenizer: Optional[Any], dtype: torch.dtype, base_folder: Optional[str] = None,
                    max_shard_bytes: int = 5 * 10**9, carry: bool = True) -> Dict[str, Any]:
@@ -192,8 +202,8 @@ def _write_folder(staging: str, out_dir: str, family, config, layout: Layout, ge
     with (part[1].reader() if part else contextlib.nullcontext()) as source:
         for number, names in enumerate(plan, start=1):
             filename = f"model-{number:05d}-of-{len(plan):05d}.safetensors"
-            tensors = {name: layout.to_hf(text_names[name], get).detach().to("cpu", dtype)
-                       .contiguous() if name in text_names
+            tensors = {name: layout.to_hf(text_names[name], get).detach().to(
+                       "cpu", _dtype_of(name, dtype)).contiguous() if name in text_names
                        else source.read(name).contiguous()  # carried: as the source has it
                        for name in names}
             save_file(tensors, os.path.join(staging, filename), metadata={"format": "pt"})

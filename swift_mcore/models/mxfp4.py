@@ -48,14 +48,16 @@ def is_mxfp4(config: Dict) -> bool:
 def quantized_shapes(found: Dict[str, Tuple[Tuple[int, ...], str]]
                      ) -> Dict[str, Tuple[Tuple[int, ...], str]]:
     """``found`` (name -> (shape, file)) with each pair X_blocks / X_scales replaced by X and
-    the shape its dequantization has; a lone half stays as it is (reported unused)."""
+    the shape its dequantization has; a lone half, or a pair beside an unquantized X, stays
+    as it is (reported unused)."""
     out = dict(found)
     for name, (shape, path) in found.items():
         if not name.endswith(BLOCKS):
             continue
         base = name[: -len(BLOCKS)]
         scales = found.get(base + SCALES)
-        if scales is None or len(shape) != 4 or tuple(scales[0]) != tuple(shape[:3]):
+        if scales is None or base in found or len(shape) != 4 \
+                or tuple(scales[0]) != tuple(shape[:3]):
             continue
         experts, rows, groups, _ = shape
         out.pop(name)

@@ -102,7 +102,9 @@ def test_sft_trains_exports_and_resumes_the_expert_bias_exactly(tmp_path, gloo_g
     out, again = tmp_path / "sft", tmp_path / "again"
     flags = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
              "plain", "--seq_length", "64", "--train_iters", "4", "--lr", "1e-2",
-             "--min_lr", "1e-2", "--moe_router_bias_update_rate", "0.01"]
+             "--min_lr", "1e-2", "--moe_router_bias_update_rate", "0.01",
+             # DeepSeek-V3's own balancing beside the bias: the sequence-wise aux loss
+             "--moe_router_load_balancing_type", "seq_aux_loss", "--moe_aux_loss_coeff", "1e-3"]
     config = resolve(parse_args([*flags, "--save_steps", "2", "--output_dir", str(out)],
                                 cls=SftArguments), world_size=1)
     assert config.model.moe_router_enable_expert_bias and config.model.multi_latent_attention
@@ -114,6 +116,8 @@ def test_sft_trains_exports_and_resumes_the_expert_bias_exactly(tmp_path, gloo_g
     convert(out / "checkpoint", back, "to_hf")
     hf = AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
     assert hf.config.model_type == "deepseek_v3"
+    written = json.loads((back / "config.json").read_text())
+    assert (written["seq_aux"], written["aux_loss_alpha"]) == (True, 1e-3)
     ids = H.tokens()
     loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
     with torch.no_grad():
@@ -164,12 +168,23 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
         (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
          "rope_type 'dynamic'"),
         (dict(n_group=3), "n_group 3 does not divide n_routed_experts 8"),
+        (dict(rope_parameters={**YARN, "factor": "abc"}),
+         r"rope_parameters\.factor 'abc' \(a number, above 0\)"),
+        (dict(rope_parameters={**YARN, "factor": 0}), r"rope_parameters\.factor 0 \(a number, "
+                                                      r"above 0\)"),
+        (dict(rope_parameters={**YARN, "mscale": True}), r"rope_parameters\.mscale True"),
+        (dict(rope_parameters=[1, 2]), r"rope_parameters \[1, 2\] \(an object\)"),
         (dict(attention_bias=True), "attention_bias True"),
+        (dict(head_dim=24), r"head_dim 24 \(the rotary part of a head: only "
+                            r"qk_rope_head_dim 8"),
     ]
     original = json.loads((folder / "config.json").read_text())
     for change, match in cases:
         (folder / "config.json").write_text(json.dumps({**original, **change}))
         refused(match)
+    (folder / "config.json").write_text(json.dumps({**original, "first_k_dense_replace": 3}))
+    refused(r"first_k_dense_replace 3 \(every layer dense\) with --mtp_num_layers 1: a "
+            r"deepseek_v3 MTP layer is a mixture of experts", mtp_num_layers=1)
     (folder / "config.json").write_text(json.dumps({**original, "kv_lora_rank": 34}))
     refused(r"--tensor_model_parallel_size 4 must divide --kv_lora_rank \+ "
             r"--qk_pos_emb_head_dim \(42\)", world_size=4, tensor_model_parallel_size=4,
@@ -186,6 +201,26 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
         resolve(RunArguments.from_flags(rope_type="yarn"), world_size=1)
     with pytest.raises(ArgumentError, match="--moe_router_num_groups and --moe_router_group"):
         resolve(RunArguments.from_flags(num_experts=4, moe_router_num_groups=2), world_size=1)
+
+
+def test_a_bfloat16_folder_keeps_its_float32_expert_bias(tmp_path, gloo_group):
+    """The Hub's DeepSeek-V3 and GLM-4.5 files hold e_score_correction_bias in float32
+    beside bfloat16 weights (transformers keeps it so): HF -> mcore -> HF gives every tensor
+    back bit for bit, in its own dtype."""
+    from safetensors.torch import save_file
+
+    source = tmp_path / "hf"
+    make_deepseek(source, num_hidden_layers=2)
+    state = {name: tensor if name.endswith("e_score_correction_bias") else tensor.bfloat16()
+             for name, tensor in H.safetensors_state(str(source)).items()}
+    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
+    H.edit_config(str(source), torch_dtype="bfloat16", dtype="bfloat16")
+    convert(source, tmp_path / "mcore", "to_mcore")
+    convert(tmp_path / "mcore", tmp_path / "back", "to_hf")
+    exported = H.safetensors_state(str(tmp_path / "back"))
+    assert sorted(exported) == sorted(state)
+    for name, tensor in state.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
 def test_a_kimi_k2_folder_is_deepseek_v3(tmp_path, gloo_group):

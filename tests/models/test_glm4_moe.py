@@ -112,6 +112,29 @@ def test_what_megatron_cannot_express_is_named(tmp_path):
         with pytest.raises(ArgumentError, match=match):
             resolve(RunArguments.from_flags(model=str(tmp_path / "glm")), world_size=1)
         make_glm(tmp_path / "glm")
+    # transformers' other name of a key (its attribute_map): read as that key; two values
+    # for one key refused by both names
+    config = json.loads((tmp_path / "glm" / "config.json").read_text())
+    alias = {k: v for k, v in config.items() if k != "n_routed_experts"}
+    (tmp_path / "glm" / "config.json").write_text(json.dumps({**alias, "num_local_experts": 8}))
+    assert resolve(RunArguments.from_flags(model=str(tmp_path / "glm")),
+                   world_size=1).model.num_experts == 8
+    (tmp_path / "glm" / "config.json").write_text(json.dumps({**config, "num_local_experts": 4}))
+    with pytest.raises(ArgumentError, match=r"num_local_experts 4 and n_routed_experts 8 \(two "
+                                            r"names of one value in transformers' glm4_moe"):
+        resolve(RunArguments.from_flags(model=str(tmp_path / "glm")), world_size=1)
+    (tmp_path / "glm" / "config.json").write_text(json.dumps(config))
+    # head_dim null: transformers' attention cannot be built (its RoPE would take the
+    # default); refused by name, and the weights' check names the folder, not a traceback
+    config = json.loads((tmp_path / "glm" / "config.json").read_text())
+    (tmp_path / "glm" / "config.json").write_text(json.dumps({**config, "head_dim": None}))
+    with pytest.raises(ArgumentError, match=r"head_dim null \(a number, or no head_dim key"):
+        resolve(RunArguments.from_flags(model=str(tmp_path / "glm")), world_size=1)
+    from swift_mcore.models.hf_load import expected_hf_shapes
+
+    with pytest.raises(ArgumentError, match=r"glm: transformers cannot build the model .*"
+                                            r"config\.json describes \(TypeError: "):
+        expected_hf_shapes(str(tmp_path / "glm"))
 
 
 @pytest.mark.slow
@@ -142,3 +165,23 @@ def test_lora_on_attention_and_experts_trains_and_merges(tmp_path, train_here):
     adapted = H.safetensors_state(str(merged))["model.layers.1.mlp.experts.3.up_proj.weight"]
     assert not torch.equal(adapted, H.safetensors_state(str(source))[
         "model.layers.1.mlp.experts.3.up_proj.weight"])
+
+
+def test_a_folder_without_shared_experts_loads_and_exports(tmp_path, gloo_group):
+    """n_shared_experts 0: transformers saves the shared expert as tensors of no numbers;
+    they are nothing to load, and the export (without them) gives transformers' logits."""
+    from swift_mcore.loaded_model import forward_logits, load_model
+
+    source, back = tmp_path / "hf", tmp_path / "back"
+    make_glm(source, n_shared_experts=0, num_hidden_layers=2)
+    assert 0 in H.safetensors_state(str(source))[
+        "model.layers.1.mlp.shared_experts.down_proj.weight"].shape
+    ids = H.tokens(length=32)
+    theirs = H.hf_logits(str(source), ids)
+    loaded = load_model(str(source), log=lambda line: None)
+    assert loaded.config.model.moe_shared_expert_intermediate_size is None
+    assert (forward_logits(loaded.model, ids)[..., : loaded.vocab] - theirs).abs().max() <= 1e-4
+    convert(source, tmp_path / "mcore", "to_mcore")
+    convert(tmp_path / "mcore", back, "to_hf")
+    assert json.loads((back / "config.json").read_text())["n_shared_experts"] == 0
+    assert (H.hf_logits(str(back), ids) - theirs).abs().max() == 0

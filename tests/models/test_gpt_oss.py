@@ -161,7 +161,7 @@ def test_infer_gives_transformers_greedy_tokens(folder, gloo_group, capsys):
     assert count > GPT_OSS["sliding_window"]
 
 
-def test_what_megatron_cannot_express_is_named(folder, tmp_path):
+def test_what_megatron_cannot_express_is_named(folder, tmp_path, gloo_group):
     """Each config.json value swift-mcore cannot compute as transformers does is refused by
     its key, in one line naming what is accepted, before anything is built."""
     import shutil
@@ -186,6 +186,8 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path):
         (dict(swiglu_limit="7"), "swiglu_limit '7' is a string"),
         (dict(attention_bias=False), "attention_bias false"),
         (dict(rope_parameters={**YARN, "attention_factor": 1.2}), "attention_factor"),
+        (dict(rope_parameters={**YARN, "factor": 0}), r"rope_parameters\.factor 0 \(a number, "
+                                                      r"above 0\)"),
         (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
          "rope_type 'dynamic' \\(supported: 'default', 'yarn'\\)"),
         (dict(layer_types=["sliding_attention"]), "layer_types \\['sliding_attention'\\]"),
@@ -194,10 +196,20 @@ def test_what_megatron_cannot_express_is_named(folder, tmp_path):
     for change, match in cases:
         (path / "config.json").write_text(json.dumps({**original, **change}))
         refused(match)
+    # export and infer read config.json's values before the tokenizer (transformers' reads
+    # config.json too, and would blame the tokenizer)
+    (path / "config.json").write_text(json.dumps({**original, "swiglu_limit": None}))
+    from swift_mcore.loaded_model import load_model
+
+    with pytest.raises(ArgumentError, match=r"config\.json describes a gpt_oss model .*: "
+                                            r"swiglu_limit None \(a positive number\)"):
+        load_model(str(path), log=lambda line: None)
     (path / "config.json").write_text(json.dumps(original))
     refused("--softmax_type learnable with --attention_backend transformer_engine: not "
             "tested here; use sdpa, local or auto", attention_backend="transformer_engine")
     refused("--attention_backend local with --window_size 8", attention_backend="local")
+    refused(r"--mtp_num_layers 1 with a per-layer --window_attn_skip_freq \[1,0\] \(gpt-oss's "
+            r"layer_types\): megatron-core 0.16.1 looks an MTP layer up", mtp_num_layers=1)
     refused("--tensor_model_parallel_size 2 with biased experts \\(--add_bias_linear: "
             "gpt-oss\\) needs --expert_tensor_parallel_size 1", world_size=2,
             tensor_model_parallel_size=2, sequence_parallel=True, global_batch_size=8)
@@ -420,11 +432,18 @@ def test_an_mxfp4_folder_is_dequantized_as_transformers_does(folder, tmp_path, g
     assert sorted(exported) == sorted(reference)
     for name, tensor in exported.items():
         assert torch.equal(tensor, reference[name]), name
-    state = H.safetensors_state(str(source))  # scales that are no MXFP4 exponents
-    state["model.layers.0.mlp.experts.down_proj_scales"] = state[
-        "model.layers.0.mlp.experts.down_proj_scales"].float()
     from safetensors.torch import save_file
 
+    state = H.safetensors_state(str(source))  # the blocks beside an unquantized tensor
+    name = "model.layers.0.mlp.experts.down_proj"
+    save_file({**state, name: exported[name]}, str(source / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ArgumentError, match=r"model\.safetensors: model\.layers\.0\.mlp\."
+                                            r"experts\.down_proj_blocks is not part of this"):
+        load_model(str(source), log=lambda line: None)
+    # scales that are no MXFP4 exponents
+    state["model.layers.0.mlp.experts.down_proj_scales"] = state[
+        "model.layers.0.mlp.experts.down_proj_scales"].float()
     save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ArgumentError, match=r"model\.safetensors: model\.layers\.0\.mlp\."
                                             r"experts\.down_proj: MXFP4 blocks .* scales .* "

@@ -276,6 +276,27 @@ def test_nan_in_the_weights_is_refused_naming_the_tensor(copy, tmp_path):
                     f"{state[name].numel()} values); nothing was trained or written")
 
 
+def test_a_tied_config_with_its_own_lm_head_is_refused(copy, tmp_path, gloo_group):
+    """tie_word_embeddings true beside an lm_head.weight of other values: transformers unties
+    them (its logits use the head), so using the embedding would give other numbers."""
+    import json
+
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    line = export_to_mcore(copy, tmp_path / "out")
+    assert line == (f"swift-mcore export: error: --model {copy / 'model.safetensors'}: "
+                    f"lm_head.weight differs from model.embed_tokens.weight, but "
+                    f"{copy / 'config.json'} says tie_word_embeddings true (transformers then "
+                    f"unties them; swift-mcore would use the embedding): set "
+                    f"tie_word_embeddings false to keep the head")
+    from safetensors.torch import save_file  # the same values there: the tied model
+
+    state = H.safetensors_state(str(copy))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    H.convert(copy, tmp_path / "out2", "to_mcore")
+
+
 def test_a_config_json_nested_100000_deep_is_refused(copy):
     config = copy / "config.json"
     config.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")

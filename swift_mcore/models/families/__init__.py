@@ -14,7 +14,7 @@ import pkgutil
 from typing import Any, Dict, List, Optional
 
 from ...errors import ArgumentError
-from .base import Family, InvalidConfig, UnsupportedConfig
+from .base import Family, InvalidConfig, UnsupportedConfig, canonical_config
 
 logger = logging.getLogger("swift_mcore")
 
@@ -101,7 +101,8 @@ def apply_hf_config(args) -> Optional[Family]:
         raise ArgumentError(f"--model_type {m.model_type!r} disagrees with {folder.config_path} "
                             f"(a {family.name} model); drop --model_type")
     try:
-        values = family.model_values(folder.config, m)
+        config = canonical_config(family, folder.config)
+        values = family.model_values(config, m)
     except InvalidConfig as err:
         raise ArgumentError(f"--model {m.model}: {folder.config_path} has values no "
                             f"{family.name} model has: {err}") from None
@@ -114,7 +115,7 @@ def apply_hf_config(args) -> Optional[Family]:
     _apply(m, values, explicit, f"{folder.config_path} (--model)")
     if "make_vocab_size_divisible_by" not in explicit:
         m.make_vocab_size_divisible_by = 1
-    unknown = family.unknown_keys(folder.config)
+    unknown = family.unknown_keys(config)
     if unknown and folder.config_path not in _warned:
         _warned.add(folder.config_path)
         logger.warning("%s: keys not interpreted by the %s family (assumed to change nothing "

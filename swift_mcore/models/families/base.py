@@ -191,6 +191,31 @@ def value_problems(config: Dict[str, Any], keys) -> List[str]:
     return [p for p in problems if p]
 
 
+def canonical_config(family: "Family", config: Dict[str, Any]) -> Dict[str, Any]:
+    """``config`` with each other name transformers' config class gives a key (its
+    attribute_map: num_local_experts for DeepSeek-V3's n_routed_experts, num_experts for
+    gpt-oss's num_local_experts) read as the name the family reads. InvalidConfig when a
+    config.json gives both names different values (transformers keeps whichever it sets
+    last)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    kind = family.model_types[0]
+    aliases = getattr(CONFIG_MAPPING[kind], "attribute_map", {}) \
+        if kind in CONFIG_MAPPING else {}
+    read, out, problems = family.read_keys(), dict(config), []
+    for alias, key in aliases.items():
+        if config.get(alias) is None:
+            continue
+        if config.get(key) is not None and config[key] != config[alias]:
+            problems.append(f"{alias} {config[alias]!r} and {key} {config[key]!r} (two names "
+                            f"of one value in transformers' {kind} config)")
+        elif alias not in read and key in read:
+            out[key] = out.pop(alias)
+    if problems:
+        raise InvalidConfig("; ".join(problems))
+    return out
+
+
 Check = Callable[[Dict[str, Any], Any], List[str]]
 
 

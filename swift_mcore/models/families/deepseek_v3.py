@@ -5,11 +5,12 @@ scaled by ``routed_scaling_factor``, ungated shared experts and dense first laye
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from . import sigmoid_moe
-from .base import require
+from .base import require, value_problems
 from .sigmoid_moe import SigmoidMoeFamily
 
 # transformers' DeepseekV3Config defaults for keys a config.json may omit
@@ -39,8 +40,16 @@ class DeepseekFamily(SigmoidMoeFamily):
         return plain
 
     def attention_values(self, config: Dict[str, Any], get) -> tuple:
+        invalid = value_problems(config, _ROPE)  # generic_config hid them from the common check
+        if invalid:
+            return {}, invalid
         values, problems = _mla_values(config, _rope(config), get)
         heads = int(config["num_attention_heads"])
+        rope_dim = int(get("qk_rope_head_dim"))
+        if config.get("head_dim") is not None and config["head_dim"] != rope_dim:
+            # transformers rotates head_dim channels of each head's qk_rope_head_dim
+            problems.append(f"head_dim {config['head_dim']} (the rotary part of a head: only "
+                            f"qk_rope_head_dim {rope_dim}, or no head_dim)")
         if int(get("num_key_value_heads") or heads) != heads:
             problems.append(f"num_key_value_heads {config['num_key_value_heads']} (multi-latent "
                             f"attention has one key/value per head: {heads})")
@@ -102,6 +111,17 @@ def _mla_values(config: Dict[str, Any], rope: Dict[str, Any], get) -> tuple:
     if rope.get("truncate") is False:
         problems.append("rope_parameters.truncate false (megatron's YaRN rounds the "
                         "correction range)")
+    for name in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "mscale", "mscale_all_dim"):
+        value = rope.get(name)
+        positive = name in ("factor", "original_max_position_embeddings")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0
+                                  or (positive and value == 0)):
+            problems.append(f"rope_parameters.{name} {value!r} (a number, "
+                            f"{'above' if positive else 'at least'} 0)")
+    if problems:
+        return values, problems
     original = rope.get("original_max_position_embeddings")
     if original is None:
         return values, problems + ["rope_parameters.original_max_position_embeddings is "

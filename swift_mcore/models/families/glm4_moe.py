@@ -39,6 +39,10 @@ class Glm4MoeFamily(SigmoidMoeFamily):
                 or not 0 < partial <= 1:
             problems.append(f"partial_rotary_factor {partial!r} (above 0, at most 1)")
             partial = 1.0
+        if "head_dim" in config and config["head_dim"] is None:
+            # transformers' Glm4MoeAttention takes head_dim as it is (its RoPE would not)
+            problems.append("head_dim null (a number, or no head_dim key for hidden_size / "
+                            "num_attention_heads)")
         return {"rotary_percent": float(partial), "add_qkv_bias": bool(get("attention_bias")),
                 "qk_layernorm": bool(get("use_qk_norm"))}, problems
 

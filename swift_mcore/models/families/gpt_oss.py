@@ -172,6 +172,8 @@ def yarn_values(rope: Dict[str, Any], config: Dict[str, Any], defaults: Dict[str
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value < 0):
             problems.append(f"rope_parameters.{name} {value!r} (a number, at least 0)")
+        elif name == "factor" and value == 0:  # transformers' YaRN divides by it
+            problems.append("rope_parameters.factor 0 (a number, above 0)")
     original = numbers["original_max_position_embeddings"]
     if not original:
         problems.append("rope_parameters.original_max_position_embeddings is missing for "

@@ -78,6 +78,13 @@ class SigmoidMoeFamily(Family):
         if dense > layers:
             problems.append(f"first_k_dense_replace {dense} (at most num_hidden_layers "
                             f"{layers})")
+        mtp_layers = getattr(model_args, "mtp_num_layers", None)
+        if mtp_layers and dense >= layers:
+            # megatron builds an MTP layer as its last decoder layer (dense here); the
+            # folder's, past first_k_dense_replace, are mixtures of experts
+            problems.append(f"first_k_dense_replace {dense} (every layer dense) with "
+                            f"--mtp_num_layers {mtp_layers}: a {self.name} MTP layer is a "
+                            f"mixture of experts, megatron's would be dense")
         attention, attention_problems = self.attention_values(config, get)
         problems += attention_problems
         if problems:
@@ -100,7 +107,9 @@ class SigmoidMoeFamily(Family):
     def representation_problems(self, m: Any) -> List[str]:
         from ...arguments.model import moe_layer_pattern
 
-        own = ("--moe_layer_freq", "--moe_shared_expert_inter")
+        # DeepSeek-V3's sequence-wise auxiliary loss is its config's seq_aux (hf_config)
+        own = ("--moe_layer_freq", "--moe_shared_expert_inter",
+               "--moe_router_load_balancing_type seq_aux_loss ")
         problems = [p for p in super().representation_problems(m) if not p.startswith(own)]
         if getattr(m, "num_experts", None) is None:
             return problems
@@ -131,4 +140,6 @@ class SigmoidMoeFamily(Family):
             routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
             first_k_dense_replace=moe_layer_pattern(m).count(0), norm_topk_prob=True,
             num_nextn_predict_layers=m.mtp_num_layers or 0)
+        if m.moe_router_load_balancing_type == "seq_aux_loss":  # training only
+            config.update(seq_aux=True, aux_loss_alpha=m.moe_aux_loss_coeff)
         return config
