@@ -252,26 +252,40 @@ class ShuffledRows:
         self._rows_this_pass = 0
         self._whole_pass = False
 
+    def _read_in_pass(self) -> Optional[Tuple[Locator, dict, str]]:
+        """The next row of this pass over the files; None at its end (the next call reads
+        the next epoch's first row)."""
+        if self._rows is None:
+            self._whole_pass = self.next_pos == (0, 0, 0)
+            self._rows = self.reader.rows(*self.next_pos)
+        for loc, after, row in self._rows:
+            self.next_pos = after
+            self._rows_this_pass += 1
+            return loc, row, _digest(row)
+        if self._whole_pass:
+            self.pass_rows = self._rows_this_pass
+        self.epoch, self.next_pos, self._rows = self.epoch + 1, (0, 0, 0), None
+        self._rows_this_pass = 0
+        return None
+
     def _read(self) -> Tuple[Locator, dict, str]:
         for _attempt in range(2):
-            if self._rows is None:
-                self._whole_pass = self.next_pos == (0, 0, 0)
-                self._rows = self.reader.rows(*self.next_pos)
-            for loc, after, row in self._rows:
-                self.next_pos = after
-                self._rows_this_pass += 1
-                return loc, row, _digest(row)
-            # the files are at their end: the next epoch reads them again
-            if self._whole_pass:
-                self.pass_rows = self._rows_this_pass
-            self.epoch, self.next_pos, self._rows = self.epoch + 1, (0, 0, 0), None
-            self._rows_this_pass = 0
+            entry = self._read_in_pass()
+            if entry is not None:
+                return entry
         raise ArgumentError(f"{self.reader.flag}: no rows to stream (the files are empty)")
 
     def next_row(self) -> Tuple[Locator, dict, str]:
         """(locator, row, digest) of the next row drawn from the buffer."""
         while len(self.buffer) < self.buffer_size:
-            self.buffer.append(self._read())
+            entry = self._read_in_pass()
+            if entry is None and self.buffer:
+                # A pass over the files ended before the buffer was full: the buffer holds
+                # the whole data, once (filling on would hold rows of the next epoch again,
+                # and a buffer far larger than the data would read without end).
+                self.buffer_size = len(self.buffer)
+                break
+            self.buffer.append(entry if entry is not None else self._read())
         slot = int(self.rng.integers(self.buffer_size))
         row = self.buffer[slot]
         self.buffer[slot] = self._read()
@@ -297,6 +311,9 @@ class ShuffledRows:
         except (KeyError, TypeError, ValueError) as err:
             raise malformed(err) from None
         self.epoch, self.next_pos = epoch, next_pos
+        if buffer:
+            # a buffer saved smaller than --shuffle_buffer_size holds the whole data
+            self.buffer_size = min(self.buffer_size, len(buffer))
         rows = self.reader.fetch(buffer + list(held))
         found = {loc: (row, _digest(row)) for loc, row in rows.items()}
         self.buffer = [(loc, *found[loc]) for loc in buffer]
@@ -354,7 +371,7 @@ class RowStream:
         over the files and the buffer gave nothing to train: no row of the files does."""
         self._empty_rows = 0 if trainable else self._empty_rows + 1
         passes = self.rows.pass_rows
-        if passes and self._empty_rows > 2 * (passes + self.buffer_size):
+        if passes and self._empty_rows > 2 * (passes + self.rows.buffer_size):
             raise ArgumentError(f"{self.reader.flag}: {nothing}")
 
     def state(self) -> dict:

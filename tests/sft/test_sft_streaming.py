@@ -130,6 +130,31 @@ def test_the_shuffle_buffer_shuffles_and_a_buffer_of_one_keeps_the_file_order(fi
     assert shuffled != order
 
 
+@pytest.mark.parametrize("buffer", [42, 10 ** 9])
+def test_a_buffer_larger_than_the_data_holds_each_row_once(files, template, buffer):
+    """--shuffle_buffer_size above the data's 40 rows holds the whole data, each row once
+    (filling it on would hold rows of the next epoch twice, and a huge buffer read the
+    files without end); the stream continued from its position goes on exactly."""
+    from swift_mcore.data.sources import expand_inputs
+    from swift_mcore.data.streaming import ShuffledRows
+
+    rows = ShuffledRows(expand_inputs([str(p) for p in files["jsonl"]], "--dataset"), buffer,
+                        seed=5)
+    drawn = rows.next_row()[0]
+    held = [loc[:2] for loc, *_ in rows.buffer]
+    # the row drawn left for the next epoch's first row
+    every = {*((0, i) for i in range(25)), *((1, i) for i in range(15))}
+    assert len(held) == 40 and set(held) == every - {drawn[:2]} | {(0, 0)}
+    s = stream(files["jsonl"], template, packing=False, buffer=buffer, seq=512)
+    order = [s.next_item()[0].loc[:2] for _ in range(80)]
+    s = stream(files["jsonl"], template, packing=False, buffer=buffer, seq=512)
+    for _ in range(7):
+        s.next_item()
+    resumed = stream(files["jsonl"], template, packing=False, buffer=buffer, seq=512,
+                     state=json.loads(json.dumps(s.state())))
+    assert [resumed.next_item()[0].loc[:2] for _ in range(73)] == order[7:]
+
+
 def test_a_changed_row_held_by_the_stream_is_refused(tmp_path, template):
     """A resumed stream re-reads the rows it held; one that changed since is refused."""
     from swift_mcore.errors import CheckpointError
