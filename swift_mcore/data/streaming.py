@@ -89,6 +89,40 @@ def stream_identity(sources: Sequence[Source]) -> List[list]:
     return identity
 
 
+def file_sizes(sources: Sequence[Source]) -> List[list]:
+    """[path, size] of each file the stream reads, saved with its position: a resume on
+    files that changed since is refused naming the file (``changed_files``)."""
+    from .sources import _files_of
+
+    return [[path, os.path.getsize(path)] for source in sources
+            for path in _files_of(source)]
+
+
+def changed_files(position, sources: Sequence[Source], flag: str = "--dataset") -> List[str]:
+    """The resume check's lines naming the stream's files that are not those of the saved
+    ``position`` (other paths, or another size: grown or cut since the checkpoint)."""
+    saved = position.get("files") if isinstance(position, dict) else None
+    if not isinstance(saved, list):
+        return []  # a position saved before it named its files
+    try:
+        now = file_sizes(sources)
+    except OSError:
+        return []  # the sources check names a missing file
+    if len(saved) != len(now):
+        return [f"{flag}: the stream read {len(saved)} file(s) at the checkpoint, "
+                f"{len(now)} now"]
+    lines = []
+    for i, (before, (path, size)) in enumerate(zip(saved, now)):
+        if not (isinstance(before, list) and len(before) == 2):
+            return []
+        if before[0] != path:
+            lines.append(f"{flag}: file {i + 1} was {before[0]} at the checkpoint, now {path}")
+        elif before[1] != size:
+            lines.append(f"{flag} {path}: {before[1]} bytes at the checkpoint, {size} now "
+                         f"(a streamed file must stay as it is until the run ends)")
+    return lines
+
+
 def _digest(row) -> str:
     return hashlib.sha1(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -194,7 +228,20 @@ class RowReader:
                 with open(path, "rb") as fh:
                     for loc in locs:
                         fh.seek(loc[2])
-                        found[loc] = self._parse(fh.readline(), loc)
+                        line = fh.readline()
+                        try:
+                            if not line.strip():
+                                raise ArgumentError("a blank line" if line else
+                                                    "the file ends before it")
+                            found[loc] = self._parse(line, loc)
+                        except ArgumentError as err:
+                            # the file was edited or cut: no row starts at the saved offset
+                            detail = str(err).removeprefix(f"{self.where(loc)}: ")
+                            raise CheckpointError(
+                                f"the stream position names {self.where(loc)} at byte "
+                                f"{loc[2]}, which is not a row now ({detail}): the data "
+                                f"changed since the checkpoint; resume on the same files"
+                            ) from None
             elif kind == "parquet":
                 pf = self._parquet_file(index)
                 bounds = np.cumsum([0] + [pf.metadata.row_group(g).num_rows
@@ -359,6 +406,7 @@ class RowStream:
         self.buffer_size = buffer_size
         self.position = 0
         self._empty_rows = 0
+        self._files = file_sizes(sources)
         if state:
             self._restore(state)
 
@@ -380,7 +428,8 @@ class RowStream:
         own, digests = self._held()
         return {"version": STREAM_VERSION, **self.KIND, "position": self.position,
                 **self.rows.state(), **own,
-                "rows_digest": held_digest(self.rows.digests() + digests)}
+                "rows_digest": held_digest(self.rows.digests() + digests),
+                "files": self._files}
 
     def _restore(self, state: dict) -> None:
         check_version(state)

@@ -216,6 +216,29 @@ def test_a_stopped_stream_resumes_bit_exact(tmp_path, files, sft_here):
     assert sample_ids(split) == sample_ids(tmp_path / "whole")
 
 
+def test_a_file_grown_or_reordered_since_the_checkpoint_is_named(tmp_path, files, sft_here):
+    """A stream's files are fingerprinted by their sizes and ends; a resume on a file that
+    grew since the checkpoint, or on the files in another order, names each file."""
+    from swift_mcore.errors import CheckpointError
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_bytes(files["jsonl"][0].read_bytes())
+    b.write_bytes(files["jsonl"][1].read_bytes())
+    out = tmp_path / "run"
+    flags = [*DATA, "--num_workers", "0", "--train_iters", "2"]
+    sft_here(out, "--dataset", a, b, *flags)
+    size = b.stat().st_size
+    with open(b, "a") as fh:
+        fh.write(a.read_text().splitlines()[0] + "\n")
+    with pytest.raises(CheckpointError) as err:
+        sft_here(out, "--dataset", a, b, *flags, "--resume", "--train_iters", "3")
+    assert f"--dataset {b}: {size} bytes at the checkpoint, {b.stat().st_size} now" in \
+        str(err.value)
+    with pytest.raises(CheckpointError) as err:
+        sft_here(out, "--dataset", b, a, *flags, "--resume", "--train_iters", "3")
+    assert f"--dataset: file 1 was {a} at the checkpoint, now {b}" in str(err.value)
+
+
 @pytest.mark.slow
 def test_a_stream_resumes_on_another_data_parallel_size(tmp_path, files, sft_here):
     """DP 2's checkpoint at iteration 3 resumes on DP 1 with the straight DP-1 run's rows (no
