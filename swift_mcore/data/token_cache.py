@@ -202,7 +202,39 @@ def _check_sft_arrays(arrays, meta, vocab_size: int) -> None:
         raise ValueError("its sample offsets are out of order")
     if (answers < 0).any():
         raise ValueError("its answer counts are negative")
+    # each conversation gives one sample or more; the counts are what the run reports
+    if meta["conversations"] > len(answers) or meta["split"] > meta["conversations"]:
+        raise ValueError(f"the manifest's counts ({meta['conversations']} conversations, "
+                         f"{meta['split']} split) do not fit its {len(answers)} samples")
     check_token_ids(ids, vocab_size)
+    check_answer_counts(targets, offsets, answers)
+
+
+def check_answer_counts(targets: np.ndarray, offsets: np.ndarray, answers: np.ndarray) -> None:
+    """Raises ValueError unless each sample's answer count is its trained tokens after the
+    first (which samples train, and fit() keeps or drops by it): every sample of a cache of
+    up to ID_CHECK_BYTES of targets, else 16 evenly spaced windows of samples."""
+    n = len(answers)
+    if not n:
+        return
+    if targets.nbytes <= ID_CHECK_BYTES:
+        windows = [(0, n)]
+    else:
+        size = max(1, int(n * ID_CHECK_BYTES // targets.nbytes // 16))
+        windows = [(int(a), int(a) + size) for a in np.unique(
+            np.linspace(0, n - size, 16).astype(np.int64))]
+    for first, last in windows:
+        for a in range(first, last, SFT_CHUNK * 64):
+            b = min(last, a + SFT_CHUNK * 64)
+            lo, hi = int(offsets[a]), int(offsets[b])
+            trained = np.concatenate([[0], np.cumsum(targets[lo:hi], dtype=np.int64)])
+            starts = np.minimum(offsets[a:b] + 1, offsets[a + 1:b + 1]) - lo
+            counts = trained[offsets[a + 1:b + 1] - lo] - trained[starts]
+            wrong = np.flatnonzero(counts != answers[a:b])
+            if len(wrong):
+                k = a + int(wrong[0])
+                raise ValueError(f"sample {k}'s answer count ({int(answers[k])}) is not its "
+                                 f"trained tokens ({int(counts[wrong[0]])})")
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
