@@ -386,3 +386,20 @@ def test_validation_files_are_read_whole_beside_a_stream(tmp_path, files, sft_he
                (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     valid = [r for r in records if r["split"] == "valid"]
     assert [r["iteration"] for r in valid] == [2] and valid[0]["val_loss"] > 0
+
+
+@pytest.mark.parametrize("command", ["pt", "sft"])
+def test_a_shuffle_buffer_without_streaming_is_refused(files, command):
+    """--shuffle_buffer_size sizes the stream's buffer only: without --streaming it did
+    nothing, silently."""
+    from swift_mcore.arguments import RunArguments, SftArguments
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    cls = SftArguments if command == "sft" else RunArguments
+    flags = dict(dataset=[str(files["jsonl"][0])], train_iters=2, lr_warmup_iters=0)
+    resolve(cls.from_flags(**flags, shuffle_buffer_size=8, streaming=True), world_size=1,
+            cuda=False)
+    with pytest.raises(ArgumentError, match=r"^--shuffle_buffer_size sizes --streaming's "
+                                            r"shuffle buffer; without --streaming"):
+        resolve(cls.from_flags(**flags, shuffle_buffer_size=8), world_size=1, cuda=False)
