@@ -900,6 +900,9 @@ class RunArguments:
 
     def validation_problem(self):
         """Why the flags give no validation data (None: they do); sft overrides it."""
+        if self.data.streaming:
+            return ("a pt --streaming run has no validation data (every row streamed trains, "
+                    "and --split is refused)")
         parts = str(self.data.split).replace("/", ",").split(",")
         try:
             valid = float(parts[1]) if len(parts) > 1 else 0.0

@@ -266,6 +266,10 @@ def run_cli(tmp_path, command, *flags):
      "--split cuts a dataset read whole; a --streaming run trains on every row"),
     (["--dataset", "FILE", "--train_iters", "2", "--num_workers", "2"],
      "--streaming reads the stream in one loader worker per rank"),
+    # it told to raise --split's validation share, which a stream refuses
+    (["--dataset", "FILE", "--train_iters", "2", "--eval_steps", "1", "--metric_for_best",
+      "val_loss"], "--metric_for_best val_loss needs validation data: a pt --streaming run "
+     "has no validation data (every row streamed trains, and --split is refused)"),
 ])
 def test_pt_streaming_flags_refused(tmp_path, files, flags, message):
     from swift_mcore.arguments import RunArguments, parse_args
