@@ -106,7 +106,8 @@ def test_answer_counts_and_conversation_counts_that_lie_are_refused(prepared, to
     """A folder whose arrays or manifest were edited so that a sample's answer count is not
     its trained tokens (all targets cleared: it trained on nothing, loss 0), or whose
     conversation count exceeds its samples, is refused by name; a large cache's counts
-    are checked in windows (check_bytes)."""
+    are checked in windows (check_bytes). A folder with no sample that fits --seq_length
+    is named with the length."""
     import numpy as np
 
     from swift_mcore.data import token_cache
@@ -123,6 +124,9 @@ def test_answer_counts_and_conversation_counts_that_lie_are_refused(prepared, to
                                             r"tokens \(0\)\)"):
         build(tok, cached_dataset=folder, seq_length=64)
     np.save(os.path.join(folder, "targets.npy"), targets)
+    with pytest.raises(ArgumentError, match=r"^--cached_dataset .*prepared: no conversation is "
+                                            r"left to train on at --seq_length 4; raise"):
+        build(tok, cached_dataset=folder, seq_length=4)
     manifest = os.path.join(folder, "manifest.json")
     with open(manifest) as fh:
         values = json.load(fh)
