@@ -193,7 +193,8 @@ def _check_sft_arrays(arrays, meta, vocab_size: int) -> None:
     ids, targets, offsets, answers = (arrays[n] for n in ("ids", "targets", "offsets",
                                                            "answers"))
     for name in ("conversations", "split"):
-        if not isinstance(meta.get(name), int) or meta[name] < 0:
+        if not isinstance(meta.get(name), int) or isinstance(meta[name], bool) or \
+                meta[name] < 0:
             raise ValueError(f"the manifest's {name} is not a count")
     if len(targets) != len(ids) or len(offsets) != len(answers) + 1:
         raise ValueError("its arrays disagree in length")

@@ -136,6 +136,11 @@ def test_answer_counts_and_conversation_counts_that_lie_are_refused(prepared, to
     with pytest.raises(ArgumentError, match=r"the manifest's counts \(1000 conversations, 0 "
                                             r"split\) do not fit its 30 samples"):
         build(tok, cached_dataset=folder, seq_length=64)
+    values["meta"]["conversations"] = True
+    with open(manifest, "w") as fh:
+        json.dump(values, fh)
+    with pytest.raises(ArgumentError, match=r"the manifest's conversations is not a count"):
+        build(tok, cached_dataset=folder, seq_length=64)
 
 
 def test_preprocess_sft_refuses_an_existing_folder_and_needs_output_dir(prepared, capsys):
