@@ -90,7 +90,8 @@ def stream_identity(sources: Sequence[Source]) -> List[list]:
 
 
 def file_sizes(sources: Sequence[Source]) -> List[list]:
-    """[path, size] of each file the stream reads, saved with its position: a resume on
+    """[path, size] of each file the stream reads, saved with its position (by the main
+    process's StreamIterator, not with every batch of the loader worker): a resume on
     files that changed since is refused naming the file (``changed_files``)."""
     from .sources import _files_of
 
@@ -406,7 +407,6 @@ class RowStream:
         self.buffer_size = buffer_size
         self.position = 0
         self._empty_rows = 0
-        self._files = file_sizes(sources)
         if state:
             self._restore(state)
 
@@ -428,8 +428,7 @@ class RowStream:
         own, digests = self._held()
         return {"version": STREAM_VERSION, **self.KIND, "position": self.position,
                 **self.rows.state(), **own,
-                "rows_digest": held_digest(self.rows.digests() + digests),
-                "files": self._files}
+                "rows_digest": held_digest(self.rows.digests() + digests)}
 
     def _restore(self, state: dict) -> None:
         check_version(state)
@@ -638,9 +637,10 @@ class StreamIterator:
     """The trainer's iterator over a stream: hands out micro-batches and keeps the position
     of the last global batch handed out whole (``position``, saved with checkpoints)."""
 
-    def __init__(self, iterator, position: Optional[dict]):
+    def __init__(self, iterator, position: Optional[dict], files: List[list]):
         self._iterator = iterator
         self.position = position
+        self._files = files  # saved with the position (``changed_files``)
 
     def __iter__(self):
         return self
@@ -658,7 +658,7 @@ class StreamIterator:
             raise cls(batch["error"])
         state = batch.pop("stream_state", None)
         if state is not None:
-            self.position = state
+            self.position = {**state, "files": self._files}
         return batch
 
 
@@ -695,4 +695,4 @@ def build_stream_iterator(dataset, consumed_samples: int,
     iterator = iter(loader)
     if workers > 0:
         close_workers_at_exit(iterator)
-    return StreamIterator(iterator, position)
+    return StreamIterator(iterator, position, file_sizes(dataset.sources))
