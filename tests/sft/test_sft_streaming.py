@@ -403,3 +403,20 @@ def test_a_shuffle_buffer_without_streaming_is_refused(files, command):
     with pytest.raises(ArgumentError, match=r"^--shuffle_buffer_size sizes --streaming's "
                                             r"shuffle buffer; without --streaming"):
         resolve(cls.from_flags(**flags, shuffle_buffer_size=8), world_size=1, cuda=False)
+
+
+def test_the_resume_check_names_streaming_and_the_buffer():
+    """A stream's checkpoint resumed without --streaming (or with another buffer) was
+    refused with the data fingerprint's digests only."""
+    from swift_mcore.checkpointing import compat
+
+    saved = {"data": {"streaming": True, "shuffle_buffer_size": 5}}
+    now = {"data": {"streaming": False, "shuffle_buffer_size": 1000}}
+    assert compat.resume_differences(saved, now, None, None) == [
+        "--streaming: checkpoint True, now False"]
+    now["data"].update(streaming=True, shuffle_buffer_size=7)
+    assert compat.resume_differences(saved, now, None, None) == [
+        "--shuffle_buffer_size: checkpoint 5, now 7 (--streaming: the order of the rows "
+        "depends on it)"]
+    saved["data"]["streaming"] = now["data"]["streaming"] = False  # the buffer is not used
+    assert compat.resume_differences(saved, now, None, None) == []
