@@ -420,3 +420,17 @@ def test_the_resume_check_names_streaming_and_the_buffer():
         "depends on it)"]
     saved["data"]["streaming"] = now["data"]["streaming"] = False  # the buffer is not used
     assert compat.resume_differences(saved, now, None, None) == []
+
+
+def test_the_resume_check_says_which_sft_flag_changed_the_data():
+    """Another --packing (or template, truncation...) changes sft's data fingerprint: the
+    flag is named beside it; with the fingerprint equal, the flags as given are not
+    compared (--template auto and the template it picks train the same rows)."""
+    from swift_mcore.checkpointing import compat
+
+    saved = {"sft": {"packing": True, "template": "auto"}}
+    now = {"sft": {"packing": False, "template": "plain"}}
+    assert compat.resume_differences(saved, now, "abc", "def") == [
+        "training data (content fingerprint): checkpoint 'abc', now 'def'",
+        "--template: checkpoint 'auto', now 'plain'", "--packing: checkpoint True, now False"]
+    assert compat.resume_differences(saved, now, "abc", "abc") == []
