@@ -363,6 +363,17 @@ def test_a_stream_killed_and_stopped_resumes_exactly(tmp_path, files, sft_here):
         list(range(48))
 
 
+def test_preprocess_sft_accepts_a_shuffle_buffer_unused(tmp_path, files):
+    """`preprocess sft` accepts training flags it does not use; sft's refusal of
+    --shuffle_buffer_size without --streaming (which preprocess refuses) is not its."""
+    from swift_mcore import preprocess
+
+    folder = tmp_path / "prepared"
+    assert preprocess.main(["sft", "--dataset", str(files["jsonl"][1]), "--template", "plain",
+                            "--shuffle_buffer_size", "3", "--output_dir", str(folder)]) == 0
+    assert (folder / "manifest.json").is_file()
+
+
 def test_preprocess_sft_refuses_streaming(tmp_path, files, capsys):
     from swift_mcore import preprocess
 
