@@ -183,11 +183,12 @@ def _collator(config, tokenizer, name: str) -> SftDataset:
 
 def _streaming(config, tokenizer, template, columns, log, encode):
     """--streaming: (the stream, the validation set read whole, None)."""
-    from .streaming import StreamingSftDataset, check_stream_sources
+    from .streaming import StreamingSftDataset, check_renamed_columns, check_stream_sources
 
     s = config.sft
     sources = list(config.dataset_sources)
     check_stream_sources(sources)
+    check_renamed_columns(sources, columns)
     fingerprint = sft_fingerprint(config, tokenizer, template)
     train = StreamingSftDataset(
         sources, columns, template, s.loss_on, config.model.seq_length,

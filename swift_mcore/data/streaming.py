@@ -68,6 +68,26 @@ def check_stream_sources(sources: Sequence[Source], flag: str = "--dataset") -> 
                             f"the file up to it); convert it, or train without --streaming")
 
 
+def check_renamed_columns(sources: Sequence[Source], columns: Dict[str, str],
+                          flag: str = "--dataset") -> None:
+    """Each --columns source column is in the first row of some file (read here, before
+    any step; a stream cannot look at every row first, as sft without --streaming does)."""
+    if not columns:
+        return
+    reader, present = RowReader(sources, flag), {}
+    for index in range(len(sources)):
+        for loc, _after, row in reader.rows(index, 0, 0):
+            if loc[0] == index:
+                present.update(dict.fromkeys(row))
+            break
+    missing = [c for c in columns if c not in present]
+    if missing:
+        what = sources[0].path if len(sources) == 1 else f"{len(sources)} files"
+        shown = ", ".join(repr(c) for c in present) or "none"
+        raise ArgumentError(f"{flag} {what}: --columns renames '{missing[0]}', a column the "
+                            f"data does not have (the first row of each file has {shown})")
+
+
 def stream_identity(sources: Sequence[Source]) -> List[list]:
     """Per file: its kind, size and the sha256 of its first and last MiB. Cheap for files
     too large to hash whole; the rows a resumed stream re-reads are checked besides

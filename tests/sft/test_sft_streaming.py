@@ -275,6 +275,9 @@ def run_cli(tmp_path, *flags):
     (["--train_iters", None], "--streaming needs --train_iters: a stream has no length"),
     (["--num_workers", "2"], "--streaming reads the stream in one loader worker per rank"),
     (["--split_dataset_ratio", "0.1"], "--split_dataset_ratio holds out a share"),
+    # refused without --streaming; the stream trained on, the mapping unused
+    (["--columns", '{"conv": "messages"}'], "a.jsonl: --columns renames 'conv', a column "
+     "the data does not have (the first row of each file has 'messages')"),
 ])
 def test_streaming_flags_refused_in_one_line(tmp_path, files, flags, message):
     argv = ["--dataset", files["jsonl"][0], "--template", "plain", "--streaming",
