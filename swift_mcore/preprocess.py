@@ -193,6 +193,7 @@ def parse_sft(argv: List[str]):
     if args.data.streaming:
         raise ArgumentError("--streaming reads the files while training; `preprocess sft` "
                             "tokenizes them whole into --output_dir: leave --streaming out")
+    args.explicit.discard("shuffle_buffer_size")  # a training flag: accepted and unused here
     config = resolve(args, world_size=1, cuda=False)
     s, folder = config.sft, config.logging.output_dir
     if s.cached_dataset:

@@ -31,6 +31,11 @@ def cases(p):
     return {
         "yaml_is_a_folder": (["pt", d, *train], "pt",
                              [f"config file {d} is a folder"]),
+        # a second folder after a one-value flag lands in the config file's place
+        "sft_two_cached_dataset_folders": (
+            ["sft", *train, "--output_dir", p / "o", "--cached_dataset", d, p / "prefix.bin"],
+            "sft", [f"--cached_dataset takes one value ({d}); the next word, "
+                    f"{p / 'prefix.bin'}, was read as a config file", "is a folder"]),
         "pt_output_dir_is_a_file": (["pt", *train, "--output_dir", f], "pt",
                                     [f"--output_dir {f} is a file"]),
         "pt_output_dir_under_a_file": (["pt", *train, "--output_dir", f / "run"], "pt",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import Field, fields
 from typing import Optional, Sequence
 
@@ -61,9 +62,25 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "swift-mcore pt
     ns = parser.parse_args(list(argv) if argv is not None else None)
     values = vars(ns)
     config = values.pop("config", None)
-    flags = load_yaml(config, cls) if config else {}
+    try:
+        flags = load_yaml(config, cls) if config else {}
+    except ArgumentError as err:
+        raise _second_value(parser, argv, config, err) from None
     flags.update(values)
     return cls.from_flags(**flags)
+
+
+def _second_value(parser, argv, config: str, err: ArgumentError) -> ArgumentError:
+    """``err`` of a config file that is a second value given to a one-value flag (two
+    --cached_dataset folders): named so, not as a config file the user never meant."""
+    words = list(argv) if argv is not None else sys.argv[1:]
+    if config in words and (os.path.isdir(config) or not os.path.lexists(config)):
+        i = words.index(config)
+        action = parser._option_string_actions.get(words[i - 2]) if i >= 2 else None
+        if action is not None and action.nargs is None and not words[i - 1].startswith("-"):
+            return ArgumentError(f"{words[i - 2]} takes one value ({words[i - 1]}); the next "
+                                 f"word, {config}, was read as a config file: {err}")
+    return err
 
 
 def load_yaml(path: str, cls=RunArguments) -> dict:

@@ -176,6 +176,10 @@ class RunArguments:
         if self.data.streaming and self.COMMAND not in ("pt", "sft"):
             raise ArgumentError(f"--streaming reads pt and sft data; `swift-mcore "
                                 f"{self.COMMAND}` reads its rows whole (leave it out)")
+        if "shuffle_buffer_size" in self.explicit and not self.data.streaming:
+            raise ArgumentError("--shuffle_buffer_size sizes --streaming's shuffle buffer; "
+                                "without --streaming every row is shuffled by --seed (add "
+                                "--streaming, or leave it out)")
         self.check_command()
 
     def check_profile(self, world_size: int) -> None:
@@ -900,6 +904,9 @@ class RunArguments:
 
     def validation_problem(self):
         """Why the flags give no validation data (None: they do); sft overrides it."""
+        if self.data.streaming:
+            return ("a pt --streaming run has no validation data (every row streamed trains, "
+                    "and --split is refused)")
         parts = str(self.data.split).replace("/", ",").split(",")
         try:
             valid = float(parts[1]) if len(parts) > 1 else 0.0

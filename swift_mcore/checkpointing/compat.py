@@ -7,7 +7,15 @@ from typing import Any, Dict, List, Optional
 
 # (group, flag): the data order and the meaning of an iteration.
 RUN_FIELDS = [("training", "global_batch_size"), ("model", "seq_length"),
-              ("training", "seed"), ("data", "data_order")]
+              ("training", "seed"), ("data", "data_order"), ("data", "streaming")]
+# A stream's order of rows depends on these (data/streaming.py); compared when both stream.
+STREAM_FIELDS = [("data", "shuffle_buffer_size")]
+# sft flags in its data fingerprint (data/sft_datasets.py): named when the fingerprint
+# differs, to say why (their values as given: --template auto may name what another run
+# gave by name, with the same rows).
+SFT_DATA_FIELDS = [("sft", name) for name in (
+    "template", "system", "train_separator", "ignore_empty_think", "loss_on",
+    "truncation_strategy", "packing", "columns", "split_dataset_ratio")]
 # With --data_order megatron the datasets are sized, hence shuffled, by these
 # (data/gpt_datasets.py:megatron_num_samples): another value reorders what is still to come.
 MEGATRON_ORDER_FIELDS = [("training", "train_iters"), ("logging", "eval_steps"),
@@ -81,6 +89,10 @@ def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict
         lines += [f"{line} (--data_order megatron: the sample order depends on it)"
                   for line in field_differences(saved_args, current_args,
                                                 MEGATRON_ORDER_FIELDS)]
+    if _get(saved_args, "data", "streaming") is True is _get(current_args, "data",
+                                                               "streaming"):
+        lines += [f"{line} (--streaming: the order of the rows depends on it)"
+                  for line in field_differences(saved_args, current_args, STREAM_FIELDS)]
     saved_reference, saved_fingerprint = split_reference(saved_fingerprint)
     reference, fingerprint = split_reference(fingerprint)
     if saved_reference != reference:
@@ -89,6 +101,7 @@ def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict
     if not _same_data(saved_fingerprint, fingerprint):
         lines.append(f"training data (content fingerprint): checkpoint "
                      f"{_fmt(saved_fingerprint)}, now {_fmt(fingerprint)}")
+        lines += field_differences(saved_args, current_args, SFT_DATA_FIELDS)
     lines += field_differences(saved_args, current_args, MODEL_FIELDS)
     lines += field_differences(saved_args, current_args, TUNER_FIELDS)
     lines += field_differences(saved_args, current_args, OPTIMIZER_FIELDS)

@@ -231,6 +231,10 @@ def _read_record(folder: str, config, data_fingerprint
         optimizer_format=str(contents.get("optimizer_format", "plain")))
     differences = compat.resume_differences(
         saved_flags, config.to_dict(), run.get("data_fingerprint"), data_fingerprint)
+    if differences and config.data.streaming:  # the stream's files that changed, by name
+        from ..data.streaming import changed_files
+
+        differences += changed_files(record.train_state.data_stream, config.dataset_sources)
     differences += compat.base_model_differences(
         run.get("base_model"), config.base_model, config.model.model)
     carried.inherit(run.get("multimodal_source"), config.model.model)

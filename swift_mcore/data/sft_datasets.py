@@ -133,8 +133,9 @@ def build_sft_datasets(config, tokenizer, log: Callable[[str], None] = print,
         log(f"sft data --cached_dataset {s.cached_dataset}: "
             f"{report.describe(s.truncation_strategy, seq)} (template: {template.describe()})")
         if len(train) == 0:
-            raise ArgumentError("--cached_dataset: no conversation is left to train on; raise "
-                                "--seq_length or use --truncation_strategy left|right")
+            raise ArgumentError(f"--cached_dataset {s.cached_dataset}: no conversation is "
+                                f"left to train on at --seq_length {seq}; raise --seq_length "
+                                f"or use --truncation_strategy left|right")
     else:
         train = encode(train_sources, "--dataset")
     valid = encode(val_sources, "--val_dataset") if val_sources else None
@@ -182,11 +183,12 @@ def _collator(config, tokenizer, name: str) -> SftDataset:
 
 def _streaming(config, tokenizer, template, columns, log, encode):
     """--streaming: (the stream, the validation set read whole, None)."""
-    from .streaming import StreamingSftDataset, check_stream_sources
+    from .streaming import StreamingSftDataset, check_renamed_columns, check_stream_sources
 
     s = config.sft
     sources = list(config.dataset_sources)
     check_stream_sources(sources)
+    check_renamed_columns(sources, columns)
     fingerprint = sft_fingerprint(config, tokenizer, template)
     train = StreamingSftDataset(
         sources, columns, template, s.loss_on, config.model.seq_length,

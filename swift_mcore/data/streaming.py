@@ -68,6 +68,26 @@ def check_stream_sources(sources: Sequence[Source], flag: str = "--dataset") -> 
                             f"the file up to it); convert it, or train without --streaming")
 
 
+def check_renamed_columns(sources: Sequence[Source], columns: Dict[str, str],
+                          flag: str = "--dataset") -> None:
+    """Each --columns source column is in the first row of some file (read here, before
+    any step; a stream cannot look at every row first, as sft without --streaming does)."""
+    if not columns:
+        return
+    reader, present = RowReader(sources, flag), {}
+    for index in range(len(sources)):
+        for loc, _after, row in reader.rows(index, 0, 0):
+            if loc[0] == index:
+                present.update(dict.fromkeys(row))
+            break
+    missing = [c for c in columns if c not in present]
+    if missing:
+        what = sources[0].path if len(sources) == 1 else f"{len(sources)} files"
+        shown = ", ".join(repr(c) for c in present) or "none"
+        raise ArgumentError(f"{flag} {what}: --columns renames '{missing[0]}', a column the "
+                            f"data does not have (the first row of each file has {shown})")
+
+
 def stream_identity(sources: Sequence[Source]) -> List[list]:
     """Per file: its kind, size and the sha256 of its first and last MiB. Cheap for files
     too large to hash whole; the rows a resumed stream re-reads are checked besides
@@ -87,6 +107,41 @@ def stream_identity(sources: Sequence[Source]) -> List[list]:
             rel = os.path.relpath(path, source.path) if source.kind == SAVED else ""
             identity.append([source.kind, rel, size, digest.hexdigest()])
     return identity
+
+
+def file_sizes(sources: Sequence[Source]) -> List[list]:
+    """[path, size] of each file the stream reads, saved with its position (by the main
+    process's StreamIterator, not with every batch of the loader worker): a resume on
+    files that changed since is refused naming the file (``changed_files``)."""
+    from .sources import _files_of
+
+    return [[path, os.path.getsize(path)] for source in sources
+            for path in _files_of(source)]
+
+
+def changed_files(position, sources: Sequence[Source], flag: str = "--dataset") -> List[str]:
+    """The resume check's lines naming the stream's files that are not those of the saved
+    ``position`` (other paths, or another size: grown or cut since the checkpoint)."""
+    saved = position.get("files") if isinstance(position, dict) else None
+    if not isinstance(saved, list):
+        return []  # a position saved before it named its files
+    try:
+        now = file_sizes(sources)
+    except OSError:
+        return []  # the sources check names a missing file
+    if len(saved) != len(now):
+        return [f"{flag}: the stream read {len(saved)} file(s) at the checkpoint, "
+                f"{len(now)} now"]
+    lines = []
+    for i, (before, (path, size)) in enumerate(zip(saved, now)):
+        if not (isinstance(before, list) and len(before) == 2):
+            return []
+        if before[0] != path:
+            lines.append(f"{flag}: file {i + 1} was {before[0]} at the checkpoint, now {path}")
+        elif before[1] != size:
+            lines.append(f"{flag} {path}: {before[1]} bytes at the checkpoint, {size} now "
+                         f"(a streamed file must stay as it is until the run ends)")
+    return lines
 
 
 def _digest(row) -> str:
@@ -194,7 +249,20 @@ class RowReader:
                 with open(path, "rb") as fh:
                     for loc in locs:
                         fh.seek(loc[2])
-                        found[loc] = self._parse(fh.readline(), loc)
+                        line = fh.readline()
+                        try:
+                            if not line.strip():
+                                raise ArgumentError("a blank line" if line else
+                                                    "the file ends before it")
+                            found[loc] = self._parse(line, loc)
+                        except ArgumentError as err:
+                            # the file was edited or cut: no row starts at the saved offset
+                            detail = str(err).removeprefix(f"{self.where(loc)}: ")
+                            raise CheckpointError(
+                                f"the stream position names {self.where(loc)} at byte "
+                                f"{loc[2]}, which is not a row now ({detail}): the data "
+                                f"changed since the checkpoint; resume on the same files"
+                            ) from None
             elif kind == "parquet":
                 pf = self._parquet_file(index)
                 bounds = np.cumsum([0] + [pf.metadata.row_group(g).num_rows
@@ -252,26 +320,40 @@ class ShuffledRows:
         self._rows_this_pass = 0
         self._whole_pass = False
 
+    def _read_in_pass(self) -> Optional[Tuple[Locator, dict, str]]:
+        """The next row of this pass over the files; None at its end (the next call reads
+        the next epoch's first row)."""
+        if self._rows is None:
+            self._whole_pass = self.next_pos == (0, 0, 0)
+            self._rows = self.reader.rows(*self.next_pos)
+        for loc, after, row in self._rows:
+            self.next_pos = after
+            self._rows_this_pass += 1
+            return loc, row, _digest(row)
+        if self._whole_pass:
+            self.pass_rows = self._rows_this_pass
+        self.epoch, self.next_pos, self._rows = self.epoch + 1, (0, 0, 0), None
+        self._rows_this_pass = 0
+        return None
+
     def _read(self) -> Tuple[Locator, dict, str]:
         for _attempt in range(2):
-            if self._rows is None:
-                self._whole_pass = self.next_pos == (0, 0, 0)
-                self._rows = self.reader.rows(*self.next_pos)
-            for loc, after, row in self._rows:
-                self.next_pos = after
-                self._rows_this_pass += 1
-                return loc, row, _digest(row)
-            # the files are at their end: the next epoch reads them again
-            if self._whole_pass:
-                self.pass_rows = self._rows_this_pass
-            self.epoch, self.next_pos, self._rows = self.epoch + 1, (0, 0, 0), None
-            self._rows_this_pass = 0
+            entry = self._read_in_pass()
+            if entry is not None:
+                return entry
         raise ArgumentError(f"{self.reader.flag}: no rows to stream (the files are empty)")
 
     def next_row(self) -> Tuple[Locator, dict, str]:
         """(locator, row, digest) of the next row drawn from the buffer."""
         while len(self.buffer) < self.buffer_size:
-            self.buffer.append(self._read())
+            entry = self._read_in_pass()
+            if entry is None and self.buffer:
+                # A pass over the files ended before the buffer was full: the buffer holds
+                # the whole data, once (filling on would hold rows of the next epoch again,
+                # and a buffer far larger than the data would read without end).
+                self.buffer_size = len(self.buffer)
+                break
+            self.buffer.append(entry if entry is not None else self._read())
         slot = int(self.rng.integers(self.buffer_size))
         row = self.buffer[slot]
         self.buffer[slot] = self._read()
@@ -297,6 +379,9 @@ class ShuffledRows:
         except (KeyError, TypeError, ValueError) as err:
             raise malformed(err) from None
         self.epoch, self.next_pos = epoch, next_pos
+        if buffer:
+            # a buffer saved smaller than --shuffle_buffer_size holds the whole data
+            self.buffer_size = min(self.buffer_size, len(buffer))
         rows = self.reader.fetch(buffer + list(held))
         found = {loc: (row, _digest(row)) for loc, row in rows.items()}
         self.buffer = [(loc, *found[loc]) for loc in buffer]
@@ -354,7 +439,7 @@ class RowStream:
         over the files and the buffer gave nothing to train: no row of the files does."""
         self._empty_rows = 0 if trainable else self._empty_rows + 1
         passes = self.rows.pass_rows
-        if passes and self._empty_rows > 2 * (passes + self.buffer_size):
+        if passes and self._empty_rows > 2 * (passes + self.rows.buffer_size):
             raise ArgumentError(f"{self.reader.flag}: {nothing}")
 
     def state(self) -> dict:
@@ -572,9 +657,10 @@ class StreamIterator:
     """The trainer's iterator over a stream: hands out micro-batches and keeps the position
     of the last global batch handed out whole (``position``, saved with checkpoints)."""
 
-    def __init__(self, iterator, position: Optional[dict]):
+    def __init__(self, iterator, position: Optional[dict], files: List[list]):
         self._iterator = iterator
         self.position = position
+        self._files = files  # saved with the position (``changed_files``)
 
     def __iter__(self):
         return self
@@ -592,7 +678,7 @@ class StreamIterator:
             raise cls(batch["error"])
         state = batch.pop("stream_state", None)
         if state is not None:
-            self.position = state
+            self.position = {**state, "files": self._files}
         return batch
 
 
@@ -629,4 +715,4 @@ def build_stream_iterator(dataset, consumed_samples: int,
     iterator = iter(loader)
     if workers > 0:
         close_workers_at_exit(iterator)
-    return StreamIterator(iterator, position)
+    return StreamIterator(iterator, position, file_sizes(dataset.sources))

@@ -204,7 +204,8 @@ def _check_sft_arrays(arrays, meta, vocab_size: int) -> None:
     ids, targets, offsets, answers = (arrays[n] for n in ("ids", "targets", "offsets",
                                                            "answers"))
     for name in ("conversations", "split"):
-        if not isinstance(meta.get(name), int) or meta[name] < 0:
+        if not isinstance(meta.get(name), int) or isinstance(meta[name], bool) or \
+                meta[name] < 0:
             raise ValueError(f"the manifest's {name} is not a count")
     if len(targets) != len(ids) or len(offsets) != len(answers) + 1:
         raise ValueError("its arrays disagree in length")
@@ -213,7 +214,43 @@ def _check_sft_arrays(arrays, meta, vocab_size: int) -> None:
         raise ValueError("its sample offsets are out of order")
     if (answers < 0).any():
         raise ValueError("its answer counts are negative")
+    # each conversation gives one sample or more; the counts are what the run reports
+    if meta["conversations"] > len(answers) or meta["split"] > meta["conversations"]:
+        raise ValueError(f"the manifest's counts ({meta['conversations']} conversations, "
+                         f"{meta['split']} split) do not fit its {len(answers)} samples")
     check_token_ids(ids, vocab_size)
+    check_answer_counts(targets, offsets, answers)
+
+
+def check_answer_counts(targets: np.ndarray, offsets: np.ndarray, answers: np.ndarray) -> None:
+    """Raises ValueError unless each sample's answer count is its trained tokens after the
+    first (which samples train, and fit() keeps or drops by it): every sample of a cache of
+    up to ID_CHECK_BYTES of targets, else 16 evenly spaced windows of samples."""
+    n = len(answers)
+    if not n:
+        return
+    if targets.nbytes <= ID_CHECK_BYTES:
+        windows = [(0, n)]
+    else:
+        size = max(1, int(n * ID_CHECK_BYTES // targets.nbytes // 16))
+        windows = [(int(a), int(a) + size) for a in np.unique(
+            np.linspace(0, n - size, 16).astype(np.int64))]
+    for a, b in windows:
+        lo = int(offsets[a])
+        span = np.asarray(targets[lo:int(offsets[b])]).view(np.uint8)
+        starts, ends = offsets[a:b] - lo, offsets[a + 1:b + 1] - lo
+        counts = np.zeros(b - a, np.int64)
+        full = ends > starts
+        if full.any():
+            # each sample's targets summed (no empty sample lies between two starts), less
+            # its first token's
+            first = starts[full]
+            counts[full] = np.add.reduceat(span, first, dtype=np.int64) - span[first]
+        wrong = np.flatnonzero(counts != answers[a:b])
+        if len(wrong):
+            k = a + int(wrong[0])
+            raise ValueError(f"sample {k}'s answer count ({int(answers[k])}) is not its "
+                             f"trained tokens ({int(counts[wrong[0]])})")
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:

@@ -128,6 +128,32 @@ def test_a_changed_held_row_is_refused(tmp_path, tokenizer):
         stream([path], tokenizer, state=state, buffer=4)
 
 
+@pytest.mark.parametrize("cut", ["end", "middle"])
+def test_a_file_cut_before_a_held_row_is_refused_naming_it(tmp_path, tokenizer, cut):
+    """Resumed (--override_resume_check lifts the size check) on a file cut or shifted
+    since, a held row's saved offset starts no row: named as a changed file, not as a bad
+    JSON row of the data."""
+    from swift_mcore.errors import CheckpointError
+
+    data = texts()
+    path = write_jsonl(tmp_path / "a.jsonl", data)
+    s = stream([path], tokenizer, buffer=4)
+    for _ in range(3):
+        s.next_item()
+    state = json.loads(json.dumps(s.state()))
+    _file, row, offset = state["buffer"][0]
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:row]) if cut == "end" else b"xx" + b"".join(lines))
+    detail = "the file ends before it" if cut == "end" else "is not valid JSON"
+    with pytest.raises(CheckpointError) as err:
+        stream([path], tokenizer, state=state, buffer=4)
+    assert str(err.value).startswith(
+        f"the stream position names --dataset {path}, row {row} at byte {offset}, which is "
+        f"not a row now ({detail}"), err.value
+    assert str(err.value).endswith("the data changed since the checkpoint; resume on the "
+                                   "same files")
+
+
 def test_a_row_without_text_is_named(tmp_path, tokenizer):
     from swift_mcore.errors import ArgumentError
 
@@ -240,6 +266,10 @@ def run_cli(tmp_path, command, *flags):
      "--split cuts a dataset read whole; a --streaming run trains on every row"),
     (["--dataset", "FILE", "--train_iters", "2", "--num_workers", "2"],
      "--streaming reads the stream in one loader worker per rank"),
+    # it told to raise --split's validation share, which a stream refuses
+    (["--dataset", "FILE", "--train_iters", "2", "--eval_steps", "1", "--metric_for_best",
+      "val_loss"], "--metric_for_best val_loss needs validation data: a pt --streaming run "
+     "has no validation data (every row streamed trains, and --split is refused)"),
 ])
 def test_pt_streaming_flags_refused(tmp_path, files, flags, message):
     from swift_mcore.arguments import RunArguments, parse_args

@@ -100,6 +100,49 @@ def test_other_flags_than_the_folders_are_refused(prepared, tok):
         sft_args(dataset=["x.jsonl"], cached_dataset=folder)
 
 
+@pytest.mark.parametrize("check_bytes", [None, 256])
+def test_answer_counts_and_conversation_counts_that_lie_are_refused(prepared, tok,
+                                                                   monkeypatch, check_bytes):
+    """A folder whose arrays or manifest were edited so that a sample's answer count is not
+    its trained tokens (all targets cleared: it trained on nothing, loss 0), or whose
+    conversation count exceeds its samples, is refused by name; a large cache's counts
+    are checked in windows (check_bytes). A folder with no sample that fits --seq_length
+    is named with the length."""
+    import numpy as np
+
+    from swift_mcore.data import token_cache
+
+    if check_bytes:
+        monkeypatch.setattr(token_cache, "ID_CHECK_BYTES", check_bytes)
+    _, folder = prepared
+    build(tok, cached_dataset=folder, seq_length=64)  # the folder as written
+    targets = np.load(os.path.join(folder, "targets.npy"))
+    np.save(os.path.join(folder, "targets.npy"), np.zeros_like(targets))
+    with pytest.raises(ArgumentError, match=r"--cached_dataset .*prepared: not a dataset "
+                                            r"written by `swift-mcore preprocess sft` \(sample "
+                                            r"0's answer count \(\d+\) is not its trained "
+                                            r"tokens \(0\)\)"):
+        build(tok, cached_dataset=folder, seq_length=64)
+    np.save(os.path.join(folder, "targets.npy"), targets)
+    with pytest.raises(ArgumentError, match=r"^--cached_dataset .*prepared: no conversation is "
+                                            r"left to train on at --seq_length 4; raise"):
+        build(tok, cached_dataset=folder, seq_length=4)
+    manifest = os.path.join(folder, "manifest.json")
+    with open(manifest) as fh:
+        values = json.load(fh)
+    values["meta"]["conversations"] = 1000
+    with open(manifest, "w") as fh:
+        json.dump(values, fh)
+    with pytest.raises(ArgumentError, match=r"the manifest's counts \(1000 conversations, 0 "
+                                            r"split\) do not fit its 30 samples"):
+        build(tok, cached_dataset=folder, seq_length=64)
+    values["meta"]["conversations"] = True
+    with open(manifest, "w") as fh:
+        json.dump(values, fh)
+    with pytest.raises(ArgumentError, match=r"the manifest's conversations is not a count"):
+        build(tok, cached_dataset=folder, seq_length=64)
+
+
 def test_preprocess_sft_refuses_an_existing_folder_and_needs_output_dir(prepared, capsys):
     path, folder = prepared
     before = sorted(os.listdir(folder))

@@ -130,6 +130,31 @@ def test_the_shuffle_buffer_shuffles_and_a_buffer_of_one_keeps_the_file_order(fi
     assert shuffled != order
 
 
+@pytest.mark.parametrize("buffer", [42, 10 ** 9])
+def test_a_buffer_larger_than_the_data_holds_each_row_once(files, template, buffer):
+    """--shuffle_buffer_size above the data's 40 rows holds the whole data, each row once
+    (filling it on would hold rows of the next epoch twice, and a huge buffer read the
+    files without end); the stream continued from its position goes on exactly."""
+    from swift_mcore.data.sources import expand_inputs
+    from swift_mcore.data.streaming import ShuffledRows
+
+    rows = ShuffledRows(expand_inputs([str(p) for p in files["jsonl"]], "--dataset"), buffer,
+                        seed=5)
+    drawn = rows.next_row()[0]
+    held = [loc[:2] for loc, *_ in rows.buffer]
+    # the row drawn left for the next epoch's first row
+    every = {*((0, i) for i in range(25)), *((1, i) for i in range(15))}
+    assert len(held) == 40 and set(held) == every - {drawn[:2]} | {(0, 0)}
+    s = stream(files["jsonl"], template, packing=False, buffer=buffer, seq=512)
+    order = [s.next_item()[0].loc[:2] for _ in range(80)]
+    s = stream(files["jsonl"], template, packing=False, buffer=buffer, seq=512)
+    for _ in range(7):
+        s.next_item()
+    resumed = stream(files["jsonl"], template, packing=False, buffer=buffer, seq=512,
+                     state=json.loads(json.dumps(s.state())))
+    assert [resumed.next_item()[0].loc[:2] for _ in range(73)] == order[7:]
+
+
 def test_a_changed_row_held_by_the_stream_is_refused(tmp_path, template):
     """A resumed stream re-reads the rows it held; one that changed since is refused."""
     from swift_mcore.errors import CheckpointError
@@ -191,6 +216,29 @@ def test_a_stopped_stream_resumes_bit_exact(tmp_path, files, sft_here):
     assert sample_ids(split) == sample_ids(tmp_path / "whole")
 
 
+def test_a_file_grown_or_reordered_since_the_checkpoint_is_named(tmp_path, files, sft_here):
+    """A stream's files are fingerprinted by their sizes and ends; a resume on a file that
+    grew since the checkpoint, or on the files in another order, names each file."""
+    from swift_mcore.errors import CheckpointError
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_bytes(files["jsonl"][0].read_bytes())
+    b.write_bytes(files["jsonl"][1].read_bytes())
+    out = tmp_path / "run"
+    flags = [*DATA, "--num_workers", "0", "--train_iters", "2"]
+    sft_here(out, "--dataset", a, b, *flags)
+    size = b.stat().st_size
+    with open(b, "a") as fh:
+        fh.write(a.read_text().splitlines()[0] + "\n")
+    with pytest.raises(CheckpointError) as err:
+        sft_here(out, "--dataset", a, b, *flags, "--resume", "--train_iters", "3")
+    assert f"--dataset {b}: {size} bytes at the checkpoint, {b.stat().st_size} now" in \
+        str(err.value)
+    with pytest.raises(CheckpointError) as err:
+        sft_here(out, "--dataset", b, a, *flags, "--resume", "--train_iters", "3")
+    assert f"--dataset: file 1 was {a} at the checkpoint, now {b}" in str(err.value)
+
+
 @pytest.mark.slow
 def test_a_stream_resumes_on_another_data_parallel_size(tmp_path, files, sft_here):
     """DP 2's checkpoint at iteration 3 resumes on DP 1 with the straight DP-1 run's rows (no
@@ -227,6 +275,9 @@ def run_cli(tmp_path, *flags):
     (["--train_iters", None], "--streaming needs --train_iters: a stream has no length"),
     (["--num_workers", "2"], "--streaming reads the stream in one loader worker per rank"),
     (["--split_dataset_ratio", "0.1"], "--split_dataset_ratio holds out a share"),
+    # refused without --streaming; the stream trained on, the mapping unused
+    (["--columns", '{"conv": "messages"}'], "a.jsonl: --columns renames 'conv', a column "
+     "the data does not have (the first row of each file has 'messages')"),
 ])
 def test_streaming_flags_refused_in_one_line(tmp_path, files, flags, message):
     argv = ["--dataset", files["jsonl"][0], "--template", "plain", "--streaming",
@@ -315,6 +366,17 @@ def test_a_stream_killed_and_stopped_resumes_exactly(tmp_path, files, sft_here):
         list(range(48))
 
 
+def test_preprocess_sft_accepts_a_shuffle_buffer_unused(tmp_path, files):
+    """`preprocess sft` accepts training flags it does not use; sft's refusal of
+    --shuffle_buffer_size without --streaming (which preprocess refuses) is not its."""
+    from swift_mcore import preprocess
+
+    folder = tmp_path / "prepared"
+    assert preprocess.main(["sft", "--dataset", str(files["jsonl"][1]), "--template", "plain",
+                            "--shuffle_buffer_size", "3", "--output_dir", str(folder)]) == 0
+    assert (folder / "manifest.json").is_file()
+
+
 def test_preprocess_sft_refuses_streaming(tmp_path, files, capsys):
     from swift_mcore import preprocess
 
@@ -338,3 +400,51 @@ def test_validation_files_are_read_whole_beside_a_stream(tmp_path, files, sft_he
                (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     valid = [r for r in records if r["split"] == "valid"]
     assert [r["iteration"] for r in valid] == [2] and valid[0]["val_loss"] > 0
+
+
+@pytest.mark.parametrize("command", ["pt", "sft"])
+def test_a_shuffle_buffer_without_streaming_is_refused(files, command):
+    """--shuffle_buffer_size sizes the stream's buffer only: without --streaming it did
+    nothing, silently."""
+    from swift_mcore.arguments import RunArguments, SftArguments
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    cls = SftArguments if command == "sft" else RunArguments
+    flags = dict(dataset=[str(files["jsonl"][0])], train_iters=2, lr_warmup_iters=0)
+    resolve(cls.from_flags(**flags, shuffle_buffer_size=8, streaming=True), world_size=1,
+            cuda=False)
+    with pytest.raises(ArgumentError, match=r"^--shuffle_buffer_size sizes --streaming's "
+                                            r"shuffle buffer; without --streaming"):
+        resolve(cls.from_flags(**flags, shuffle_buffer_size=8), world_size=1, cuda=False)
+
+
+def test_the_resume_check_names_streaming_and_the_buffer():
+    """A stream's checkpoint resumed without --streaming (or with another buffer) was
+    refused with the data fingerprint's digests only."""
+    from swift_mcore.checkpointing import compat
+
+    saved = {"data": {"streaming": True, "shuffle_buffer_size": 5}}
+    now = {"data": {"streaming": False, "shuffle_buffer_size": 1000}}
+    assert compat.resume_differences(saved, now, None, None) == [
+        "--streaming: checkpoint True, now False"]
+    now["data"].update(streaming=True, shuffle_buffer_size=7)
+    assert compat.resume_differences(saved, now, None, None) == [
+        "--shuffle_buffer_size: checkpoint 5, now 7 (--streaming: the order of the rows "
+        "depends on it)"]
+    saved["data"]["streaming"] = now["data"]["streaming"] = False  # the buffer is not used
+    assert compat.resume_differences(saved, now, None, None) == []
+
+
+def test_the_resume_check_says_which_sft_flag_changed_the_data():
+    """Another --packing (or template, truncation...) changes sft's data fingerprint: the
+    flag is named beside it; with the fingerprint equal, the flags as given are not
+    compared (--template auto and the template it picks train the same rows)."""
+    from swift_mcore.checkpointing import compat
+
+    saved = {"sft": {"packing": True, "template": "auto"}}
+    now = {"sft": {"packing": False, "template": "plain"}}
+    assert compat.resume_differences(saved, now, "abc", "def") == [
+        "training data (content fingerprint): checkpoint 'abc', now 'def'",
+        "--template: checkpoint 'auto', now 'plain'", "--packing: checkpoint True, now False"]
+    assert compat.resume_differences(saved, now, "abc", "abc") == []
