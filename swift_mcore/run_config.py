@@ -172,6 +172,7 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
         apex = cuda and hardware.apex_available()
     flags = copy.deepcopy(args)
     flags.coerce()
+    anchor_paths(flags)
     from .models.families import apply_hf_config
 
     apply_hf_config(flags)  # --model's config.json sets the model flags before any check
@@ -237,6 +238,23 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
                      precision=precision, base_model=base_model, lora_import=lora_import,
                      **cpu.choose(flags, cuda),
                      **choose_gpu_defaults(flags, world, cuda, transformer_engine))
+
+
+# (group, flag): folders and files a checkpoint records and export, infer or a resume read
+# back from its run flags (args.json), whatever directory they run in.
+RECORDED_PATHS = (("model", "model"), ("data", "tokenizer"), ("tuner", "adapters"),
+                  ("rlhf", "ref_model"), ("checkpoint", "load"))
+
+
+def anchor_paths(flags: RunArguments) -> None:
+    """Each recorded path that exists, made absolute (``~`` expanded), so that a checkpoint
+    names it from any working directory. A path that does not exist stays as typed: its
+    own check names it as the user gave it."""
+    for group, name in RECORDED_PATHS:
+        values = getattr(flags, group, None)
+        path = getattr(values, name, None) if values is not None else None
+        if isinstance(path, str) and path and os.path.exists(os.path.expanduser(path)):
+            setattr(values, name, os.path.abspath(os.path.expanduser(path)))
 
 
 def check_context_parallel_hardware(flags: RunArguments, cuda: bool, attention: str,
