@@ -133,3 +133,26 @@ def test_sft_on_moe_folders_with_each_balancing_loss(tmp_path, gloo_group, famil
     assert (forward_logits(loaded.model, ids)[..., : loaded.vocab] - theirs).abs().max() <= 1e-4
     assert not torch.equal(H.safetensors_state(str(back))["model.norm.weight"],
                            H.safetensors_state(str(source))["model.norm.weight"])
+
+
+def test_sinkhorn_from_a_moe_folder_is_refused_before_training(tmp_path):
+    """A load-balancing type the family's router cannot express (sinkhorn routes otherwise
+    while training) is refused at resolve, naming the flag, not at export after training."""
+    from swift_mcore.arguments import SftArguments, parse_args
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    source = tmp_path / "hf"
+    make_moe(source, "qwen3_moe")
+    data = tmp_path / "chat.jsonl"
+    write_chat(data, 4)
+    argv = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
+            "plain", "--train_iters", "1", "--output_dir", str(tmp_path / "sft"),
+            "--moe_router_load_balancing_type", "sinkhorn", "--moe_aux_loss_coeff", "0"]
+    with pytest.raises(ArgumentError) as err:
+        resolve(parse_args(argv, cls=SftArguments), world_size=1)
+    assert str(err.value) == (
+        f"--moe_router_load_balancing_type sinkhorn (a qwen3_moe router chooses its experts "
+        f"by the top-k router logits): the model of --model {source} trained so could not be "
+        f"exported as a qwen3_moe model; use aux_loss, seq_aux_loss or global_aux_loss")
+    assert not (tmp_path / "sft").exists()
