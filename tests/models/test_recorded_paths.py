@@ -57,21 +57,30 @@ def test_a_lora_checkpoint_made_from_a_relative_model_loads_from_elsewhere(
             for p in checkpoint.glob("*/args.json")} == {str(root / "hf")}
 
 
+def edited_copy(root, name, edit):
+    """A copy of lora_run's checkpoint whose args.json ``edit`` changed (resealed)."""
+    import shutil
+
+    copy = root / name
+    shutil.copytree(root / "run" / "checkpoint", copy)
+    for path in copy.glob("*/args.json"):
+        args = json.loads(path.read_text())
+        edit(args)
+        path.write_text(json.dumps(args))
+        reseal(path.parent)
+    return copy
+
+
 def test_an_older_relative_record_loads_where_it_was_made_and_is_named_elsewhere(
         lora_run, tmp_path, monkeypatch):
     from swift_mcore.loaded_model import load_model
 
     root = lora_run
-    old = root / "old"
-    if not old.exists():
-        import shutil
 
-        shutil.copytree(root / "run" / "checkpoint", old)
-        for path in old.glob("*/args.json"):  # as swift-mcore recorded it before
-            args = json.loads(path.read_text())
-            args["model"]["model"] = args["data"]["tokenizer"] = "hf"
-            path.write_text(json.dumps(args))
-            reseal(path.parent)
+    def as_before(args):  # as swift-mcore recorded it before
+        args["model"]["model"] = args["data"]["tokenizer"] = "hf"
+
+    old = edited_copy(root, "old", as_before)
     monkeypatch.chdir(root)
     assert load_model(str(old), log=lambda line: None).hf_folder == "hf"
     monkeypatch.chdir(tmp_path)
@@ -80,6 +89,20 @@ def test_an_older_relative_record_loads_where_it_was_made_and_is_named_elsewhere
     assert "LoRA adapters for the base model hf (a relative path, recorded by an older " \
            "swift-mcore: from the working directory of the run that saved it; run from " \
            "there), which is no longer a Hugging Face folder" in str(err.value)
+
+
+def test_a_lost_adapters_folder_is_named_as_the_checkpoint_recorded_it(lora_run):
+    from swift_mcore.loaded_model import load_model
+
+    def continued(args):  # a run that continued a peft adapter, since moved away
+        args["tuner"]["adapters"] = "peft"
+
+    folder = edited_copy(lora_run, "continued", continued)
+    with pytest.raises(CheckpointError) as err:
+        load_model(str(folder), log=lambda line: None)
+    assert "continued the peft adapter peft (a relative path, recorded by an older " \
+           "swift-mcore: from the working directory of the run that saved it; run from " \
+           "there) (--adapters), which is no longer a folder" in str(err.value)
 
 
 def test_ref_model_and_load_are_recorded_absolute(lora_run, monkeypatch):
