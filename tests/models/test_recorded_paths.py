@@ -13,7 +13,7 @@ from test_hf_training import run_flags
 from test_model_sizes import reseal
 
 from swift_mcore.arguments import RlhfArguments
-from swift_mcore.errors import CheckpointError
+from swift_mcore.errors import ArgumentError, CheckpointError
 from swift_mcore.run_config import resolve
 
 LORA = ["--tuner_type", "lora", "--lora_rank", "2", "--lora_dropout", "0",
@@ -89,6 +89,16 @@ def test_an_older_relative_record_loads_where_it_was_made_and_is_named_elsewhere
     assert "LoRA adapters for the base model hf (a relative path, recorded by an older " \
            "swift-mcore: from the working directory of the run that saved it; run from " \
            "there), which is no longer a Hugging Face folder" in str(err.value)
+
+    def tokenizer_before(args):
+        args["data"]["tokenizer"] = "hf"
+
+    old_tokenizer = edited_copy(root, "old_tokenizer", tokenizer_before)
+    with pytest.raises(ArgumentError) as err:
+        load_model(str(old_tokenizer), log=lambda line: None)
+    assert "was trained with the tokenizer of hf (a relative path, recorded by an older " \
+           "swift-mcore: from the working directory of the run that saved it; run from " \
+           "there), which no longer exists; pass --tokenizer PATH" in str(err.value)
 
 
 def test_a_lost_adapters_folder_is_named_as_the_checkpoint_recorded_it(lora_run):
