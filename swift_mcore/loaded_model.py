@@ -144,9 +144,15 @@ def _from_lora_checkpoint(folder: str, saved, base: str, tokenizer_path: Optiona
     if hf_folder:
         if not is_hf_folder(hf_folder):
             raise CheckpointError(f"{folder} holds LoRA adapters for the base model "
-                                  f"{hf_folder}, which is no longer a Hugging Face folder; "
-                                  f"the adapters cannot be used without their base weights")
+                                  f"{hf_folder}{relative_note(hf_folder)}, which is no longer "
+                                  f"a Hugging Face folder; the adapters cannot be used "
+                                  f"without their base weights")
         flags.update(model=hf_folder)
+    adapters = flags.tuner.adapters
+    if adapters and not os.path.isdir(os.path.expanduser(adapters)):
+        raise CheckpointError(f"{folder} continued the peft adapter {adapters}"
+                              f"{relative_note(adapters)} (--adapters), which is no longer a "
+                              f"folder; its adapter_config.json gives the LoRA shape")
     tokenizer = _checkpoint_tokenizer(flags, saved, tokenizer_path, folder, trust)
     config = resolve(flags, world_size=1, weights_only=True).complete(tokenizer.vocab_size,
                                                                      None)
@@ -164,6 +170,15 @@ def _from_lora_checkpoint(folder: str, saved, base: str, tokenizer_path: Optiona
     log(f"loaded LoRA checkpoint {folder} (adapters on the base {hf_folder or base})")
     return LoadedModel(flags, config, model.eval(), tokenizer, "checkpoint", folder,
                        hf_folder, base_bias)
+
+
+def relative_note(path: str) -> str:
+    """Where a relative path a checkpoint recorded was meant: checkpoints made before paths
+    were recorded absolute hold --model as the user typed it."""
+    if os.path.isabs(os.path.expanduser(path)):
+        return ""
+    return (" (a relative path, recorded by an older swift-mcore: from the working directory "
+            "of the run that saved it; run from there)")
 
 
 def one_process_flags(saved) -> RunArguments:
@@ -198,8 +213,9 @@ def _checkpoint_tokenizer(flags, saved, explicit: Optional[str], folder: str, tr
     if not source:
         return build_tokenizer(flags)
     if not os.path.exists(source):
-        raise ArgumentError(f"checkpoint {folder} was trained with the tokenizer of {source}, "
-                            f"which no longer exists; pass --tokenizer PATH")
+        raise ArgumentError(f"checkpoint {folder} was trained with the tokenizer of {source}"
+                            f"{relative_note(source)}, which no longer exists; pass "
+                            f"--tokenizer PATH")
     if optional and os.path.isdir(source) and not has_tokenizer_files(source):
         return None  # converted from a weights-only folder: converts back without one
     return load_tokenizer(source, flag="--tokenizer", trust_remote_code=trust)

@@ -172,15 +172,18 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
         apex = cuda and hardware.apex_available()
     flags = copy.deepcopy(args)
     flags.coerce()
+    anchor_paths(flags)
     from .models.families import apply_hf_config
 
-    apply_hf_config(flags)  # --model's config.json sets the model flags before any check
+    family = apply_hf_config(flags)  # --model's config.json sets the model flags first
     if flags.model.model:  # its values are checked as the flags were (ranges, finite numbers)
         try:
             check_flags(flags.model)
         except ArgumentError as err:
             raise ArgumentError(f"{err} (from {flags.model.model}/config.json)") from None
     flags.fill_defaults()
+    if family is not None and not weights_only:
+        check_training_choices(flags, family)
     from .models.lora_import import read_adapter
 
     lora_import = read_adapter(flags)  # --adapters' adapter_config.json sets the LoRA flags
@@ -237,6 +240,40 @@ def resolve(args: RunArguments, world_size: Optional[int] = None,
                      precision=precision, base_model=base_model, lora_import=lora_import,
                      **cpu.choose(flags, cuda),
                      **choose_gpu_defaults(flags, world, cuda, transformer_engine))
+
+
+# Training choices a Hugging Face family may not express: refused before training, as the
+# export after it would be.
+TRAINING_CHOICES = ("--moe_router_load_balancing_type ",)
+
+
+def check_training_choices(flags: RunArguments, family) -> None:
+    """A run of a family's model (--model FOLDER or --model_type) trains what export writes
+    back: a training choice the family cannot express is an ArgumentError naming the flag."""
+    m = flags.model
+    found = [p for p in family.representation_problems(m) if p.startswith(TRAINING_CHOICES)]
+    if found:
+        source = f"--model {m.model}" if m.model else f"--model_type {m.model_type}"
+        raise ArgumentError(f"{found[0]}: the model of {source} trained so could not be "
+                            f"exported as a {family.name} model; use aux_loss, seq_aux_loss "
+                            f"or global_aux_loss")
+
+
+# (group, flag): folders and files a checkpoint records and export, infer or a resume read
+# back from its run flags (args.json), whatever directory they run in.
+RECORDED_PATHS = (("model", "model"), ("data", "tokenizer"), ("tuner", "adapters"),
+                  ("rlhf", "ref_model"), ("checkpoint", "load"))
+
+
+def anchor_paths(flags: RunArguments) -> None:
+    """Each recorded path that exists, made absolute (``~`` expanded), so that a checkpoint
+    names it from any working directory. A path that does not exist stays as typed: its
+    own check names it as the user gave it."""
+    for group, name in RECORDED_PATHS:
+        values = getattr(flags, group, None)
+        path = getattr(values, name, None) if values is not None else None
+        if isinstance(path, str) and path and os.path.exists(os.path.expanduser(path)):
+            setattr(values, name, os.path.abspath(os.path.expanduser(path)))
 
 
 def check_context_parallel_hardware(flags: RunArguments, cuda: bool, attention: str,

@@ -82,12 +82,15 @@ def test_sft_on_a_qwen3_moe_folder_trains_and_exports_to_transformers(tmp_path, 
                            H.safetensors_state(str(source))["model.norm.weight"])
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
-def test_sft_on_qwen2_moe_and_mixtral_folders(tmp_path, gloo_group, family):
+@pytest.mark.parametrize("family, balancing", [("qwen2_moe", "global_aux_loss"),
+                                               ("mixtral", "seq_aux_loss"),
+                                               ("qwen3_moe", "seq_aux_loss")])
+def test_sft_on_moe_folders_with_each_balancing_loss(tmp_path, gloo_group, family, balancing):
     """`sft --model FOLDER` in this process (Trainer, as the command runs it): Qwen2-MoE with
-    its dense first layer and gated shared expert, and Mixtral; the load-balancing loss from
-    config.json is logged, the LM loss falls, and the checkpoint exports to a folder whose
-    transformers logits are ours."""
+    its dense first layer and gated shared expert, Mixtral and Qwen3-MoE; the load-balancing
+    loss from config.json is logged, the LM loss falls, and the checkpoint exports to a
+    folder whose transformers logits are ours. The load-balancing type is a training choice
+    that export does not refuse (router_aux_loss_coef keeps the coefficient)."""
     from transformers import AutoModelForCausalLM
 
     from swift_mcore.arguments import SftArguments, parse_args
@@ -103,7 +106,8 @@ def test_sft_on_qwen2_moe_and_mixtral_folders(tmp_path, gloo_group, family):
     out = tmp_path / "sft"
     argv = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
             "plain", "--seq_length", "64", "--train_iters", "4", "--lr", "1e-2",
-            "--min_lr", "1e-2", "--save_steps", "4", "--output_dir", str(out)]
+            "--min_lr", "1e-2", "--save_steps", "4", "--output_dir", str(out),
+            "--moe_router_load_balancing_type", balancing]
     config = resolve(parse_args(argv, cls=SftArguments), world_size=1)
     assert config.model.moe_aux_loss_coeff == 0.02 and config.model.num_experts == 4
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -113,13 +117,15 @@ def test_sft_on_qwen2_moe_and_mixtral_folders(tmp_path, gloo_group, family):
         for s, handler in saved.items():
             signal.signal(s, handler)
     records = train_records(out)
-    assert len(records) == 4 and all(r["load_balancing_loss"] > 0.5 for r in records)
+    name = {"global_aux_loss": "global_load_balancing_loss",
+            "seq_aux_loss": "seq_load_balancing_loss"}[balancing]
+    assert len(records) == 4 and all(r[name] > 0.5 for r in records), records[0]
     assert records[-1]["loss"] < records[0]["loss"], [r["loss"] for r in records]
 
     back = tmp_path / "back"
     convert(out / "checkpoint", back, "to_hf")
     hf = AutoModelForCausalLM.from_pretrained(str(back), attn_implementation="eager").eval()
-    assert hf.config.model_type == family
+    assert hf.config.model_type == family and hf.config.router_aux_loss_coef == 0.02
     ids = H.tokens()
     loaded = load_model(str(out / "checkpoint"), log=lambda line: None)
     with torch.no_grad():
@@ -127,3 +133,26 @@ def test_sft_on_qwen2_moe_and_mixtral_folders(tmp_path, gloo_group, family):
     assert (forward_logits(loaded.model, ids)[..., : loaded.vocab] - theirs).abs().max() <= 1e-4
     assert not torch.equal(H.safetensors_state(str(back))["model.norm.weight"],
                            H.safetensors_state(str(source))["model.norm.weight"])
+
+
+def test_sinkhorn_from_a_moe_folder_is_refused_before_training(tmp_path):
+    """A load-balancing type the family's router cannot express (sinkhorn routes otherwise
+    while training) is refused at resolve, naming the flag, not at export after training."""
+    from swift_mcore.arguments import SftArguments, parse_args
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+
+    source = tmp_path / "hf"
+    make_moe(source, "qwen3_moe")
+    data = tmp_path / "chat.jsonl"
+    write_chat(data, 4)
+    argv = [*run_flags(), "--model", str(source), "--dataset", str(data), "--template",
+            "plain", "--train_iters", "1", "--output_dir", str(tmp_path / "sft"),
+            "--moe_router_load_balancing_type", "sinkhorn", "--moe_aux_loss_coeff", "0"]
+    with pytest.raises(ArgumentError) as err:
+        resolve(parse_args(argv, cls=SftArguments), world_size=1)
+    assert str(err.value) == (
+        f"--moe_router_load_balancing_type sinkhorn (a qwen3_moe router chooses its experts "
+        f"by the top-k router logits): the model of --model {source} trained so could not be "
+        f"exported as a qwen3_moe model; use aux_loss, seq_aux_loss or global_aux_loss")
+    assert not (tmp_path / "sft").exists()

@@ -565,10 +565,12 @@ class MoeKeys:
         if self.softmax_router:
             problems += [f"--{flag} {getattr(m, flag)!r} (a {family} router has {value!r})"
                          for flag, value in SOFTMAX_ROUTER.items() if getattr(m, flag) != value]
-        if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
-            problems.append(f"--moe_router_load_balancing_type "
-                            f"{m.moe_router_load_balancing_type} (a {family} config knows the "
-                            f"aux_loss coefficient only)")
+        # aux_loss, seq_aux_loss and global_aux_loss only add a training loss: the forward
+        # transformers computes is the same, and router_aux_loss_coef keeps the coefficient.
+        # Sinkhorn routes by another rule while training.
+        if m.moe_router_load_balancing_type == "sinkhorn":
+            problems.append(f"--moe_router_load_balancing_type sinkhorn (a {family} router "
+                            f"chooses its experts by the top-k router logits)")
         return problems
 
     def hf_config(self, m: Any) -> Dict[str, Any]:

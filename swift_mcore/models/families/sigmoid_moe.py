@@ -107,9 +107,7 @@ class SigmoidMoeFamily(Family):
     def representation_problems(self, m: Any) -> List[str]:
         from ...arguments.model import moe_layer_pattern
 
-        # DeepSeek-V3's sequence-wise auxiliary loss is its config's seq_aux (hf_config)
-        own = ("--moe_layer_freq", "--moe_shared_expert_inter",
-               "--moe_router_load_balancing_type seq_aux_loss ")
+        own = ("--moe_layer_freq", "--moe_shared_expert_inter")
         problems = [p for p in super().representation_problems(m) if not p.startswith(own)]
         if getattr(m, "num_experts", None) is None:
             return problems
@@ -140,6 +138,7 @@ class SigmoidMoeFamily(Family):
             routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
             first_k_dense_replace=moe_layer_pattern(m).count(0), norm_topk_prob=True,
             num_nextn_predict_layers=m.mtp_num_layers or 0)
-        if m.moe_router_load_balancing_type == "seq_aux_loss":  # training only
+        # DeepSeek-V3's sequence-wise auxiliary loss (training only) has its own keys
+        if m.moe_router_load_balancing_type == "seq_aux_loss":
             config.update(seq_aux=True, aux_loss_alpha=m.moe_aux_loss_coeff)
         return config
