@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
+from .conversations import _refuse_media
 from .sequence_rows import lay_out, packing_note
 
 # Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
@@ -73,6 +74,7 @@ def _implicit_prompt(chosen, rejected) -> Tuple[Any, Any, Any]:
 
 def to_pair(row: Dict[str, Any], where: str) -> Pair:
     """One row -> a Pair; raises ArgumentError naming the row and what is accepted."""
+    _refuse_media(row, where)  # the rlhf tasks train text: images would be dropped unsaid
     if row.get("chosen") is None and row.get("messages") is None and \
             row.get("completion") is not None and row.get("label") is not None:
         raise ArgumentError(f"{where}: an unpaired row (prompt/completion/label, TRL's KTO "
@@ -175,9 +177,22 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def check_chat_template(row, hf) -> None:
+    """A conversation row (a Pair or a KTO row) is rendered by the tokenizer's chat
+    template: without one, refuse it naming the row instead of transformers' traceback."""
+    if row.conversational and not getattr(hf, "chat_template", None):
+        raise ArgumentError(
+            f"{row.where}: its messages are rendered with the tokenizer's chat template, and "
+            f"the tokenizer of {hf.name_or_path} has none; give the rows as text (prompt/"
+            f"chosen/rejected strings; kto: prompt/completion) or a model whose "
+            f"tokenizer_config.json has a chat_template (an sft run exported with "
+            f"`swift-mcore export --to_hf` has one)")
+
+
 def tokenize_pair(pair: Pair, hf) -> Tuple[List[int], List[int], List[int]]:
     """(prompt ids, chosen ids, rejected ids) as TRL 1.16's DPOTrainer makes them; ``hf`` is
     the Hugging Face tokenizer."""
+    check_chat_template(pair, hf)
     if pair.conversational:
         def ids(messages, **kwargs):
             return list(hf.apply_chat_template(messages, tools=pair.tools, tokenize=True,
@@ -205,6 +220,7 @@ def tokenize_pair_per_answer(pair: Pair, hf) -> Tuple[List[int], List[int], List
     special tokens, each answer's prompt ending where the tokenized prompt ends, one token
     earlier if prompt + answer merged across that boundary; the BOS put first and the EOS
     appended as tokens where missing."""
+    check_chat_template(pair, hf)
     if pair.conversational:
         def text(messages, **kwargs):
             return hf.apply_chat_template(messages, tools=pair.tools, tokenize=False, **kwargs)

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
+from .conversations import _refuse_media
 from .sequence_rows import lay_out, packing_note
 from .preference import (PairReport, _common_prefix, _is_messages, _messages, _try_json,
-                         max_length_of, sequence_pad_multiple, to_pair)
+                         check_chat_template, max_length_of, sequence_pad_multiple, to_pair)
 
 # Part of the fingerprint: change it whenever tokenizing changes what a row becomes.
 ENCODING_VERSION = 1
@@ -55,6 +56,7 @@ def _label(value, where: str) -> bool:
 def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
     """One row -> its unpaired rows (two for a preference pair); raises ArgumentError naming
     the row and what is accepted."""
+    _refuse_media(row, where)  # KTO trains text: images would be dropped unsaid
     if row.get("label") is None:
         if any(row.get(k) is not None for k in ("chosen", "rejected", "rejected_response")):
             pair = to_pair(row, where)
@@ -122,6 +124,7 @@ def read_unpaired(sources, flag: str = "--dataset") -> List[Unpaired]:
 def tokenize_unpaired(row: Unpaired, hf) -> Tuple[List[int], List[int]]:
     """(prompt ids, completion ids) as TRL 1.16's KTOTrainer makes them; ``hf`` is the
     Hugging Face tokenizer."""
+    check_chat_template(row, hf)
     if row.conversational:
         def ids(messages, **kwargs):
             return list(hf.apply_chat_template(messages, tools=row.tools, tokenize=True,

@@ -112,6 +112,19 @@ def test_prompts_that_fill_max_length_are_counted_and_refused(tiny_hf):
      "^--precompute_ref_log_probs is a DPO flag; --rlhf_type kto"),
     (["--rlhf_type", "orpo", "--precompute_ref_log_probs"],
      "^--precompute_ref_log_probs does not apply to --rlhf_type orpo"),
+    # flags the chosen loss never reads would change nothing, silently
+    (["--label_smoothing", "0.1"], "^--label_smoothing 0.1 changes only the robust, exo_pair, "
+                                   "aot, aot_unpaired losses; --loss_type sigmoid ignores it"),
+    (["--loss_type", "ipo,hinge", "--label_smoothing", "0.2"],
+     "--loss_type ipo,hinge ignores it"),
+    (["--discopop_tau", "0.5"], "^--discopop_tau is the discopop loss's temperature; "
+                                "--loss_type sigmoid does not read it$"),
+    (["--loss_type", "sigmoid,sft", "--loss_weights", "1,-0.5"],
+     "^--loss_weights: -0.5 for --loss_type sft; a weight is >= 0"),
+    (["--loss_type", "sigmoid,ipo", "--loss_weights", "0,0"],
+     "^--loss_weights: every weight is 0"),
+    (["--rlhf_type", "kto", "--desirable_weight", "0", "--undesirable_weight", "0"],
+     "^--desirable_weight 0 and --undesirable_weight 0: the loss is 0"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(flags, message, tmp_path):
     from swift_mcore.arguments import RlhfArguments, parse_args
@@ -205,3 +218,53 @@ def test_a_reference_of_another_architecture_or_vocabulary_is_refused(tiny_hf, t
     with pytest.raises(ArgumentError, match=f"^--ref_model {other}: not the policy's "
                                             f"architecture and vocabulary: {message}$"):
         check_reference_folder(config, 274)
+
+
+def test_loss_weights_take_the_documented_comma_form(tmp_path):
+    """docs/rlhf.md's `--loss_type sigmoid,sft --loss_weights 1,0.2` was refused."""
+    from swift_mcore.arguments import RlhfArguments, parse_args
+
+    args = parse_args(["--dataset", "d.jsonl", "--loss_type", "sigmoid,sft",
+                       "--loss_weights", "1,0.2"], prog="swift-mcore rlhf", cls=RlhfArguments)
+    assert args.rlhf.loss_weights == [1.0, 0.2]
+
+
+@pytest.mark.parametrize("task", ["dpo", "orpo", "rm", "kto"])
+def test_messages_without_a_chat_template_are_refused_naming_the_row(tiny_hf, task):
+    """The tiny tokenizer has no chat template: transformers' ValueError traceback before."""
+    from transformers import AutoTokenizer
+
+    from swift_mcore.data.preference import to_pair, tokenize_pair, tokenize_pair_per_answer
+    from swift_mcore.data.reward_pairs import tokenize_reward_pair
+    from swift_mcore.data.unpaired import to_unpaired, tokenize_unpaired
+    from swift_mcore.errors import ArgumentError
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_hf[0]))
+    assert not hf.chat_template
+    row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+           "rejected_response": "c"}
+    where = "--dataset d.jsonl, row 2"
+    tokenize, item = {"dpo": (tokenize_pair, to_pair), "orpo": (tokenize_pair_per_answer, to_pair),
+                      "rm": (tokenize_reward_pair, to_pair),
+                      "kto": (tokenize_unpaired, lambda r, w: to_unpaired(r, w)[0])}[task]
+    with pytest.raises(ArgumentError, match=f"^{where}: its messages are rendered with the "
+                                            f"tokenizer's chat template, and the tokenizer of "
+                                            f".* has none; give the rows as text"):
+        tokenize(item(row, where), hf)
+
+
+@pytest.mark.parametrize("row", [
+    {"prompt": "a", "chosen": "b", "rejected": "c", "images": ["x.png"]},
+    {"prompt": "a", "completion": "b", "label": True, "videos": ["x.mp4"]},
+])
+def test_rows_with_media_are_refused_not_trained_as_text(row):
+    """A text model trained on the text alone would drop the images without a word."""
+    from swift_mcore.data.preference import to_pair
+    from swift_mcore.data.unpaired import to_unpaired
+    from swift_mcore.errors import ArgumentError
+
+    read = to_unpaired if "label" in row else to_pair
+    column = "images" if "images" in row else "videos"
+    with pytest.raises(ArgumentError, match=f"^--dataset d.jsonl, row 0: column '{column}' "
+                                            f"holds {column}"):
+        read(row, "--dataset d.jsonl, row 0")
