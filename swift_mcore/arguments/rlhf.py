@@ -167,6 +167,10 @@ class RlhfArguments(RunArguments):
             raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} (a "
                                 f"reward model reads whole sequences); raise --seq_length or "
                                 f"lower --max_length")
+        if r.rlhf_type != "rm" and r.max_length is not None and r.max_length < 2:
+            raise ArgumentError(f"--max_length {r.max_length}: a sequence of n tokens trains "
+                                f"n - 1 positions, so a cut to {r.max_length} token leaves "
+                                f"none to train; give 2 or more")
         if r.max_length is not None and r.max_length > seq + 1:
             raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} + 1 "
                                 f"(a sequence of n tokens trains n - 1 positions); raise "

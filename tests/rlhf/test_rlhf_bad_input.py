@@ -73,6 +73,10 @@ def test_prompts_that_fill_max_length_are_counted_and_refused(tiny_hf):
     (["--rpo_alpha", "1", "--loss_type", "sft"], "--rpo_alpha adds the 'sft' loss"),
     (["--reference_free", "--ref_model", "x"], "--reference_free trains without a reference"),
     (["--max_length", "100"], "--max_length 100 exceeds --seq_length 64 \\+ 1"),
+    # one token trains no position: megatron's attention raised on the empty rows
+    (["--max_length", "1", "--truncation_mode", "keep_end"],
+     "^--max_length 1: a sequence of n tokens trains n - 1 positions"),
+    (["--rlhf_type", "kto", "--max_length", "1"], "^--max_length 1: a sequence of n tokens"),
     (["--rlhf_type", "ppo"], "--rlhf_type"),
     (["--rlhf_type", "kto", "--rpo_alpha", "1"], "^--rpo_alpha is a DPO flag; --rlhf_type kto"),
     (["--rlhf_type", "kto", "--loss_type", "ipo"],
