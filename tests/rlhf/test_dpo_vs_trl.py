@@ -198,3 +198,35 @@ def test_each_format_is_tokenized_as_trl_tokenizes_it(tiny_hf, trl_trainer, form
     if form == "conversational_tools":  # the tools reach the template
         plain = tokenize_pair(to_pair(FORMATS["conversational"][0], "row 0"), tokenizer)
         assert plain[0] != prompt
+
+
+def test_discopop_stays_finite_far_below_the_reference():
+    """TRL's discopop multiplies exp(-logits), inf in float32 below logits -88, by a mixing
+    weight that is 0 there: nan (loss and gradient) where the loss is finite. Ours equals the
+    formula, evaluated in float64, where that is finite, and stays finite past it."""
+    import torch.nn.functional as F
+
+    from swift_mcore.training.dpo_loss import DpoLoss
+
+    beta, tau = 0.5, 0.05
+    loss_fn = DpoLoss(("discopop",), (1.0,), beta=beta, discopop_tau=tau)
+
+    def formula(delta):  # DiscoPOP's Eq. (5), as TRL 1.16 writes it
+        logits = beta * delta
+        mix = torch.sigmoid(logits / tau)
+        return -F.logsigmoid(logits) * (1 - mix) + torch.exp(-logits) * mix
+
+    chosen = torch.tensor([-400.0, -60.0, -3.0, 0.0, 2.5, 40.0], requires_grad=True)
+    zero = torch.zeros_like(chosen)
+    ones = torch.ones_like(chosen)
+    loss = loss_fn(chosen, zero, zero, zero, ones, ones, ones[:1])["loss"]
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(chosen.grad).all()
+    wide = chosen.detach().double().requires_grad_()
+    expected = formula(wide)
+    expected.sum().backward()
+    assert torch.allclose(loss.double(), expected, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(chosen.grad.double(), wide.grad, rtol=1e-5, atol=1e-6)
+    # float32 as TRL computes it: nan at -400 (logits -200), where the loss is 200
+    assert torch.isnan(formula(chosen.detach()[:1])).all()
+    assert loss[0].item() == pytest.approx(200.0)
