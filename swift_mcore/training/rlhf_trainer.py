@@ -46,7 +46,7 @@ class DpoTrainer(Trainer):
         from ..data.preference import preference_fingerprint
 
         if self.config.rlhf.ref_model:  # before anything is read or built
-            check_reference_folder(self.config, self.tokenizer.vocab_size)
+            check_reference_folder(self.config, self.tokenizer)
         return with_reference(preference_fingerprint(self.config, self.tokenizer),
                               reference_identity(self.config))
 
@@ -409,15 +409,17 @@ def sequence_sums(values: torch.Tensor, batch, count: Optional[int] = None,
     return values.new_zeros(count).index_add(0, segments[real], values[real])
 
 
-def check_reference_folder(config, tokenizer_vocab: int) -> None:
+def check_reference_folder(config, tokenizer) -> None:
     """--ref_model must be the policy's architecture and vocabulary: every tensor of the
-    same name and shape (else ArgumentError naming the flag and the first difference)."""
+    same name and shape, and its tokenizer (where the folder has one) the policy's
+    ``tokenizer`` (else ArgumentError naming the flag and the first difference)."""
     from ..errors import ArgumentError
     from ..models.convert import Layout
     from ..models.hf_load import expected_hf_shapes
     from ..run_config import padded_vocab
 
     folder, m = config.rlhf.ref_model, config.model
+    tokenizer_vocab = tokenizer.vocab_size
     try:
         theirs = expected_hf_shapes(folder)
     except (OSError, ValueError) as err:
@@ -436,6 +438,26 @@ def check_reference_folder(config, tokenizer_vocab: int) -> None:
                     + (f"{list(ours[name])}" if name in ours else "none"))
             raise ArgumentError(f"--ref_model {folder}: not the policy's architecture and "
                                 f"vocabulary: it {what}")
+    check_reference_tokenizer(config, tokenizer)
+
+
+def check_reference_tokenizer(config, tokenizer) -> None:
+    """A reference of the policy's shapes but another tokenizer reads the same ids as other
+    text: its log-probabilities would be of other answers. A folder without a tokenizer is
+    taken to share the policy's."""
+    from ..data.tokenizer import has_tokenizer_files, load_tokenizer
+    from ..errors import ArgumentError
+
+    folder = config.rlhf.ref_model
+    if not has_tokenizer_files(folder):
+        return
+    theirs = load_tokenizer(folder, flag="--ref_model",
+                            trust_remote_code=config.data.trust_remote_code)
+    if theirs.fingerprint != tokenizer.fingerprint:
+        raise ArgumentError(f"--ref_model {folder}: its tokenizer is not the policy's "
+                            f"({tokenizer.source}): the same token ids are other text to it, "
+                            f"so its log-probabilities would be of other answers; give a "
+                            f"reference trained with the policy's tokenizer")
 
 
 def reference_identity(config) -> str:

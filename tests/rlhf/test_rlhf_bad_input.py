@@ -207,6 +207,7 @@ def test_a_reference_of_another_architecture_or_vocabulary_is_refused(tiny_hf, t
     import hf_helpers as H
     from swift_mcore.arguments import RlhfArguments, parse_args
     from swift_mcore.errors import ArgumentError
+    from swift_mcore.data.tokenizer import load_tokenizer
     from swift_mcore.run_config import resolve
     from swift_mcore.training.rlhf_trainer import check_reference_folder
 
@@ -216,12 +217,52 @@ def test_a_reference_of_another_architecture_or_vocabulary_is_refused(tiny_hf, t
     argv = ["--model", str(folder), "--ref_model", str(other), "--dataset", str(data),
             "--output_dir", str(tmp_path / "o"), *run_flags()]
     same = argv[:2] + ["--ref_model", str(folder)] + argv[4:]
+    tokenizer = load_tokenizer(str(folder), flag="--model")
     check_reference_folder(resolve(parse_args(same, prog="swift-mcore rlhf", cls=RlhfArguments),
-                                   world_size=1), 274)  # the policy's own folder passes
+                                   world_size=1), tokenizer)  # the policy's own folder passes
     config = resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
     with pytest.raises(ArgumentError, match=f"^--ref_model {other}: not the policy's "
                                             f"architecture and vocabulary: {message}$"):
-        check_reference_folder(config, 274)
+        check_reference_folder(config, tokenizer)
+
+
+def test_a_reference_with_another_tokenizer_is_refused(tiny_hf, tmp_path):
+    """Same shapes, other tokenizer: the reference would score other text (it ran before)."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    import hf_helpers as H
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.data.tokenizer import load_tokenizer
+    from swift_mcore.run_config import resolve
+    from swift_mcore.training.rlhf_trainer import check_reference_folder
+
+    folder, data = tiny_hf
+    other, untokenized = tmp_path / "other", tmp_path / "weights_only"
+    H.make_model(str(other), "llama", seed=1, tokenizer=False)
+    shutil.copytree(other, untokenized)
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.train_from_iterator(["the quick brown fox\n"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[H.EOD], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=H.EOD).save_pretrained(other)
+    tokenizer = load_tokenizer(str(folder), flag="--model")
+
+    def config(reference):
+        argv = ["--model", str(folder), "--ref_model", str(reference), "--dataset", str(data),
+                "--output_dir", str(tmp_path / "o"), *run_flags()]
+        return resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments),
+                       world_size=1)
+
+    check_reference_folder(config(untokenized), tokenizer)  # no tokenizer: taken as the same
+    with pytest.raises(ArgumentError, match=f"^--ref_model {other}: its tokenizer is not the "
+                                            f"policy's \\({folder}\\)"):
+        check_reference_folder(config(other), tokenizer)
 
 
 def test_loss_weights_take_the_documented_comma_form(tmp_path):
