@@ -138,6 +138,10 @@ def _row_pair(row: Dict[str, Any], where: str) -> Pair:
             prompt = _messages(prompt, where, "prompt")
         return Pair(prompt, chosen, rejected, tools, where)
     for name, value in (("chosen", chosen), ("rejected", rejected), ("prompt", prompt)):
+        if _is_messages(value):
+            raise ArgumentError(f"{where}: '{name}' is a list of messages but 'chosen' is "
+                                f"text; a row's prompt and answers are all text or all "
+                                f"message lists")
         if value is not None and not isinstance(value, str):
             raise ArgumentError(f"{where}: '{name}' must be text or a list of messages, got "
                                 f"{type(value).__name__}")

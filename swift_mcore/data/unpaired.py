@@ -90,6 +90,10 @@ def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
     if conversational:
         return [Unpaired(_messages(prompt, where, "prompt"),
                          _messages(completion, where, "completion"), desirable, tools, where)]
+    if _is_messages(prompt):
+        raise ArgumentError(f"{where}: 'prompt' is a list of messages but 'completion' is "
+                            f"text; a row's prompt and completion are both text or both "
+                            f"message lists")
     for name, value in (("completion", completion), ("prompt", prompt)):
         if not isinstance(value, str):
             raise ArgumentError(f"{where}: '{name}' must be text or a list of messages, got "

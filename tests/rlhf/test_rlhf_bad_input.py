@@ -35,6 +35,12 @@ def test_a_row_without_rejected_answer_is_refused_in_one_line(tiny_hf, tmp_path)
      "row 3: the last message must be the assistant's"),
     ({"rejected": "c"}, "row 3: no 'chosen' answer"),
     ({"prompt": "a", "chosen": 1, "rejected": "c"}, "row 3: 'chosen' must be text"),
+    # text and messages in one row: was "'rejected' must be text or ..., got list"
+    ({"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant", "content": "c"}]},
+     "row 3: 'rejected' is a list of messages but 'chosen' is text; a row's prompt and "
+     "answers are all text or all message lists"),
+    ({"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"},
+     "row 3: 'prompt' is a list of messages but 'chosen' is text"),
 ])
 def test_malformed_rows_name_the_row(row, message):
     from swift_mcore.data.preference import to_pair
