@@ -181,10 +181,17 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def check_chat_template(row, hf) -> None:
+def check_chat_template(row, hf, prompt: bool = True) -> None:
     """A conversation row (a Pair or a KTO row) is rendered by the tokenizer's chat
-    template: without one, refuse it naming the row instead of transformers' traceback."""
-    if row.conversational and not getattr(hf, "chat_template", None):
+    template: without one, or (``prompt``: the task renders the prompt alone) with no turn
+    before the answer, refuse it naming the row instead of transformers' traceback."""
+    if not row.conversational:
+        return
+    if prompt and not row.prompt:
+        raise ArgumentError(f"{row.where}: no message before the answer; a conversation's "
+                            f"prompt holds at least one turn (the user's) before the "
+                            f"assistant's answer")
+    if not getattr(hf, "chat_template", None):
         raise ArgumentError(
             f"{row.where}: its messages are rendered with the tokenizer's chat template, and "
             f"the tokenizer of {hf.name_or_path} has none; give the rows as text (prompt/"

@@ -29,7 +29,7 @@ ENCODING_VERSION = 1
 def tokenize_reward_pair(pair: Pair, hf) -> Tuple[List[int], List[int]]:
     """(prompt + chosen ids, prompt + rejected ids) as TRL 1.16's RewardTrainer makes them;
     ``hf`` is the Hugging Face tokenizer."""
-    check_chat_template(pair, hf)
+    check_chat_template(pair, hf, prompt=False)  # prompt + answer is rendered whole
     if pair.conversational:
         def ids(messages):
             return list(hf.apply_chat_template(messages, tools=pair.tools, tokenize=True,

@@ -319,3 +319,33 @@ def test_rows_with_media_are_refused_not_trained_as_text(row):
     with pytest.raises(ArgumentError, match=f"^--dataset d.jsonl, row 0: column '{column}' "
                                             f"holds {column}"):
         read(row, "--dataset d.jsonl, row 0")
+
+
+@pytest.mark.parametrize("row", [
+    {"messages": [{"role": "assistant", "content": "b"}], "rejected_response": "c"},
+    {"chosen": [{"role": "assistant", "content": "b"}],  # implicit prompt: no common start
+     "rejected": [{"role": "assistant", "content": "c"}]},
+])
+def test_a_conversation_without_a_prompt_turn_is_refused_where_the_prompt_is_rendered(
+        tiny_hf, row):
+    """dpo, orpo/simpo and kto render the prompt alone: transformers raised "Cannot apply
+    chat template to an empty conversation". A reward model renders prompt + answer whole,
+    as TRL's RewardTrainer: such a row is fine there."""
+    from transformers import AutoTokenizer
+
+    from swift_mcore.data.preference import to_pair, tokenize_pair, tokenize_pair_per_answer
+    from swift_mcore.data.reward_pairs import tokenize_reward_pair
+    from swift_mcore.data.unpaired import to_unpaired, tokenize_unpaired
+    from swift_mcore.errors import ArgumentError
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_hf[0]))
+    hf.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    where = "--dataset d.jsonl, row 4"
+    pair = to_pair(row, where)
+    for tokenize, item in ((tokenize_pair, pair), (tokenize_pair_per_answer, pair),
+                           (tokenize_unpaired, to_unpaired(row, where)[1])):
+        with pytest.raises(ArgumentError, match=f"^{where}: no message before the answer"):
+            tokenize(item, hf)
+    chosen, rejected = tokenize_reward_pair(pair, hf)
+    assert hf.decode(chosen) == "assistant: b\n" and hf.decode(rejected) == "assistant: c\n"
