@@ -438,7 +438,41 @@ def check_reference_folder(config, tokenizer) -> None:
                     + (f"{list(ours[name])}" if name in ours else "none"))
             raise ArgumentError(f"--ref_model {folder}: not the policy's architecture and "
                                 f"vocabulary: it {what}")
+    check_reference_config(config)
     check_reference_tokenizer(config, tokenizer)
+
+
+def check_reference_config(config) -> None:
+    """The reference runs in the policy's architecture: a config.json of other values (rope
+    base, norm epsilon, activation, ...) or another family would be computed as the
+    policy's, not as that model computes itself."""
+    from ..errors import ArgumentError
+    from ..models.families import TRAINING_KEYS, UnsupportedConfig, for_config
+    from ..models.families.base import InvalidConfig
+    from ..models.hf_folder import HFFolder
+
+    folder, m = config.rlhf.ref_model, config.model
+    ref = HFFolder(folder, flag="--ref_model")
+    family = for_config(ref.config, ref.config_path)
+    policy = HFFolder(m.model) if m.model else None
+    ours = for_config(policy.config, policy.config_path) if policy else None
+    if ours is not None and family.name != ours.name:
+        raise ArgumentError(f"--ref_model {folder}: a {family.name} model, the policy a "
+                            f"{ours.name} one; give a reference of the policy's family")
+    try:
+        values = {**family.fixed, **family.model_values(ref.config, m)}
+    except (InvalidConfig, UnsupportedConfig) as err:
+        raise ArgumentError(f"--ref_model {folder}: {ref.config_path} describes a model "
+                            f"swift-mcore cannot run as the policy's: {err}") from None
+    # the context length and the training-only keys change no log-probability
+    skip = {"model_type", "max_position_embeddings", *TRAINING_KEYS}
+    differ = [f"{name} {value!r} (the policy {getattr(m, name)!r})"
+              for name, value in values.items()
+              if name not in skip and hasattr(m, name) and getattr(m, name) != value]
+    if differ:
+        raise ArgumentError(f"--ref_model {folder}: its config.json is not the policy's "
+                            f"architecture: {'; '.join(differ)}; its log-probabilities would "
+                            f"be computed as the policy's model, not as its own")
 
 
 def check_reference_tokenizer(config, tokenizer) -> None:

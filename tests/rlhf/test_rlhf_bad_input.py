@@ -349,3 +349,31 @@ def test_a_conversation_without_a_prompt_turn_is_refused_where_the_prompt_is_ren
             tokenize(item, hf)
     chosen, rejected = tokenize_reward_pair(pair, hf)
     assert hf.decode(chosen) == "assistant: b\n" and hf.decode(rejected) == "assistant: c\n"
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("llama", {"rope_theta": 1e6}, "its config.json is not the policy's architecture: "
+                                   "rotary_base 1000000 \\(the policy 10000\\)"),
+    ("llama", {"rms_norm_eps": 0.5}, "its config.json is not the policy's architecture: "
+                                     "norm_epsilon 0.5 \\(the policy 1e-06\\)"),
+    ("mistral", {}, "a mistral model, the policy a llama one"),
+])
+def test_a_reference_of_the_same_shapes_but_another_config_is_refused(tiny_hf, tmp_path,
+                                                                      family, change, message):
+    """The reference runs in the policy's architecture: these trained against a reference
+    computed with the policy's rope base, norm epsilon, family (silently, before)."""
+    import hf_helpers as H
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.data.tokenizer import load_tokenizer
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.run_config import resolve
+    from swift_mcore.training.rlhf_trainer import check_reference_folder
+
+    folder, data = tiny_hf
+    other = tmp_path / "other"
+    H.make_family(str(other), family, tokenizer=False, seed=1, **change)
+    argv = ["--model", str(folder), "--ref_model", str(other), "--dataset", str(data),
+            "--output_dir", str(tmp_path / "o"), *run_flags()]
+    config = resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
+    with pytest.raises(ArgumentError, match=f"^--ref_model {other}: {message}"):
+        check_reference_folder(config, load_tokenizer(str(folder), flag="--model"))
