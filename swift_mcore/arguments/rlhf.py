@@ -128,6 +128,10 @@ class RlhfArguments(RunArguments):
             raise ArgumentError("rlhf needs --dataset: preference rows (prompt/chosen/rejected, "
                                 "or messages + rejected_response; for kto prompt/completion/"
                                 "label; docs/rlhf.md)")
+        if "eval_steps" in self.explicit and self.logging.eval_steps:
+            raise ArgumentError(f"--eval_steps {self.logging.eval_steps}: rlhf has no "
+                                f"validation data yet, so no evaluation would run; leave "
+                                f"--eval_steps out (or 0)")
         if d.data_order != "resumable":
             raise ArgumentError("--data_order megatron orders megatron's GPTDataset (pt); "
                                 "rlhf rows keep the resumable order")

@@ -84,6 +84,8 @@ def test_prompts_that_fill_max_length_are_counted_and_refused(tiny_hf):
      "^--max_length 1: a sequence of n tokens trains n - 1 positions"),
     (["--rlhf_type", "kto", "--max_length", "1"], "^--max_length 1: a sequence of n tokens"),
     (["--rlhf_type", "ppo"], "--rlhf_type"),
+    # no validation data: it evaluated nothing, silently
+    (["--eval_steps", "5"], "^--eval_steps 5: rlhf has no validation data yet"),
     (["--rlhf_type", "kto", "--rpo_alpha", "1"], "^--rpo_alpha is a DPO flag; --rlhf_type kto"),
     (["--rlhf_type", "kto", "--loss_type", "ipo"],
      "^--loss_type ipo: --rlhf_type kto takes one of TRL's KTO losses: kto, "
