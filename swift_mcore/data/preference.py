@@ -340,6 +340,19 @@ class PairReport:
         return text
 
 
+def _check_predicted(pair: Pair, prompt, answers, heads) -> None:
+    """orpo and simpo average each answer's log-probability over the answer tokens the model
+    predicts: a sequence's first token is predicted by nothing, so an answer that is only
+    that token (an empty prompt, no BOS) has none, and its mean is 0/0 (TRL: nan; orpo's
+    log odds of it: a nan gradient)."""
+    for side, answer, head in zip(("chosen", "rejected"), answers, heads):
+        if len(prompt) + head == 0 and len(answer) - head <= 1:
+            raise ArgumentError(f"{pair.where}: the {side} answer has no token the model "
+                                f"predicts (an empty prompt and no BOS: its one token starts "
+                                f"the sequence), so the mean log-probability orpo and simpo "
+                                f"train is undefined; give the row a prompt")
+
+
 def encode_pairs(pairs: List[Pair], hf, max_length: int, truncation_mode: str,
                  report: PairReport, per_answer: bool = False):
     """The pairs tokenized as DPOTrainer does, or with ``per_answer`` as ORPOTrainer and
@@ -351,6 +364,7 @@ def encode_pairs(pairs: List[Pair], hf, max_length: int, truncation_mode: str,
         if per_answer:
             prompt, chosen, rejected, *extra = tokenize_pair_per_answer(pair, hf)
             heads = (np.asarray(extra, np.int32),)
+            _check_predicted(pair, prompt, (chosen, rejected), extra)
         else:
             prompt, chosen, rejected = tokenize_pair(pair, hf)
         # keep_start would cut every answer token of a prompt that fills --max_length:

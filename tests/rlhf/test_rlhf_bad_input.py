@@ -379,3 +379,23 @@ def test_a_reference_of_the_same_shapes_but_another_config_is_refused(tiny_hf, t
     config = resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
     with pytest.raises(ArgumentError, match=f"^--ref_model {other}: {message}"):
         check_reference_folder(config, load_tokenizer(str(folder), flag="--model"))
+
+
+def test_an_answer_nothing_predicts_is_refused_for_orpo_and_simpo(tiny_hf):
+    """Empty prompt, no BOS, answer '' (just the EOS): no answer token is predicted, so its
+    mean log-probability is 0/0; orpo's gradient was nan (iteration 1 stopped)."""
+    from transformers import AutoTokenizer
+
+    from swift_mcore.data.preference import PairReport, encode_pairs, to_pair
+    from swift_mcore.errors import ArgumentError
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_hf[0]))
+    assert hf.bos_token_id is None
+    rows = [{"prompt": "a", "chosen": "b", "rejected": "c"},
+            {"prompt": "", "chosen": " x", "rejected": ""}]
+    pairs = [to_pair(r, f"--dataset d.jsonl, row {i}") for i, r in enumerate(rows)]
+    with pytest.raises(ArgumentError, match="^--dataset d.jsonl, row 1: the rejected answer "
+                                            "has no token the model predicts"):
+        encode_pairs(pairs, hf, 64, "keep_start", PairReport(), per_answer=True)
+    # dpo sums the log-probabilities: an empty sum is 0, as TRL's
+    assert len(encode_pairs(pairs, hf, 64, "keep_start", PairReport())) == 2
