@@ -399,3 +399,22 @@ def test_an_answer_nothing_predicts_is_refused_for_orpo_and_simpo(tiny_hf):
         encode_pairs(pairs, hf, 64, "keep_start", PairReport(), per_answer=True)
     # dpo sums the log-probabilities: an empty sum is 0, as TRL's
     assert len(encode_pairs(pairs, hf, 64, "keep_start", PairReport())) == 2
+
+
+def test_a_nonfinite_stop_names_beta_among_the_flags_to_lower(tmp_path):
+    """--beta 1e30 overflows the first step's gradient whatever --lr is; the stop message
+    told the user to lower --lr only."""
+    from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.errors import NonFiniteError
+    from swift_mcore.run_config import resolve
+    from swift_mcore.training.nonfinite import NonFiniteGuard
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    argv = ["--dataset", str(data), "--output_dir", str(tmp_path / "o"),
+            *run_flags("--beta", "1e30")]
+    config = resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments), world_size=1)
+    guard = NonFiniteGuard.for_config(config, log=lambda line: None)
+    with pytest.raises(NonFiniteError, match=r"Lower --lr or --beta 1e\+30 \(or check the "
+                                             r"data\), or pass --nonfinite_policy skip"):
+        guard.refuse(1, "the gradient norm is inf (the loss is finite)")
