@@ -105,7 +105,13 @@ def _row_pair(row: Dict[str, Any], where: str) -> Pair:
             tools = json.loads(tools)
         except json.JSONDecodeError:
             raise ArgumentError(f"{where}: 'tools' is not valid JSON") from None
-    if row.get("messages") is not None:  # ms-swift: the last assistant turn is chosen
+    # TRL's columns win over a 'messages' column beside them (ultrafeedback_binarized's
+    # 'messages' is its prompt + chosen conversation, as TRL ignores it)
+    trl_form = row.get("chosen") is not None and row.get("rejected") is not None
+    if trl_form and row.get("rejected_response") is not None:
+        raise ArgumentError(f"{where}: both TRL's 'chosen'/'rejected' and ms-swift's "
+                            f"'rejected_response' (with 'messages'); keep one form")
+    if row.get("messages") is not None and not trl_form:  # ms-swift: the last turn is chosen
         messages = _messages(row["messages"], where, "messages")
         rejected = row.get("rejected_response")
         if rejected is None:
@@ -132,7 +138,10 @@ def _row_pair(row: Dict[str, Any], where: str) -> Pair:
     if conversational:
         chosen = _messages(chosen, where, "chosen")
         rejected = _messages(rejected, where, "rejected")
-        if prompt is None:
+        # TRL's maybe_extract_prompt: a text 'prompt' beside conversations that hold it
+        # (ultrafeedback_binarized's) is ignored, the prompt taken from their common start
+        text_prompt = isinstance(prompt, str) and not _is_messages(_try_json(prompt))
+        if prompt is None or text_prompt:
             prompt, chosen, rejected = _implicit_prompt(chosen, rejected)
         else:
             prompt = _messages(prompt, where, "prompt")

@@ -73,7 +73,8 @@ def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
             tools = json.loads(tools)
         except json.JSONDecodeError:
             raise ArgumentError(f"{where}: 'tools' is not valid JSON") from None
-    if row.get("messages") is not None:  # ms-swift: the last assistant turn is the answer
+    # TRL's 'completion' wins over a 'messages' column beside it, as TRL ignores that
+    if row.get("messages") is not None and row.get("completion") is None:  # ms-swift
         messages = _messages(row["messages"], where, "messages")
         if messages[-1].get("role") != "assistant":
             raise ArgumentError(f"{where}: the last message must be the assistant's (the "

@@ -418,3 +418,25 @@ def test_a_nonfinite_stop_names_beta_among_the_flags_to_lower(tmp_path):
     with pytest.raises(NonFiniteError, match=r"Lower --lr or --beta 1e\+30 \(or check the "
                                              r"data\), or pass --nonfinite_policy skip"):
         guard.refuse(1, "the gradient norm is inf (the loss is finite)")
+
+
+def test_trl_columns_win_over_a_messages_column_beside_them():
+    """HuggingFaceH4/ultrafeedback_binarized's rows: a text 'prompt', conversations 'chosen'
+    and 'rejected' that hold it, and 'messages' (prompt + chosen). They were refused ("a
+    'messages' row needs 'rejected_response'"); TRL's maybe_extract_prompt reads them."""
+    from swift_mcore.data.preference import to_pair
+    from swift_mcore.data.unpaired import to_unpaired
+    from swift_mcore.errors import ArgumentError
+
+    user = {"role": "user", "content": "Sky color?"}
+    good, bad = ({"role": "assistant", "content": c} for c in ("blue", "green"))
+    row = {"prompt": "Sky color?", "chosen": [user, good], "rejected": [user, bad],
+           "messages": [user, good], "score_chosen": 8.0}
+    pair = to_pair(row, "--dataset d.jsonl, row 0")
+    assert (pair.prompt, pair.chosen, pair.rejected) == ([user], [good], [bad])
+    with pytest.raises(ArgumentError, match="^--dataset d.jsonl, row 0: both TRL's 'chosen'/"
+                                            "'rejected' and ms-swift's 'rejected_response'"):
+        to_pair({**row, "rejected_response": "green"}, "--dataset d.jsonl, row 0")
+    kto = to_unpaired({"prompt": [user], "completion": [bad], "label": False,
+                       "messages": [user, good]}, "--dataset d.jsonl, row 0")
+    assert [(u.prompt, u.completion, u.desirable) for u in kto] == [([user], [bad], False)]
