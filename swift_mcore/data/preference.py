@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -98,13 +99,37 @@ def _margin(value, where: str) -> Optional[float]:
     return float(value)
 
 
-def _row_pair(row: Dict[str, Any], where: str) -> Pair:
+def row_tools(row: Dict[str, Any], where: str) -> Optional[List[Dict[str, Any]]]:
+    """A row's 'tools': a list of tool schemas (JSON objects), or its JSON text, or none;
+    anything else is refused (the chat template raised on it)."""
     tools = row.get("tools")
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError:
             raise ArgumentError(f"{where}: 'tools' is not valid JSON") from None
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise ArgumentError(f"{where}: 'tools' must be a list of tool schemas (JSON objects), "
+                            f"got {tools!r:.80}")
+    return tools
+
+
+@contextmanager
+def rendering(where: str):
+    """A chat template that raises on a row (roles out of order, ...) names the row."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        yield
+    except TemplateError as err:
+        text = (str(err).strip().splitlines() or [""])[0][:200]
+        raise ArgumentError(f"{where}: the tokenizer's chat template cannot render it: "
+                            f"{text}") from None
+
+
+def _row_pair(row: Dict[str, Any], where: str) -> Pair:
+    tools = row_tools(row, where)
     # TRL's columns win over a 'messages' column beside them (ultrafeedback_binarized's
     # 'messages' is its prompt + chosen conversation, as TRL ignores it)
     trl_form = row.get("chosen") is not None and row.get("rejected") is not None
@@ -371,11 +396,13 @@ def encode_pairs(pairs: List[Pair], hf, max_length: int, truncation_mode: str,
     for pair in pairs:
         heads = ()
         if per_answer:
-            prompt, chosen, rejected, *extra = tokenize_pair_per_answer(pair, hf)
+            with rendering(pair.where):
+                prompt, chosen, rejected, *extra = tokenize_pair_per_answer(pair, hf)
             heads = (np.asarray(extra, np.int32),)
             _check_predicted(pair, prompt, (chosen, rejected), extra)
         else:
-            prompt, chosen, rejected = tokenize_pair(pair, hf)
+            with rendering(pair.where):
+                prompt, chosen, rejected = tokenize_pair(pair, hf)
         # keep_start would cut every answer token of a prompt that fills --max_length:
         # TRL drops such rows silently; here they are counted and refused.
         longest_prompt = len(prompt) + (int(heads[0].max()) if heads else 0)

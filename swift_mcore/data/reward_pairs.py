@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ArgumentError
 from .preference import (Pair, check_chat_template, preference_fingerprint, read_pairs,
-                         sequence_pad_multiple)
+                         rendering, sequence_pad_multiple)
 from .sequence_rows import lay_out, packing_note, padding_mask
 
 # Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
@@ -116,7 +116,8 @@ def encode_reward_pairs(pairs: List[Pair], hf, max_length: int):
                             f"one; give every row a margin or none")
     encoded, long_rows = [], []
     for pair in pairs:
-        chosen, rejected = tokenize_reward_pair(pair, hf)
+        with rendering(pair.where):
+            chosen, rejected = tokenize_reward_pair(pair, hf)
         if max(len(chosen), len(rejected)) > max_length:
             long_rows.append(pair.where)
             continue

@@ -23,7 +23,8 @@ from ..errors import ArgumentError
 from .conversations import _refuse_media
 from .sequence_rows import lay_out, packing_note
 from .preference import (PairReport, _common_prefix, _is_messages, _messages, _try_json,
-                         check_chat_template, max_length_of, sequence_pad_multiple, to_pair)
+                         check_chat_template, max_length_of, rendering, row_tools,
+                         sequence_pad_multiple, to_pair)
 
 # Part of the fingerprint: change it whenever tokenizing changes what a row becomes.
 ENCODING_VERSION = 1
@@ -67,12 +68,7 @@ def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
                             f"prompt/completion/label, or messages + label (label true for "
                             f"a desirable answer, false for an undesirable one)")
     desirable = _label(row["label"], where)
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError:
-            raise ArgumentError(f"{where}: 'tools' is not valid JSON") from None
+    tools = row_tools(row, where)
     # TRL's 'completion' wins over a 'messages' column beside it, as TRL ignores that
     if row.get("messages") is not None and row.get("completion") is None:  # ms-swift
         messages = _messages(row["messages"], where, "messages")
@@ -162,7 +158,8 @@ def encode_unpaired(rows: List[Unpaired], hf, max_length: int, truncation_mode: 
                     report: UnpairedReport):
     encoded, fills = [], []
     for row in rows:
-        prompt, completion = tokenize_unpaired(row, hf)
+        with rendering(row.where):
+            prompt, completion = tokenize_unpaired(row, hf)
         # as for pairs: a prompt that fills --max_length under keep_start leaves no answer
         # token; TRL drops such rows silently, here they are counted and refused
         if truncation_mode == "keep_start" and len(prompt) >= max_length:

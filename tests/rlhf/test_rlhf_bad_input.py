@@ -440,3 +440,38 @@ def test_trl_columns_win_over_a_messages_column_beside_them():
     kto = to_unpaired({"prompt": [user], "completion": [bad], "label": False,
                        "messages": [user, good]}, "--dataset d.jsonl, row 0")
     assert [(u.prompt, u.completion, u.desirable) for u in kto] == [([user], [bad], False)]
+
+
+@pytest.mark.parametrize("task", ["dpo", "orpo", "rm", "kto"])
+def test_a_row_the_chat_template_refuses_is_named(tiny_hf, task):
+    """A template that raises (as Llama's and Mistral's do on roles out of order) gave
+    jinja2's TemplateError as a traceback; a 'tools' that is no list, a TypeError."""
+    from transformers import AutoTokenizer
+
+    from swift_mcore.data.preference import PairReport, encode_pairs, to_pair
+    from swift_mcore.data.reward_pairs import encode_reward_pairs
+    from swift_mcore.data.unpaired import UnpairedReport, encode_unpaired, to_unpaired
+    from swift_mcore.errors import ArgumentError
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_hf[0]))
+    hf.chat_template = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                        "{{ raise_exception('roles must be user or assistant') }}{% endif %}"
+                        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    row = {"prompt": [{"role": "wizard", "content": "a"}],
+           "chosen": [{"role": "assistant", "content": "b"}],
+           "rejected": [{"role": "assistant", "content": "c"}]}
+    where = "--dataset d.jsonl, row 5"
+    encode = {
+        "dpo": lambda: encode_pairs([to_pair(row, where)], hf, 64, "keep_start", PairReport()),
+        "orpo": lambda: encode_pairs([to_pair(row, where)], hf, 64, "keep_start", PairReport(),
+                                     per_answer=True),
+        "rm": lambda: encode_reward_pairs([to_pair(row, where)], hf, 64),
+        "kto": lambda: encode_unpaired(to_unpaired(row, where), hf, 64, "keep_start",
+                                       UnpairedReport())}[task]
+    with pytest.raises(ArgumentError, match=f"^{where}: the tokenizer's chat template cannot "
+                                            f"render it: roles must be user or assistant$"):
+        encode()
+    read = to_unpaired if task == "kto" else to_pair
+    with pytest.raises(ArgumentError, match=f"^{where}: 'tools' must be a list of tool "
+                                            f"schemas \\(JSON objects\\), got 5$"):
+        read({**row, "tools": "5"}, where)
