@@ -151,9 +151,11 @@ def merge_lora(loaded, args: ExportArguments, log) -> bool:
 
     if lora.is_lora(loaded.model):
         if not args.merge_lora:
+            # a reward model's score head trained whole: --to_peft refuses it
+            peft = ("" if loaded.config.model.num_labels else
+                    ", or use --to_peft to write the adapter")
             raise ArgumentError(f"--model {args.model} is a LoRA checkpoint (adapters only): "
-                                f"add --merge_lora to write the merged model, or use --to_peft "
-                                f"to write the adapter")
+                                f"add --merge_lora to write the merged model{peft}")
         lora.merge_and_unload(loaded.model)
         return True
     if args.merge_lora:

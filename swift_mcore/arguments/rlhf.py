@@ -40,7 +40,8 @@ class RlhfGroupArguments:
         + " (default kto; apo_zero_unpaired has no KL term).",
         choices=DPO_LOSS_TYPES + KTO_LOSS_TYPES, comma_separated=True)
     loss_weights: Optional[List[float]] = flag(
-        None, "One weight per --loss_type (default: 1 each).")
+        None, "One weight per --loss_type (default: 1 each), each >= 0.",
+        comma_separated=True)
     label_smoothing: float = flag(
         0.0, "The probability that a pair's labels are flipped (robust, exo_pair, aot; "
         "TRL's conservative DPO).", range=Range(0, 0.5, high_open=True))
@@ -127,6 +128,10 @@ class RlhfArguments(RunArguments):
             raise ArgumentError("rlhf needs --dataset: preference rows (prompt/chosen/rejected, "
                                 "or messages + rejected_response; for kto prompt/completion/"
                                 "label; docs/rlhf.md)")
+        if "eval_steps" in self.explicit and self.logging.eval_steps:
+            raise ArgumentError(f"--eval_steps {self.logging.eval_steps}: rlhf has no "
+                                f"validation data yet, so no evaluation would run; leave "
+                                f"--eval_steps out (or 0)")
         if d.data_order != "resumable":
             raise ArgumentError("--data_order megatron orders megatron's GPTDataset (pt); "
                                 "rlhf rows keep the resumable order")
@@ -141,6 +146,8 @@ class RlhfArguments(RunArguments):
         if r.rpo_alpha is not None and "sft" in r.loss_type:
             raise ArgumentError("--rpo_alpha adds the 'sft' loss; it cannot be combined with "
                                 "--loss_type sft (weight that one with --loss_weights)")
+        if r.rlhf_type == "dpo":
+            self.check_dpo_loss_flags()
         self.check_task()
         if r.center_rewards_coefficient is not None and r.rlhf_type != "rm":
             raise ArgumentError("--center_rewards_coefficient is a reward model's (--rlhf_type "
@@ -164,12 +171,45 @@ class RlhfArguments(RunArguments):
             raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} (a "
                                 f"reward model reads whole sequences); raise --seq_length or "
                                 f"lower --max_length")
+        if r.rlhf_type != "rm" and r.max_length is not None and r.max_length < 2:
+            raise ArgumentError(f"--max_length {r.max_length}: a sequence of n tokens trains "
+                                f"n - 1 positions, so a cut to {r.max_length} token leaves "
+                                f"none to train; give 2 or more")
         if r.max_length is not None and r.max_length > seq + 1:
             raise ArgumentError(f"--max_length {r.max_length} exceeds --seq_length {seq} + 1 "
                                 f"(a sequence of n tokens trains n - 1 positions); raise "
                                 f"--seq_length or lower --max_length")
         if p.pipeline_model_parallel_size > 1:
             self.check_pipeline()
+
+    def check_loss_weights(self) -> None:
+        """A negative weight turns its loss into one to maximize (most are unbounded above:
+        the run diverges); all weights 0 train nothing."""
+        r = self.rlhf
+        for name, weight in zip(r.loss_type, r.loss_weights):
+            if weight < 0:
+                raise ArgumentError(f"--loss_weights: {weight:g} for --loss_type {name}; a "
+                                    f"weight is >= 0 (a negative one maximizes that loss)")
+        if not any(r.loss_weights):
+            raise ArgumentError("--loss_weights: every weight is 0, so the loss is 0 and "
+                                "nothing trains; give at least one a positive weight")
+
+    def check_dpo_loss_flags(self) -> None:
+        """--label_smoothing and --discopop_tau change only the DPO losses that read them;
+        with others they would do nothing (TRL 1.16's sigmoid ignores label smoothing)."""
+        r = self.rlhf
+        if r.loss_weights is not None:
+            self.check_loss_weights()
+        smoothed = ("robust", "exo_pair", "aot", "aot_unpaired")
+        if r.label_smoothing != 0.0 and not set(r.loss_type) & set(smoothed):
+            raise ArgumentError(f"--label_smoothing {r.label_smoothing:g} changes only the "
+                                f"{', '.join(smoothed)} losses; --loss_type "
+                                f"{','.join(r.loss_type)} ignores it (TRL 1.16's sigmoid "
+                                f"has no label smoothing: use --loss_type robust for "
+                                f"conservative DPO)")
+        if r.discopop_tau != 0.05 and "discopop" not in r.loss_type:
+            raise ArgumentError(f"--discopop_tau is the discopop loss's temperature; "
+                                f"--loss_type {','.join(r.loss_type)} does not read it")
 
     def check_pipeline(self) -> None:
         """Pipeline parallelism (interleaved too) runs every task, the stages passing the
@@ -216,6 +256,9 @@ class RlhfArguments(RunArguments):
                                     f"TRL's KTO losses (--loss_type kto or "
                                     f"apo_zero_unpaired), weighted by --desirable_weight and "
                                     f"--undesirable_weight, against a reference")
+            if r.desirable_weight == 0 and r.undesirable_weight == 0:
+                raise ArgumentError("--desirable_weight 0 and --undesirable_weight 0: the "
+                                    "loss is 0 and nothing trains; give one of them > 0")
             if t.micro_batch_size < 2 and r.kto_loss_type() == "kto":
                 raise ArgumentError("--rlhf_type kto needs --micro_batch_size 2 or more: the "
                                     "KL estimate pairs each prompt with another row's answer "

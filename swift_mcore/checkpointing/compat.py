@@ -34,6 +34,11 @@ MODEL_FIELDS = [("model", name) for name in (
 TUNER_FIELDS = [("tuner", name) for name in (
     "tuner_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "target_regex",
     "modules_to_save", "use_rslora", "adapters")]
+# The preference loss (rlhf): another value changes what the rest of the run optimizes.
+RLHF_FIELDS = [("rlhf", name) for name in (
+    "rlhf_type", "beta", "loss_type", "loss_weights", "label_smoothing", "rpo_alpha",
+    "discopop_tau", "desirable_weight", "undesirable_weight", "center_rewards_coefficient",
+    "simpo_gamma", "cpo_alpha")]
 # Optimizer settings restored from the checkpoint's state (they would silently win).
 OPTIMIZER_FIELDS = [("training", name) for name in (
     "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "bf16", "fp16", "vit_lr",
@@ -104,6 +109,7 @@ def resume_differences(saved_args: Dict[str, Dict[str, Any]], current_args: Dict
         lines += field_differences(saved_args, current_args, SFT_DATA_FIELDS)
     lines += field_differences(saved_args, current_args, MODEL_FIELDS)
     lines += field_differences(saved_args, current_args, TUNER_FIELDS)
+    lines += field_differences(saved_args, current_args, RLHF_FIELDS)
     lines += field_differences(saved_args, current_args, OPTIMIZER_FIELDS)
     return lines
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
+from .conversations import _refuse_media
 from .sequence_rows import lay_out, packing_note
 
 # Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
@@ -74,6 +76,7 @@ def _implicit_prompt(chosen, rejected) -> Tuple[Any, Any, Any]:
 
 def to_pair(row: Dict[str, Any], where: str) -> Pair:
     """One row -> a Pair; raises ArgumentError naming the row and what is accepted."""
+    _refuse_media(row, where)  # the rlhf tasks train text: images would be dropped unsaid
     if row.get("chosen") is None and row.get("messages") is None and \
             row.get("completion") is not None and row.get("label") is not None:
         raise ArgumentError(f"{where}: an unpaired row (prompt/completion/label, TRL's KTO "
@@ -97,20 +100,44 @@ def _margin(value, where: str) -> Optional[float]:
     return float(value)
 
 
-def row_tools(row: Dict[str, Any], where: str) -> Any:
-    """A row's 'tools' column: the value, or the value of its JSON text."""
+def row_tools(row: Dict[str, Any], where: str) -> Optional[List[Dict[str, Any]]]:
+    """A row's 'tools': a list of tool schemas (JSON objects), or its JSON text, or none;
+    anything else is refused (the chat template raised on it)."""
     tools = row.get("tools")
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError:
             raise ArgumentError(f"{where}: 'tools' is not valid JSON") from None
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise ArgumentError(f"{where}: 'tools' must be a list of tool schemas (JSON objects), "
+                            f"got {tools!r:.80}")
     return tools
+
+
+@contextmanager
+def rendering(where: str):
+    """A chat template that raises on a row (roles out of order, ...) names the row."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        yield
+    except TemplateError as err:
+        text = (str(err).strip().splitlines() or [""])[0][:200]
+        raise ArgumentError(f"{where}: the tokenizer's chat template cannot render it: "
+                            f"{text}") from None
 
 
 def _row_pair(row: Dict[str, Any], where: str) -> Pair:
     tools = row_tools(row, where)
-    if row.get("messages") is not None:  # ms-swift: the last assistant turn is chosen
+    # TRL's columns win over a 'messages' column beside them (ultrafeedback_binarized's
+    # 'messages' is its prompt + chosen conversation, as TRL ignores it)
+    trl_form = row.get("chosen") is not None and row.get("rejected") is not None
+    if trl_form and row.get("rejected_response") is not None:
+        raise ArgumentError(f"{where}: both TRL's 'chosen'/'rejected' and ms-swift's "
+                            f"'rejected_response' (with 'messages'); keep one form")
+    if row.get("messages") is not None and not trl_form:  # ms-swift: the last turn is chosen
         messages = _messages(row["messages"], where, "messages")
         rejected = row.get("rejected_response")
         if rejected is None:
@@ -134,12 +161,19 @@ def _row_pair(row: Dict[str, Any], where: str) -> Pair:
     if is_conversational(chosen):
         chosen = _messages(chosen, where, "chosen")
         rejected = _messages(rejected, where, "rejected")
-        if prompt is None:
+        # TRL's maybe_extract_prompt: a text 'prompt' beside conversations that hold it
+        # (ultrafeedback_binarized's) is ignored, the prompt taken from their common start
+        text_prompt = isinstance(prompt, str) and not _is_messages(_try_json(prompt))
+        if prompt is None or text_prompt:
             prompt, chosen, rejected = _implicit_prompt(chosen, rejected)
         else:
             prompt = _messages(prompt, where, "prompt")
         return Pair(prompt, chosen, rejected, tools, where)
     for name, value in (("chosen", chosen), ("rejected", rejected), ("prompt", prompt)):
+        if _is_messages(value):
+            raise ArgumentError(f"{where}: '{name}' is a list of messages but 'chosen' is "
+                                f"text; a row's prompt and answers are all text or all "
+                                f"message lists")
         if value is not None and not isinstance(value, str):
             raise ArgumentError(f"{where}: '{name}' must be text or a list of messages, got "
                                 f"{type(value).__name__}")
@@ -209,9 +243,29 @@ def tokenize_with_prompt(row, answers: Sequence[Any], hf) -> Tuple[List[int], Li
                   ["input_ids"]) for answer in answers])
 
 
+def check_chat_template(row, hf, prompt: bool = True) -> None:
+    """A conversation row (a Pair or a KTO row) is rendered by the tokenizer's chat
+    template: without one, or (``prompt``: the task renders the prompt alone) with no turn
+    before the answer, refuse it naming the row instead of transformers' traceback."""
+    if not row.conversational:
+        return
+    if prompt and not row.prompt:
+        raise ArgumentError(f"{row.where}: no message before the answer; a conversation's "
+                            f"prompt holds at least one turn (the user's) before the "
+                            f"assistant's answer")
+    if not getattr(hf, "chat_template", None):
+        raise ArgumentError(
+            f"{row.where}: its messages are rendered with the tokenizer's chat template, and "
+            f"the tokenizer of {hf.name_or_path} has none; give the rows as text (prompt/"
+            f"chosen/rejected strings; kto: prompt/completion) or a model whose "
+            f"tokenizer_config.json has a chat_template (an sft run exported with "
+            f"`swift-mcore export --to_hf` has one)")
+
+
 def tokenize_pair(pair: Pair, hf) -> Tuple[List[int], List[int], List[int]]:
     """(prompt ids, chosen ids, rejected ids) as TRL 1.16's DPOTrainer makes them; ``hf`` is
     the Hugging Face tokenizer."""
+    check_chat_template(pair, hf)
     prompt, (with_chosen, with_rejected) = tokenize_with_prompt(
         pair, (pair.chosen, pair.rejected), hf)
     start = min(_common_prefix(prompt, with_chosen), _common_prefix(prompt, with_rejected))
@@ -226,6 +280,7 @@ def tokenize_pair_per_answer(pair: Pair, hf) -> Tuple[List[int], List[int], List
     special tokens, each answer's prompt ending where the tokenized prompt ends, one token
     earlier if prompt + answer merged across that boundary; the BOS put first and the EOS
     appended as tokens where missing."""
+    check_chat_template(pair, hf)
     if pair.conversational:
         def text(messages, **kwargs):
             return hf.apply_chat_template(messages, tools=pair.tools, tokenize=False, **kwargs)
@@ -339,6 +394,19 @@ class PairReport:
         return text
 
 
+def _check_predicted(pair: Pair, prompt, answers, heads) -> None:
+    """orpo and simpo average each answer's log-probability over the answer tokens the model
+    predicts: a sequence's first token is predicted by nothing, so an answer that is only
+    that token (an empty prompt, no BOS) has none, and its mean is 0/0 (TRL: nan; orpo's
+    log odds of it: a nan gradient)."""
+    for side, answer, head in zip(("chosen", "rejected"), answers, heads):
+        if len(prompt) + head == 0 and len(answer) - head <= 1:
+            raise ArgumentError(f"{pair.where}: the {side} answer has no token the model "
+                                f"predicts (an empty prompt and no BOS: its one token starts "
+                                f"the sequence), so the mean log-probability orpo and simpo "
+                                f"train is undefined; give the row a prompt")
+
+
 def encode_pairs(pairs: List[Pair], hf, max_length: int, truncation_mode: str,
                  report: PairReport, per_answer: bool = False):
     """The pairs tokenized as DPOTrainer does, or with ``per_answer`` as ORPOTrainer and
@@ -348,10 +416,13 @@ def encode_pairs(pairs: List[Pair], hf, max_length: int, truncation_mode: str,
     for pair in pairs:
         heads = ()
         if per_answer:
-            prompt, chosen, rejected, *extra = tokenize_pair_per_answer(pair, hf)
+            with rendering(pair.where):
+                prompt, chosen, rejected, *extra = tokenize_pair_per_answer(pair, hf)
             heads = (np.asarray(extra, np.int32),)
+            _check_predicted(pair, prompt, (chosen, rejected), extra)
         else:
-            prompt, chosen, rejected = tokenize_pair(pair, hf)
+            with rendering(pair.where):
+                prompt, chosen, rejected = tokenize_pair(pair, hf)
         # keep_start would cut every answer token of a prompt that fills --max_length:
         # TRL drops such rows silently; here they are counted and refused.
         longest_prompt = len(prompt) + (int(heads[0].max()) if heads else 0)

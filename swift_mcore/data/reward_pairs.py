@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
-from .preference import Pair, preference_fingerprint, read_pairs, sequence_pad_multiple
+from .preference import (Pair, check_chat_template, preference_fingerprint, read_pairs,
+                         rendering, sequence_pad_multiple)
 from .sequence_rows import lay_out, packing_note, padding_mask
 
 # Part of the fingerprint: change it whenever tokenizing changes what a pair becomes.
@@ -28,6 +29,7 @@ ENCODING_VERSION = 1
 def tokenize_reward_pair(pair: Pair, hf) -> Tuple[List[int], List[int]]:
     """(prompt + chosen ids, prompt + rejected ids) as TRL 1.16's RewardTrainer makes them;
     ``hf`` is the Hugging Face tokenizer."""
+    check_chat_template(pair, hf, prompt=False)  # prompt + answer is rendered whole
     if pair.conversational:
         def ids(messages):
             return list(hf.apply_chat_template(messages, tools=pair.tools, tokenize=True,
@@ -114,7 +116,8 @@ def encode_reward_pairs(pairs: List[Pair], hf, max_length: int):
                             f"one; give every row a margin or none")
     encoded, long_rows = [], []
     for pair in pairs:
-        chosen, rejected = tokenize_reward_pair(pair, hf)
+        with rendering(pair.where):
+            chosen, rejected = tokenize_reward_pair(pair, hf)
         if max(len(chosen), len(rejected)) > max_length:
             long_rows.append(pair.where)
             continue

@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
+from .conversations import _refuse_media
 from .sequence_rows import lay_out, packing_note
-from .preference import (PairReport, TokenizedRows, _common_prefix, _messages,
-                         is_conversational, max_length_of, read_rows, refuse_filled_prompts,
-                         row_tools, rows_fingerprint, sequence_pad_multiple, to_pair,
-                         tokenize_with_prompt)
+from .preference import (PairReport, TokenizedRows, _common_prefix, _is_messages, _messages,
+                         check_chat_template, is_conversational, max_length_of, read_rows,
+                         refuse_filled_prompts, rendering, row_tools, rows_fingerprint,
+                         sequence_pad_multiple, to_pair, tokenize_with_prompt)
 
 # Part of the fingerprint: change it whenever tokenizing changes what a row becomes.
 ENCODING_VERSION = 1
@@ -55,6 +56,7 @@ def _label(value, where: str) -> bool:
 def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
     """One row -> its unpaired rows (two for a preference pair); raises ArgumentError naming
     the row and what is accepted."""
+    _refuse_media(row, where)  # KTO trains text: images would be dropped unsaid
     if row.get("label") is None:
         if any(row.get(k) is not None for k in ("chosen", "rejected", "rejected_response")):
             pair = to_pair(row, where)
@@ -66,7 +68,8 @@ def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
                             f"a desirable answer, false for an undesirable one)")
     desirable = _label(row["label"], where)
     tools = row_tools(row, where)
-    if row.get("messages") is not None:  # ms-swift: the last assistant turn is the answer
+    # TRL's 'completion' wins over a 'messages' column beside it, as TRL ignores that
+    if row.get("messages") is not None and row.get("completion") is None:  # ms-swift
         messages = _messages(row["messages"], where, "messages")
         if messages[-1].get("role") != "assistant":
             raise ArgumentError(f"{where}: the last message must be the assistant's (the "
@@ -80,6 +83,10 @@ def to_unpaired(row: Dict[str, Any], where: str) -> List[Unpaired]:
     if is_conversational(completion):
         return [Unpaired(_messages(prompt, where, "prompt"),
                          _messages(completion, where, "completion"), desirable, tools, where)]
+    if _is_messages(prompt):
+        raise ArgumentError(f"{where}: 'prompt' is a list of messages but 'completion' is "
+                            f"text; a row's prompt and completion are both text or both "
+                            f"message lists")
     for name, value in (("completion", completion), ("prompt", prompt)):
         if not isinstance(value, str):
             raise ArgumentError(f"{where}: '{name}' must be text or a list of messages, got "
@@ -103,6 +110,7 @@ def read_unpaired(sources, flag: str = "--dataset") -> List[Unpaired]:
 def tokenize_unpaired(row: Unpaired, hf) -> Tuple[List[int], List[int]]:
     """(prompt ids, completion ids) as TRL 1.16's KTOTrainer makes them; ``hf`` is the
     Hugging Face tokenizer."""
+    check_chat_template(row, hf)
     prompt, (whole,) = tokenize_with_prompt(row, (row.completion,), hf)
     start = _common_prefix(prompt, whole)
     return prompt[:start], whole[start:]
@@ -124,7 +132,8 @@ def encode_unpaired(rows: List[Unpaired], hf, max_length: int, truncation_mode: 
                     report: UnpairedReport):
     encoded, fills = [], []
     for row in rows:
-        prompt, completion = tokenize_unpaired(row, hf)
+        with rendering(row.where):
+            prompt, completion = tokenize_unpaired(row, hf)
         # as for pairs: a prompt that fills --max_length under keep_start leaves no answer
         # token; TRL drops such rows silently, here they are counted and refused
         if truncation_mode == "keep_start" and len(prompt) >= max_length:

@@ -89,7 +89,10 @@ class DpoLoss:
             elif kind == "discopop":
                 logits = beta * delta
                 mix = torch.sigmoid(logits / self.discopop_tau)
-                loss = -F.logsigmoid(logits) * (1 - mix) + torch.exp(-logits) * mix
+                # exp(-logits) * mix as one exponent: TRL's product is inf * 0 = nan once
+                # logits < -88 (float32's exp overflows) where the term tends to 0
+                exp_mix = torch.exp(F.logsigmoid(logits / self.discopop_tau) - logits)
+                loss = -F.logsigmoid(logits) * (1 - mix) + exp_mix
             elif kind == "sft":
                 mean_nll = -chosen_logps.sum() / chosen_tokens.clamp(min=1.0)
                 loss = mean_nll.expand_as(chosen_logps)

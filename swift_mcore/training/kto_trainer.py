@@ -49,7 +49,7 @@ class KtoTrainer(DpoTrainer):
         from .rlhf_trainer import check_reference_folder
 
         if self.config.rlhf.ref_model:  # before anything is read or built
-            check_reference_folder(self.config, self.tokenizer.vocab_size)
+            check_reference_folder(self.config, self.tokenizer)
         return with_reference(unpaired_fingerprint(self.config, self.tokenizer),
                               reference_identity(self.config))
 

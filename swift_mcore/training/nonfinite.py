@@ -67,9 +67,11 @@ class NonFiniteGuard:
 
     def __init__(self, policy: str = "stop", skip_limit: int = 10,
                  newest_checkpoint: Callable[[], str] = lambda: "",
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, lower: str = "--lr"):
+        """``lower``: the flags whose smaller value the stop message suggests."""
         if policy not in POLICIES:
             raise ValueError(f"nonfinite policy {policy!r}; one of {POLICIES}")
+        self.lower = lower
         self.policy, self.skip_limit = policy, skip_limit
         self.newest_checkpoint, self.log = newest_checkpoint, log
         self.consecutive_skips = 0
@@ -77,8 +79,13 @@ class NonFiniteGuard:
     @classmethod
     def for_config(cls, config, log: Callable[[str], None]) -> "NonFiniteGuard":
         t = config.training
+        # the preference losses' gradients scale with --beta (its temperature): a huge one
+        # overflows them whatever the learning rate
+        rlhf = getattr(config, "rlhf", None)
+        beta = rlhf is not None and rlhf.rlhf_type != "rm"
         return cls(t.nonfinite_policy, t.nonfinite_skip_limit,
-                   newest_checkpoint=lambda: newest_checkpoint_text(config), log=log)
+                   newest_checkpoint=lambda: newest_checkpoint_text(config), log=log,
+                   lower=f"--lr or --beta {rlhf.beta:g}" if beta else "--lr")
 
     @torch.no_grad()
     def step(self, optimizer, loss: Optional[float], iteration: int
@@ -103,8 +110,8 @@ class NonFiniteGuard:
             raise NonFiniteError(
                 f"iteration {iteration}: {what}; stopped before the optimizer step, so no "
                 f"checkpoint holding nan or inf was written. {self.newest_checkpoint()}"
-                f"Lower --lr (or check the data), or pass --nonfinite_policy skip to skip "
-                f"such steps")
+                f"Lower {self.lower} (or check the data), or pass --nonfinite_policy skip "
+                f"to skip such steps")
         if self.consecutive_skips > self.skip_limit:
             raise NonFiniteError(
                 f"iteration {iteration}: {what}; {self.consecutive_skips} non-finite steps "

@@ -87,6 +87,7 @@ def write(path: str, table: torch.Tensor, fingerprint: str) -> None:
 def read(path: str, fingerprint: str, pairs: int):
     """The stored table if ``path`` exists and was computed for ``fingerprint`` (else
     ArgumentError naming the flag and the file); None when there is no file."""
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
     from ..input_files import loads, open_regular
@@ -101,7 +102,8 @@ def read(path: str, fingerprint: str, pairs: int):
         header = loads(content[8:8 + size], where)
         stored = header.get("__metadata__", {}).get(MAGIC_KEY)
         table = load(content)["ref_logps"]
-    except (struct.error, AttributeError, KeyError, ValueError, RuntimeError) as err:
+    except (struct.error, AttributeError, KeyError, ValueError, RuntimeError,
+            SafetensorError) as err:  # SafetensorError: a cut or garbled file
         raise ArgumentError(f"{where}: not a reference log-probability file written by "
                             f"swift-mcore ({type(err).__name__}); remove it") from None
     if stored != fingerprint or tuple(table.shape) != (pairs, 2):
@@ -109,4 +111,7 @@ def read(path: str, fingerprint: str, pairs: int):
                             f"(fingerprint {str(stored)[:16]}..., this run's "
                             f"{fingerprint[:16]}...); remove it to compute it again, or use "
                             f"another --output_dir")
-    return table.float()
+    table = table.float()
+    if not torch.isfinite(table).all():  # an edited file: nan losses from the first step
+        raise ArgumentError(f"{where}: holds nan or inf; remove it to compute it again")
+    return table

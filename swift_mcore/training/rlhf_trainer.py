@@ -46,7 +46,7 @@ class DpoTrainer(Trainer):
         from ..data.preference import preference_fingerprint
 
         if self.config.rlhf.ref_model:  # before anything is read or built
-            check_reference_folder(self.config, self.tokenizer.vocab_size)
+            check_reference_folder(self.config, self.tokenizer)
         return with_reference(preference_fingerprint(self.config, self.tokenizer),
                               reference_identity(self.config))
 
@@ -409,15 +409,17 @@ def sequence_sums(values: torch.Tensor, batch, count: Optional[int] = None,
     return values.new_zeros(count).index_add(0, segments[real], values[real])
 
 
-def check_reference_folder(config, tokenizer_vocab: int) -> None:
+def check_reference_folder(config, tokenizer) -> None:
     """--ref_model must be the policy's architecture and vocabulary: every tensor of the
-    same name and shape (else ArgumentError naming the flag and the first difference)."""
+    same name and shape, and its tokenizer (where the folder has one) the policy's
+    ``tokenizer`` (else ArgumentError naming the flag and the first difference)."""
     from ..errors import ArgumentError
     from ..models.convert import Layout
     from ..models.hf_load import expected_hf_shapes
     from ..run_config import padded_vocab
 
     folder, m = config.rlhf.ref_model, config.model
+    tokenizer_vocab = tokenizer.vocab_size
     try:
         theirs = expected_hf_shapes(folder)
     except (OSError, ValueError) as err:
@@ -436,6 +438,60 @@ def check_reference_folder(config, tokenizer_vocab: int) -> None:
                     + (f"{list(ours[name])}" if name in ours else "none"))
             raise ArgumentError(f"--ref_model {folder}: not the policy's architecture and "
                                 f"vocabulary: it {what}")
+    check_reference_config(config)
+    check_reference_tokenizer(config, tokenizer)
+
+
+def check_reference_config(config) -> None:
+    """The reference runs in the policy's architecture: a config.json of other values (rope
+    base, norm epsilon, activation, ...) or another family would be computed as the
+    policy's, not as that model computes itself."""
+    from ..errors import ArgumentError
+    from ..models.families import TRAINING_KEYS, UnsupportedConfig, for_config
+    from ..models.families.base import InvalidConfig
+    from ..models.hf_folder import HFFolder
+
+    folder, m = config.rlhf.ref_model, config.model
+    ref = HFFolder(folder, flag="--ref_model")
+    family = for_config(ref.config, ref.config_path)
+    policy = HFFolder(m.model) if m.model else None
+    ours = for_config(policy.config, policy.config_path) if policy else None
+    if ours is not None and family.name != ours.name:
+        raise ArgumentError(f"--ref_model {folder}: a {family.name} model, the policy a "
+                            f"{ours.name} one; give a reference of the policy's family")
+    try:
+        values = {**family.fixed, **family.model_values(ref.config, m)}
+    except (InvalidConfig, UnsupportedConfig) as err:
+        raise ArgumentError(f"--ref_model {folder}: {ref.config_path} describes a model "
+                            f"swift-mcore cannot run as the policy's: {err}") from None
+    # the context length and the training-only keys change no log-probability
+    skip = {"model_type", "max_position_embeddings", *TRAINING_KEYS}
+    differ = [f"{name} {value!r} (the policy {getattr(m, name)!r})"
+              for name, value in values.items()
+              if name not in skip and hasattr(m, name) and getattr(m, name) != value]
+    if differ:
+        raise ArgumentError(f"--ref_model {folder}: its config.json is not the policy's "
+                            f"architecture: {'; '.join(differ)}; its log-probabilities would "
+                            f"be computed as the policy's model, not as its own")
+
+
+def check_reference_tokenizer(config, tokenizer) -> None:
+    """A reference of the policy's shapes but another tokenizer reads the same ids as other
+    text: its log-probabilities would be of other answers. A folder without a tokenizer is
+    taken to share the policy's."""
+    from ..data.tokenizer import has_tokenizer_files, load_tokenizer
+    from ..errors import ArgumentError
+
+    folder = config.rlhf.ref_model
+    if not has_tokenizer_files(folder):
+        return
+    theirs = load_tokenizer(folder, flag="--ref_model",
+                            trust_remote_code=config.data.trust_remote_code)
+    if theirs.fingerprint != tokenizer.fingerprint:
+        raise ArgumentError(f"--ref_model {folder}: its tokenizer is not the policy's "
+                            f"({tokenizer.source}): the same token ids are other text to it, "
+                            f"so its log-probabilities would be of other answers; give a "
+                            f"reference trained with the policy's tokenizer")
 
 
 def reference_identity(config) -> str:

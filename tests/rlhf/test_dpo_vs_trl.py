@@ -11,18 +11,15 @@ LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_
               "sigmoid_norm"]
 
 
-@pytest.fixture(scope="module")
-def ours(tiny_hf, tmp_path_factory, gloo_group):
-    """Our DpoTrainer, set up on tiny_hf (its reference a frozen copy), and one batch of
-    all four pairs."""
+def our_trainer(tiny_hf, out, *flags):
+    """Our DpoTrainer, set up on tiny_hf, and one batch of all four pairs."""
     from swift_mcore.arguments import RlhfArguments, parse_args
     from swift_mcore.run_config import resolve
     from swift_mcore.training.rlhf_trainer import DpoTrainer
 
     folder, data = tiny_hf
-    out = tmp_path_factory.mktemp("ours")
     argv = ["--model", str(folder), "--dataset", str(data), "--output_dir", str(out),
-            "--train_iters", "1", "--no_save", *run_flags()]
+            "--train_iters", "1", "--no_save", *flags, *run_flags()]
     config = resolve(parse_args(argv, prog="swift-mcore rlhf", cls=RlhfArguments),
                      world_size=1)
     trainer = DpoTrainer(config)
@@ -37,7 +34,40 @@ def ours(tiny_hf, tmp_path_factory, gloo_group):
 
 
 @pytest.fixture(scope="module")
+def ours(tiny_hf, tmp_path_factory, gloo_group):
+    """Ours with the reference a frozen copy of the policy."""
+    yield from our_trainer(tiny_hf, tmp_path_factory.mktemp("ours"))
+
+
+@pytest.fixture(scope="module")
+def other_reference(tiny_hf):
+    """A reference of tiny_hf's shape with other weights: the policy's log-ratios are not
+    0, where a loss written wrongly may still agree with TRL's at 0."""
+    import hf_helpers as H
+
+    folder = tiny_hf[0].parent / "other_reference"
+    if not folder.exists():
+        H.make_model(str(folder), "llama", seed=1, initializer_range=0.02)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ours_other(tiny_hf, other_reference, tmp_path_factory, gloo_group):
+    yield from our_trainer(tiny_hf, tmp_path_factory.mktemp("ours_other"), "--ref_model",
+                           str(other_reference))
+
+
+@pytest.fixture(scope="module")
 def trl_trainer(tiny_hf, tmp_path_factory):
+    return make_trl_trainer(tiny_hf, tiny_hf[0], tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def trl_other(tiny_hf, other_reference, tmp_path_factory):
+    return make_trl_trainer(tiny_hf, other_reference, tmp_path_factory)
+
+
+def make_trl_trainer(tiny_hf, reference_folder, tmp_path_factory):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -45,7 +75,7 @@ def trl_trainer(tiny_hf, tmp_path_factory):
     folder, _ = tiny_hf
     load = dict(dtype=torch.float32, attn_implementation="eager")
     policy = AutoModelForCausalLM.from_pretrained(str(folder), **load)
-    reference = AutoModelForCausalLM.from_pretrained(str(folder), **load)
+    reference = AutoModelForCausalLM.from_pretrained(str(reference_folder), **load)
     args = DPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[],
                      per_device_train_batch_size=len(ROWS), max_length=65, use_cpu=True,
                      bf16=False, label_smoothing=0.1, gradient_checkpointing=False)
@@ -98,15 +128,29 @@ def test_pairs_are_tokenized_as_trl_tokenizes_them(ours, trl_trainer):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_loss_and_gradients_equal_trl(ours, trl_trainer, loss_type):
+    assert_step_equals_trl(ours, trl_trainer, loss_type)
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_and_gradients_equal_trl_against_another_reference(ours_other, trl_other,
+                                                                loss_type):
+    """With a reference unlike the policy every log-ratio is away from 0 (at 0 sigmoid and
+    sigmoid_norm, aot and aot_unpaired, ... take the same values)."""
+    assert_step_equals_trl(ours_other, trl_other, loss_type)
+
+
+def assert_step_equals_trl(ours, trl_trainer, loss_type):
     trainer, batch = ours
     loss, grad_of = our_step(trainer, batch, loss_type)
     their_loss, their_grads = trl_step(trl_trainer, loss_type)
-    assert loss == pytest.approx(their_loss, abs=1e-5)
+    # relative past 1 (sppo_hard's and ipo's squares reach 50 with another reference)
+    assert loss == pytest.approx(their_loss, abs=1e-5, rel=1e-6)
     scale = max(g.abs().max().item() for g in their_grads.values())
     assert scale > 0
     for name, theirs in their_grads.items():
         mine = grad_of(name)
-        assert (mine - theirs).abs().max().item() <= 1e-5, name
+        assert (mine - theirs).abs().max().item() <= 1e-5 * max(1.0, scale), name
 
 
 CHATML = ("{% if tools %}<|im_start|>system\ntools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
@@ -154,3 +198,35 @@ def test_each_format_is_tokenized_as_trl_tokenizes_it(tiny_hf, trl_trainer, form
     if form == "conversational_tools":  # the tools reach the template
         plain = tokenize_pair(to_pair(FORMATS["conversational"][0], "row 0"), tokenizer)
         assert plain[0] != prompt
+
+
+def test_discopop_stays_finite_far_below_the_reference():
+    """TRL's discopop multiplies exp(-logits), inf in float32 below logits -88, by a mixing
+    weight that is 0 there: nan (loss and gradient) where the loss is finite. Ours equals the
+    formula, evaluated in float64, where that is finite, and stays finite past it."""
+    import torch.nn.functional as F
+
+    from swift_mcore.training.dpo_loss import DpoLoss
+
+    beta, tau = 0.5, 0.05
+    loss_fn = DpoLoss(("discopop",), (1.0,), beta=beta, discopop_tau=tau)
+
+    def formula(delta):  # DiscoPOP's Eq. (5), as TRL 1.16 writes it
+        logits = beta * delta
+        mix = torch.sigmoid(logits / tau)
+        return -F.logsigmoid(logits) * (1 - mix) + torch.exp(-logits) * mix
+
+    chosen = torch.tensor([-400.0, -60.0, -3.0, 0.0, 2.5, 40.0], requires_grad=True)
+    zero = torch.zeros_like(chosen)
+    ones = torch.ones_like(chosen)
+    loss = loss_fn(chosen, zero, zero, zero, ones, ones, ones[:1])["loss"]
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(chosen.grad).all()
+    wide = chosen.detach().double().requires_grad_()
+    expected = formula(wide)
+    expected.sum().backward()
+    assert torch.allclose(loss.double(), expected, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(chosen.grad.double(), wide.grad, rtol=1e-5, atol=1e-6)
+    # float32 as TRL computes it: nan at -400 (logits -200), where the loss is 200
+    assert torch.isnan(formula(chosen.detach()[:1])).all()
+    assert loss[0].item() == pytest.approx(200.0)

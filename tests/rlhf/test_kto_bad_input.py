@@ -58,6 +58,8 @@ def test_one_class_is_refused_across_files_and_for_undesirable_rows(tmp_path):
     ({"messages": [{"role": "user", "content": "a"}], "label": True},
      "row 3: the last message must be the assistant's"),
     ({"prompt": "a", "chosen": "b"}, "row 3: no 'rejected' answer"),
+    ({"prompt": [{"role": "user", "content": "a"}], "completion": "b", "label": True},
+     "row 3: 'prompt' is a list of messages but 'completion' is text"),
 ])
 def test_malformed_rows_name_the_row(row, message):
     from swift_mcore.data.unpaired import to_unpaired

@@ -106,3 +106,28 @@ def test_a_file_of_other_data_is_refused_naming_the_flag(tiny_hf, tmp_path, gloo
         here(out, folder, data, "--precompute_ref_log_probs")
     run_lock.release(str(out))
     assert victim.read_bytes() == b"keep me" and planted.is_symlink()
+
+
+def test_a_cut_or_non_finite_file_is_refused_naming_the_flag(tmp_path):
+    """A file cut short raised safetensors' SafetensorError as a traceback; one edited to
+    hold nan trained nan losses."""
+    import torch
+
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.training import ref_log_probs
+
+    path = tmp_path / ref_log_probs.FILE
+    ref_log_probs.write(str(path), torch.zeros(4, 2), "f" * 64)
+    assert torch.equal(ref_log_probs.read(str(path), "f" * 64, 4), torch.zeros(4, 2))
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-8])
+    with pytest.raises(ArgumentError, match=r"^--precompute_ref_log_probs: .* not a reference "
+                                            r"log-probability file written by swift-mcore "
+                                            r"\(SafetensorError\); remove it$"):
+        ref_log_probs.read(str(path), "f" * 64, 4)
+    table = torch.zeros(4, 2)
+    table[2, 1] = float("nan")
+    ref_log_probs.write(str(path), table, "f" * 64)
+    with pytest.raises(ArgumentError, match=r"^--precompute_ref_log_probs: .* holds nan or "
+                                            r"inf; remove it"):
+        ref_log_probs.read(str(path), "f" * 64, 4)

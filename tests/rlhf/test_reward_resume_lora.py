@@ -69,6 +69,7 @@ def test_lora_trains_the_head_whole_and_exports_merged(tiny_hf, margin_data, tmp
     from transformers import AutoTokenizer
 
     from swift_mcore.arguments import RlhfArguments, parse_args
+    from swift_mcore.errors import ArgumentError
     from swift_mcore.loaded_model import load_model
     from swift_mcore.models.value_head import score_sequences
     from swift_mcore.run_config import resolve
@@ -101,6 +102,12 @@ def test_lora_trains_the_head_whole_and_exports_merged(tiny_hf, margin_data, tmp
     assert torch.equal(now[frozen], start["module." + frozen])  # the base did not
 
     out = tmp_path / "hf"
+    # without --merge_lora: the one way that writes a reward model (it offered --to_peft,
+    # which refuses a score head)
+    with pytest.raises(ArgumentError, match=f"^--model {run} is a LoRA checkpoint \\(adapters "
+                                            f"only\\): add --merge_lora to write the merged "
+                                            f"model$"):
+        H.convert(run, out, "to_hf")
     H.convert(run, out, "to_hf", merge_lora=True)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     sequences = [tokenizer(text=r["prompt"] + r["chosen"] + tokenizer.eos_token)["input_ids"]

@@ -68,6 +68,11 @@ def test_resume_is_bit_exact_and_another_reference_is_refused(tiny_hf, tmp_path,
                                               r"sha256:\w+, now sha256:\w+"):
         rlhf_here(split, folder, data, "--resume", "--ref_model", other)
     run_lock.release(str(split))  # as the command does when it ends (cli.run_training)
+    # the loss's flags: another --beta or --loss_type resumed silently into another loss
+    with pytest.raises(CheckpointError, match=r"(?s)--beta: checkpoint 0.1, now 0.5\n  "
+                                              r"--rpo_alpha: checkpoint 0.5, now 0.25"):
+        rlhf_here(split, folder, data, "--resume", "--beta", "0.5", "--rpo_alpha", "0.25")
+    run_lock.release(str(split))
     assert sorted(trained(split)) == [1, 2]  # nothing trained, nothing lost
     proc = rlhf(split, folder, data, "--resume")
     assert "starting at iteration 2" in proc.stdout
