@@ -60,13 +60,15 @@ def stopped_line(sigval: int, codes: Dict[int, Optional[int]]) -> tuple:
             f"(its output is above)", exit_code(code))
 
 
-def failed_line(rank: int, failure) -> tuple:
-    """The line and exit code of a run whose rank ``rank`` failed (torch's ProcessFailure)."""
+def failed_line(failures: dict) -> tuple:
+    """The line and exit code of a run whose ranks failed (torch's ProcessFailure of each
+    failed global rank): the first to fail is named, its code is the run's."""
+    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
     where = "its error is above"
-    if failure.error_file and failure.error_file_data:
+    if failure.error_file and os.path.isfile(failure.error_file):
         where = f"its error is above and in {failure.error_file}"
-    return (f"swift-mcore: rank {rank} {describe(failure.exitcode)} ({where}); the other "
-            f"ranks were stopped", exit_code(failure.exitcode))
+    return (f"swift-mcore: rank {rank} {describe(failure.exitcode)} ({where}); failed "
+            f"ranks: {', '.join(map(str, sorted(failures)))}", exit_code(failure.exitcode))
 
 
 def agent_class():
@@ -135,8 +137,7 @@ def main(argv: List[str]) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        line, code = failed_line(rank, failure)
+        line, code = failed_line(err.failures)
         print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as err:
