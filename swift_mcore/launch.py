@@ -66,6 +66,7 @@ class TorchrunLaunch:
             env.pop(name, None)  # the children are the ranks; they must not relaunch
         env.update(run_lock.child_env(lock))
         fds = (lock.fd,) if lock is not None and lock.fd is not None else ()
+        env["SWIFT_MCORE_LAUNCHER_PID"] = str(os.getpid())  # the agent stops when it dies
         agent = subprocess.Popen(self.command(subcommand_argv), env=env, pass_fds=fds,
                                  start_new_session=True)
 

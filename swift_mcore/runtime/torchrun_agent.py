@@ -124,6 +124,20 @@ def agent_class():
     return StopWaitingAgent
 
 
+def stop_with_the_launcher() -> None:
+    """SIGTERM to this agent when the swift-mcore launcher that started it dies, however
+    (SIGKILL too), so that the ranks stop and save instead of running on without it
+    (Linux; the launcher names itself in SWIFT_MCORE_LAUNCHER_PID)."""
+    launcher = os.environ.pop("SWIFT_MCORE_LAUNCHER_PID", None)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if str(os.getppid()) != launcher:  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: List[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -131,6 +145,7 @@ def main(argv: List[str]) -> int:
     from torch.distributed.launcher import api as launcher
 
     args = torchrun.parse_args(argv)
+    stop_with_the_launcher()
     agent = agent_class()
     # launch_agent builds its agent from this name (in this process only: it is the agent's)
     launcher.LocalElasticAgent = agent
