@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from typing import List, Optional
@@ -43,14 +44,21 @@ class TorchrunLaunch:
             where = [f"--node_rank={self.node_rank}", f"--master_addr={self.master_addr}",
                      f"--master_port={port}"]
         return [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", "swift_mcore.runtime.torchrun_agent",
             f"--nproc_per_node={self.nproc}", f"--nnodes={self.nnodes}", *where,
             "-m", "swift_mcore", *subcommand_argv,
         ]
 
     def run(self, subcommand_argv: List[str], lock=None) -> int:
-        """torchrun; ``lock`` (this launcher's run lock) is handed to the ranks, and torchrun
-        keeps it open too, so it stays held while any part of the run lives."""
+        """torchrun's agent (runtime/torchrun_agent.py); ``lock`` (this launcher's run lock)
+        is handed to the ranks, and the agent keeps it open too, so it stays held while any
+        part of the run lives. Its exit code is the run's.
+
+        A stop signal to this process, or to its process group (what Slurm and Kubernetes
+        send), reaches the agent once: the agent runs in a session of its own, and this
+        process passes SIGTERM and SIGINT on to it and waits for it to end, the ranks'
+        save included (without that it would end at once, and a container whose first
+        process it is with it)."""
         from .runtime import run_lock
 
         env = dict(os.environ)
@@ -58,7 +66,24 @@ class TorchrunLaunch:
             env.pop(name, None)  # the children are the ranks; they must not relaunch
         env.update(run_lock.child_env(lock))
         fds = (lock.fd,) if lock is not None and lock.fd is not None else ()
-        return subprocess.call(self.command(subcommand_argv), env=env, pass_fds=fds)
+        env["SWIFT_MCORE_LAUNCHER_PID"] = str(os.getpid())  # the agent stops when it dies
+        agent = subprocess.Popen(self.command(subcommand_argv), env=env, pass_fds=fds,
+                                 start_new_session=True)
+
+        def forward(signum, frame):
+            try:
+                agent.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+        previous = {signum: signal.signal(signum, forward)
+                    for signum in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            code = agent.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
 
 
 # Sanity bounds far above any real layout: torchrun starts NPROC_PER_NODE processes here at

@@ -210,10 +210,32 @@ def run_or_kill(argv, timeout: float, **popen) -> Optional[subprocess.CompletedP
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.communicate()
         return None
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process below it: torchrun's agent and its
+    ranks each run in a session of their own, out of the group's reach."""
+    def children(p):
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as fh:
+                return [int(c) for c in fh.read().split()]
+        except OSError:
+            return []
+
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children(p)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
 
 
 @contextlib.contextmanager

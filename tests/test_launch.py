@@ -3,9 +3,11 @@ torchrun's standalone rendezvous on a free port, so two runs started at once bot
 MASTER_PORT checked before torchrun starts."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -104,3 +106,96 @@ def test_two_runs_started_at_once_on_one_machine_both_finish(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outputs]
     for i in (0, 1):
         assert sorted(R.losses(tmp_path / f"run{i}")) == [1, 2]
+
+
+def test_a_failed_rank_is_one_line_with_its_exit_code(tmp_path):
+    """A rank that ends with an error of its own (here the CLI's unknown command, exit 2):
+    torchrun's ChildFailedError traceback was printed after it; now one line names the rank
+    and its code, and the launcher exits with that code."""
+    code = ("import sys; from swift_mcore.launch import TorchrunLaunch; "
+            "sys.exit(TorchrunLaunch(2, 1, 0, '127.0.0.1', None).run(['no-such-command']))")
+    proc = R.run_or_kill([sys.executable, "-c", code], timeout=120, env=R.child_env(),
+                         cwd=R.ROOT)
+    assert proc is not None, "the launcher did not end"
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "swift-mcore: unknown command 'no-such-command'" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"swift-mcore: rank [01] exited with code 2 \(its error is above\); "
+                        r"failed ranks: 0, 1", last), last
+
+
+SLOW_SAVES = '''"""Test hook: each rank's checkpoint save sleeps SWIFT_TEST_SAVE_DELAY seconds first."""
+import os
+
+if os.environ.get("SWIFT_TEST_SAVE_DELAY") and "LOCAL_RANK" in os.environ:
+    from swift_mcore import cli
+
+    _train = cli._train
+
+    def _train_with_slow_saves(prog, config):
+        import time
+
+        from swift_mcore.checkpointing import manager
+
+        save = manager.CheckpointManager.save
+
+        def slow_save(self, *args, **kwargs):
+            time.sleep(float(os.environ["SWIFT_TEST_SAVE_DELAY"]))
+            return save(self, *args, **kwargs)
+
+        manager.CheckpointManager.save = slow_save
+        return _train(prog, config)
+
+    cli._train = _train_with_slow_saves
+'''
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_waits_for_a_long_save_and_resumes_exactly(tmp_path):
+    """What Slurm and Kubernetes do: SIGTERM to the launcher's process group at DP 2, with a
+    save that takes longer than torchrun's shutdown timeout (cut to 2 s here, 30 s by
+    default). Before, the launcher died at once (-15) and torchrun SIGKILLed the ranks in
+    the middle of the save; now the save completes, the run exits 0 with one line, and the
+    checkpoint resumes bit for bit like an uninterrupted run."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_SAVES)
+    stopped = tmp_path / "stopped"
+    flags = ["--train_iters", "40", "--save_steps", "1000"]
+    env = R.child_env(NPROC_PER_NODE="2", MASTER_PORT=str(R.free_port()),
+                      SWIFT_TEST_SAVE_DELAY="6", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2",
+                      PYTHONPATH=os.pathsep.join([str(hook), str(R.ROOT)]))
+    proc = subprocess.Popen([sys.executable, "-m", "swift_mcore", "pt", *R.TINY, *flags,
+                             "--output_dir", str(stopped)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=R.ROOT,
+                            start_new_session=True)
+    try:
+        metrics = stopped / "metrics.jsonl"
+        for _ in range(2400):  # until iteration 2 is logged (a bound, not a timing)
+            if metrics.exists() and '"iteration": 2' in metrics.read_text():
+                break
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            R.kill_tree(proc.pid)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "swift-mcore: stopped by SIGTERM: the 2 ranks finished and exited 0")
+    got = R.losses(stopped)
+    last = max(got)
+    assert sorted(got) == list(range(1, last + 1))
+    assert (stopped / "checkpoint" / f"iter_{last:07d}").is_dir(), out[-2000:]
+
+    until = ["--exit_interval", str(last + 2), "--no_save"]
+    R.run_pt(tmp_path / "whole", *flags, *until, nproc=2)
+    R.run_pt(tmp_path / "resumed", *flags, *until, "--resume",
+             stopped / "checkpoint" / f"iter_{last:07d}", nproc=2)
+    whole, resumed = R.losses(tmp_path / "whole"), R.losses(tmp_path / "resumed")
+    assert sorted(resumed) == [last + 1, last + 2]
+    assert {it: whole[it] for it in got} == got
+    assert {it: whole[it] for it in resumed} == resumed
