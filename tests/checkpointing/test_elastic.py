@@ -214,3 +214,40 @@ def test_bad_flags_under_torchrun_with_restarts_end_the_job_at_once(tmp_path):
     assert "--lr_warmup_iters (5) must be smaller" in text
     assert "not restarting: swift-mcore pt: the flags are refused" in text
     assert "restart" not in text.split("not restarting")[0].lower()  # one attempt only
+
+
+@pytest.mark.parametrize("argv, agent", [
+    (["/venv/bin/python", "-m", "swift_mcore.runtime.torchrun_agent", "--nnodes", "2"], True),
+    (["python3", "-u", "-X", "faulthandler", "-m", "torch.distributed.run", "-m", "x"], True),
+    (["python", "-mswift_mcore.runtime.torchrun_agent"], True),
+    (["/venv/bin/python", "/venv/bin/torchrun", "--nproc_per_node=2"], True),
+    (["/usr/local/bin/torchrun", "--standalone"], True),
+    # a parent that only mentions torchrun is not an agent: SIGTERM would end it
+    (["bash", "/jobs/torchrun_wrapper.sh"], False),
+    (["python", "train.py", "--output_dir", "/runs/torchrun-7"], False),
+    (["python", "-m", "swift_mcore", "pt", "--output_dir", "/runs/torchrun_agent"], False),
+    (["python", "-c", "import torchrun"], False),
+    ([""], False),
+])
+def test_the_agent_a_rank_stops_is_read_from_its_command_not_a_substring(argv, agent):
+    from swift_mcore.runtime import elastic
+
+    assert elastic.is_agent_command(argv + [""]) is agent  # /proc's line ends in a NUL
+
+
+def test_a_parent_whose_arguments_mention_torchrun_is_not_sent_the_stop():
+    import subprocess
+    import sys
+
+    from swift_mcore.runtime import elastic
+
+    parent = subprocess.Popen([sys.executable, "-c", "import time; print(1, flush=True); "
+                               "time.sleep(60)", "--output_dir", "/runs/torchrun-7"],
+                              stdout=subprocess.PIPE)
+    try:
+        parent.stdout.readline()  # it runs: its command line is in /proc
+        assert "/runs/torchrun-7" in open(f"/proc/{parent.pid}/cmdline").read()
+        assert not elastic._is_torchrun(parent.pid)
+    finally:
+        parent.kill()
+        parent.wait()
