@@ -257,5 +257,8 @@ def test_the_sbatch_script_saves_on_the_time_limit_signal_and_requeues(tmp_path)
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "777"]
     stopped = int(log.split("finished at iteration ")[1].split()[0])
     assert "(stop signal received)" in log and 3 <= stopped < 400
+    assert "swift-mcore: stopped by SIGTERM: the 2 ranks finished and exited 0" in log
+    assert "train.sbatch: the ranks saved before the time limit; requeueing job 777" in log
+    assert "Traceback" not in log
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r["iteration"] for r in records if r.get("split") == "train") == stopped
