@@ -127,10 +127,18 @@ def read_failures(path: str) -> list:
 
 def stop_restarts(reason: str) -> None:
     """Say why, then end torchrun's agent (this process's parent): torchrun restarts a
-    worker on any exit code, but stops, and ends the job, on SIGTERM."""
+    worker on any exit code, but stops, and ends the job, on SIGTERM. The caller then exits
+    with its own code, which swift-mcore's agent makes the job's."""
     print(f"swift-mcore: not restarting: {reason}", file=sys.stderr, flush=True)
     parent = os.getppid()
     if parent > 1 and _is_torchrun(parent):
+        # The agent passes the stop on to every rank, this one included, which is on its way
+        # out with its own exit code already: killed by that SIGTERM, it would end the job
+        # with 143 ("rank 0 was killed by SIGTERM") instead of the code that says why.
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # not the main thread: the stop may still kill this rank
+            pass
         os.kill(parent, signal.SIGTERM)
 
 
