@@ -262,3 +262,12 @@ def test_the_sbatch_script_saves_on_the_time_limit_signal_and_requeues(tmp_path)
     assert "Traceback" not in log
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r["iteration"] for r in records if r.get("split") == "train") == stopped
+
+
+def test_a_stop_timeout_that_is_not_a_number_of_seconds_is_refused_before_the_step(tmp_path):
+    job = fake_slurm(tmp_path, "exit:0", STOP_TIMEOUT="four")
+    code, out, requeues = finished(job, tmp_path)
+    assert (code, requeues) == (2, []), out
+    assert out.strip() == ("train.sbatch: STOP_TIMEOUT='four' must be a whole number of seconds "
+                           "(below the lead time of --signal, 300 s here)")
+    assert not (tmp_path / "agent.args").exists()
