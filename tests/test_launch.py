@@ -199,3 +199,18 @@ def test_sigterm_to_the_process_group_waits_for_a_long_save_and_resumes_exactly(
     assert sorted(resumed) == [last + 1, last + 2]
     assert {it: whole[it] for it in got} == got
     assert {it: whole[it] for it in resumed} == resumed
+
+
+def test_a_stop_names_the_rank_that_exited_with_its_own_code_before_those_it_killed():
+    import signal
+
+    from swift_mcore.runtime.torchrun_agent import stopped_line
+
+    term = -signal.SIGTERM
+    assert stopped_line(signal.SIGTERM, {0: term, 1: 2, 2: 0}) == (
+        "swift-mcore: stopped by SIGTERM: rank 1 exited with code 2 (its output is above)", 2)
+    assert stopped_line(signal.SIGTERM, {0: 0, 1: term}) == (
+        "swift-mcore: stopped by SIGTERM: rank 1 was killed by SIGTERM (its output is above)",
+        143)
+    assert stopped_line(signal.SIGTERM, {0: 0, 1: 0}) == (
+        "swift-mcore: stopped by SIGTERM: the 2 ranks finished and exited 0", 0)

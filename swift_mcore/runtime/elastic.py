@@ -127,11 +127,23 @@ def read_failures(path: str) -> list:
 
 def stop_restarts(reason: str) -> None:
     """Say why, then end torchrun's agent (this process's parent): torchrun restarts a
-    worker on any exit code, but stops, and ends the job, on SIGTERM."""
+    worker on any exit code, but stops, and ends the job, on SIGTERM. The caller then exits
+    with its own code, which swift-mcore's agent makes the job's."""
     print(f"swift-mcore: not restarting: {reason}", file=sys.stderr, flush=True)
     parent = os.getppid()
     if parent > 1 and _is_torchrun(parent):
+        # The agent passes the stop on to every rank, this one included, which is on its way
+        # out with its own exit code already: killed by that SIGTERM, it would end the job
+        # with 143 ("rank 0 was killed by SIGTERM") instead of the code that says why.
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # not the main thread: the stop may still kill this rank
+            pass
         os.kill(parent, signal.SIGTERM)
+
+
+# The agents a rank can be started by: torchrun's, and swift-mcore's (its launcher's).
+AGENT_MODULES = ("torch.distributed.run", "swift_mcore.runtime.torchrun_agent")
 
 
 def _is_torchrun(pid: int) -> bool:
@@ -140,4 +152,29 @@ def _is_torchrun(pid: int) -> bool:
             cmd = fh.read().decode("utf-8", "replace")
     except OSError:  # no /proc: believe the environment, set by torchrun only
         return "TORCHELASTIC_RUN_ID" in os.environ
-    return "torch.distributed.run" in cmd or "torchrun" in cmd
+    return is_agent_command(cmd.split("\0"))
+
+
+def is_agent_command(argv: list) -> bool:
+    """Whether a command line is a torchrun agent: ``python [options] -m <one of
+    AGENT_MODULES>``, or torchrun's own script (``torchrun``, or ``python .../torchrun``).
+    The module or program itself is read, not a substring of the whole line: a parent
+    whose arguments merely mention torchrun (a wrapper script, an output folder) must not
+    be sent the SIGTERM that ends a job."""
+    if not argv or not argv[0]:
+        return False
+    if os.path.basename(argv[0]) == "torchrun":
+        return True
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-m":
+            return next(args, None) in AGENT_MODULES
+        if arg.startswith("-m"):
+            return arg[2:] in AGENT_MODULES
+        if arg.startswith("-c"):
+            return False
+        if arg in ("-X", "-W"):  # options with a value of their own
+            next(args, None)
+        elif not arg.startswith("-"):  # the script the interpreter runs
+            return os.path.basename(arg) == "torchrun"
+    return False

@@ -55,7 +55,9 @@ def stopped_line(sigval: int, codes: Dict[int, Optional[int]]) -> tuple:
     if not failed:
         return (f"swift-mcore: stopped by {name}: the {len(codes)} ranks finished and exited "
                 f"0", 0)
-    rank, code = next(iter(failed.items()))
+    # A rank that exited with a code of its own says why the run stopped (a rank that ends
+    # the job, runtime/elastic.py, exits 2 on refused flags); one the stop killed does not.
+    rank, code = min(failed.items(), key=lambda item: (item[1] == -sigval, item[0]))
     return (f"swift-mcore: stopped by {name}: rank {rank} {describe(code)} "
             f"(its output is above)", exit_code(code))
 

@@ -5,6 +5,7 @@ on every attempt stops the job with the reason; a stalled rank ends within
 --distributed_timeout_minutes with its stacks."""
 
 import os
+import re
 import signal
 import time
 
@@ -199,11 +200,12 @@ def test_two_node_agents_on_localhost_restart_and_resume_exactly(tmp_path, elast
         sorted(i for i, _crc in a[it]["samples"]) for it in range(1, N + 1)]
 
 
-def test_bad_flags_under_torchrun_with_restarts_end_the_job_at_once(tmp_path):
+@pytest.mark.parametrize("agent", ["torch.distributed.run", "swift_mcore.runtime.torchrun_agent"])
+def test_bad_flags_under_torchrun_with_restarts_end_the_job_at_once(tmp_path, agent):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", agent, "--nproc_per_node=2",
            "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{H.free_port()}",
            "-m", "swift_mcore", "pt", "--train_iters", "3", "--lr_warmup_iters", "5",
            "--output_dir", str(tmp_path / "run")]
@@ -214,3 +216,45 @@ def test_bad_flags_under_torchrun_with_restarts_end_the_job_at_once(tmp_path):
     assert "--lr_warmup_iters (5) must be smaller" in text
     assert "not restarting: swift-mcore pt: the flags are refused" in text
     assert "restart" not in text.split("not restarting")[0].lower()  # one attempt only
+    if agent == "swift_mcore.runtime.torchrun_agent":  # the launcher's: the rank's code
+        assert proc.returncode == 2, text[-3000:]
+        # the rank that stopped the agent, or another that refused the flags before the stop
+        assert re.search(r"swift-mcore: stopped by SIGTERM: rank [01] exited with code 2 ", text)
+        assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("argv, agent", [
+    (["/venv/bin/python", "-m", "swift_mcore.runtime.torchrun_agent", "--nnodes", "2"], True),
+    (["python3", "-u", "-X", "faulthandler", "-m", "torch.distributed.run", "-m", "x"], True),
+    (["python", "-mswift_mcore.runtime.torchrun_agent"], True),
+    (["/venv/bin/python", "/venv/bin/torchrun", "--nproc_per_node=2"], True),
+    (["/usr/local/bin/torchrun", "--standalone"], True),
+    # a parent that only mentions torchrun is not an agent: SIGTERM would end it
+    (["bash", "/jobs/torchrun_wrapper.sh"], False),
+    (["python", "train.py", "--output_dir", "/runs/torchrun-7"], False),
+    (["python", "-m", "swift_mcore", "pt", "--output_dir", "/runs/torchrun_agent"], False),
+    (["python", "-c", "import torchrun"], False),
+    ([""], False),
+])
+def test_the_agent_a_rank_stops_is_read_from_its_command_not_a_substring(argv, agent):
+    from swift_mcore.runtime import elastic
+
+    assert elastic.is_agent_command(argv + [""]) is agent  # /proc's line ends in a NUL
+
+
+def test_a_parent_whose_arguments_mention_torchrun_is_not_sent_the_stop():
+    import subprocess
+    import sys
+
+    from swift_mcore.runtime import elastic
+
+    parent = subprocess.Popen([sys.executable, "-c", "import time; print(1, flush=True); "
+                               "time.sleep(60)", "--output_dir", "/runs/torchrun-7"],
+                              stdout=subprocess.PIPE)
+    try:
+        parent.stdout.readline()  # it runs: its command line is in /proc
+        assert "/runs/torchrun-7" in open(f"/proc/{parent.pid}/cmdline").read()
+        assert not elastic._is_torchrun(parent.pid)
+    finally:
+        parent.kill()
+        parent.wait()
