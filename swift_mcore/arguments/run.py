@@ -840,18 +840,34 @@ class RunArguments:
                                 "selective recomputes; full recomputes whole layers (drop "
                                 "--recompute_modules or choose selective)")
         _positive(t, "recompute_num_layers")
-        per_stage = m.num_layers // self.parallel.pipeline_model_parallel_size
-        n = t.recompute_num_layers
-        if n > per_stage:
+        # megatron's block recomputes within each model chunk (a pipeline stage, or one
+        # virtual stage of it), indexing its own layers: uniform steps of n past a chunk's
+        # last layer fail with an IndexError mid-iteration
+        sizes = sorted({len(chunk) for stage in self.pipeline_chunk_layers()
+                        for chunk in stage} - {0})
+        n, where = t.recompute_num_layers, self._chunk_words()
+        if n > sizes[-1]:
             raise ArgumentError(
-                f"--recompute_num_layers ({n}) must be at most the layers of one pipeline "
-                f"stage ({per_stage} = --num_layers {m.num_layers} / "
-                f"--pipeline_model_parallel_size {self.parallel.pipeline_model_parallel_size})")
-        if t.recompute_method == "uniform" and per_stage % n:
+                f"--recompute_num_layers ({n}) must be at most the layers of one {where} "
+                f"({_sizes(sizes)})")
+        uneven = [size for size in sizes if size % n]
+        if t.recompute_method == "uniform" and uneven:
             raise ArgumentError(
                 f"--recompute_method uniform recomputes chunks of --recompute_num_layers ({n}) "
-                f"layers, which must divide the {per_stage} layers of a pipeline stage; choose "
-                f"a divisor, or --recompute_method block")
+                f"layers, which must divide the layers of every {where} ({_sizes(sizes)}); "
+                f"choose a divisor, or --recompute_method block")
+
+    def _chunk_words(self) -> str:
+        """What megatron's recompute counts layers in, for a message naming the flags."""
+        p = self.parallel
+        if self.virtual_stages() and p.pipeline_model_parallel_size > 1:
+            given = ("num_virtual_stages_per_pipeline_rank"
+                     if p.num_virtual_stages_per_pipeline_rank is not None
+                     else "num_layers_per_virtual_pipeline_stage")
+            return f"model chunk (--pipeline_model_parallel_size x --{given})"
+        if p.pipeline_model_parallel_size > 1:
+            return "pipeline stage (--pipeline_model_parallel_size)"
+        return "model (--num_layers)"
 
     def check_checkpoint_flags(self) -> None:
         c = self.checkpoint
@@ -1012,6 +1028,13 @@ def _plain(value):
 
 def _round_up(value: int, multiple: int) -> int:
     return int(math.ceil(value / multiple) * multiple)
+
+
+def _sizes(sizes: List[int]) -> str:
+    if sizes == [1]:
+        return "1 layer"
+    return f"{sizes[0]} layers" if len(sizes) == 1 else \
+        f"{', '.join(map(str, sizes[:-1]))} or {sizes[-1]} layers"
 
 
 def _positive(group, name):
