@@ -187,7 +187,7 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
         log("NOT checked against the Megatron-LM checkpoint: the training data (it records "
             "no data fingerprint; give the same data, --split and --seed, and --data_order "
             "megatron for Megatron-LM's sample order)")
-    _log_layout_change(record.layout, log)
+    _log_layout_change(record.layout, log, optimizer=stepped)
     return state, record.id
 
 
@@ -375,11 +375,12 @@ def _restore_megatron_lm_rng(folder: str, layout: Dict[str, Any], cuda: bool
     return all(ok for ok, _ in results), results[0][1]
 
 
-def _log_layout_change(saved: Dict[str, Optional[int]], log) -> None:
+def _log_layout_change(saved: Dict[str, Optional[int]], log, optimizer: bool) -> None:
     now = rng.layout()
     pairs = [("tp_size", "TP"), ("pp_size", "PP"), ("dp_size", "DP")]
     if any(saved.get(k) is not None and saved.get(k) != now[k] for k, _ in pairs):
         before = " x ".join(f"{name} {saved.get(k)}" for k, name in pairs)
         after = " x ".join(f"{name} {now[k]}" for k, name in pairs)
-        log(f"parallel layout changed since the checkpoint ({before} -> {after}): weights "
-            f"and optimizer state were resharded; the data position is global and unchanged")
+        what = "weights and optimizer state were" if optimizer else "weights were"
+        log(f"parallel layout changed since the checkpoint ({before} -> {after}): {what} "
+            f"resharded; the data position is global and unchanged")
