@@ -611,6 +611,14 @@ class RunArguments:
                 f"({pp}){cp_part}")
         if p.sequence_parallel and tp == 1:
             raise ArgumentError("--sequence_parallel needs --tensor_model_parallel_size > 1")
+        seq = self.model.seq_length
+        if p.sequence_parallel and cp == 1 and seq % tp and self.fixed_width_rows():
+            # megatron scatters each row's positions over the TP ranks (an AssertionError
+            # in the first forward pass otherwise)
+            raise ArgumentError(
+                f"--seq_length ({seq}) must be a multiple of --tensor_model_parallel_size "
+                f"({tp}) with --sequence_parallel: each tensor-parallel rank holds an equal "
+                f"share of every row's {self.fixed_width_rows()}")
         self.check_context_parallel()
         dp = world_size // (tp * pp * cp)
         if t.global_batch_size % (t.micro_batch_size * dp):
@@ -628,6 +636,11 @@ class RunArguments:
             raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
         self.check_virtual_pipeline(dp)
         self.check_param_gather()
+
+    def fixed_width_rows(self) -> str:
+        """What makes every row --seq_length positions wide ('' where rows are padded to a
+        width the parallel layout splits): pt's rows are --seq_length tokens."""
+        return "--seq_length tokens"
 
     def check_param_gather(self) -> None:
         """--overlap_param_gather and --align_param_gather: megatron's DDP options of the
