@@ -48,7 +48,7 @@ def test_full_defaults_and_what_the_start_line_says():
     (dict(recompute_granularity="full", recompute_num_layers=0), "--recompute_num_layers "
      "must be a positive integer"),
     (dict(recompute_granularity="full", recompute_num_layers=3),
-     "chunks of --recompute_num_layers (3) layers, which must divide the layers of every "
+     "chunks of --recompute_num_layers (3) layers, which must divide the layers of the "
      "model (--num_layers) (4 layers)"),
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3,
           pipeline_model_parallel_size=2, world_size=2),

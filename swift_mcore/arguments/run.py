@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, Dict, List, Optional, Set
+from typing import Any, ClassVar, Dict, List, Optional, Set, Tuple
 
 from ..errors import ArgumentError
 from .checkpoint import CheckpointArguments
@@ -858,29 +858,32 @@ class RunArguments:
         # last layer fail with an IndexError mid-iteration
         sizes = sorted({len(chunk) for stage in self.pipeline_chunk_layers()
                         for chunk in stage} - {0})
-        n, where = t.recompute_num_layers, self._chunk_words()
+        n, (one, every) = t.recompute_num_layers, self._chunk_words()
         if n > sizes[-1]:
             raise ArgumentError(
-                f"--recompute_num_layers ({n}) must be at most the layers of one {where} "
+                f"--recompute_num_layers ({n}) must be at most the layers of {one} "
                 f"({_sizes(sizes)})")
         uneven = [size for size in sizes if size % n]
         if t.recompute_method == "uniform" and uneven:
             raise ArgumentError(
                 f"--recompute_method uniform recomputes chunks of --recompute_num_layers ({n}) "
-                f"layers, which must divide the layers of every {where} ({_sizes(sizes)}); "
+                f"layers, which must divide the layers of {every} ({_sizes(sizes)}); "
                 f"choose a divisor, or --recompute_method block")
 
-    def _chunk_words(self) -> str:
-        """What megatron's recompute counts layers in, for a message naming the flags."""
+    def _chunk_words(self) -> Tuple[str, str]:
+        """What megatron's recompute counts layers in, for a message naming the flags:
+        (one of them, every one of them)."""
         p = self.parallel
         if self.virtual_stages() and p.pipeline_model_parallel_size > 1:
             given = ("num_virtual_stages_per_pipeline_rank"
                      if p.num_virtual_stages_per_pipeline_rank is not None
                      else "num_layers_per_virtual_pipeline_stage")
-            return f"model chunk (--pipeline_model_parallel_size x --{given})"
-        if p.pipeline_model_parallel_size > 1:
-            return "pipeline stage (--pipeline_model_parallel_size)"
-        return "model (--num_layers)"
+            what = f"model chunk (--pipeline_model_parallel_size x --{given})"
+        elif p.pipeline_model_parallel_size > 1:
+            what = "pipeline stage (--pipeline_model_parallel_size)"
+        else:
+            return "the model (--num_layers)", "the model (--num_layers)"
+        return f"one {what}", f"every {what}"
 
     def check_checkpoint_flags(self) -> None:
         c = self.checkpoint
