@@ -112,6 +112,7 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
     Returns the TrainState to continue from and the id of the checkpoint it came from."""
     if plan.kind == "finetune":
         load_weights(plan.folder, model)
+        optimizer.reload_model_params()  # its main copies take the loaded weights
         log(f"--finetune: model weights from {plan.folder}; optimizer, LR schedule, RNG and "
             f"counters start fresh (iteration 0)")
         return TrainState(), None
@@ -146,6 +147,12 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
     restored = ["model"]
     if stepped:
         optimizer.load_state_dict(io.conform_optimizer_state(loaded["optimizer"], optimizer))
+    else:
+        # bf16/fp16 (and the distributed optimizer's shards) keep fp32 main copies of the
+        # weights made when the optimizer was built: without this its first step would
+        # write them (the initial weights) back over the checkpoint's (Megatron-LM's
+        # load_checkpoint reloads them too)
+        optimizer.reload_model_params()
     if load_optim:
         restored.append("optimizer" if stepped else "optimizer (not yet stepped: empty)")
     _restore_scheduler(scheduler, saved_scheduler, c.override_resume_check)
