@@ -41,6 +41,8 @@ def tiny(**flags):
 
 
 def test_flops_by_hand_with_and_without_recompute():
+    from swift_mcore.arguments import RunArguments
+    from swift_mcore.run_config import resolve
     from swift_mcore.training.metrics import (
         executed_flops_per_token,
         flops_per_token,
@@ -61,6 +63,16 @@ def test_flops_by_hand_with_and_without_recompute():
     block = tiny(recompute_granularity="full", recompute_method="block",
                  recompute_num_layers=1)
     assert recompute_flops_per_token(block) == 2 * 1 * 53248
+    # block recomputes in each model chunk: PP=2 x 2 virtual stages of one layer each
+    # recompute all four layers, an uneven split 1 of its first stage's and 1 of the other's
+    chunked = [resolve(RunArguments.from_flags(
+        num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        seq_length=32, pipeline_model_parallel_size=2, recompute_granularity="full",
+        recompute_method="block", recompute_num_layers=1, **flags), world_size=2,
+        cuda=False).complete(256, None, padded_vocab_size=256) for flags in (
+            dict(num_virtual_stages_per_pipeline_rank=2),
+            dict(decoder_first_pipeline_num_layers=1))]
+    assert [recompute_flops_per_token(c) for c in chunked] == [2 * 4 * 53248, 2 * 2 * 53248]
     assert recompute_flops_per_token(tiny(recompute_granularity="selective")) == 2 * 2 * 4096
     assert recompute_flops_per_token(tiny(recompute_granularity="selective",
                                           recompute_modules="mlp,layernorm")) == 2 * 2 * 36864

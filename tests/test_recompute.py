@@ -48,11 +48,21 @@ def test_full_defaults_and_what_the_start_line_says():
     (dict(recompute_granularity="full", recompute_num_layers=0), "--recompute_num_layers "
      "must be a positive integer"),
     (dict(recompute_granularity="full", recompute_num_layers=3),
-     "chunks of --recompute_num_layers (3) layers, which must divide the 4 layers"),
+     "chunks of --recompute_num_layers (3) layers, which must divide the layers of the "
+     "model (--num_layers) (4 layers)"),
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3,
           pipeline_model_parallel_size=2, world_size=2),
-     "at most the layers of one pipeline stage (2 = --num_layers 4 / "
-     "--pipeline_model_parallel_size 2)"),
+     "at most the layers of one pipeline stage (--pipeline_model_parallel_size) (2 layers)"),
+    # megatron recomputes within each model chunk: uniform steps past a chunk's last layer
+    # (an interleaved chunk, or a stage of an uneven split) were an IndexError mid-iteration
+    (dict(recompute_granularity="full", recompute_num_layers=2, world_size=2,
+          pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2),
+     "--recompute_num_layers (2) must be at most the layers of one model chunk "
+     "(--pipeline_model_parallel_size x --num_virtual_stages_per_pipeline_rank) (1 layer)"),
+    (dict(recompute_granularity="full", recompute_num_layers=2, world_size=2,
+          pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
+     "must divide the layers of every pipeline stage (--pipeline_model_parallel_size) "
+     "(1 or 3 layers)"),
     (dict(recompute_granularity="partial"), "--recompute_granularity must be one of "
      "selective, full"),
     (dict(recompute_granularity="selective", recompute_modules=["layernorm"], cuda=True),

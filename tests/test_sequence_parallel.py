@@ -4,7 +4,7 @@ does (the norms' gradients summed over the TP ranks), and what CPU refuses with 
 import pytest
 
 from run_helpers import losses, run_pt, train_records
-from swift_mcore.arguments import parse_args
+from swift_mcore.arguments import RunArguments, parse_args
 from swift_mcore.errors import ArgumentError
 from swift_mcore.run_config import resolve
 
@@ -42,6 +42,36 @@ def test_sequence_parallel_with_hidden_dropout_is_refused_on_cpu():
         resolve(args, world_size=2, cuda=False)
     args.model.hidden_dropout = 0.0
     assert resolve(args, world_size=2, cuda=False).parallel.sequence_parallel
+
+
+def test_a_seq_length_the_tensor_parallel_ranks_cannot_split_is_refused(tmp_path):
+    """megatron scatters each row's positions over the TP ranks: pt's rows of --seq_length
+    63 at TP=2 were an AssertionError in the first forward pass. sft pads its rows to a
+    multiple of TP (except under pipeline parallelism, whose stages exchange rows of
+    --seq_length positions)."""
+    from swift_mcore.arguments.sft import SftArguments
+
+    flags = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=63,
+                 micro_batch_size=1, tensor_model_parallel_size=2, sequence_parallel=True,
+                 hidden_dropout=0.0)
+    message = (r"^--seq_length \(63\) must be a multiple of --tensor_model_parallel_size "
+               r"\(2\) with --sequence_parallel: each tensor-parallel rank holds an equal "
+               r"share of every row's --seq_length ")
+    with pytest.raises(ArgumentError, match=message + "tokens$"):
+        resolve(RunArguments.from_flags(**flags, global_batch_size=2), world_size=2,
+                cuda=False)
+    assert resolve(RunArguments.from_flags(**{**flags, "seq_length": 64},
+                                           global_batch_size=2), world_size=2, cuda=False)
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "a"}, '
+                    '{"role": "assistant", "content": "b"}]}\n')
+    sft = dict(flags, dataset=[str(data)])
+    assert resolve(SftArguments.from_flags(**sft, global_batch_size=2), world_size=2,
+                   cuda=False)
+    with pytest.raises(ArgumentError, match=message + r"positions \(the pipeline stages"):
+        resolve(SftArguments.from_flags(**sft, global_batch_size=4,
+                                        pipeline_model_parallel_size=2),
+                world_size=4, cuda=False)
 
 
 def test_every_torch_norm_slot_of_the_local_spec_is_marked():

@@ -49,7 +49,9 @@ class ParallelArguments:
         "allgather, or a2a+p2p. On CPU only allgather runs.",
         choices=("p2p", "a2a", "allgather", "a2a+p2p"))
     sequence_parallel: bool = flag(False, "Shard layer norms and dropout along the sequence "
-                                   "across tensor-parallel ranks (needed by MoE with TP). "
+                                   "across tensor-parallel ranks (needed by MoE with TP); "
+                                   "pt's --seq_length (sft's too under pipeline "
+                                   "parallelism) must be a multiple of the TP size. "
                                    "On a GPU with Transformer Engine's layer spec or apex "
                                    "(docs/gpu.md); on CPU with --hidden_dropout 0.")
     num_buckets: Optional[int] = flag(

@@ -317,6 +317,11 @@ class RlhfArguments(RunArguments):
             raise ArgumentError(f"--{given[0]} is a DPO flag; --rlhf_type rm trains a reward "
                                 f"model without a reference or a DPO loss (docs/rlhf.md)")
 
+    def fixed_width_rows(self) -> str:
+        """rlhf pads its rows to a multiple of the TP size; under pipeline parallelism its
+        own check names --seq_length (check_command)."""
+        return ""
+
     def validation_problem(self):
         return "rlhf has no validation data yet (no --eval_steps judging)"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, Dict, List, Optional, Set
+from typing import Any, ClassVar, Dict, List, Optional, Set, Tuple
 
 from ..errors import ArgumentError
 from .checkpoint import CheckpointArguments
@@ -611,6 +611,14 @@ class RunArguments:
                 f"({pp}){cp_part}")
         if p.sequence_parallel and tp == 1:
             raise ArgumentError("--sequence_parallel needs --tensor_model_parallel_size > 1")
+        seq = self.model.seq_length
+        if p.sequence_parallel and cp == 1 and seq % tp and self.fixed_width_rows():
+            # megatron scatters each row's positions over the TP ranks (an AssertionError
+            # in the first forward pass otherwise)
+            raise ArgumentError(
+                f"--seq_length ({seq}) must be a multiple of --tensor_model_parallel_size "
+                f"({tp}) with --sequence_parallel: each tensor-parallel rank holds an equal "
+                f"share of every row's {self.fixed_width_rows()}")
         self.check_context_parallel()
         dp = world_size // (tp * pp * cp)
         if t.global_batch_size % (t.micro_batch_size * dp):
@@ -628,6 +636,11 @@ class RunArguments:
             raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
         self.check_virtual_pipeline(dp)
         self.check_param_gather()
+
+    def fixed_width_rows(self) -> str:
+        """What makes every row --seq_length positions wide ('' where rows are padded to a
+        width the parallel layout splits): pt's rows are --seq_length tokens."""
+        return "--seq_length tokens"
 
     def check_param_gather(self) -> None:
         """--overlap_param_gather and --align_param_gather: megatron's DDP options of the
@@ -840,18 +853,37 @@ class RunArguments:
                                 "selective recomputes; full recomputes whole layers (drop "
                                 "--recompute_modules or choose selective)")
         _positive(t, "recompute_num_layers")
-        per_stage = m.num_layers // self.parallel.pipeline_model_parallel_size
-        n = t.recompute_num_layers
-        if n > per_stage:
+        # megatron's block recomputes within each model chunk (a pipeline stage, or one
+        # virtual stage of it), indexing its own layers: uniform steps of n past a chunk's
+        # last layer fail with an IndexError mid-iteration
+        sizes = sorted({len(chunk) for stage in self.pipeline_chunk_layers()
+                        for chunk in stage} - {0})
+        n, (one, every) = t.recompute_num_layers, self._chunk_words()
+        if n > sizes[-1]:
             raise ArgumentError(
-                f"--recompute_num_layers ({n}) must be at most the layers of one pipeline "
-                f"stage ({per_stage} = --num_layers {m.num_layers} / "
-                f"--pipeline_model_parallel_size {self.parallel.pipeline_model_parallel_size})")
-        if t.recompute_method == "uniform" and per_stage % n:
+                f"--recompute_num_layers ({n}) must be at most the layers of {one} "
+                f"({_sizes(sizes)})")
+        uneven = [size for size in sizes if size % n]
+        if t.recompute_method == "uniform" and uneven:
             raise ArgumentError(
                 f"--recompute_method uniform recomputes chunks of --recompute_num_layers ({n}) "
-                f"layers, which must divide the {per_stage} layers of a pipeline stage; choose "
-                f"a divisor, or --recompute_method block")
+                f"layers, which must divide the layers of {every} ({_sizes(sizes)}); "
+                f"choose a divisor, or --recompute_method block")
+
+    def _chunk_words(self) -> Tuple[str, str]:
+        """What megatron's recompute counts layers in, for a message naming the flags:
+        (one of them, every one of them)."""
+        p = self.parallel
+        if self.virtual_stages() and p.pipeline_model_parallel_size > 1:
+            given = ("num_virtual_stages_per_pipeline_rank"
+                     if p.num_virtual_stages_per_pipeline_rank is not None
+                     else "num_layers_per_virtual_pipeline_stage")
+            what = f"model chunk (--pipeline_model_parallel_size x --{given})"
+        elif p.pipeline_model_parallel_size > 1:
+            what = "pipeline stage (--pipeline_model_parallel_size)"
+        else:
+            return "the model (--num_layers)", "the model (--num_layers)"
+        return f"one {what}", f"every {what}"
 
     def check_checkpoint_flags(self) -> None:
         c = self.checkpoint
@@ -1012,6 +1044,13 @@ def _plain(value):
 
 def _round_up(value: int, multiple: int) -> int:
     return int(math.ceil(value / multiple) * multiple)
+
+
+def _sizes(sizes: List[int]) -> str:
+    if sizes == [1]:
+        return "1 layer"
+    return f"{sizes[0]} layers" if len(sizes) == 1 else \
+        f"{', '.join(map(str, sizes[:-1]))} or {sizes[-1]} layers"
 
 
 def _positive(group, name):

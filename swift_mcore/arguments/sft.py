@@ -155,6 +155,13 @@ class SftArguments(RunArguments):
             raise ArgumentError("--split_dataset_ratio holds out a share of a dataset read "
                                 "whole; with --streaming give --val_dataset")
 
+    def fixed_width_rows(self) -> str:
+        """sft pads each micro-batch's rows to a multiple of the TP size, except under
+        pipeline parallelism, whose stages exchange rows of --seq_length positions."""
+        if self.parallel.pipeline_model_parallel_size > 1:
+            return "--seq_length positions (the pipeline stages exchange rows that wide)"
+        return ""
+
     def validation_problem(self):
         """sft validates on --val_dataset or a held-out share of --dataset."""
         if self.sft.val_dataset or self.sft.split_dataset_ratio:

@@ -99,13 +99,15 @@ class TrainingArguments:
         "(docs/gpu.md, 'Activation recompute').", choices=("selective", "full"))
     recompute_method: Optional[str] = flag(
         None, "With --recompute_granularity full: uniform = split each pipeline stage's "
-        "layers into chunks of --recompute_num_layers and recompute every chunk; block = "
-        "recompute the first --recompute_num_layers layers of each stage, keep the rest; "
-        "default uniform.", choices=("uniform", "block"))
+        "layers (each model chunk's, with virtual stages) into chunks of "
+        "--recompute_num_layers and recompute every chunk; block = recompute the first "
+        "--recompute_num_layers layers of each stage (model chunk), keep the rest; default "
+        "uniform.", choices=("uniform", "block"))
     recompute_num_layers: Optional[int] = flag(
         None, "With --recompute_granularity full: layers per recomputed chunk (uniform; must "
-        "divide the layers of a pipeline stage) or layers recomputed per stage (block); "
-        "default 1.")
+        "divide the layers of every pipeline stage, or model chunk with virtual stages, "
+        "uneven splits included) or layers recomputed per stage or model chunk (block; at "
+        "most its layers); default 1.")
     recompute_modules: List[str] = flag(
         ["core_attn"], "With --recompute_granularity selective: the parts of each layer to "
         "recompute, comma- or space-separated: core_attn (the attention scores and softmax), "

@@ -112,6 +112,7 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
     Returns the TrainState to continue from and the id of the checkpoint it came from."""
     if plan.kind == "finetune":
         load_weights(plan.folder, model)
+        optimizer.reload_model_params()  # its main copies take the loaded weights
         log(f"--finetune: model weights from {plan.folder}; optimizer, LR schedule, RNG and "
             f"counters start fresh (iteration 0)")
         return TrainState(), None
@@ -146,6 +147,12 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
     restored = ["model"]
     if stepped:
         optimizer.load_state_dict(io.conform_optimizer_state(loaded["optimizer"], optimizer))
+    else:
+        # bf16/fp16 (and the distributed optimizer's shards) keep fp32 main copies of the
+        # weights made when the optimizer was built: without this its first step would
+        # write them (the initial weights) back over the checkpoint's (Megatron-LM's
+        # load_checkpoint reloads them too)
+        optimizer.reload_model_params()
     if load_optim:
         restored.append("optimizer" if stepped else "optimizer (not yet stepped: empty)")
     _restore_scheduler(scheduler, saved_scheduler, c.override_resume_check)
@@ -187,7 +194,7 @@ def restore(plan: LoadPlan, config, model, optimizer, scheduler,
         log("NOT checked against the Megatron-LM checkpoint: the training data (it records "
             "no data fingerprint; give the same data, --split and --seed, and --data_order "
             "megatron for Megatron-LM's sample order)")
-    _log_layout_change(record.layout, log)
+    _log_layout_change(record.layout, log, optimizer=stepped)
     return state, record.id
 
 
@@ -375,11 +382,12 @@ def _restore_megatron_lm_rng(folder: str, layout: Dict[str, Any], cuda: bool
     return all(ok for ok, _ in results), results[0][1]
 
 
-def _log_layout_change(saved: Dict[str, Optional[int]], log) -> None:
+def _log_layout_change(saved: Dict[str, Optional[int]], log, optimizer: bool) -> None:
     now = rng.layout()
     pairs = [("tp_size", "TP"), ("pp_size", "PP"), ("dp_size", "DP")]
     if any(saved.get(k) is not None and saved.get(k) != now[k] for k, _ in pairs):
         before = " x ".join(f"{name} {saved.get(k)}" for k, name in pairs)
         after = " x ".join(f"{name} {now[k]}" for k, name in pairs)
-        log(f"parallel layout changed since the checkpoint ({before} -> {after}): weights "
-            f"and optimizer state were resharded; the data position is global and unchanged")
+        what = "weights and optimizer state were" if optimizer else "weights were"
+        log(f"parallel layout changed since the checkpoint ({before} -> {after}): {what} "
+            f"resharded; the data position is global and unchanged")

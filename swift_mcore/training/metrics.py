@@ -57,16 +57,17 @@ def flops_per_token(config) -> float:
 def recompute_flops_per_token(config) -> float:
     """The extra forward FLOPs per token that activation recompute runs in the backward pass:
     with full, the whole forward of each recomputed layer (uniform: every layer; block:
-    --recompute_num_layers per pipeline stage); with selective, the forward of the
+    --recompute_num_layers per model chunk); with selective, the forward of the
     recomputed modules (core_attn: the score/value matmuls; mlp: the MLP; the norms have
     no matmuls). The output layer is never recomputed."""
     t, m = config.training, config.model
     f = _layer_flops(config)
     if t.recompute_granularity == "full":
-        stages = config.world.pipeline_parallel
-        per_stage = m.num_layers // stages
+        # megatron's block recomputes the first layers of each model chunk (every virtual
+        # stage of every pipeline stage, uneven ones included)
         layers = (m.num_layers if t.recompute_method == "uniform"
-                  else min(t.recompute_num_layers, per_stage) * stages)
+                  else sum(min(t.recompute_num_layers, len(chunk))
+                           for stage in config.args.pipeline_chunk_layers() for chunk in stage))
         mlp = sum(f["mlp_layers"]) / m.num_layers  # MoE and dense layers alike, on average
         return 2.0 * layers * (f["attn_proj"] + mlp + f["core_attn"])
     if t.recompute_granularity == "selective":

@@ -320,3 +320,20 @@ def test_resume_and_load_flags_are_checked_before_any_work(tmp_path):
         validate(load=str(tmp_path))
     validate(load=str(tmp_path), finetune=True)
     validate(resume="auto")
+
+
+def test_the_layout_change_line_names_only_what_was_resharded():
+    """--no_load_optim (or a checkpoint saved before any step) restores no optimizer state:
+    the resume line must not say it was resharded."""
+    from swift_mcore.checkpointing.load import _log_layout_change
+
+    saved = {"tp_size": 1, "pp_size": 1, "dp_size": 2}
+    lines = []
+    _log_layout_change(saved, lines.append, optimizer=True)
+    _log_layout_change(saved, lines.append, optimizer=False)
+    assert lines == [
+        "parallel layout changed since the checkpoint (TP 1 x PP 1 x DP 2 -> TP 1 x PP 1 x "
+        "DP 1): weights and optimizer state were resharded; the data position is global and "
+        "unchanged",
+        "parallel layout changed since the checkpoint (TP 1 x PP 1 x DP 2 -> TP 1 x PP 1 x "
+        "DP 1): weights were resharded; the data position is global and unchanged"]

@@ -201,6 +201,35 @@ def test_finetune_takes_weights_only(made, tmp_path, in_process, capsys):
     assert "--finetune: model weights from" in capsys.readouterr().out
 
 
+def test_weights_loaded_without_optimizer_state_reach_its_main_copies(made, tmp_path,
+                                                                     in_process, monkeypatch):
+    """--finetune and --no_load_optim put the checkpoint's weights in the model after the
+    optimizer was built. Its fp32 main copies (bf16/fp16, the distributed optimizer's
+    shards: on a GPU) are refreshed from them, as Megatron-LM's load_checkpoint does;
+    without that its first step wrote the initial weights back over the loaded ones. On
+    CPU fp32 the copies are the weights themselves, so what is checked is the refresh,
+    made once the loaded weights are in place."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+
+    seen = []
+    for cls in (FP32Optimizer, MixedPrecisionOptimizer):
+        def spy(self, state_dict=None, _original=cls.reload_model_params):
+            seen.append([p.detach().clone() for p in self.get_parameters()])
+            return _original(self, state_dict)
+
+        monkeypatch.setattr(cls, "reload_model_params", spy)
+    tuned = in_process(**made["flags"], output_dir=str(tmp_path / "ft"), finetune=True,
+                       load=os.path.join(made["good"], "checkpoint"))
+    out = copy_run(made, tmp_path, "bare")
+    resumed = in_process(**{**made["flags"], "train_iters": 3}, output_dir=out,
+                         resume="auto", no_load_optim=True, no_load_rng=True)
+    assert len(seen) == 2
+    for trainer, refreshed_from in zip((tuned, resumed), seen):
+        loaded = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+        assert len(loaded) == len(refreshed_from)
+        assert all(torch.equal(a, b) for a, b in zip(loaded, refreshed_from))
+
+
 def test_finetune_from_another_model_is_refused(made, tmp_path, in_process):
     with pytest.raises(CheckpointError, match="--hidden_size: checkpoint 64, now 128"):
         in_process(**{**made["flags"], "hidden_size": 128}, output_dir=str(tmp_path / "ft"),
