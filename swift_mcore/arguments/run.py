@@ -817,11 +817,12 @@ class RunArguments:
                 f"--moe_router_num_groups {groups} must divide --num_experts "
                 f"({m.num_experts}) and --moe_router_group_topk {chosen} be 1 to {groups}, "
                 f"with the chosen groups holding at least --moe_router_topk experts{source}")
+
     def check_recompute(self) -> None:
         """The combinations megatron-core's TransformerConfig accepts, and that its block can
         run: uniform chunks tile a pipeline stage's layers (megatron would index past the
         stage's last layer), block recomputes at most the stage's layers."""
-        t, m = self.training, self.model
+        t = self.training
         granularity = t.recompute_granularity
         modules = "recompute_modules" in self.explicit
         if granularity != "full":
