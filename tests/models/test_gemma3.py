@@ -344,6 +344,43 @@ def test_a_transformers_4_config_reads_as_transformers_5_does():
     assert written["rope_parameters"] == {k: dict(v) for k, v in hf.rope_parameters.items()}
 
 
+PER_KIND = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+
+
+@pytest.mark.parametrize("config", [
+    # no head_dim: transformers' 256, not hidden_size / heads (was a shape AssertionError)
+    dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    # _sliding_window_pattern (the attribute's name) does not set the layers: the default 6
+    dict(num_hidden_layers=4, head_dim=16, _sliding_window_pattern=2),
+    # rope_scaling updates the full_attention layers' per-kind RoPE (it was ignored)
+    dict(num_hidden_layers=4, head_dim=16, rope_parameters=PER_KIND,
+         rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    # a kind without rope_theta takes rope_theta / rope_local_base_freq (was the default)
+    dict(num_hidden_layers=4, head_dim=16, rope_theta=50000.0, rope_local_base_freq=500.0,
+         rope_parameters={"sliding_attention": {"rope_type": "default"},
+                          "full_attention": {"rope_type": "default"}}),
+], ids=["no-head_dim", "_sliding_window_pattern", "rope_scaling-over-per-kind",
+        "per-kind-without-theta"])
+def test_config_keys_read_as_transformers_reads_them(config):
+    from transformers import Gemma3TextConfig
+
+    from swift_mcore.models.families import by_name
+
+    config = dict(H.BASE, model_type="gemma3_text", sliding_window=8, **config)
+    values = by_name("gemma3").model_values(config, None)
+    hf = Gemma3TextConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    assert values["kv_channels"] == hf.head_dim
+    kinds = ["1" if kind == "sliding_attention" else "0" for kind in hf.layer_types]
+    assert values["window_attn_skip_freq"] == ("[" + ",".join(kinds) + "]" if "1" in kinds
+                                               else None)
+    rope = hf.rope_parameters
+    assert values["rotary_base"] == rope["full_attention"]["rope_theta"]
+    if "1" in kinds:
+        assert values["rotary_base_local"] == rope["sliding_attention"]["rope_theta"]
+    assert values["rotary_seq_len_interpolation_factor"] == rope["full_attention"].get("factor")
+
+
 def test_lora_trains_and_exports_merged_and_as_peft(tmp_path, train_here, gloo_group,
                                                     gemma_folder):
     """LoRA on every linear layer: the merged export and the PEFT adapter on the base

@@ -21,6 +21,7 @@ OWN_KEYS = ("hidden_activation", "hidden_act", "query_pre_attn_scalar", "sliding
 DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
             "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
             "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+            "head_dim": 256,
             "sliding_window_pattern": 6, "hidden_act": "silu"}
 
 
@@ -35,8 +36,9 @@ def layer_kinds(config: Dict[str, Any]) -> Tuple[List[str], List[str]]:
             return [], [f"layer_types {kinds!r} ({layers} entries of '{WINDOW}' or "
                         f"'{GLOBAL}')"]
         return list(kinds), []
-    every = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") \
-        or DEFAULTS["sliding_window_pattern"]
+    # transformers reads sliding_window_pattern only: _sliding_window_pattern (its attribute's
+    # name) in a config.json does not set the layers
+    every = config.get("sliding_window_pattern") or DEFAULTS["sliding_window_pattern"]
     return [GLOBAL if (i + 1) % int(every) == 0 else WINDOW for i in range(layers)], []
 
 
@@ -48,6 +50,14 @@ def rope_bases(config: Dict[str, Any]) -> Tuple[Dict[str, float], List[str]]:
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
         per_kind = {kind: dict(params.get(kind) or {}) for kind in (WINDOW, GLOBAL)}
         names = {kind: f"rope_parameters.{kind}" for kind in per_kind}
+        # as transformers' Gemma3TextConfig: rope_scaling updates the full_attention layers'
+        # RoPE, and the top-level bases fill a kind that gives none
+        if isinstance(config.get("rope_scaling"), dict) and config["rope_scaling"]:
+            per_kind[GLOBAL].update(config["rope_scaling"])
+            names[GLOBAL] = "rope_scaling (over rope_parameters.full_attention)"
+        for kind, key in ((GLOBAL, "rope_theta"), (WINDOW, "rope_local_base_freq")):
+            if per_kind[kind].get("rope_theta") is None:
+                per_kind[kind]["rope_theta"] = config.get(key)
     else:
         per_kind = {WINDOW: {"rope_theta": config.get("rope_local_base_freq")},
                     GLOBAL: {**dict(params or config.get("rope_scaling") or {}),

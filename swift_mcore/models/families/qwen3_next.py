@@ -49,7 +49,8 @@ def layer_kinds(config: Dict[str, Any]) -> tuple:
 
 def rotary_fraction(config: Dict[str, Any]) -> Any:
     """partial_rotary_factor: inside rope_parameters (transformers 5) or at the top."""
-    params = config.get("rope_parameters")
+    # rope_scaling, when given, stands in for rope_parameters (base.rope_settings)
+    params = config.get("rope_scaling") or config.get("rope_parameters")
     if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
         return params["partial_rotary_factor"]
     value = config.get("partial_rotary_factor")
@@ -102,9 +103,9 @@ class Qwen3NextFamily(TextModelFamily):
             # every layer is MoE (Qwen3.5-MoE): no dense MLP size in config.json
             core["intermediate_size"] = core.get("moe_intermediate_size") or \
                 self.defaults.get("moe_intermediate_size")
-        if isinstance(core.get("rope_parameters"), dict):
-            core["rope_parameters"] = {k: v for k, v in core["rope_parameters"].items()
-                                       if k != "partial_rotary_factor"}
+        for key in ("rope_parameters", "rope_scaling"):
+            if isinstance(core.get(key), dict):
+                core[key] = {k: v for k, v in core[key].items() if k != "partial_rotary_factor"}
         values = self.common_values(core, model_args, problems)
         head_dim = values["kv_channels"]
         if (head_dim * float(fraction)) % 2:
