@@ -18,7 +18,9 @@ OWN_KEYS = ("hidden_activation", "hidden_act", "query_pre_attn_scalar", "sliding
             "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping",
             "use_bidirectional_attention", "rope_parameters", "rope_scaling", "rope_theta")
 # transformers' Gemma3TextConfig defaults for keys a config.json may omit
-DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+            "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
             "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
             "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
             "head_dim": 256,

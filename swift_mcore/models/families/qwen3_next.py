@@ -22,7 +22,8 @@ LINEAR_KEYS = {"linear_conv_kernel_dim": "linear_conv_kernel_dim",
 OWN_KEYS = ("layer_types", "full_attention_interval", "partial_rotary_factor",
             "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", *LINEAR_KEYS)
 # transformers' Qwen3NextConfig defaults for keys a config.json may omit
-DEFAULTS = {"num_experts_per_tok": 10, "moe_intermediate_size": 512,
+DEFAULTS = {"vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632,
+            "num_hidden_layers": 48, "num_attention_heads": 16, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
             "shared_expert_intermediate_size": 512, "hidden_act": "silu",
             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
             "tie_word_embeddings": False, "head_dim": 256, "num_key_value_heads": 2,
