@@ -169,6 +169,12 @@ def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group, gemma_fold
     (dict(final_logit_softcapping=30.0), "final_logit_softcapping 30.0"),
     (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
     (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    # transformers' config class takes an integer only (and an export would write 20.5)
+    (dict(query_pre_attn_scalar=20.5), "query_pre_attn_scalar 20.5 (an integer"),
+    # Gemma 3's own keys are checked by value as the common ones (was int()'s ValueError)
+    (dict(layer_types=None, sliding_window_pattern="x"),
+     "sliding_window_pattern 'x' is a string"),
+    (dict(sliding_window="8"), "sliding_window '8' is a string"),
     (dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 8.0,
                                                  "rope_theta": 1e4},
                            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
@@ -379,6 +385,24 @@ def test_config_keys_read_as_transformers_reads_them(config):
     if "1" in kinds:
         assert values["rotary_base_local"] == rope["sliding_attention"]["rope_theta"]
     assert values["rotary_seq_len_interpolation_factor"] == rope["full_attention"].get("factor")
+
+
+def test_a_softmax_scale_of_no_integer_scalar_is_not_exported():
+    """query_pre_attn_scalar is an integer in transformers' Gemma3TextConfig: a
+    --softmax_scale whose ** -2 is none is named (the export wrote a config.json transformers
+    refuses to load)."""
+    from swift_mcore.arguments.model import ModelArguments
+    from swift_mcore.models.families import by_name
+
+    config = dict(H.BASE, model_type="gemma3_text", **GEMMA3)
+    family = by_name("gemma3")
+    m = ModelArguments(**family.model_values(config, None))
+    assert family.representation_problems(m) == []
+    assert family.hf_config(m, 320)["query_pre_attn_scalar"] == 24
+    m.softmax_scale = 0.3
+    assert [p for p in family.representation_problems(m) if p.startswith("--softmax_scale")] \
+        == ["--softmax_scale 0.3 (a gemma3 config.json holds query_pre_attn_scalar, an integer, "
+            "as softmax_scale ** -2: here 11.1111)"]
 
 
 def test_lora_trains_and_exports_merged_and_as_peft(tmp_path, train_here, gloo_group,

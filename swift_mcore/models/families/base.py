@@ -156,7 +156,7 @@ VALUES: Dict[str, Value] = {
     "ep_size": Value("int", 1), "seq_aux": Value("bool"), "aux_loss_alpha": Value("number", 0),
     "use_qk_norm": Value("bool"),
     # Gemma 3
-    "hidden_activation": Value("str"), "query_pre_attn_scalar": Value("number", 0, low_open=True),
+    "hidden_activation": Value("str"), "query_pre_attn_scalar": Value("int", 1),
     "rope_local_base_freq": Value("number", 0, low_open=True),
     "sliding_window_pattern": Value("int", 1), "_sliding_window_pattern": Value("int", 1),
     "attn_logit_softcapping": Value("number"), "final_logit_softcapping": Value("number"),

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from .base import UNSET_FLAGS, UnsupportedConfig, require
+from .base import UNSET_FLAGS, InvalidConfig, UnsupportedConfig, require, value_problems
 from .text_model import TextModelFamily
 
 WINDOW, GLOBAL = "sliding_attention", "full_attention"
@@ -108,6 +108,10 @@ class Gemma3Family(TextModelFamily):
                 f"model_type {config.get('model_type')!r} (Gemma 3's vision-language model, "
                 f"its text model under text_config) is not supported yet; give a folder of "
                 f"the text model alone (model_type 'gemma3_text', Gemma3ForCausalLM)")
+        # its own keys' values too (the common reader checks only the keys it reads)
+        invalid = value_problems(config, self.read_keys())
+        if invalid:
+            raise InvalidConfig("; ".join(invalid))
         problems: List[str] = []
         act = config.get("hidden_activation") or DEFAULTS["hidden_activation"]
         if act != "gelu_pytorch_tanh":
@@ -152,6 +156,10 @@ class Gemma3Family(TextModelFamily):
                             f"--model_type {self.name})")
         if m.window_attn_skip_freq is not None and not m.window_size:
             problems.append("--window_attn_skip_freq without --window_size")
+        if m.softmax_scale is not None and _scalar(m) is None:
+            problems.append(f"--softmax_scale {m.softmax_scale} (a {self.name} config.json "
+                            f"holds query_pre_attn_scalar, an integer, as softmax_scale ** -2: "
+                            f"here {m.softmax_scale ** -2:g})")
         return problems
 
     def hf_config(self, m: Any, vocab_size: int, base: Optional[Dict[str, Any]] = None
@@ -163,10 +171,7 @@ class Gemma3Family(TextModelFamily):
                              "_sliding_window_pattern", "hidden_act", "rope_parameters")}
         config = super().hf_config(m, vocab_size, base)
         config.pop("hidden_act", None)
-        head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
-        scalar = head_dim if m.softmax_scale is None else 1.0 / m.softmax_scale ** 2
-        if abs(scalar - round(scalar)) < 1e-6 * scalar:  # 168 ** -0.5 back to 168
-            scalar = int(round(scalar))
+        scalar = _scalar(m)
         pattern = window_layer_pattern(m) or [0] * m.num_layers
         config.update(
             hidden_activation="gelu_pytorch_tanh",
@@ -183,6 +188,16 @@ class Gemma3Family(TextModelFamily):
                  "factor": float(m.rotary_seq_len_interpolation_factor)}},
         )
         return config
+
+
+def _scalar(m: Any) -> Optional[int]:
+    """query_pre_attn_scalar of ModelArguments ``m`` (168 ** -0.5 back to 168); None when
+    softmax_scale ** -2 is no integer (transformers' Gemma3TextConfig takes only one)."""
+    if m.softmax_scale is None:
+        return m.kv_channels or m.hidden_size // m.num_attention_heads
+    scalar = 1.0 / m.softmax_scale ** 2
+    return int(round(scalar)) if round(scalar) >= 1 and \
+        abs(scalar - round(scalar)) < 1e-6 * scalar else None
 
 
 FAMILY = Gemma3Family(
