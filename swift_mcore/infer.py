@@ -67,18 +67,24 @@ def run(args: InferArguments) -> str:
     if template is None:
         print(args.prompt, end="", flush=True)
     new: List[int] = []
-    shown = ""
+    shown = printed = ""
     for token in generate(logits_fn, prompt,
                           args.max_new_tokens, loaded.vocab, eos=tokenizer.eod,
                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                           max_length=limit):
         new.append(token)
         text = tokenizer.decode([t for t in new if t != tokenizer.eod])
-        if template is None:  # streamed; a templated answer is printed whole, marker cut
-            print(text[len(shown):], end="", flush=True)  # decode whole: multi-byte chars
+        # streamed; a templated answer is printed whole, marker cut. A character whose bytes
+        # span tokens decodes as U+FFFD until its last byte comes: held back until then
+        stable = text.rstrip("\ufffd")
+        if template is None and stable.startswith(printed):
+            print(stable[len(printed):], end="", flush=True)
+            printed = stable
         shown = text
         if end_marker and end_marker in text:  # the answer is over, EOD or not
             break
+    if template is None and shown.startswith(printed):
+        print(shown[len(printed):], end="", flush=True)  # bytes no later token completed
     if template is not None:
         # the answer's end-of-turn marker (chatml's <|im_end|>) is not part of the answer
         answer = template.answer_text(shown)

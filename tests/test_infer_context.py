@@ -1,7 +1,8 @@
 """`infer` and the model's context: with learned position embeddings a prompt that leaves
 no room for --max_new_tokens is an error naming the flag and the context length (it used to
 print the prompt and nothing else, or stop early without a word); past the trained length
-of RoPE positions it is a warning."""
+of RoPE positions it is a warning. What infer streams is the tokens' decoding, a character
+split over tokens included."""
 
 import pytest
 
@@ -79,3 +80,24 @@ def test_rope_past_max_position_embeddings_warns():
         check_context(20, 13, 32, "learned_absolute", said.append)
     with pytest.raises(ArgumentError, match=r"--prompt is 32 tokens"):
         check_context(32, 1, 32, "learned_absolute", said.append)
+
+
+@pytest.mark.parametrize("pieces, printed", [
+    (["\u00c3", "\u00a9"], "\u00e9"),  # é's two bytes in two tokens
+    (["x", "\u00c3"], "x\ufffd"),  # a first byte no token completes: as decode gives it
+], ids=["completed", "left-incomplete"])
+def test_a_character_split_over_tokens_prints_as_the_tokens_decode(
+        learned, gloo_group, capsys, monkeypatch, pieces, printed):
+    """A character whose bytes span tokens is printed once whole (its first token alone
+    decodes as U+FFFD, which was printed and never taken back: the text differed from the
+    tokens' decoding)."""
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.data.tokenizer import default_tokenizer
+    from swift_mcore.infer import run
+    from swift_mcore.models import generate
+
+    ids = default_tokenizer().hf.convert_tokens_to_ids(pieces)  # byte-level tokens
+    monkeypatch.setattr(generate, "generate", lambda *args, **kwargs: iter(ids))
+    capsys.readouterr()
+    text = run(InferArguments(model=learned, prompt="say", max_new_tokens=2).validate())
+    assert text == printed and capsys.readouterr().out == "say" + printed + "\n"

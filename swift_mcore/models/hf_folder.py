@@ -124,6 +124,19 @@ class HFFolder:
                     out[name] = (tuple(fh.get_slice(name).get_shape()), path)
         return out
 
+    def float32_names(self) -> frozenset:
+        """The tensors its files hold in float32, from the headers only."""
+        by_file: Dict[str, list] = {}
+        for name, path in self.weight_map.items():
+            by_file.setdefault(path, []).append(name)
+        out = set()
+        for path, names in by_file.items():
+            with self.open(path) as fh:
+                present = set(fh.keys())
+                out.update(name for name in names
+                           if name in present and fh.get_slice(name).get_dtype() == "F32")
+        return frozenset(out)
+
     def reader(self) -> "Reader":
         return Reader(self)
 

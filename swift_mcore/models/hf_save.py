@@ -49,8 +49,10 @@ def plan_shards(tensors: List[Tuple[str, Tuple[int, ...]]], itemsize: int, max_b
 FLOAT32_SUFFIXES = (".e_score_correction_bias",)
 
 
-def _dtype_of(name: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype
+def _dtype_of(name: str, dtype: torch.dtype, float32: frozenset = frozenset()) -> torch.dtype:
+    """``float32``: the tensors the source folder holds in float32 in a folder of a lower
+    dtype (the Hub's Qwen3.5 files: each delta net's A_log and norm), written so again."""
+    return torch.float32 if name.endswith(FLOAT32_SUFFIXES) or name in float32 else dtype
 
 
 def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str], torch.Tensor],
@@ -81,6 +83,11 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
         if base_folder and os.path.lexists(os.path.join(base_folder, name)):
             load_json(os.path.join(base_folder, name))
 
+    float32: frozenset = frozenset()
+    if base is not None and dtype != torch.float32:
+        from .hf_folder import HFFolder
+
+        float32 = HFFolder(base_folder, flag="the source folder").float32_names()
     part = None
     if base is not None and text_part.is_multimodal(base) and \
             families.for_config(base, os.path.join(base_folder, CONFIG)) is family:
@@ -113,7 +120,8 @@ def save_hf_folder(out_dir: str, model_args, layout: Layout, get: Callable[[str]
     os.chmod(staging, 0o777 & ~umask)  # as os.makedirs would (mkdtemp's is 0o700)
     try:
         result = _write_folder(staging, out_dir, family, config, layout, get, tokenizer,
-                               dtype, base_folder, max_shard_bytes, part, processor_files)
+                               dtype, base_folder, max_shard_bytes, part, processor_files,
+                               float32)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         if is_full_disk(err):
@@ -178,9 +186,11 @@ def _replace_folder(staging: str, out_dir: str) -> None:
 
 def _write_folder(staging: str, out_dir: str, family, config, layout: Layout, get, tokenizer,
                   dtype: torch.dtype, base_folder: Optional[str], max_shard_bytes: int,
-                  part=None, processor_files=PROCESSOR_FILES) -> Dict[str, Any]:
+                  part=None, processor_files=PROCESSOR_FILES,
+                  float32: frozenset = frozenset()) -> Dict[str, Any]:
     """Every file of the folder, into ``staging``. ``part``: (TextPart, source HFFolder) of
-    a multimodal source, whose tensors the model does not hold are copied as they are."""
+    a multimodal source, whose tensors the model does not hold are copied as they are;
+    ``float32``: the files' names of tensors written in float32 (_dtype_of)."""
     import contextlib
 
     from safetensors.torch import save_file
@@ -203,7 +213,7 @@ def _write_folder(staging: str, out_dir: str, family, config, layout: Layout, ge
         for number, names in enumerate(plan, start=1):
             filename = f"model-{number:05d}-of-{len(plan):05d}.safetensors"
             tensors = {name: layout.to_hf(text_names[name], get).detach().to(
-                       "cpu", _dtype_of(name, dtype)).contiguous() if name in text_names
+                       "cpu", _dtype_of(name, dtype, float32)).contiguous() if name in text_names
                        else source.read(name).contiguous()  # carried: as the source has it
                        for name in names}
             save_file(tensors, os.path.join(staging, filename), metadata={"format": "pt"})

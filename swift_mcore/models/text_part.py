@@ -109,6 +109,8 @@ def part_of(folder) -> Optional[TextPart]:
         return None
     for model, head in SPELLINGS:
         if model + "embed_tokens.weight" in folder.weight_map:
+            if head not in folder.weight_map and "lm_head.weight" in folder.weight_map:
+                head = "lm_head.weight"  # transformers reads either name as the head
             return TextPart(model, head)
     raise ArgumentError(f"--model {folder.path}: a {folder.config['model_type']} folder whose "
                         f"weights hold no language model's embedding (looked for "

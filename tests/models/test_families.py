@@ -90,3 +90,58 @@ def test_every_key_a_family_reads_has_declared_values():
 
     for family in families().values():
         assert not family.read_keys() - set(VALUES), family.name
+
+
+@pytest.mark.parametrize("model_type, family", [
+    ("gemma3_text", "gemma3"), ("qwen3_next", "qwen3_next"), ("qwen3_5_text", "qwen3_5"),
+    ("qwen3_5_moe_text", "qwen3_5_moe")])
+def test_a_config_of_few_keys_reads_as_transformers_defaults_it(model_type, family):
+    """Keys a config.json leaves out, the sizes and vocabulary included, are transformers'
+    defaults (the Hub's Gemma 3 text_config names five keys: it was refused as lacking
+    num_attention_heads and vocab_size)."""
+    from transformers import AutoConfig
+
+    config = {"model_type": model_type, **({"num_experts": 16} if family != "gemma3" and
+                                            family != "qwen3_5" else {})}
+    values = families.by_name(family).model_values(config, None)
+    hf = AutoConfig.for_model(model_type, **{k: v for k, v in config.items()
+                                             if k != "model_type"})
+    assert (values["vocab_size"], values["hidden_size"], values["num_layers"],
+            values["num_attention_heads"], values["num_query_groups"], values["kv_channels"],
+            values.get("moe_router_topk")) == (
+        hf.vocab_size, hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads,
+        hf.num_key_value_heads, hf.head_dim, getattr(hf, "num_experts_per_tok", None))
+    if getattr(hf, "intermediate_size", None) is not None:
+        assert values["ffn_hidden_size"] == hf.intermediate_size
+
+
+def test_the_hubs_gemma3_multimodal_config_reads_as_transformers_reads_it():
+    """gemma-3-4b-it's config.json: its text_config gives five keys and the global layers'
+    linear RoPE scaling; the rest are Gemma3TextConfig's defaults."""
+    from transformers import Gemma3Config
+
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+           "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+           "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                           "model_type": "gemma3_text", "num_hidden_layers": 34,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "image_size": 896,
+                             "intermediate_size": 4304, "model_type": "siglip_vision_model",
+                             "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False}}
+    values = families.by_name("gemma3").model_values(hub, None)
+    hf = Gemma3Config(**{k: v for k, v in hub.items() if k != "model_type"}).text_config
+    rope = hf.rope_parameters
+    assert (values["num_attention_heads"], values["num_query_groups"], values["kv_channels"],
+            values["vocab_size"], values["softmax_scale"]) == (
+        hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.vocab_size,
+        hf.query_pre_attn_scalar ** -0.5)
+    assert values["window_attn_skip_freq"] == "[" + ",".join(
+        "1" if kind == "sliding_attention" else "0" for kind in hf.layer_types) + "]"
+    assert (values["rotary_base"], values["rotary_base_local"],
+            values["rotary_seq_len_interpolation_factor"]) == (
+        rope["full_attention"]["rope_theta"], rope["sliding_attention"]["rope_theta"],
+        rope["full_attention"]["factor"])

@@ -169,6 +169,12 @@ def test_sft_trains_and_exports_to_transformers(tmp_path, gloo_group, gemma_fold
     (dict(final_logit_softcapping=30.0), "final_logit_softcapping 30.0"),
     (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
     (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    # transformers' config class takes an integer only (and an export would write 20.5)
+    (dict(query_pre_attn_scalar=20.5), "query_pre_attn_scalar 20.5 (an integer"),
+    # Gemma 3's own keys are checked by value as the common ones (was int()'s ValueError)
+    (dict(layer_types=None, sliding_window_pattern="x"),
+     "sliding_window_pattern 'x' is a string"),
+    (dict(sliding_window="8"), "sliding_window '8' is a string"),
     (dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 8.0,
                                                  "rope_theta": 1e4},
                            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
@@ -342,6 +348,61 @@ def test_a_transformers_4_config_reads_as_transformers_5_does():
     written = by_name("gemma3").hf_config(ModelArguments(**values), 320)
     assert written["query_pre_attn_scalar"] == 168 and written["layer_types"] == hf.layer_types
     assert written["rope_parameters"] == {k: dict(v) for k, v in hf.rope_parameters.items()}
+
+
+PER_KIND = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+
+
+@pytest.mark.parametrize("config", [
+    # no head_dim: transformers' 256, not hidden_size / heads (was a shape AssertionError)
+    dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    # _sliding_window_pattern (the attribute's name) does not set the layers: the default 6
+    dict(num_hidden_layers=4, head_dim=16, _sliding_window_pattern=2),
+    # rope_scaling updates the full_attention layers' per-kind RoPE (it was ignored)
+    dict(num_hidden_layers=4, head_dim=16, rope_parameters=PER_KIND,
+         rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    # a kind without rope_theta takes rope_theta / rope_local_base_freq (was the default)
+    dict(num_hidden_layers=4, head_dim=16, rope_theta=50000.0, rope_local_base_freq=500.0,
+         rope_parameters={"sliding_attention": {"rope_type": "default"},
+                          "full_attention": {"rope_type": "default"}}),
+], ids=["no-head_dim", "_sliding_window_pattern", "rope_scaling-over-per-kind",
+        "per-kind-without-theta"])
+def test_config_keys_read_as_transformers_reads_them(config):
+    from transformers import Gemma3TextConfig
+
+    from swift_mcore.models.families import by_name
+
+    config = dict(H.BASE, model_type="gemma3_text", sliding_window=8, **config)
+    values = by_name("gemma3").model_values(config, None)
+    hf = Gemma3TextConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    assert values["kv_channels"] == hf.head_dim
+    kinds = ["1" if kind == "sliding_attention" else "0" for kind in hf.layer_types]
+    assert values["window_attn_skip_freq"] == ("[" + ",".join(kinds) + "]" if "1" in kinds
+                                               else None)
+    rope = hf.rope_parameters
+    assert values["rotary_base"] == rope["full_attention"]["rope_theta"]
+    if "1" in kinds:
+        assert values["rotary_base_local"] == rope["sliding_attention"]["rope_theta"]
+    assert values["rotary_seq_len_interpolation_factor"] == rope["full_attention"].get("factor")
+
+
+def test_a_softmax_scale_of_no_integer_scalar_is_not_exported():
+    """query_pre_attn_scalar is an integer in transformers' Gemma3TextConfig: a
+    --softmax_scale whose ** -2 is none is named (the export wrote a config.json transformers
+    refuses to load)."""
+    from swift_mcore.arguments.model import ModelArguments
+    from swift_mcore.models.families import by_name
+
+    config = dict(H.BASE, model_type="gemma3_text", **GEMMA3)
+    family = by_name("gemma3")
+    m = ModelArguments(**family.model_values(config, None))
+    assert family.representation_problems(m) == []
+    assert family.hf_config(m, 320)["query_pre_attn_scalar"] == 24
+    m.softmax_scale = 0.3
+    assert [p for p in family.representation_problems(m) if p.startswith("--softmax_scale")] \
+        == ["--softmax_scale 0.3 (a gemma3 config.json holds query_pre_attn_scalar, an integer, "
+            "as softmax_scale ** -2: here 11.1111)"]
 
 
 def test_lora_trains_and_exports_merged_and_as_peft(tmp_path, train_here, gloo_group,

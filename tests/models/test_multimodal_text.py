@@ -167,6 +167,28 @@ def test_what_the_language_model_cannot_express_is_named(gemma_vl, tmp_path, cha
         resolve(RunArguments.from_flags(model=str(folder), seq_length=32), world_size=1)
 
 
+def test_a_tied_head_that_differs_is_refused_under_either_name(gemma_vl, tmp_path,
+                                                               gloo_group):
+    """tie_word_embeddings true, and the files hold a head that is not the embedding: under
+    language_model.lm_head.weight or lm_head.weight (beside language_model.model.*, which
+    transformers reads as the head too; it was left out, and the embedding used)."""
+    import shutil
+
+    from swift_mcore.errors import ArgumentError
+    from swift_mcore.loaded_model import load_model
+
+    for head in ("language_model.lm_head.weight", "lm_head.weight"):
+        folder = tmp_path / head
+        shutil.copytree(gemma_vl, folder)
+        state = load_file(str(folder / "model.safetensors"))
+        embedding = next(t for name, t in state.items() if name.endswith("embed_tokens.weight"))
+        state[head] = embedding + 0.5
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ArgumentError, match="lm_head.weight differs from model.embed_tokens"
+                                                ".weight, but .* says tie_word_embeddings true"):
+            load_model(str(folder), log=lambda line: None)
+
+
 # ---- the export of a checkpoint whose source folder is gone or changed -------------------
 @pytest.fixture(scope="module")
 def qwen_vl_checkpoint(qwen_vl, tmp_path_factory, gloo_group):

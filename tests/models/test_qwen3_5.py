@@ -60,6 +60,27 @@ def test_logits_match_and_round_trip_is_bit_identical(tmp_path, gloo_group, mode
     assert config["model_type"] == model_type and config["layer_types"] == HYBRID["layer_types"]
 
 
+def test_a_bfloat16_folder_keeps_its_float32_delta_net_tensors(tmp_path, gloo_group):
+    """The Hub's Qwen3.5 files hold each delta net's A_log and norm in float32 beside
+    bfloat16 weights: HF -> mcore -> HF gives every tensor back bit for bit, in its own dtype
+    (they were rounded to bfloat16)."""
+    from safetensors.torch import save_file
+
+    source = tmp_path / "hf"
+    make(source, "qwen3_5_text")
+    state = {name: tensor if name.endswith(("A_log", "linear_attn.norm.weight"))
+             else tensor.bfloat16() for name, tensor in H.safetensors_state(str(source)).items()}
+    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
+    H.edit_config(str(source), dtype="bfloat16")
+    H.convert(source, tmp_path / "mcore", "to_mcore")
+    H.convert(tmp_path / "mcore", tmp_path / "back", "to_hf")
+    exported = H.safetensors_state(str(tmp_path / "back"))
+    assert sorted(exported) == sorted(state)
+    assert any(tensor.dtype == torch.float32 for tensor in state.values())
+    for name, tensor in state.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
 def test_a_vision_language_folder_without_its_language_model_is_refused_by_name(tmp_path):
     from swift_mcore.arguments import RunArguments
     from swift_mcore.run_config import resolve

@@ -330,6 +330,24 @@ def test_a_transformers_4_config_reads_as_transformers_5_does():
     assert written["rope_parameters"]["partial_rotary_factor"] == 0.25
 
 
+def test_rope_scaling_is_read_in_place_of_rope_parameters():
+    """transformers reads a given rope_scaling in place of rope_parameters (its base, its
+    rotary fraction); it was ignored beside rope_parameters."""
+    from transformers import Qwen3NextConfig
+
+    from swift_mcore.models.families import by_name
+
+    config = {**H.BASE, **NEXT, "model_type": "qwen3_next",
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.5},
+              "rope_scaling": {"rope_type": "default", "rope_theta": 500.0,
+                               "partial_rotary_factor": 0.25}}
+    values = by_name("qwen3_next").model_values(config, None)
+    hf = Qwen3NextConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    assert values["rotary_base"] == hf.rope_parameters["rope_theta"] == 500
+    assert values["rotary_percent"] == hf.rope_parameters["partial_rotary_factor"] == 0.25
+
+
 def test_a_gpu_without_the_delta_net_kernels_is_refused_by_name(next_folder, monkeypatch):
     """On CUDA megatron's GatedDeltaNet needs flash-linear-attention: refused before any work
     (a simulated GPU without it), not a traceback from the layer."""

@@ -156,7 +156,7 @@ VALUES: Dict[str, Value] = {
     "ep_size": Value("int", 1), "seq_aux": Value("bool"), "aux_loss_alpha": Value("number", 0),
     "use_qk_norm": Value("bool"),
     # Gemma 3
-    "hidden_activation": Value("str"), "query_pre_attn_scalar": Value("number", 0, low_open=True),
+    "hidden_activation": Value("str"), "query_pre_attn_scalar": Value("int", 1),
     "rope_local_base_freq": Value("number", 0, low_open=True),
     "sliding_window_pattern": Value("int", 1), "_sliding_window_pattern": Value("int", 1),
     "attn_logit_softcapping": Value("number"), "final_logit_softcapping": Value("number"),
@@ -393,13 +393,15 @@ def rope_settings(config: Dict[str, Any], default_theta: float
     problems: List[str] = []
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         return 0, None, ["rope_parameters per layer type (only one RoPE for all layers)"]
-    if isinstance(params, dict):
+    # transformers reads rope_scaling, when given, in place of rope_parameters
+    # (convert_rope_params_to_dict: ``rope_scaling or rope_parameters``)
+    if isinstance(params, dict) and not config.get("rope_scaling"):
         theta = params.get("rope_theta", config.get("rope_theta", default_theta))
         scaling = dict(params)
         key = "rope_parameters"
     else:
-        theta = config.get("rope_theta", default_theta)
         scaling = dict(config.get("rope_scaling") or {})
+        theta = scaling.get("rope_theta", config.get("rope_theta", default_theta))
         key = "rope_scaling"
     if theta is None:
         theta = default_theta

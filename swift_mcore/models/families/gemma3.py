@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from .base import UNSET_FLAGS, UnsupportedConfig, require
+from .base import UNSET_FLAGS, InvalidConfig, UnsupportedConfig, require, value_problems
 from .text_model import TextModelFamily
 
 WINDOW, GLOBAL = "sliding_attention", "full_attention"
@@ -18,9 +18,12 @@ OWN_KEYS = ("hidden_activation", "hidden_act", "query_pre_attn_scalar", "sliding
             "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping",
             "use_bidirectional_attention", "rope_parameters", "rope_scaling", "rope_theta")
 # transformers' Gemma3TextConfig defaults for keys a config.json may omit
-DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+            "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
             "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
             "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+            "head_dim": 256,
             "sliding_window_pattern": 6, "hidden_act": "silu"}
 
 
@@ -35,8 +38,9 @@ def layer_kinds(config: Dict[str, Any]) -> Tuple[List[str], List[str]]:
             return [], [f"layer_types {kinds!r} ({layers} entries of '{WINDOW}' or "
                         f"'{GLOBAL}')"]
         return list(kinds), []
-    every = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") \
-        or DEFAULTS["sliding_window_pattern"]
+    # transformers reads sliding_window_pattern only: _sliding_window_pattern (its attribute's
+    # name) in a config.json does not set the layers
+    every = config.get("sliding_window_pattern") or DEFAULTS["sliding_window_pattern"]
     return [GLOBAL if (i + 1) % int(every) == 0 else WINDOW for i in range(layers)], []
 
 
@@ -48,6 +52,14 @@ def rope_bases(config: Dict[str, Any]) -> Tuple[Dict[str, float], List[str]]:
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
         per_kind = {kind: dict(params.get(kind) or {}) for kind in (WINDOW, GLOBAL)}
         names = {kind: f"rope_parameters.{kind}" for kind in per_kind}
+        # as transformers' Gemma3TextConfig: rope_scaling updates the full_attention layers'
+        # RoPE, and the top-level bases fill a kind that gives none
+        if isinstance(config.get("rope_scaling"), dict) and config["rope_scaling"]:
+            per_kind[GLOBAL].update(config["rope_scaling"])
+            names[GLOBAL] = "rope_scaling (over rope_parameters.full_attention)"
+        for kind, key in ((GLOBAL, "rope_theta"), (WINDOW, "rope_local_base_freq")):
+            if per_kind[kind].get("rope_theta") is None:
+                per_kind[kind]["rope_theta"] = config.get(key)
     else:
         per_kind = {WINDOW: {"rope_theta": config.get("rope_local_base_freq")},
                     GLOBAL: {**dict(params or config.get("rope_scaling") or {}),
@@ -96,6 +108,10 @@ class Gemma3Family(TextModelFamily):
                 f"model_type {config.get('model_type')!r} (Gemma 3's vision-language model, "
                 f"its text model under text_config) is not supported yet; give a folder of "
                 f"the text model alone (model_type 'gemma3_text', Gemma3ForCausalLM)")
+        # its own keys' values too (the common reader checks only the keys it reads)
+        invalid = value_problems(config, self.read_keys())
+        if invalid:
+            raise InvalidConfig("; ".join(invalid))
         problems: List[str] = []
         act = config.get("hidden_activation") or DEFAULTS["hidden_activation"]
         if act != "gelu_pytorch_tanh":
@@ -140,6 +156,10 @@ class Gemma3Family(TextModelFamily):
                             f"--model_type {self.name})")
         if m.window_attn_skip_freq is not None and not m.window_size:
             problems.append("--window_attn_skip_freq without --window_size")
+        if m.softmax_scale is not None and _scalar(m) is None:
+            problems.append(f"--softmax_scale {m.softmax_scale} (a {self.name} config.json "
+                            f"holds query_pre_attn_scalar, an integer, as softmax_scale ** -2: "
+                            f"here {m.softmax_scale ** -2:g})")
         return problems
 
     def hf_config(self, m: Any, vocab_size: int, base: Optional[Dict[str, Any]] = None
@@ -151,10 +171,7 @@ class Gemma3Family(TextModelFamily):
                              "_sliding_window_pattern", "hidden_act", "rope_parameters")}
         config = super().hf_config(m, vocab_size, base)
         config.pop("hidden_act", None)
-        head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
-        scalar = head_dim if m.softmax_scale is None else 1.0 / m.softmax_scale ** 2
-        if abs(scalar - round(scalar)) < 1e-6 * scalar:  # 168 ** -0.5 back to 168
-            scalar = int(round(scalar))
+        scalar = _scalar(m)
         pattern = window_layer_pattern(m) or [0] * m.num_layers
         config.update(
             hidden_activation="gelu_pytorch_tanh",
@@ -171,6 +188,16 @@ class Gemma3Family(TextModelFamily):
                  "factor": float(m.rotary_seq_len_interpolation_factor)}},
         )
         return config
+
+
+def _scalar(m: Any) -> Optional[int]:
+    """query_pre_attn_scalar of ModelArguments ``m`` (168 ** -0.5 back to 168); None when
+    softmax_scale ** -2 is no integer (transformers' Gemma3TextConfig takes only one)."""
+    if m.softmax_scale is None:
+        return m.kv_channels or m.hidden_size // m.num_attention_heads
+    scalar = 1.0 / m.softmax_scale ** 2
+    return int(round(scalar)) if round(scalar) >= 1 and \
+        abs(scalar - round(scalar)) < 1e-6 * scalar else None
 
 
 FAMILY = Gemma3Family(

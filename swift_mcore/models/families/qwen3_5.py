@@ -11,7 +11,8 @@ FAMILY = Qwen3NextFamily(
     model_types=("qwen3_5_text", "qwen3_5"),
     architecture="Qwen3_5ForCausalLM",
     # transformers' Qwen3_5TextConfig defaults for keys a config.json may omit
-    defaults={**DEFAULTS, "num_key_value_heads": 4},
+    defaults={**DEFAULTS, "vocab_size": 248_320, "hidden_size": 4096, "intermediate_size": 12288,
+              "num_hidden_layers": 32, "num_key_value_heads": 4},
     fixed={"qk_layernorm": True, "attention_output_gate": True},
     known_keys=frozenset({"attention_bias"}),
     checks=require(attention_bias=False),

@@ -11,7 +11,9 @@ FAMILY = Qwen3NextFamily(
     model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
     architecture="Qwen3_5MoeForCausalLM",
     # transformers' Qwen3_5MoeTextConfig defaults for keys a config.json may omit
-    defaults={**DEFAULTS, "num_key_value_heads": 2, "num_experts_per_tok": 8},
+    # (no intermediate_size: every layer is MoE)
+    defaults={**DEFAULTS, "vocab_size": 248_320, "num_hidden_layers": 40, "intermediate_size": None,
+              "num_key_value_heads": 2, "num_experts_per_tok": 8},
     fixed={"qk_layernorm": True, "attention_output_gate": True},
     known_keys=frozenset({"attention_bias"}),
     checks=require(attention_bias=False),

@@ -22,7 +22,8 @@ LINEAR_KEYS = {"linear_conv_kernel_dim": "linear_conv_kernel_dim",
 OWN_KEYS = ("layer_types", "full_attention_interval", "partial_rotary_factor",
             "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", *LINEAR_KEYS)
 # transformers' Qwen3NextConfig defaults for keys a config.json may omit
-DEFAULTS = {"num_experts_per_tok": 10, "moe_intermediate_size": 512,
+DEFAULTS = {"vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632,
+            "num_hidden_layers": 48, "num_attention_heads": 16, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
             "shared_expert_intermediate_size": 512, "hidden_act": "silu",
             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
             "tie_word_embeddings": False, "head_dim": 256, "num_key_value_heads": 2,
@@ -49,7 +50,8 @@ def layer_kinds(config: Dict[str, Any]) -> tuple:
 
 def rotary_fraction(config: Dict[str, Any]) -> Any:
     """partial_rotary_factor: inside rope_parameters (transformers 5) or at the top."""
-    params = config.get("rope_parameters")
+    # rope_scaling, when given, stands in for rope_parameters (base.rope_settings)
+    params = config.get("rope_scaling") or config.get("rope_parameters")
     if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
         return params["partial_rotary_factor"]
     value = config.get("partial_rotary_factor")
@@ -102,9 +104,9 @@ class Qwen3NextFamily(TextModelFamily):
             # every layer is MoE (Qwen3.5-MoE): no dense MLP size in config.json
             core["intermediate_size"] = core.get("moe_intermediate_size") or \
                 self.defaults.get("moe_intermediate_size")
-        if isinstance(core.get("rope_parameters"), dict):
-            core["rope_parameters"] = {k: v for k, v in core["rope_parameters"].items()
-                                       if k != "partial_rotary_factor"}
+        for key in ("rope_parameters", "rope_scaling"):
+            if isinstance(core.get(key), dict):
+                core[key] = {k: v for k, v in core[key].items() if k != "partial_rotary_factor"}
         values = self.common_values(core, model_args, problems)
         head_dim = values["kv_channels"]
         if (head_dim * float(fraction)) % 2:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Tuple
 
-from .base import Family, UnsupportedConfig
+from .base import REQUIRED_KEYS, Family, UnsupportedConfig
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,11 @@ class TextModelFamily(Family):
 
         if text_part.is_multimodal(config):  # the language model, trained on text alone
             return text_part.language_model_values(config, model_args, self.model_values)
-        return self.text_model_values(config, model_args)
+        # the Hub's Gemma 3 text_config leaves out even the head count and vocabulary
+        # (gemma-3-4b-it's): transformers' defaults, as its config class fills them
+        filled = {key: self.defaults[key] for key in REQUIRED_KEYS
+                  if config.get(key) is None and self.defaults.get(key) is not None}
+        return self.text_model_values({**config, **filled}, model_args)
 
     def text_model_values(self, config: Dict[str, Any], model_args: Any) -> Dict[str, Any]:
         raise NotImplementedError
