@@ -32,9 +32,11 @@ def run(args: InferArguments) -> str:
         print(line, file=sys.stderr, flush=True)
 
     if args.image is not None:  # before the model loads
+        from .data.multimodal import check_aspect
         from .input_files import check_image
 
-        check_image(os.path.expanduser(args.image), f"--image {args.image}")
+        check_aspect(check_image(os.path.expanduser(args.image), f"--image {args.image}"),
+                     f"--image {args.image}")
     if args.video is not None:
         from .input_files import check_video
 

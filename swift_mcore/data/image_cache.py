@@ -67,7 +67,7 @@ IMAGE_SCHEMA = {**SFT_SCHEMA, "image_offsets": ("int64", 1), "grids": ("int64", 
                 "file_stamps": ("int64", 2), "file_refs": ("uint8", 1),
                 "file_ref_offsets": ("int64", 1)}
 # Part of the identity: change it whenever what an image row becomes changes.
-IMAGE_FORMAT = 2
+IMAGE_FORMAT = 3
 FLAGS = {**IDENTITY_FLAGS, "images": "swift-mcore's image cache format",
          "image_processor": "the image processor (--max_pixels, --min_pixels, or the "
          "folder's preprocessor_config.json)",
@@ -177,14 +177,16 @@ def _hashed(held) -> list:
 
 
 def picture(data: bytes, where: str):
-    """The image in ``data``, as RGB."""
+    """The image in ``data``, upright and RGB (multimodal.upright_rgb)."""
     import io
 
     from PIL import Image, UnidentifiedImageError
 
+    from .multimodal import upright_rgb
+
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return image.convert("RGB")
+            return upright_rgb(image)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
         raise ArgumentError(f"{where}: not an image PIL can read") from None
 

@@ -50,6 +50,9 @@ IMAGE_TAG = "<image>"
 # an image given inline in a row (ms-swift accepts base64 images)
 BASE64_IMAGE = re.compile(r"^data:image/[\w.+-]+;base64,")
 VIDEO_TAG = "<video>"
+# the largest ratio of an image's sides Qwen's smart_resize takes (transformers and
+# qwen_vl_utils refuse more)
+MAX_ASPECT = 200
 # Qwen2.5-VL's tokens around and for an image or a video (its chat template and processor)
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -107,9 +110,11 @@ def read_image_row(row: Dict[str, Any], where: str) -> ImageConversation:
                                 f"in order)")
     for i, ref in enumerate(images):
         if BASE64_IMAGE.match(ref):
-            check_image_bytes(_decoded(ref, f"{where}: images[{i}]"), f"{where}: images[{i}]")
+            at = f"{where}: images[{i}]"
+            check_aspect(check_image_bytes(_decoded(ref, at), at), at)
         else:
-            check_image(ref, f"{where}: images[{i}] {ref}")
+            at = f"{where}: images[{i}] {ref}"
+            check_aspect(check_image(ref, at), at)
     for video, field in zip(videos, fields):
         if isinstance(video, tuple):
             for j, frame in enumerate(video):
@@ -218,19 +223,41 @@ def _decoded(ref: str, where: str) -> bytes:
                             f"base64") from None
 
 
-def load_image(ref: str, where: str):
+def load_image(ref: str, where: str, upright: bool = False):
     """The image at path ``ref``, or given inline as a base64 data URI (checked first by
-    read_image_row), as RGB."""
+    read_image_row), as RGB; ``upright``: turned as its EXIF orientation says (see
+    upright_rgb)."""
     import io
 
     from PIL import Image
 
+    convert = upright_rgb if upright else (lambda image: image.convert("RGB"))
     if BASE64_IMAGE.match(ref):
         with Image.open(io.BytesIO(_decoded(ref, where))) as image:
-            return image.convert("RGB")
+            return convert(image)
     with open_regular(ref, "rb", where) as fh:
         with Image.open(fh) as image:
-            return image.convert("RGB")
+            return convert(image)
+
+
+def upright_rgb(image):
+    """An image (not a video frame) as transformers' processors read a path or a base64
+    image (image_utils.load_image): turned by its EXIF orientation, then RGB (a phone's
+    portrait JPEG is stored sideways with orientation 6; read as stored, its patches and
+    grid would be another image's)."""
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(image).convert("RGB")
+
+
+def check_aspect(size: Tuple[int, int], where: str) -> None:
+    """ArgumentError for an image whose sides' ratio is over MAX_ASPECT (Qwen's
+    smart_resize refuses it deep in the image processor)."""
+    width, height = size
+    if max(width, height) > MAX_ASPECT * min(width, height):
+        raise ArgumentError(f"{where}: {width}x{height} pixels, a side more than "
+                            f"{MAX_ASPECT} times the other (Qwen VL image processors refuse "
+                            f"it: crop or pad it)")
 
 
 @dataclass
@@ -278,7 +305,8 @@ class ImageEncoder:
         """(pixel_values, image_grid_thw) of images read from ``paths``, or of the PIL
         ``pictures`` given already read (the token cache reads each file's bytes once, to
         hash what it encodes)."""
-        images = pictures if pictures is not None else [load_image(p, p) for p in paths]
+        images = pictures if pictures is not None else [load_image(p, p, upright=True)
+                                                         for p in paths]
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 

@@ -280,7 +280,15 @@ def _bad_rows(tmp_path):
     user = lambda text: [{"role": "user", "content": text},  # noqa: E731
                          {"role": "assistant", "content": "ok"}]
     missing = str(tmp_path / "gone.png")
+    wide = write_image(tmp_path / "wide.png", 804, 4)  # 201:1, over smart_resize's 200
+    import base64
+
+    inline = "data:image/png;base64," + base64.b64encode(open(wide, "rb").read()).decode()
     return [
+        ({"messages": user("<image>hi"), "images": [wide]},
+         r"row 7: images\[0\] .*wide.png: 804x4 pixels, a side more than 200 times"),
+        ({"messages": user("<image>hi"), "images": [inline]},
+         r"row 7: images\[0\]: 804x4 pixels, a side more than 200 times"),
         ({"messages": user("<image>hi"), "images": [missing]},
          f"row 7: images\\[0\\] {missing}: cannot be read \\(No such file"),
         ({"messages": user("<image><image>hi"), "images": [image]},
@@ -309,6 +317,52 @@ def _bad_rows(tmp_path):
         ({"messages": user("<image>hi"), "images": ["data:text/plain;base64,aGk="]},
          r"row 7: images\[0\]: data:text/plain;base64,aGk= is a URL"),
     ]
+
+
+def test_images_of_every_kind_encode_as_transformers_reads_their_paths(vl_folder, tmp_path):
+    """A portrait JPEG stored sideways (EXIF orientation 6) is turned upright, as
+    transformers' processors read a path or a base64 image; RGBA, palette with
+    transparency, 16-bit grey, CMYK and animated images give its patches too, read from
+    the files (training, infer) or from the cache's bytes."""
+    import base64
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from swift_mcore.data.image_cache import picture
+    from swift_mcore.data.multimodal import read_image_row
+
+    rs = np.random.RandomState(0)
+    rgb = lambda: Image.fromarray(rs.randint(0, 256, (14, 30, 3), dtype=np.uint8))  # noqa
+    sideways = rgb()
+    exif = sideways.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to view
+    sideways.save(tmp_path / "phone.jpg", exif=exif)
+    Image.fromarray(rs.randint(0, 256, (14, 30, 4), dtype=np.uint8), "RGBA").save(
+        tmp_path / "rgba.png")
+    rgb().convert("P").save(tmp_path / "palette.png", transparency=3)
+    Image.fromarray(rs.randint(0, 65535, (14, 30), dtype=np.uint16)).save(tmp_path / "16.png")
+    rgb().convert("CMYK").save(tmp_path / "cmyk.jpg")
+    rgb().save(tmp_path / "anim.gif", save_all=True, append_images=[rgb(), rgb()])
+    encoder = encoder_for(vl_folder)
+    processor = AutoImageProcessor.from_pretrained(str(vl_folder))
+    for name in ("phone.jpg", "rgba.png", "palette.png", "16.png", "cmyk.jpg", "anim.gif"):
+        path = str(tmp_path / name)
+        reference = processor(images=[path], return_tensors="pt")
+        data = open(path, "rb").read()
+        inline = "data:image/x;base64," + base64.b64encode(data).decode()
+        for ref in (path, inline):
+            ours = encoder.encode(read_image_row(
+                {"messages": [{"role": "user", "content": "<image>hi"},
+                              {"role": "assistant", "content": "ok"}], "images": [ref]},
+                "row 0"))
+            assert torch.equal(ours.image_grid_thw, reference["image_grid_thw"]), name
+            assert torch.equal(ours.pixel_values, reference["pixel_values"]), name
+        cached = processor(images=[picture(data, name)], return_tensors="pt")
+        assert torch.equal(cached["pixel_values"], reference["pixel_values"]), name
+    # upright, the 30x14 photo is 14 wide and 30 high: its grid is tall
+    assert encoder.patches([str(tmp_path / "phone.jpg")])[1].tolist() == [[1, 8, 4]]
 
 
 def test_bad_image_rows_are_named_before_any_work(tmp_path):
