@@ -450,7 +450,19 @@ def image_prompt(loaded, args):
         t, h, w = grid[0].tolist()
         counts = [t * h * w // encoder.merge ** 2] if not encoder.timestamps else \
             [h * w // encoder.merge ** 2] * t
-    ids = template.prompt([{"role": "user", "content": shown + args.prompt}])
+    tag = IMAGE_TAG if flag == "--image" else VIDEO_TAG
+    if args.prompt.count(tag) > 1 or (IMAGE_TAG + VIDEO_TAG).replace(tag, "") in args.prompt:
+        raise ArgumentError(f"--prompt holds {args.prompt.count(IMAGE_TAG)} {IMAGE_TAG} and "
+                            f"{args.prompt.count(VIDEO_TAG)} {VIDEO_TAG} tag(s); {flag} is "
+                            f"one {flag[2:]}: at most one {tag} says where it goes")
+    content = args.prompt.replace(tag, shown) if tag in args.prompt else shown + args.prompt
+    ids = template.prompt([{"role": "user", "content": content}])
+    for name, pad in ((IMAGE_PAD, encoder.pad_id), (VIDEO_PAD, encoder.video_pad_id)):
+        n = len(counts) if pad == pad_id else 0  # the pads `shown` wrote
+        if pad is not None and ids.count(pad) != n:
+            raise ArgumentError(f"--prompt/--system write {name} themselves ({ids.count(pad)} "
+                                f"in the prompt, {n} from {flag}); write {tag} where the "
+                                f"{flag[2:]} goes, not its tokens")
     repeat = [1] * len(ids)
     for at, count in zip([i for i, t in enumerate(ids) if t == pad_id], counts):
         repeat[at] = count

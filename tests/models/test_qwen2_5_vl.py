@@ -566,9 +566,11 @@ def test_an_image_longer_than_seq_length_is_named(tmp_path, train_here, vl_folde
                "--no_save", base=run_flags())
 
 
-def transformers_greedy_answer(hf, folder, image, prompt: str, steps: int) -> str:
+def transformers_greedy_answer(hf, folder, image, prompt: str, steps: int,
+                               before: str = "") -> str:
     """The answer transformers' model ``hf`` gives greedily in ``steps`` tokens to ``prompt``
-    after ``image`` (the whole sequence each step, as infer runs it), up to its <|im_end|>."""
+    after ``before`` and ``image`` (the whole sequence each step, as infer runs it), up to
+    its <|im_end|>."""
     from PIL import Image
     from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -577,7 +579,7 @@ def transformers_greedy_answer(hf, folder, image, prompt: str, steps: int) -> st
         images=[Image.open(image).convert("RGB")], return_tensors="pt")
     pads = int(patches["image_grid_thw"].prod()) // 4
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "<|vision_start|>" + "<|image_pad|>" * pads
+        [{"role": "user", "content": before + "<|vision_start|>" + "<|image_pad|>" * pads
           + "<|vision_end|>" + prompt}], tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
     new = []
@@ -607,6 +609,32 @@ def test_infer_with_an_image_gives_transformers_greedy_tokens(gloo_group, capsys
     with pytest.raises(ArgumentError, match=r"--image .*gone.png: cannot be read"):
         run(InferArguments(model=str(vl_folder), prompt="hi", image=str(tmp_path / "gone.png"),
                            template="tokenizer").validate())
+
+
+def test_infer_puts_the_image_where_the_prompt_says_and_refuses_its_tokens(
+        gloo_group, capsys, vl_folder, tmp_path):
+    """--prompt "TEXT<image>TEXT" shows the image there (ms-swift's tag); the prompt or the
+    system writing the image's own tokens, or two tags, is refused naming the flag (it
+    was a traceback deep in the model)."""
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.infer import run
+
+    image = write_image(tmp_path / "cat.png", 20, 12)
+    answer = run(InferArguments(model=str(vl_folder), prompt="look: <image>what is it?",
+                                image=image, template="tokenizer", max_new_tokens=5).validate())
+    expected = transformers_greedy_answer(transformers_model(vl_folder), vl_folder, image,
+                                          "what is it?", 5, before="look: ")
+    assert answer and answer == expected, (answer, expected)
+    for prompt, system, message in (
+            ("<|image_pad|>hi", None, r"--prompt/--system write <\|image_pad\|> themselves "
+                                      r"\(2 in the prompt, 1 from --image\); write <image>"),
+            ("hi", "<|video_pad|>", r"write <\|video_pad\|> themselves \(1 in the prompt, 0"),
+            ("<image>a<image>", None, r"--prompt holds 2 <image> and 0 <video> tag\(s\); "
+                                      r"--image is one image"),
+            ("<video>a", None, r"--prompt holds 0 <image> and 1 <video>")):
+        with pytest.raises(ArgumentError, match=message):
+            run(InferArguments(model=str(vl_folder), prompt=prompt, system=system, image=image,
+                               template="tokenizer", max_new_tokens=1).validate())
 
 
 @pytest.mark.benchmark
