@@ -642,7 +642,18 @@ def image_processor(folder: str, sft):
     from transformers import AutoImageProcessor
 
     sizes = {k: getattr(sft, k) for k in ("min_pixels", "max_pixels") if getattr(sft, k)}
-    return AutoImageProcessor.from_pretrained(folder, local_files_only=True, **sizes)
+    processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True, **sizes)
+    size = dict(getattr(processor, "size", None) or {})
+    low = size.get("shortest_edge", getattr(processor, "min_pixels", None))
+    high = size.get("longest_edge", getattr(processor, "max_pixels", None))
+    if low and high and low > high:  # smart_resize would drop the minimum without a word
+        said = lambda flag, value, key: (  # noqa: E731
+            f"--{flag} {value}" if flag in sizes else
+            f"{folder}/preprocessor_config.json's {key} {value}")
+        raise ArgumentError(f"{said('min_pixels', low, 'shortest_edge')} is above "
+                            f"{said('max_pixels', high, 'longest_edge')}: an image cannot "
+                            f"have both; give --min_pixels at most --max_pixels")
+    return processor
 
 
 def image_encoder(config, tokenizer):

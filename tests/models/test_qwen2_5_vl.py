@@ -566,6 +566,26 @@ def test_an_image_longer_than_seq_length_is_named(tmp_path, train_here, vl_folde
                "--no_save", base=run_flags())
 
 
+def test_min_pixels_above_max_pixels_is_named(vl_folder):
+    """transformers' smart_resize drops the minimum (or the maximum) without a word when
+    one is above the other: the flag and the folder's value are named instead."""
+    from types import SimpleNamespace
+
+    from swift_mcore.data.image_cache import image_processor
+
+    sizes = lambda **kw: SimpleNamespace(**{"min_pixels": None, "max_pixels": None, **kw})  # noqa
+    with pytest.raises(ArgumentError, match=r"^--min_pixels 2048 is above .*hf/"
+                                            r"preprocessor_config.json's longest_edge 1024"):
+        image_processor(str(vl_folder), sizes(min_pixels=2048))
+    with pytest.raises(ArgumentError, match=r"preprocessor_config.json's shortest_edge 64 is "
+                                            r"above --max_pixels 32"):
+        image_processor(str(vl_folder), sizes(max_pixels=32))
+    with pytest.raises(ArgumentError, match=r"^--min_pixels 512 is above --max_pixels 256"):
+        image_processor(str(vl_folder), sizes(min_pixels=512, max_pixels=256))
+    assert image_processor(str(vl_folder), sizes(min_pixels=256, max_pixels=256)).size[
+        "longest_edge"] == 256
+
+
 def transformers_greedy_answer(hf, folder, image, prompt: str, steps: int,
                                before: str = "") -> str:
     """The answer transformers' model ``hf`` gives greedily in ``steps`` tokens to ``prompt``
