@@ -639,10 +639,10 @@ def load_image_sft_dataset(folder: str, encoder, columns, flag: str = "--cached_
 
 def image_processor(folder: str, sft):
     """The --model folder's image processor, with --max_pixels / --min_pixels when given."""
-    from transformers import AutoImageProcessor
+    from .multimodal import load_image_processor
 
     sizes = {k: getattr(sft, k) for k in ("min_pixels", "max_pixels") if getattr(sft, k)}
-    processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True, **sizes)
+    processor = load_image_processor(folder, "--model", **sizes)
     size = dict(getattr(processor, "size", None) or {})
     low = size.get("shortest_edge", getattr(processor, "min_pixels", None))
     high = size.get("longest_edge", getattr(processor, "max_pixels", None))

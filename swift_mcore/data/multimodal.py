@@ -260,6 +260,33 @@ def check_aspect(size: Tuple[int, int], where: str) -> None:
                             f"it: crop or pad it)")
 
 
+def load_image_processor(folder: str, flag: str, **sizes):
+    """The Qwen VL image processor of the model folder ``folder`` (its
+    preprocessor_config.json; ``sizes``: --min_pixels / --max_pixels given), or an
+    ArgumentError naming ``flag`` and the file: missing, not JSON, not a Qwen VL image
+    processor, or with patch sizes that are not whole numbers."""
+    from transformers import AutoImageProcessor
+
+    path = os.path.join(folder, "preprocessor_config.json")
+    where = f"{flag} {folder}: preprocessor_config.json"
+    if not os.path.isfile(path):
+        raise ArgumentError(f"{where} is missing: a vision-language model's folder holds its "
+                            f"image processor's settings; copy the file from the model's "
+                            f"original folder")
+    try:
+        processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True, **sizes)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ArgumentError(f"{where}: transformers cannot read it ({error})") from None
+    for key in ("patch_size", "merge_size", "temporal_patch_size"):
+        value = getattr(processor, key, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ArgumentError(f"{where}: {key} is {value!r} in a "
+                                f"{type(processor).__name__}; a Qwen VL image processor has "
+                                f"whole patch_size, merge_size and "
+                                f"temporal_patch_size")
+    return processor
+
+
 @dataclass
 class EncodedImages:
     """One sample: int32 ids, the tokens trained on, the images' patches and grids, the
@@ -420,7 +447,6 @@ def image_prompt(loaded, args):
     a user message showing the image or the video (sampled as --fps, ... say), for a
     loaded vision-language model."""
     import torch
-    from transformers import AutoImageProcessor
 
     from ..models.vision import TIMESTAMP_TYPES
     from .templates import Template
@@ -434,8 +460,8 @@ def image_prompt(loaded, args):
         raise ArgumentError(f"{flag}: the image processor of --model {args.model} is not "
                             f"known (its Hugging Face folder is gone)")
     template = Template(args.template, loaded.tokenizer, system=args.system)
-    encoder = ImageEncoder(template, AutoImageProcessor.from_pretrained(
-        loaded.hf_folder, local_files_only=True), sampling=VideoSampling.from_args(args),
+    encoder = ImageEncoder(template, load_image_processor(loaded.hf_folder, "--model"),
+                           sampling=VideoSampling.from_args(args),
         timestamps=loaded.config.model.model_type in TIMESTAMP_TYPES)
     path = os.path.expanduser(args.image if flag == "--image" else args.video)
     if flag == "--image":

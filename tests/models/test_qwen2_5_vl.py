@@ -586,6 +586,28 @@ def test_min_pixels_above_max_pixels_is_named(vl_folder):
         "longest_edge"] == 256
 
 
+@pytest.mark.parametrize("text, message", [
+    (None, r"preprocessor_config.json is missing: a vision-language model's folder"),
+    ("{", r"preprocessor_config.json: transformers cannot read it \(.*not a valid JSON"),
+    ("[]", r"preprocessor_config.json: transformers cannot read it"),
+    ('{"image_processor_type": "CLIPImageProcessor"}',
+     r"preprocessor_config.json: patch_size is None in a CLIPImageProcessor"),
+    ('{"image_processor_type": "Qwen2VLImageProcessor", "patch_size": "x", "merge_size": 2, '
+     '"temporal_patch_size": 2}', r"preprocessor_config.json: patch_size is 'x' in a Qwen2VL"),
+])
+def test_a_bad_preprocessor_config_is_named(tmp_path, text, message):
+    """The model folder's image processor file missing, not JSON or not a Qwen VL image
+    processor's: named with --model before any row is encoded (it was a traceback)."""
+    from types import SimpleNamespace
+
+    from swift_mcore.data.image_cache import image_processor
+
+    if text is not None:
+        (tmp_path / "preprocessor_config.json").write_text(text)
+    with pytest.raises(ArgumentError, match=f"^--model {tmp_path}: {message}"):
+        image_processor(str(tmp_path), SimpleNamespace(min_pixels=None, max_pixels=None))
+
+
 def transformers_greedy_answer(hf, folder, image, prompt: str, steps: int,
                                before: str = "") -> str:
     """The answer transformers' model ``hf`` gives greedily in ``steps`` tokens to ``prompt``
