@@ -685,9 +685,10 @@ def check_lengths(images: CachedImages, seq_length: int) -> None:
                 f"{images.where(k)}: {int(lengths[k])} tokens "
                 f"({images.image_tokens(k) + images.video_tokens(k)} of them its images' and "
                 f"videos'), more than --seq_length {seq_length} (images and videos are not "
-                f"cut); raise --seq_length or give smaller images (--max_pixels) or fewer, "
+                f"cut, nor their rows dropped, whatever --truncation_strategy); raise --seq_length or give smaller images (--max_pixels) or fewer, "
                 f"smaller video frames (--fps_max_frames, --video_max_pixels)")
         raise ArgumentError(
             f"{images.where(k)}: {int(lengths[k])} tokens ({images.image_tokens(k)} of them "
-            f"its images'), more than --seq_length {seq_length} (images are not cut); raise "
+            f"its images'), more than --seq_length {seq_length} (images are not cut, nor their "
+            f"rows dropped, whatever --truncation_strategy); raise "
             f"--seq_length or give smaller images")

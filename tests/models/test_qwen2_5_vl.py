@@ -555,7 +555,9 @@ def test_an_image_longer_than_seq_length_is_named(tmp_path, train_here, vl_folde
 
     data = image_dataset(tmp_path, rows=2, size=32)  # 8x8 patches: 16 image tokens
     with pytest.raises(ArgumentError, match=r"images0.jsonl, row 0: \d+ tokens \(16 of them "
-                                            r"its images'\), more than --seq_length 48"):
+                                            r"its images'\), more than --seq_length 48 "
+                                            r"\(images are not cut, nor their rows dropped, "
+                                            r"whatever --truncation_strategy\)"):
         train_here(tmp_path / "out", "--model", vl_folder, "--dataset", data,
                    "--seq_length", "48", "--train_iters", "1", "--template", "tokenizer",
                    base=run_flags())
