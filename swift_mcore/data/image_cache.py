@@ -187,8 +187,8 @@ def picture(data: bytes, where: str):
     try:
         with Image.open(io.BytesIO(data)) as image:
             return upright_rgb(image)
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-        raise ArgumentError(f"{where}: not an image PIL can read") from None
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ArgumentError(f"{where}: not an image PIL can read ({e})") from None
 
 
 # ---- building ----------------------------------------------------------------------------

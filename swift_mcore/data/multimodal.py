@@ -231,13 +231,19 @@ def load_image(ref: str, where: str, upright: bool = False):
 
     from PIL import Image
 
+    from PIL import UnidentifiedImageError
+
     convert = upright_rgb if upright else (lambda image: image.convert("RGB"))
-    if BASE64_IMAGE.match(ref):
-        with Image.open(io.BytesIO(_decoded(ref, where))) as image:
-            return convert(image)
-    with open_regular(ref, "rb", where) as fh:
-        with Image.open(fh) as image:
-            return convert(image)
+    try:
+        if BASE64_IMAGE.match(ref):
+            with Image.open(io.BytesIO(_decoded(ref, where))) as image:
+                return convert(image)
+        with open_regular(ref, "rb", where) as fh:
+            with Image.open(fh) as image:
+                return convert(image)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        # its header was read when the row was (check_image); its pixels only now
+        raise ArgumentError(f"{where}: not an image PIL can read ({e})") from None
 
 
 def upright_rgb(image):
@@ -328,12 +334,12 @@ class ImageEncoder:
                                 f"{IMAGE_PAD} / {VISION_START} token: not a Qwen2.5-VL or "
                                 f"Qwen3-VL tokenizer")
 
-    def patches(self, paths: Sequence[str], pictures=None):
-        """(pixel_values, image_grid_thw) of images read from ``paths``, or of the PIL
-        ``pictures`` given already read (the token cache reads each file's bytes once, to
-        hash what it encodes)."""
-        images = pictures if pictures is not None else [load_image(p, p, upright=True)
-                                                         for p in paths]
+    def patches(self, paths: Sequence[str], pictures=None, where: Optional[Sequence[str]] = None):
+        """(pixel_values, image_grid_thw) of images read from ``paths`` (``where`` names
+        each in errors; default: its path), or of the PIL ``pictures`` given already read
+        (the token cache reads each file's bytes once, to hash what it encodes)."""
+        images = pictures if pictures is not None else [
+            load_image(p, at, upright=True) for p, at in zip(paths, where or paths)]
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
@@ -368,7 +374,9 @@ class ImageEncoder:
         """(images' (pixel_values, grids) or None, videos' patches or None) of a row;
         ``pictures``: its images already read (PIL), else read from their paths;
         ``videos``: its videos already read (see video_patches), else from their paths."""
-        images = self.patches(item.images, pictures) if item.images else None
+        images = self.patches(item.images, pictures, [
+            f"{item.where}: images[{i}] {p if not BASE64_IMAGE.match(p) else '(base64)'}"
+            for i, p in enumerate(item.images)]) if item.images else None
         videos = self.video_patches(videos or item.videos, [f"{item.where}: {f}"
                                                   for f in item.video_fields]) \
             if item.videos else None
@@ -465,7 +473,7 @@ def image_prompt(loaded, args):
         timestamps=loaded.config.model.model_type in TIMESTAMP_TYPES)
     path = os.path.expanduser(args.image if flag == "--image" else args.video)
     if flag == "--image":
-        pixels, grid = encoder.patches([path])
+        pixels, grid = encoder.patches([path], where=[f"--image {args.image}"])
         inputs = {"pixel_values": pixels, "image_grid_thw": grid}
         shown, pad_id = VISION_START + IMAGE_PAD + VISION_END, encoder.pad_id
         counts = [int(grid.prod(-1).sum()) // encoder.merge ** 2]

@@ -363,6 +363,16 @@ def test_images_of_every_kind_encode_as_transformers_reads_their_paths(vl_folder
         assert torch.equal(cached["pixel_values"], reference["pixel_values"]), name
     # upright, the 30x14 photo is 14 wide and 30 high: its grid is tall
     assert encoder.patches([str(tmp_path / "phone.jpg")])[1].tolist() == [[1, 8, 4]]
+    # a file cut short passes the header check when the row is read; its pixels are
+    # refused when decoded, naming the row and the image (it was PIL's traceback)
+    whole = open(tmp_path / "rgba.png", "rb").read()
+    (tmp_path / "cut.png").write_bytes(whole[:len(whole) // 2])
+    item = read_image_row({"messages": [{"role": "user", "content": "<image>hi"},
+                                        {"role": "assistant", "content": "ok"}],
+                           "images": [str(tmp_path / "cut.png")]}, "row 3")
+    with pytest.raises(ArgumentError, match=r"^row 3: images\[0\] .*cut.png: not an image PIL "
+                                            r"can read \(image file is truncated"):
+        encoder.encode(item)
 
 
 def test_bad_image_rows_are_named_before_any_work(tmp_path):
@@ -679,6 +689,11 @@ def test_infer_puts_the_image_where_the_prompt_says_and_refuses_its_tokens(
         with pytest.raises(ArgumentError, match=message):
             run(InferArguments(model=str(vl_folder), prompt=prompt, system=system, image=image,
                                template="tokenizer", max_new_tokens=1).validate())
+    whole = open(image, "rb").read()
+    (tmp_path / "cut.png").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ArgumentError, match=r"^--image .*cut.png: not an image PIL can read"):
+        run(InferArguments(model=str(vl_folder), prompt="hi", image=str(tmp_path / "cut.png"),
+                           template="tokenizer", max_new_tokens=1).validate())
 
 
 @pytest.mark.benchmark
