@@ -646,13 +646,19 @@ def image_processor(folder: str, sft):
     size = dict(getattr(processor, "size", None) or {})
     low = size.get("shortest_edge", getattr(processor, "min_pixels", None))
     high = size.get("longest_edge", getattr(processor, "max_pixels", None))
+    said = lambda flag, value, key: (  # noqa: E731
+        f"--{flag} {value}" if flag in sizes else
+        f"{folder}/preprocessor_config.json's {key} {value}")
     if low and high and low > high:  # smart_resize would drop the minimum without a word
-        said = lambda flag, value, key: (  # noqa: E731
-            f"--{flag} {value}" if flag in sizes else
-            f"{folder}/preprocessor_config.json's {key} {value}")
         raise ArgumentError(f"{said('min_pixels', low, 'shortest_edge')} is above "
                             f"{said('max_pixels', high, 'longest_edge')}: an image cannot "
                             f"have both; give --min_pixels at most --max_pixels")
+    from ..input_files import MAX_IMAGE_PIXELS
+
+    if low and low > MAX_IMAGE_PIXELS:  # every image scaled up to it: memory runs out
+        raise ArgumentError(f"{said('min_pixels', low, 'shortest_edge')} is above "
+                            f"{MAX_IMAGE_PIXELS} pixels, the most an image may have; give "
+                            f"--min_pixels at most that")
     return processor
 
 

@@ -596,6 +596,10 @@ def test_min_pixels_above_max_pixels_is_named(vl_folder):
         image_processor(str(vl_folder), sizes(min_pixels=512, max_pixels=256))
     assert image_processor(str(vl_folder), sizes(min_pixels=256, max_pixels=256)).size[
         "longest_edge"] == 256
+    # every image scaled up past the largest an image may have ran out of memory
+    with pytest.raises(ArgumentError, match=r"^--min_pixels 400000000 is above 67108864 "
+                                            r"pixels, the most an image may have"):
+        image_processor(str(vl_folder), sizes(min_pixels=4 * 10 ** 8, max_pixels=4 * 10 ** 8))
 
 
 @pytest.mark.parametrize("text, message", [
