@@ -164,6 +164,16 @@ def _video(value: Any, where: str):
 
 
 def _path(value: Any, where: str) -> str:
+    if isinstance(value, dict) and isinstance(value.get("bytes"), (bytes, bytearray)) \
+            and value["bytes"]:
+        # a datasets Image column's {"bytes", "path"}: the bytes are the image (its path is
+        # the file it once came from, maybe another one here); inline, as base64 is
+        import base64
+
+        if len(value["bytes"]) > MAX_IMAGE_BYTES:
+            raise ArgumentError(f"{where}: {len(value['bytes'])} bytes, more than an image "
+                                f"may have ({MAX_IMAGE_BYTES >> 20} MiB)")
+        return "data:image/bytes;base64," + base64.b64encode(value["bytes"]).decode()
     if isinstance(value, dict):  # ms-swift's {"path": ...}
         value = value.get("path", value.get("image"))
     if not isinstance(value, str) or not value or "\0" in value:

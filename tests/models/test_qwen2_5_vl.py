@@ -375,6 +375,24 @@ def test_images_of_every_kind_encode_as_transformers_reads_their_paths(vl_folder
         encoder.encode(item)
 
 
+def test_an_image_given_as_bytes_is_its_bytes_not_its_old_path(vl_folder, tmp_path,
+                                                               monkeypatch):
+    """A datasets Image column (parquet) holds {"bytes", "path"}: the path is the name of
+    the file the image once came from; the bytes are trained, even where another file of
+    that name exists (it was read instead)."""
+    from swift_mcore.data.multimodal import read_image_row
+
+    monkeypatch.chdir(tmp_path)
+    real = write_image(tmp_path / "real.png", 12, 20, seed=1)
+    write_image(tmp_path / "x.png", 12, 20, seed=2)  # another image under the old name
+    user = [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "ok"}]
+    encoder = encoder_for(vl_folder)
+    held = encoder.encode(read_image_row({"messages": user, "images": [
+        {"bytes": open(real, "rb").read(), "path": "x.png"}]}, "row 0"))
+    assert torch.equal(held.pixel_values, encoder.encode(read_image_row(
+        {"messages": user, "images": [real]}, "row 0")).pixel_values)
+
+
 def test_bad_image_rows_are_named_before_any_work(tmp_path):
     from swift_mcore.data.multimodal import read_image_row
     from swift_mcore.errors import ArgumentError
