@@ -2,13 +2,14 @@
 model: token ids with each image's and video's pads expanded, answer-only targets, the
 patches.
 
-Two row formats are read. ms-swift's: the messages' text holds ``<image>`` / ``<video>``
+Three row formats are read. ms-swift's: the messages' text holds ``<image>`` / ``<video>``
 tags and the ``images`` / ``videos`` columns list one item per tag, in order (an image: a
 local path or a ``data:image/...;base64,`` URI; a video: a local video file, or a list of
 its frames' image paths). transformers': a message's ``content`` is a list of
 ``{"type": "text", "text": ...}``, ``{"type": "image", "image"|"path": PATH}`` and
-``{"type": "video", "video"|"path": PATH or [FRAME, ...]}`` items. Either becomes one
-Conversation (the tags in the text) and its images and videos.
+``{"type": "video", "video"|"path": PATH or [FRAME, ...]}`` items; TRL's: content lists
+whose ``{"type": "image"}`` items name no file, the ``images`` column holding them in
+order. Each becomes one Conversation (the tags in the text) and its images and videos.
 
 Everything a row names is checked when the row is read, before anything is encoded: an
 image is a regular file of bounded size that PIL opens as an image of bounded pixels
@@ -89,11 +90,22 @@ def read_image_row(row: Dict[str, Any], where: str) -> ImageConversation:
     if isinstance(messages, (list, tuple)) and any(
             isinstance(m, dict) and isinstance(m.get("content"), (list, tuple))
             for m in messages):
-        if images or videos:
-            raise ArgumentError(f"{where}: both an 'images'/'videos' column and media items "
-                                f"in the messages' content lists; give them one way")
+        column = images
         messages, images, listed = _from_content_lists(messages, where)
-        videos, fields = [v for v, _ in listed], [f for _, f in listed]
+        bare = sum(ref is None for ref in images)
+        if bare and bare < len(images):
+            raise ArgumentError(f"{where}: some image items in the messages' content lists "
+                                f"name their image and some do not; give them one way")
+        if bare:  # TRL's: {"type": "image"} items, the images in the 'images' column
+            images = column
+        if (column and not bare and images) or (videos and listed):
+            raise ArgumentError(f"{where}: both an 'images'/'videos' column and media items "
+                                f"naming their files in the messages' content lists; give "
+                                f"them one way")
+        if column and not bare:
+            images = column + images
+        if listed:
+            videos, fields = [v for v, _ in listed], [f for _, f in listed]
         row = {**row, "messages": messages}
     conversation = to_conversation(row, where)
     for tag, items, column in ((IMAGE_TAG, images, "images"), (VIDEO_TAG, videos, "videos")):
@@ -208,7 +220,10 @@ def _from_content_lists(messages: Sequence[Any], where: str
             if kind == "text" and isinstance(item.get("text"), str):
                 text.append(item["text"])
             elif kind == "image":
-                images.append(_path(item.get("image", item.get("path", item.get("url"))), at))
+                ref = next((item[k] for k in ("image", "path", "url")
+                            if item.get(k) is not None), None)
+                # none: TRL's item standing for the next image of the 'images' column
+                images.append(None if ref is None else _path(ref, at))
                 text.append(IMAGE_TAG)
             elif kind == "video":
                 videos.append((_video(item.get("video", item.get("path", item.get("url"))),

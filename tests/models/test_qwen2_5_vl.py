@@ -393,6 +393,36 @@ def test_an_image_given_as_bytes_is_its_bytes_not_its_old_path(vl_folder, tmp_pa
         {"messages": user, "images": [real]}, "row 0")).pixel_values)
 
 
+def test_trl_rows_take_their_images_from_the_column(vl_folder, tmp_path):
+    """TRL's vision rows (content lists whose {"type": "image"} items name no file, the
+    images in the 'images' column, in order) encode as the same ms-swift row; they were
+    refused. Items that name files and a column together, or items half naming, are not."""
+    from swift_mcore.data.multimodal import read_image_row
+
+    a, b = write_image(tmp_path / "a.png", 12, 20), write_image(tmp_path / "b.png", 20, 8)
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "ok", "index": None}]}
+    trl = {"messages": [{"role": "user", "content": [
+        {"type": "image", "text": None, "index": 0}, {"type": "text", "text": "and"},
+        {"type": "image", "text": None, "index": 1}]}, answer], "images": [a, b]}
+    swift = {"messages": [{"role": "user", "content": "<image>and<image>"},
+                          {"role": "assistant", "content": "ok"}], "images": [a, b]}
+    encoder = encoder_for(vl_folder)
+    ours, same = (encoder.encode(read_image_row(r, "row 0")) for r in (trl, swift))
+    assert ours.ids.tolist() == same.ids.tolist()
+    assert torch.equal(ours.pixel_values, same.pixel_values)
+    assert torch.equal(ours.image_grid_thw, same.image_grid_thw)
+    half = [{"type": "image"}, {"type": "image", "image": a}]
+    for row, message in (
+            (dict(trl, images=[a]), r"row 5: 2 <image> tag\(s\) in the messages but 1 image"),
+            ({"messages": [{"role": "user", "content": half}, answer], "images": [b]},
+             r"row 5: some image items in the messages' content lists name their image and "
+             r"some do not"),
+            ({"messages": [{"role": "user", "content": half[1:]}, answer], "images": [b]},
+             r"row 5: both an 'images'/'videos' column and media items naming their files")):
+        with pytest.raises(ArgumentError, match=message):
+            read_image_row(row, "row 5")
+
+
 def test_bad_image_rows_are_named_before_any_work(tmp_path):
     from swift_mcore.data.multimodal import read_image_row
     from swift_mcore.errors import ArgumentError
