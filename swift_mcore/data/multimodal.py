@@ -475,10 +475,11 @@ def read_image_conversations(sources, columns: Dict[str, str], flag: str
     return out
 
 
-def image_prompt(loaded, args):
+def image_prompt(loaded, args, sizes=None):
     """`infer --image` / `--video`: (prompt ids, logits function, end marker, template) of
     a user message showing the image or the video (sampled as --fps, ... say), for a
-    loaded vision-language model."""
+    loaded vision-language model; ``sizes``: the --min_pixels / --max_pixels a checkpoint
+    was trained with."""
     import torch
 
     from ..models.vision import TIMESTAMP_TYPES
@@ -493,7 +494,8 @@ def image_prompt(loaded, args):
         raise ArgumentError(f"{flag}: the image processor of --model {args.model} is not "
                             f"known (its Hugging Face folder is gone)")
     template = Template(args.template, loaded.tokenizer, system=args.system)
-    encoder = ImageEncoder(template, load_image_processor(loaded.hf_folder, "--model"),
+    encoder = ImageEncoder(template, load_image_processor(loaded.hf_folder, "--model",
+                                                          **(sizes or {})),
                            sampling=VideoSampling.from_args(args),
         timestamps=loaded.config.model.model_type in TIMESTAMP_TYPES)
     path = os.path.expanduser(args.image if flag == "--image" else args.video)

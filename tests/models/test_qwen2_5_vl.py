@@ -717,6 +717,31 @@ def test_infer_with_an_image_gives_transformers_greedy_tokens(gloo_group, capsys
                            template="tokenizer").validate())
 
 
+def test_infer_sizes_images_as_the_checkpoint_was_trained(tmp_path, train_here, vl_folder,
+                                                          monkeypatch, capsys):
+    """A checkpoint trained with --max_pixels 256 sees infer's --image at 256 pixels too
+    (it was the folder's 1024: an image larger than any it was trained on)."""
+    from test_hf_training import run_flags
+
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.data.multimodal import ImageEncoder
+    from swift_mcore.infer import run
+
+    train_here(tmp_path / "out", "--model", vl_folder, "--dataset",
+               image_dataset(tmp_path, rows=4), "--seq_length", "48", "--train_iters", "1",
+               "--template", "tokenizer", "--max_pixels", "256", "--save_steps", "1",
+               base=run_flags())
+    grids = []
+    patches = ImageEncoder.patches
+    monkeypatch.setattr(ImageEncoder, "patches", lambda self, *a, **k: grids.append(
+        patches(self, *a, **k)[1].tolist()) or patches(self, *a, **k))
+    image = write_image(tmp_path / "cat.png", 32, 32)
+    for model in (tmp_path / "out" / "checkpoint", vl_folder):
+        run(InferArguments(model=str(model), prompt="hi", image=image, template="tokenizer",
+                           max_new_tokens=1).validate())
+    assert grids == [[[1, 4, 4]], [[1, 8, 8]]]  # 16x16 pixels; the folder's own 32x32
+
+
 def test_infer_puts_the_image_where_the_prompt_says_and_refuses_its_tokens(
         gloo_group, capsys, vl_folder, tmp_path):
     """--prompt "TEXT<image>TEXT" shows the image there (ms-swift's tag); the prompt or the
