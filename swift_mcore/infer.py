@@ -32,9 +32,11 @@ def run(args: InferArguments) -> str:
         print(line, file=sys.stderr, flush=True)
 
     if args.image is not None:  # before the model loads
+        from .data.multimodal import check_aspect
         from .input_files import check_image
 
-        check_image(os.path.expanduser(args.image), f"--image {args.image}")
+        check_aspect(check_image(os.path.expanduser(args.image), f"--image {args.image}"),
+                     f"--image {args.image}")
     if args.video is not None:
         from .input_files import check_video
 
@@ -49,7 +51,13 @@ def run(args: InferArguments) -> str:
     if args.image is not None or args.video is not None:
         from .data.multimodal import image_prompt
 
-        prompt, logits_fn, end_marker, template = image_prompt(loaded, args)
+        sizes = {}
+        if loaded.kind == "checkpoint":  # the images as it was trained on them
+            from .checkpointing import read_run_flags
+
+            saved = read_run_flags(loaded.path).get("sft") or {}
+            sizes = {k: saved[k] for k in ("min_pixels", "max_pixels") if saved.get(k)}
+        prompt, logits_fn, end_marker, template = image_prompt(loaded, args, sizes)
     elif args.template:
         from .data.templates import Template
 

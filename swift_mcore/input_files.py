@@ -17,7 +17,7 @@ import json
 import os
 import re
 import stat
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 from .errors import ArgumentError
 
@@ -120,29 +120,30 @@ MAX_IMAGE_BYTES = 64 << 20
 MAX_IMAGE_PIXELS = 1 << 26  # 8192 x 8192; PIL's own decompression-bomb limit is ~89M
 
 
-def check_image(path: str, where: str) -> None:
+def check_image(path: str, where: str) -> Tuple[int, int]:
     """ArgumentError unless ``path`` is a regular file of at most MAX_IMAGE_BYTES that PIL
-    reads as an image of at most MAX_IMAGE_PIXELS pixels (the header only: no decoding)."""
+    reads as an image of at most MAX_IMAGE_PIXELS pixels (the header only: no decoding);
+    its (width, height)."""
     check_regular(path, where)
     size = os.path.getsize(path)
     if size > MAX_IMAGE_BYTES:
         raise ArgumentError(f"{where}: {size} bytes, more than an image may have "
                             f"({MAX_IMAGE_BYTES >> 20} MiB)")
     with open_regular(path, "rb", where) as fh:
-        _check_image_header(fh, where)
+        return _check_image_header(fh, where)
 
 
-def check_image_bytes(data: bytes, where: str) -> None:
+def check_image_bytes(data: bytes, where: str) -> Tuple[int, int]:
     """check_image for an image given inline (base64 in a data row)."""
     import io
 
     if len(data) > MAX_IMAGE_BYTES:
         raise ArgumentError(f"{where}: {len(data)} bytes, more than an image may have "
                             f"({MAX_IMAGE_BYTES >> 20} MiB)")
-    _check_image_header(io.BytesIO(data), where)
+    return _check_image_header(io.BytesIO(data), where)
 
 
-def _check_image_header(fh, where: str) -> None:
+def _check_image_header(fh, where: str) -> Tuple[int, int]:
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -153,6 +154,7 @@ def _check_image_header(fh, where: str) -> None:
     if width * height > MAX_IMAGE_PIXELS:
         raise ArgumentError(f"{where}: {width}x{height} pixels, more than {MAX_IMAGE_PIXELS} "
                             f"(downscale it)")
+    return width, height
 
 
 # ---- videos -------------------------------------------------------------------------------

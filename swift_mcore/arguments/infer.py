@@ -26,10 +26,12 @@ class _Infer:
         choices=TEMPLATES)
     system: Optional[str] = flag(None, "System prompt, with --template.")
     image: Optional[str] = flag(
-        None, "An image file the user's message shows (before --prompt), for a "
+        None, "An image file the user's message shows (before --prompt, or where --prompt "
+        "writes <image>), for a "
         "vision-language model (Qwen2.5-VL); needs --template (docs/multimodal.md).")
     video: Optional[str] = flag(
-        None, "A video file the user's message shows (before --prompt), for a Qwen2.5-VL or "
+        None, "A video file the user's message shows (before --prompt, or where --prompt writes "
+        "<video>), for a Qwen2.5-VL or "
         "Qwen3-VL model: frames sampled and sized as sft samples them (--fps, --video_max_pixels, "
         "...; docs/multimodal.md); needs --template.")
     max_new_tokens: int = flag(64, "Tokens to generate at most (generation also stops at the "

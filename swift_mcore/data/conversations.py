@@ -65,9 +65,11 @@ def _refuse_media(row: Dict[str, Any], where: str) -> None:
                                       default=str)
         raise ArgumentError(
             f"{where}: column '{name}' holds {name}"
-            f"{f' (the text refers to them with {tag})' if mentioned else ''}; swift-mcore "
-            f"trains text-only models, and training on the text alone would drop them: "
-            f"multimodal data is not supported yet (remove the column to train on the text)")
+            f"{f' (the text refers to them with {tag})' if mentioned else ''}; a text "
+            f"model trained on the text alone would drop them: "
+            + ("give --model a vision-language model (Qwen2.5-VL, Qwen3-VL: "
+               "docs/multimodal.md)" if name in ("images", "videos") else
+               f"{name} are not supported") + ", or remove the column to train on the text")
 
 
 def _rows(source: Source, flag: str) -> Iterator[Dict[str, Any]]:

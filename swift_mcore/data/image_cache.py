@@ -67,7 +67,7 @@ IMAGE_SCHEMA = {**SFT_SCHEMA, "image_offsets": ("int64", 1), "grids": ("int64", 
                 "file_stamps": ("int64", 2), "file_refs": ("uint8", 1),
                 "file_ref_offsets": ("int64", 1)}
 # Part of the identity: change it whenever what an image row becomes changes.
-IMAGE_FORMAT = 2
+IMAGE_FORMAT = 3
 FLAGS = {**IDENTITY_FLAGS, "images": "swift-mcore's image cache format",
          "image_processor": "the image processor (--max_pixels, --min_pixels, or the "
          "folder's preprocessor_config.json)",
@@ -177,16 +177,18 @@ def _hashed(held) -> list:
 
 
 def picture(data: bytes, where: str):
-    """The image in ``data``, as RGB."""
+    """The image in ``data``, upright and RGB (multimodal.upright_rgb)."""
     import io
 
     from PIL import Image, UnidentifiedImageError
 
+    from .multimodal import upright_rgb
+
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-        raise ArgumentError(f"{where}: not an image PIL can read") from None
+            return upright_rgb(image)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ArgumentError(f"{where}: not an image PIL can read ({e})") from None
 
 
 # ---- building ----------------------------------------------------------------------------
@@ -637,10 +639,27 @@ def load_image_sft_dataset(folder: str, encoder, columns, flag: str = "--cached_
 
 def image_processor(folder: str, sft):
     """The --model folder's image processor, with --max_pixels / --min_pixels when given."""
-    from transformers import AutoImageProcessor
+    from .multimodal import load_image_processor
 
     sizes = {k: getattr(sft, k) for k in ("min_pixels", "max_pixels") if getattr(sft, k)}
-    return AutoImageProcessor.from_pretrained(folder, local_files_only=True, **sizes)
+    processor = load_image_processor(folder, "--model", **sizes)
+    size = dict(getattr(processor, "size", None) or {})
+    low = size.get("shortest_edge", getattr(processor, "min_pixels", None))
+    high = size.get("longest_edge", getattr(processor, "max_pixels", None))
+    said = lambda flag, value, key: (  # noqa: E731
+        f"--{flag} {value}" if flag in sizes else
+        f"{folder}/preprocessor_config.json's {key} {value}")
+    if low and high and low > high:  # smart_resize would drop the minimum without a word
+        raise ArgumentError(f"{said('min_pixels', low, 'shortest_edge')} is above "
+                            f"{said('max_pixels', high, 'longest_edge')}: an image cannot "
+                            f"have both; give --min_pixels at most --max_pixels")
+    from ..input_files import MAX_IMAGE_PIXELS
+
+    if low and low > MAX_IMAGE_PIXELS:  # every image scaled up to it: memory runs out
+        raise ArgumentError(f"{said('min_pixels', low, 'shortest_edge')} is above "
+                            f"{MAX_IMAGE_PIXELS} pixels, the most an image may have; give "
+                            f"--min_pixels at most that")
+    return processor
 
 
 def image_encoder(config, tokenizer):
@@ -672,9 +691,10 @@ def check_lengths(images: CachedImages, seq_length: int) -> None:
                 f"{images.where(k)}: {int(lengths[k])} tokens "
                 f"({images.image_tokens(k) + images.video_tokens(k)} of them its images' and "
                 f"videos'), more than --seq_length {seq_length} (images and videos are not "
-                f"cut); raise --seq_length or give smaller images (--max_pixels) or fewer, "
+                f"cut, nor their rows dropped, whatever --truncation_strategy); raise --seq_length or give smaller images (--max_pixels) or fewer, "
                 f"smaller video frames (--fps_max_frames, --video_max_pixels)")
         raise ArgumentError(
             f"{images.where(k)}: {int(lengths[k])} tokens ({images.image_tokens(k)} of them "
-            f"its images'), more than --seq_length {seq_length} (images are not cut); raise "
+            f"its images'), more than --seq_length {seq_length} (images are not cut, nor their "
+            f"rows dropped, whatever --truncation_strategy); raise "
             f"--seq_length or give smaller images")

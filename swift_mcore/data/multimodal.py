@@ -2,13 +2,14 @@
 model: token ids with each image's and video's pads expanded, answer-only targets, the
 patches.
 
-Two row formats are read. ms-swift's: the messages' text holds ``<image>`` / ``<video>``
+Three row formats are read. ms-swift's: the messages' text holds ``<image>`` / ``<video>``
 tags and the ``images`` / ``videos`` columns list one item per tag, in order (an image: a
 local path or a ``data:image/...;base64,`` URI; a video: a local video file, or a list of
 its frames' image paths). transformers': a message's ``content`` is a list of
 ``{"type": "text", "text": ...}``, ``{"type": "image", "image"|"path": PATH}`` and
-``{"type": "video", "video"|"path": PATH or [FRAME, ...]}`` items. Either becomes one
-Conversation (the tags in the text) and its images and videos.
+``{"type": "video", "video"|"path": PATH or [FRAME, ...]}`` items; TRL's: content lists
+whose ``{"type": "image"}`` items name no file, the ``images`` column holding them in
+order. Each becomes one Conversation (the tags in the text) and its images and videos.
 
 Everything a row names is checked when the row is read, before anything is encoded: an
 image is a regular file of bounded size that PIL opens as an image of bounded pixels
@@ -50,6 +51,9 @@ IMAGE_TAG = "<image>"
 # an image given inline in a row (ms-swift accepts base64 images)
 BASE64_IMAGE = re.compile(r"^data:image/[\w.+-]+;base64,")
 VIDEO_TAG = "<video>"
+# the largest ratio of an image's sides Qwen's smart_resize takes (transformers and
+# qwen_vl_utils refuse more)
+MAX_ASPECT = 200
 # Qwen2.5-VL's tokens around and for an image or a video (its chat template and processor)
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -86,11 +90,22 @@ def read_image_row(row: Dict[str, Any], where: str) -> ImageConversation:
     if isinstance(messages, (list, tuple)) and any(
             isinstance(m, dict) and isinstance(m.get("content"), (list, tuple))
             for m in messages):
-        if images or videos:
-            raise ArgumentError(f"{where}: both an 'images'/'videos' column and media items "
-                                f"in the messages' content lists; give them one way")
+        column = images
         messages, images, listed = _from_content_lists(messages, where)
-        videos, fields = [v for v, _ in listed], [f for _, f in listed]
+        bare = sum(ref is None for ref in images)
+        if bare and bare < len(images):
+            raise ArgumentError(f"{where}: some image items in the messages' content lists "
+                                f"name their image and some do not; give them one way")
+        if bare:  # TRL's: {"type": "image"} items, the images in the 'images' column
+            images = column
+        if (column and not bare and images) or (videos and listed):
+            raise ArgumentError(f"{where}: both an 'images'/'videos' column and media items "
+                                f"naming their files in the messages' content lists; give "
+                                f"them one way")
+        if column and not bare:
+            images = column + images
+        if listed:
+            videos, fields = [v for v, _ in listed], [f for _, f in listed]
         row = {**row, "messages": messages}
     conversation = to_conversation(row, where)
     for tag, items, column in ((IMAGE_TAG, images, "images"), (VIDEO_TAG, videos, "videos")):
@@ -107,9 +122,11 @@ def read_image_row(row: Dict[str, Any], where: str) -> ImageConversation:
                                 f"in order)")
     for i, ref in enumerate(images):
         if BASE64_IMAGE.match(ref):
-            check_image_bytes(_decoded(ref, f"{where}: images[{i}]"), f"{where}: images[{i}]")
+            at = f"{where}: images[{i}]"
+            check_aspect(check_image_bytes(_decoded(ref, at), at), at)
         else:
-            check_image(ref, f"{where}: images[{i}] {ref}")
+            at = f"{where}: images[{i}] {ref}"
+            check_aspect(check_image(ref, at), at)
     for video, field in zip(videos, fields):
         if isinstance(video, tuple):
             for j, frame in enumerate(video):
@@ -159,6 +176,16 @@ def _video(value: Any, where: str):
 
 
 def _path(value: Any, where: str) -> str:
+    if isinstance(value, dict) and isinstance(value.get("bytes"), (bytes, bytearray)) \
+            and value["bytes"]:
+        # a datasets Image column's {"bytes", "path"}: the bytes are the image (its path is
+        # the file it once came from, maybe another one here); inline, as base64 is
+        import base64
+
+        if len(value["bytes"]) > MAX_IMAGE_BYTES:
+            raise ArgumentError(f"{where}: {len(value['bytes'])} bytes, more than an image "
+                                f"may have ({MAX_IMAGE_BYTES >> 20} MiB)")
+        return "data:image/bytes;base64," + base64.b64encode(value["bytes"]).decode()
     if isinstance(value, dict):  # ms-swift's {"path": ...}
         value = value.get("path", value.get("image"))
     if not isinstance(value, str) or not value or "\0" in value:
@@ -193,7 +220,10 @@ def _from_content_lists(messages: Sequence[Any], where: str
             if kind == "text" and isinstance(item.get("text"), str):
                 text.append(item["text"])
             elif kind == "image":
-                images.append(_path(item.get("image", item.get("path", item.get("url"))), at))
+                ref = next((item[k] for k in ("image", "path", "url")
+                            if item.get(k) is not None), None)
+                # none: TRL's item standing for the next image of the 'images' column
+                images.append(None if ref is None else _path(ref, at))
                 text.append(IMAGE_TAG)
             elif kind == "video":
                 videos.append((_video(item.get("video", item.get("path", item.get("url"))),
@@ -218,19 +248,74 @@ def _decoded(ref: str, where: str) -> bytes:
                             f"base64") from None
 
 
-def load_image(ref: str, where: str):
+def load_image(ref: str, where: str, upright: bool = False):
     """The image at path ``ref``, or given inline as a base64 data URI (checked first by
-    read_image_row), as RGB."""
+    read_image_row), as RGB; ``upright``: turned as its EXIF orientation says (see
+    upright_rgb)."""
     import io
 
     from PIL import Image
 
-    if BASE64_IMAGE.match(ref):
-        with Image.open(io.BytesIO(_decoded(ref, where))) as image:
-            return image.convert("RGB")
-    with open_regular(ref, "rb", where) as fh:
-        with Image.open(fh) as image:
-            return image.convert("RGB")
+    from PIL import UnidentifiedImageError
+
+    convert = upright_rgb if upright else (lambda image: image.convert("RGB"))
+    try:
+        if BASE64_IMAGE.match(ref):
+            with Image.open(io.BytesIO(_decoded(ref, where))) as image:
+                return convert(image)
+        with open_regular(ref, "rb", where) as fh:
+            with Image.open(fh) as image:
+                return convert(image)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        # its header was read when the row was (check_image); its pixels only now
+        raise ArgumentError(f"{where}: not an image PIL can read ({e})") from None
+
+
+def upright_rgb(image):
+    """An image (not a video frame) as transformers' processors read a path or a base64
+    image (image_utils.load_image): turned by its EXIF orientation, then RGB (a phone's
+    portrait JPEG is stored sideways with orientation 6; read as stored, its patches and
+    grid would be another image's)."""
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(image).convert("RGB")
+
+
+def check_aspect(size: Tuple[int, int], where: str) -> None:
+    """ArgumentError for an image whose sides' ratio is over MAX_ASPECT (Qwen's
+    smart_resize refuses it deep in the image processor)."""
+    width, height = size
+    if max(width, height) > MAX_ASPECT * min(width, height):
+        raise ArgumentError(f"{where}: {width}x{height} pixels, a side more than "
+                            f"{MAX_ASPECT} times the other (Qwen VL image processors refuse "
+                            f"it: crop or pad it)")
+
+
+def load_image_processor(folder: str, flag: str, **sizes):
+    """The Qwen VL image processor of the model folder ``folder`` (its
+    preprocessor_config.json; ``sizes``: --min_pixels / --max_pixels given), or an
+    ArgumentError naming ``flag`` and the file: missing, not JSON, not a Qwen VL image
+    processor, or with patch sizes that are not whole numbers."""
+    from transformers import AutoImageProcessor
+
+    path = os.path.join(folder, "preprocessor_config.json")
+    where = f"{flag} {folder}: preprocessor_config.json"
+    if not os.path.isfile(path):
+        raise ArgumentError(f"{where} is missing: a vision-language model's folder holds its "
+                            f"image processor's settings; copy the file from the model's "
+                            f"original folder")
+    try:
+        processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True, **sizes)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ArgumentError(f"{where}: transformers cannot read it ({error})") from None
+    for key in ("patch_size", "merge_size", "temporal_patch_size"):
+        value = getattr(processor, key, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ArgumentError(f"{where}: {key} is {value!r} in a "
+                                f"{type(processor).__name__}; a Qwen VL image processor has "
+                                f"whole patch_size, merge_size and "
+                                f"temporal_patch_size")
+    return processor
 
 
 @dataclass
@@ -274,11 +359,12 @@ class ImageEncoder:
                                 f"{IMAGE_PAD} / {VISION_START} token: not a Qwen2.5-VL or "
                                 f"Qwen3-VL tokenizer")
 
-    def patches(self, paths: Sequence[str], pictures=None):
-        """(pixel_values, image_grid_thw) of images read from ``paths``, or of the PIL
-        ``pictures`` given already read (the token cache reads each file's bytes once, to
-        hash what it encodes)."""
-        images = pictures if pictures is not None else [load_image(p, p) for p in paths]
+    def patches(self, paths: Sequence[str], pictures=None, where: Optional[Sequence[str]] = None):
+        """(pixel_values, image_grid_thw) of images read from ``paths`` (``where`` names
+        each in errors; default: its path), or of the PIL ``pictures`` given already read
+        (the token cache reads each file's bytes once, to hash what it encodes)."""
+        images = pictures if pictures is not None else [
+            load_image(p, at, upright=True) for p, at in zip(paths, where or paths)]
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
@@ -313,7 +399,9 @@ class ImageEncoder:
         """(images' (pixel_values, grids) or None, videos' patches or None) of a row;
         ``pictures``: its images already read (PIL), else read from their paths;
         ``videos``: its videos already read (see video_patches), else from their paths."""
-        images = self.patches(item.images, pictures) if item.images else None
+        images = self.patches(item.images, pictures, [
+            f"{item.where}: images[{i}] {p if not BASE64_IMAGE.match(p) else '(base64)'}"
+            for i, p in enumerate(item.images)]) if item.images else None
         videos = self.video_patches(videos or item.videos, [f"{item.where}: {f}"
                                                   for f in item.video_fields]) \
             if item.videos else None
@@ -387,12 +475,12 @@ def read_image_conversations(sources, columns: Dict[str, str], flag: str
     return out
 
 
-def image_prompt(loaded, args):
+def image_prompt(loaded, args, sizes=None):
     """`infer --image` / `--video`: (prompt ids, logits function, end marker, template) of
     a user message showing the image or the video (sampled as --fps, ... say), for a
-    loaded vision-language model."""
+    loaded vision-language model; ``sizes``: the --min_pixels / --max_pixels a checkpoint
+    was trained with."""
     import torch
-    from transformers import AutoImageProcessor
 
     from ..models.vision import TIMESTAMP_TYPES
     from .templates import Template
@@ -406,12 +494,13 @@ def image_prompt(loaded, args):
         raise ArgumentError(f"{flag}: the image processor of --model {args.model} is not "
                             f"known (its Hugging Face folder is gone)")
     template = Template(args.template, loaded.tokenizer, system=args.system)
-    encoder = ImageEncoder(template, AutoImageProcessor.from_pretrained(
-        loaded.hf_folder, local_files_only=True), sampling=VideoSampling.from_args(args),
+    encoder = ImageEncoder(template, load_image_processor(loaded.hf_folder, "--model",
+                                                          **(sizes or {})),
+                           sampling=VideoSampling.from_args(args),
         timestamps=loaded.config.model.model_type in TIMESTAMP_TYPES)
     path = os.path.expanduser(args.image if flag == "--image" else args.video)
     if flag == "--image":
-        pixels, grid = encoder.patches([path])
+        pixels, grid = encoder.patches([path], where=[f"--image {args.image}"])
         inputs = {"pixel_values": pixels, "image_grid_thw": grid}
         shown, pad_id = VISION_START + IMAGE_PAD + VISION_END, encoder.pad_id
         counts = [int(grid.prod(-1).sum()) // encoder.merge ** 2]
@@ -422,7 +511,19 @@ def image_prompt(loaded, args):
         t, h, w = grid[0].tolist()
         counts = [t * h * w // encoder.merge ** 2] if not encoder.timestamps else \
             [h * w // encoder.merge ** 2] * t
-    ids = template.prompt([{"role": "user", "content": shown + args.prompt}])
+    tag = IMAGE_TAG if flag == "--image" else VIDEO_TAG
+    if args.prompt.count(tag) > 1 or (IMAGE_TAG + VIDEO_TAG).replace(tag, "") in args.prompt:
+        raise ArgumentError(f"--prompt holds {args.prompt.count(IMAGE_TAG)} {IMAGE_TAG} and "
+                            f"{args.prompt.count(VIDEO_TAG)} {VIDEO_TAG} tag(s); {flag} is "
+                            f"one {flag[2:]}: at most one {tag} says where it goes")
+    content = args.prompt.replace(tag, shown) if tag in args.prompt else shown + args.prompt
+    ids = template.prompt([{"role": "user", "content": content}])
+    for name, pad in ((IMAGE_PAD, encoder.pad_id), (VIDEO_PAD, encoder.video_pad_id)):
+        n = len(counts) if pad == pad_id else 0  # the pads `shown` wrote
+        if pad is not None and ids.count(pad) != n:
+            raise ArgumentError(f"--prompt/--system write {name} themselves ({ids.count(pad)} "
+                                f"in the prompt, {n} from {flag}); write {tag} where the "
+                                f"{flag[2:]} goes, not its tokens")
     repeat = [1] * len(ids)
     for at, count in zip([i for i, t in enumerate(ids) if t == pad_id], counts):
         repeat[at] = count

@@ -280,7 +280,15 @@ def _bad_rows(tmp_path):
     user = lambda text: [{"role": "user", "content": text},  # noqa: E731
                          {"role": "assistant", "content": "ok"}]
     missing = str(tmp_path / "gone.png")
+    wide = write_image(tmp_path / "wide.png", 804, 4)  # 201:1, over smart_resize's 200
+    import base64
+
+    inline = "data:image/png;base64," + base64.b64encode(open(wide, "rb").read()).decode()
     return [
+        ({"messages": user("<image>hi"), "images": [wide]},
+         r"row 7: images\[0\] .*wide.png: 804x4 pixels, a side more than 200 times"),
+        ({"messages": user("<image>hi"), "images": [inline]},
+         r"row 7: images\[0\]: 804x4 pixels, a side more than 200 times"),
         ({"messages": user("<image>hi"), "images": [missing]},
          f"row 7: images\\[0\\] {missing}: cannot be read \\(No such file"),
         ({"messages": user("<image><image>hi"), "images": [image]},
@@ -309,6 +317,110 @@ def _bad_rows(tmp_path):
         ({"messages": user("<image>hi"), "images": ["data:text/plain;base64,aGk="]},
          r"row 7: images\[0\]: data:text/plain;base64,aGk= is a URL"),
     ]
+
+
+def test_images_of_every_kind_encode_as_transformers_reads_their_paths(vl_folder, tmp_path):
+    """A portrait JPEG stored sideways (EXIF orientation 6) is turned upright, as
+    transformers' processors read a path or a base64 image; RGBA, palette with
+    transparency, 16-bit grey, CMYK and animated images give its patches too, read from
+    the files (training, infer) or from the cache's bytes."""
+    import base64
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from swift_mcore.data.image_cache import picture
+    from swift_mcore.data.multimodal import read_image_row
+
+    rs = np.random.RandomState(0)
+    rgb = lambda: Image.fromarray(rs.randint(0, 256, (14, 30, 3), dtype=np.uint8))  # noqa
+    sideways = rgb()
+    exif = sideways.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to view
+    sideways.save(tmp_path / "phone.jpg", exif=exif)
+    Image.fromarray(rs.randint(0, 256, (14, 30, 4), dtype=np.uint8), "RGBA").save(
+        tmp_path / "rgba.png")
+    rgb().convert("P").save(tmp_path / "palette.png", transparency=3)
+    Image.fromarray(rs.randint(0, 65535, (14, 30), dtype=np.uint16)).save(tmp_path / "16.png")
+    rgb().convert("CMYK").save(tmp_path / "cmyk.jpg")
+    rgb().save(tmp_path / "anim.gif", save_all=True, append_images=[rgb(), rgb()])
+    encoder = encoder_for(vl_folder)
+    processor = AutoImageProcessor.from_pretrained(str(vl_folder))
+    for name in ("phone.jpg", "rgba.png", "palette.png", "16.png", "cmyk.jpg", "anim.gif"):
+        path = str(tmp_path / name)
+        reference = processor(images=[path], return_tensors="pt")
+        data = open(path, "rb").read()
+        inline = "data:image/x;base64," + base64.b64encode(data).decode()
+        for ref in (path, inline):
+            ours = encoder.encode(read_image_row(
+                {"messages": [{"role": "user", "content": "<image>hi"},
+                              {"role": "assistant", "content": "ok"}], "images": [ref]},
+                "row 0"))
+            assert torch.equal(ours.image_grid_thw, reference["image_grid_thw"]), name
+            assert torch.equal(ours.pixel_values, reference["pixel_values"]), name
+        cached = processor(images=[picture(data, name)], return_tensors="pt")
+        assert torch.equal(cached["pixel_values"], reference["pixel_values"]), name
+    # upright, the 30x14 photo is 14 wide and 30 high: its grid is tall
+    assert encoder.patches([str(tmp_path / "phone.jpg")])[1].tolist() == [[1, 8, 4]]
+    # a file cut short passes the header check when the row is read; its pixels are
+    # refused when decoded, naming the row and the image (it was PIL's traceback)
+    whole = open(tmp_path / "rgba.png", "rb").read()
+    (tmp_path / "cut.png").write_bytes(whole[:len(whole) // 2])
+    item = read_image_row({"messages": [{"role": "user", "content": "<image>hi"},
+                                        {"role": "assistant", "content": "ok"}],
+                           "images": [str(tmp_path / "cut.png")]}, "row 3")
+    with pytest.raises(ArgumentError, match=r"^row 3: images\[0\] .*cut.png: not an image PIL "
+                                            r"can read \(image file is truncated"):
+        encoder.encode(item)
+
+
+def test_an_image_given_as_bytes_is_its_bytes_not_its_old_path(vl_folder, tmp_path,
+                                                               monkeypatch):
+    """A datasets Image column (parquet) holds {"bytes", "path"}: the path is the name of
+    the file the image once came from; the bytes are trained, even where another file of
+    that name exists (it was read instead)."""
+    from swift_mcore.data.multimodal import read_image_row
+
+    monkeypatch.chdir(tmp_path)
+    real = write_image(tmp_path / "real.png", 12, 20, seed=1)
+    write_image(tmp_path / "x.png", 12, 20, seed=2)  # another image under the old name
+    user = [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "ok"}]
+    encoder = encoder_for(vl_folder)
+    held = encoder.encode(read_image_row({"messages": user, "images": [
+        {"bytes": open(real, "rb").read(), "path": "x.png"}]}, "row 0"))
+    assert torch.equal(held.pixel_values, encoder.encode(read_image_row(
+        {"messages": user, "images": [real]}, "row 0")).pixel_values)
+
+
+def test_trl_rows_take_their_images_from_the_column(vl_folder, tmp_path):
+    """TRL's vision rows (content lists whose {"type": "image"} items name no file, the
+    images in the 'images' column, in order) encode as the same ms-swift row; they were
+    refused. Items that name files and a column together, or items half naming, are not."""
+    from swift_mcore.data.multimodal import read_image_row
+
+    a, b = write_image(tmp_path / "a.png", 12, 20), write_image(tmp_path / "b.png", 20, 8)
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "ok", "index": None}]}
+    trl = {"messages": [{"role": "user", "content": [
+        {"type": "image", "text": None, "index": 0}, {"type": "text", "text": "and"},
+        {"type": "image", "text": None, "index": 1}]}, answer], "images": [a, b]}
+    swift = {"messages": [{"role": "user", "content": "<image>and<image>"},
+                          {"role": "assistant", "content": "ok"}], "images": [a, b]}
+    encoder = encoder_for(vl_folder)
+    ours, same = (encoder.encode(read_image_row(r, "row 0")) for r in (trl, swift))
+    assert ours.ids.tolist() == same.ids.tolist()
+    assert torch.equal(ours.pixel_values, same.pixel_values)
+    assert torch.equal(ours.image_grid_thw, same.image_grid_thw)
+    half = [{"type": "image"}, {"type": "image", "image": a}]
+    for row, message in (
+            (dict(trl, images=[a]), r"row 5: 2 <image> tag\(s\) in the messages but 1 image"),
+            ({"messages": [{"role": "user", "content": half}, answer], "images": [b]},
+             r"row 5: some image items in the messages' content lists name their image and "
+             r"some do not"),
+            ({"messages": [{"role": "user", "content": half[1:]}, answer], "images": [b]},
+             r"row 5: both an 'images'/'videos' column and media items naming their files")):
+        with pytest.raises(ArgumentError, match=message):
+            read_image_row(row, "row 5")
 
 
 def test_bad_image_rows_are_named_before_any_work(tmp_path):
@@ -501,7 +613,9 @@ def test_an_image_longer_than_seq_length_is_named(tmp_path, train_here, vl_folde
 
     data = image_dataset(tmp_path, rows=2, size=32)  # 8x8 patches: 16 image tokens
     with pytest.raises(ArgumentError, match=r"images0.jsonl, row 0: \d+ tokens \(16 of them "
-                                            r"its images'\), more than --seq_length 48"):
+                                            r"its images'\), more than --seq_length 48 "
+                                            r"\(images are not cut, nor their rows dropped, "
+                                            r"whatever --truncation_strategy\)"):
         train_here(tmp_path / "out", "--model", vl_folder, "--dataset", data,
                    "--seq_length", "48", "--train_iters", "1", "--template", "tokenizer",
                    base=run_flags())
@@ -512,9 +626,57 @@ def test_an_image_longer_than_seq_length_is_named(tmp_path, train_here, vl_folde
                "--no_save", base=run_flags())
 
 
-def transformers_greedy_answer(hf, folder, image, prompt: str, steps: int) -> str:
+def test_min_pixels_above_max_pixels_is_named(vl_folder):
+    """transformers' smart_resize drops the minimum (or the maximum) without a word when
+    one is above the other: the flag and the folder's value are named instead."""
+    from types import SimpleNamespace
+
+    from swift_mcore.data.image_cache import image_processor
+
+    sizes = lambda **kw: SimpleNamespace(**{"min_pixels": None, "max_pixels": None, **kw})  # noqa
+    with pytest.raises(ArgumentError, match=r"^--min_pixels 2048 is above .*hf/"
+                                            r"preprocessor_config.json's longest_edge 1024"):
+        image_processor(str(vl_folder), sizes(min_pixels=2048))
+    with pytest.raises(ArgumentError, match=r"preprocessor_config.json's shortest_edge 64 is "
+                                            r"above --max_pixels 32"):
+        image_processor(str(vl_folder), sizes(max_pixels=32))
+    with pytest.raises(ArgumentError, match=r"^--min_pixels 512 is above --max_pixels 256"):
+        image_processor(str(vl_folder), sizes(min_pixels=512, max_pixels=256))
+    assert image_processor(str(vl_folder), sizes(min_pixels=256, max_pixels=256)).size[
+        "longest_edge"] == 256
+    # every image scaled up past the largest an image may have ran out of memory
+    with pytest.raises(ArgumentError, match=r"^--min_pixels 400000000 is above 67108864 "
+                                            r"pixels, the most an image may have"):
+        image_processor(str(vl_folder), sizes(min_pixels=4 * 10 ** 8, max_pixels=4 * 10 ** 8))
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, r"preprocessor_config.json is missing: a vision-language model's folder"),
+    ("{", r"preprocessor_config.json: transformers cannot read it \(.*not a valid JSON"),
+    ("[]", r"preprocessor_config.json: transformers cannot read it"),
+    ('{"image_processor_type": "CLIPImageProcessor"}',
+     r"preprocessor_config.json: patch_size is None in a CLIPImageProcessor"),
+    ('{"image_processor_type": "Qwen2VLImageProcessor", "patch_size": "x", "merge_size": 2, '
+     '"temporal_patch_size": 2}', r"preprocessor_config.json: patch_size is 'x' in a Qwen2VL"),
+])
+def test_a_bad_preprocessor_config_is_named(tmp_path, text, message):
+    """The model folder's image processor file missing, not JSON or not a Qwen VL image
+    processor's: named with --model before any row is encoded (it was a traceback)."""
+    from types import SimpleNamespace
+
+    from swift_mcore.data.image_cache import image_processor
+
+    if text is not None:
+        (tmp_path / "preprocessor_config.json").write_text(text)
+    with pytest.raises(ArgumentError, match=f"^--model {tmp_path}: {message}"):
+        image_processor(str(tmp_path), SimpleNamespace(min_pixels=None, max_pixels=None))
+
+
+def transformers_greedy_answer(hf, folder, image, prompt: str, steps: int,
+                               before: str = "") -> str:
     """The answer transformers' model ``hf`` gives greedily in ``steps`` tokens to ``prompt``
-    after ``image`` (the whole sequence each step, as infer runs it), up to its <|im_end|>."""
+    after ``before`` and ``image`` (the whole sequence each step, as infer runs it), up to
+    its <|im_end|>."""
     from PIL import Image
     from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -523,7 +685,7 @@ def transformers_greedy_answer(hf, folder, image, prompt: str, steps: int) -> st
         images=[Image.open(image).convert("RGB")], return_tensors="pt")
     pads = int(patches["image_grid_thw"].prod()) // 4
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "<|vision_start|>" + "<|image_pad|>" * pads
+        [{"role": "user", "content": before + "<|vision_start|>" + "<|image_pad|>" * pads
           + "<|vision_end|>" + prompt}], tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
     new = []
@@ -553,6 +715,62 @@ def test_infer_with_an_image_gives_transformers_greedy_tokens(gloo_group, capsys
     with pytest.raises(ArgumentError, match=r"--image .*gone.png: cannot be read"):
         run(InferArguments(model=str(vl_folder), prompt="hi", image=str(tmp_path / "gone.png"),
                            template="tokenizer").validate())
+
+
+def test_infer_sizes_images_as_the_checkpoint_was_trained(tmp_path, train_here, vl_folder,
+                                                          monkeypatch, capsys):
+    """A checkpoint trained with --max_pixels 256 sees infer's --image at 256 pixels too
+    (it was the folder's 1024: an image larger than any it was trained on)."""
+    from test_hf_training import run_flags
+
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.data.multimodal import ImageEncoder
+    from swift_mcore.infer import run
+
+    train_here(tmp_path / "out", "--model", vl_folder, "--dataset",
+               image_dataset(tmp_path, rows=4), "--seq_length", "48", "--train_iters", "1",
+               "--template", "tokenizer", "--max_pixels", "256", "--save_steps", "1",
+               base=run_flags())
+    grids = []
+    patches = ImageEncoder.patches
+    monkeypatch.setattr(ImageEncoder, "patches", lambda self, *a, **k: grids.append(
+        patches(self, *a, **k)[1].tolist()) or patches(self, *a, **k))
+    image = write_image(tmp_path / "cat.png", 32, 32)
+    for model in (tmp_path / "out" / "checkpoint", vl_folder):
+        run(InferArguments(model=str(model), prompt="hi", image=image, template="tokenizer",
+                           max_new_tokens=1).validate())
+    assert grids == [[[1, 4, 4]], [[1, 8, 8]]]  # 16x16 pixels; the folder's own 32x32
+
+
+def test_infer_puts_the_image_where_the_prompt_says_and_refuses_its_tokens(
+        gloo_group, capsys, vl_folder, tmp_path):
+    """--prompt "TEXT<image>TEXT" shows the image there (ms-swift's tag); the prompt or the
+    system writing the image's own tokens, or two tags, is refused naming the flag (it
+    was a traceback deep in the model)."""
+    from swift_mcore.arguments.infer import InferArguments
+    from swift_mcore.infer import run
+
+    image = write_image(tmp_path / "cat.png", 20, 12)
+    answer = run(InferArguments(model=str(vl_folder), prompt="look: <image>what is it?",
+                                image=image, template="tokenizer", max_new_tokens=5).validate())
+    expected = transformers_greedy_answer(transformers_model(vl_folder), vl_folder, image,
+                                          "what is it?", 5, before="look: ")
+    assert answer and answer == expected, (answer, expected)
+    for prompt, system, message in (
+            ("<|image_pad|>hi", None, r"--prompt/--system write <\|image_pad\|> themselves "
+                                      r"\(2 in the prompt, 1 from --image\); write <image>"),
+            ("hi", "<|video_pad|>", r"write <\|video_pad\|> themselves \(1 in the prompt, 0"),
+            ("<image>a<image>", None, r"--prompt holds 2 <image> and 0 <video> tag\(s\); "
+                                      r"--image is one image"),
+            ("<video>a", None, r"--prompt holds 0 <image> and 1 <video>")):
+        with pytest.raises(ArgumentError, match=message):
+            run(InferArguments(model=str(vl_folder), prompt=prompt, system=system, image=image,
+                               template="tokenizer", max_new_tokens=1).validate())
+    whole = open(image, "rb").read()
+    (tmp_path / "cut.png").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ArgumentError, match=r"^--image .*cut.png: not an image PIL can read"):
+        run(InferArguments(model=str(vl_folder), prompt="hi", image=str(tmp_path / "cut.png"),
+                           template="tokenizer", max_new_tokens=1).validate())
 
 
 @pytest.mark.benchmark

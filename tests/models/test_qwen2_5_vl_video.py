@@ -366,7 +366,8 @@ def test_bad_video_rows_are_named_before_any_work(vl_folder, tmp_path, monkeypat
     video = write_video(tmp_path / "two.mkv", coloured(2))
     row = {"messages": [{"role": "user", "content": "<video>hi"},
                         {"role": "assistant", "content": "ok"}], "videos": [video]}
-    with pytest.raises(ArgumentError, match="row 7: column 'videos' holds videos .*text-only"):
+    with pytest.raises(ArgumentError, match="row 7: column 'videos' holds videos .*a text model .*"
+                       r"give --model a vision-language model"):
         _refuse_media(row, "row 7")  # a text model's sft
     # a video too short for one temporal patch, once sampled
     one = write_video(tmp_path / "one.mkv", coloured(1))

@@ -463,12 +463,13 @@ def test_multimodal_rows_are_refused_naming_row_and_column(tmp_path):
         read_conversations(expand_inputs([path]), {})
     assert str(err.value) == (
         f"--dataset {path}, row 1: column 'images' holds images (the text refers to them "
-        f"with <image>); swift-mcore trains text-only models, and training on the text alone "
-        f"would drop them: multimodal data is not supported yet (remove the column to train "
-        f"on the text)")
+        f"with <image>); a text model trained on the text alone would drop them: give "
+        f"--model a vision-language model (Qwen2.5-VL, Qwen3-VL: docs/multimodal.md), or "
+        f"remove the column to train on the text")
     path = write_jsonl(tmp_path / "audio.jsonl", [
         {"query": "Transcribe", "response": "hello", "speech": ["a.wav"]}])
-    with pytest.raises(ArgumentError, match=r"row 0: column 'audios' holds audios; "):
+    with pytest.raises(ArgumentError, match=r"row 0: column 'audios' holds audios; .*audios are "
+                                                r"not supported, or remove the column"):
         read_conversations(expand_inputs([path]), {"speech": "audios"})
 
 
