@@ -145,3 +145,40 @@ def test_the_hubs_gemma3_multimodal_config_reads_as_transformers_reads_it():
             values["rotary_seq_len_interpolation_factor"]) == (
         rope["full_attention"]["rope_theta"], rope["sliding_attention"]["rope_theta"],
         rope["full_attention"]["factor"])
+
+
+def _both_rope_spellings(family):
+    """(config, the values transformers reads) of a ``family`` config.json holding
+    rope_parameters and a different rope_scaling, as an older file beside a newer key."""
+    from test_deepseek_v3 import DEEPSEEK, YARN as DEEPSEEK_YARN
+    from test_glm4_moe import GLM
+    from test_gpt_oss import GPT_OSS, YARN as GPT_OSS_YARN
+
+    if family == "glm4_moe":
+        own = {**GLM, "partial_rotary_factor": 0.5,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                   "partial_rotary_factor": 0.5},
+               "rope_scaling": {"rope_type": "default", "rope_theta": 500.0,
+                                "partial_rotary_factor": 0.25}}
+    else:
+        own, yarn = ((DEEPSEEK, DEEPSEEK_YARN) if family == "deepseek_v3"
+                     else (GPT_OSS, GPT_OSS_YARN))
+        own = {**own, "rope_parameters": yarn, "rope_scaling": {**yarn, "factor": 8.0}}
+    return {**H.BASE, **own, "model_type": family}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(family):
+    """transformers takes a given rope_scaling in place of rope_parameters; these families'
+    own RoPE readers took rope_parameters (other logits, silently)."""
+    import transformers
+
+    config = _both_rope_spellings(family)
+    values = families.by_name(family).model_values(config, None)
+    cls = transformers.AutoConfig.for_model(family).__class__
+    hf = cls(**{k: v for k, v in config.items() if k != "model_type"}).rope_parameters
+    if family == "glm4_moe":
+        assert values["rotary_base"] == hf["rope_theta"] == 500
+        assert values["rotary_percent"] == hf["partial_rotary_factor"] == 0.25
+    else:
+        assert values["rotary_scaling_factor"] == hf["factor"] == 8.0

@@ -82,7 +82,10 @@ class DeepseekFamily(SigmoidMoeFamily):
 
 
 def _rope(config: Dict[str, Any]) -> Dict[str, Any]:
-    return next((config[k] for k in _ROPE if isinstance(config.get(k), dict)), None) or {}
+    # transformers reads a given rope_scaling in place of rope_parameters
+    # (``rope_scaling or rope_parameters``)
+    return next((config[k] for k in ("rope_scaling", "rope_parameters")
+                 if isinstance(config.get(k), dict) and config[k]), None) or {}
 
 
 def _mla_values(config: Dict[str, Any], rope: Dict[str, Any], get) -> tuple:

@@ -31,8 +31,9 @@ class Glm4MoeFamily(SigmoidMoeFamily):
         return {k: v for k, v in config.items() if k != "partial_rotary_factor"}
 
     def attention_values(self, config: Dict[str, Any], get) -> tuple:
-        rope = next((config[k] for k in ("rope_parameters", "rope_scaling")
-                     if isinstance(config.get(k), dict)), None) or {}
+        # transformers reads a given rope_scaling in place of rope_parameters
+        rope = next((config[k] for k in ("rope_scaling", "rope_parameters")
+                     if isinstance(config.get(k), dict) and config[k]), None) or {}
         partial = rope.get("partial_rotary_factor", get("partial_rotary_factor"))
         problems: List[str] = []
         if isinstance(partial, bool) or not isinstance(partial, (int, float)) \

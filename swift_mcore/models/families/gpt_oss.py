@@ -141,8 +141,9 @@ def _with_default_kinds(config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _rope(config: Dict[str, Any]) -> Dict[str, Any]:
-    for key in ("rope_parameters", "rope_scaling"):
-        if isinstance(config.get(key), dict):
+    # transformers reads a given rope_scaling in place of rope_parameters
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(config.get(key), dict) and config[key]:
             return dict(config[key])
     return dict(DEFAULT_ROPE)
 
