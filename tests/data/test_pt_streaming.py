@@ -112,15 +112,21 @@ def test_the_order_is_the_same_for_every_file_kind(files, tokenizer):
     assert rows("jsonl") == rows("parquet") == rows("saved")
 
 
-def test_a_changed_held_row_is_refused(tmp_path, tokenizer):
-    from swift_mcore.errors import CheckpointError
-
+def _three_rows_in(tmp_path, tokenizer):
+    """(the texts, their jsonl file, the position of a stream (buffer 4) after three rows,
+    as a checkpoint's JSON holds it)."""
     data = texts()
     path = write_jsonl(tmp_path / "a.jsonl", data)
     s = stream([path], tokenizer, buffer=4)
     for _ in range(3):
         s.next_item()
-    state = json.loads(json.dumps(s.state()))
+    return data, path, json.loads(json.dumps(s.state()))
+
+
+def test_a_changed_held_row_is_refused(tmp_path, tokenizer):
+    from swift_mcore.errors import CheckpointError
+
+    data, path, state = _three_rows_in(tmp_path, tokenizer)
     _file, row, _ = state["carry"][-1]
     data[row] = data[row][::-1]  # same length, the text reversed
     write_jsonl(path, data)
@@ -135,12 +141,7 @@ def test_a_file_cut_before_a_held_row_is_refused_naming_it(tmp_path, tokenizer, 
     JSON row of the data."""
     from swift_mcore.errors import CheckpointError
 
-    data = texts()
-    path = write_jsonl(tmp_path / "a.jsonl", data)
-    s = stream([path], tokenizer, buffer=4)
-    for _ in range(3):
-        s.next_item()
-    state = json.loads(json.dumps(s.state()))
+    data, path, state = _three_rows_in(tmp_path, tokenizer)
     _file, row, offset = state["buffer"][0]
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join(lines[:row]) if cut == "end" else b"xx" + b"".join(lines))

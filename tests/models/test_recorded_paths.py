@@ -16,6 +16,9 @@ from swift_mcore.arguments import RlhfArguments
 from swift_mcore.errors import ArgumentError, CheckpointError
 from swift_mcore.run_config import resolve
 
+# how a message names a path an older checkpoint recorded relative to its run's directory
+RELATIVE = ("(a relative path, recorded by an older swift-mcore: from the working directory "
+            "of the run that saved it; run from there)")
 LORA = ["--tuner_type", "lora", "--lora_rank", "2", "--lora_dropout", "0",
         "--attention_backend", "sdpa"]
 
@@ -86,9 +89,8 @@ def test_an_older_relative_record_loads_where_it_was_made_and_is_named_elsewhere
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError) as err:
         load_model(str(old), log=lambda line: None)
-    assert "LoRA adapters for the base model hf (a relative path, recorded by an older " \
-           "swift-mcore: from the working directory of the run that saved it; run from " \
-           "there), which is no longer a Hugging Face folder" in str(err.value)
+    assert f"LoRA adapters for the base model hf {RELATIVE}, which is no longer a Hugging Face " \
+           "folder" in str(err.value)
 
     def tokenizer_before(args):
         args["data"]["tokenizer"] = "hf"
@@ -96,9 +98,8 @@ def test_an_older_relative_record_loads_where_it_was_made_and_is_named_elsewhere
     old_tokenizer = edited_copy(root, "old_tokenizer", tokenizer_before)
     with pytest.raises(ArgumentError) as err:
         load_model(str(old_tokenizer), log=lambda line: None)
-    assert "was trained with the tokenizer of hf (a relative path, recorded by an older " \
-           "swift-mcore: from the working directory of the run that saved it; run from " \
-           "there), which no longer exists; pass --tokenizer PATH" in str(err.value)
+    assert f"was trained with the tokenizer of hf {RELATIVE}, which no longer exists; pass " \
+           "--tokenizer PATH" in str(err.value)
 
 
 def test_a_lost_adapters_folder_is_named_as_the_checkpoint_recorded_it(lora_run):
@@ -110,9 +111,8 @@ def test_a_lost_adapters_folder_is_named_as_the_checkpoint_recorded_it(lora_run)
     folder = edited_copy(lora_run, "continued", continued)
     with pytest.raises(CheckpointError) as err:
         load_model(str(folder), log=lambda line: None)
-    assert "continued the peft adapter peft (a relative path, recorded by an older " \
-           "swift-mcore: from the working directory of the run that saved it; run from " \
-           "there) (--adapters), which is no longer a folder" in str(err.value)
+    assert f"continued the peft adapter peft {RELATIVE} (--adapters), which is no longer a " \
+           "folder" in str(err.value)
 
 
 def test_ref_model_and_load_are_recorded_absolute(lora_run, monkeypatch):
